@@ -1,0 +1,35 @@
+//! Point-to-point messaging between ranks: the interface ring and direct algorithms use.
+
+use std::time::Instant;
+
+use crate::error::Result;
+use crate::op::OpSig;
+
+/// Framed, signature-checked messages between this rank and its peers.
+///
+/// Every message carries the sender's [`OpSig`]; a receiver whose own signature differs fails
+/// with a `Mismatch` error naming both sides, and a message whose length differs from what the
+/// receiver expects fails with a `Protocol` error. Every call honours `deadline`.
+pub trait P2p {
+    /// This rank's rank (in the numbering `peer` arguments use).
+    fn rank(&self) -> usize;
+
+    /// Sends `payload` to `peer` as one message tagged with `sig`.
+    fn send(&mut self, peer: usize, sig: &OpSig, payload: &[u8], deadline: Instant) -> Result<()>;
+
+    /// Receives one message from `peer` into `dst` (exactly `dst.len()` bytes).
+    fn recv(&mut self, peer: usize, sig: &OpSig, dst: &mut [u8], deadline: Instant) -> Result<()>;
+
+    /// Sends `payload` to `to` while receiving from `from` into `dst`; never deadlocks when the
+    /// peers do the same towards this rank. `to == from` is allowed.
+    #[allow(clippy::too_many_arguments)]
+    fn exchange(
+        &mut self,
+        to: usize,
+        payload: &[u8],
+        from: usize,
+        dst: &mut [u8],
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()>;
+}

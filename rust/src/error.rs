@@ -1,0 +1,99 @@
+//! One error type for the engine; its kind selects the Python exception class.
+
+use std::fmt;
+
+/// What went wrong, coarsely: each kind maps to one class under `shardline.ShardlineError`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ErrorKind {
+    /// A wait passed its deadline (`CollectiveTimeoutError`).
+    Timeout = 1,
+    /// A peer died, closed its end or vanished (`PeerLostError`).
+    PeerLost = 2,
+    /// Ranks called different collectives (`CollectiveMismatchError`).
+    Mismatch = 3,
+    /// The caller passed something unusable (`InvalidArgumentError`, a `ValueError`).
+    InvalidArgument = 4,
+    /// A peer failed the HMAC handshake (`AuthenticationError`).
+    Auth = 5,
+    /// Bytes on the wire broke the protocol (`ProtocolError`).
+    Protocol = 6,
+    /// An operating-system call failed (`TransportError`).
+    Io = 7,
+    /// The communicator was shut down or broken by an earlier failure (`CommunicatorClosedError`).
+    Closed = 8,
+}
+
+impl ErrorKind {
+    /// The kind for a wire tag; unknown tags read as `Protocol`.
+    pub fn from_tag(tag: u8) -> Self {
+        match tag {
+            1 => ErrorKind::Timeout,
+            2 => ErrorKind::PeerLost,
+            3 => ErrorKind::Mismatch,
+            4 => ErrorKind::InvalidArgument,
+            5 => ErrorKind::Auth,
+            7 => ErrorKind::Io,
+            8 => ErrorKind::Closed,
+            _ => ErrorKind::Protocol,
+        }
+    }
+
+    /// Name of the Python exception class in `shardline.errors`.
+    pub fn python_class(self) -> &'static str {
+        match self {
+            ErrorKind::Timeout => "CollectiveTimeoutError",
+            ErrorKind::PeerLost => "PeerLostError",
+            ErrorKind::Mismatch => "CollectiveMismatchError",
+            ErrorKind::InvalidArgument => "InvalidArgumentError",
+            ErrorKind::Auth => "AuthenticationError",
+            ErrorKind::Protocol => "ProtocolError",
+            ErrorKind::Io => "TransportError",
+            ErrorKind::Closed => "CommunicatorClosedError",
+        }
+    }
+}
+
+/// An engine error: a kind and a message that says which rank, which op and what to do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Error {
+    /// Which exception class this becomes.
+    pub kind: ErrorKind,
+    /// Full, human-readable message.
+    pub message: String,
+}
+
+/// Result with [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// An error of `kind` with `message`.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Error { kind, message: message.into() }
+    }
+    /// Bad input at the API edge.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::InvalidArgument, message)
+    }
+    /// Malformed or unexpected bytes from a peer.
+    pub fn protocol(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Protocol, message)
+    }
+    /// A failed system call, with context.
+    pub fn io(context: impl fmt::Display, err: std::io::Error) -> Self {
+        Self::new(ErrorKind::Io, format!("{context}: {err}"))
+    }
+    /// Prefixes the message with context, keeping the kind.
+    pub fn context(mut self, context: impl fmt::Display) -> Self {
+        self.message = format!("{context}: {}", self.message);
+        self
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Error {}

@@ -1,0 +1,7 @@
+//! Bytes between ranks: a shared-memory arena inside a host, framed and authenticated TCP
+//! between hosts.
+
+pub mod auth;
+pub mod frame;
+pub mod shm;
+pub mod tcp;
