@@ -69,7 +69,10 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     /// An error of `kind` with `message`.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error { kind, message: message.into() }
+        Error {
+            kind,
+            message: message.into(),
+        }
     }
     /// Bad input at the API edge.
     pub fn invalid(message: impl Into<String>) -> Self {

@@ -27,7 +27,7 @@ pub mod wait;
 mod python;
 
 pub use dtype::DType;
-pub use engine::{Communicator, CommConfig, Work};
+pub use engine::{CommConfig, Communicator, Work};
 pub use error::{Error, ErrorKind, Result};
 pub use op::{OpKind, OpSig};
 pub use reduce::ReduceOp;

@@ -115,7 +115,14 @@ pub const SIG_BYTES: usize = 24;
 impl OpSig {
     /// A signature for `kind` on `count` elements of `dtype`.
     pub fn new(kind: OpKind, dtype: DType, count: usize) -> Self {
-        OpSig { kind, dtype, count: count as u64, root: 0, reduce: ReduceOp::Sum, seq: 0 }
+        OpSig {
+            kind,
+            dtype,
+            count: count as u64,
+            root: 0,
+            reduce: ReduceOp::Sum,
+            seq: 0,
+        }
     }
 
     /// The same signature with a root.
@@ -153,11 +160,23 @@ impl OpSig {
         let root = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
         let count = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
         let seq = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
-        Ok(OpSig { kind, dtype, count, root, reduce, seq })
+        Ok(OpSig {
+            kind,
+            dtype,
+            count,
+            root,
+            reduce,
+            seq,
+        })
     }
 
     /// Compares this rank's signature with a peer's; the error names both sides.
-    pub fn check_against(&self, my_rank: usize, other: &OpSig, other_rank: usize) -> crate::Result<()> {
+    pub fn check_against(
+        &self,
+        my_rank: usize,
+        other: &OpSig,
+        other_rank: usize,
+    ) -> crate::Result<()> {
         if self == other {
             return Ok(());
         }

@@ -43,9 +43,15 @@ impl ReduceOp {
 
     /// The op for a wire tag.
     pub fn from_tag(tag: u8) -> Option<Self> {
-        [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Prod]
-            .get(tag as usize)
-            .copied()
+        [
+            ReduceOp::Sum,
+            ReduceOp::Avg,
+            ReduceOp::Max,
+            ReduceOp::Min,
+            ReduceOp::Prod,
+        ]
+        .get(tag as usize)
+        .copied()
     }
 
     /// Lower-case name.
@@ -245,7 +251,10 @@ fn reduce_typed<T: Elem>(dst: &mut [u8], srcs: &[&[u8]], op: ReduceOp, divisor: 
         let len = BLOCK.min(n - start);
         let range = start * T::SIZE..(start + len) * T::SIZE;
         let acc = &mut acc[..len];
-        for (a, b) in acc.iter_mut().zip(srcs[0][range.clone()].chunks_exact(T::SIZE)) {
+        for (a, b) in acc
+            .iter_mut()
+            .zip(srcs[0][range.clone()].chunks_exact(T::SIZE))
+        {
             *a = T::load(b).widen();
         }
         for src in &srcs[1..] {
@@ -254,7 +263,11 @@ fn reduce_typed<T: Elem>(dst: &mut [u8], srcs: &[&[u8]], op: ReduceOp, divisor: 
             }
         }
         for (a, out) in acc.iter().zip(dst[range].chunks_exact_mut(T::SIZE)) {
-            let v = if divisor > 1 { T::divide(*a, divisor) } else { *a };
+            let v = if divisor > 1 {
+                T::divide(*a, divisor)
+            } else {
+                *a
+            };
             T::narrow(v).store(out);
         }
         start += len;
@@ -267,7 +280,10 @@ fn reduce_typed<T: Elem>(dst: &mut [u8], srcs: &[&[u8]], op: ReduceOp, divisor: 
 /// f16 and bf16 accumulate in f32 across all sources and round once.
 pub fn reduce_slices(dst: &mut [u8], srcs: &[&[u8]], dtype: DType, op: ReduceOp) {
     assert!(!srcs.is_empty(), "reduce_slices needs at least one source");
-    assert!(srcs.iter().all(|s| s.len() == dst.len()), "reduce_slices: length mismatch");
+    assert!(
+        srcs.iter().all(|s| s.len() == dst.len()),
+        "reduce_slices: length mismatch"
+    );
     let divisor = if op == ReduceOp::Avg { srcs.len() } else { 1 };
     dispatch(dst, srcs, dtype, op, divisor);
 }

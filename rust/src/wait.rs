@@ -87,13 +87,21 @@ pub struct SpinPolicy {
 }
 
 impl SpinPolicy {
-    /// Spins long when every rank has a core, briefly when ranks outnumber cores.
+    /// Spins long (50 µs, `SHARDLINE_SPIN_US`) when every rank has a core, 2 µs when ranks
+    /// outnumber cores.
     pub fn for_ranks(local_ranks: usize) -> Self {
-        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
         let spin = if local_ranks > cores {
             Duration::from_micros(2)
         } else {
-            Duration::from_micros(50)
+            Duration::from_micros(
+                std::env::var("SHARDLINE_SPIN_US")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(50),
+            )
         };
         SpinPolicy { spin }
     }
@@ -173,10 +181,15 @@ mod tests {
 
     #[test]
     fn sleeper_is_woken_by_post() {
-        let s = Arc::new(Signal { value: AtomicU32::new(0), sleepers: AtomicU32::new(0) });
+        let s = Arc::new(Signal {
+            value: AtomicU32::new(0),
+            sleepers: AtomicU32::new(0),
+        });
         let s2 = s.clone();
         let t = std::thread::spawn(move || {
-            let policy = SpinPolicy { spin: Duration::ZERO };
+            let policy = SpinPolicy {
+                spin: Duration::ZERO,
+            };
             let deadline = Instant::now() + Duration::from_secs(5);
             wait_until::<()>(&s2, 3, deadline, policy, || Ok(())).is_ok()
         });
@@ -187,8 +200,13 @@ mod tests {
 
     #[test]
     fn deadline_stops_the_wait() {
-        let s = Signal { value: AtomicU32::new(0), sleepers: AtomicU32::new(0) };
-        let policy = SpinPolicy { spin: Duration::ZERO };
+        let s = Signal {
+            value: AtomicU32::new(0),
+            sleepers: AtomicU32::new(0),
+        };
+        let policy = SpinPolicy {
+            spin: Duration::ZERO,
+        };
         let deadline = Instant::now() + Duration::from_millis(30);
         let r = wait_until::<()>(&s, 1, deadline, policy, || Ok(()));
         assert!(matches!(r, Err(Stop::Deadline)));

@@ -1,1 +1,393 @@
-//! (in progress)
+//! Every collective on the shared-memory arena of one host.
+//!
+//! The protocol is a sequence of *phases*. In phase k a rank fills its slot `k % 2`, posts k,
+//! waits until every rank posted k, then reads whatever slots it needs. Because a rank posts
+//! k+1 only after it finished reading the slots of phase k, and writes slot `k % 2` again only
+//! in phase k+2 (after seeing everyone post k+1), two slots per rank are enough and no barrier
+//! is ever added. Every op's first phase also publishes the op's signature, which every rank
+//! compares with everybody else's before touching data.
+//!
+//! Small all-reduces are one-shot (one phase; every rank reduces all slots). Large ones are
+//! chunked and two-phase: each rank reduces its 1/N of the chunk from every slot, publishes
+//! the result, and every rank copies the others' reduced parts.
+
+use std::time::Instant;
+
+use crate::dtype::DType;
+use crate::error::{Error, ErrorKind, Result};
+use crate::op::OpSig;
+use crate::reduce::{self, ReduceOp};
+use std::sync::Arc;
+
+use crate::transport::shm::Arena;
+
+/// Default size up to which all-reduce is one-shot.
+pub const DEFAULT_ONESHOT_BYTES: usize = 256 * 1024;
+
+/// The arena plus the phase counter.
+pub struct ArenaComm {
+    arena: Arc<Arena>,
+    phase: u32,
+    oneshot_bytes: usize,
+}
+
+/// Splits `len` bytes of `es`-byte elements into `n` nearly equal parts; part `i`'s range.
+fn part(len: usize, es: usize, n: usize, i: usize) -> (usize, usize) {
+    let elems = len / es;
+    let base = elems / n;
+    let rem = elems % n;
+    let lo = i * base + i.min(rem);
+    let hi = lo + base + usize::from(i < rem);
+    (lo * es, hi * es)
+}
+
+/// Bytes of a per-destination piece when a slot is split `n` ways (element and cache aligned).
+fn piece_bytes(slot: usize, n: usize, es: usize) -> usize {
+    let p = slot / n;
+    let p = p - p % 64.max(es);
+    p.max(es)
+}
+
+impl ArenaComm {
+    /// Wraps a mapped arena.
+    pub fn new(arena: Arc<Arena>, oneshot_bytes: usize) -> Self {
+        ArenaComm {
+            arena,
+            phase: 0,
+            oneshot_bytes,
+        }
+    }
+
+    /// The arena.
+    pub fn arena(&self) -> &Arena {
+        &self.arena
+    }
+
+    /// Ranks on the arena.
+    pub fn n(&self) -> usize {
+        self.arena.ranks()
+    }
+
+    /// One phase: `fill` writes this rank's slot, then every rank's publication is awaited.
+    /// With `sig`, the signatures (and extra words) are published and compared first.
+    fn step(
+        &mut self,
+        sig: Option<(&OpSig, u64)>,
+        deadline: Instant,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<usize> {
+        let k = self.phase.wrapping_add(1);
+        let parity = (k % 2) as usize;
+        fill(self.arena.my_slot(parity));
+        if let Some((s, extra)) = sig {
+            self.arena.set_sig(parity, s, extra);
+        }
+        self.arena.post(k);
+        self.phase = k;
+        let what = sig
+            .map(|(s, _)| s.to_string())
+            .unwrap_or_else(|| "a collective".into());
+        self.arena.wait_all(k, deadline, &what)?;
+        if let Some((mine, _)) = sig {
+            let me = self.arena.me();
+            for r in 0..self.n() {
+                if r != me {
+                    let (theirs, _) = self.arena.sig_of(r, parity)?;
+                    mine.check_against(self.arena.global(me), &theirs, self.arena.global(r))?;
+                }
+            }
+        }
+        Ok(parity)
+    }
+
+    /// Fails the arena for every rank.
+    pub fn abort(&self, err: &Error) {
+        self.arena.abort(err);
+    }
+
+    /// In-place all-reduce of `buf`; with `only_root`, only that local index gets the result.
+    pub fn all_reduce(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        sig: &OpSig,
+        only_root: Option<usize>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let (n, me, es) = (self.n(), self.arena.me(), dtype.size());
+        let total = buf.len();
+        let slot = self.arena.slot_bytes();
+        if total <= self.oneshot_bytes.min(slot) {
+            let parity = self.step(Some((sig, 0)), deadline, |s| {
+                s[..total].copy_from_slice(buf)
+            })?;
+            if only_root.is_none_or(|r| r == me) {
+                let srcs: Vec<&[u8]> = (0..n)
+                    .map(|r| &self.arena.slot(r, parity)[..total])
+                    .collect();
+                reduce::reduce_slices(buf, &srcs, dtype, op);
+            }
+            return Ok(());
+        }
+        let chunk = slot - slot % (es * 64);
+        let mut off = 0;
+        let mut first = true;
+        while first || off < total {
+            let len = chunk.min(total - off);
+            let src = &buf[off..off + len];
+            let parity = self.step(first.then_some((sig, 0)), deadline, |s| {
+                s[..len].copy_from_slice(src)
+            })?;
+            first = false;
+            let (lo, hi) = part(len, es, n, me);
+            {
+                let srcs: Vec<&[u8]> = (0..n)
+                    .map(|r| &self.arena.slot(r, parity)[lo..hi])
+                    .collect();
+                reduce::reduce_slices(&mut buf[off + lo..off + hi], &srcs, dtype, op);
+            }
+            let mine = &buf[off + lo..off + hi];
+            let parity = self.step(None, deadline, |s| s[lo..hi].copy_from_slice(mine))?;
+            if only_root.is_none_or(|r| r == me) {
+                for r in (0..n).filter(|&r| r != me) {
+                    let (lo, hi) = part(len, es, n, r);
+                    buf[off + lo..off + hi].copy_from_slice(&self.arena.slot(r, parity)[lo..hi]);
+                }
+            }
+            off += len;
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatter: `inp` holds n equal blocks; this rank's reduced block goes to `out`.
+    pub fn reduce_scatter(
+        &mut self,
+        out: &mut [u8],
+        inp: &[u8],
+        dtype: DType,
+        op: ReduceOp,
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        let (n, me) = (self.n(), self.arena.me());
+        let block = out.len();
+        let piece = piece_bytes(self.arena.slot_bytes(), n, dtype.size());
+        let mut off = 0;
+        let mut first = true;
+        while first || off < block {
+            let len = piece.min(block - off);
+            let parity = self.step(first.then_some((sig, 0)), deadline, |s| {
+                for d in 0..n {
+                    s[d * piece..d * piece + len]
+                        .copy_from_slice(&inp[d * block + off..d * block + off + len]);
+                }
+            })?;
+            first = false;
+            let srcs: Vec<&[u8]> = (0..n)
+                .map(|r| &self.arena.slot(r, parity)[me * piece..me * piece + len])
+                .collect();
+            reduce::reduce_slices(&mut out[off..off + len], &srcs, dtype, op);
+            off += len;
+        }
+        Ok(())
+    }
+
+    /// All-gather (or gather to `only_root`) of unequal byte counts `counts[r]` into `out`
+    /// (concatenated in rank order); `out` may be empty on non-roots when gathering.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_gather(
+        &mut self,
+        out: &mut [u8],
+        inp: &[u8],
+        counts: &[usize],
+        sig: &OpSig,
+        only_root: Option<usize>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let (n, me) = (self.n(), self.arena.me());
+        let chunk = self.arena.slot_bytes();
+        let disp: Vec<usize> = counts
+            .iter()
+            .scan(0, |acc, &c| Some(std::mem::replace(acc, *acc + c)))
+            .collect();
+        let rounds = counts
+            .iter()
+            .map(|c| c.div_ceil(chunk))
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        for it in 0..rounds {
+            let off = it * chunk;
+            let span = |c: usize| c.saturating_sub(off).min(chunk);
+            let mine = span(inp.len());
+            let parity = self.step(
+                (it == 0).then_some((sig, inp.len() as u64)),
+                deadline,
+                |s| s[..mine].copy_from_slice(&inp[off..off + mine]),
+            )?;
+            if it == 0 {
+                for (r, &expect) in counts.iter().enumerate() {
+                    let (_, got) = self.arena.sig_of(r, parity)?;
+                    if got as usize != expect {
+                        return Err(Error::new(
+                            ErrorKind::Mismatch,
+                            format!(
+                                "rank {} passed {got} bytes to {sig} but rank {} expected {expect} bytes \
+                                 from it; every rank must pass the same list of sizes",
+                                self.arena.global(r),
+                                self.arena.global(me)
+                            ),
+                        ));
+                    }
+                }
+            }
+            if only_root.is_none_or(|root| root == me) {
+                for r in 0..n {
+                    let len = span(counts[r]);
+                    out[disp[r] + off..disp[r] + off + len]
+                        .copy_from_slice(&self.arena.slot(r, parity)[..len]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Broadcast of `buf` from local index `root`.
+    pub fn broadcast(
+        &mut self,
+        buf: &mut [u8],
+        root: usize,
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        let me = self.arena.me();
+        let chunk = self.arena.slot_bytes();
+        let total = buf.len();
+        let mut off = 0;
+        let mut first = true;
+        while first || off < total {
+            let len = chunk.min(total - off);
+            let src = &buf[off..off + len];
+            let parity = self.step(first.then_some((sig, 0)), deadline, |s| {
+                if me == root {
+                    s[..len].copy_from_slice(src)
+                }
+            })?;
+            first = false;
+            if me != root {
+                buf[off..off + len].copy_from_slice(&self.arena.slot(root, parity)[..len]);
+            }
+            off += len;
+        }
+        Ok(())
+    }
+
+    /// Scatter (`pieces_of` = block per destination) or all-to-all, one exchange loop:
+    /// every sender fills `n` pieces per phase; receiver r reads piece r from each sender.
+    /// `inp` is read only on senders (`root` for scatter, everyone for all-to-all);
+    /// `out` gets one block per sender that is read.
+    #[allow(clippy::too_many_arguments)]
+    fn exchange(
+        &mut self,
+        out: &mut [u8],
+        inp: &[u8],
+        block: usize,
+        root: Option<usize>,
+        es: usize,
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        let (n, me) = (self.n(), self.arena.me());
+        let piece = piece_bytes(self.arena.slot_bytes(), n, es);
+        let sends = root.is_none_or(|r| r == me);
+        let mut off = 0;
+        let mut first = true;
+        while first || off < block {
+            let len = piece.min(block - off);
+            let parity = self.step(first.then_some((sig, 0)), deadline, |s| {
+                if sends {
+                    for d in 0..n {
+                        s[d * piece..d * piece + len]
+                            .copy_from_slice(&inp[d * block + off..d * block + off + len]);
+                    }
+                }
+            })?;
+            first = false;
+            match root {
+                Some(r) => out[off..off + len]
+                    .copy_from_slice(&self.arena.slot(r, parity)[me * piece..me * piece + len]),
+                None => {
+                    for r in 0..n {
+                        out[r * block + off..r * block + off + len].copy_from_slice(
+                            &self.arena.slot(r, parity)[me * piece..me * piece + len],
+                        );
+                    }
+                }
+            }
+            off += len;
+        }
+        Ok(())
+    }
+
+    /// Scatter from local index `root`: `inp` (root only) holds n blocks of `out.len()`.
+    pub fn scatter(
+        &mut self,
+        out: &mut [u8],
+        inp: &[u8],
+        root: usize,
+        es: usize,
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        let block = out.len();
+        self.exchange(out, inp, block, Some(root), es, sig, deadline)
+    }
+
+    /// All-to-all with equal blocks: block j of `inp` goes to rank j, block i of `out` came from i.
+    pub fn all_to_all(
+        &mut self,
+        out: &mut [u8],
+        inp: &[u8],
+        es: usize,
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        let block = inp.len() / self.n();
+        self.exchange(out, inp, block, None, es, sig, deadline)
+    }
+
+    /// Barrier: one phase with nothing but the signature.
+    pub fn barrier(&mut self, sig: &OpSig, deadline: Instant) -> Result<()> {
+        self.step(Some((sig, 0)), deadline, |_| {}).map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_cover_the_range_without_overlap() {
+        for len_elems in [0usize, 1, 5, 7, 64, 1001] {
+            for n in 1..6 {
+                let mut next = 0;
+                for i in 0..n {
+                    let (lo, hi) = part(len_elems * 4, 4, n, i);
+                    assert_eq!(lo, next);
+                    assert!(hi >= lo && (hi - lo) % 4 == 0);
+                    next = hi;
+                }
+                assert_eq!(next, len_elems * 4);
+            }
+        }
+    }
+
+    #[test]
+    fn pieces_are_aligned() {
+        assert_eq!(piece_bytes(1 << 20, 3, 4) % 64, 0);
+        for n in 1..=64 {
+            assert!(piece_bytes(4096, n, 8) * n <= 4096, "n={n}");
+        }
+    }
+}

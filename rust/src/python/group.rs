@@ -1,0 +1,490 @@
+//! `Group`, `Work`, `Listener` and the arena helpers: thin adapters over the engine.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pyo3::prelude::*;
+
+use super::buffer::{hold, Held};
+use super::errors::{to_py, IntoPy};
+use crate::engine::{CommConfig, Communicator, Op, Work};
+use crate::error::{Error, ErrorKind};
+use crate::transport::{shm, tcp::TcpListenerHandle};
+use crate::{DType, ReduceOp};
+
+/// A bound TCP listener for incoming peer connections of one communicator.
+#[pyclass(name = "Listener", module = "shardline._native")]
+pub struct PyListener {
+    inner: Mutex<Option<TcpListenerHandle>>,
+    address: String,
+}
+
+#[pymethods]
+impl PyListener {
+    #[new]
+    #[pyo3(signature = (host = "127.0.0.1"))]
+    fn new(host: &str) -> PyResult<Self> {
+        let l = TcpListenerHandle::bind(host).py_err()?;
+        Ok(PyListener {
+            address: l.address(),
+            inner: Mutex::new(Some(l)),
+        })
+    }
+
+    /// `"ip:port"` to publish at rendezvous.
+    #[getter]
+    fn address(&self) -> String {
+        self.address.clone()
+    }
+}
+
+/// Creates a shared-memory arena file (O_EXCL, mode 0600) for `num_ranks` local ranks.
+#[pyfunction]
+pub fn arena_create(path: &str, num_ranks: usize, slot_bytes: usize) -> PyResult<()> {
+    shm::create(path, num_ranks, slot_bytes).py_err()
+}
+
+/// Removes the arena's name; mapped ranks keep using it.
+#[pyfunction]
+pub fn arena_unlink(path: &str) -> PyResult<()> {
+    shm::unlink(path).py_err()
+}
+
+/// Removes arena files left by dead processes; returns how many were removed.
+#[pyfunction]
+#[pyo3(signature = (directory = "/dev/shm"))]
+pub fn arena_sweep(directory: &str) -> usize {
+    shm::sweep(directory)
+}
+
+/// A collective in flight.
+#[pyclass(name = "Work", module = "shardline._native")]
+pub struct PyWork {
+    work: Work,
+}
+
+fn wait_work(py: Python<'_>, work: &Work, timeout: Option<f64>) -> PyResult<()> {
+    let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+    loop {
+        let slice = match deadline {
+            Some(d) => d
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(100)),
+            None => Duration::from_millis(100),
+        };
+        if py.detach(|| work.wait_for(Some(slice))).py_err()? {
+            return Ok(());
+        }
+        py.check_signals()?;
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(to_py(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "Work.wait: the op did not complete within {:.3} s",
+                    timeout.unwrap_or(0.0)
+                ),
+            )));
+        }
+    }
+}
+
+#[pymethods]
+impl PyWork {
+    /// Blocks until done (raises the op's error); `timeout` in seconds.
+    #[pyo3(signature = (timeout = None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        wait_work(py, &self.work, timeout)
+    }
+
+    /// Whether the op has finished.
+    fn is_completed(&self) -> bool {
+        self.work.is_completed()
+    }
+}
+
+/// A communicator: shared memory among ranks on one host, TCP between hosts.
+#[pyclass(name = "Group", module = "shardline._native")]
+pub struct PyGroup {
+    comm: Mutex<Option<Arc<Communicator>>>,
+    rank: usize,
+    world: usize,
+    transport: &'static str,
+}
+
+fn dtype(name: &str) -> PyResult<DType> {
+    DType::parse(name).py_err()
+}
+
+fn reduce_op(name: &str) -> PyResult<ReduceOp> {
+    ReduceOp::parse(name).py_err()
+}
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+impl PyGroup {
+    fn comm(&self) -> PyResult<Arc<Communicator>> {
+        self.comm
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| {
+                to_py(Error::new(
+                    ErrorKind::Closed,
+                    format!(
+                        "rank {}: the group was shut down; create a new one",
+                        self.rank
+                    ),
+                ))
+            })
+    }
+
+    fn submit(&self, py: Python<'_>, op: Op, held: Vec<Held>, async_op: bool) -> PyResult<PyWork> {
+        let comm = self.comm()?;
+        if async_op {
+            let views: Vec<_> = held.into_iter().map(|h| h.view).collect();
+            let work = comm.submit(op, Box::new(views), true).py_err()?;
+            return Ok(PyWork { work });
+        }
+        let work = py
+            .detach(|| comm.submit(op, Box::new(()), false))
+            .py_err()?;
+        wait_work(py, &work, None)?;
+        drop(held);
+        Ok(PyWork { work })
+    }
+}
+
+#[pymethods]
+impl PyGroup {
+    #[new]
+    #[pyo3(signature = (rank, world_size, *, name, secret, host_ids, addrs, listener, arena_path, timeout))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        rank: usize,
+        world_size: usize,
+        name: String,
+        secret: Vec<u8>,
+        host_ids: Vec<String>,
+        addrs: Vec<String>,
+        listener: Option<PyRef<'_, PyListener>>,
+        arena_path: Option<String>,
+        timeout: f64,
+    ) -> PyResult<Self> {
+        let listener = match listener {
+            Some(l) => Some(
+                l.inner
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take()
+                    .ok_or_else(|| {
+                        to_py(Error::invalid(
+                            "this Listener was already used by another Group; bind a new one",
+                        ))
+                    })?,
+            ),
+            None => None,
+        };
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(to_py(Error::invalid(format!(
+                "timeout must be a positive number of seconds, got {timeout}"
+            ))));
+        }
+        let cfg = CommConfig {
+            rank,
+            world: world_size,
+            name,
+            secret,
+            host_ids,
+            addrs,
+            arena_path,
+            timeout: Duration::from_secs_f64(timeout),
+            oneshot_bytes: env_usize(
+                "SHARDLINE_ONESHOT_BYTES",
+                crate::collectives::arena::DEFAULT_ONESHOT_BYTES,
+            ),
+        };
+        let comm = py.detach(|| Communicator::new(cfg, listener)).py_err()?;
+        Ok(PyGroup {
+            transport: comm.mode().name(),
+            rank,
+            world: world_size,
+            comm: Mutex::new(Some(Arc::new(comm))),
+        })
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// `"single"`, `"shm"`, `"tcp"` or `"hierarchical"`.
+    #[getter]
+    fn transport(&self) -> &'static str {
+        self.transport
+    }
+
+    #[pyo3(signature = (buf, dtype, op = "sum", async_op = false))]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        dtype: &str,
+        op: &str,
+        async_op: bool,
+    ) -> PyResult<PyWork> {
+        let (d, o) = (self::dtype(dtype)?, reduce_op(op)?);
+        let b = hold(buf, true, "all_reduce: tensor")?;
+        self.submit(
+            py,
+            Op::AllReduce {
+                buf: b.raw,
+                dtype: d,
+                op: o,
+            },
+            vec![b],
+            async_op,
+        )
+    }
+
+    #[pyo3(signature = (out, inp, dtype, op = "sum", async_op = false))]
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        inp: &Bound<'_, PyAny>,
+        dtype: &str,
+        op: &str,
+        async_op: bool,
+    ) -> PyResult<PyWork> {
+        let (d, o) = (self::dtype(dtype)?, reduce_op(op)?);
+        let (ob, ib) = (
+            hold(out, true, "reduce_scatter: output")?,
+            hold(inp, false, "reduce_scatter: input")?,
+        );
+        let op = Op::ReduceScatter {
+            out: ob.raw,
+            inp: ib.raw,
+            dtype: d,
+            op: o,
+        };
+        self.submit(py, op, vec![ob, ib], async_op)
+    }
+
+    #[pyo3(signature = (out, inp, dtype, counts = None, async_op = false))]
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        inp: &Bound<'_, PyAny>,
+        dtype: &str,
+        counts: Option<Vec<usize>>,
+        async_op: bool,
+    ) -> PyResult<PyWork> {
+        let d = self::dtype(dtype)?;
+        let (ob, ib) = (
+            hold(out, true, "all_gather: output")?,
+            hold(inp, false, "all_gather: input")?,
+        );
+        let op = Op::AllGather {
+            out: ob.raw,
+            inp: ib.raw,
+            dtype: d,
+            counts,
+        };
+        self.submit(py, op, vec![ob, ib], async_op)
+    }
+
+    #[pyo3(signature = (buf, dtype, root, async_op = false))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        dtype: &str,
+        root: usize,
+        async_op: bool,
+    ) -> PyResult<PyWork> {
+        let d = self::dtype(dtype)?;
+        let b = hold(buf, true, "broadcast: tensor")?;
+        self.submit(
+            py,
+            Op::Broadcast {
+                buf: b.raw,
+                dtype: d,
+                root,
+            },
+            vec![b],
+            async_op,
+        )
+    }
+
+    #[pyo3(signature = (buf, dtype, op = "sum", root = 0, async_op = false))]
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        dtype: &str,
+        op: &str,
+        root: usize,
+        async_op: bool,
+    ) -> PyResult<PyWork> {
+        let (d, o) = (self::dtype(dtype)?, reduce_op(op)?);
+        let b = hold(buf, true, "reduce: tensor")?;
+        self.submit(
+            py,
+            Op::Reduce {
+                buf: b.raw,
+                dtype: d,
+                op: o,
+                root,
+            },
+            vec![b],
+            async_op,
+        )
+    }
+
+    #[pyo3(signature = (out, inp, dtype, root = 0, async_op = false))]
+    fn gather(
+        &self,
+        py: Python<'_>,
+        out: Option<&Bound<'_, PyAny>>,
+        inp: &Bound<'_, PyAny>,
+        dtype: &str,
+        root: usize,
+        async_op: bool,
+    ) -> PyResult<PyWork> {
+        let d = self::dtype(dtype)?;
+        let ib = hold(inp, false, "gather: input")?;
+        let ob = out.map(|o| hold(o, true, "gather: output")).transpose()?;
+        let op = Op::Gather {
+            out: ob.as_ref().map(|b| b.raw),
+            inp: ib.raw,
+            dtype: d,
+            root,
+        };
+        self.submit(py, op, std::iter::once(ib).chain(ob).collect(), async_op)
+    }
+
+    #[pyo3(signature = (out, inp, dtype, root = 0, async_op = false))]
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        inp: Option<&Bound<'_, PyAny>>,
+        dtype: &str,
+        root: usize,
+        async_op: bool,
+    ) -> PyResult<PyWork> {
+        let d = self::dtype(dtype)?;
+        let ob = hold(out, true, "scatter: output")?;
+        let ib = inp.map(|i| hold(i, false, "scatter: input")).transpose()?;
+        let op = Op::Scatter {
+            out: ob.raw,
+            inp: ib.as_ref().map(|b| b.raw),
+            dtype: d,
+            root,
+        };
+        self.submit(py, op, std::iter::once(ob).chain(ib).collect(), async_op)
+    }
+
+    #[pyo3(signature = (out, inp, dtype, async_op = false))]
+    fn all_to_all(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        inp: &Bound<'_, PyAny>,
+        dtype: &str,
+        async_op: bool,
+    ) -> PyResult<PyWork> {
+        let d = self::dtype(dtype)?;
+        let (ob, ib) = (
+            hold(out, true, "all_to_all: output")?,
+            hold(inp, false, "all_to_all: input")?,
+        );
+        self.submit(
+            py,
+            Op::AllToAll {
+                out: ob.raw,
+                inp: ib.raw,
+                dtype: d,
+            },
+            vec![ob, ib],
+            async_op,
+        )
+    }
+
+    #[pyo3(signature = (async_op = false))]
+    fn barrier(&self, py: Python<'_>, async_op: bool) -> PyResult<PyWork> {
+        self.submit(py, Op::Barrier, Vec::new(), async_op)
+    }
+
+    #[pyo3(signature = (buf, dtype, dst, async_op = false))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        dtype: &str,
+        dst: usize,
+        async_op: bool,
+    ) -> PyResult<PyWork> {
+        let d = self::dtype(dtype)?;
+        let b = hold(buf, false, "send: tensor")?;
+        self.submit(
+            py,
+            Op::Send {
+                buf: b.raw,
+                dtype: d,
+                peer: dst,
+            },
+            vec![b],
+            async_op,
+        )
+    }
+
+    #[pyo3(signature = (buf, dtype, src, async_op = false))]
+    fn recv(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        dtype: &str,
+        src: usize,
+        async_op: bool,
+    ) -> PyResult<PyWork> {
+        let d = self::dtype(dtype)?;
+        let b = hold(buf, true, "recv: tensor")?;
+        self.submit(
+            py,
+            Op::Recv {
+                buf: b.raw,
+                dtype: d,
+                peer: src,
+            },
+            vec![b],
+            async_op,
+        )
+    }
+
+    /// Fails every pending and future op here and on every peer with `reason`.
+    fn abort(&self, reason: &str) -> PyResult<()> {
+        self.comm()?.abort(reason);
+        Ok(())
+    }
+
+    /// Waits for queued ops, then releases the transport; later calls raise.
+    fn close(&self, py: Python<'_>) {
+        let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(c) = comm {
+            py.detach(|| c.close());
+        }
+    }
+}

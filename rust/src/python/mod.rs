@@ -1,0 +1,20 @@
+//! PyO3 bindings: module `shardline._native`. The only code that knows Python.
+
+mod buffer;
+mod errors;
+mod group;
+
+use pyo3::prelude::*;
+
+/// The native module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<group::PyGroup>()?;
+    m.add_class::<group::PyWork>()?;
+    m.add_class::<group::PyListener>()?;
+    m.add_function(wrap_pyfunction!(group::arena_create, m)?)?;
+    m.add_function(wrap_pyfunction!(group::arena_unlink, m)?)?;
+    m.add_function(wrap_pyfunction!(group::arena_sweep, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,252 @@
+//! Thread-per-rank tests of every collective on the shared-memory arena, against a scalar
+//! reference; 5 s deadline on every op.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use shardline::engine::{CommConfig, Communicator, Op, RawBuf};
+use shardline::transport::shm;
+use shardline::{DType, ErrorKind, ReduceOp};
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+fn run_ranks<T: Send + 'static>(
+    n: usize,
+    slot: usize,
+    body: impl Fn(&Communicator, usize) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let path = format!(
+        "/dev/shm/shardline-{}-test{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::SeqCst)
+    );
+    shm::create(&path, n, slot).unwrap();
+    let handles: Vec<_> = (0..n)
+        .map(|r| {
+            let (path, body) = (path.clone(), body.clone());
+            std::thread::spawn(move || {
+                let mut cfg = CommConfig::new(r, n, "test");
+                cfg.arena_path = (n > 1).then_some(path);
+                cfg.timeout = Duration::from_secs(5);
+                cfg.oneshot_bytes = 1024;
+                let c = Communicator::new(cfg, None).unwrap();
+                body(&c, r)
+            })
+        })
+        .collect();
+    let out = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    shm::unlink(&path).unwrap();
+    out
+}
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn run(c: &Communicator, op: Op) -> shardline::Result<()> {
+    c.submit(op, Box::new(()), false)?
+        .wait_for(None)
+        .map(|_| ())
+}
+
+fn input(r: usize, len: usize) -> Vec<f32> {
+    (0..len).map(|i| (i * 7 + r * 13) as f32 % 101.0).collect()
+}
+
+#[test]
+fn all_reduce_every_size_and_op() {
+    for n in 1..=4 {
+        for len in [0usize, 1, 5, 255, 256, 1000, 40_000] {
+            for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg] {
+                let out = run_ranks(n, 8192, move |c, r| {
+                    let mut b = f32s(&input(r, len));
+                    run(
+                        c,
+                        Op::AllReduce {
+                            buf: RawBuf::from_slice(&mut b),
+                            dtype: DType::F32,
+                            op,
+                        },
+                    )
+                    .unwrap();
+                    b
+                });
+                let expect: Vec<f32> = (0..len)
+                    .map(|i| {
+                        let xs = (0..n).map(|r| input(r, len)[i]);
+                        match op {
+                            ReduceOp::Sum => xs.sum(),
+                            ReduceOp::Avg => xs.sum::<f32>() / n as f32,
+                            ReduceOp::Max => xs.fold(f32::MIN, f32::max),
+                            _ => xs.fold(f32::MAX, f32::min),
+                        }
+                    })
+                    .collect();
+                for o in out {
+                    assert_eq!(o, f32s(&expect), "n={n} len={len} op={op:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_all_gather_broadcast_scatter_gather_all_to_all() {
+    for n in 1..=4 {
+        for block in [0usize, 1, 3, 700, 5000] {
+            let out = run_ranks(n, 4096, move |c, r| {
+                let inp = f32s(&input(r, block * n));
+                let mut rs = vec![0u8; block * 4];
+                let mut inp_copy = inp.clone();
+                let op = Op::ReduceScatter {
+                    out: RawBuf::from_slice(&mut rs),
+                    inp: RawBuf::from_slice(&mut inp_copy),
+                    dtype: DType::F32,
+                    op: ReduceOp::Sum,
+                };
+                run(c, op).unwrap();
+                let mut mine = f32s(&input(r, block + r));
+                let counts: Vec<usize> = (0..n).map(|q| block + q).collect();
+                let mut ag = vec![0u8; counts.iter().sum::<usize>() * 4];
+                let op = Op::AllGather {
+                    out: RawBuf::from_slice(&mut ag),
+                    inp: RawBuf::from_slice(&mut mine),
+                    dtype: DType::F32,
+                    counts: Some(counts),
+                };
+                run(c, op).unwrap();
+                let mut bc = if r == n - 1 {
+                    inp.clone()
+                } else {
+                    vec![0u8; inp.len()]
+                };
+                run(
+                    c,
+                    Op::Broadcast {
+                        buf: RawBuf::from_slice(&mut bc),
+                        dtype: DType::F32,
+                        root: n - 1,
+                    },
+                )
+                .unwrap();
+                let mut sc = vec![0u8; block * 4];
+                let mut src = inp.clone();
+                let op = Op::Scatter {
+                    out: RawBuf::from_slice(&mut sc),
+                    inp: (r == 0).then(|| RawBuf::from_slice(&mut src)),
+                    dtype: DType::F32,
+                    root: 0,
+                };
+                run(c, op).unwrap();
+                let mut ga = vec![0u8; block * 4 * n];
+                let mut gi = f32s(&input(r, block));
+                let op = Op::Gather {
+                    out: (r == 0).then(|| RawBuf::from_slice(&mut ga)),
+                    inp: RawBuf::from_slice(&mut gi),
+                    dtype: DType::F32,
+                    root: 0,
+                };
+                run(c, op).unwrap();
+                let mut a2a = vec![0u8; inp.len()];
+                let mut a2a_in = inp.clone();
+                let op = Op::AllToAll {
+                    out: RawBuf::from_slice(&mut a2a),
+                    inp: RawBuf::from_slice(&mut a2a_in),
+                    dtype: DType::F32,
+                };
+                run(c, op).unwrap();
+                run(c, Op::Barrier).unwrap();
+                (rs, ag, bc, sc, ga, a2a)
+            });
+            let full: Vec<Vec<f32>> = (0..n).map(|r| input(r, block * n)).collect();
+            for (r, (rs, ag, bc, sc, ga, a2a)) in out.into_iter().enumerate() {
+                let rs_ref: Vec<f32> = (0..block)
+                    .map(|i| (0..n).map(|q| full[q][r * block + i]).sum())
+                    .collect();
+                assert_eq!(rs, f32s(&rs_ref), "reduce_scatter n={n} block={block}");
+                let ag_ref: Vec<f32> = (0..n).flat_map(|q| input(q, block + q)).collect();
+                assert_eq!(ag, f32s(&ag_ref), "all_gather n={n}");
+                assert_eq!(bc, f32s(&full[n - 1]), "broadcast n={n}");
+                assert_eq!(
+                    sc,
+                    f32s(&full[0][r * block..(r + 1) * block]),
+                    "scatter n={n}"
+                );
+                if r == 0 {
+                    let ga_ref: Vec<f32> = (0..n).flat_map(|q| input(q, block)).collect();
+                    assert_eq!(ga, f32s(&ga_ref), "gather n={n}");
+                }
+                let a2a_ref: Vec<f32> = (0..n)
+                    .flat_map(|q| full[q][r * block..(r + 1) * block].to_vec())
+                    .collect();
+                assert_eq!(a2a, f32s(&a2a_ref), "all_to_all n={n} block={block}");
+            }
+        }
+    }
+}
+
+#[test]
+fn mismatched_collectives_fail_on_every_rank() {
+    let out = run_ranks(3, 4096, |c, r| {
+        let mut b = vec![0u8; 64];
+        let mut ag = vec![0u8; 192];
+        let op = if r == 1 {
+            Op::AllGather {
+                out: RawBuf::from_slice(&mut ag),
+                inp: RawBuf::from_slice(&mut b),
+                dtype: DType::F32,
+                counts: None,
+            }
+        } else {
+            Op::AllReduce {
+                buf: RawBuf::from_slice(&mut b),
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+            }
+        };
+        let first = run(c, op).unwrap_err();
+        let second = run(c, Op::Barrier).unwrap_err();
+        (first, second)
+    });
+    for (first, second) in out {
+        assert_eq!(first.kind, ErrorKind::Mismatch, "{}", first.message);
+        assert!(
+            first.message.contains("all_gather") && first.message.contains("all_reduce"),
+            "{}",
+            first.message
+        );
+        assert_eq!(second.kind, ErrorKind::Closed, "{}", second.message);
+    }
+}
+
+#[test]
+fn missing_rank_times_out_naming_it() {
+    let out = run_ranks(3, 4096, |c, r| {
+        if r == 2 {
+            std::thread::sleep(Duration::from_millis(5600));
+            return None;
+        }
+        let t = std::time::Instant::now();
+        let e = run(c, Op::Barrier).unwrap_err();
+        Some((e, t.elapsed()))
+    });
+    for (e, dt) in out.into_iter().flatten() {
+        assert_eq!(e.kind, ErrorKind::Timeout, "{}", e.message);
+        assert!(e.message.contains("rank(s) 2"), "{}", e.message);
+        assert!(dt < Duration::from_secs(7), "{dt:?}");
+    }
+}
+
+#[test]
+fn departed_rank_is_reported_lost() {
+    let out = run_ranks(2, 4096, |c, r| {
+        if r == 1 {
+            c.close();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        Some(run(c, Op::Barrier).unwrap_err())
+    });
+    let e = out[0].clone().unwrap();
+    assert!(matches!(e.kind, ErrorKind::PeerLost), "{}", e.message);
+}
