@@ -43,9 +43,12 @@ def run_ranks(
     transport: str = "shm",
     timeout: float = 60.0,
     op_timeout: float = 20.0,
-    secrets: list[bytes] | None = None,
+    secrets: list[bytes | None] | None = None,
 ) -> list[Any]:
     """Runs ``body(group)`` on ``n`` ranks as threads, each with its own ProcessGroup.
+
+    ``secrets`` gives each rank's job secret (``None``: resolved from the environment);
+    by default all ranks share ``SECRET``.
 
     Returns every rank's return value, in rank order. If any rank raised, raises one
     AssertionError listing every failed rank's exception and traceback; if any rank is still
@@ -70,7 +73,7 @@ def run_ranks(
                 backend=backend,
                 host_id=ids[rank],
                 timeout=op_timeout,
-                secret=secrets[rank] if secrets else SECRET,
+                secret=secrets[rank] if secrets is not None else SECRET,
                 master_addr="127.0.0.1",
             )
             groups[rank] = g
