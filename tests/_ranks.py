@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import traceback
 from collections.abc import Callable
@@ -78,7 +79,7 @@ def run_ranks(
             )
             groups[rank] = g
             results[rank] = body(g)
-        except BaseException as exc:  # noqa: BLE001 - reported below, with the traceback
+        except BaseException as exc:
             errors[rank] = "".join(traceback.format_exception(exc))
 
     threads = [
@@ -125,7 +126,5 @@ def _shutdown_all(groups: list[ProcessGroup | None]) -> None:
 
 
 def _quietly(fn: Callable[[], object]) -> None:
-    try:
+    with contextlib.suppress(Exception):
         fn()
-    except Exception:  # noqa: BLE001 - best effort cleanup after a failure was reported
-        pass

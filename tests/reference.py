@@ -11,8 +11,10 @@ ALL_DTYPES = (*FLOATS, *INTS, torch.bool)
 
 def ops_for(dtype: torch.dtype) -> tuple[str, ...]:
     """Reductions defined on ``dtype`` (avg needs a float)."""
-    return ("sum", "avg", "max", "min", "prod") if dtype.is_floating_point else (
-        "sum", "max", "min", "prod"
+    return (
+        ("sum", "avg", "max", "min", "prod")
+        if dtype.is_floating_point
+        else ("sum", "max", "min", "prod")
     )
 
 
@@ -60,8 +62,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     if actual.dtype in (torch.float16, torch.bfloat16):
-        torch.testing.assert_close(actual, expected, rtol=1e-2, atol=1e-2, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(
+            actual, expected, rtol=1e-2, atol=1e-2, msg=lambda m: f"{what}: {m}"
+        )
     elif actual.dtype.is_floating_point:
-        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(
+            actual, expected, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what}: {m}"
+        )
     else:
         assert torch.equal(actual, expected), f"{what}: {actual.tolist()} != {expected.tolist()}"

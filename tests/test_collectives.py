@@ -77,12 +77,17 @@ def check_every_op(results: list[Results], sizes: list[int], dtype: torch.dtype)
                 assert_close(res["all_reduce", op, n], reduce_ref(ins, op), f"all_reduce {op} {at}")
             for op in ("sum", "max") if dtype != torch.bool else ("sum",):
                 full = reduce_ref([make(k, n * w, dtype) for k in range(w)], op)
-                assert_close(res["reduce_scatter", op, n], full[r * n : (r + 1) * n],
-                             f"reduce_scatter {op} {at}")
+                assert_close(
+                    res["reduce_scatter", op, n],
+                    full[r * n : (r + 1) * n],
+                    f"reduce_scatter {op} {at}",
+                )
             assert_close(res["all_gather", n], torch.cat(ins), f"all_gather {at}")
-            assert_close(res["all_gather_ragged", n],
-                         torch.cat([make(k, n + k, dtype) for k in range(w)]),
-                         f"all_gather unequal {at}")
+            assert_close(
+                res["all_gather_ragged", n],
+                torch.cat([make(k, n + k, dtype) for k in range(w)]),
+                f"all_gather unequal {at}",
+            )
             assert_close(res["broadcast", n], make(w - 1, n, dtype, salt=w - 1), f"broadcast {at}")
             if r == w - 1:
                 assert_close(res["reduce", n], reduce_ref(ins, "sum"), f"reduce {at}")
@@ -94,8 +99,9 @@ def check_every_op(results: list[Results], sizes: list[int], dtype: torch.dtype)
             )
             assert_close(res["all_to_all", n], expected, f"all_to_all {at}")
             if w > 1:
-                assert_close(res["sendrecv", n], make((r - 1) % w, n, dtype, salt=3),
-                             f"send/recv {at}")
+                assert_close(
+                    res["sendrecv", n], make((r - 1) % w, n, dtype, salt=3), f"send/recv {at}"
+                )
 
 
 @pytest.mark.usefixtures("native")
@@ -146,10 +152,12 @@ def test_large_all_reduce_and_ring_ops(backend: str, world: int, n: int) -> None
     for r, (t, rs, ag) in enumerate(results):
         assert_close(t, reduce_ref([make(k, n, torch.float32) for k in range(world)], "sum"), "ar")
         assert_close(rs, full[r * m : (r + 1) * m], "reduce_scatter")
-        assert_close(ag, torch.cat([make(k, n // world, torch.float32) for k in range(world)]), "ag")
+        assert_close(
+            ag, torch.cat([make(k, n // world, torch.float32) for k in range(world)]), "ag"
+        )
 
 
-@pytest.mark.parametrize("dtype", FLOATS + (torch.int64, torch.bool), ids=str)
+@pytest.mark.parametrize("dtype", [*FLOATS, torch.int64, torch.bool], ids=str)
 def test_zero_dim_tensors(backend: str, dtype: torch.dtype) -> None:
     def body(g: ProcessGroup) -> torch.Tensor:
         t = make(g.rank, 1, dtype).reshape(())

@@ -23,7 +23,10 @@ BAD_CALLS = {
     "non-contiguous numpy": (lambda g: g.all_reduce(np.ones((4, 6)).T), "C-contiguous"),
     "read-only numpy": (lambda g: None, "read-only"),  # array built in the test
     "meta device": (lambda g: g.all_reduce(torch.ones(3, device="meta")), r"\.cpu\(\)"),
-    "complex dtype": (lambda g: g.all_reduce(torch.ones(3, dtype=torch.complex64)), "unsupported dtype"),
+    "complex dtype": (
+        lambda g: g.all_reduce(torch.ones(3, dtype=torch.complex64)),
+        "unsupported dtype",
+    ),
     "avg on ints": (lambda g: g.all_reduce(torch.ones(3, dtype=torch.int32), op="avg"), "op=avg"),
     "unknown op": (lambda g: g.all_reduce(torch.ones(3), op="xor"), "unknown op"),
     "all_gather out size": (
@@ -35,7 +38,8 @@ BAD_CALLS = {
         r"all_gather on rank 0: dtype mismatch, expected torch.float32 .* got torch.float64",
     ),
     "all_gather list length": (
-        lambda g: g.all_gather([torch.empty(3)], torch.ones(3)), "list of 2 tensors"
+        lambda g: g.all_gather([torch.empty(3)], torch.ones(3)),
+        "list of 2 tensors",
     ),
     "all_gather own entry": (
         lambda g: g.all_gather([torch.empty(2), torch.empty(3)], torch.ones(3)),
@@ -51,7 +55,10 @@ BAD_CALLS = {
     ),
     "all_to_all uneven": (lambda g: g.all_to_all(torch.empty(3), torch.ones(3)), "split evenly"),
     "broadcast bad src": (lambda g: g.broadcast(torch.ones(3), src=2), "src=2 is not a rank"),
-    "gather without list": (lambda g: g.gather(torch.ones(3), None, dst=0), "must pass gather_list"),
+    "gather without list": (
+        lambda g: g.gather(torch.ones(3), None, dst=0),
+        "must pass gather_list",
+    ),
     "scatter wrong list": (
         lambda g: g.scatter(torch.empty(3), [torch.ones(3), torch.ones(4)], src=0),
         r"scatter\(input list\[1\]\)",
@@ -95,7 +102,7 @@ def test_cuda_tensor_points_to_nccl(backend: str) -> None:
 @pytest.mark.parametrize("backend_name", ["nccl", "mpi", "carrier-pigeon"])
 def test_unavailable_backends_say_what_to_use(backend_name: str) -> None:
     store = new_store()
-    with pytest.raises(ShardlineError, match="backend='native'|use one of"):
+    with pytest.raises(ShardlineError, match=r"backend='native'|use one of"):
         init_process_group(store, 0, 1, backend=backend_name)
 
 
@@ -108,11 +115,14 @@ def test_invalid_argument_is_a_value_error() -> None:
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_mismatched_collectives_fail_on_all_ranks(transport: str) -> None:
     def body(g: ProcessGroup) -> str:
-        with pytest.raises(CollectiveMismatchError) as info:
+        def mismatched() -> None:
             if g.rank == 0:
                 g.all_reduce(torch.ones(1024))
             else:
                 g.all_gather(torch.empty(1024 * g.world_size), torch.ones(1024))
+
+        with pytest.raises(CollectiveMismatchError) as info:
+            mismatched()
         # The group is now broken: the next call raises at once instead of hanging.
         start = time.monotonic()
         with pytest.raises(ShardlineError):
@@ -157,7 +167,8 @@ def test_missing_rank_times_out_naming_it(transport: str) -> None:
             done.set()
 
     elapsed = run_ranks(2, body, transport=transport, op_timeout=1.0, timeout=30)[0]
-    assert elapsed is not None and 0.5 < elapsed < 5
+    assert elapsed is not None
+    assert 0.5 < elapsed < 5
 
 
 @pytest.mark.usefixtures("native")

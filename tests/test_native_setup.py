@@ -95,7 +95,8 @@ def test_setup_publishes_hosts_addresses_and_arenas(
         assert kw.timeout == 20.0
         assert (kw.listener is not None) == multi_host
         if multi_host:
-            assert kw.addrs == got[0].addrs and len(set(kw.addrs)) == world
+            assert kw.addrs == got[0].addrs
+            assert len(set(kw.addrs)) == world
             assert kw.addrs[r].startswith("127.0.0.1:")
         local = [k for k in range(world) if ids[k] == ids[r]]
         if len(local) >= 2:
@@ -108,7 +109,8 @@ def test_setup_publishes_hosts_addresses_and_arenas(
     assert sorted(n for _, n, _ in fake.created) == sorted(expected)
     assert all(slot == 65536 for _, _, slot in fake.created)
     assert fake.sweeps == len(expected)
-    assert not fake.live and sorted(fake.unlinked) == sorted(p for p, _, _ in fake.created)
+    assert not fake.live
+    assert sorted(fake.unlinked) == sorted(p for p, _, _ in fake.created)
 
 
 def test_subgroups_get_their_own_arena_and_name(fake: FakeEngine) -> None:
@@ -120,7 +122,8 @@ def test_subgroups_get_their_own_arena_and_name(fake: FakeEngine) -> None:
     assert got[0] is None
     assert {x[0] for x in got[1:] if x} == {"world.0"}
     assert len({x[1] for x in got[1:] if x}) == 1
-    assert len(fake.created) == 2 and not fake.live
+    assert len(fake.created) == 2
+    assert not fake.live
 
 
 def test_generated_secret_is_shared_on_one_host(fake: FakeEngine) -> None:
@@ -128,7 +131,8 @@ def test_generated_secret_is_shared_on_one_host(fake: FakeEngine) -> None:
         return bytes(_kwargs(g).secret)
 
     got = run_ranks(3, body, secrets=[None, None, None])  # None: resolve from the env
-    assert len(got[0]) == 32 and got[0] == got[1] == got[2]
+    assert len(got[0]) == 32
+    assert got[0] == got[1] == got[2]
 
 
 def test_bind_address_prefers_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -52,9 +52,14 @@ def test_slurm_variables_with_nodelist_master() -> None:
 
 
 def test_slurm_launch_node_address_wins_over_nodelist() -> None:
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-           "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3", "SLURM_JOB_NODELIST": "n[1-2]",
-           "MASTER_PORT": "1234"}
+    env = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+        "MASTER_PORT": "1234",
+    }
     assert read_env(env).master_addr == "10.1.2.3"
 
 
@@ -65,8 +70,12 @@ def test_master_addr_wins_over_slurm() -> None:
 
 @pytest.mark.parametrize(
     ("nodelist", "first"),
-    [("node01", "node01"), ("gpu[007-010,012],cpu01", "gpu007"), ("a,b", "a"),
-     ("rack1-[3,5]", "rack1-3")],
+    [
+        ("node01", "node01"),
+        ("gpu[007-010,012],cpu01", "gpu007"),
+        ("a,b", "a"),
+        ("rack1-[3,5]", "rack1-3"),
+    ],
 )
 def test_first_slurm_host(nodelist: str, first: str) -> None:
     assert first_slurm_host(nodelist) == first
@@ -112,7 +121,8 @@ def test_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_host_identity() -> None:
     assert host_identity({"SHARDLINE_HOST_ID": "box-7"}) == "box-7"
     ident = host_identity({})
-    assert ident.startswith(socket.gethostname() + "/") and len(ident) > len(socket.gethostname()) + 1
+    assert ident.startswith(socket.gethostname() + "/")
+    assert len(ident) > len(socket.gethostname()) + 1
 
 
 def test_secret_from_env_is_hashed() -> None:
@@ -122,7 +132,7 @@ def test_secret_from_env_is_hashed() -> None:
 
 
 def test_multi_host_without_secret_fails_with_instructions() -> None:
-    with pytest.raises(ShardlineError, match="SHARDLINE_SECRET.*SHARDLINE_INSECURE=1"):
+    with pytest.raises(ShardlineError, match=r"SHARDLINE_SECRET.*SHARDLINE_INSECURE=1"):
         job_secret(new_store(), 1, ["a", "b"], key="k", env={})
     assert job_secret(new_store(), 1, ["a", "b"], key="k", env={"SHARDLINE_INSECURE": "1"}) == b""
 
@@ -141,7 +151,8 @@ def test_single_host_secret_is_generated_and_shared() -> None:
         t.start()
     for t in threads:
         t.join(10)
-    assert len(got[0]) == 32 and got[0] == got[1] == got[2]
+    assert len(got[0]) == 32
+    assert got[0] == got[1] == got[2]
 
 
 def test_store_port_in_use_names_address() -> None:
@@ -162,7 +173,9 @@ def test_init_from_env_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not sl.is_initialized()
     sl.init(backend="gloo", timeout=10)
     try:
-        assert sl.is_initialized() and sl.get_rank() == 0 and sl.get_world_size() == 1
+        assert sl.is_initialized()
+        assert sl.get_rank() == 0
+        assert sl.get_world_size() == 1
         with pytest.raises(ShardlineError, match="already initialised"):
             sl.init(backend="gloo")
         t = torch.arange(4.0)
@@ -174,9 +187,11 @@ def test_init_from_env_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
         work.wait()
         sl.barrier()
         sub = sl.new_group([0])
-        assert sub is not None and sub.world_size == 1
+        assert sub is not None
+        assert sub.world_size == 1
         mesh = sl.DeviceMesh((1, 1), axis_names=("dp", "tp"))
-        assert mesh.coordinate == (0, 0) and mesh.size() == 1
+        assert mesh.coordinate == (0, 0)
+        assert mesh.size() == 1
         assert torch.equal(out, torch.arange(4.0))
     finally:
         sl.shutdown()

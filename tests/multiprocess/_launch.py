@@ -39,8 +39,12 @@ def free_port() -> int:
 
 
 def start(
-    n: int, scenario: str, *, env: dict[str, str] | None = None,
-    per_rank: dict[int, dict[str, str]] | None = None, port: int | None = None,
+    n: int,
+    scenario: str,
+    *,
+    env: dict[str, str] | None = None,
+    per_rank: dict[int, dict[str, str]] | None = None,
+    port: int | None = None,
 ) -> list[Rank]:
     """Starts ``n`` ranks of ``_worker.py scenario`` with torchrun-style variables."""
     port = port or free_port()
@@ -61,7 +65,10 @@ def start(
         }
         proc = subprocess.Popen(
             [sys.executable, str(WORKER), scenario],
-            env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         ranks.append(Rank(r, proc))
     return ranks

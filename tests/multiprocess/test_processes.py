@@ -16,8 +16,12 @@ import torch.distributed as dist
 from tests.multiprocess._launch import finish, free_port, kill_all, report, run, start
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("native")]
-TWO_HOSTS = {0: {"SHARDLINE_HOST_ID": "sim-a"}, 1: {"SHARDLINE_HOST_ID": "sim-a"},
-             2: {"SHARDLINE_HOST_ID": "sim-b"}, 3: {"SHARDLINE_HOST_ID": "sim-b"}}
+TWO_HOSTS = {
+    0: {"SHARDLINE_HOST_ID": "sim-a"},
+    1: {"SHARDLINE_HOST_ID": "sim-a"},
+    2: {"SHARDLINE_HOST_ID": "sim-b"},
+    3: {"SHARDLINE_HOST_ID": "sim-b"},
+}
 SECRET = {"SHARDLINE_SECRET": "multiprocess-test"}
 
 
@@ -94,16 +98,22 @@ def test_wrong_secret_is_rejected_and_nobody_hangs() -> None:
 def test_garbage_on_listener_port_is_rejected_and_job_completes() -> None:
     port = free_port()
     per_rank = {0: {"SHARDLINE_HOST_ID": "sim-a"}, 1: {"SHARDLINE_HOST_ID": "sim-b"}}
-    ranks = start(2, "slow_start", env={**SECRET, "WORKER_DELAY": "3"}, per_rank=per_rank,
-                  port=port)
+    ranks = start(
+        2, "slow_start", env={**SECRET, "WORKER_DELAY": "3"}, per_rank=per_rank, port=port
+    )
     try:
         store = _connect_store(port, 30)
         host, _, listen_port = bytes(store.get("shardline/world/addr/0")).decode().rpartition(":")
-        for payload in (b"\x00" * 64, b"GET / HTTP/1.1\r\n\r\n", os.urandom(4096),
-                        b"\xff\xff\xff\xff" * 8):
-            with contextlib.suppress(OSError), socket.create_connection(
-                (host, int(listen_port)), timeout=5
-            ) as s:
+        for payload in (
+            b"\x00" * 64,
+            b"GET / HTTP/1.1\r\n\r\n",
+            os.urandom(4096),
+            b"\xff\xff\xff\xff" * 8,
+        ):
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection((host, int(listen_port)), timeout=5) as s,
+            ):
                 s.sendall(payload)
                 s.settimeout(2)
                 with contextlib.suppress(OSError):

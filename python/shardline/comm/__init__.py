@@ -10,13 +10,15 @@
 from __future__ import annotations
 
 from datetime import timedelta
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from shardline.comm.group import ProcessGroup
 from shardline.comm.rendezvous import host_identity, timeout_seconds
 from shardline.comm.work import Work
 from shardline.errors import ShardlineError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = ["BACKENDS", "ProcessGroup", "Work", "init_process_group"]
 
@@ -24,7 +26,7 @@ BACKENDS = ("native", "gloo", "nccl", "mpi")
 
 
 def init_process_group(
-    store: dist.Store,
+    store: Store,
     rank: int,
     world_size: int,
     *,
@@ -38,7 +40,7 @@ def init_process_group(
     """Creates a ProcessGroup from an existing store (no global state; ranks may be threads).
 
     Args:
-        store: A store every rank of the group is connected to (e.g. ``torch.distributed.TCPStore``).
+        store: A store every rank of the group is connected to (e.g. a ``TCPStore``).
         rank: This rank, in ``[0, world_size)``.
         world_size: Number of ranks.
         backend: ``"native"`` or ``"gloo"``.

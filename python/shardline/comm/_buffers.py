@@ -154,8 +154,8 @@ def check_numel(what: str, rank: int, expected: int, actual: torch.Tensor, hint:
         )
 
 
-def byte_view(t: torch.Tensor) -> np.ndarray[Any, Any]:
-    """A writable ``uint8`` numpy view of ``t``'s memory (zero copy; 0-dim, bf16, bool too).
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable, format ``'B'`` memoryview of ``t``'s memory (zero copy; 0-dim, bf16, bool too).
 
     [Note: ownership] the view borrows ``t``'s storage; the caller keeps ``t`` alive until the
     engine's Work completes (``Work`` holds it).
@@ -163,4 +163,4 @@ def byte_view(t: torch.Tensor) -> np.ndarray[Any, Any]:
     flat = t.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return flat.numpy()
+    return memoryview(flat.numpy())  # type: ignore[arg-type]  # ndarray is a buffer

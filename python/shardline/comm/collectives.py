@@ -9,8 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from shardline.comm import init_process_group
 from shardline.comm._buffers import TensorLike
@@ -18,6 +17,9 @@ from shardline.comm.group import ProcessGroup, TensorList
 from shardline.comm.rendezvous import create_store, host_identity, read_env
 from shardline.comm.work import Work
 from shardline.errors import ShardlineError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = [
     "all_gather",
@@ -42,7 +44,7 @@ __all__ = [
 
 _lock = threading.Lock()
 _default: ProcessGroup | None = None
-_store: dist.Store | None = None
+_store: Store | None = None
 
 
 def init(backend: str | None = None, timeout: timedelta | float | None = None) -> ProcessGroup:
@@ -62,7 +64,7 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
     Raises:
         ShardlineError: already initialised, inconsistent environment, or setup failure.
     """
-    global _default, _store  # noqa: PLW0603
+    global _default, _store
     with _lock:
         if _default is not None:
             raise ShardlineError(
@@ -116,22 +118,30 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work |
 
 
 def all_reduce(
-    tensor: TensorLike, op: object = "sum", group: ProcessGroup | None = None, async_op: bool = False
+    tensor: TensorLike,
+    op: object = "sum",
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     """See ``ProcessGroup.all_reduce``."""
     return _g(group).all_reduce(tensor, op, async_op=async_op)
 
 
 def reduce_scatter(
-    output: TensorLike, input: TensorLike | TensorList, op: object = "sum",
-    group: ProcessGroup | None = None, async_op: bool = False,
+    output: TensorLike,
+    input: TensorLike | TensorList,
+    op: object = "sum",
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     """See ``ProcessGroup.reduce_scatter``."""
     return _g(group).reduce_scatter(output, input, op, async_op=async_op)
 
 
 def all_gather(
-    output: TensorLike | TensorList, input: TensorLike, group: ProcessGroup | None = None,
+    output: TensorLike | TensorList,
+    input: TensorLike,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """See ``ProcessGroup.all_gather``."""
@@ -146,7 +156,10 @@ def broadcast(
 
 
 def reduce(
-    tensor: TensorLike, dst: int = 0, op: object = "sum", group: ProcessGroup | None = None,
+    tensor: TensorLike,
+    dst: int = 0,
+    op: object = "sum",
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """See ``ProcessGroup.reduce``."""
@@ -154,23 +167,31 @@ def reduce(
 
 
 def gather(
-    tensor: TensorLike, gather_list: TensorLike | TensorList | None = None, dst: int = 0,
-    group: ProcessGroup | None = None, async_op: bool = False,
+    tensor: TensorLike,
+    gather_list: TensorLike | TensorList | None = None,
+    dst: int = 0,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     """See ``ProcessGroup.gather``."""
     return _g(group).gather(tensor, gather_list, dst, async_op=async_op)
 
 
 def scatter(
-    tensor: TensorLike, scatter_list: TensorLike | TensorList | None = None, src: int = 0,
-    group: ProcessGroup | None = None, async_op: bool = False,
+    tensor: TensorLike,
+    scatter_list: TensorLike | TensorList | None = None,
+    src: int = 0,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     """See ``ProcessGroup.scatter``."""
     return _g(group).scatter(tensor, scatter_list, src, async_op=async_op)
 
 
 def all_to_all(
-    output: TensorLike, input: TensorLike, group: ProcessGroup | None = None,
+    output: TensorLike,
+    input: TensorLike,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Work | None:
     """See ``ProcessGroup.all_to_all``."""

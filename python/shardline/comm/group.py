@@ -106,7 +106,9 @@ class ProcessGroup:
 
     # -- collectives -------------------------------------------------------------------------
 
-    def all_reduce(self, tensor: TensorLike, op: object = "sum", async_op: bool = False) -> Work | None:
+    def all_reduce(
+        self, tensor: TensorLike, op: object = "sum", async_op: bool = False
+    ) -> Work | None:
         """Reduces ``tensor`` across ranks in place; every rank gets the result.
 
         Args:
@@ -117,10 +119,15 @@ class ProcessGroup:
         """
         t = self._t(tensor, "all_reduce(tensor)")
         name = parse_op(op, dtype=t.dtype, what="all_reduce", rank=self.rank)
-        return self._submit("all_reduce", lambda: self._impl.all_reduce(t, name), (tensor, t), async_op)
+        return self._submit(
+            "all_reduce", lambda: self._impl.all_reduce(t, name), (tensor, t), async_op
+        )
 
     def reduce_scatter(
-        self, output: TensorLike, input: TensorLike | TensorList, op: object = "sum",
+        self,
+        output: TensorLike,
+        input: TensorLike | TensorList,
+        op: object = "sum",
         async_op: bool = False,
     ) -> Work | None:
         """Reduces ``input`` across ranks; rank ``i`` gets slice ``i`` of the result.
@@ -135,11 +142,20 @@ class ProcessGroup:
         out = self._t(output, "reduce_scatter(output)")
         inp = self._flat_input(input, "reduce_scatter", out.numel(), out)
         check_same_dtype("reduce_scatter", self.rank, out, inp)
-        check_numel("reduce_scatter(input)", self.rank, self.world_size * out.numel(), inp,
-                    f"world_size {self.world_size} x output's {out.numel()}")
+        check_numel(
+            "reduce_scatter(input)",
+            self.rank,
+            self.world_size * out.numel(),
+            inp,
+            f"world_size {self.world_size} x output's {out.numel()}",
+        )
         name = parse_op(op, dtype=out.dtype, what="reduce_scatter", rank=self.rank)
-        return self._submit("reduce_scatter", lambda: self._impl.reduce_scatter(out, inp, name),
-                            (output, input, out, inp), async_op)
+        return self._submit(
+            "reduce_scatter",
+            lambda: self._impl.reduce_scatter(out, inp, name),
+            (output, input, out, inp),
+            async_op,
+        )
 
     def all_gather(
         self, output: TensorLike | TensorList, input: TensorLike, async_op: bool = False
@@ -157,27 +173,45 @@ class ProcessGroup:
         if isinstance(output, list | tuple):
             outs = self._tensor_list(output, "all_gather(output)", inp, self.world_size)
             counts = [o.numel() for o in outs]
-            check_numel(f"all_gather(output[{self.rank}])", self.rank, inp.numel(), outs[self.rank],
-                        "this rank's entry must match its input")
+            check_numel(
+                f"all_gather(output[{self.rank}])",
+                self.rank,
+                inp.numel(),
+                outs[self.rank],
+                "this rank's entry must match its input",
+            )
             flat = torch.empty(sum(counts), dtype=inp.dtype)
             equal = len(set(counts)) == 1
             return self._submit(
                 "all_gather",
                 lambda: self._impl.all_gather(flat, inp, None if equal else counts),
-                (output, input, inp, flat), async_op, _scatter_into(flat, outs),
+                (output, input, inp, flat),
+                async_op,
+                _scatter_into(flat, outs),
             )
         out = self._t(output, "all_gather(output)")
         check_same_dtype("all_gather", self.rank, inp, out)
-        check_numel("all_gather(output)", self.rank, self.world_size * inp.numel(), out,
-                    f"world_size {self.world_size} x input's {inp.numel()}")
-        return self._submit("all_gather", lambda: self._impl.all_gather(out, inp, None),
-                            (output, input, out, inp), async_op)
+        check_numel(
+            "all_gather(output)",
+            self.rank,
+            self.world_size * inp.numel(),
+            out,
+            f"world_size {self.world_size} x input's {inp.numel()}",
+        )
+        return self._submit(
+            "all_gather",
+            lambda: self._impl.all_gather(out, inp, None),
+            (output, input, out, inp),
+            async_op,
+        )
 
     def broadcast(self, tensor: TensorLike, src: int = 0, async_op: bool = False) -> Work | None:
         """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
         t = self._t(tensor, "broadcast(tensor)")
         self._check_rank("broadcast", "src", src)
-        return self._submit("broadcast", lambda: self._impl.broadcast(t, src), (tensor, t), async_op)
+        return self._submit(
+            "broadcast", lambda: self._impl.broadcast(t, src), (tensor, t), async_op
+        )
 
     def reduce(
         self, tensor: TensorLike, dst: int = 0, op: object = "sum", async_op: bool = False
@@ -189,10 +223,15 @@ class ProcessGroup:
         t = self._t(tensor, "reduce(tensor)")
         self._check_rank("reduce", "dst", dst)
         name = parse_op(op, dtype=t.dtype, what="reduce", rank=self.rank)
-        return self._submit("reduce", lambda: self._impl.reduce(t, name, dst), (tensor, t), async_op)
+        return self._submit(
+            "reduce", lambda: self._impl.reduce(t, name, dst), (tensor, t), async_op
+        )
 
     def gather(
-        self, tensor: TensorLike, gather_list: TensorLike | TensorList | None = None, dst: int = 0,
+        self,
+        tensor: TensorLike,
+        gather_list: TensorLike | TensorList | None = None,
+        dst: int = 0,
         async_op: bool = False,
     ) -> Work | None:
         """Gathers every rank's ``tensor`` on rank ``dst``.
@@ -206,7 +245,8 @@ class ProcessGroup:
         """
         inp = self._t(tensor, "gather(tensor)")
         self._check_rank("gather", "dst", dst)
-        out, finalize, keep = None, None, [tensor, inp]
+        out, finalize = None, None
+        keep: list[object] = [tensor, inp]
         if self.rank == dst:
             if gather_list is None:
                 raise InvalidArgumentError(
@@ -214,11 +254,15 @@ class ProcessGroup:
                 )
             out, finalize = self._flat_output(gather_list, "gather", inp)
             keep += [gather_list, out]
-        return self._submit("gather", lambda: self._impl.gather(out, inp, dst), tuple(keep),
-                            async_op, finalize)
+        return self._submit(
+            "gather", lambda: self._impl.gather(out, inp, dst), tuple(keep), async_op, finalize
+        )
 
     def scatter(
-        self, tensor: TensorLike, scatter_list: TensorLike | TensorList | None = None, src: int = 0,
+        self,
+        tensor: TensorLike,
+        scatter_list: TensorLike | TensorList | None = None,
+        src: int = 0,
         async_op: bool = False,
     ) -> Work | None:
         """Rank ``src`` sends entry ``i`` of ``scatter_list`` to rank ``i``'s ``tensor``.
@@ -232,7 +276,8 @@ class ProcessGroup:
         """
         out = self._t(tensor, "scatter(tensor)")
         self._check_rank("scatter", "src", src)
-        inp, keep = None, [tensor, out]
+        inp = None
+        keep: list[object] = [tensor, out]
         if self.rank == src:
             if scatter_list is None:
                 raise InvalidArgumentError(
@@ -240,14 +285,22 @@ class ProcessGroup:
                 )
             inp = self._flat_input(scatter_list, "scatter", out.numel(), out)
             check_same_dtype("scatter", self.rank, out, inp)
-            check_numel("scatter(scatter_list)", self.rank, self.world_size * out.numel(), inp,
-                        f"world_size {self.world_size} x tensor's {out.numel()}")
+            check_numel(
+                "scatter(scatter_list)",
+                self.rank,
+                self.world_size * out.numel(),
+                inp,
+                f"world_size {self.world_size} x tensor's {out.numel()}",
+            )
             keep += [scatter_list, inp]
-        return self._submit("scatter", lambda: self._impl.scatter(out, inp, src), tuple(keep),
-                            async_op)
+        return self._submit(
+            "scatter", lambda: self._impl.scatter(out, inp, src), tuple(keep), async_op
+        )
 
-    def all_to_all(self, output: TensorLike, input: TensorLike, async_op: bool = False) -> Work | None:
-        """Sends slice ``j`` of ``input`` to rank ``j``, which stores it as slice ``i`` of ``output``.
+    def all_to_all(
+        self, output: TensorLike, input: TensorLike, async_op: bool = False
+    ) -> Work | None:
+        """Sends slice ``j`` of ``input`` to rank ``j``, which stores it as its slice ``i``.
 
         Both are flat-equivalent tensors of ``world_size * n`` elements (equal splits).
         """
@@ -260,8 +313,12 @@ class ProcessGroup:
                 f"all_to_all on rank {self.rank}: {inp.numel()} elements do not split evenly "
                 f"among {self.world_size} ranks; pad the input to a multiple of world_size"
             )
-        return self._submit("all_to_all", lambda: self._impl.all_to_all(out, inp),
-                            (output, input, out, inp), async_op)
+        return self._submit(
+            "all_to_all",
+            lambda: self._impl.all_to_all(out, inp),
+            (output, input, out, inp),
+            async_op,
+        )
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Returns once every rank of the group has called ``barrier``."""
@@ -292,7 +349,7 @@ class ProcessGroup:
         as its other ``new_group`` calls (torch.distributed semantics); ranks outside the
         sub-group get ``None``. The sub-group's rank ``i`` is the ``i``-th smallest member.
         """
-        members = sorted(set(int(r) for r in ranks))
+        members = sorted({int(r) for r in ranks})
         if len(members) != len(list(ranks)) or not members:
             raise InvalidArgumentError(
                 f"new_group on rank {self.rank}: ranks {list(ranks)} must be distinct and non-empty"
@@ -346,7 +403,9 @@ class ProcessGroup:
         if isinstance(value, list | tuple):
             parts = self._tensor_list(value, f"{op}(input list)", like, self.world_size)
             for i, p in enumerate(parts):
-                check_numel(f"{op}(input list[{i}])", self.rank, n, p, "every entry like the output")
+                check_numel(
+                    f"{op}(input list[{i}])", self.rank, n, p, "every entry like the output"
+                )
             if n == 0:
                 return torch.empty(0, dtype=like.dtype)
             return torch.cat([p.reshape(-1) for p in parts])
@@ -359,13 +418,20 @@ class ProcessGroup:
         if isinstance(value, list | tuple):
             outs = self._tensor_list(value, f"{op}(output list)", like, self.world_size)
             for i, o in enumerate(outs):
-                check_numel(f"{op}(output list[{i}])", self.rank, n, o, "every entry like the input")
+                check_numel(
+                    f"{op}(output list[{i}])", self.rank, n, o, "every entry like the input"
+                )
             flat = torch.empty(n * self.world_size, dtype=like.dtype)
             return flat, _scatter_into(flat, outs)
         out = self._t(value, f"{op}(output)")
         check_same_dtype(op, self.rank, like, out)
-        check_numel(f"{op}(output)", self.rank, n * self.world_size, out,
-                    f"world_size {self.world_size} x input's {n}")
+        check_numel(
+            f"{op}(output)",
+            self.rank,
+            n * self.world_size,
+            out,
+            f"world_size {self.world_size} x input's {n}",
+        )
         return out, None
 
 

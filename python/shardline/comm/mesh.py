@@ -40,7 +40,11 @@ class DeviceMesh:
                 raise InvalidArgumentError("DeviceMesh: pass axis_names or a dict shape, not both")
             axis_names, shape = list(shape.keys()), list(shape.values())
         dims = tuple(int(s) for s in shape)
-        names = tuple(axis_names) if axis_names is not None else tuple(f"axis{i}" for i in range(len(dims)))
+        names = (
+            tuple(axis_names)
+            if axis_names is not None
+            else tuple(f"axis{i}" for i in range(len(dims)))
+        )
         if group is None:
             from shardline.comm.collectives import default_group  # noqa: PLC0415
 
@@ -63,7 +67,9 @@ class DeviceMesh:
         for axis, name in enumerate(names):
             others = [range(d) if i != axis else range(1) for i, d in enumerate(dims)]
             for fixed in product(*others):
-                ranks = [_ravel((*fixed[:axis], k, *fixed[axis + 1 :]), dims) for k in range(dims[axis])]
+                ranks = [
+                    _ravel((*fixed[:axis], k, *fixed[axis + 1 :]), dims) for k in range(dims[axis])
+                ]
                 sub = group.new_group(ranks)
                 if sub is not None:
                     self._groups[name] = sub

@@ -17,10 +17,14 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from shardline.errors import ShardlineError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store, TCPStore
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -67,7 +71,9 @@ def _int_var(env: Mapping[str, str], name: str) -> int | None:
     try:
         return int(raw)
     except ValueError:
-        raise ShardlineError(f"{name}={raw!r} is not an integer; set it to a whole number") from None
+        raise ShardlineError(
+            f"{name}={raw!r} is not an integer; set it to a whole number"
+        ) from None
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -189,7 +195,7 @@ def timeout_seconds(timeout: timedelta | float | None = None) -> float:
     return seconds
 
 
-def create_store(info: RendezvousInfo, timeout: timedelta | float | None = None) -> dist.TCPStore:
+def create_store(info: RendezvousInfo, timeout: timedelta | float | None = None) -> TCPStore:
     """Opens the job's TCPStore: rank 0 hosts it, every other rank connects to it.
 
     Raises:
@@ -200,7 +206,7 @@ def create_store(info: RendezvousInfo, timeout: timedelta | float | None = None)
     is_master = info.rank == 0
     where = f"{info.master_addr}:{info.master_port}"
     try:
-        return dist.TCPStore(
+        return dist.TCPStore(  # type: ignore[attr-defined]
             info.master_addr,
             info.master_port,
             info.world_size,
@@ -250,7 +256,7 @@ def _secret_from_env(env: Mapping[str, str]) -> bytes | None:
 
 
 def job_secret(
-    store: dist.Store,
+    store: Store,
     rank: int,
     host_ids: list[str],
     *,
@@ -284,6 +290,6 @@ def job_secret(
             "set SHARDLINE_INSECURE=1 to accept unauthenticated connections"
         )
     if rank == 0:
-        store.set(key, secrets.token_bytes(32))
+        store.set(key, secrets.token_bytes(32))  # type: ignore[arg-type]  # bytes work
     value = store.get(key)
     return bytes(value)

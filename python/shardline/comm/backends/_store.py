@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 from datetime import timedelta
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from shardline.errors import CollectiveTimeoutError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = ["exchange", "store_barrier"]
 
 
-def exchange(store: dist.Store, prefix: str, rank: int, world_size: int, value: str) -> list[str]:
+def exchange(store: Store, prefix: str, rank: int, world_size: int, value: str) -> list[str]:
     """Publishes ``value`` under ``prefix/rank`` and returns every rank's value, in rank order."""
     store.set(f"{prefix}/{rank}", value)
     return [bytes(store.get(f"{prefix}/{r}")).decode() for r in range(world_size)]
 
 
 def store_barrier(
-    store: dist.Store, key: str, rank: int, world_size: int, timeout: float, what: str
+    store: Store, key: str, rank: int, world_size: int, timeout: float, what: str
 ) -> None:
     """Returns once ``world_size`` ranks arrived at ``key``.
 
@@ -28,7 +30,7 @@ def store_barrier(
     """
     arrived = store.add(f"{key}/count", 1)
     if arrived == world_size:
-        store.set(f"{key}/done", b"1")
+        store.set(f"{key}/done", "1")
     try:
         store.wait([f"{key}/done"], timedelta(seconds=timeout))
     except RuntimeError as exc:  # torch raises DistStoreError (a RuntimeError) on timeout

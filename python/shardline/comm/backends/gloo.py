@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from shardline.comm.work import seconds
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 __all__ = ["GlooBackend", "create"]
 
@@ -61,16 +65,20 @@ class GlooBackend:
     name = "gloo"
     transport = "gloo"
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, *, name: str, timeout: float):
+    def __init__(self, store: Store, rank: int, world_size: int, *, name: str, timeout: float):
         self._store = store
         self._timeout = timeout
         self.group_name = name
         self.rank = rank
         self.world_size = world_size
-        prefixed = dist.PrefixStore(f"shardline/{name}/gloo", store)
-        self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout))
+        prefix = f"shardline/{name}/gloo"
+        prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
+        # torch's stubs do not list ProcessGroup methods; they exist at runtime.
+        self._pg: Any = dist.ProcessGroupGloo(
+            prefixed, rank, world_size, timedelta(seconds=timeout)
+        )
 
-    def _reduce_args(self, t: torch.Tensor, op: str) -> tuple[torch.Tensor, dist.ReduceOp]:
+    def _reduce_args(self, t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
         if t.dtype == torch.bool:
             return _bytes(t), _OPS[_BOOL_OPS[op]]
         return t.reshape(-1), _OPS[op]
@@ -86,8 +94,7 @@ class GlooBackend:
 
     def all_reduce(self, t: torch.Tensor, op: str) -> _GlooHandle:  # noqa: D102
         buf, rop = self._reduce_args(t, op)
-        return _GlooHandle([self._pg.allreduce([buf], _opt(rop))],
-                           self._avg(t, op))
+        return _GlooHandle([self._pg.allreduce([buf], _opt(rop))], self._avg(t, op))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> _GlooHandle:  # noqa: D102
         tmp = inp.clone()
@@ -173,14 +180,12 @@ def _split(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return list(flat.view(parts, flat.numel() // parts).unbind(0))
 
 
-def _opt(rop: dist.ReduceOp) -> dist.AllreduceOptions:
+def _opt(rop: Any) -> dist.AllreduceOptions:
     opts = dist.AllreduceOptions()
     opts.reduceOp = rop
     return opts
 
 
-def create(
-    store: dist.Store, rank: int, world_size: int, *, name: str, timeout: float
-) -> GlooBackend:
+def create(store: Store, rank: int, world_size: int, *, name: str, timeout: float) -> GlooBackend:
     """A gloo backend for one group; every rank of it calls this with the same ``name``."""
     return GlooBackend(store, rank, world_size, name=name, timeout=seconds(timeout) or 300.0)

@@ -18,10 +18,9 @@ import os
 import secrets
 import socket
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from shardline.comm._buffers import byte_view, dtype_name
 from shardline.comm.backends._store import exchange, store_barrier
@@ -29,6 +28,8 @@ from shardline.comm.rendezvous import job_secret
 from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
     from shardline import _native
 
 __all__ = ["NativeBackend", "bind_address", "create"]
@@ -36,7 +37,7 @@ __all__ = ["NativeBackend", "bind_address", "create"]
 DEFAULT_SLOT_BYTES = 1 << 20
 
 
-def _native_module() -> object:
+def _native_module() -> Any:
     try:
         from shardline import _native  # noqa: PLC0415
     except ImportError as exc:
@@ -86,7 +87,7 @@ class NativeBackend:
         self,
         group: _native.Group,
         *,
-        store: dist.Store,
+        store: Store,
         group_name: str,
         secret: bytes,
         host_id: str,
@@ -161,7 +162,7 @@ class NativeBackend:
 
 
 def create(
-    store: dist.Store,
+    store: Store,
     rank: int,
     world_size: int,
     *,
@@ -183,7 +184,7 @@ def create(
         secret: Job secret; resolved from the environment when ``None``.
         master_addr: The store's host, used to pick a reachable bind address.
     """
-    native: _native = _native_module()  # type: ignore[assignment]
+    native = _native_module()
     prefix = f"shardline/{name}"
     host_ids = exchange(store, f"{prefix}/host", rank, world_size, host_id)
     if secret is None:
@@ -219,7 +220,9 @@ def create(
             arena_path=arena_path,
             timeout=timeout,
         )
-        store_barrier(store, f"{prefix}/ready", rank, world_size, timeout, f"creating group {name!r}")
+        store_barrier(
+            store, f"{prefix}/ready", rank, world_size, timeout, f"creating group {name!r}"
+        )
     finally:
         if created and arena_path is not None:
             native.arena_unlink(arena_path)
