@@ -1,1 +1,84 @@
-"""shardline."""
+"""shardline: train PyTorch models across processes on a Rust collective engine.
+
+Table of contents:
+
+- ``init``, ``shutdown``, ``is_initialized``, ``get_rank``, ``get_world_size``: the job.
+- ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``, ``reduce``, ``gather``,
+  ``scatter``, ``all_to_all``, ``barrier``, ``send``, ``recv``: collectives on the default
+  group (or ``group=``); ``async_op=True`` returns a ``Work``.
+- ``new_group``, ``ProcessGroup``, ``DeviceMesh``: sub-groups and named axes.
+- ``ShardlineError`` and its subclasses (``shardline.errors``).
+"""
+
+from __future__ import annotations
+
+from shardline.comm import ProcessGroup, Work, init_process_group
+from shardline.comm.collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    barrier,
+    broadcast,
+    gather,
+    get_rank,
+    get_world_size,
+    init,
+    is_initialized,
+    new_group,
+    recv,
+    reduce,
+    reduce_scatter,
+    scatter,
+    send,
+    shutdown,
+)
+from shardline.comm.mesh import DeviceMesh
+from shardline.errors import (
+    AuthenticationError,
+    CheckpointError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    InvalidArgumentError,
+    PeerLostError,
+    ProtocolError,
+    ShardlineError,
+    TransportError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthenticationError",
+    "CheckpointError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "CommunicatorClosedError",
+    "DeviceMesh",
+    "InvalidArgumentError",
+    "PeerLostError",
+    "ProcessGroup",
+    "ProtocolError",
+    "ShardlineError",
+    "TransportError",
+    "Work",
+    "__version__",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "gather",
+    "get_rank",
+    "get_world_size",
+    "init",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+    "send",
+    "shutdown",
+]

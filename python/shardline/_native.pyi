@@ -1,6 +1,12 @@
 """Type stubs for shardline._native, the Rust collective engine (PyO3)."""
 
-from collections.abc import Buffer, Sequence
+import sys
+from collections.abc import Sequence
+
+if sys.version_info >= (3, 12):
+    from collections.abc import Buffer
+else:
+    from typing_extensions import Buffer
 
 __version__: str
 
@@ -58,7 +64,9 @@ class Group:
     def transport(self) -> str:
         """``"single"``, ``"shm"``, ``"tcp"`` or ``"hierarchical"``."""
 
-    def all_reduce(self, buf: Buffer, dtype: str, op: str = "sum", async_op: bool = False) -> Work: ...
+    def all_reduce(
+        self, buf: Buffer, dtype: str, op: str = "sum", async_op: bool = False
+    ) -> Work: ...
     def reduce_scatter(
         self, out: Buffer, inp: Buffer, dtype: str, op: str = "sum", async_op: bool = False
     ) -> Work: ...

@@ -1,10 +1,67 @@
-"""temp"""
-class ShardlineError(Exception): pass
-class CollectiveTimeoutError(ShardlineError, TimeoutError): pass
-class PeerLostError(ShardlineError, ConnectionError): pass
-class CollectiveMismatchError(ShardlineError, ValueError): pass
-class InvalidArgumentError(ShardlineError, ValueError): pass
-class AuthenticationError(ShardlineError, PermissionError): pass
-class ProtocolError(ShardlineError): pass
-class TransportError(ShardlineError, OSError): pass
-class CommunicatorClosedError(ShardlineError): pass
+"""The exception hierarchy: every error shardline raises is a ``ShardlineError``.
+
+The Rust engine raises these classes by name (``shardline._native`` looks them up in this
+module), so the names here are part of the engine's interface. Each class also subclasses the
+closest built-in, so ``except TimeoutError`` or ``except ConnectionError`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthenticationError",
+    "CheckpointError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "CommunicatorClosedError",
+    "InvalidArgumentError",
+    "PeerLostError",
+    "ProtocolError",
+    "ShardlineError",
+    "TransportError",
+]
+
+
+class ShardlineError(Exception):
+    """Base for every error raised by shardline."""
+
+
+class CollectiveTimeoutError(ShardlineError, TimeoutError):
+    """A collective passed its deadline (``SHARDLINE_TIMEOUT``, default 300 s).
+
+    The message names the op and the ranks that had not arrived.
+    """
+
+
+class PeerLostError(ShardlineError, ConnectionError):
+    """A peer died, closed its connection or vanished; raised on every survivor."""
+
+
+class CollectiveMismatchError(ShardlineError, ValueError):
+    """Ranks called different collectives (op, dtype, count, root or order differ).
+
+    Raised on all ranks; the message names both sides.
+    """
+
+
+class InvalidArgumentError(ShardlineError, ValueError):
+    """An argument is unusable (non-contiguous, wrong device, dtype or size)."""
+
+
+class AuthenticationError(ShardlineError, PermissionError):
+    """A peer failed the HMAC handshake: ranks do not share one ``SHARDLINE_SECRET``."""
+
+
+class ProtocolError(ShardlineError, ConnectionError):
+    """Bytes on the wire broke the protocol (bad magic, version or lengths)."""
+
+
+class TransportError(ShardlineError, OSError):
+    """An operating-system call of a transport failed (socket, shared memory)."""
+
+
+class CommunicatorClosedError(ShardlineError, RuntimeError):
+    """The group was shut down, or broken by an earlier failure; create a new one."""
+
+
+class CheckpointError(ShardlineError, OSError):
+    """A checkpoint could not be written, read or resharded."""

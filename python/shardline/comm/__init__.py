@@ -1,0 +1,85 @@
+"""Communication layer: rendezvous, process groups, device meshes and the public collectives.
+
+- ``rendezvous``: env:// and SLURM variables, the TCPStore, host identity, secret, timeout.
+- ``group``: ``ProcessGroup``, the collectives strategies call; ``work``: ``Work``.
+- ``backends``: ``native`` (the Rust engine) and ``gloo`` (torch's, as a reference).
+- ``mesh``: ``DeviceMesh``, a process group per named axis.
+- ``collectives``: ``init`` and the module-level functions on the default group.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from shardline.comm.group import ProcessGroup
+from shardline.comm.rendezvous import host_identity, timeout_seconds
+from shardline.comm.work import Work
+from shardline.errors import ShardlineError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+__all__ = ["BACKENDS", "ProcessGroup", "Work", "init_process_group"]
+
+BACKENDS = ("native", "gloo", "nccl", "mpi")
+
+
+def init_process_group(
+    store: Store,
+    rank: int,
+    world_size: int,
+    *,
+    backend: str = "native",
+    host_id: str | None = None,
+    name: str = "world",
+    timeout: timedelta | float | None = None,
+    secret: bytes | None = None,
+    master_addr: str | None = None,
+) -> ProcessGroup:
+    """Creates a ProcessGroup from an existing store (no global state; ranks may be threads).
+
+    Args:
+        store: A store every rank of the group is connected to (e.g. a ``TCPStore``).
+        rank: This rank, in ``[0, world_size)``.
+        world_size: Number of ranks.
+        backend: ``"native"`` or ``"gloo"``.
+        host_id: This rank's host identity; ``rendezvous.host_identity()`` when ``None``.
+            Ranks with equal ids use shared memory, others TCP.
+        name: Group name; namespaces store keys, so two groups on one store need two names.
+        timeout: Deadline of every blocking wait (default ``SHARDLINE_TIMEOUT`` or 300 s).
+        secret: Job secret for TCP authentication; from ``SHARDLINE_SECRET`` when ``None``.
+        master_addr: The store's host, to pick the address other hosts reach this rank at.
+
+    Raises:
+        ShardlineError: unknown or unavailable backend, bad rank, or setup failure.
+    """
+    if not 0 <= rank < world_size:
+        raise ShardlineError(f"rank {rank} is outside [0, world_size={world_size})")
+    seconds = timeout_seconds(timeout)
+    if master_addr is None:
+        master_addr = getattr(store, "host", None)
+    if backend == "native":
+        from shardline.comm.backends import native  # noqa: PLC0415
+
+        impl = native.create(
+            store,
+            rank,
+            world_size,
+            name=name,
+            host_id=host_id if host_id is not None else host_identity(),
+            timeout=seconds,
+            secret=secret,
+            master_addr=master_addr,
+        )
+        return ProcessGroup(impl)
+    if backend == "gloo":
+        from shardline.comm.backends import gloo  # noqa: PLC0415
+
+        return ProcessGroup(gloo.create(store, rank, world_size, name=name, timeout=seconds))
+    if backend in ("nccl", "mpi"):
+        raise ShardlineError(
+            f"backend={backend!r} is not available yet (it arrives with the {backend.upper()} "
+            "issue); use backend='native' (CPU tensors) or 'gloo'"
+        )
+    raise ShardlineError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")

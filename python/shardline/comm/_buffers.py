@@ -1,0 +1,166 @@
+"""Checks and zero-copy views at the API edge: what a collective may be handed.
+
+Every collective accepts contiguous CPU ``torch.Tensor``s or C-contiguous ``numpy.ndarray``s.
+Numpy arrays become tensors over the same memory (``torch.from_numpy``), so backends see one
+kind of object; the native backend then hands the engine a ``uint8`` numpy view of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardline.errors import InvalidArgumentError
+
+__all__ = [
+    "REDUCE_OPS",
+    "SUPPORTED_DTYPES",
+    "TensorLike",
+    "as_tensor",
+    "byte_view",
+    "check_same_dtype",
+    "dtype_name",
+    "parse_op",
+]
+
+TensorLike = torch.Tensor | np.ndarray[Any, Any]
+
+SUPPORTED_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.bool: "bool",
+}
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
+_OP_ALIASES = {"mean": "avg", "product": "prod"}
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    """The engine's name for ``t``'s dtype (``"float32"``, ...)."""
+    return SUPPORTED_DTYPES[t.dtype]
+
+
+def parse_op(op: object, *, dtype: torch.dtype, what: str, rank: int) -> str:
+    """Normalises a reduction (``"sum"``, ``torch.distributed.ReduceOp.SUM``, ...) to a name.
+
+    Raises:
+        InvalidArgumentError: unknown op, or ``avg`` on a non-float dtype.
+    """
+    name = str(op).rsplit(".", 1)[-1].lower() if not isinstance(op, str) else op.lower()
+    name = _OP_ALIASES.get(name, name)
+    if name not in REDUCE_OPS:
+        raise InvalidArgumentError(
+            f"{what} on rank {rank}: unknown op {op!r}; use one of {', '.join(REDUCE_OPS)}"
+        )
+    if name == "avg" and not dtype.is_floating_point:
+        raise InvalidArgumentError(
+            f"{what} on rank {rank}: op=avg is not defined for {dtype}; use op='sum' and divide, "
+            "or cast to a float dtype"
+        )
+    return name
+
+
+def as_tensor(value: object, *, what: str, rank: int) -> torch.Tensor:
+    """Checks a collective's argument and returns it as a CPU tensor over the same memory.
+
+    Args:
+        value: A torch tensor or numpy array.
+        what: ``"all_reduce(out)"``-style name of the argument, for messages.
+        rank: This rank, for messages.
+
+    Raises:
+        InvalidArgumentError: wrong type, device, dtype, layout, or a read-only array.
+    """
+    if isinstance(value, np.ndarray):
+        if not value.flags.c_contiguous:
+            raise InvalidArgumentError(
+                f"{what} on rank {rank}: numpy array is not C-contiguous; call "
+                "np.ascontiguousarray() (the .contiguous() of numpy) first"
+            )
+        if not value.flags.writeable:
+            raise InvalidArgumentError(
+                f"{what} on rank {rank}: numpy array is read-only; pass a writable copy"
+            )
+        try:
+            value = torch.from_numpy(value)
+        except TypeError as exc:
+            raise InvalidArgumentError(
+                f"{what} on rank {rank}: unsupported numpy dtype {value.dtype}; use one of "
+                f"{', '.join(SUPPORTED_DTYPES.values())}"
+            ) from exc
+    if not isinstance(value, torch.Tensor):
+        raise InvalidArgumentError(
+            f"{what} on rank {rank}: expected a torch.Tensor or numpy.ndarray, "
+            f"got {type(value).__name__}"
+        )
+    t = value
+    if t.device.type == "cuda":
+        raise InvalidArgumentError(
+            f"{what} on rank {rank}: CUDA tensors need the NCCL backend, whose passthrough is not "
+            "available yet; move the tensor to CPU (.cpu()) for now"
+        )
+    if t.device.type != "cpu":
+        raise InvalidArgumentError(
+            f"{what} on rank {rank}: tensor is on device {t.device}; shardline's native backend "
+            "works on CPU tensors, call .cpu() first"
+        )
+    if t.layout != torch.strided:
+        raise InvalidArgumentError(
+            f"{what} on rank {rank}: {t.layout} tensors are not supported; call .to_dense()"
+        )
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise InvalidArgumentError(
+            f"{what} on rank {rank}: unsupported dtype {t.dtype}; use one of "
+            f"{', '.join(SUPPORTED_DTYPES.values())}"
+        )
+    if not t.is_contiguous():
+        raise InvalidArgumentError(
+            f"{what} on rank {rank}: tensor of shape {tuple(t.shape)} is not contiguous; "
+            "call .contiguous() first"
+        )
+    if t.is_conj() or t.is_neg():
+        raise InvalidArgumentError(
+            f"{what} on rank {rank}: tensor has a lazy conj/neg bit; call .resolve_conj() / "
+            ".resolve_neg() first"
+        )
+    # [Note: autograd] collectives write through .detach(), as torch.distributed does, so
+    # DDP can broadcast parameters that require grad.
+    return t.detach()
+
+
+def check_same_dtype(what: str, rank: int, expected: torch.Tensor, actual: torch.Tensor) -> None:
+    """Raises unless ``actual`` has ``expected``'s dtype."""
+    if expected.dtype != actual.dtype:
+        raise InvalidArgumentError(
+            f"{what} on rank {rank}: dtype mismatch, expected {expected.dtype} (the input's) "
+            f"but got {actual.dtype}"
+        )
+
+
+def check_numel(what: str, rank: int, expected: int, actual: torch.Tensor, hint: str) -> None:
+    """Raises unless ``actual`` holds ``expected`` elements."""
+    if actual.numel() != expected:
+        raise InvalidArgumentError(
+            f"{what} on rank {rank}: expected {expected} elements ({hint}) but got "
+            f"{actual.numel()} (shape {tuple(actual.shape)})"
+        )
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable, format ``'B'`` memoryview of ``t``'s memory (zero copy; 0-dim, bf16, bool too).
+
+    [Note: ownership] the view borrows ``t``'s storage; the caller keeps ``t`` alive until the
+    engine's Work completes (``Work`` holds it).
+    """
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy())  # type: ignore[arg-type]  # ndarray is a buffer

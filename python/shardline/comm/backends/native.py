@@ -1,0 +1,237 @@
+"""The native backend: one ``shardline._native.Group`` per ProcessGroup, set up via the store.
+
+Setup, for a group named ``name`` (all store keys live under ``shardline/<name>/``):
+
+1. every rank publishes its host identity and reads everybody's;
+2. the job secret is resolved (``SHARDLINE_SECRET``, or generated on one host);
+3. if ranks span hosts, every rank binds a ``Listener`` (``SHARDLINE_BIND_ADDR``, else the
+   address that routes to the master) and publishes its address;
+4. the lowest rank of each host with two or more ranks sweeps stale arenas, creates the
+   shared-memory arena ``/dev/shm/shardline-<pid>-<hex>`` and publishes its path;
+5. every rank constructs its ``Group``; after a store barrier the creator unlinks the arena's
+   name, so nothing is left in ``/dev/shm`` even if a rank is killed with ``kill -9``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardline.comm._buffers import byte_view, dtype_name
+from shardline.comm.backends._store import exchange, store_barrier
+from shardline.comm.rendezvous import job_secret
+from shardline.errors import ShardlineError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+    from shardline import _native
+
+__all__ = ["NativeBackend", "bind_address", "create"]
+
+DEFAULT_SLOT_BYTES = 1 << 20
+
+
+def _native_module() -> Any:
+    try:
+        from shardline import _native  # noqa: PLC0415
+    except ImportError as exc:
+        raise ShardlineError(
+            "the native engine shardline._native is not built; install shardline with "
+            "`pip install .` (or `maturin develop --release`), or use backend='gloo'"
+        ) from exc
+    return _native
+
+
+def bind_address(master_addr: str | None) -> str:
+    """The address other hosts reach this rank at.
+
+    ``SHARDLINE_BIND_ADDR`` if set; else the local address of the route to ``master_addr``
+    (no packet is sent); else the address of this host's name.
+    """
+    if os.environ.get("SHARDLINE_BIND_ADDR"):
+        return os.environ["SHARDLINE_BIND_ADDR"]
+    if master_addr:
+        try:
+            family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((master_addr, 9))
+                return str(s.getsockname()[0])
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _slot_bytes() -> int:
+    raw = os.environ.get("SHARDLINE_SHM_SLOT_BYTES", "")
+    try:
+        value = int(raw) if raw else DEFAULT_SLOT_BYTES
+    except ValueError:
+        raise ShardlineError(f"SHARDLINE_SHM_SLOT_BYTES={raw!r} is not an integer") from None
+    if value < 4096:
+        raise ShardlineError(f"SHARDLINE_SHM_SLOT_BYTES={value} must be at least 4096")
+    return value
+
+
+class NativeBackend:
+    """Adapter from checked tensors to the engine's byte buffers (zero copy)."""
+
+    name = "native"
+
+    def __init__(
+        self,
+        group: _native.Group,
+        *,
+        store: Store,
+        group_name: str,
+        secret: bytes,
+        host_id: str,
+        master_addr: str | None,
+        timeout: float,
+    ) -> None:
+        self._g = group
+        self._store = store
+        self.group_name = group_name
+        self._secret = secret
+        self._host_id = host_id
+        self._master_addr = master_addr
+        self._timeout = timeout
+        self.rank = group.rank
+        self.world_size = group.world_size
+        self.transport = group.transport
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> _native.Work:  # noqa: D102
+        return self._g.all_reduce(byte_view(t), dtype_name(t), op, async_op=True)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> _native.Work:  # noqa: D102
+        return self._g.reduce_scatter(byte_view(out), byte_view(inp), dtype_name(out), op, True)
+
+    def all_gather(  # noqa: D102
+        self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int] | None
+    ) -> _native.Work:
+        return self._g.all_gather(byte_view(out), byte_view(inp), dtype_name(inp), counts, True)
+
+    def broadcast(self, t: torch.Tensor, root: int) -> _native.Work:  # noqa: D102
+        return self._g.broadcast(byte_view(t), dtype_name(t), root, async_op=True)
+
+    def reduce(self, t: torch.Tensor, op: str, root: int) -> _native.Work:  # noqa: D102
+        return self._g.reduce(byte_view(t), dtype_name(t), op, root, async_op=True)
+
+    def gather(self, out: torch.Tensor | None, inp: torch.Tensor, root: int) -> _native.Work:  # noqa: D102
+        o = None if out is None else byte_view(out)
+        return self._g.gather(o, byte_view(inp), dtype_name(inp), root, async_op=True)
+
+    def scatter(self, out: torch.Tensor, inp: torch.Tensor | None, root: int) -> _native.Work:  # noqa: D102
+        i = None if inp is None else byte_view(inp)
+        return self._g.scatter(byte_view(out), i, dtype_name(out), root, async_op=True)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> _native.Work:  # noqa: D102
+        return self._g.all_to_all(byte_view(out), byte_view(inp), dtype_name(inp), async_op=True)
+
+    def barrier(self) -> _native.Work:  # noqa: D102
+        return self._g.barrier(async_op=True)
+
+    def send(self, t: torch.Tensor, dst: int) -> _native.Work:  # noqa: D102
+        return self._g.send(byte_view(t), dtype_name(t), dst, async_op=True)
+
+    def recv(self, t: torch.Tensor, src: int) -> _native.Work:  # noqa: D102
+        return self._g.recv(byte_view(t), dtype_name(t), src, async_op=True)
+
+    def subgroup(self, name: str, ranks: Sequence[int]) -> NativeBackend:  # noqa: D102
+        return create(
+            self._store,
+            list(ranks).index(self.rank),
+            len(ranks),
+            name=name,
+            host_id=self._host_id,
+            timeout=self._timeout,
+            secret=self._secret,
+            master_addr=self._master_addr,
+        )
+
+    def abort(self, reason: str) -> None:  # noqa: D102
+        self._g.abort(reason)
+
+    def close(self) -> None:  # noqa: D102
+        self._g.close()
+
+
+def create(
+    store: Store,
+    rank: int,
+    world_size: int,
+    *,
+    name: str,
+    host_id: str,
+    timeout: float,
+    secret: bytes | None = None,
+    master_addr: str | None = None,
+) -> NativeBackend:
+    """Runs the setup in this module's docstring and returns the backend for one group.
+
+    Args:
+        store: The job's store (every rank of the group passes one connected to the same).
+        rank: This rank within the group.
+        world_size: Number of ranks in the group.
+        name: Unique group name; namespaces the store keys.
+        host_id: This host's identity (see ``rendezvous.host_identity``).
+        timeout: Deadline of every blocking wait, in seconds.
+        secret: Job secret; resolved from the environment when ``None``.
+        master_addr: The store's host, used to pick a reachable bind address.
+    """
+    native = _native_module()
+    prefix = f"shardline/{name}"
+    host_ids = exchange(store, f"{prefix}/host", rank, world_size, host_id)
+    if secret is None:
+        secret = job_secret(store, rank, host_ids, key=f"{prefix}/secret")
+    listener = None
+    addrs = [""] * world_size
+    if len(set(host_ids)) > 1:
+        listener = native.Listener(bind_address(master_addr))
+        addrs = exchange(store, f"{prefix}/addr", rank, world_size, listener.address)
+
+    local = [r for r in range(world_size) if host_ids[r] == host_id]
+    arena_path: str | None = None
+    created = False
+    if len(local) >= 2:
+        key = f"{prefix}/arena/{local[0]}"
+        if rank == local[0]:
+            native.arena_sweep()
+            arena_path = f"/dev/shm/shardline-{os.getpid()}-{secrets.token_hex(8)}"
+            native.arena_create(arena_path, len(local), _slot_bytes())
+            created = True
+            store.set(key, arena_path)
+        else:
+            arena_path = bytes(store.get(key)).decode()
+    try:
+        group = native.Group(
+            rank,
+            world_size,
+            name=name,
+            secret=secret,
+            host_ids=host_ids,
+            addrs=addrs,
+            listener=listener,
+            arena_path=arena_path,
+            timeout=timeout,
+        )
+        store_barrier(
+            store, f"{prefix}/ready", rank, world_size, timeout, f"creating group {name!r}"
+        )
+    finally:
+        if created and arena_path is not None:
+            native.arena_unlink(arena_path)
+    return NativeBackend(
+        group,
+        store=store,
+        group_name=name,
+        secret=secret,
+        host_id=host_id,
+        master_addr=master_addr,
+        timeout=timeout,
+    )

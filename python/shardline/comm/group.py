@@ -1,0 +1,446 @@
+"""``ProcessGroup``: the collectives every strategy calls, on any backend.
+
+A ProcessGroup checks arguments at the edge (device, layout, dtype, sizes) before anything is
+sent, turns list-shaped arguments into flat buffers, keeps tensors alive while ops run, and
+delegates to a backend (``native`` or ``gloo``) that only sees flat, checked CPU tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardline.comm._buffers import (
+    as_tensor,
+    check_numel,
+    check_same_dtype,
+    parse_op,
+)
+from shardline.comm.work import Handle, Work
+from shardline.errors import CommunicatorClosedError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from shardline.comm._buffers import TensorLike
+    from shardline.comm.work import Backend
+
+__all__ = ["ProcessGroup"]
+
+TensorList = Sequence["TensorLike"]
+
+
+class ProcessGroup:
+    """A set of ranks that run collectives together.
+
+    Create one with ``shardline.init()`` (the default group), ``init_process_group()`` or
+    ``new_group()``. Every rank of the group must call the same collectives in the same order.
+    Inputs are contiguous CPU tensors or numpy arrays, used in place (zero copy); list-shaped
+    outputs are filled from a flat buffer.
+
+    Attributes:
+        rank: This process's rank within the group.
+        world_size: Number of ranks in the group.
+        backend: ``"native"`` or ``"gloo"``.
+        name: Unique name of the group (``"world"``, ``"world.0"``, ...).
+        ranks: Ranks of the parent group that form this one (``None`` for a root group).
+    """
+
+    def __init__(self, impl: Backend, *, ranks: Sequence[int] | None = None) -> None:
+        self._impl = impl
+        self.rank = impl.rank
+        self.world_size = impl.world_size
+        self.backend = impl.name
+        self.name = getattr(impl, "group_name", "world")
+        self.ranks = tuple(ranks) if ranks is not None else None
+        self._pending: list[Work] = []
+        self._children: list[ProcessGroup] = []
+        self._num_subgroups = 0
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"ProcessGroup(name={self.name!r}, backend={self.backend!r}, rank={self.rank}, "
+            f"world_size={self.world_size}, transport={self.transport!r})"
+        )
+
+    @property
+    def transport(self) -> str:
+        """How ranks talk: ``"single"``, ``"shm"``, ``"tcp"``, ``"hierarchical"`` or ``"gloo"``."""
+        return self._impl.transport
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _t(self, value: object, what: str) -> torch.Tensor:
+        return as_tensor(value, what=what, rank=self.rank)
+
+    def _check_rank(self, op: str, role: str, r: int) -> None:
+        if not isinstance(r, int) or not 0 <= r < self.world_size:
+            raise InvalidArgumentError(
+                f"{op} on rank {self.rank}: {role}={r!r} is not a rank of this group "
+                f"(world_size {self.world_size})"
+            )
+
+    def _submit(
+        self,
+        op: str,
+        start: Callable[[], Handle],
+        keepalive: tuple[object, ...],
+        async_op: bool,
+        finalize: Callable[[], None] | None = None,
+    ) -> Work | None:
+        if self._closed:
+            raise CommunicatorClosedError(
+                f"{op} on rank {self.rank}: group {self.name!r} was shut down; create a new one"
+            )
+        work = Work(start(), keepalive, finalize)
+        if not async_op:
+            work.wait()
+            return None
+        with self._lock:
+            self._pending = [w for w in self._pending if not w._done()]
+            self._pending.append(work)
+        return work
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def all_reduce(
+        self, tensor: TensorLike, op: object = "sum", async_op: bool = False
+    ) -> Work | None:
+        """Reduces ``tensor`` across ranks in place; every rank gets the result.
+
+        Args:
+            tensor: Contiguous CPU tensor or numpy array, overwritten with the result.
+            op: ``"sum"``, ``"avg"`` (float dtypes), ``"max"``, ``"min"`` or ``"prod"``;
+                on bool, sum/max are "or" and prod/min are "and".
+            async_op: Return a ``Work`` instead of waiting.
+        """
+        t = self._t(tensor, "all_reduce(tensor)")
+        name = parse_op(op, dtype=t.dtype, what="all_reduce", rank=self.rank)
+        return self._submit(
+            "all_reduce", lambda: self._impl.all_reduce(t, name), (tensor, t), async_op
+        )
+
+    def reduce_scatter(
+        self,
+        output: TensorLike,
+        input: TensorLike | TensorList,
+        op: object = "sum",
+        async_op: bool = False,
+    ) -> Work | None:
+        """Reduces ``input`` across ranks; rank ``i`` gets slice ``i`` of the result.
+
+        Args:
+            output: This rank's slice, ``n`` elements.
+            input: ``world_size * n`` elements (flat), or a list of ``world_size`` tensors of
+                ``n`` elements (copied into one buffer first).
+            op: Reduction, as for ``all_reduce``.
+            async_op: Return a ``Work`` instead of waiting.
+        """
+        out = self._t(output, "reduce_scatter(output)")
+        inp = self._flat_input(input, "reduce_scatter", out.numel(), out)
+        check_same_dtype("reduce_scatter", self.rank, out, inp)
+        check_numel(
+            "reduce_scatter(input)",
+            self.rank,
+            self.world_size * out.numel(),
+            inp,
+            f"world_size {self.world_size} x output's {out.numel()}",
+        )
+        name = parse_op(op, dtype=out.dtype, what="reduce_scatter", rank=self.rank)
+        return self._submit(
+            "reduce_scatter",
+            lambda: self._impl.reduce_scatter(out, inp, name),
+            (output, input, out, inp),
+            async_op,
+        )
+
+    def all_gather(
+        self, output: TensorLike | TensorList, input: TensorLike, async_op: bool = False
+    ) -> Work | None:
+        """Gathers every rank's ``input`` on every rank.
+
+        Args:
+            output: A flat tensor of ``world_size * input.numel()`` elements (rank-major), or a
+                list of ``world_size`` tensors; list entries may differ in size (unequal
+                all_gather), entry ``i`` holding rank ``i``'s input.
+            input: This rank's contribution.
+            async_op: Return a ``Work`` instead of waiting.
+        """
+        inp = self._t(input, "all_gather(input)")
+        if isinstance(output, list | tuple):
+            outs = self._tensor_list(output, "all_gather(output)", inp, self.world_size)
+            counts = [o.numel() for o in outs]
+            check_numel(
+                f"all_gather(output[{self.rank}])",
+                self.rank,
+                inp.numel(),
+                outs[self.rank],
+                "this rank's entry must match its input",
+            )
+            flat = torch.empty(sum(counts), dtype=inp.dtype)
+            equal = len(set(counts)) == 1
+            return self._submit(
+                "all_gather",
+                lambda: self._impl.all_gather(flat, inp, None if equal else counts),
+                (output, input, inp, flat),
+                async_op,
+                _scatter_into(flat, outs),
+            )
+        out = self._t(output, "all_gather(output)")
+        check_same_dtype("all_gather", self.rank, inp, out)
+        check_numel(
+            "all_gather(output)",
+            self.rank,
+            self.world_size * inp.numel(),
+            out,
+            f"world_size {self.world_size} x input's {inp.numel()}",
+        )
+        return self._submit(
+            "all_gather",
+            lambda: self._impl.all_gather(out, inp, None),
+            (output, input, out, inp),
+            async_op,
+        )
+
+    def broadcast(self, tensor: TensorLike, src: int = 0, async_op: bool = False) -> Work | None:
+        """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
+        t = self._t(tensor, "broadcast(tensor)")
+        self._check_rank("broadcast", "src", src)
+        return self._submit(
+            "broadcast", lambda: self._impl.broadcast(t, src), (tensor, t), async_op
+        )
+
+    def reduce(
+        self, tensor: TensorLike, dst: int = 0, op: object = "sum", async_op: bool = False
+    ) -> Work | None:
+        """Reduces ``tensor`` across ranks into rank ``dst``'s ``tensor``.
+
+        Other ranks' tensors are inputs only; their contents afterwards are unspecified.
+        """
+        t = self._t(tensor, "reduce(tensor)")
+        self._check_rank("reduce", "dst", dst)
+        name = parse_op(op, dtype=t.dtype, what="reduce", rank=self.rank)
+        return self._submit(
+            "reduce", lambda: self._impl.reduce(t, name, dst), (tensor, t), async_op
+        )
+
+    def gather(
+        self,
+        tensor: TensorLike,
+        gather_list: TensorLike | TensorList | None = None,
+        dst: int = 0,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Gathers every rank's ``tensor`` on rank ``dst``.
+
+        Args:
+            tensor: This rank's contribution.
+            gather_list: On ``dst``: a list of ``world_size`` tensors like ``tensor``, or one
+                flat tensor of ``world_size * tensor.numel()`` elements. Ignored elsewhere.
+            dst: The receiving rank.
+            async_op: Return a ``Work`` instead of waiting.
+        """
+        inp = self._t(tensor, "gather(tensor)")
+        self._check_rank("gather", "dst", dst)
+        out, finalize = None, None
+        keep: list[object] = [tensor, inp]
+        if self.rank == dst:
+            if gather_list is None:
+                raise InvalidArgumentError(
+                    f"gather on rank {self.rank}: the destination rank must pass gather_list"
+                )
+            out, finalize = self._flat_output(gather_list, "gather", inp)
+            keep += [gather_list, out]
+        return self._submit(
+            "gather", lambda: self._impl.gather(out, inp, dst), tuple(keep), async_op, finalize
+        )
+
+    def scatter(
+        self,
+        tensor: TensorLike,
+        scatter_list: TensorLike | TensorList | None = None,
+        src: int = 0,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Rank ``src`` sends entry ``i`` of ``scatter_list`` to rank ``i``'s ``tensor``.
+
+        Args:
+            tensor: Output on every rank.
+            scatter_list: On ``src``: a list of ``world_size`` tensors like ``tensor`` (copied
+                into one buffer), or a flat tensor of ``world_size * tensor.numel()``.
+            src: The sending rank.
+            async_op: Return a ``Work`` instead of waiting.
+        """
+        out = self._t(tensor, "scatter(tensor)")
+        self._check_rank("scatter", "src", src)
+        inp = None
+        keep: list[object] = [tensor, out]
+        if self.rank == src:
+            if scatter_list is None:
+                raise InvalidArgumentError(
+                    f"scatter on rank {self.rank}: the source rank must pass scatter_list"
+                )
+            inp = self._flat_input(scatter_list, "scatter", out.numel(), out)
+            check_same_dtype("scatter", self.rank, out, inp)
+            check_numel(
+                "scatter(scatter_list)",
+                self.rank,
+                self.world_size * out.numel(),
+                inp,
+                f"world_size {self.world_size} x tensor's {out.numel()}",
+            )
+            keep += [scatter_list, inp]
+        return self._submit(
+            "scatter", lambda: self._impl.scatter(out, inp, src), tuple(keep), async_op
+        )
+
+    def all_to_all(
+        self, output: TensorLike, input: TensorLike, async_op: bool = False
+    ) -> Work | None:
+        """Sends slice ``j`` of ``input`` to rank ``j``, which stores it as its slice ``i``.
+
+        Both are flat-equivalent tensors of ``world_size * n`` elements (equal splits).
+        """
+        out = self._t(output, "all_to_all(output)")
+        inp = self._t(input, "all_to_all(input)")
+        check_same_dtype("all_to_all", self.rank, inp, out)
+        check_numel("all_to_all(output)", self.rank, inp.numel(), out, "the input's size")
+        if inp.numel() % self.world_size:
+            raise InvalidArgumentError(
+                f"all_to_all on rank {self.rank}: {inp.numel()} elements do not split evenly "
+                f"among {self.world_size} ranks; pad the input to a multiple of world_size"
+            )
+        return self._submit(
+            "all_to_all",
+            lambda: self._impl.all_to_all(out, inp),
+            (output, input, out, inp),
+            async_op,
+        )
+
+    def barrier(self, async_op: bool = False) -> Work | None:
+        """Returns once every rank of the group has called ``barrier``."""
+        return self._submit("barrier", self._impl.barrier, (), async_op)
+
+    def send(self, tensor: TensorLike, dst: int, async_op: bool = False) -> Work | None:
+        """Sends ``tensor`` to rank ``dst``, which must call ``recv`` with the same size."""
+        t = self._t(tensor, "send(tensor)")
+        self._check_rank("send", "dst", dst)
+        if dst == self.rank:
+            raise InvalidArgumentError(f"send on rank {self.rank}: dst is this rank itself")
+        return self._submit("send", lambda: self._impl.send(t, dst), (tensor, t), async_op)
+
+    def recv(self, tensor: TensorLike, src: int, async_op: bool = False) -> Work | None:
+        """Receives into ``tensor`` what rank ``src`` sends."""
+        t = self._t(tensor, "recv(tensor)")
+        self._check_rank("recv", "src", src)
+        if src == self.rank:
+            raise InvalidArgumentError(f"recv on rank {self.rank}: src is this rank itself")
+        return self._submit("recv", lambda: self._impl.recv(t, src), (tensor, t), async_op)
+
+    # -- groups ------------------------------------------------------------------------------
+
+    def new_group(self, ranks: Sequence[int]) -> ProcessGroup | None:
+        """Creates a sub-group of ``ranks`` (ranks of this group).
+
+        Every rank of this group must call ``new_group`` with the same ranks, in the same order
+        as its other ``new_group`` calls (torch.distributed semantics); ranks outside the
+        sub-group get ``None``. The sub-group's rank ``i`` is the ``i``-th smallest member.
+        """
+        members = sorted({int(r) for r in ranks})
+        if len(members) != len(list(ranks)) or not members:
+            raise InvalidArgumentError(
+                f"new_group on rank {self.rank}: ranks {list(ranks)} must be distinct and non-empty"
+            )
+        for r in members:
+            self._check_rank("new_group", "rank", r)
+        name = f"{self.name}.{self._num_subgroups}"
+        self._num_subgroups += 1
+        if self.rank not in members:
+            return None
+        impl = self._impl.subgroup(name, members)
+        child = ProcessGroup(impl, ranks=members)
+        self._children.append(child)
+        return child
+
+    def abort(self, reason: str = "aborted by the user") -> None:
+        """Fails every pending and future op of this group, here and on its peers."""
+        self._impl.abort(reason)
+
+    def shutdown(self) -> None:
+        """Waits for queued ops, then releases the transport; later calls raise.
+
+        Sub-groups created from this group are shut down first. Idempotent.
+        """
+        if self._closed:
+            return
+        for child in self._children:
+            child.shutdown()
+        self._closed = True
+        self._impl.close()
+        self._pending.clear()
+
+    # -- argument shapes ---------------------------------------------------------------------
+
+    def _tensor_list(
+        self, values: TensorList, what: str, like: torch.Tensor, n: int
+    ) -> list[torch.Tensor]:
+        if len(values) != n:
+            raise InvalidArgumentError(
+                f"{what} on rank {self.rank}: expected a list of {n} tensors (one per rank), "
+                f"got {len(values)}"
+            )
+        outs = [self._t(v, f"{what}[{i}]") for i, v in enumerate(values)]
+        for o in outs:
+            check_same_dtype(what, self.rank, like, o)
+        return outs
+
+    def _flat_input(
+        self, value: TensorLike | TensorList, op: str, n: int, like: torch.Tensor
+    ) -> torch.Tensor:
+        if isinstance(value, list | tuple):
+            parts = self._tensor_list(value, f"{op}(input list)", like, self.world_size)
+            for i, p in enumerate(parts):
+                check_numel(
+                    f"{op}(input list[{i}])", self.rank, n, p, "every entry like the output"
+                )
+            if n == 0:
+                return torch.empty(0, dtype=like.dtype)
+            return torch.cat([p.reshape(-1) for p in parts])
+        return self._t(value, f"{op}(input)")
+
+    def _flat_output(
+        self, value: TensorLike | TensorList, op: str, like: torch.Tensor
+    ) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        n = like.numel()
+        if isinstance(value, list | tuple):
+            outs = self._tensor_list(value, f"{op}(output list)", like, self.world_size)
+            for i, o in enumerate(outs):
+                check_numel(
+                    f"{op}(output list[{i}])", self.rank, n, o, "every entry like the input"
+                )
+            flat = torch.empty(n * self.world_size, dtype=like.dtype)
+            return flat, _scatter_into(flat, outs)
+        out = self._t(value, f"{op}(output)")
+        check_same_dtype(op, self.rank, like, out)
+        check_numel(
+            f"{op}(output)",
+            self.rank,
+            n * self.world_size,
+            out,
+            f"world_size {self.world_size} x input's {n}",
+        )
+        return out, None
+
+
+def _scatter_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> Callable[[], None]:
+    def copy() -> None:
+        start = 0
+        for o in outs:
+            n = o.numel()
+            o.view(-1).copy_(flat[start : start + n])
+            start += n
+
+    return copy

@@ -1,0 +1,295 @@
+"""Rendezvous: who am I, who is the master, and how ranks find each other.
+
+Reads torchrun's env:// variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) or SLURM's (``SLURM_PROCID``, ``SLURM_NTASKS``,
+``SLURM_LOCALID``), opens torch's ``TCPStore`` (rank 0 hosts it), and resolves the job's host
+identity, shared secret and timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import secrets
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from shardline.errors import ShardlineError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store, TCPStore
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "RendezvousInfo",
+    "create_store",
+    "first_slurm_host",
+    "host_identity",
+    "job_secret",
+    "read_env",
+    "timeout_seconds",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+@dataclass(frozen=True)
+class RendezvousInfo:
+    """Where this process sits in the job, as the launcher described it.
+
+    Attributes:
+        master_addr: Host of rank 0's TCPStore.
+        master_port: Port of rank 0's TCPStore.
+        rank: Global rank.
+        world_size: Number of ranks in the job.
+        local_rank: Rank among the processes of this host.
+        local_world_size: Number of processes on this host.
+        source: ``"env"`` (torchrun, ``shardline run``) or ``"slurm"``.
+    """
+
+    master_addr: str
+    master_port: int
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    source: str
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ShardlineError(
+            f"{name}={raw!r} is not an integer; set it to a whole number"
+        ) from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """Returns the first host of a SLURM node list.
+
+    Args:
+        nodelist: ``SLURM_JOB_NODELIST``, e.g. ``"gpu[007-010,012],cpu01"``.
+
+    Returns:
+        The first host name, e.g. ``"gpu007"``.
+    """
+    nodelist = nodelist.strip()
+    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist)
+    if not match or not (match.group(1) or match.group(2)):
+        raise ShardlineError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def read_env(env: Mapping[str, str] | None = None) -> RendezvousInfo:
+    """Reads the rendezvous variables of torchrun or SLURM, checking they agree.
+
+    torchrun-style variables win over SLURM's. Missing or inconsistent values fail fast.
+
+    Args:
+        env: Variables to read; ``os.environ`` by default.
+
+    Returns:
+        This process's place in the job.
+
+    Raises:
+        ShardlineError: a variable is missing, malformed or contradicts another.
+    """
+    env = os.environ if env is None else env
+    rank, world = _int_var(env, "RANK"), _int_var(env, "WORLD_SIZE")
+    local_rank, local_world = _int_var(env, "LOCAL_RANK"), _int_var(env, "LOCAL_WORLD_SIZE")
+    source = "env"
+    if rank is None and world is None and "SLURM_PROCID" in env:
+        source = "slurm"
+        rank, world = _int_var(env, "SLURM_PROCID"), _int_var(env, "SLURM_NTASKS")
+        if local_rank is None:
+            local_rank = _int_var(env, "SLURM_LOCALID")
+        if local_world is None:
+            local_world = _slurm_tasks_on_this_node(env)
+    if rank is None or world is None:
+        raise ShardlineError(
+            "cannot find this process's rank: set RANK and WORLD_SIZE (and MASTER_ADDR, "
+            "MASTER_PORT), launch with `shardline run`, torchrun or srun"
+        )
+    if world < 1:
+        raise ShardlineError(f"WORLD_SIZE={world} must be at least 1")
+    if not 0 <= rank < world:
+        raise ShardlineError(f"RANK={rank} is outside [0, WORLD_SIZE={world})")
+    if local_rank is None:
+        local_rank = rank if local_world is None else rank % local_world
+    if local_world is None:
+        local_world = world
+    if not 1 <= local_world <= world:
+        raise ShardlineError(f"LOCAL_WORLD_SIZE={local_world} must be in [1, WORLD_SIZE={world}]")
+    if not 0 <= local_rank < local_world:
+        raise ShardlineError(
+            f"LOCAL_RANK={local_rank} is outside [0, LOCAL_WORLD_SIZE={local_world}) on rank {rank}"
+        )
+
+    addr = env.get("MASTER_ADDR") or ""
+    if not addr and source == "slurm":
+        addr = env.get("SLURM_LAUNCH_NODE_IPADDR") or ""
+        if not addr and env.get("SLURM_JOB_NODELIST"):
+            addr = first_slurm_host(env["SLURM_JOB_NODELIST"])
+    if not addr:
+        if world == 1:
+            addr = "127.0.0.1"
+        else:
+            raise ShardlineError(
+                f"MASTER_ADDR is not set on rank {rank}; set it to rank 0's host "
+                "(torchrun and `shardline run` do this)"
+            )
+    port = _int_var(env, "MASTER_PORT")
+    if port is None:
+        if world == 1:
+            port = 0
+        else:
+            raise ShardlineError(f"MASTER_PORT is not set on rank {rank}; set it to a free port")
+    if not 0 <= port <= 65535 or (port == 0 and world > 1):
+        raise ShardlineError(f"MASTER_PORT={port} must be a port in [1, 65535]")
+    return RendezvousInfo(addr, port, rank, world, local_rank, local_world, source)
+
+
+def _slurm_tasks_on_this_node(env: Mapping[str, str]) -> int | None:
+    # SLURM_TASKS_PER_NODE looks like "4(x2),3"; SLURM_NODEID picks the entry.
+    spec, node = env.get("SLURM_TASKS_PER_NODE"), _int_var(env, "SLURM_NODEID")
+    if not spec:
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node or 0] if (node or 0) < len(counts) else None
+
+
+def timeout_seconds(timeout: timedelta | float | None = None) -> float:
+    """The deadline for blocking calls: the argument, else ``SHARDLINE_TIMEOUT``, else 300 s."""
+    if timeout is None:
+        raw = os.environ.get("SHARDLINE_TIMEOUT")
+        if raw is None or raw.strip() == "":
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ShardlineError(f"SHARDLINE_TIMEOUT={raw!r} is not a number of seconds") from None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ShardlineError(f"timeout must be positive, got {seconds} s")
+    return seconds
+
+
+def create_store(info: RendezvousInfo, timeout: timedelta | float | None = None) -> TCPStore:
+    """Opens the job's TCPStore: rank 0 hosts it, every other rank connects to it.
+
+    Raises:
+        ShardlineError: rank 0 cannot bind ``MASTER_ADDR:MASTER_PORT`` (message names both),
+            or another rank cannot reach it before the timeout.
+    """
+    seconds = timeout_seconds(timeout)
+    is_master = info.rank == 0
+    where = f"{info.master_addr}:{info.master_port}"
+    try:
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            info.master_addr,
+            info.master_port,
+            info.world_size,
+            is_master,
+            timedelta(seconds=seconds),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as exc:
+        text = str(exc)
+        in_use = getattr(exc, "errno", None) == errno.EADDRINUSE or "address already in use" in (
+            text.lower()
+        )
+        if is_master and in_use:
+            raise ShardlineError(
+                f"rank 0 cannot host the rendezvous store on {where}: address already in use; "
+                "pick another MASTER_PORT or stop the process holding it"
+            ) from exc
+        role = "host" if is_master else "reach"
+        raise ShardlineError(
+            f"rank {info.rank} cannot {role} the rendezvous store at {where}: {text}; "
+            "check MASTER_ADDR/MASTER_PORT and that rank 0 is running"
+        ) from exc
+
+
+def host_identity(env: Mapping[str, str] | None = None) -> str:
+    """This host's identity: ``SHARDLINE_HOST_ID`` if set, else hostname plus boot id.
+
+    Ranks with equal identities talk through shared memory; tests set ``SHARDLINE_HOST_ID``
+    to force the TCP path between processes of one machine.
+    """
+    env = os.environ if env is None else env
+    if env.get("SHARDLINE_HOST_ID"):
+        return env["SHARDLINE_HOST_ID"]
+    try:
+        with open(_BOOT_ID, encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _secret_from_env(env: Mapping[str, str]) -> bytes | None:
+    raw = env.get("SHARDLINE_SECRET")
+    if raw is None or raw == "":
+        return None
+    return hashlib.sha256(raw.encode("utf-8")).digest()
+
+
+def job_secret(
+    store: Store,
+    rank: int,
+    host_ids: list[str],
+    *,
+    key: str,
+    env: Mapping[str, str] | None = None,
+) -> bytes:
+    """The job's shared secret for the HMAC handshake.
+
+    ``SHARDLINE_SECRET`` (any string, hashed with SHA-256) when set. Otherwise a single-host
+    job gets 32 random bytes from rank 0 through the store; this is weaker (anyone who can
+    reach the store can read it), but single-host jobs bind to loopback only. A multi-host job
+    without a secret fails unless ``SHARDLINE_INSECURE=1`` opts out (empty secret).
+
+    Args:
+        store: The job's store.
+        rank: This rank in the group being formed.
+        host_ids: Every rank's host identity.
+        key: Store key for a generated secret.
+        env: Variables to read; ``os.environ`` by default.
+    """
+    env = os.environ if env is None else env
+    from_env = _secret_from_env(env)
+    if from_env is not None:
+        return from_env
+    if len(set(host_ids)) > 1:
+        if env.get("SHARDLINE_INSECURE") == "1":
+            return b""
+        raise ShardlineError(
+            f"rank {rank}: this job spans {len(set(host_ids))} hosts but SHARDLINE_SECRET is "
+            "not set; set the same SHARDLINE_SECRET on every rank (`shardline run` does), or "
+            "set SHARDLINE_INSECURE=1 to accept unauthenticated connections"
+        )
+    if rank == 0:
+        store.set(key, secrets.token_bytes(32))  # type: ignore[arg-type]  # bytes work
+    value = store.get(key)
+    return bytes(value)

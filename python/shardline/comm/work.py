@@ -1,0 +1,102 @@
+"""``Work``: a collective in flight, and the backend interface every ProcessGroup drives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+
+__all__ = ["Backend", "Handle", "Work", "seconds"]
+
+
+def seconds(timeout: timedelta | float | None) -> float | None:
+    """``timeout`` in seconds (``None`` stays ``None``)."""
+    if timeout is None:
+        return None
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+class Handle(Protocol):
+    """What a backend returns for one op (the native ``Work``, or an adapter over gloo's)."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until done; raises the op's error."""
+
+    def is_completed(self) -> bool:
+        """Whether the op finished (successfully or not)."""
+
+
+class Backend(Protocol):
+    """The few primitives a backend implements; ``ProcessGroup`` checks arguments first.
+
+    Every tensor argument is a contiguous CPU tensor of a supported dtype whose sizes are
+    already consistent; every method starts the op and returns without waiting.
+    """
+
+    name: str
+    rank: int
+    world_size: int
+    transport: str
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> Handle: ...  # noqa: D102
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> Handle: ...  # noqa: D102
+    def all_gather(  # noqa: D102
+        self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int] | None
+    ) -> Handle: ...
+    def broadcast(self, t: torch.Tensor, root: int) -> Handle: ...  # noqa: D102
+    def reduce(self, t: torch.Tensor, op: str, root: int) -> Handle: ...  # noqa: D102
+    def gather(self, out: torch.Tensor | None, inp: torch.Tensor, root: int) -> Handle: ...  # noqa: D102
+    def scatter(self, out: torch.Tensor, inp: torch.Tensor | None, root: int) -> Handle: ...  # noqa: D102
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Handle: ...  # noqa: D102
+    def barrier(self) -> Handle: ...  # noqa: D102
+    def send(self, t: torch.Tensor, dst: int) -> Handle: ...  # noqa: D102
+    def recv(self, t: torch.Tensor, src: int) -> Handle: ...  # noqa: D102
+    def subgroup(self, name: str, ranks: Sequence[int]) -> Backend:  # noqa: D102
+        ...
+    def abort(self, reason: str) -> None: ...  # noqa: D102
+    def close(self) -> None: ...  # noqa: D102
+
+
+class Work:
+    """A collective in flight, returned by every op called with ``async_op=True``.
+
+    [Note: ownership] a Work holds every tensor the engine reads or writes until the op is
+    done, so dropping the caller's references early cannot free memory under the engine.
+    Outputs given as lists of tensors are filled in by ``wait()``.
+    """
+
+    def __init__(
+        self,
+        handle: Handle,
+        keepalive: tuple[object, ...],
+        finalize: Callable[[], None] | None = None,
+    ) -> None:
+        self._handle = handle
+        self._keepalive: tuple[object, ...] | None = keepalive
+        self._finalize = finalize
+
+    def wait(self, timeout: timedelta | float | None = None) -> None:
+        """Blocks until the op is done and its outputs are written.
+
+        Args:
+            timeout: Give up after this long (``timedelta`` or seconds); ``None`` waits up to
+                the group's deadline.
+
+        Raises:
+            CollectiveTimeoutError: ``timeout`` passed first (the op keeps running).
+            ShardlineError: the op failed (``PeerLostError``, ``CollectiveMismatchError``, ...).
+        """
+        self._handle.wait(seconds(timeout))
+        if self._finalize is not None:
+            finalize, self._finalize = self._finalize, None
+            finalize()
+        self._keepalive = None
+
+    def is_completed(self) -> bool:
+        """Whether the op finished (list outputs are written on ``wait()``)."""
+        return self._handle.is_completed()
+
+    def _done(self) -> bool:
+        return self._keepalive is None or self._handle.is_completed()

@@ -1,0 +1,130 @@
+"""Run ranks as threads of this process: the helper every distributed test goes through."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from shardline.comm import ProcessGroup, init_process_group
+
+__all__ = ["SECRET", "THREAD_PREFIX", "host_ids", "new_store", "run_ranks"]
+
+SECRET = b"shardline-test-secret"
+THREAD_PREFIX = "shardline-rank-"
+
+
+def host_ids(n: int, transport: str) -> list[str]:
+    """Host identities that force ``transport``: one host, one per rank, or two hosts."""
+    if transport == "shm":
+        return ["host-a"] * n
+    if transport == "tcp":
+        return [f"host-{r}" for r in range(n)]
+    if transport == "hier":
+        return ["host-a" if r < (n + 1) // 2 else "host-b" for r in range(n)]
+    raise ValueError(f"unknown transport {transport!r}; use shm, tcp or hier")
+
+
+def new_store(timeout: float = 30.0) -> dist.TCPStore:
+    """A master TCPStore on a free loopback port (port 0)."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False
+    )
+
+
+def run_ranks(
+    n: int,
+    body: Callable[[ProcessGroup], Any],
+    backend: str = "native",
+    transport: str = "shm",
+    timeout: float = 60.0,
+    op_timeout: float = 20.0,
+    secrets: list[bytes | None] | None = None,
+) -> list[Any]:
+    """Runs ``body(group)`` on ``n`` ranks as threads, each with its own ProcessGroup.
+
+    ``secrets`` gives each rank's job secret (``None``: resolved from the environment);
+    by default all ranks share ``SECRET``.
+
+    Returns every rank's return value, in rank order. If any rank raised, raises one
+    AssertionError listing every failed rank's exception and traceback; if any rank is still
+    running after ``timeout`` seconds, aborts the groups and reports the stuck ranks.
+    Groups are always shut down.
+    """
+    master = new_store(op_timeout)
+    ids = host_ids(n, transport)
+    results: list[Any] = [None] * n
+    errors: dict[int, str] = {}
+    groups: list[ProcessGroup | None] = [None] * n
+
+    def run(rank: int) -> None:
+        try:
+            store = dist.TCPStore(
+                "127.0.0.1", master.port, None, False, timedelta(seconds=op_timeout)
+            )
+            g = init_process_group(
+                store,
+                rank,
+                n,
+                backend=backend,
+                host_id=ids[rank],
+                timeout=op_timeout,
+                secret=secrets[rank] if secrets is not None else SECRET,
+                master_addr="127.0.0.1",
+            )
+            groups[rank] = g
+            results[rank] = body(g)
+        except BaseException as exc:
+            errors[rank] = "".join(traceback.format_exception(exc))
+
+    threads = [
+        threading.Thread(target=run, args=(r,), name=f"{THREAD_PREFIX}{r}", daemon=True)
+        for r in range(n)
+    ]
+    for t in threads:
+        t.start()
+    stuck = _join(threads, timeout)
+    if stuck:
+        for g in groups:
+            if g is not None:
+                _quietly(lambda g=g: g.abort("run_ranks timed out"))
+        _join(threads, 5.0)
+    _shutdown_all(groups)
+    if stuck or errors:
+        lines = [f"{len(errors)} of {n} ranks failed ({backend}, {transport}):"]
+        lines += [f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors)]
+        if stuck:
+            lines.append(f"ranks still running after {timeout} s: {stuck}")
+        raise AssertionError("\n".join(lines))
+    return results
+
+
+def _join(threads: list[threading.Thread], timeout: float) -> list[int]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [i for i, t in enumerate(threads) if t.is_alive()]
+
+
+def _shutdown_all(groups: list[ProcessGroup | None]) -> None:
+    # Concurrently: close() waits for queued ops, which may need peers to close too.
+    closers = [
+        threading.Thread(target=_quietly, args=(g.shutdown,), daemon=True)
+        for g in groups
+        if g is not None
+    ]
+    for t in closers:
+        t.start()
+    _join(closers, 10.0)
+
+
+def _quietly(fn: Callable[[], object]) -> None:
+    with contextlib.suppress(Exception):
+        fn()

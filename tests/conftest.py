@@ -1,0 +1,63 @@
+"""Fixtures: backends and transports to parametrise over, and a guard against leaked ranks."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests._ranks import THREAD_PREFIX
+
+HAVE_NATIVE = importlib.util.find_spec("shardline._native") is not None
+# .ci/run sets this so a missing engine fails the run instead of skipping its tests.
+REQUIRE_NATIVE = os.environ.get("SHARDLINE_REQUIRE_NATIVE") == "1"
+
+
+def need_native() -> None:
+    """Skips the calling test when the engine is not built (fails under .ci/run)."""
+    if HAVE_NATIVE:
+        return
+    if REQUIRE_NATIVE:
+        pytest.fail("shardline._native is not importable but SHARDLINE_REQUIRE_NATIVE=1")
+    pytest.skip("shardline._native is not built (maturin develop --release)")
+
+
+@pytest.fixture(params=["native", "gloo"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every backend; native tests skip until the engine is built."""
+    if request.param == "native":
+        need_native()
+    return str(request.param)
+
+
+@pytest.fixture
+def native() -> None:
+    """Requires the native engine."""
+    need_native()
+
+
+@pytest.fixture(params=["shm", "tcp", "hier"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every transport of the native engine, forced through host identities."""
+    return str(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_ranks() -> Iterator[None]:
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    deadline = time.monotonic() + 5.0
+    while True:
+        leaked = [
+            t.name
+            for t in threading.enumerate()
+            if t.ident not in before and t.name.startswith(THREAD_PREFIX) and t.is_alive()
+        ]
+        if not leaked or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not leaked, f"rank threads still running after the test: {leaked}"
