@@ -86,7 +86,7 @@ class ProcessGroup:
     def _submit(
         self,
         op: str,
-        start: Callable[[], Handle],
+        start: Callable[[bool], Handle],
         keepalive: tuple[object, ...],
         async_op: bool,
         finalize: Callable[[], None] | None = None,
@@ -95,7 +95,8 @@ class ProcessGroup:
             raise CommunicatorClosedError(
                 f"{op} on rank {self.rank}: group {self.name!r} was shut down; create a new one"
             )
-        work = Work(start(), keepalive, finalize)
+        # Blocking calls run inline on the caller in the native engine (no thread hand-off).
+        work = Work(start(async_op), keepalive, finalize)
         if not async_op:
             work.wait()
             return None
@@ -120,7 +121,10 @@ class ProcessGroup:
         t = self._t(tensor, "all_reduce(tensor)")
         name = parse_op(op, dtype=t.dtype, what="all_reduce", rank=self.rank)
         return self._submit(
-            "all_reduce", lambda: self._impl.all_reduce(t, name), (tensor, t), async_op
+            "all_reduce",
+            lambda a: self._impl.all_reduce(t, name, async_op=a),
+            (tensor, t),
+            async_op,
         )
 
     def reduce_scatter(
@@ -152,7 +156,7 @@ class ProcessGroup:
         name = parse_op(op, dtype=out.dtype, what="reduce_scatter", rank=self.rank)
         return self._submit(
             "reduce_scatter",
-            lambda: self._impl.reduce_scatter(out, inp, name),
+            lambda a: self._impl.reduce_scatter(out, inp, name, async_op=a),
             (output, input, out, inp),
             async_op,
         )
@@ -184,7 +188,7 @@ class ProcessGroup:
             equal = len(set(counts)) == 1
             return self._submit(
                 "all_gather",
-                lambda: self._impl.all_gather(flat, inp, None if equal else counts),
+                lambda a: self._impl.all_gather(flat, inp, None if equal else counts, async_op=a),
                 (output, input, inp, flat),
                 async_op,
                 _scatter_into(flat, outs),
@@ -200,7 +204,7 @@ class ProcessGroup:
         )
         return self._submit(
             "all_gather",
-            lambda: self._impl.all_gather(out, inp, None),
+            lambda a: self._impl.all_gather(out, inp, None, async_op=a),
             (output, input, out, inp),
             async_op,
         )
@@ -210,7 +214,7 @@ class ProcessGroup:
         t = self._t(tensor, "broadcast(tensor)")
         self._check_rank("broadcast", "src", src)
         return self._submit(
-            "broadcast", lambda: self._impl.broadcast(t, src), (tensor, t), async_op
+            "broadcast", lambda a: self._impl.broadcast(t, src, async_op=a), (tensor, t), async_op
         )
 
     def reduce(
@@ -224,7 +228,7 @@ class ProcessGroup:
         self._check_rank("reduce", "dst", dst)
         name = parse_op(op, dtype=t.dtype, what="reduce", rank=self.rank)
         return self._submit(
-            "reduce", lambda: self._impl.reduce(t, name, dst), (tensor, t), async_op
+            "reduce", lambda a: self._impl.reduce(t, name, dst, async_op=a), (tensor, t), async_op
         )
 
     def gather(
@@ -255,7 +259,11 @@ class ProcessGroup:
             out, finalize = self._flat_output(gather_list, "gather", inp)
             keep += [gather_list, out]
         return self._submit(
-            "gather", lambda: self._impl.gather(out, inp, dst), tuple(keep), async_op, finalize
+            "gather",
+            lambda a: self._impl.gather(out, inp, dst, async_op=a),
+            tuple(keep),
+            async_op,
+            finalize,
         )
 
     def scatter(
@@ -294,7 +302,10 @@ class ProcessGroup:
             )
             keep += [scatter_list, inp]
         return self._submit(
-            "scatter", lambda: self._impl.scatter(out, inp, src), tuple(keep), async_op
+            "scatter",
+            lambda a: self._impl.scatter(out, inp, src, async_op=a),
+            tuple(keep),
+            async_op,
         )
 
     def all_to_all(
@@ -315,14 +326,14 @@ class ProcessGroup:
             )
         return self._submit(
             "all_to_all",
-            lambda: self._impl.all_to_all(out, inp),
+            lambda a: self._impl.all_to_all(out, inp, async_op=a),
             (output, input, out, inp),
             async_op,
         )
 
     def barrier(self, async_op: bool = False) -> Work | None:
         """Returns once every rank of the group has called ``barrier``."""
-        return self._submit("barrier", self._impl.barrier, (), async_op)
+        return self._submit("barrier", lambda a: self._impl.barrier(async_op=a), (), async_op)
 
     def send(self, tensor: TensorLike, dst: int, async_op: bool = False) -> Work | None:
         """Sends ``tensor`` to rank ``dst``, which must call ``recv`` with the same size."""
@@ -330,7 +341,9 @@ class ProcessGroup:
         self._check_rank("send", "dst", dst)
         if dst == self.rank:
             raise InvalidArgumentError(f"send on rank {self.rank}: dst is this rank itself")
-        return self._submit("send", lambda: self._impl.send(t, dst), (tensor, t), async_op)
+        return self._submit(
+            "send", lambda a: self._impl.send(t, dst, async_op=a), (tensor, t), async_op
+        )
 
     def recv(self, tensor: TensorLike, src: int, async_op: bool = False) -> Work | None:
         """Receives into ``tensor`` what rank ``src`` sends."""
@@ -338,7 +351,9 @@ class ProcessGroup:
         self._check_rank("recv", "src", src)
         if src == self.rank:
             raise InvalidArgumentError(f"recv on rank {self.rank}: src is this rank itself")
-        return self._submit("recv", lambda: self._impl.recv(t, src), (tensor, t), async_op)
+        return self._submit(
+            "recv", lambda a: self._impl.recv(t, src, async_op=a), (tensor, t), async_op
+        )
 
     # -- groups ------------------------------------------------------------------------------
 

@@ -69,26 +69,25 @@ impl ArenaComm {
     }
 
     /// One phase: `fill` writes this rank's slot, then every rank's publication is awaited.
-    /// With `sig`, the signatures (and extra words) are published and compared first.
+    /// With `publish`, the signature (and the extra word) is published and compared first.
     fn step(
         &mut self,
-        sig: Option<(&OpSig, u64)>,
+        sig: &OpSig,
+        publish: Option<u64>,
         deadline: Instant,
         fill: impl FnOnce(&mut [u8]),
     ) -> Result<usize> {
         let k = self.phase.wrapping_add(1);
         let parity = (k % 2) as usize;
         fill(self.arena.my_slot(parity));
-        if let Some((s, extra)) = sig {
-            self.arena.set_sig(parity, s, extra);
+        if let Some(extra) = publish {
+            self.arena.set_sig(parity, sig, extra);
         }
         self.arena.post(k);
         self.phase = k;
-        let what = sig
-            .map(|(s, _)| s.to_string())
-            .unwrap_or_else(|| "a collective".into());
-        self.arena.wait_all(k, deadline, &what)?;
-        if let Some((mine, _)) = sig {
+        self.arena.wait_all(k, deadline, sig)?;
+        if publish.is_some() {
+            let mine = sig;
             let me = self.arena.me();
             for r in 0..self.n() {
                 if r != me {
@@ -119,7 +118,7 @@ impl ArenaComm {
         let total = buf.len();
         let slot = self.arena.slot_bytes();
         if total <= self.oneshot_bytes.min(slot) {
-            let parity = self.step(Some((sig, 0)), deadline, |s| {
+            let parity = self.step(sig, Some(0), deadline, |s| {
                 s[..total].copy_from_slice(buf)
             })?;
             if only_root.is_none_or(|r| r == me) {
@@ -136,7 +135,7 @@ impl ArenaComm {
         while first || off < total {
             let len = chunk.min(total - off);
             let src = &buf[off..off + len];
-            let parity = self.step(first.then_some((sig, 0)), deadline, |s| {
+            let parity = self.step(sig, first.then_some(0), deadline, |s| {
                 s[..len].copy_from_slice(src)
             })?;
             first = false;
@@ -148,7 +147,7 @@ impl ArenaComm {
                 reduce::reduce_slices(&mut buf[off + lo..off + hi], &srcs, dtype, op);
             }
             let mine = &buf[off + lo..off + hi];
-            let parity = self.step(None, deadline, |s| s[lo..hi].copy_from_slice(mine))?;
+            let parity = self.step(sig, None, deadline, |s| s[lo..hi].copy_from_slice(mine))?;
             if only_root.is_none_or(|r| r == me) {
                 for r in (0..n).filter(|&r| r != me) {
                     let (lo, hi) = part(len, es, n, r);
@@ -177,7 +176,7 @@ impl ArenaComm {
         let mut first = true;
         while first || off < block {
             let len = piece.min(block - off);
-            let parity = self.step(first.then_some((sig, 0)), deadline, |s| {
+            let parity = self.step(sig, first.then_some(0), deadline, |s| {
                 for d in 0..n {
                     s[d * piece..d * piece + len]
                         .copy_from_slice(&inp[d * block + off..d * block + off + len]);
@@ -222,7 +221,7 @@ impl ArenaComm {
             let span = |c: usize| c.saturating_sub(off).min(chunk);
             let mine = span(inp.len());
             let parity = self.step(
-                (it == 0).then_some((sig, inp.len() as u64)),
+                sig, (it == 0).then_some(inp.len() as u64),
                 deadline,
                 |s| s[..mine].copy_from_slice(&inp[off..off + mine]),
             )?;
@@ -269,7 +268,7 @@ impl ArenaComm {
         while first || off < total {
             let len = chunk.min(total - off);
             let src = &buf[off..off + len];
-            let parity = self.step(first.then_some((sig, 0)), deadline, |s| {
+            let parity = self.step(sig, first.then_some(0), deadline, |s| {
                 if me == root {
                     s[..len].copy_from_slice(src)
                 }
@@ -305,7 +304,7 @@ impl ArenaComm {
         let mut first = true;
         while first || off < block {
             let len = piece.min(block - off);
-            let parity = self.step(first.then_some((sig, 0)), deadline, |s| {
+            let parity = self.step(sig, first.then_some(0), deadline, |s| {
                 if sends {
                     for d in 0..n {
                         s[d * piece..d * piece + len]
@@ -359,7 +358,7 @@ impl ArenaComm {
 
     /// Barrier: one phase with nothing but the signature.
     pub fn barrier(&mut self, sig: &OpSig, deadline: Instant) -> Result<()> {
-        self.step(Some((sig, 0)), deadline, |_| {}).map(|_| ())
+        self.step(sig, Some(0), deadline, |_| {}).map(|_| ())
     }
 }
 

@@ -92,11 +92,13 @@ class GlooBackend:
 
         return divide
 
-    def all_reduce(self, t: torch.Tensor, op: str) -> _GlooHandle:  # noqa: D102
+    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _GlooHandle:  # noqa: D102
         buf, rop = self._reduce_args(t, op)
         return _GlooHandle([self._pg.allreduce([buf], _opt(rop))], self._avg(t, op))
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> _GlooHandle:  # noqa: D102
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, op: str, *, async_op: bool = True
+    ) -> _GlooHandle:  # noqa: D102
         tmp = inp.clone()
         handle = self.all_reduce(tmp, op)
         n = out.numel()
@@ -108,7 +110,12 @@ class GlooBackend:
         return _GlooHandle([], take)
 
     def all_gather(  # noqa: D102
-        self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int] | None
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        counts: Sequence[int] | None,
+        *,
+        async_op: bool = True,
     ) -> _GlooHandle:
         if counts is None:
             return _GlooHandle([self._pg._allgather_base(_bytes(out), _bytes(inp))])
@@ -126,42 +133,48 @@ class GlooBackend:
 
         return _GlooHandle([work], unpad)
 
-    def broadcast(self, t: torch.Tensor, root: int) -> _GlooHandle:  # noqa: D102
+    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> _GlooHandle:  # noqa: D102
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         return _GlooHandle([self._pg.broadcast([_bytes(t)], opts)])
 
-    def reduce(self, t: torch.Tensor, op: str, root: int) -> _GlooHandle:  # noqa: D102
+    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> _GlooHandle:  # noqa: D102
         buf, rop = self._reduce_args(t, op)
         opts = dist.ReduceOptions()
         opts.rootRank, opts.reduceOp = root, rop
         after = self._avg(t, op) if self.rank == root else None
         return _GlooHandle([self._pg.reduce([buf], opts)], after)
 
-    def gather(self, out: torch.Tensor | None, inp: torch.Tensor, root: int) -> _GlooHandle:  # noqa: D102
+    def gather(
+        self, out: torch.Tensor | None, inp: torch.Tensor, root: int, *, async_op: bool = True
+    ) -> _GlooHandle:  # noqa: D102
         opts = dist.GatherOptions()
         opts.rootRank = root
         outs = [] if out is None else [_split(_bytes(out), self.world_size)]
         return _GlooHandle([self._pg.gather(outs, [_bytes(inp)], opts)])
 
-    def scatter(self, out: torch.Tensor, inp: torch.Tensor | None, root: int) -> _GlooHandle:  # noqa: D102
+    def scatter(
+        self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
+    ) -> _GlooHandle:  # noqa: D102
         opts = dist.ScatterOptions()
         opts.rootRank = root
         ins = [] if inp is None else [_split(_bytes(inp), self.world_size)]
         return _GlooHandle([self._pg.scatter([_bytes(out)], ins, opts)])
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> _GlooHandle:  # noqa: D102
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
+    ) -> _GlooHandle:  # noqa: D102
         return _GlooHandle(
             [self._pg.alltoall_base(_bytes(out), _bytes(inp), [], [], dist.AllToAllOptions())]
         )
 
-    def barrier(self) -> _GlooHandle:  # noqa: D102
+    def barrier(self, *, async_op: bool = True) -> _GlooHandle:  # noqa: D102
         return _GlooHandle([self._pg.barrier()])
 
-    def send(self, t: torch.Tensor, dst: int) -> _GlooHandle:  # noqa: D102
+    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _GlooHandle:  # noqa: D102
         return _GlooHandle([self._pg.send([_bytes(t)], dst, 0)])
 
-    def recv(self, t: torch.Tensor, src: int) -> _GlooHandle:  # noqa: D102
+    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _GlooHandle:  # noqa: D102
         return _GlooHandle([self._pg.recv([_bytes(t)], src, 0)])
 
     def subgroup(self, name: str, ranks: Sequence[int]) -> GlooBackend:  # noqa: D102

@@ -4,7 +4,7 @@ Setup, for a group named ``name`` (all store keys live under ``shardline/<name>/
 
 1. every rank publishes its host identity and reads everybody's;
 2. the job secret is resolved (``SHARDLINE_SECRET``, or generated on one host);
-3. if ranks span hosts, every rank binds a ``Listener`` (``SHARDLINE_BIND_ADDR``, else the
+3. every rank binds a ``Listener`` (loopback on one host; else ``SHARDLINE_BIND_ADDR`` or the
    address that routes to the master) and publishes its address;
 4. the lowest rank of each host with two or more ranks sweeps stale arenas, creates the
    shared-memory arena ``/dev/shm/shardline-<pid>-<hex>`` and publishes its path;
@@ -105,42 +105,57 @@ class NativeBackend:
         self.world_size = group.world_size
         self.transport = group.transport
 
-    def all_reduce(self, t: torch.Tensor, op: str) -> _native.Work:  # noqa: D102
-        return self._g.all_reduce(byte_view(t), dtype_name(t), op, async_op=True)
+    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _native.Work:  # noqa: D102
+        return self._g.all_reduce(byte_view(t), dtype_name(t), op, async_op=async_op)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> _native.Work:  # noqa: D102
-        return self._g.reduce_scatter(byte_view(out), byte_view(inp), dtype_name(out), op, True)
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, op: str, *, async_op: bool = True
+    ) -> _native.Work:  # noqa: D102
+        return self._g.reduce_scatter(byte_view(out), byte_view(inp), dtype_name(out), op, async_op)
 
     def all_gather(  # noqa: D102
-        self, out: torch.Tensor, inp: torch.Tensor, counts: Sequence[int] | None
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        counts: Sequence[int] | None,
+        *,
+        async_op: bool = True,
     ) -> _native.Work:
-        return self._g.all_gather(byte_view(out), byte_view(inp), dtype_name(inp), counts, True)
+        return self._g.all_gather(byte_view(out), byte_view(inp), dtype_name(inp), counts, async_op)
 
-    def broadcast(self, t: torch.Tensor, root: int) -> _native.Work:  # noqa: D102
-        return self._g.broadcast(byte_view(t), dtype_name(t), root, async_op=True)
+    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> _native.Work:  # noqa: D102
+        return self._g.broadcast(byte_view(t), dtype_name(t), root, async_op=async_op)
 
-    def reduce(self, t: torch.Tensor, op: str, root: int) -> _native.Work:  # noqa: D102
-        return self._g.reduce(byte_view(t), dtype_name(t), op, root, async_op=True)
+    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> _native.Work:  # noqa: D102
+        return self._g.reduce(byte_view(t), dtype_name(t), op, root, async_op=async_op)
 
-    def gather(self, out: torch.Tensor | None, inp: torch.Tensor, root: int) -> _native.Work:  # noqa: D102
+    def gather(
+        self, out: torch.Tensor | None, inp: torch.Tensor, root: int, *, async_op: bool = True
+    ) -> _native.Work:  # noqa: D102
         o = None if out is None else byte_view(out)
-        return self._g.gather(o, byte_view(inp), dtype_name(inp), root, async_op=True)
+        return self._g.gather(o, byte_view(inp), dtype_name(inp), root, async_op=async_op)
 
-    def scatter(self, out: torch.Tensor, inp: torch.Tensor | None, root: int) -> _native.Work:  # noqa: D102
+    def scatter(
+        self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
+    ) -> _native.Work:  # noqa: D102
         i = None if inp is None else byte_view(inp)
-        return self._g.scatter(byte_view(out), i, dtype_name(out), root, async_op=True)
+        return self._g.scatter(byte_view(out), i, dtype_name(out), root, async_op=async_op)
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> _native.Work:  # noqa: D102
-        return self._g.all_to_all(byte_view(out), byte_view(inp), dtype_name(inp), async_op=True)
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
+    ) -> _native.Work:  # noqa: D102
+        return self._g.all_to_all(
+            byte_view(out), byte_view(inp), dtype_name(inp), async_op=async_op
+        )
 
-    def barrier(self) -> _native.Work:  # noqa: D102
-        return self._g.barrier(async_op=True)
+    def barrier(self, *, async_op: bool = True) -> _native.Work:  # noqa: D102
+        return self._g.barrier(async_op=async_op)
 
-    def send(self, t: torch.Tensor, dst: int) -> _native.Work:  # noqa: D102
-        return self._g.send(byte_view(t), dtype_name(t), dst, async_op=True)
+    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _native.Work:  # noqa: D102
+        return self._g.send(byte_view(t), dtype_name(t), dst, async_op=async_op)
 
-    def recv(self, t: torch.Tensor, src: int) -> _native.Work:  # noqa: D102
-        return self._g.recv(byte_view(t), dtype_name(t), src, async_op=True)
+    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _native.Work:  # noqa: D102
+        return self._g.recv(byte_view(t), dtype_name(t), src, async_op=async_op)
 
     def subgroup(self, name: str, ranks: Sequence[int]) -> NativeBackend:  # noqa: D102
         return create(
@@ -191,8 +206,11 @@ def create(
         secret = job_secret(store, rank, host_ids, key=f"{prefix}/secret")
     listener = None
     addrs = [""] * world_size
-    if len(set(host_ids)) > 1:
-        listener = native.Listener(bind_address(master_addr))
+    if world_size > 1:
+        # Every group gets TCP links: between hosts for collectives, and for send/recv.
+        # A single-host job binds loopback only.
+        single_host = len(set(host_ids)) == 1
+        listener = native.Listener("127.0.0.1" if single_host else bind_address(master_addr))
         addrs = exchange(store, f"{prefix}/addr", rank, world_size, listener.address)
 
     local = [r for r in range(world_size) if host_ids[r] == host_id]

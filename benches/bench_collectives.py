@@ -1,0 +1,1085 @@
+#!/usr/bin/env python3
+"""Side-by-side collective benchmark: shardline's native engine against torch's Gloo.
+
+One run launches N worker processes per world size. The workers share one TCPStore and build
+every backend's group from it; all backends use the same preallocated buffers, and for every
+(op, size) cell the backends run back to back, so they see the same machine noise.
+
+Per cell and backend: one validation op (rank-dependent inputs checked against a closed form;
+a wrong result voids the cell), an agreed iteration count (about ``--target`` seconds per timed
+batch), ``--repeats`` timed batches each after a barrier, then one more validation. A batch's
+time is that of the slowest rank; the reported latency is the median over batches. Metrics as
+nccl-tests: algbw = S/t with S the op's per-rank buffer (all_reduce, broadcast: the buffer;
+reduce_scatter: the input; all_gather: the output), busbw = algbw * factor (all_reduce
+2(N-1)/N, reduce_scatter and all_gather (N-1)/N, broadcast 1).
+
+Bounds, measured in the same run (ANCHORS.md section 1):
+  shm all_reduce:      T >= max(2S/B1, 2NS/B2)   B1 one core's copy bandwidth (read+write),
+                                                 B2 all ranks copying at once (sum)
+  TCP ring all_reduce: T >= 2(N-1)S/B_lo         B_lo one loopback TCP stream
+
+Backends: ``native`` (ProcessGroup, shared memory), ``native-tcp`` (the same engine with the
+TCP path forced: a distinct host id per rank), ``gloo`` (raw ``ProcessGroupGloo`` calls, what
+torch users get), ``native-raw`` (diagnostic: ``_native.Group`` called directly, no Python
+layer).
+
+Exit status: 0 all good; 1 a worker failed or timed out (every rank's stderr is printed);
+2 bad arguments; 3 the run finished but a backend or a cell failed (listed at the end).
+
+Example: .venv/bin/python benches/bench_collectives.py --quick --ranks 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SIZED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+OPS = (*SIZED_OPS, "barrier")
+BACKENDS = ("native", "native-tcp", "gloo", "native-raw")
+DEFAULT_SIZES = "4K,64K,1M,16M,64M,256M"
+QUICK_SIZES = "4K,64K,1M,16M,64M"
+BOUND_BYTES = 256 << 20
+ELEM = 4  # float32
+PATTERN = 8  # period of the validation pattern
+CHECK_CHUNK = 1 << 20  # elements compared at a time
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers shared by parent and workers
+
+
+def parse_size(text: str) -> int:
+    """``"4K"``, ``"4KiB"``, ``"64MB"``, ``"1G"``, ``"4096"`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 4K, 64KiB, 1M, 256MiB")
+    value = int(m.group(1)) * _UNITS[m.group(2).upper()]
+    if value < ELEM:
+        raise argparse.ArgumentTypeError(f"size {text!r} is smaller than one float32")
+    return value
+
+
+def fmt_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def bus_factor(op: str, n: int) -> float:
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n
+    return 1.0
+
+
+def elements(op: str, size: int, n: int) -> int:
+    """float32 elements of the op's per-rank buffer: a multiple of n (and at least n)."""
+    del op
+    return max(n, size // ELEM // n * n)
+
+
+# ---------------------------------------------------------------------------------------------
+# worker
+
+
+class StoreSync:
+    """Gathers small JSON values from every rank through the TCPStore (engine-independent).
+
+    Every rank must call ``gather`` in the same order; keys carry a call counter.
+    """
+
+    def __init__(self, store: Any, rank: int, world: int) -> None:
+        self.store, self.rank, self.world, self.n = store, rank, world, 0
+
+    def gather(self, tag: str, value: Any) -> list[Any]:
+        self.n += 1
+        key = f"bench/sync/{self.n}/{tag}"
+        self.store.set(f"{key}/{self.rank}", json.dumps(value))
+        return [json.loads(bytes(self.store.get(f"{key}/{r}"))) for r in range(self.world)]
+
+
+def _log(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, flush=True)
+
+
+def worker_main(cfg_path: str) -> int:
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    cfg = json.loads(Path(cfg_path).read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    op_timeout = float(cfg["op_timeout"])
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        rank == 0,
+        datetime.timedelta(seconds=op_timeout + 60),
+        wait_for_workers=False,
+    )
+    sync = StoreSync(store, rank, world)
+    result: dict[str, Any] = {"world_size": world, "groups": {}, "cells": [], "bounds": {}}
+
+    # -- groups: all from the one store, distinct names ---------------------------------------
+    groups: dict[str, Any] = {}  # backend -> (kind, handle)
+    for backend in cfg["backends"]:
+        err = None
+        t0 = time.perf_counter()
+        try:
+            groups[backend] = _make_group(backend, store, rank, world, op_timeout, groups)
+        except Exception as exc:
+            err = f"{type(exc).__name__}: {exc}"
+        setup_s = time.perf_counter() - t0
+        errs = sync.gather(f"create-{backend}", err)
+        bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
+        transport = None
+        if backend in groups:
+            transport = getattr(groups[backend][1], "transport", "gloo")
+        if bad:
+            groups.pop(backend, None)  # never used again (not shut down: it may be half-made)
+            _log(rank, f"  [n={world}] backend {backend} FAILED to start: {bad[0]}")
+        result["groups"][backend] = {
+            "error": "; ".join(bad) or None,
+            "setup_s": setup_s,
+            "transport": transport,
+        }
+
+    # -- bounds --------------------------------------------------------------------------------
+    nb = cfg["bound_bytes"] // ELEM
+    src = np.full(nb, 1.0, dtype=np.float32)
+    dst = np.full(nb, 2.0, dtype=np.float32)  # both touched: no page faults while timed
+    np.copyto(dst, src)
+    sync.gather("b1-start", None)
+    b1 = []
+    if rank == 0:
+        for _ in range(5):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            b1.append(2 * src.nbytes / (time.perf_counter() - t0))
+    sync.gather("b2-start", None)
+    reps = 5
+    np.copyto(dst, src)
+    sync.gather("b2-go", None)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        np.copyto(dst, src)
+    t_b2 = time.perf_counter() - t0
+    t_all = sync.gather("b2", t_b2)
+    b2 = world * reps * 2 * src.nbytes / max(t_all)
+    del src, dst
+    blo = _loopback_tcp(cfg["bound_bytes"]) if rank == 0 else []
+    idle = _idle_cpu(0.5)
+    idles = sync.gather("idle", idle)
+    if rank == 0:
+        result["bounds"] = {
+            "B1_copy_GBps": statistics.median(b1) / 1e9,
+            "B1_samples_GBps": [x / 1e9 for x in b1],
+            "B2_copy_all_ranks_GBps": b2 / 1e9,
+            "B_lo_tcp_GBps": statistics.median(blo) / 1e9,
+            "B_lo_samples_GBps": [x / 1e9 for x in blo],
+            "bound_bytes": cfg["bound_bytes"],
+        }
+        result["idle_cpu_percent_per_rank"] = idles
+        bd = result["bounds"]
+        _log(
+            rank,
+            f"  [n={world}] B1 {bd['B1_copy_GBps']:.1f} GB/s, B2 "
+            f"{bd['B2_copy_all_ranks_GBps']:.1f} GB/s, loopback TCP "
+            f"{bd['B_lo_tcp_GBps']:.2f} GB/s; idle CPU per rank with all groups up: "
+            + ", ".join(f"{x:.0f}%" for x in idles),
+        )
+
+    # -- buffers, shared by every backend ------------------------------------------------------
+    max_n = max(elements(op, s, world) for op in SIZED_OPS for s in cfg["sizes"])
+    buf_a = torch.zeros(max_n, dtype=torch.float32)
+    buf_b = torch.zeros(max_n, dtype=torch.float32)
+    scratch = torch.empty(min(max_n, CHECK_CHUNK), dtype=torch.float32)
+
+    # -- warm-up: a few small ops per backend ------------------------------------------------
+    for backend in list(groups):
+        err = None
+        try:
+            fn, barrier = _op_fns(
+                backend, groups[backend], "all_reduce", buf_a[: 256 * world], None, world
+            )
+            for _ in range(20):
+                fn()
+            barrier()
+        except Exception as exc:
+            err = f"{type(exc).__name__}: {exc}"
+        errs = sync.gather(f"warm-{backend}", err)
+        bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
+        if bad:
+            groups.pop(backend)
+            result["groups"][backend]["error"] = "warm-up: " + "; ".join(bad)
+            _log(rank, f"  [n={world}] backend {backend} FAILED in warm-up: {bad[0]}")
+
+    # -- cells ---------------------------------------------------------------------------------
+    cells = [(op, s) for op in cfg["ops"] if op != "barrier" for s in cfg["sizes"]]
+    if "barrier" in cfg["ops"]:
+        cells.append(("barrier", 0))
+    for op, size in cells:
+        n = elements(op, size, world) if op != "barrier" else 0
+        for backend in cfg["backends"]:
+            if backend not in groups:
+                continue
+            cell = _run_cell(
+                backend, groups[backend], op, n, world, rank, sync, cfg, buf_a, buf_b, scratch
+            )
+            cell.update(op=op, backend=backend, size=n * ELEM, requested_size=size)
+            result["cells"].append(cell)
+            if cell.get("fatal"):
+                groups.pop(backend)
+                result["groups"][backend]["error"] = cell["error"]
+            if cell["median_s"] is not None:
+                _log(
+                    rank,
+                    f"  [n={world}] {op:<14} {fmt_size(n * ELEM):>9} {backend:<10} "
+                    f"{cell['median_s'] * 1e6:12.1f} us  ({cell['iters']} iters)",
+                )
+            else:
+                _log(
+                    rank,
+                    f"  [n={world}] {op:<14} {fmt_size(n * ELEM):>9} {backend:<10} "
+                    f"FAILED: {cell['error']}",
+                )
+
+    for _backend, (kind, handle) in groups.items():
+        with contextlib.suppress(Exception):
+            if kind != "native-raw" or "native" not in groups:
+                handle.shutdown()
+    sync.gather("done", None)
+    if rank == 0:
+        Path(cfg["result_path"]).write_text(json.dumps(result))
+    return 0
+
+
+def _make_group(
+    backend: str, store: Any, rank: int, world: int, op_timeout: float, groups: dict[str, Any]
+) -> tuple[str, Any]:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(  # type: ignore[attr-defined]
+            dist.PrefixStore("bench/gloo", store),  # type: ignore[attr-defined]
+            rank,
+            world,
+            datetime.timedelta(seconds=op_timeout),
+        )
+        return ("gloo", pg)
+    from shardline.comm import init_process_group  # noqa: PLC0415
+
+    if backend == "native":
+        return (
+            "native",
+            init_process_group(
+                store, rank, world, backend="native", name="bench-shm", timeout=op_timeout
+            ),
+        )
+    if backend == "native-tcp":
+        pg = init_process_group(
+            store,
+            rank,
+            world,
+            backend="native",
+            name="bench-tcp",
+            timeout=op_timeout,
+            host_id=f"bench-host-{rank}",
+            secret=b"shardline-bench-secret",
+        )
+        if pg.transport != "tcp":
+            raise RuntimeError(f"native-tcp group reports transport {pg.transport!r}, not 'tcp'")
+        return ("native-tcp", pg)
+    if backend == "native-raw":
+        if "native" in groups:  # the same communicator as "native", called without the wrapper
+            return ("native-raw", groups["native"][1])
+        return (
+            "native-raw",
+            init_process_group(
+                store, rank, world, backend="native", name="bench-raw", timeout=op_timeout
+            ),
+        )
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def _op_fns(backend: str, group: tuple[str, Any], op: str, a: Any, b: Any, world: int) -> Any:
+    """(fn, barrier): zero-argument callables running one blocking op / a barrier.
+
+    Buffers: all_reduce, broadcast use ``a``; reduce_scatter reads ``a`` (n) into ``b`` (n/N);
+    all_gather reads ``b`` (n/N) into ``a`` (n).
+    """
+    import torch.distributed as dist  # noqa: PLC0415
+
+    kind, pg = group
+    if kind == "gloo":
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        rs = getattr(pg, "_reduce_scatter_base", None) or pg.reduce_scatter_single
+        fns = {
+            "all_reduce": lambda: pg.allreduce([a]).wait(),
+            "reduce_scatter": lambda: rs(b, a).wait(),
+            "all_gather": lambda: pg._allgather_base(a, b).wait(),
+            "broadcast": lambda: pg.broadcast([a], opts).wait(),
+            "barrier": lambda: pg.barrier().wait(),
+        }
+        return fns[op], fns["barrier"]
+    if kind == "native-raw":
+        from shardline.comm._buffers import byte_view  # noqa: PLC0415
+
+        g = pg._impl._g
+        va = byte_view(a) if a is not None else None
+        vb = byte_view(b) if b is not None else None
+        fns = {
+            "all_reduce": lambda: g.all_reduce(va, "float32", "sum", False).wait(),
+            "reduce_scatter": lambda: g.reduce_scatter(vb, va, "float32", "sum", False).wait(),
+            "all_gather": lambda: g.all_gather(va, vb, "float32", None, False).wait(),
+            "broadcast": lambda: g.broadcast(va, "float32", 0, False).wait(),
+            "barrier": lambda: g.barrier(False).wait(),
+        }
+        return fns[op], fns["barrier"]
+    fns = {
+        "all_reduce": lambda: pg.all_reduce(a),
+        "reduce_scatter": lambda: pg.reduce_scatter(b, a),
+        "all_gather": lambda: pg.all_gather(a, b),
+        "broadcast": lambda: pg.broadcast(a, 0),
+        "barrier": pg.barrier,
+    }
+    return fns[op], fns["barrier"]
+
+
+def _pattern(t: Any, start: int, scale: float, add: float) -> None:
+    """t[i] = scale * ((start + i) % 8) + add (exact in float32 for small values)."""
+    import torch  # noqa: PLC0415
+
+    n = t.numel()
+    base = ((torch.arange(PATTERN) + start) % PATTERN).to(t.dtype) * scale + add
+    k = n // PATTERN * PATTERN
+    if k:
+        t[:k].view(-1, PATTERN).copy_(base)
+    if n > k:
+        t[k:].copy_(base[: n - k])
+
+
+def _check(t: Any, start: int, scale: float, add: float, scratch: Any, what: str) -> str | None:
+    import torch  # noqa: PLC0415
+
+    n = t.numel()
+    for s in range(0, n, scratch.numel()):
+        e = min(n, s + scratch.numel())
+        exp = scratch[: e - s]
+        _pattern(exp, start + s, scale, add)
+        got = t[s:e]
+        if not torch.equal(got, exp):
+            i = int((got != exp).nonzero()[0, 0])
+            return (
+                f"{what}: element {s + i} is {got[i].item()!r}, expected {exp[i].item()!r} (of {n})"
+            )
+    return None
+
+
+def _validate(
+    fn: Any, op: str, n: int, world: int, rank: int, a: Any, b: Any, scratch: Any
+) -> str | None:
+    """Runs ``fn`` once on rank-dependent inputs; returns a mismatch message or None."""
+    m = n // world
+    tri = world * (world + 1) / 2
+    if op == "all_reduce":
+        _pattern(a[:n], 0, 1, rank + 1)
+        fn()
+        return _check(a[:n], 0, world, tri, scratch, "all_reduce")
+    if op == "reduce_scatter":
+        _pattern(a[:n], 0, 1, rank + 1)
+        b[:m].fill_(-7.0)
+        fn()
+        return _check(b[:m], rank * m, world, tri, scratch, "reduce_scatter output")
+    if op == "all_gather":
+        _pattern(b[:m], 0, 1, rank + 1)
+        a[:n].fill_(-7.0)
+        fn()
+        for r in range(world):
+            bad = _check(a[r * m : (r + 1) * m], 0, 1, r + 1, scratch, f"all_gather slot {r}")
+            if bad:
+                return bad
+        return None
+    if op == "broadcast":
+        if rank == 0:
+            _pattern(a[:n], 0, 1, 1)
+        else:
+            a[:n].fill_(-7.0)
+        fn()
+        return _check(a[:n], 0, 1, 1, scratch, "broadcast")
+    fn()  # barrier: nothing to check
+    return None
+
+
+def _err(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _run_cell(
+    backend: str,
+    group: tuple[str, Any],
+    op: str,
+    n: int,
+    world: int,
+    rank: int,
+    sync: StoreSync,
+    cfg: dict[str, Any],
+    a: Any,
+    b: Any,
+    scratch: Any,
+) -> dict[str, Any]:
+    """One (op, size, backend) measurement. Every rank makes the same sequence of
+    ``sync.gather`` calls whatever happens, so a failure never desynchronises the store."""
+    cell: dict[str, Any] = {"median_s": None, "error": None, "fatal": False, "iters": None}
+    m = n // world
+    av, bv = (a[:n], b[:m]) if op in ("reduce_scatter", "all_gather") else (a[:n], None)
+    if op == "barrier":
+        av = None
+
+    def agree(tag: str, local_err: str | None, value: Any = None) -> tuple[list[Any], str | None]:
+        got = sync.gather(tag, [local_err, value])
+        bad = [f"rank {r}: {e}" for r, (e, _v) in enumerate(got) if e]
+        return [v for _e, v in got], ("; ".join(bad) or None)
+
+    # 1. validate (also the warm-up of this cell)
+    err, fatal = None, False
+    t_first = 0.0
+    try:
+        fn, barrier = _op_fns(backend, group, op, av, bv, world)
+        t0 = time.perf_counter()
+        err = _validate(fn, op, n, world, rank, a, b, scratch)
+        t_first = time.perf_counter() - t0
+    except Exception as exc:
+        err, fatal = _err(exc), True
+    vals, bad = agree("validate", err, [fatal, t_first])
+    if bad:
+        any_fatal = any(v[0] for v in vals)
+        cell.update(error=("" if any_fatal else "INVALID RESULT ") + bad, fatal=any_fatal)
+        return cell
+
+    # 2. agree on the iteration count: a short calibration batch, the slowest rank decides
+    target, lo, hi = cfg["target_s"], cfg["min_iters"], cfg["max_iters"]
+    est = max(v[1] for v in vals)
+    err = None
+    # est includes the validation's fill and check: an overestimate, so k stays small
+    k = max(1, min(hi, math.ceil(0.02 / max(est, 1e-7))))
+    t_cal = est
+    try:
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            fn()
+        t_cal = (time.perf_counter() - t0) / k
+    except Exception as exc:
+        err = _err(exc)
+    vals, bad = agree("calibrate", err, t_cal)
+    if bad:
+        cell.update(error=bad, fatal=True)
+        return cell
+    per_op = max(vals)
+    iters = max(lo, min(hi, math.ceil(target / max(per_op, 1e-7))))
+    cell["iters"] = iters
+
+    # 3. timed batches, each after a barrier
+    times: list[float] = []
+    err = None
+    try:
+        for _ in range(cfg["repeats"]):
+            barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            times.append((time.perf_counter() - t0) / iters)
+    except Exception as exc:
+        err = _err(exc)
+    per_rank, bad = agree("times", err, times)
+    if bad:
+        cell.update(error=bad, fatal=True)
+        return cell
+
+    # 4. validate again: a fast number from a run that went wrong under load is void
+    err, fatal = None, False
+    try:
+        err = _validate(fn, op, n, world, rank, a, b, scratch)
+    except Exception as exc:
+        err, fatal = _err(exc), True
+    vals, bad = agree("revalidate", err, fatal)
+    if bad:
+        any_fatal = any(vals)
+        cell.update(
+            error=("" if any_fatal else "INVALID RESULT after timing: ") + bad, fatal=any_fatal
+        )
+        return cell
+
+    slowest = [max(r[i] for r in per_rank) for i in range(cfg["repeats"])]
+    cell.update(
+        median_s=statistics.median(slowest),
+        slowest_per_repeat_s=slowest,
+        per_rank_s=per_rank,
+    )
+    return cell
+
+
+def _loopback_tcp(nbytes: int, reps: int = 3) -> list[float]:
+    """One TCP stream over 127.0.0.1 between two threads of this process: bytes/s per rep."""
+    chunk = 1 << 20
+    payload = memoryview(bytearray(chunk))
+    sink = bytearray(chunk)
+    out: list[float] = []
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        tx = socket.create_connection(("127.0.0.1", port))
+        rx, _ = srv.accept()
+        for s in (tx, rx):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with tx, rx:
+            for _ in range(reps + 1):  # the first is a warm-up
+
+                def send() -> None:
+                    left = nbytes
+                    while left:
+                        k = min(chunk, left)
+                        tx.sendall(payload[:k])
+                        left -= k
+
+                th = threading.Thread(target=send)
+                t0 = time.perf_counter()
+                th.start()
+                got = 0
+                view = memoryview(sink)
+                while got < nbytes:
+                    r = rx.recv_into(view, min(chunk, nbytes - got))
+                    if not r:
+                        raise RuntimeError("loopback stream closed early")
+                    got += r
+                th.join()
+                out.append(nbytes / (time.perf_counter() - t0))
+    return out[1:]
+
+
+def _idle_cpu(seconds: float) -> float:
+    """CPU use of this process (all threads) while the main thread sleeps, in % of one core."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    time.sleep(seconds)
+    return 100 * (time.process_time() - c0) / (time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------------------------
+# parent
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.wait(timeout=10)
+
+
+def _tail(path: Path, limit: int = 6000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no output)"
+    return text if len(text) <= limit else "...\n" + text[-limit:]
+
+
+def run_world(world: int, args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any] | None, str]:
+    """Launches ``world`` workers; returns (result, "") or (None, failure message)."""
+    cfg = {
+        "backends": args.backends,
+        "ops": args.ops,
+        "sizes": args.sizes,
+        "repeats": args.repeats,
+        "target_s": args.target,
+        "min_iters": args.min_iters,
+        "max_iters": args.max_iters,
+        "op_timeout": args.op_timeout,
+        "bound_bytes": args.bound_bytes,
+        "result_path": str(tmp / f"result-n{world}.json"),
+    }
+    cfg_path = tmp / f"cfg-n{world}.json"
+    cfg_path.write_text(json.dumps(cfg))
+    port = _free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    errs = [tmp / f"n{world}-rank{r}.stderr" for r in range(world)]
+    outs = [tmp / f"n{world}-rank{r}.stdout" for r in range(world)]
+    files = []
+    try:
+        for r in range(world):
+            env = dict(os.environ)
+            env.pop("SHARDLINE_HOST_ID", None)  # native-tcp passes host_id itself
+            env.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(r),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE=str(world),
+                OMP_NUM_THREADS="1",
+                PYTHONUNBUFFERED="1",
+            )
+            ef = errs[r].open("wb")
+            of = None if r == 0 else outs[r].open("wb")  # rank 0's progress goes to the terminal
+            files += [f for f in (ef, of) if f is not None]
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), "--worker", str(cfg_path)],
+                    env=env,
+                    stdout=of,
+                    stderr=ef,
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + args.timeout
+        failed_at: float | None = None
+        why = ""
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c == 0 for c in codes):
+                break
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            now = time.monotonic()
+            if bad and failed_at is None:
+                failed_at = now
+                why = ", ".join(f"rank {r} exited with {c}" for r, c in bad)
+            if failed_at is not None and (
+                all(c is not None for c in codes) or now - failed_at > 10
+            ):
+                break
+            if now > deadline:
+                why = f"timed out after {args.timeout:.0f} s (--timeout)"
+                break
+            time.sleep(0.1)
+    except BaseException:
+        _kill(procs)
+        raise
+    finally:
+        if any(p.poll() is None for p in procs):
+            _kill(procs)
+        for f in files:
+            f.close()
+    if why:
+        lines = [f"world size {world}: {why}; every rank's stderr follows"]
+        for r in range(world):
+            lines.append(f"----- rank {r} stderr ({errs[r]}) -----")
+            lines.append(_tail(errs[r]))
+        return None, "\n".join(lines)
+    result_path = Path(cfg["result_path"])
+    if not result_path.exists():
+        return None, f"world size {world}: workers exited 0 but wrote no result"
+    warn = [
+        f"rank {r}: {_tail(errs[r], 1500)}"
+        for r in range(world)
+        if errs[r].exists() and errs[r].stat().st_size
+    ]
+    if warn:
+        print(f"  [n={world}] note: workers wrote to stderr:\n" + "\n".join(warn), flush=True)
+    return json.loads(result_path.read_text()), ""
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "loadavg_start": os.getloadavg(),
+    }
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["mem_total_gib"] = round(int(line.split()[1]) / (1 << 20), 1)
+    try:
+        import torch  # noqa: PLC0415
+
+        info["torch"] = torch.__version__
+    except ImportError as exc:
+        info["torch"] = f"unavailable: {exc}"
+    try:
+        import shardline  # noqa: PLC0415
+
+        info["shardline"] = getattr(shardline, "__version__", "?")
+        from shardline import _native  # noqa: PLC0415
+
+        info["shardline_native"] = getattr(_native, "__version__", "?")
+    except ImportError as exc:
+        info["shardline_native"] = f"unavailable: {exc}"
+    repo = Path(__file__).resolve().parent.parent
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        head = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "-uno"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        info["git_commit"] = head.stdout.strip()
+        info["git_dirty_files"] = len(dirty.stdout.splitlines())
+    return info
+
+
+def derive(world: int, res: dict[str, Any]) -> None:
+    """Adds algbw, busbw, speedup vs gloo and % of bound to every cell, in place."""
+    bd = res["bounds"]
+    b1, b2, blo = (
+        bd["B1_copy_GBps"] * 1e9,
+        bd["B2_copy_all_ranks_GBps"] * 1e9,
+        bd["B_lo_tcp_GBps"] * 1e9,
+    )
+    shm = 1 / max(2 / b1, 2 * world / b2)  # all_reduce algbw bound, B/s
+    tcp = blo / (2 * (world - 1))
+    bd["shm_all_reduce_algbw_bound_GBps"] = shm / 1e9
+    bd["tcp_ring_all_reduce_algbw_bound_GBps"] = tcp / 1e9
+    bd["formulas"] = {
+        "shm_all_reduce": "T >= max(2S/B1, 2NS/B2)  (algbw <= 1/max(2/B1, 2N/B2))",
+        "tcp_ring_all_reduce": "T >= 2(N-1)S/B_lo  (algbw <= B_lo/(2(N-1)))",
+    }
+    gloo = {(c["op"], c["size"]): c["median_s"] for c in res["cells"] if c["backend"] == "gloo"}
+    for c in res["cells"]:
+        t = c["median_s"]
+        c["algbw_GBps"] = c["busbw_GBps"] = c["speedup_vs_gloo"] = None
+        c["pct_shm_bound"] = c["pct_tcp_bound"] = None
+        if t is None:
+            continue
+        c["latency_us"] = t * 1e6
+        if c["op"] != "barrier":
+            c["algbw_GBps"] = c["size"] / t / 1e9
+            c["busbw_GBps"] = c["algbw_GBps"] * bus_factor(c["op"], world)
+        g = gloo.get((c["op"], c["size"]))
+        if g and c["backend"] != "gloo":
+            c["speedup_vs_gloo"] = g / t
+        if c["op"] == "all_reduce":
+            c["pct_shm_bound"] = 100 * c["algbw_GBps"] * 1e9 / shm
+            c["pct_tcp_bound"] = 100 * c["algbw_GBps"] * 1e9 / tcp
+
+
+def table(world: int, res: dict[str, Any], ncores: int) -> str:
+    bd = res["bounds"]
+    lines = [
+        f"== {world} ranks on {ncores} cores ==",
+        f"B1 (1 core copy, rd+wr) {bd['B1_copy_GBps']:.1f} GB/s; B2 (all {world} ranks) "
+        f"{bd['B2_copy_all_ranks_GBps']:.1f} GB/s; loopback TCP B_lo "
+        f"{bd['B_lo_tcp_GBps']:.2f} GB/s",
+        f"all_reduce algbw bounds: shm {bd['shm_all_reduce_algbw_bound_GBps']:.2f} GB/s "
+        f"[T >= max(2S/B1, 2NS/B2)], TCP ring {bd['tcp_ring_all_reduce_algbw_bound_GBps']:.2f}"
+        " GB/s [T >= 2(N-1)S/B_lo]",
+    ]
+    for b, g in res["groups"].items():
+        if g.get("error"):
+            lines.append(f"backend {b}: FAILED: {g['error']}")
+    hdr = (
+        f"{'op':<14} {'size':>9} {'backend':<10} {'median us':>11} {'algbw GB/s':>10} "
+        f"{'busbw GB/s':>10} {'vs gloo':>8} {'%bound':>10}"
+    )
+    lines += [hdr, "-" * len(hdr)]
+    prev = None
+    for c in res["cells"]:
+        key = (c["op"], c["size"])
+        if prev is not None and key != prev:
+            lines.append("")
+        prev = key
+        size = fmt_size(c["size"]) if c["op"] != "barrier" else "-"
+        if c["median_s"] is None:
+            lines.append(f"{c['op']:<14} {size:>9} {c['backend']:<10} FAILED: {c['error']}")
+            continue
+
+        def f(x: float | None, spec: str) -> str:
+            return "-" if x is None else format(x, spec)
+
+        sp = f(c["speedup_vs_gloo"], ".1f") + ("x" if c["speedup_vs_gloo"] else "")
+        pct = "-"
+        if c["op"] == "all_reduce":
+            # shm bound for the shared-memory engine, TCP ring bound for TCP paths (gloo too)
+            if c["backend"] in ("native", "native-raw"):
+                pct = f"{c['pct_shm_bound']:.0f}% shm"
+            else:
+                pct = f"{c['pct_tcp_bound']:.0f}% tcp"
+        lines.append(
+            f"{c['op']:<14} {size:>9} {c['backend']:<10} {c['latency_us']:>11.1f} "
+            f"{f(c['algbw_GBps'], '.3f'):>10} {f(c['busbw_GBps'], '.3f'):>10} {sp:>8} {pct:>10}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[int, dict[str, Any]], path: Path) -> str | None:
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError as exc:
+        return f"no plot: matplotlib unavailable ({exc})"
+    worlds = sorted(results)
+    ops = [
+        op for op in SIZED_OPS if any(c["op"] == op for r in results.values() for c in r["cells"])
+    ]
+    if not ops:
+        return "no plot: no sized ops measured"
+    fig, axes = plt.subplots(
+        2 * len(worlds), len(ops), figsize=(4.2 * len(ops), 3.3 * 2 * len(worlds)), squeeze=False
+    )
+    styles = {"native": "C0-o", "native-raw": "C2:^", "native-tcp": "C1-s", "gloo": "C3--x"}
+    for wi, world in enumerate(worlds):
+        res = results[world]
+        for oi, op in enumerate(ops):
+            ax_t, ax_b = axes[2 * wi][oi], axes[2 * wi + 1][oi]
+            for backend in dict.fromkeys(c["backend"] for c in res["cells"]):
+                pts = sorted(
+                    (c["size"], c["latency_us"], c["busbw_GBps"])
+                    for c in res["cells"]
+                    if c["op"] == op and c["backend"] == backend and c["median_s"]
+                )
+                if not pts:
+                    continue
+                xs = [p[0] for p in pts]
+                ax_t.plot(xs, [p[1] for p in pts], styles.get(backend, "-"), label=backend)
+                ax_b.plot(xs, [p[2] for p in pts], styles.get(backend, "-"), label=backend)
+            if op == "all_reduce":
+                f = bus_factor(op, world)
+                bd = res["bounds"]
+                ax_b.axhline(
+                    bd["shm_all_reduce_algbw_bound_GBps"] * f,
+                    color="C0",
+                    lw=0.8,
+                    ls=":",
+                    label="shm bound",
+                )
+                ax_b.axhline(
+                    bd["tcp_ring_all_reduce_algbw_bound_GBps"] * f,
+                    color="C1",
+                    lw=0.8,
+                    ls=":",
+                    label="TCP ring bound",
+                )
+            for ax, ylabel in ((ax_t, "median latency (us)"), (ax_b, "busbw (GB/s)")):
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.set_xlabel("bytes per rank")
+                ax.set_ylabel(ylabel)
+                ax.grid(True, which="both", alpha=0.3)
+            ax_t.set_title(f"{op}, {world} ranks")
+            ax_t.legend(fontsize=7)
+            ax_b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return None
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="shardline native collectives vs torch Gloo, side by side.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes")
+    p.add_argument(
+        "--ops",
+        nargs="+",
+        choices=OPS,
+        default=list(SIZED_OPS),
+        help="ops (barrier is measured once, without a size)",
+    )
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help=f"comma list of per-rank buffer sizes [default {DEFAULT_SIZES}; "
+        f"--quick: {QUICK_SIZES}]",
+    )
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKENDS,
+        default=["native", "gloo"],
+        help="native-tcp forces the engine's TCP path (distinct host id per rank); "
+        "native-raw calls _native.Group directly (Python-layer overhead)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer sizes, repeats and a shorter target (a few minutes on 2 cores)",
+    )
+    p.add_argument("--repeats", type=int, default=None, help="timed batches per cell [5; quick 3]")
+    p.add_argument(
+        "--target", type=float, default=None, help="seconds per timed batch [0.3; quick 0.1]"
+    )
+    p.add_argument("--min-iters", type=int, default=3)
+    p.add_argument("--max-iters", type=int, default=None, help="[2000; quick 1000]")
+    p.add_argument(
+        "--bound-mib",
+        type=int,
+        default=BOUND_BYTES >> 20,
+        help="buffer for the copy and loopback-TCP bounds",
+    )
+    p.add_argument(
+        "--op-timeout",
+        type=float,
+        default=120.0,
+        help="deadline of any single collective inside the workers (s)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="hard limit per world size, after which every worker is killed "
+        "[quick 600 s, else 2400 s]",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output prefix; writes PREFIX.json, PREFIX.txt, PREFIX.png "
+        "[benches/results/collectives-<cores>c-n<ranks>[-quick]]",
+    )
+    args = p.parse_args(argv)
+    if any(n < 2 for n in args.ranks):
+        p.error("--ranks: world sizes must be at least 2")
+    try:
+        sizes = [
+            parse_size(s)
+            for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",")
+            if s
+        ]
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
+    args.sizes = sorted(set(sizes))
+    args.backends = list(dict.fromkeys(args.backends))
+    args.ops = list(dict.fromkeys(args.ops))
+    args.repeats = args.repeats or (3 if args.quick else 5)
+    args.target = args.target or (0.1 if args.quick else 0.3)
+    args.max_iters = args.max_iters or (1000 if args.quick else 2000)
+    args.min_iters = max(1, args.min_iters)
+    args.bound_bytes = args.bound_mib << 20
+    args.timeout = args.timeout or (600.0 if args.quick else 2400.0)
+    if args.out is None:
+        tag = f"collectives-{os.cpu_count()}c-n{'-'.join(map(str, args.ranks))}"
+        args.out = str(
+            Path(__file__).resolve().parent / "results" / (tag + ("-quick" if args.quick else ""))
+        )
+    return args
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--worker":
+        return worker_main(argv[1])
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    info = machine_info()
+    ncores = info["cpu_count"] or 0
+    print(
+        f"bench_collectives: ranks {args.ranks}, backends {args.backends}, ops {args.ops}, "
+        f"sizes {[fmt_size(s) for s in args.sizes]}, {args.repeats} repeats x ~{args.target} s; "
+        f"{ncores} cores ({info.get('cpu_model', '?')}), load {info['loadavg_start']}",
+        flush=True,
+    )
+    results: dict[int, dict[str, Any]] = {}
+    failures: list[str] = []
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="shardline-bench-") as tmpdir:
+        for world in args.ranks:
+            print(f"-- {world} ranks --", flush=True)
+            res, why = run_world(world, args, Path(tmpdir))
+            if res is None:
+                print(f"ERROR: {why}", file=sys.stderr, flush=True)
+                failures.append(why.splitlines()[0])
+                continue
+            derive(world, res)
+            results[world] = res
+    info["loadavg_end"] = os.getloadavg()
+    info["wall_s"] = round(time.monotonic() - t_start, 1)
+    texts = [table(w, results[w], ncores) for w in sorted(results)]
+    problems = [
+        f"n={w} backend {b}: {g['error']}"
+        for w, r in results.items()
+        for b, g in r["groups"].items()
+        if g.get("error")
+    ]
+    problems += [
+        f"n={w} {c['op']} {fmt_size(c['size'])} {c['backend']}: {c['error']}"
+        for w, r in results.items()
+        for c in r["cells"]
+        if c["error"] and not c.get("fatal")
+    ]
+    report = "\n\n".join(texts)
+    footer = [
+        f"{info.get('cpu_model', '?')}, {ncores} cores, torch {info.get('torch')}, shardline "
+        f"{info.get('shardline_native', '?')}, git {info.get('git_commit', '?')[:10]} "
+        f"({info.get('git_dirty_files', '?')} modified files), load {info['loadavg_start']} -> "
+        f"{info['loadavg_end']}, {info['date_utc']}",
+        "latency: median over repeats of the slowest rank's mean time per op; algbw = S/t, "
+        "busbw = algbw x (2(N-1)/N all_reduce, (N-1)/N reduce_scatter/all_gather, 1 broadcast);"
+        " vs gloo = t_gloo/t; %bound: all_reduce algbw over the shm bound (native) or the TCP "
+        "ring bound (native-tcp, gloo)",
+    ]
+    report = report + "\n\n" + "\n".join(footer) + "\n"
+    doc = {
+        "meta": info,
+        "args": vars(args),
+        "results": {str(w): r for w, r in results.items()},
+        "failures": failures + problems,
+    }
+    Path(f"{out}.json").write_text(json.dumps(doc, indent=1))
+    if results:
+        Path(f"{out}.txt").write_text(report)
+        note = plot(results, Path(f"{out}.png"))
+        print("\n" + report)
+        if note:
+            print(note)
+    print(f"wrote {out}.json" + (f", {out}.txt, {out}.png" if results else ""))
+    if failures:
+        print("FAILED: " + "; ".join(failures), file=sys.stderr)
+        return 1
+    if problems:
+        print("some backends or cells failed:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
