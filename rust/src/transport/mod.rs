@@ -4,4 +4,5 @@
 pub mod auth;
 pub mod frame;
 pub mod shm;
+mod sockio;
 pub mod tcp;

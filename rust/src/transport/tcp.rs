@@ -1,1 +1,1 @@
-//! (in progress)
+//! TCP mesh (in progress).
