@@ -1,1 +1,612 @@
-//! TCP mesh (in progress).
+//! Authenticated TCP mesh between ranks, and framed, signature-checked messages over it.
+//!
+//! [`TcpMesh::connect`] links this rank with each rank in `peers` (the lower rank connects,
+//! the higher accepts; both run the HMAC handshake of [`super::auth`]). Every socket is
+//! non-blocking and every read and write waits in poll(2) against the caller's deadline.
+//! Messages are one `Data` frame header followed by the payload, read straight into the
+//! caller's buffer.
+
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use super::auth::{self, SECRET_HINT};
+use super::frame::{self, FrameType, Header, HEADER_BYTES};
+use super::sockio::{self, poll_until, pollfd, read_some, write_some, Fail};
+use crate::collectives::p2p::P2p;
+use crate::error::{Error, ErrorKind, Result};
+use crate::op::OpSig;
+
+/// Socket buffer size asked for (when the kernel allows it; otherwise autotuning stays on).
+pub const SOCKET_BUFFER_BYTES: usize = 4 << 20;
+/// Longest a single incoming handshake may take, within the overall deadline.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long [`TcpMesh::abort_all`] spends telling each peer why.
+const ABORT_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// A listening socket bound to port 0 of a host; its address is published to the other ranks.
+pub struct TcpListenerHandle {
+    listener: TcpListener,
+    address: String,
+}
+
+impl TcpListenerHandle {
+    /// Binds `host` (an IP address or name; single-host jobs pass `"127.0.0.1"`) on a free port.
+    pub fn bind(host: &str) -> Result<Self> {
+        let listener = TcpListener::bind((host, 0))
+            .map_err(|e| Error::io(format!("cannot listen on {host} (port 0)"), e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| Error::io("listener address", e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("listener set_nonblocking", e))?;
+        set_buffers(listener.as_raw_fd());
+        Ok(TcpListenerHandle {
+            listener,
+            address: local.to_string(),
+        })
+    }
+
+    /// The `"ip:port"` other ranks connect to.
+    pub fn address(&self) -> String {
+        self.address.clone()
+    }
+}
+
+struct Link {
+    stream: TcpStream,
+    addr: String,
+    /// A frame is partly written: an abort frame now would corrupt the stream.
+    tx_dirty: bool,
+}
+
+/// Authenticated TCP connections from this rank to its peers; implements [`P2p`].
+pub struct TcpMesh {
+    rank: usize,
+    world: usize,
+    group: u64,
+    links: Vec<Option<Link>>,
+    broken: Option<Error>,
+}
+
+fn kernel_max(path: &str) -> usize {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Asks for large socket buffers where the kernel allows them (asking for more than
+/// `{r,w}mem_max` would cap them below what autotuning reaches).
+fn set_buffers(fd: RawFd) {
+    let size = SOCKET_BUFFER_BYTES as libc::c_int;
+    for (opt, max) in [
+        (libc::SO_SNDBUF, "/proc/sys/net/core/wmem_max"),
+        (libc::SO_RCVBUF, "/proc/sys/net/core/rmem_max"),
+    ] {
+        if kernel_max(max) >= SOCKET_BUFFER_BYTES {
+            // SAFETY: `fd` is an open socket owned by the caller; the option value points to a
+            // live c_int whose size is passed with it.
+            unsafe {
+                libc::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&size as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                );
+            }
+        }
+    }
+}
+
+fn configure(stream: &TcpStream) -> Result<()> {
+    stream
+        .set_nodelay(true)
+        .map_err(|e| Error::io("TCP_NODELAY", e))?;
+    stream
+        .set_nonblocking(true)
+        .map_err(|e| Error::io("set_nonblocking", e))?;
+    set_buffers(stream.as_raw_fd());
+    Ok(())
+}
+
+/// Connects to `addr` until it answers and authenticates as `peer`, or the deadline passes.
+fn dial(
+    me: usize,
+    peer: usize,
+    addr: &str,
+    secret: &[u8],
+    group: u64,
+    deadline: Instant,
+    stop: &AtomicBool,
+) -> Result<TcpStream> {
+    use std::net::ToSocketAddrs;
+    let mut backoff = Duration::from_millis(5);
+    let mut last = String::from("no attempt");
+    while !stop.load(Ordering::Relaxed) {
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        let attempt = addr
+            .to_socket_addrs()
+            .map_err(|e| e.to_string())
+            .and_then(|mut it| {
+                let sa = it
+                    .next()
+                    .ok_or_else(|| format!("{addr} resolves to nothing"))?;
+                TcpStream::connect_timeout(&sa, (deadline - now).min(Duration::from_secs(2)))
+                    .map_err(|e| e.to_string())
+            });
+        match attempt {
+            Ok(stream) => {
+                configure(&stream)?;
+                let mut s = stream;
+                match auth::connect_handshake(&mut s, secret, group, me, peer, deadline) {
+                    Ok(()) => return Ok(s),
+                    Err(e) if matches!(e.kind, ErrorKind::PeerLost | ErrorKind::Io) => {
+                        last = e.message
+                    }
+                    Err(e) => {
+                        return Err(
+                            e.context(format!("rank {me} connecting to rank {peer} ({addr})"))
+                        )
+                    }
+                }
+            }
+            Err(e) => last = e,
+        }
+        std::thread::sleep(backoff.min(deadline.saturating_duration_since(Instant::now())));
+        backoff = (backoff * 2).min(Duration::from_millis(200));
+    }
+    Err(Error::new(
+        ErrorKind::Timeout,
+        format!(
+            "rank {me} could not connect to rank {peer} at {addr} before the deadline (last error: \
+             {last}); check that rank {peer} started and that the address is reachable from here"
+        ),
+    ))
+}
+
+type Accepted = (TcpStream, Result<usize>);
+
+/// A shared reference to a stream usable where the helpers want `Read + Write + AsRawFd`.
+struct Shared<'a>(&'a TcpStream);
+
+impl std::io::Read for Shared<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        (&mut &*self.0).read(buf)
+    }
+}
+
+impl std::io::Write for Shared<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        (&mut &*self.0).write(buf)
+    }
+    fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+        (&mut &*self.0).write_vectored(bufs)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl AsRawFd for Shared<'_> {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+impl TcpMesh {
+    /// Links this rank to every rank in `peers` (authenticated with `secret`, for process group
+    /// `group`), accepting on `listener`, before `deadline`. `addrs[r]` is rank r's listener
+    /// address.
+    #[allow(clippy::too_many_arguments)]
+    pub fn connect(
+        rank: usize,
+        world: usize,
+        addrs: &[String],
+        peers: &[usize],
+        listener: TcpListenerHandle,
+        secret: &[u8],
+        group: &str,
+        deadline: Instant,
+    ) -> Result<TcpMesh> {
+        if rank >= world || addrs.len() != world {
+            return Err(Error::invalid(format!(
+                "TcpMesh::connect: rank {rank}, world size {world} and {} addresses disagree",
+                addrs.len()
+            )));
+        }
+        if let Some(p) = peers.iter().find(|&&p| p >= world || p == rank) {
+            return Err(Error::invalid(format!(
+                "rank {rank}: peer {p} is out of range or this rank itself (world size {world})"
+            )));
+        }
+        if secret.is_empty() {
+            return Err(Error::invalid(
+                "the shared secret is empty; set SHARDLINE_SECRET (the same value on every rank)",
+            ));
+        }
+        let tag = frame::group_tag(group);
+        let lower: Vec<usize> = peers.iter().copied().filter(|&p| p < rank).collect();
+        let higher: Vec<usize> = peers.iter().copied().filter(|&p| p > rank).collect();
+        let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
+        let stop = AtomicBool::new(false);
+        let (dialed, accepted) = std::thread::scope(|sc| {
+            let dialer = sc.spawn(|| {
+                let mut out = Vec::new();
+                for &p in &higher {
+                    match dial(rank, p, &addrs[p], secret, tag, deadline, &stop) {
+                        Ok(s) => out.push((p, s)),
+                        Err(e) => {
+                            stop.store(true, Ordering::Relaxed);
+                            return Err(e);
+                        }
+                    }
+                }
+                Ok(out)
+            });
+            let accepted = accept_all(rank, &listener, &lower, addrs, secret, tag, deadline, &stop);
+            if accepted.is_err() {
+                stop.store(true, Ordering::Relaxed);
+            }
+            (dialer.join().expect("dialer thread panicked"), accepted)
+        });
+        for (p, stream) in dialed?.into_iter().chain(accepted?) {
+            links[p] = Some(Link {
+                stream,
+                addr: addrs[p].clone(),
+                tx_dirty: false,
+            });
+        }
+        Ok(TcpMesh {
+            rank,
+            world,
+            group: tag,
+            links,
+            broken: None,
+        })
+    }
+
+    /// The world size the mesh was built for.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The address of `peer`, if this rank is linked to it.
+    pub fn peer_address(&self, peer: usize) -> Option<&str> {
+        self.links.get(peer)?.as_ref().map(|l| l.addr.as_str())
+    }
+
+    /// Tells every peer (best effort, briefly) that this rank failed with `err`, then shuts
+    /// every socket; later calls fail with `Closed`.
+    pub fn abort_all(&mut self, err: &Error) {
+        let payload = frame::encode_abort(err.kind, self.rank as u32, &err.message);
+        let header = Header {
+            frame_type: FrameType::Abort,
+            flags: 0,
+            group: self.group,
+            sig: None,
+            payload_len: payload.len() as u64,
+        };
+        let hb = frame::encode_header(&header);
+        let deadline = Instant::now() + ABORT_TIMEOUT;
+        for link in self.links.iter_mut().flatten() {
+            if !link.tx_dirty {
+                let _ = sockio::write_full(&mut Shared(&link.stream), &hb, &payload, deadline);
+            }
+            let _ = link.stream.shutdown(std::net::Shutdown::Both);
+        }
+        if self.broken.is_none() {
+            self.broken = Some(err.clone());
+        }
+    }
+
+    fn link(&self, peer: usize) -> &Link {
+        self.links[peer].as_ref().expect("peer checked by transfer")
+    }
+
+    fn fail(&self, f: Fail, peer: usize, sig: &OpSig, doing: &str) -> Error {
+        let (me, addr) = (self.rank, &self.link(peer).addr);
+        match f {
+            Fail::Closed(why) => Error::new(
+                ErrorKind::PeerLost,
+                format!(
+                    "rank {peer} ({addr}) closed the connection during {sig} (seen by rank {me} \
+                     while {doing}: {why}); it probably exited or crashed — check its log"
+                ),
+            ),
+            Fail::Timeout => Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "rank {me} timed out {doing} rank {peer} ({addr}) during {sig}; that rank may \
+                     be stuck in another op or hung — check its log, or raise SHARDLINE_TIMEOUT"
+                ),
+            ),
+            Fail::Os(e) => Error::io(
+                format!("rank {me} {doing} rank {peer} ({addr}) during {sig}"),
+                e,
+            ),
+        }
+    }
+
+    /// Checks a complete incoming header against what this rank expects.
+    fn check(
+        &self,
+        peer: usize,
+        hb: &[u8; HEADER_BYTES],
+        sig: &OpSig,
+        len: usize,
+        deadline: Instant,
+    ) -> Result<()> {
+        let (me, addr) = (self.rank, &self.link(peer).addr);
+        let h = frame::decode_header(hb).map_err(|e| {
+            e.context(format!(
+                "rank {me}: bad frame from rank {peer} ({addr}) during {sig}"
+            ))
+        })?;
+        if h.frame_type == FrameType::Abort {
+            // payload_len is capped at 64 KiB + 5 by decode_header.
+            let mut payload = vec![0u8; h.payload_len as usize];
+            sockio::read_full(&mut Shared(&self.link(peer).stream), &mut payload, deadline)
+                .map_err(|f| self.fail(f, peer, sig, "reading an abort from"))?;
+            return Err(frame::abort_error(&payload));
+        }
+        if h.frame_type != FrameType::Data || h.group != self.group {
+            return Err(Error::protocol(format!(
+                "rank {me}: rank {peer} ({addr}) sent a {:?} frame for group tag {:#x} during {sig} \
+                 (expected data for {:#x}); the streams are out of sync",
+                h.frame_type, h.group, self.group
+            )));
+        }
+        let theirs = h.sig.expect("data frames carry a signature");
+        sig.check_against(me, &theirs, peer)?;
+        if h.payload_len != len as u64 {
+            return Err(Error::protocol(format!(
+                "rank {peer} sent {} bytes for {sig} but rank {me} expected {len}; check that \
+                 every rank passes buffers of the same size",
+                h.payload_len
+            )));
+        }
+        Ok(())
+    }
+
+    fn transfer(
+        &mut self,
+        out: Option<(usize, &[u8])>,
+        inp: Option<(usize, &mut [u8])>,
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        if let Some(e) = &self.broken {
+            return Err(Error::new(
+                ErrorKind::Closed,
+                format!(
+                    "rank {}: {sig} on a TCP mesh broken by an earlier error ({}); create a new \
+                     communicator",
+                    self.rank, e.message
+                ),
+            ));
+        }
+        for p in out
+            .as_ref()
+            .map(|o| o.0)
+            .into_iter()
+            .chain(inp.as_ref().map(|i| i.0))
+        {
+            if self.links.get(p).is_none_or(|l| l.is_none()) {
+                return Err(Error::invalid(format!(
+                    "rank {}: {sig} addresses rank {p}, which this mesh is not linked to",
+                    self.rank
+                )));
+            }
+        }
+        let r = self.transfer_inner(out, inp, sig, deadline);
+        if let Err(e) = &r {
+            self.broken = Some(e.clone());
+        }
+        r
+    }
+
+    fn transfer_inner(
+        &mut self,
+        out: Option<(usize, &[u8])>,
+        inp: Option<(usize, &mut [u8])>,
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        let payload_len = out.as_ref().map_or(0, |o| o.1.len()) as u64;
+        let header = Header {
+            frame_type: FrameType::Data,
+            flags: 0,
+            group: self.group,
+            sig: Some(*sig),
+            payload_len,
+        };
+        let ohdr = frame::encode_header(&header);
+        let (mut sent, total) = (0usize, HEADER_BYTES + payload_len as usize);
+        let mut ihdr = [0u8; HEADER_BYTES];
+        let (mut hgot, mut got) = (0usize, 0usize);
+        let (to, body) = out.map_or((usize::MAX, &[][..]), |(p, b)| (p, b));
+        let sending = to != usize::MAX;
+        let (from, dst) = inp.map_or((usize::MAX, &mut [][..]), |(p, d)| (p, d));
+        let receiving = from != usize::MAX;
+        let mut out_done = !sending;
+        let mut in_done = !receiving;
+        if sending {
+            self.links[to].as_mut().expect("checked").tx_dirty = true;
+        }
+        while !(out_done && in_done) {
+            let mut progress = false;
+            if !out_done {
+                let s = &self.link(to).stream;
+                let (h, b) = if sent < HEADER_BYTES {
+                    (&ohdr[sent..], body)
+                } else {
+                    (&[][..], &body[sent - HEADER_BYTES..])
+                };
+                let n = write_some(s, h, b).map_err(|f| self.fail(f, to, sig, "sending to"))?;
+                sent += n;
+                progress |= n > 0;
+                if sent == total {
+                    out_done = true;
+                    self.links[to].as_mut().expect("checked").tx_dirty = false;
+                }
+            }
+            while !in_done {
+                let s = &self.link(from).stream;
+                let n = if hgot < HEADER_BYTES {
+                    let n = read_some(s, &mut ihdr[hgot..])
+                        .map_err(|f| self.fail(f, from, sig, "receiving from"))?;
+                    hgot += n;
+                    if hgot == HEADER_BYTES {
+                        self.check(from, &ihdr, sig, dst.len(), deadline)?;
+                    }
+                    n
+                } else {
+                    let n = read_some(s, &mut dst[got..])
+                        .map_err(|f| self.fail(f, from, sig, "receiving from"))?;
+                    got += n;
+                    n
+                };
+                in_done = hgot == HEADER_BYTES && got == dst.len();
+                progress |= n > 0;
+                if n == 0 {
+                    break;
+                }
+            }
+            if !progress && !(out_done && in_done) {
+                let mut fds = Vec::with_capacity(2);
+                if !out_done {
+                    fds.push(pollfd(self.link(to).stream.as_raw_fd(), libc::POLLOUT));
+                }
+                if !in_done {
+                    let fd = self.link(from).stream.as_raw_fd();
+                    match fds.first_mut() {
+                        Some(f) if f.fd == fd => f.events |= libc::POLLIN,
+                        _ => fds.push(pollfd(fd, libc::POLLIN)),
+                    }
+                }
+                if let Err(f) = poll_until(&mut fds, deadline) {
+                    let (peer, doing) = if in_done {
+                        (to, "sending to")
+                    } else {
+                        (from, "waiting for data from")
+                    };
+                    return Err(self.fail(f, peer, sig, doing));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Accepts and authenticates connections until every rank in `expected` linked, the deadline
+/// passes or `stop` is set. Connections that fail the handshake are dropped; the job goes on.
+#[allow(clippy::too_many_arguments)]
+fn accept_all(
+    me: usize,
+    listener: &TcpListenerHandle,
+    expected: &[usize],
+    addrs: &[String],
+    secret: &[u8],
+    group: u64,
+    deadline: Instant,
+    stop: &AtomicBool,
+) -> Result<Vec<(usize, TcpStream)>> {
+    let mut linked: Vec<(usize, TcpStream)> = Vec::new();
+    let (tx, rx) = mpsc::channel::<Accepted>();
+    let secret: Arc<[u8]> = secret.into();
+    let expected_owned: Arc<[usize]> = expected.into();
+    let mut rejected: Vec<String> = Vec::new();
+    while linked.len() < expected.len() && !stop.load(Ordering::Relaxed) {
+        while let Ok((stream, res)) = rx.try_recv() {
+            match res {
+                Ok(p) if !linked.iter().any(|(q, _)| *q == p) => linked.push((p, stream)),
+                Ok(p) => rejected.push(format!("a second connection from rank {p}")),
+                Err(e) => rejected.push(e.message),
+            }
+        }
+        if linked.len() == expected.len() || Instant::now() >= deadline {
+            break;
+        }
+        let tick = (Instant::now() + Duration::from_millis(20)).min(deadline);
+        let _ = sockio::wait_fd(listener.listener.as_raw_fd(), libc::POLLIN, tick);
+        while let Ok((stream, _)) = listener.listener.accept() {
+            if configure(&stream).is_err() {
+                continue;
+            }
+            let (tx, secret, exp) = (tx.clone(), secret.clone(), expected_owned.clone());
+            let hs_deadline = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
+            std::thread::spawn(move || {
+                let mut s = stream;
+                let r = auth::accept_handshake(&mut s, &secret, group, me, &exp, hs_deadline);
+                let _ = tx.send((s, r));
+            });
+        }
+    }
+    if linked.len() == expected.len() || stop.load(Ordering::Relaxed) {
+        return Ok(linked);
+    }
+    let missing: Vec<String> = expected
+        .iter()
+        .filter(|p| !linked.iter().any(|(q, _)| q == *p))
+        .map(|&p| format!("rank {p} ({})", addrs[p]))
+        .collect();
+    let auth_failed = rejected.iter().any(|m| m.contains("HMAC"));
+    let mut msg = format!(
+        "rank {me} timed out waiting for connections from {}; they may not have started, may \
+         have crashed, or cannot reach {}",
+        missing.join(", "),
+        listener.address
+    );
+    if !rejected.is_empty() {
+        msg += &format!(
+            "; rejected {} connection(s): {}",
+            rejected.len(),
+            rejected.join(" | ")
+        );
+    }
+    if auth_failed {
+        msg += &format!(". {SECRET_HINT}");
+    }
+    Err(Error::new(
+        if auth_failed {
+            ErrorKind::Auth
+        } else {
+            ErrorKind::Timeout
+        },
+        msg,
+    ))
+}
+
+impl P2p for TcpMesh {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn send(&mut self, peer: usize, sig: &OpSig, payload: &[u8], deadline: Instant) -> Result<()> {
+        self.transfer(Some((peer, payload)), None, sig, deadline)
+    }
+
+    fn recv(&mut self, peer: usize, sig: &OpSig, dst: &mut [u8], deadline: Instant) -> Result<()> {
+        self.transfer(None, Some((peer, dst)), sig, deadline)
+    }
+
+    fn exchange(
+        &mut self,
+        to: usize,
+        payload: &[u8],
+        from: usize,
+        dst: &mut [u8],
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        self.transfer(Some((to, payload)), Some((from, dst)), sig, deadline)
+    }
+}
