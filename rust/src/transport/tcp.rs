@@ -480,7 +480,7 @@ impl TcpMesh {
                     break;
                 }
             }
-            if !progress && !(out_done && in_done) {
+            if !progress && (!out_done || !in_done) {
                 let mut fds = Vec::with_capacity(2);
                 if !out_done {
                     fds.push(pollfd(self.link(to).stream.as_raw_fd(), libc::POLLOUT));
