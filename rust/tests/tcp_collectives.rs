@@ -511,3 +511,23 @@ fn garbage_connections_do_not_break_the_mesh() {
         assert_close(&s, &reference(DType::F32, ReduceOp::Sum, 3, 10), "sum");
     }
 }
+
+#[test]
+fn silent_peer_is_a_timeout_naming_peer_and_op() {
+    use shardline::collectives::p2p::P2p;
+    let errs = mesh_world(2, |rank, mesh| {
+        let sig = OpSig::new(OpKind::Recv, DType::U8, 4);
+        if rank == 1 {
+            std::thread::sleep(Duration::from_millis(400));
+            return None;
+        }
+        let d = Instant::now() + Duration::from_millis(150);
+        mesh.recv(1, &sig, &mut [0u8; 4], d).err()
+    });
+    let e = errs[0].as_ref().expect("rank 0 must time out");
+    assert_eq!(e.kind, ErrorKind::Timeout, "{e}");
+    assert!(
+        e.message.contains("rank 1 (127.0.0.1:") && e.message.contains("recv(uint8, 4)"),
+        "{e}"
+    );
+}

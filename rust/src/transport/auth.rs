@@ -320,6 +320,26 @@ mod tests {
         );
     }
 
+    // Bounded stand-in for the cargo-fuzz `handshake` target, run by every `cargo test`.
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        #[test]
+        fn garbage_handshakes_are_typed_errors(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400)) {
+            for connector in [false, true] {
+                let (mut ours, mut theirs) = pair();
+                theirs.write_all(&data).unwrap();
+                theirs.shutdown(std::net::Shutdown::Write).unwrap();
+                let d = Instant::now() + Duration::from_millis(100);
+                let r = if connector {
+                    connect_handshake(&mut ours, b"k", 7, 0, 1, d)
+                } else {
+                    accept_handshake(&mut ours, b"k", 7, 1, &[0], d).map(|_| ())
+                };
+                proptest::prop_assert!(r.is_err());
+            }
+        }
+    }
+
     #[test]
     fn empty_secret_is_invalid() {
         let (mut a, _b) = pair();

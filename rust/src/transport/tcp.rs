@@ -335,6 +335,34 @@ impl TcpMesh {
         }
     }
 
+    /// An abort frame `peer` left unread before closing, if any (the mesh is failing anyway, so
+    /// consuming whatever else arrived is harmless).
+    fn pending_abort(&self, peer: usize) -> Option<Error> {
+        let deadline = Instant::now() + Duration::from_millis(100);
+        let mut s = Shared(&self.link(peer).stream);
+        let mut skip_budget: u64 = 16 << 20;
+        for _ in 0..4 {
+            let mut hb = [0u8; HEADER_BYTES];
+            sockio::read_full(&mut s, &mut hb, deadline).ok()?;
+            let h = frame::decode_header(&hb).ok()?;
+            if h.frame_type == FrameType::Abort {
+                let mut payload = vec![0u8; h.payload_len as usize];
+                sockio::read_full(&mut s, &mut payload, deadline).ok()?;
+                return Some(frame::abort_error(&payload));
+            }
+            // Skip data the peer sent before it aborted, within a budget.
+            skip_budget = skip_budget.checked_sub(h.payload_len)?;
+            let mut left = h.payload_len as usize;
+            let mut sink = [0u8; 16 * 1024];
+            while left > 0 {
+                let n = left.min(sink.len());
+                sockio::read_full(&mut s, &mut sink[..n], deadline).ok()?;
+                left -= n;
+            }
+        }
+        None
+    }
+
     /// Checks a complete incoming header against what this rank expects.
     fn check(
         &self,
@@ -450,7 +478,14 @@ impl TcpMesh {
                 } else {
                     (&[][..], &body[sent - HEADER_BYTES..])
                 };
-                let n = write_some(s, h, b).map_err(|f| self.fail(f, to, sig, "sending to"))?;
+                let reading_same = receiving && from == to && (hgot > 0 || got > 0);
+                let n = write_some(s, h, b).map_err(|f| match f {
+                    // A peer that aborted closed its end; its abort frame says why.
+                    Fail::Closed(_) if !reading_same => self
+                        .pending_abort(to)
+                        .unwrap_or_else(|| self.fail(f, to, sig, "sending to")),
+                    f => self.fail(f, to, sig, "sending to"),
+                })?;
                 sent += n;
                 progress |= n > 0;
                 if sent == total {
