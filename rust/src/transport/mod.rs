@@ -2,6 +2,7 @@
 //! between hosts.
 
 pub mod auth;
+mod connect;
 pub mod frame;
 pub mod shm;
 mod sockio;
