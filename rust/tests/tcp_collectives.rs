@@ -531,3 +531,60 @@ fn silent_peer_is_a_timeout_naming_peer_and_op() {
         "{e}"
     );
 }
+
+/// Not a test: prints all_reduce timings (`cargo test --release -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn all_reduce_throughput() {
+    let chunk: usize = std::env::var("CHUNK").map_or(1 << 20, |v| v.parse().unwrap());
+    for world in [2, 4] {
+        for bytes in [4 << 10, 1 << 20, 64 << 20] {
+            let times = mesh_world(world, |rank, mesh| {
+                let members: Vec<usize> = (0..world).collect();
+                let mut ring = Ring::new(RingOpts { chunk_bytes: chunk, ..RingOpts::default() });
+                let mut buf = input(DType::F32, rank, bytes / 4);
+                let iters = if bytes > 1 << 20 { 5 } else { 200 };
+                let mut best = Duration::MAX;
+                for i in 0..iters {
+                    let sig = OpSig {
+                        seq: i,
+                        ..OpSig::new(OpKind::AllReduce, DType::F32, bytes / 4)
+                    };
+                    let t = Instant::now();
+                    let d = Instant::now() + Duration::from_secs(60);
+                    ring.all_reduce(mesh, &members, &mut buf, DType::F32, ReduceOp::Sum, &sig, d)
+                        .unwrap();
+                    best = best.min(t.elapsed());
+                }
+                best
+            });
+            let t = times.into_iter().max().unwrap();
+            let gbs = bytes as f64 / t.as_secs_f64() / 1e9;
+            println!("N={world} {bytes:>9} B: {t:?} algbw {gbs:.2} GB/s");
+        }
+    }
+}
+
+/// Not a test: prints raw exchange timings.
+#[test]
+#[ignore]
+fn exchange_throughput() {
+    use shardline::collectives::p2p::P2p;
+    for bytes in [1usize << 20, 16 << 20, 64 << 20] {
+        let times = mesh_world(2, |rank, mesh| {
+            let out = vec![1u8; bytes];
+            let mut inp = vec![0u8; bytes];
+            let mut best = Duration::MAX;
+            for i in 0..5 {
+                let sig = OpSig { seq: i, ..OpSig::new(OpKind::Send, DType::U8, bytes) };
+                let t = Instant::now();
+                let d = Instant::now() + Duration::from_secs(60);
+                mesh.exchange(1 - rank, &out, 1 - rank, &mut inp, &sig, d).unwrap();
+                best = best.min(t.elapsed());
+            }
+            best
+        });
+        let t = times.into_iter().max().unwrap();
+        println!("exchange {bytes:>9} B: {t:?} {:.2} GB/s each way", bytes as f64 / t.as_secs_f64() / 1e9);
+    }
+}

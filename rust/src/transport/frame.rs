@@ -135,6 +135,13 @@ pub fn decode_header(bytes: &[u8; HEADER_BYTES]) -> Result<Header> {
     }
     let group = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
     let sig_bytes: &[u8; SIG_BYTES] = bytes[16..40].try_into().expect("24 bytes");
+    if sig_bytes[3] != 0 {
+        // OpSig's padding byte: reserved, so every accepted header has one encoding.
+        return Err(Error::protocol(format!(
+            "reserved signature byte is {:#04x}, expected 0",
+            sig_bytes[3]
+        )));
+    }
     let sig = if sig_bytes.iter().all(|b| *b == 0) {
         None
     } else {
@@ -277,6 +284,9 @@ mod tests {
         let mut b = good;
         b[6] = 0;
         assert!(decode_header(&b).is_err());
+        let mut b = good;
+        b[19] = 0x31; // padding byte of the signature (found by cargo fuzz)
+        assert!(decode_header(&b).unwrap_err().message.contains("reserved"));
         let mut b = good;
         b[16..40].fill(0);
         assert!(decode_header(&b).unwrap_err().message.contains("signature"));
