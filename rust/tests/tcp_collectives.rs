@@ -532,6 +532,24 @@ fn silent_peer_is_a_timeout_naming_peer_and_op() {
     );
 }
 
+#[test]
+fn large_exchange_is_full_duplex() {
+    use shardline::collectives::p2p::P2p;
+    // 24 MiB each way, far beyond the socket buffers: both peers send first.
+    let bytes = 24 << 20;
+    mesh_world(2, |rank, mesh| {
+        let out: Vec<u8> = (0..bytes).map(|i| (i % 251) as u8 ^ rank as u8).collect();
+        let mut inp = vec![0u8; bytes];
+        let sig = OpSig::new(OpKind::Send, DType::U8, bytes);
+        mesh.exchange(1 - rank, &out, 1 - rank, &mut inp, &sig, deadline())
+            .unwrap();
+        assert!(inp
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == (i % 251) as u8 ^ (1 - rank) as u8));
+    });
+}
+
 /// Not a test: prints all_reduce timings (`cargo test --release -- --ignored --nocapture`).
 #[test]
 #[ignore]
@@ -541,7 +559,10 @@ fn all_reduce_throughput() {
         for bytes in [4 << 10, 1 << 20, 64 << 20] {
             let times = mesh_world(world, |rank, mesh| {
                 let members: Vec<usize> = (0..world).collect();
-                let mut ring = Ring::new(RingOpts { chunk_bytes: chunk, ..RingOpts::default() });
+                let mut ring = Ring::new(RingOpts {
+                    chunk_bytes: chunk,
+                    ..RingOpts::default()
+                });
                 let mut buf = input(DType::F32, rank, bytes / 4);
                 let iters = if bytes > 1 << 20 { 5 } else { 200 };
                 let mut best = Duration::MAX;
@@ -576,15 +597,22 @@ fn exchange_throughput() {
             let mut inp = vec![0u8; bytes];
             let mut best = Duration::MAX;
             for i in 0..5 {
-                let sig = OpSig { seq: i, ..OpSig::new(OpKind::Send, DType::U8, bytes) };
+                let sig = OpSig {
+                    seq: i,
+                    ..OpSig::new(OpKind::Send, DType::U8, bytes)
+                };
                 let t = Instant::now();
                 let d = Instant::now() + Duration::from_secs(60);
-                mesh.exchange(1 - rank, &out, 1 - rank, &mut inp, &sig, d).unwrap();
+                mesh.exchange(1 - rank, &out, 1 - rank, &mut inp, &sig, d)
+                    .unwrap();
                 best = best.min(t.elapsed());
             }
             best
         });
         let t = times.into_iter().max().unwrap();
-        println!("exchange {bytes:>9} B: {t:?} {:.2} GB/s each way", bytes as f64 / t.as_secs_f64() / 1e9);
+        println!(
+            "exchange {bytes:>9} B: {t:?} {:.2} GB/s each way",
+            bytes as f64 / t.as_secs_f64() / 1e9
+        );
     }
 }
