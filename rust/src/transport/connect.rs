@@ -12,6 +12,8 @@ use crate::error::{Error, ErrorKind, Result};
 
 /// Socket buffer size asked for (when the kernel allows it; otherwise autotuning stays on).
 pub const SOCKET_BUFFER_BYTES: usize = 4 << 20;
+/// Most incoming handshakes in flight at once; more connections are closed unread.
+const MAX_PENDING_HANDSHAKES: usize = 64;
 /// Longest a single incoming handshake may take, within the overall deadline.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -169,8 +171,10 @@ fn accept_all(
     let secret: Arc<[u8]> = secret.into();
     let expected_owned: Arc<[usize]> = expected.into();
     let mut rejected: Vec<String> = Vec::new();
+    let mut pending = 0usize;
     while linked.len() < expected.len() && !stop.load(Ordering::Relaxed) {
         while let Ok((stream, res)) = rx.try_recv() {
+            pending -= 1;
             match res {
                 Ok(p) if !linked.iter().any(|(q, _)| *q == p) => linked.push((p, stream)),
                 Ok(p) => rejected.push(format!("a second connection from rank {p}")),
@@ -183,9 +187,11 @@ fn accept_all(
         let tick = (Instant::now() + Duration::from_millis(20)).min(deadline);
         let _ = sockio::wait_fd(listener.listener.as_raw_fd(), libc::POLLIN, tick);
         while let Ok((stream, _)) = listener.listener.accept() {
-            if configure(&stream).is_err() {
+            // A flood of connections gets dropped, not a thread each.
+            if pending >= MAX_PENDING_HANDSHAKES || configure(&stream).is_err() {
                 continue;
             }
+            pending += 1;
             let (tx, secret, exp) = (tx.clone(), secret.clone(), expected_owned.clone());
             let hs_deadline = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
             std::thread::spawn(move || {

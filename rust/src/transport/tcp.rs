@@ -158,8 +158,8 @@ impl TcpMesh {
             Fail::Closed(why) => Error::new(
                 ErrorKind::PeerLost,
                 format!(
-                    "rank {peer} ({addr}) closed the connection during {sig} (seen by rank {me} \
-                     while {doing}: {why}); it probably exited or crashed — check its log"
+                    "rank {peer} ({addr}) closed the connection during {sig} (seen by rank {me}: \
+                     {why}); it probably exited or crashed — check its log"
                 ),
             ),
             Fail::Timeout => Error::new(
