@@ -29,6 +29,10 @@ struct Link {
 }
 
 /// Authenticated TCP connections from this rank to its peers; implements [`P2p`].
+///
+/// Any failed send/recv/exchange breaks the mesh (later calls fail with `Closed`). The caller
+/// should then call [`TcpMesh::abort_all`], so peers waiting on this rank fail at once with the
+/// same error kind ("rank R aborted: ...") instead of waiting for their deadline.
 pub struct TcpMesh {
     rank: usize,
     world: usize,
