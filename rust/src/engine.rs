@@ -968,7 +968,7 @@ fn run_p2p<P: P2p>(
             dtype,
             op,
             root,
-        } => direct::reduce(p, members, buf.bytes(), *root, *dtype, *op, sig, deadline),
+        } => direct::reduce(p, members, buf.bytes(), *dtype, *op, *root, sig, deadline),
         Op::Gather { out, inp, root, .. } => {
             let out = out.as_ref().map(|o| o.bytes()).unwrap_or(&mut []);
             direct::gather(p, members, out, inp.bytes(), *root, sig, deadline)

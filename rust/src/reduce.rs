@@ -360,7 +360,7 @@ mod tests {
         let big = bf16::from_f32(256.0).to_le_bytes().to_vec();
         let one = bf16::from_f32(1.0).to_le_bytes().to_vec();
         let srcs: Vec<&[u8]> = std::iter::once(big.as_slice())
-            .chain(std::iter::repeat(one.as_slice()).take(4))
+            .chain(std::iter::repeat_n(one.as_slice(), 4))
             .collect();
         let mut out = vec![0u8; 2];
         reduce_slices(&mut out, &srcs, DType::BF16, ReduceOp::Sum);

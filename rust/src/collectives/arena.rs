@@ -118,9 +118,7 @@ impl ArenaComm {
         let total = buf.len();
         let slot = self.arena.slot_bytes();
         if total <= self.oneshot_bytes.min(slot) {
-            let parity = self.step(sig, Some(0), deadline, |s| {
-                s[..total].copy_from_slice(buf)
-            })?;
+            let parity = self.step(sig, Some(0), deadline, |s| s[..total].copy_from_slice(buf))?;
             if only_root.is_none_or(|r| r == me) {
                 let srcs: Vec<&[u8]> = (0..n)
                     .map(|r| &self.arena.slot(r, parity)[..total])
@@ -220,11 +218,9 @@ impl ArenaComm {
             let off = it * chunk;
             let span = |c: usize| c.saturating_sub(off).min(chunk);
             let mine = span(inp.len());
-            let parity = self.step(
-                sig, (it == 0).then_some(inp.len() as u64),
-                deadline,
-                |s| s[..mine].copy_from_slice(&inp[off..off + mine]),
-            )?;
+            let parity = self.step(sig, (it == 0).then_some(inp.len() as u64), deadline, |s| {
+                s[..mine].copy_from_slice(&inp[off..off + mine])
+            })?;
             if it == 0 {
                 for (r, &expect) in counts.iter().enumerate() {
                     let (_, got) = self.arena.sig_of(r, parity)?;

@@ -2,6 +2,8 @@
 //! between hosts.
 
 pub mod auth;
+mod connect;
 pub mod frame;
 pub mod shm;
+mod sockio;
 pub mod tcp;

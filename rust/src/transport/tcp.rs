@@ -1,20 +1,77 @@
-//! (stub until the TCP transport lands)
-#![allow(missing_docs, unused_variables)]
+//! Authenticated TCP mesh between ranks, and framed, signature-checked messages over it.
+//!
+//! [`TcpMesh::connect`] links this rank with each rank in `peers` (the lower rank connects,
+//! the higher accepts; both run the HMAC handshake of [`super::auth`]). Every socket is
+//! non-blocking and every read and write waits in poll(2) against the caller's deadline.
+//! Messages are one `Data` frame header followed by the payload, read straight into the
+//! caller's buffer.
+
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
+
+use super::connect;
+pub use super::connect::{TcpListenerHandle, SOCKET_BUFFER_BYTES};
+use super::frame::{self, FrameType, Header, HEADER_BYTES};
+use super::sockio::{self, poll_until, pollfd, read_some, write_some, Fail};
 use crate::collectives::p2p::P2p;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::op::OpSig;
-use std::time::Instant;
-pub struct TcpListenerHandle;
-impl TcpListenerHandle {
-    pub fn bind(host: &str) -> Result<Self> {
-        Ok(TcpListenerHandle)
-    }
-    pub fn address(&self) -> String {
-        "127.0.0.1:1".into()
+
+/// How long [`TcpMesh::abort_all`] spends telling each peer why.
+const ABORT_TIMEOUT: Duration = Duration::from_millis(200);
+
+struct Link {
+    stream: TcpStream,
+    addr: String,
+    /// A frame is partly written: an abort frame now would corrupt the stream.
+    tx_dirty: bool,
+}
+
+/// Authenticated TCP connections from this rank to its peers; implements [`P2p`].
+///
+/// Any failed send/recv/exchange breaks the mesh (later calls fail with `Closed`). The caller
+/// should then call [`TcpMesh::abort_all`], so peers waiting on this rank fail at once with the
+/// same error kind ("rank R aborted: ...") instead of waiting for their deadline.
+pub struct TcpMesh {
+    rank: usize,
+    world: usize,
+    group: u64,
+    links: Vec<Option<Link>>,
+    broken: Option<Error>,
+}
+
+/// A shared reference to a stream usable where the helpers want `Read + Write + AsRawFd`.
+struct Shared<'a>(&'a TcpStream);
+
+impl std::io::Read for Shared<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        (&mut &*self.0).read(buf)
     }
 }
-pub struct TcpMesh;
+
+impl std::io::Write for Shared<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        (&mut &*self.0).write(buf)
+    }
+    fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+        (&mut &*self.0).write_vectored(bufs)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl AsRawFd for Shared<'_> {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
 impl TcpMesh {
+    /// Links this rank to every rank in `peers` (authenticated with `secret`, for process group
+    /// `group`), accepting on `listener`, before `deadline`. `addrs[r]` is rank r's listener
+    /// address.
     #[allow(clippy::too_many_arguments)]
     pub fn connect(
         rank: usize,
@@ -25,21 +82,323 @@ impl TcpMesh {
         secret: &[u8],
         group: &str,
         deadline: Instant,
-    ) -> Result<Self> {
-        Ok(TcpMesh)
+    ) -> Result<TcpMesh> {
+        if rank >= world || addrs.len() != world {
+            return Err(Error::invalid(format!(
+                "TcpMesh::connect: rank {rank}, world size {world} and {} addresses disagree",
+                addrs.len()
+            )));
+        }
+        if let Some(p) = peers.iter().find(|&&p| p >= world || p == rank) {
+            return Err(Error::invalid(format!(
+                "rank {rank}: peer {p} is out of range or this rank itself (world size {world})"
+            )));
+        }
+        if secret.is_empty() {
+            return Err(Error::invalid(
+                "the shared secret is empty; set SHARDLINE_SECRET (the same value on every rank)",
+            ));
+        }
+        let tag = frame::group_tag(group);
+        let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
+        let streams = connect::link_all(rank, addrs, peers, &listener, secret, tag, deadline)?;
+        for (p, stream) in streams {
+            links[p] = Some(Link {
+                stream,
+                addr: addrs[p].clone(),
+                tx_dirty: false,
+            });
+        }
+        Ok(TcpMesh {
+            rank,
+            world,
+            group: tag,
+            links,
+            broken: None,
+        })
     }
-    pub fn abort_all(&mut self, err: &Error) {}
+
+    /// The world size the mesh was built for.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The address of `peer`, if this rank is linked to it.
+    pub fn peer_address(&self, peer: usize) -> Option<&str> {
+        self.links.get(peer)?.as_ref().map(|l| l.addr.as_str())
+    }
+
+    /// Tells every peer (best effort, briefly) that this rank failed with `err`, then shuts
+    /// every socket; later calls fail with `Closed`.
+    pub fn abort_all(&mut self, err: &Error) {
+        let payload = frame::encode_abort(err.kind, self.rank as u32, &err.message);
+        let header = Header {
+            frame_type: FrameType::Abort,
+            flags: 0,
+            group: self.group,
+            sig: None,
+            payload_len: payload.len() as u64,
+        };
+        let hb = frame::encode_header(&header);
+        let deadline = Instant::now() + ABORT_TIMEOUT;
+        for link in self.links.iter_mut().flatten() {
+            if !link.tx_dirty {
+                let _ = sockio::write_full(&mut Shared(&link.stream), &hb, &payload, deadline);
+            }
+            let _ = link.stream.shutdown(std::net::Shutdown::Both);
+        }
+        if self.broken.is_none() {
+            self.broken = Some(err.clone());
+        }
+    }
+
+    fn link(&self, peer: usize) -> &Link {
+        self.links[peer].as_ref().expect("peer checked by transfer")
+    }
+
+    fn fail(&self, f: Fail, peer: usize, sig: &OpSig, doing: &str) -> Error {
+        let (me, addr) = (self.rank, &self.link(peer).addr);
+        match f {
+            Fail::Closed(why) => Error::new(
+                ErrorKind::PeerLost,
+                format!(
+                    "rank {peer} ({addr}) closed the connection during {sig} (seen by rank {me}: \
+                     {why}); it probably exited or crashed — check its log"
+                ),
+            ),
+            Fail::Timeout => Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "rank {me} timed out {doing} rank {peer} ({addr}) during {sig}; that rank may \
+                     be stuck in another op or hung — check its log, or raise SHARDLINE_TIMEOUT"
+                ),
+            ),
+            Fail::Os(e) => Error::io(
+                format!("rank {me} {doing} rank {peer} ({addr}) during {sig}"),
+                e,
+            ),
+        }
+    }
+
+    /// An abort frame `peer` left unread before closing, if any (the mesh is failing anyway, so
+    /// consuming whatever else arrived is harmless).
+    fn pending_abort(&self, peer: usize) -> Option<Error> {
+        let deadline = Instant::now() + Duration::from_millis(100);
+        let mut s = Shared(&self.link(peer).stream);
+        let mut skip_budget: u64 = 16 << 20;
+        for _ in 0..4 {
+            let mut hb = [0u8; HEADER_BYTES];
+            sockio::read_full(&mut s, &mut hb, deadline).ok()?;
+            let h = frame::decode_header(&hb).ok()?;
+            if h.frame_type == FrameType::Abort {
+                let mut payload = vec![0u8; h.payload_len as usize];
+                sockio::read_full(&mut s, &mut payload, deadline).ok()?;
+                return Some(frame::abort_error(&payload));
+            }
+            // Skip data the peer sent before it aborted, within a budget.
+            skip_budget = skip_budget.checked_sub(h.payload_len)?;
+            let mut left = h.payload_len as usize;
+            let mut sink = [0u8; 16 * 1024];
+            while left > 0 {
+                let n = left.min(sink.len());
+                sockio::read_full(&mut s, &mut sink[..n], deadline).ok()?;
+                left -= n;
+            }
+        }
+        None
+    }
+
+    /// Checks a complete incoming header against what this rank expects.
+    fn check(
+        &self,
+        peer: usize,
+        hb: &[u8; HEADER_BYTES],
+        sig: &OpSig,
+        len: usize,
+        deadline: Instant,
+    ) -> Result<()> {
+        let (me, addr) = (self.rank, &self.link(peer).addr);
+        let h = frame::decode_header(hb).map_err(|e| {
+            e.context(format!(
+                "rank {me}: bad frame from rank {peer} ({addr}) during {sig}"
+            ))
+        })?;
+        if h.frame_type == FrameType::Abort {
+            // payload_len is capped at 64 KiB + 5 by decode_header.
+            let mut payload = vec![0u8; h.payload_len as usize];
+            sockio::read_full(&mut Shared(&self.link(peer).stream), &mut payload, deadline)
+                .map_err(|f| self.fail(f, peer, sig, "reading an abort from"))?;
+            return Err(frame::abort_error(&payload));
+        }
+        if h.frame_type != FrameType::Data || h.group != self.group {
+            return Err(Error::protocol(format!(
+                "rank {me}: rank {peer} ({addr}) sent a {:?} frame for group tag {:#x} during {sig} \
+                 (expected data for {:#x}); the streams are out of sync",
+                h.frame_type, h.group, self.group
+            )));
+        }
+        let theirs = h.sig.expect("data frames carry a signature");
+        sig.check_against(me, &theirs, peer)?;
+        if h.payload_len != len as u64 {
+            return Err(Error::protocol(format!(
+                "rank {peer} sent {} bytes for {sig} but rank {me} expected {len}; check that \
+                 every rank passes buffers of the same size",
+                h.payload_len
+            )));
+        }
+        Ok(())
+    }
+
+    fn transfer(
+        &mut self,
+        out: Option<(usize, &[u8])>,
+        inp: Option<(usize, &mut [u8])>,
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        if let Some(e) = &self.broken {
+            return Err(Error::new(
+                ErrorKind::Closed,
+                format!(
+                    "rank {}: {sig} on a TCP mesh broken by an earlier error ({}); create a new \
+                     communicator",
+                    self.rank, e.message
+                ),
+            ));
+        }
+        for p in out
+            .as_ref()
+            .map(|o| o.0)
+            .into_iter()
+            .chain(inp.as_ref().map(|i| i.0))
+        {
+            if self.links.get(p).is_none_or(|l| l.is_none()) {
+                return Err(Error::invalid(format!(
+                    "rank {}: {sig} addresses rank {p}, which this mesh is not linked to",
+                    self.rank
+                )));
+            }
+        }
+        let r = self.transfer_inner(out, inp, sig, deadline);
+        if let Err(e) = &r {
+            self.broken = Some(e.clone());
+        }
+        r
+    }
+
+    fn transfer_inner(
+        &mut self,
+        out: Option<(usize, &[u8])>,
+        inp: Option<(usize, &mut [u8])>,
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        let payload_len = out.as_ref().map_or(0, |o| o.1.len()) as u64;
+        let header = Header {
+            frame_type: FrameType::Data,
+            flags: 0,
+            group: self.group,
+            sig: Some(*sig),
+            payload_len,
+        };
+        let ohdr = frame::encode_header(&header);
+        let (mut sent, total) = (0usize, HEADER_BYTES + payload_len as usize);
+        let mut ihdr = [0u8; HEADER_BYTES];
+        let (mut hgot, mut got) = (0usize, 0usize);
+        let (to, body) = out.map_or((usize::MAX, &[][..]), |(p, b)| (p, b));
+        let sending = to != usize::MAX;
+        let (from, dst) = inp.map_or((usize::MAX, &mut [][..]), |(p, d)| (p, d));
+        let receiving = from != usize::MAX;
+        let mut out_done = !sending;
+        let mut in_done = !receiving;
+        if sending {
+            self.links[to].as_mut().expect("checked").tx_dirty = true;
+        }
+        while !(out_done && in_done) {
+            let mut progress = false;
+            if !out_done {
+                let s = &self.link(to).stream;
+                let (h, b) = if sent < HEADER_BYTES {
+                    (&ohdr[sent..], body)
+                } else {
+                    (&[][..], &body[sent - HEADER_BYTES..])
+                };
+                let reading_same = receiving && from == to && (hgot > 0 || got > 0);
+                let n = write_some(s, h, b).map_err(|f| match f {
+                    // A peer that aborted closed its end; its abort frame says why.
+                    Fail::Closed(_) if !reading_same => self
+                        .pending_abort(to)
+                        .unwrap_or_else(|| self.fail(f, to, sig, "sending to")),
+                    f => self.fail(f, to, sig, "sending to"),
+                })?;
+                sent += n;
+                progress |= n > 0;
+                if sent == total {
+                    out_done = true;
+                    self.links[to].as_mut().expect("checked").tx_dirty = false;
+                }
+            }
+            while !in_done {
+                let s = &self.link(from).stream;
+                let n = if hgot < HEADER_BYTES {
+                    let n = read_some(s, &mut ihdr[hgot..])
+                        .map_err(|f| self.fail(f, from, sig, "receiving from"))?;
+                    hgot += n;
+                    if hgot == HEADER_BYTES {
+                        self.check(from, &ihdr, sig, dst.len(), deadline)?;
+                    }
+                    n
+                } else {
+                    let n = read_some(s, &mut dst[got..])
+                        .map_err(|f| self.fail(f, from, sig, "receiving from"))?;
+                    got += n;
+                    n
+                };
+                in_done = hgot == HEADER_BYTES && got == dst.len();
+                progress |= n > 0;
+                if n == 0 {
+                    break;
+                }
+            }
+            if !progress && (!out_done || !in_done) {
+                let mut fds = Vec::with_capacity(2);
+                if !out_done {
+                    fds.push(pollfd(self.link(to).stream.as_raw_fd(), libc::POLLOUT));
+                }
+                if !in_done {
+                    let fd = self.link(from).stream.as_raw_fd();
+                    match fds.first_mut() {
+                        Some(f) if f.fd == fd => f.events |= libc::POLLIN,
+                        _ => fds.push(pollfd(fd, libc::POLLIN)),
+                    }
+                }
+                if let Err(f) = poll_until(&mut fds, deadline) {
+                    let (peer, doing) = if in_done {
+                        (to, "sending to")
+                    } else {
+                        (from, "waiting for data from")
+                    };
+                    return Err(self.fail(f, peer, sig, doing));
+                }
+            }
+        }
+        Ok(())
+    }
 }
+
 impl P2p for TcpMesh {
     fn rank(&self) -> usize {
-        0
+        self.rank
     }
+
     fn send(&mut self, peer: usize, sig: &OpSig, payload: &[u8], deadline: Instant) -> Result<()> {
-        Err(Error::invalid("tcp stub"))
+        self.transfer(Some((peer, payload)), None, sig, deadline)
     }
+
     fn recv(&mut self, peer: usize, sig: &OpSig, dst: &mut [u8], deadline: Instant) -> Result<()> {
-        Err(Error::invalid("tcp stub"))
+        self.transfer(None, Some((peer, dst)), sig, deadline)
     }
+
     fn exchange(
         &mut self,
         to: usize,
@@ -49,6 +408,6 @@ impl P2p for TcpMesh {
         sig: &OpSig,
         deadline: Instant,
     ) -> Result<()> {
-        Err(Error::invalid("tcp stub"))
+        self.transfer(Some((to, payload)), Some((from, dst)), sig, deadline)
     }
 }
