@@ -2,11 +2,16 @@
 //!
 //! Kernels work on raw little-endian bytes (the engine never knows about tensors). They read
 //! elements with `from_le_bytes` over `chunks_exact`, which the compiler turns into vector
-//! loads; f16 and bf16 are widened to f32, accumulated across all inputs, and rounded once.
+//! loads; f16 and bf16 are widened to f32 with integer shifts (no per-element calls),
+//! accumulated across all inputs, and rounded once to nearest-even.
+//!
+//! Each dtype × op pair is its own monomorphised loop (the op is a const generic, so no
+//! branch sits in the inner loop); up to four sources are fused into one pass, more go
+//! through an L1-resident accumulator block. The whole set is compiled twice, for the
+//! baseline target (SSE2 on x86-64) and with AVX2, chosen at runtime.
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use half::{bf16, f16};
 
 /// A reduction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -76,123 +81,226 @@ impl ReduceOp {
     }
 }
 
-/// An element type the kernels can reduce, with its accumulator type.
-trait Elem: Copy {
+/// Compile-time op tags (the `ReduceOp` discriminants), so every kernel is monomorphised per
+/// op and its inner loop holds no branch on the op.
+const SUM: u8 = ReduceOp::Sum as u8;
+const AVG: u8 = ReduceOp::Avg as u8;
+const MAX: u8 = ReduceOp::Max as u8;
+const MIN: u8 = ReduceOp::Min as u8;
+const PROD: u8 = ReduceOp::Prod as u8;
+
+/// An element type the kernels can reduce: how it is read from and written to little-endian
+/// bytes, its accumulator type, and the ops on that accumulator.
+///
+/// Every method is `#[inline(always)]` and branch-free (selects, not jumps), so the loops in
+/// the kernels below vectorise on baseline x86-64 (SSE2) and again under AVX2.
+trait Elem {
+    /// Bytes per element.
     const SIZE: usize;
+    /// The accumulator (f32 for f16 and bf16).
     type Acc: Copy;
-    fn load(b: &[u8]) -> Self;
-    fn store(self, b: &mut [u8]);
-    fn widen(self) -> Self::Acc;
-    fn narrow(a: Self::Acc) -> Self;
-    fn combine(op: ReduceOp, a: Self::Acc, b: Self::Acc) -> Self::Acc;
+    /// Any accumulator value, to initialise scratch space.
+    const ZERO: Self::Acc;
+    /// Reads one element (`b.len() == SIZE`) and widens it to the accumulator.
+    fn load(b: &[u8]) -> Self::Acc;
+    /// Narrows an accumulator (rounding once) and writes it (`b.len() == SIZE`).
+    fn store(a: Self::Acc, b: &mut [u8]);
+    /// `a op b` for the op tagged `OP` (avg combines as sum).
+    fn combine<const OP: u8>(a: Self::Acc, b: Self::Acc) -> Self::Acc;
+    /// The mean's final division (identity for integers and bool).
     fn divide(a: Self::Acc, n: usize) -> Self::Acc;
 }
 
-macro_rules! numeric_elem {
-    ($t:ty, $acc:ty, $n:expr, float) => {
-        numeric_elem!(@impl $t, $acc, $n, |a: $acc, n: usize| a / (n as $acc),
-            |a: $acc, b: $acc| if a >= b || a.is_nan() { a } else { b },
-            |a: $acc, b: $acc| if a <= b || a.is_nan() { a } else { b });
-    };
-    ($t:ty, $acc:ty, $n:expr, int) => {
-        numeric_elem!(@impl $t, $acc, $n, |a: $acc, _n: usize| a,
-            |a: $acc, b: $acc| a.max(b), |a: $acc, b: $acc| a.min(b));
-    };
-    (@impl $t:ty, $acc:ty, $n:expr, $div:expr, $max:expr, $min:expr) => {
+/// Float max/min: NaN-propagating (a NaN operand gives a NaN; if both are NaN the earlier
+/// one wins) and on ties, including `-0.0` vs `+0.0`, the earlier operand wins.
+macro_rules! float_combine {
+    ($op:expr, $a:expr, $b:expr) => {{
+        let (a, b) = ($a, $b);
+        match $op {
+            SUM | AVG => a + b,
+            PROD => a * b,
+            MAX => {
+                if a >= b || a.is_nan() {
+                    a
+                } else {
+                    b
+                }
+            }
+            _ => {
+                if a <= b || a.is_nan() {
+                    a
+                } else {
+                    b
+                }
+            }
+        }
+    }};
+}
+
+macro_rules! float_elem {
+    ($t:ty, $n:expr) => {
         impl Elem for $t {
             const SIZE: usize = $n;
-            type Acc = $acc;
+            type Acc = $t;
+            const ZERO: $t = 0.0;
             #[inline(always)]
-            fn load(b: &[u8]) -> Self {
+            fn load(b: &[u8]) -> $t {
                 <$t>::from_le_bytes(b.try_into().expect("chunk of element size"))
             }
             #[inline(always)]
-            fn store(self, b: &mut [u8]) {
-                b.copy_from_slice(&self.to_le_bytes())
+            fn store(a: $t, b: &mut [u8]) {
+                b.copy_from_slice(&a.to_le_bytes())
             }
             #[inline(always)]
-            fn widen(self) -> $acc {
-                self as $acc
+            fn combine<const OP: u8>(a: $t, b: $t) -> $t {
+                float_combine!(OP, a, b)
             }
             #[inline(always)]
-            fn narrow(a: $acc) -> Self {
-                a as $t
-            }
-            #[inline(always)]
-            fn combine(op: ReduceOp, a: $acc, b: $acc) -> $acc {
-                match op {
-                    ReduceOp::Sum | ReduceOp::Avg => wrapping_add(a, b),
-                    ReduceOp::Prod => wrapping_mul(a, b),
-                    ReduceOp::Max => ($max)(a, b),
-                    ReduceOp::Min => ($min)(a, b),
-                }
-            }
-            #[inline(always)]
-            fn divide(a: $acc, n: usize) -> $acc {
-                ($div)(a, n)
+            fn divide(a: $t, n: usize) -> $t {
+                a / n as $t
             }
         }
     };
 }
+float_elem!(f32, 4);
+float_elem!(f64, 8);
 
-trait Arith: Copy {
-    fn add(self, o: Self) -> Self;
-    fn mul(self, o: Self) -> Self;
+macro_rules! int_elem {
+    ($t:ty, $n:expr) => {
+        impl Elem for $t {
+            const SIZE: usize = $n;
+            type Acc = $t;
+            const ZERO: $t = 0;
+            #[inline(always)]
+            fn load(b: &[u8]) -> $t {
+                <$t>::from_le_bytes(b.try_into().expect("chunk of element size"))
+            }
+            #[inline(always)]
+            fn store(a: $t, b: &mut [u8]) {
+                b.copy_from_slice(&a.to_le_bytes())
+            }
+            #[inline(always)]
+            fn combine<const OP: u8>(a: $t, b: $t) -> $t {
+                match OP {
+                    SUM | AVG => a.wrapping_add(b),
+                    PROD => a.wrapping_mul(b),
+                    MAX => a.max(b),
+                    _ => a.min(b),
+                }
+            }
+            #[inline(always)]
+            fn divide(a: $t, _n: usize) -> $t {
+                a
+            }
+        }
+    };
 }
-macro_rules! arith_float {
-    ($($t:ty),*) => {$(impl Arith for $t {
-        #[inline(always)] fn add(self, o: Self) -> Self { self + o }
-        #[inline(always)] fn mul(self, o: Self) -> Self { self * o }
-    })*};
-}
-macro_rules! arith_int {
-    ($($t:ty),*) => {$(impl Arith for $t {
-        #[inline(always)] fn add(self, o: Self) -> Self { self.wrapping_add(o) }
-        #[inline(always)] fn mul(self, o: Self) -> Self { self.wrapping_mul(o) }
-    })*};
-}
-arith_float!(f32, f64);
-arith_int!(i8, u8, i32, i64);
+int_elem!(i8, 1);
+int_elem!(u8, 1);
+int_elem!(i32, 4);
+int_elem!(i64, 8);
+
+/// bf16 bits -> f32: the bits are the top half of an f32.
+///
+/// `half::bf16::to_f32` also sets the quiet bit of a NaN; skipping that here changes no
+/// result, since [`f32_to_bf16`] sets it again and arithmetic on a NaN quiets it anyway.
 #[inline(always)]
-fn wrapping_add<T: Arith>(a: T, b: T) -> T {
-    a.add(b)
-}
-#[inline(always)]
-fn wrapping_mul<T: Arith>(a: T, b: T) -> T {
-    a.mul(b)
+fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
 }
 
-numeric_elem!(f32, f32, 4, float);
-numeric_elem!(f64, f64, 8, float);
-numeric_elem!(i8, i8, 1, int);
-numeric_elem!(u8, u8, 1, int);
-numeric_elem!(i32, i32, 4, int);
-numeric_elem!(i64, i64, 8, int);
+/// f32 -> bf16 bits, round to nearest, ties to even; NaN keeps its top payload bits, made
+/// quiet. Bit-exact with `half::bf16::from_f32`, with shifts and masks LLVM vectorises.
+#[inline(always)]
+fn f32_to_bf16(f: f32) -> u16 {
+    let x = f.to_bits();
+    // All ones for NaN. A NaN gets its quiet bit and loses the 16 bits rounding would
+    // carry out of, so the rounding below only truncates it.
+    let nan = (f.is_nan() as u32).wrapping_neg();
+    let x = (x | (nan & 0x0040_0000)) & !(nan & 0xFFFF);
+    // Cannot overflow: the largest pattern left is 0xFFFF_0000.
+    (x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16) as u16
+}
+
+/// f16 bits -> f32, bit-exact with `half::f16::to_f32` (NaN payloads included) without a
+/// per-element call: exponent rebias, subnormals renormalised by one exact f32 subtraction.
+#[inline(always)]
+fn f16_to_f32(h: u16) -> f32 {
+    let h = h as u32;
+    let sign = (h & 0x8000) << 16;
+    let em = h & 0x7FFF;
+    // Normal numbers: shift into place and rebias the exponent by 127 - 15.
+    let normal = (em << 13) + ((127 - 15) << 23);
+    // Subnormals and zero: 2^-14 * (1 + m / 1024) - 2^-14, exact in f32.
+    let magic = f32::from_bits(113 << 23);
+    let sub = (f32::from_bits((em << 13) + (113 << 23)) - magic).to_bits();
+    // Inf and NaN: all exponent bits set; a NaN gets its quiet bit, as `half` does.
+    let quiet = if em > 0x7C00 { 0x0040_0000 } else { 0 };
+    let special = (em << 13) | 0x7F80_0000 | quiet;
+    let bits = if em >= 0x7C00 {
+        special
+    } else if em < 0x0400 {
+        sub
+    } else {
+        normal
+    };
+    f32::from_bits(bits | sign)
+}
+
+/// f32 -> f16 bits, round to nearest, ties to even (subnormals included), overflow to inf,
+/// NaN keeps its top payload bits, made quiet: bit-exact with `half::f16::from_f32`.
+#[inline(always)]
+fn f32_to_f16(f: f32) -> u16 {
+    let x = f.to_bits();
+    let sign = (x >> 16) & 0x8000;
+    let a = x & 0x7FFF_FFFF;
+    // |f| >= 65520 rounds to inf (2^16 as f32 bits is the first exponent that cannot fit).
+    let special = if a > 0x7F80_0000 {
+        0x7E00 | ((a & 0x007F_FFFF) >> 13)
+    } else {
+        0x7C00
+    };
+    // |f| < 2^-14: adding 0.5 aligns the f16 subnormal unit (2^-24) with the last mantissa
+    // bit of the sum, so the f32 addition rounds to nearest even for us.
+    let half_magic = f32::from_bits(126 << 23);
+    let sub = (f32::from_bits(a) + half_magic)
+        .to_bits()
+        .wrapping_sub(126 << 23);
+    // Normal: rebias, then round to nearest even on the 13 dropped bits.
+    let odd = (a >> 13) & 1;
+    let normal = a.wrapping_add(((15u32.wrapping_sub(127)) << 23) + 0xFFF + odd) >> 13;
+    let bits = if a >= (127 + 16) << 23 {
+        special
+    } else if a < 113 << 23 {
+        sub
+    } else {
+        normal
+    };
+    (bits | sign) as u16
+}
+
+/// IEEE binary16 as raw bits, accumulated in f32.
+struct F16;
+/// bfloat16 as raw bits, accumulated in f32.
+struct Bf16;
 
 macro_rules! half_elem {
-    ($t:ty) => {
+    ($t:ty, $widen:ident, $narrow:ident) => {
         impl Elem for $t {
             const SIZE: usize = 2;
             type Acc = f32;
+            const ZERO: f32 = 0.0;
             #[inline(always)]
-            fn load(b: &[u8]) -> Self {
-                <$t>::from_le_bytes(b.try_into().expect("2 bytes"))
+            fn load(b: &[u8]) -> f32 {
+                $widen(u16::from_le_bytes(b.try_into().expect("2 bytes")))
             }
             #[inline(always)]
-            fn store(self, b: &mut [u8]) {
-                b.copy_from_slice(&self.to_le_bytes())
+            fn store(a: f32, b: &mut [u8]) {
+                b.copy_from_slice(&$narrow(a).to_le_bytes())
             }
             #[inline(always)]
-            fn widen(self) -> f32 {
-                self.to_f32()
-            }
-            #[inline(always)]
-            fn narrow(a: f32) -> Self {
-                <$t>::from_f32(a)
-            }
-            #[inline(always)]
-            fn combine(op: ReduceOp, a: f32, b: f32) -> f32 {
-                <f32 as Elem>::combine(op, a, b)
+            fn combine<const OP: u8>(a: f32, b: f32) -> f32 {
+                float_combine!(OP, a, b)
             }
             #[inline(always)]
             fn divide(a: f32, n: usize) -> f32 {
@@ -201,36 +309,29 @@ macro_rules! half_elem {
         }
     };
 }
-half_elem!(f16);
-half_elem!(bf16);
+half_elem!(F16, f16_to_f32, f32_to_f16);
+half_elem!(Bf16, bf16_to_f32, f32_to_bf16);
 
-/// Booleans as bytes: sum/max are "or", prod/min are "and"; output is 0 or 1.
-#[derive(Clone, Copy)]
-struct Bool8(u8);
+/// Booleans as bytes: any non-zero byte is true; sum/avg/max are "or", prod/min are "and";
+/// the output is 0 or 1.
+struct Bool8;
 impl Elem for Bool8 {
     const SIZE: usize = 1;
     type Acc = u8;
+    const ZERO: u8 = 0;
     #[inline(always)]
-    fn load(b: &[u8]) -> Self {
-        Bool8(b[0])
+    fn load(b: &[u8]) -> u8 {
+        (b[0] != 0) as u8
     }
     #[inline(always)]
-    fn store(self, b: &mut [u8]) {
-        b[0] = self.0
+    fn store(a: u8, b: &mut [u8]) {
+        b[0] = a
     }
     #[inline(always)]
-    fn widen(self) -> u8 {
-        (self.0 != 0) as u8
-    }
-    #[inline(always)]
-    fn narrow(a: u8) -> Self {
-        Bool8(a)
-    }
-    #[inline(always)]
-    fn combine(op: ReduceOp, a: u8, b: u8) -> u8 {
-        match op {
-            ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Max => a | b,
-            ReduceOp::Prod | ReduceOp::Min => a & b,
+    fn combine<const OP: u8>(a: u8, b: u8) -> u8 {
+        match OP {
+            SUM | AVG | MAX => a | b,
+            _ => a & b,
         }
     }
     #[inline(always)]
@@ -239,69 +340,229 @@ impl Elem for Bool8 {
     }
 }
 
-/// Block of elements processed per pass, so the accumulator stays in registers/L1.
-const BLOCK: usize = 256;
+/// Elements per block when more than two sources are reduced: the f32/f64 accumulator
+/// (2 or 4 KiB) stays in L1 while each source streams through it once.
+const BLOCK: usize = 512;
 
+/// The mean's division, applied once at the end (`divisor` is the number of sources).
 #[inline(always)]
-fn reduce_typed<T: Elem>(dst: &mut [u8], srcs: &[&[u8]], op: ReduceOp, divisor: usize) {
-    let n = dst.len() / T::SIZE;
-    let mut acc = [T::widen(T::load(&[0u8; 8][..T::SIZE])); BLOCK];
+fn finish<T: Elem, const OP: u8>(a: T::Acc, divisor: usize) -> T::Acc {
+    if OP == AVG {
+        T::divide(a, divisor)
+    } else {
+        a
+    }
+}
+
+/// `dst = finish(s0)`.
+#[inline(always)]
+fn map1<T: Elem, const OP: u8>(dst: &mut [u8], s0: &[u8], divisor: usize) {
+    for (d, a) in dst.chunks_exact_mut(T::SIZE).zip(s0.chunks_exact(T::SIZE)) {
+        T::store(finish::<T, OP>(T::load(a), divisor), d);
+    }
+}
+
+/// `dst = finish(s0 op s1)`.
+#[inline(always)]
+fn map2<T: Elem, const OP: u8>(dst: &mut [u8], s0: &[u8], s1: &[u8], divisor: usize) {
+    let it = dst.chunks_exact_mut(T::SIZE).zip(s0.chunks_exact(T::SIZE));
+    for ((d, a), b) in it.zip(s1.chunks_exact(T::SIZE)) {
+        let v = T::combine::<OP>(T::load(a), T::load(b));
+        T::store(finish::<T, OP>(v, divisor), d);
+    }
+}
+
+/// `dst = finish(s0 op s1 op s2)`.
+#[inline(always)]
+fn map3<T: Elem, const OP: u8>(dst: &mut [u8], s: [&[u8]; 3], divisor: usize) {
+    let it = dst
+        .chunks_exact_mut(T::SIZE)
+        .zip(s[0].chunks_exact(T::SIZE));
+    let it = it
+        .zip(s[1].chunks_exact(T::SIZE))
+        .zip(s[2].chunks_exact(T::SIZE));
+    for (((d, a), b), c) in it {
+        let v = T::combine::<OP>(T::combine::<OP>(T::load(a), T::load(b)), T::load(c));
+        T::store(finish::<T, OP>(v, divisor), d);
+    }
+}
+
+/// `dst = finish(s0 op s1 op s2 op s3)`.
+#[inline(always)]
+fn map4<T: Elem, const OP: u8>(dst: &mut [u8], s: [&[u8]; 4], divisor: usize) {
+    let it = dst
+        .chunks_exact_mut(T::SIZE)
+        .zip(s[0].chunks_exact(T::SIZE));
+    let it = it
+        .zip(s[1].chunks_exact(T::SIZE))
+        .zip(s[2].chunks_exact(T::SIZE));
+    for ((((d, a), b), c), e) in it.zip(s[3].chunks_exact(T::SIZE)) {
+        let v = T::combine::<OP>(T::load(a), T::load(b));
+        let v = T::combine::<OP>(T::combine::<OP>(v, T::load(c)), T::load(e));
+        T::store(finish::<T, OP>(v, divisor), d);
+    }
+}
+
+/// Any number of sources, a block at a time: `acc = s0 op s1`, `acc = acc op sk` for the
+/// middle sources, `dst = finish(acc op s_last)`. Same left-to-right order as `map2..4`.
+#[inline(always)]
+fn map_blocked<T: Elem, const OP: u8>(dst: &mut [u8], srcs: &[&[u8]], divisor: usize) {
+    let (first, rest) = srcs.split_at(2);
+    let (last, middle) = rest.split_last().expect("at least three sources");
+    let mut acc = [T::ZERO; BLOCK];
+    let step = BLOCK * T::SIZE;
     let mut start = 0;
-    while start < n {
-        let len = BLOCK.min(n - start);
-        let range = start * T::SIZE..(start + len) * T::SIZE;
-        let acc = &mut acc[..len];
-        for (a, b) in acc
+    while start < dst.len() {
+        let end = (start + step).min(dst.len());
+        let acc = &mut acc[..(end - start) / T::SIZE];
+        let it = acc
             .iter_mut()
-            .zip(srcs[0][range.clone()].chunks_exact(T::SIZE))
-        {
-            *a = T::load(b).widen();
+            .zip(first[0][start..end].chunks_exact(T::SIZE));
+        for ((x, a), b) in it.zip(first[1][start..end].chunks_exact(T::SIZE)) {
+            *x = T::combine::<OP>(T::load(a), T::load(b));
         }
-        for src in &srcs[1..] {
-            for (a, b) in acc.iter_mut().zip(src[range.clone()].chunks_exact(T::SIZE)) {
-                *a = T::combine(op, *a, T::load(b).widen());
+        for src in middle {
+            for (x, b) in acc.iter_mut().zip(src[start..end].chunks_exact(T::SIZE)) {
+                *x = T::combine::<OP>(*x, T::load(b));
             }
         }
-        for (a, out) in acc.iter().zip(dst[range].chunks_exact_mut(T::SIZE)) {
-            let v = if divisor > 1 {
-                T::divide(*a, divisor)
-            } else {
-                *a
-            };
-            T::narrow(v).store(out);
+        let it = dst[start..end].chunks_exact_mut(T::SIZE).zip(acc.iter());
+        for ((d, x), b) in it.zip(last[start..end].chunks_exact(T::SIZE)) {
+            T::store(
+                finish::<T, OP>(T::combine::<OP>(*x, T::load(b)), divisor),
+                d,
+            );
         }
-        start += len;
+        start = end;
     }
+}
+
+/// `dst = dst op src`, in place (no division).
+#[inline(always)]
+fn map_into<T: Elem, const OP: u8>(dst: &mut [u8], src: &[u8]) {
+    for (d, b) in dst.chunks_exact_mut(T::SIZE).zip(src.chunks_exact(T::SIZE)) {
+        let v = T::combine::<OP>(T::load(d), T::load(b));
+        T::store(v, d);
+    }
+}
+
+/// `dst = dst / divisor`, in place.
+#[inline(always)]
+fn map_scale<T: Elem>(dst: &mut [u8], divisor: usize) {
+    for d in dst.chunks_exact_mut(T::SIZE) {
+        T::store(T::divide(T::load(d), divisor), d);
+    }
+}
+
+/// What a call asks of the kernels, once the public functions have checked their slices.
+#[derive(Clone, Copy)]
+enum Job<'a> {
+    /// `dst = op(srcs...)`, the mean divided by `srcs.len()`.
+    Reduce(&'a [&'a [u8]]),
+    /// `dst = dst op src`.
+    Into(&'a [u8]),
+    /// `dst = dst / divisor`.
+    Scale(usize),
+}
+
+#[inline(always)]
+fn run_typed<T: Elem, const OP: u8>(dst: &mut [u8], job: Job<'_>) {
+    match job {
+        Job::Reduce(srcs) => {
+            let n = srcs.len();
+            match *srcs {
+                [a] => map1::<T, OP>(dst, a, n),
+                [a, b] => map2::<T, OP>(dst, a, b, n),
+                [a, b, c] => map3::<T, OP>(dst, [a, b, c], n),
+                [a, b, c, d] => map4::<T, OP>(dst, [a, b, c, d], n),
+                _ => map_blocked::<T, OP>(dst, srcs, n),
+            }
+        }
+        Job::Into(src) => map_into::<T, OP>(dst, src),
+        Job::Scale(divisor) => map_scale::<T>(dst, divisor),
+    }
+}
+
+#[inline(always)]
+fn run_op<T: Elem>(dst: &mut [u8], job: Job<'_>, op: ReduceOp) {
+    match op {
+        ReduceOp::Sum => run_typed::<T, SUM>(dst, job),
+        ReduceOp::Avg => run_typed::<T, AVG>(dst, job),
+        ReduceOp::Max => run_typed::<T, MAX>(dst, job),
+        ReduceOp::Min => run_typed::<T, MIN>(dst, job),
+        ReduceOp::Prod => run_typed::<T, PROD>(dst, job),
+    }
+}
+
+/// The whole dtype × op dispatch, inlined into each instruction-set wrapper below.
+#[inline(always)]
+fn run_any(dst: &mut [u8], job: Job<'_>, dtype: DType, op: ReduceOp) {
+    match dtype {
+        DType::F32 => run_op::<f32>(dst, job, op),
+        DType::F64 => run_op::<f64>(dst, job, op),
+        DType::F16 => run_op::<F16>(dst, job, op),
+        DType::BF16 => run_op::<Bf16>(dst, job, op),
+        DType::I8 => run_op::<i8>(dst, job, op),
+        DType::U8 => run_op::<u8>(dst, job, op),
+        DType::I32 => run_op::<i32>(dst, job, op),
+        DType::I64 => run_op::<i64>(dst, job, op),
+        DType::Bool => run_op::<Bool8>(dst, job, op),
+    }
+}
+
+/// The kernels compiled for the crate's baseline target (SSE2 on x86-64).
+#[inline(never)]
+fn run_baseline(dst: &mut [u8], job: Job<'_>, dtype: DType, op: ReduceOp) {
+    run_any(dst, job, dtype, op)
+}
+
+/// The same kernels compiled with AVX2 (256-bit vectors).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline(never)]
+unsafe fn run_avx2(dst: &mut [u8], job: Job<'_>, dtype: DType, op: ReduceOp) {
+    run_any(dst, job, dtype, op)
+}
+
+/// Runs the kernels with the widest instruction set this CPU has.
+fn run(dst: &mut [u8], job: Job<'_>, dtype: DType, op: ReduceOp) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 support was just detected at runtime.
+        return unsafe { run_avx2(dst, job, dtype, op) };
+    }
+    run_baseline(dst, job, dtype, op)
 }
 
 /// `dst[i] = op(srcs[0][i], srcs[1][i], ...)`; for avg, the sum divided by `srcs.len()`.
 ///
 /// Every slice holds the same number of bytes, a whole number of `dtype` elements.
-/// f16 and bf16 accumulate in f32 across all sources and round once.
+/// f16 and bf16 accumulate in f32 across all sources and round once. Sources combine left
+/// to right (`((s0 op s1) op s2) ...`). Float max/min propagate NaN and keep the earlier
+/// operand on ties (so `max(-0.0, +0.0)` is `-0.0`); integers wrap; avg on an integer or
+/// bool dtype is the sum (use [`ReduceOp::validate`] to reject it).
 pub fn reduce_slices(dst: &mut [u8], srcs: &[&[u8]], dtype: DType, op: ReduceOp) {
     assert!(!srcs.is_empty(), "reduce_slices needs at least one source");
     assert!(
         srcs.iter().all(|s| s.len() == dst.len()),
         "reduce_slices: length mismatch"
     );
-    let divisor = if op == ReduceOp::Avg { srcs.len() } else { 1 };
-    dispatch(dst, srcs, dtype, op, divisor);
+    // A mean over one source divides by one: skip it (x / 1 == x).
+    let op = if op == ReduceOp::Avg && srcs.len() == 1 {
+        ReduceOp::Sum
+    } else {
+        op
+    };
+    run(dst, Job::Reduce(srcs), dtype, op);
 }
 
 /// `dst[i] = op(dst[i], src[i])`; avg accumulates as sum (finish with [`scale`]).
 pub fn reduce_into(dst: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) {
     assert_eq!(dst.len(), src.len(), "reduce_into: length mismatch");
-    // Copy dst once so it can be both a source and the destination; blocks keep it cheap.
-    let mut start = 0;
-    let step = 64 * 1024;
-    let mut tmp = vec![0u8; step.min(dst.len())];
-    while start < dst.len() {
-        let end = (start + step).min(dst.len());
-        let t = &mut tmp[..end - start];
-        t.copy_from_slice(&dst[start..end]);
-        dispatch(&mut dst[start..end], &[t, &src[start..end]], dtype, op, 1);
-        start = end;
-    }
+    run(dst, Job::Into(src), dtype, op);
 }
 
 /// Divides every element by `divisor` (floating-point dtypes; integers are left as they are).
@@ -309,35 +570,13 @@ pub fn scale(dst: &mut [u8], dtype: DType, divisor: usize) {
     if divisor <= 1 || !dtype.is_float() {
         return;
     }
-    let mut start = 0;
-    let step = 64 * 1024;
-    let mut tmp = vec![0u8; step.min(dst.len())];
-    while start < dst.len() {
-        let end = (start + step).min(dst.len());
-        let t = &mut tmp[..end - start];
-        t.copy_from_slice(&dst[start..end]);
-        dispatch(&mut dst[start..end], &[t], dtype, ReduceOp::Sum, divisor);
-        start = end;
-    }
-}
-
-fn dispatch(dst: &mut [u8], srcs: &[&[u8]], dtype: DType, op: ReduceOp, divisor: usize) {
-    match dtype {
-        DType::F32 => reduce_typed::<f32>(dst, srcs, op, divisor),
-        DType::F64 => reduce_typed::<f64>(dst, srcs, op, divisor),
-        DType::F16 => reduce_typed::<f16>(dst, srcs, op, divisor),
-        DType::BF16 => reduce_typed::<bf16>(dst, srcs, op, divisor),
-        DType::I8 => reduce_typed::<i8>(dst, srcs, op, divisor),
-        DType::U8 => reduce_typed::<u8>(dst, srcs, op, divisor),
-        DType::I32 => reduce_typed::<i32>(dst, srcs, op, divisor),
-        DType::I64 => reduce_typed::<i64>(dst, srcs, op, divisor),
-        DType::Bool => reduce_typed::<Bool8>(dst, srcs, op, divisor),
-    }
+    run(dst, Job::Scale(divisor), dtype, ReduceOp::Avg);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
 
     fn bytes_f32(v: &[f32]) -> Vec<u8> {
         v.iter().flat_map(|x| x.to_le_bytes()).collect()
@@ -376,6 +615,130 @@ mod tests {
         assert_eq!(out, [0, 1, 1, 1]);
         reduce_slices(&mut out, &[&a, &b], DType::Bool, ReduceOp::Prod);
         assert_eq!(out, [0, 0, 0, 1]);
+    }
+
+    /// Bit equality, where any two NaNs are equal.
+    fn same_f32(a: f32, b: f32) -> bool {
+        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+    }
+
+    #[test]
+    fn f16_widening_is_exact_for_every_pattern() {
+        for h in 0..=u16::MAX {
+            let want = half::f16::from_bits(h).to_f32();
+            // Bit-exact, NaN payloads and quiet bits included.
+            assert_eq!(f16_to_f32(h).to_bits(), want.to_bits(), "f16 {h:#06x}");
+        }
+    }
+
+    #[test]
+    fn bf16_widening_is_exact_for_every_pattern() {
+        for h in 0..=u16::MAX {
+            let want = bf16::from_bits(h).to_f32();
+            assert!(same_f32(bf16_to_f32(h), want), "bf16 {h:#06x}");
+            // `half` quiets a NaN on widening and we leave that to narrowing: the round trip
+            // must still agree bit for bit.
+            assert_eq!(f32_to_bf16(bf16_to_f32(h)), bf16::from_f32(want).to_bits());
+        }
+    }
+
+    /// Narrowing of one f32 bit pattern, against `half`.
+    fn check_narrowing(x: u32) {
+        let f = f32::from_bits(x);
+        assert_eq!(
+            f32_to_bf16(f),
+            bf16::from_f32(f).to_bits(),
+            "bf16 of {x:#010x}"
+        );
+        assert_eq!(
+            f32_to_f16(f),
+            half::f16::from_f32(f).to_bits(),
+            "f16 of {x:#010x}"
+        );
+    }
+
+    #[test]
+    fn narrowing_matches_half_on_edges() {
+        for e in 0..=255u32 {
+            for m in [
+                0, 1, 0xFFF, 0x1000, 0x1FFF, 0x2000, 0x7FFF, 0x8000, 0x8001, 0x18000,
+            ] {
+                for low in [0u32, 0x7F_FFFF, 0x7F_E000, 0x40_0000] {
+                    let x = (e << 23) | ((m | low) & 0x7F_FFFF);
+                    check_narrowing(x);
+                    check_narrowing(x | 0x8000_0000);
+                }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn narrowing_matches_half(x in proptest::prelude::any::<u32>()) {
+            check_narrowing(x);
+        }
+    }
+
+    /// All 2^32 patterns; about a minute in release: `cargo test --release -- --ignored`.
+    #[test]
+    #[ignore]
+    fn narrowing_matches_half_exhaustive() {
+        for x in 0..=u32::MAX {
+            check_narrowing(x);
+        }
+    }
+
+    /// The AVX2 and baseline builds of the kernels agree (the property tests in
+    /// `tests/kernels.rs` only reach the build this CPU dispatches to).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_and_baseline_agree() {
+        if !std::is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let mut seed = 0x1234_5678_9ABC_DEF0u64;
+        let mut bytes = |n: usize| -> Vec<u8> {
+            (0..n)
+                .map(|_| {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    (seed >> 56) as u8
+                })
+                .collect()
+        };
+        for dtype in DType::ALL {
+            for nsrc in 1..=6 {
+                let len = 1037 * dtype.size();
+                let bufs: Vec<Vec<u8>> = (0..nsrc).map(|_| bytes(len)).collect();
+                let srcs: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+                for op in [
+                    ReduceOp::Sum,
+                    ReduceOp::Avg,
+                    ReduceOp::Max,
+                    ReduceOp::Min,
+                    ReduceOp::Prod,
+                ] {
+                    let jobs = [Job::Reduce(&srcs), Job::Into(srcs[0]), Job::Scale(nsrc)];
+                    for job in jobs {
+                        let (mut a, mut b) = (bufs[nsrc - 1].clone(), bufs[nsrc - 1].clone());
+                        run_baseline(&mut a, job, dtype, op);
+                        // SAFETY: AVX2 support was detected above.
+                        unsafe { run_avx2(&mut b, job, dtype, op) };
+                        for (x, y) in a.chunks(dtype.size()).zip(b.chunks(dtype.size())) {
+                            let nan = |c: &[u8]| match dtype {
+                                DType::F32 => f32::from_le_bytes(c.try_into().unwrap()).is_nan(),
+                                DType::F64 => f64::from_le_bytes(c.try_into().unwrap()).is_nan(),
+                                DType::F16 => half::f16::from_le_bytes([c[0], c[1]]).is_nan(),
+                                DType::BF16 => bf16::from_le_bytes([c[0], c[1]]).is_nan(),
+                                _ => false,
+                            };
+                            assert!(x == y || (nan(x) && nan(y)), "{dtype} {op:?} x{nsrc}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
