@@ -9,7 +9,11 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(2);
     let path = format!("/dev/shm/shardline-{}-example", std::process::id());
-    shardline::transport::shm::create(&path, n, 1 << 20).unwrap();
+    let slot: usize = std::env::args()
+        .nth(2)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1 << 20);
+    shardline::transport::shm::create(&path, n, slot).unwrap();
     let handles: Vec<_> = (0..n)
         .map(|r| {
             let path = path.clone();
@@ -46,7 +50,16 @@ fn main() {
                         .unwrap();
                 }
                 let ar = t.elapsed() / iters;
-                let mut big = vec![0u8; 64 << 20];
+                let mut big = vec![1u8; 64 << 20];
+                let op = Op::AllReduce {
+                    buf: RawBuf::from_slice(&mut big),
+                    dtype: DType::F32,
+                    op: ReduceOp::Sum,
+                };
+                c.submit(op, Box::new(()), false)
+                    .unwrap()
+                    .wait_for(None)
+                    .unwrap();
                 let t = Instant::now();
                 for _ in 0..5 {
                     let op = Op::AllReduce {

@@ -139,14 +139,28 @@ pub fn unlink(path: &str) -> Result<()> {
     Ok(())
 }
 
-/// Whether process `pid` exists.
+/// Whether process `pid` is alive: it exists and is not a zombie (a killed rank whose parent
+/// has not reaped it yet still answers `kill(pid, 0)`, so `/proc` is asked first).
 pub fn pid_alive(pid: u32) -> bool {
     if pid == 0 {
         return true;
     }
-    // SAFETY: signal 0 only checks for existence and permission.
-    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    match std::fs::read(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            // The state letter follows the command name, which is in parentheses.
+            let state = stat
+                .iter()
+                .rposition(|&c| c == b')')
+                .and_then(|i| stat.get(i + 2));
+            !matches!(state, Some(b'Z') | Some(b'X'))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(_) => {
+            // SAFETY: signal 0 only checks for existence and permission.
+            let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
+            rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+        }
+    }
 }
 
 /// Removes arena files in `dir` whose creating process is gone; returns how many.
@@ -449,10 +463,11 @@ impl Arena {
                     return Err(Error::new(
                         ErrorKind::Timeout,
                         format!(
-                            "rank {} timed out in {what} waiting for rank(s) {}, which did not reach this \
+                            "rank {} timed out in {what} waiting for {} {}, which did not reach this \
                              collective; check that every rank calls the same collectives (raise the limit \
                              with SHARDLINE_TIMEOUT if a rank is legitimately slow)",
                             self.global[self.me],
+                            if missing.len() == 1 { "rank" } else { "ranks" },
                             missing.join(", ")
                         ),
                     ));
@@ -492,5 +507,25 @@ impl Drop for Arena {
         for r in 0..self.ranks {
             self.ctrl(r).signal.wake();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zombies_and_missing_processes_are_dead() {
+        assert!(pid_alive(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        // Wait until it exits but do not reap it: a zombie.
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        while pid_alive(pid) && Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!pid_alive(pid), "zombie reported alive");
+        child.wait().unwrap();
+        assert!(!pid_alive(pid));
     }
 }
