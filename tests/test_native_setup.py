@@ -87,7 +87,6 @@ def test_setup_publishes_hosts_addresses_and_arenas(
     got = run_ranks(world, _kwargs, transport=transport)
     ids = host_ids(world, transport)
     hosts = sorted(set(ids))
-    multi_host = len(hosts) > 1
     for r, kw in enumerate(got):
         assert kw.host_ids == ids
         assert kw.secret == SECRET

@@ -95,11 +95,14 @@ class ProcessGroup:
             raise CommunicatorClosedError(
                 f"{op} on rank {self.rank}: group {self.name!r} was shut down; create a new one"
             )
-        # Blocking calls run inline on the caller in the native engine (no thread hand-off).
-        work = Work(start(async_op), keepalive, finalize)
         if not async_op:
-            work.wait()
+            # Blocking calls run inline on the caller in the native engine (no thread
+            # hand-off); the caller's frame keeps the tensors alive meanwhile.
+            start(False).wait()
+            if finalize is not None:
+                finalize()
             return None
+        work = Work(start(True), keepalive, finalize)
         with self._lock:
             self._pending = [w for w in self._pending if not w._done()]
             self._pending.append(work)

@@ -40,11 +40,11 @@ class Backend(Protocol):
     world_size: int
     transport: str
 
-    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> Handle: ...  # noqa: D102
+    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> Handle: ...
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, op: str, *, async_op: bool = True
-    ) -> Handle: ...  # noqa: D102
-    def all_gather(  # noqa: D102
+    ) -> Handle: ...
+    def all_gather(
         self,
         out: torch.Tensor,
         inp: torch.Tensor,
@@ -52,24 +52,23 @@ class Backend(Protocol):
         *,
         async_op: bool = True,
     ) -> Handle: ...
-    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> Handle: ...  # noqa: D102
-    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> Handle: ...  # noqa: D102
+    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> Handle: ...
+    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> Handle: ...
     def gather(
         self, out: torch.Tensor | None, inp: torch.Tensor, root: int, *, async_op: bool = True
-    ) -> Handle: ...  # noqa: D102
+    ) -> Handle: ...
     def scatter(
         self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
-    ) -> Handle: ...  # noqa: D102
+    ) -> Handle: ...
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
-    ) -> Handle: ...  # noqa: D102
-    def barrier(self, *, async_op: bool = True) -> Handle: ...  # noqa: D102
-    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> Handle: ...  # noqa: D102
-    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> Handle: ...  # noqa: D102
-    def subgroup(self, name: str, ranks: Sequence[int]) -> Backend:  # noqa: D102
-        ...
-    def abort(self, reason: str) -> None: ...  # noqa: D102
-    def close(self) -> None: ...  # noqa: D102
+    ) -> Handle: ...
+    def barrier(self, *, async_op: bool = True) -> Handle: ...
+    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> Handle: ...
+    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> Handle: ...
+    def subgroup(self, name: str, ranks: Sequence[int]) -> Backend: ...
+    def abort(self, reason: str) -> None: ...
+    def close(self) -> None: ...
 
 
 class Work:

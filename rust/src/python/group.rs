@@ -64,6 +64,10 @@ pub struct PyWork {
 }
 
 fn wait_work(py: Python<'_>, work: &Work, timeout: Option<f64>) -> PyResult<()> {
+    if work.is_completed() {
+        // Inline ops finish before `submit` returns: no GIL release needed.
+        return work.wait_for(None).map(|_| ()).py_err();
+    }
     let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
     loop {
         let slice = match deadline {
@@ -146,8 +150,8 @@ impl PyGroup {
     fn submit(&self, py: Python<'_>, op: Op, held: Vec<Held>, async_op: bool) -> PyResult<PyWork> {
         let comm = self.comm()?;
         if async_op {
-            let views: Vec<_> = held.into_iter().map(|h| h.view).collect();
-            let work = comm.submit(op, Box::new(views), true).py_err()?;
+            let keep: Vec<_> = held.into_iter().map(|h| h.keep).collect();
+            let work = comm.submit(op, Box::new(keep), true).py_err()?;
             return Ok(PyWork { work });
         }
         let work = py

@@ -92,13 +92,13 @@ class GlooBackend:
 
         return divide
 
-    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _GlooHandle:  # noqa: D102
+    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _GlooHandle:
         buf, rop = self._reduce_args(t, op)
         return _GlooHandle([self._pg.allreduce([buf], _opt(rop))], self._avg(t, op))
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, op: str, *, async_op: bool = True
-    ) -> _GlooHandle:  # noqa: D102
+    ) -> _GlooHandle:
         tmp = inp.clone()
         handle = self.all_reduce(tmp, op)
         n = out.numel()
@@ -109,7 +109,7 @@ class GlooBackend:
 
         return _GlooHandle([], take)
 
-    def all_gather(  # noqa: D102
+    def all_gather(
         self,
         out: torch.Tensor,
         inp: torch.Tensor,
@@ -133,12 +133,12 @@ class GlooBackend:
 
         return _GlooHandle([work], unpad)
 
-    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> _GlooHandle:  # noqa: D102
+    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> _GlooHandle:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         return _GlooHandle([self._pg.broadcast([_bytes(t)], opts)])
 
-    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> _GlooHandle:  # noqa: D102
+    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> _GlooHandle:
         buf, rop = self._reduce_args(t, op)
         opts = dist.ReduceOptions()
         opts.rootRank, opts.reduceOp = root, rop
@@ -147,7 +147,7 @@ class GlooBackend:
 
     def gather(
         self, out: torch.Tensor | None, inp: torch.Tensor, root: int, *, async_op: bool = True
-    ) -> _GlooHandle:  # noqa: D102
+    ) -> _GlooHandle:
         opts = dist.GatherOptions()
         opts.rootRank = root
         outs = [] if out is None else [_split(_bytes(out), self.world_size)]
@@ -155,7 +155,7 @@ class GlooBackend:
 
     def scatter(
         self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
-    ) -> _GlooHandle:  # noqa: D102
+    ) -> _GlooHandle:
         opts = dist.ScatterOptions()
         opts.rootRank = root
         ins = [] if inp is None else [_split(_bytes(inp), self.world_size)]
@@ -163,29 +163,29 @@ class GlooBackend:
 
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
-    ) -> _GlooHandle:  # noqa: D102
+    ) -> _GlooHandle:
         return _GlooHandle(
             [self._pg.alltoall_base(_bytes(out), _bytes(inp), [], [], dist.AllToAllOptions())]
         )
 
-    def barrier(self, *, async_op: bool = True) -> _GlooHandle:  # noqa: D102
+    def barrier(self, *, async_op: bool = True) -> _GlooHandle:
         return _GlooHandle([self._pg.barrier()])
 
-    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _GlooHandle:  # noqa: D102
+    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _GlooHandle:
         return _GlooHandle([self._pg.send([_bytes(t)], dst, 0)])
 
-    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _GlooHandle:  # noqa: D102
+    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _GlooHandle:
         return _GlooHandle([self._pg.recv([_bytes(t)], src, 0)])
 
-    def subgroup(self, name: str, ranks: Sequence[int]) -> GlooBackend:  # noqa: D102
+    def subgroup(self, name: str, ranks: Sequence[int]) -> GlooBackend:
         return GlooBackend(
             self._store, list(ranks).index(self.rank), len(ranks), name=name, timeout=self._timeout
         )
 
-    def abort(self, reason: str) -> None:  # noqa: D102
+    def abort(self, reason: str) -> None:
         self._pg.abort()
 
-    def close(self) -> None:  # noqa: D102
+    def close(self) -> None:
         self._pg.shutdown()
 
 

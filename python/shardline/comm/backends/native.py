@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardline.comm._buffers import byte_view, dtype_name
+from shardline.comm._buffers import dtype_name
 from shardline.comm.backends._store import exchange, store_barrier
 from shardline.comm.rendezvous import job_secret
 from shardline.errors import ShardlineError
@@ -105,15 +105,15 @@ class NativeBackend:
         self.world_size = group.world_size
         self.transport = group.transport
 
-    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _native.Work:  # noqa: D102
-        return self._g.all_reduce(byte_view(t), dtype_name(t), op, async_op=async_op)
+    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _native.Work:
+        return self._g.all_reduce(t, dtype_name(t), op, async_op=async_op)
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, op: str, *, async_op: bool = True
-    ) -> _native.Work:  # noqa: D102
-        return self._g.reduce_scatter(byte_view(out), byte_view(inp), dtype_name(out), op, async_op)
+    ) -> _native.Work:
+        return self._g.reduce_scatter(out, inp, dtype_name(out), op, async_op)
 
-    def all_gather(  # noqa: D102
+    def all_gather(
         self,
         out: torch.Tensor,
         inp: torch.Tensor,
@@ -121,43 +121,39 @@ class NativeBackend:
         *,
         async_op: bool = True,
     ) -> _native.Work:
-        return self._g.all_gather(byte_view(out), byte_view(inp), dtype_name(inp), counts, async_op)
+        return self._g.all_gather(out, inp, dtype_name(inp), counts, async_op)
 
-    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> _native.Work:  # noqa: D102
-        return self._g.broadcast(byte_view(t), dtype_name(t), root, async_op=async_op)
+    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> _native.Work:
+        return self._g.broadcast(t, dtype_name(t), root, async_op=async_op)
 
-    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> _native.Work:  # noqa: D102
-        return self._g.reduce(byte_view(t), dtype_name(t), op, root, async_op=async_op)
+    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> _native.Work:
+        return self._g.reduce(t, dtype_name(t), op, root, async_op=async_op)
 
     def gather(
         self, out: torch.Tensor | None, inp: torch.Tensor, root: int, *, async_op: bool = True
-    ) -> _native.Work:  # noqa: D102
-        o = None if out is None else byte_view(out)
-        return self._g.gather(o, byte_view(inp), dtype_name(inp), root, async_op=async_op)
+    ) -> _native.Work:
+        return self._g.gather(out, inp, dtype_name(inp), root, async_op=async_op)
 
     def scatter(
         self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
-    ) -> _native.Work:  # noqa: D102
-        i = None if inp is None else byte_view(inp)
-        return self._g.scatter(byte_view(out), i, dtype_name(out), root, async_op=async_op)
+    ) -> _native.Work:
+        return self._g.scatter(out, inp, dtype_name(out), root, async_op=async_op)
 
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
-    ) -> _native.Work:  # noqa: D102
-        return self._g.all_to_all(
-            byte_view(out), byte_view(inp), dtype_name(inp), async_op=async_op
-        )
+    ) -> _native.Work:
+        return self._g.all_to_all(out, inp, dtype_name(inp), async_op=async_op)
 
-    def barrier(self, *, async_op: bool = True) -> _native.Work:  # noqa: D102
+    def barrier(self, *, async_op: bool = True) -> _native.Work:
         return self._g.barrier(async_op=async_op)
 
-    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _native.Work:  # noqa: D102
-        return self._g.send(byte_view(t), dtype_name(t), dst, async_op=async_op)
+    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _native.Work:
+        return self._g.send(t, dtype_name(t), dst, async_op=async_op)
 
-    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _native.Work:  # noqa: D102
-        return self._g.recv(byte_view(t), dtype_name(t), src, async_op=async_op)
+    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _native.Work:
+        return self._g.recv(t, dtype_name(t), src, async_op=async_op)
 
-    def subgroup(self, name: str, ranks: Sequence[int]) -> NativeBackend:  # noqa: D102
+    def subgroup(self, name: str, ranks: Sequence[int]) -> NativeBackend:
         return create(
             self._store,
             list(ranks).index(self.rank),
@@ -169,10 +165,10 @@ class NativeBackend:
             master_addr=self._master_addr,
         )
 
-    def abort(self, reason: str) -> None:  # noqa: D102
+    def abort(self, reason: str) -> None:
         self._g.abort(reason)
 
-    def close(self) -> None:  # noqa: D102
+    def close(self) -> None:
         self._g.close()
 
 
