@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import shardline as sl
 from shardline.comm.rendezvous import (
+    INSECURE_SECRET,
     RendezvousInfo,
     create_store,
     first_slurm_host,
@@ -134,7 +135,10 @@ def test_secret_from_env_is_hashed() -> None:
 def test_multi_host_without_secret_fails_with_instructions() -> None:
     with pytest.raises(ShardlineError, match=r"SHARDLINE_SECRET.*SHARDLINE_INSECURE=1"):
         job_secret(new_store(), 1, ["a", "b"], key="k", env={})
-    assert job_secret(new_store(), 1, ["a", "b"], key="k", env={"SHARDLINE_INSECURE": "1"}) == b""
+    assert (
+        job_secret(new_store(), 1, ["a", "b"], key="k", env={"SHARDLINE_INSECURE": "1"})
+        == INSECURE_SECRET
+    )
 
 
 def test_single_host_secret_is_generated_and_shared() -> None:

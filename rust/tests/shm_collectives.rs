@@ -71,9 +71,10 @@ fn all_reduce_every_size_and_op() {
                     .unwrap();
                     b
                 });
+                let inputs: Vec<Vec<f32>> = (0..n).map(|r| input(r, len)).collect();
                 let expect: Vec<f32> = (0..len)
                     .map(|i| {
-                        let xs = (0..n).map(|r| input(r, len)[i]);
+                        let xs = inputs.iter().map(|v| v[i]);
                         match op {
                             ReduceOp::Sum => xs.sum(),
                             ReduceOp::Avg => xs.sum::<f32>() / n as f32,

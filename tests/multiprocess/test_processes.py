@@ -54,6 +54,13 @@ def test_multi_host_without_secret_fails_at_init_with_instructions() -> None:
     assert all("SHARDLINE_SECRET" in r.out for r in ranks), report(ranks)
 
 
+def test_insecure_opt_out_runs_across_hosts_without_a_secret() -> None:
+    env = {"SHARDLINE_SECRET": "", "SHARDLINE_INSECURE": "1"}
+    per_rank = {0: {"SHARDLINE_HOST_ID": "sim-a"}, 1: {"SHARDLINE_HOST_ID": "sim-b"}}
+    ranks = run(2, "allreduce", env=env, per_rank=per_rank)
+    assert all("OK" in r.out for r in ranks), report(ranks)
+
+
 @pytest.mark.parametrize("hosts", ["one-host", "two-hosts"])
 def test_kill_minus_nine_raises_peer_lost_on_every_survivor(hosts: str) -> None:
     per_rank = TWO_HOSTS if hosts == "two-hosts" else {}

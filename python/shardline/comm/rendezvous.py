@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -255,6 +256,23 @@ def _secret_from_env(env: Mapping[str, str]) -> bytes | None:
     return hashlib.sha256(raw.encode("utf-8")).digest()
 
 
+INSECURE_SECRET = b"shardline-insecure-no-secret"
+
+
+def _fail_together(store: Store, rank: int, world_size: int, *, key: str) -> None:
+    """Lets every rank finish its store calls before rank 0 (the store's host) exits.
+
+    Ranks other than 0 check in and return; rank 0 waits (up to 10 s) until all did, so the
+    others raise the same clear error instead of "connection reset" from a vanished store.
+    """
+    if rank != 0:
+        store.add(key, 1)
+        return
+    deadline = time.monotonic() + 10
+    while store.add(key, 0) < world_size - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def job_secret(
     store: Store,
     rank: int,
@@ -283,7 +301,9 @@ def job_secret(
         return from_env
     if len(set(host_ids)) > 1:
         if env.get("SHARDLINE_INSECURE") == "1":
-            return b""
+            # The handshake still runs (it rejects strays and garbage) but proves nothing.
+            return INSECURE_SECRET
+        _fail_together(store, rank, len(host_ids), key=f"{key}/missing")
         raise ShardlineError(
             f"rank {rank}: this job spans {len(set(host_ids))} hosts but SHARDLINE_SECRET is "
             "not set; set the same SHARDLINE_SECRET on every rank (`shardline run` does), or "

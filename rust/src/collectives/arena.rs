@@ -132,22 +132,33 @@ impl ArenaComm {
         let mut first = true;
         while first || off < total {
             let len = chunk.min(total - off);
+            let (lo, hi) = part(len, es, n, me);
             let src = &buf[off..off + len];
+            // Peers need every part of this chunk but ours, which only we reduce.
             let parity = self.step(sig, first.then_some(0), deadline, |s| {
-                s[..len].copy_from_slice(src)
+                s[..lo].copy_from_slice(&src[..lo]);
+                s[hi..len].copy_from_slice(&src[hi..len]);
             })?;
             first = false;
-            let (lo, hi) = part(len, es, n, me);
+            // Reduce our part straight into the slot of the next phase: it was last read in
+            // the previous phase, which every rank finished before posting this one.
+            let next = 1 - parity;
             {
                 let srcs: Vec<&[u8]> = (0..n)
-                    .map(|r| &self.arena.slot(r, parity)[lo..hi])
+                    .map(|r| {
+                        if r == me {
+                            &src[lo..hi]
+                        } else {
+                            &self.arena.slot(r, parity)[lo..hi]
+                        }
+                    })
                     .collect();
-                reduce::reduce_slices(&mut buf[off + lo..off + hi], &srcs, dtype, op);
+                reduce::reduce_slices(&mut self.arena.my_slot(next)[lo..hi], &srcs, dtype, op);
             }
-            let mine = &buf[off + lo..off + hi];
-            let parity = self.step(sig, None, deadline, |s| s[lo..hi].copy_from_slice(mine))?;
+            let parity = self.step(sig, None, deadline, |_| {})?;
+            debug_assert_eq!(parity, next);
             if only_root.is_none_or(|r| r == me) {
-                for r in (0..n).filter(|&r| r != me) {
+                for r in 0..n {
                     let (lo, hi) = part(len, es, n, r);
                     buf[off + lo..off + hi].copy_from_slice(&self.arena.slot(r, parity)[lo..hi]);
                 }

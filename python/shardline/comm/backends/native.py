@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NativeBackend", "bind_address", "create"]
 
-DEFAULT_SLOT_BYTES = 1 << 20
+DEFAULT_SLOT_BYTES = 256 << 10  # per slot; two per rank (see benches/results/slot-sweep.txt)
 
 
 def _native_module() -> Any:
