@@ -6,8 +6,15 @@ use std::time::Instant;
 
 fn main() {
     let size = 1usize << 20;
-    for (name, v) in [("one", 1.0f32), ("inf", f32::INFINITY), ("nan", f32::NAN), ("tiny", 1e-40)] {
-        let a: Vec<u8> = std::iter::repeat_n(v.to_le_bytes(), size / 4).flatten().collect();
+    for (name, v) in [
+        ("one", 1.0f32),
+        ("inf", f32::INFINITY),
+        ("nan", f32::NAN),
+        ("tiny", 1e-40),
+    ] {
+        let a: Vec<u8> = std::iter::repeat_n(v.to_le_bytes(), size / 4)
+            .flatten()
+            .collect();
         let mut d = vec![0u8; size];
         let it = 1000;
         let t = Instant::now();

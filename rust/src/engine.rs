@@ -460,7 +460,7 @@ impl Communicator {
         if !async_op && q.items.is_empty() && q.running == 0 {
             q.running += 1;
             drop(q);
-            let r = lock(&self.shared.core).run(&op);
+            let r = run_guarded(&self.shared, &op);
             drop(keepalive);
             let mut q = lock(&self.shared.queue);
             q.running -= 1;
@@ -521,6 +521,29 @@ fn closed_error(rank: usize) -> Error {
     )
 }
 
+/// Runs one op; a panic (a bug in the engine) becomes an error on this rank, breaks the
+/// communicator like any failure, and leaves the queue usable for the error to surface.
+fn run_guarded(shared: &Shared, op: &Op) -> Result<()> {
+    let outcome =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lock(&shared.core).run(op)));
+    outcome.unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        let err = Error::new(
+            ErrorKind::Protocol,
+            format!(
+                "rank {}: internal error in the collective engine ({what}); please report it",
+                shared.rank
+            ),
+        );
+        lock(&shared.core).fail(&err);
+        Err(err)
+    })
+}
+
 fn worker_loop(shared: &Shared) {
     loop {
         let job = {
@@ -538,7 +561,7 @@ fn worker_loop(shared: &Shared) {
                 q = shared.cv.wait(q).unwrap_or_else(|e| e.into_inner());
             }
         };
-        let r = lock(&shared.core).run(&job.op);
+        let r = run_guarded(shared, &job.op);
         job.work.complete(r);
         drop(job.keepalive);
         lock(&shared.queue).running -= 1;
