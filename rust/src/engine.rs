@@ -573,6 +573,25 @@ fn bad(op: &str, msg: String) -> Result<()> {
     Err(Error::invalid(format!("{op}: {msg}")))
 }
 
+/// The root of gather/scatter must pass its `role` buffer of `needed` bytes; others need none.
+fn root_buffer(
+    op: &str,
+    role: &str,
+    is_root: bool,
+    buf: Option<&RawBuf>,
+    needed: usize,
+) -> Result<()> {
+    match (is_root, buf) {
+        (false, _) => Ok(()),
+        (true, Some(b)) if b.len() == needed => Ok(()),
+        (true, Some(b)) => bad(
+            op,
+            format!("root's {role} holds {} bytes, needs {needed}", b.len()),
+        ),
+        (true, None) => bad(op, format!("the root must pass an {role} buffer")),
+    }
+}
+
 fn validate(op: &Op, rank: usize, world: usize) -> Result<()> {
     let check_root = |name: &str, root: usize| {
         if root >= world {
@@ -665,19 +684,13 @@ fn validate(op: &Op, rank: usize, world: usize) -> Result<()> {
         } => {
             check_root("gather", *root)?;
             dtype.count_of(inp.len(), "gather")?;
-            match (rank == *root, out) {
-                (true, Some(o)) if o.len() == inp.len() * world => Ok(()),
-                (true, Some(o)) => bad(
-                    "gather",
-                    format!(
-                        "root's output holds {} bytes, needs {}",
-                        o.len(),
-                        inp.len() * world
-                    ),
-                ),
-                (true, None) => bad("gather", "the root must pass an output buffer".into()),
-                (false, _) => Ok(()),
-            }
+            root_buffer(
+                "gather",
+                "output",
+                rank == *root,
+                out.as_ref(),
+                inp.len() * world,
+            )
         }
         Op::Scatter {
             out,
@@ -687,19 +700,13 @@ fn validate(op: &Op, rank: usize, world: usize) -> Result<()> {
         } => {
             check_root("scatter", *root)?;
             dtype.count_of(out.len(), "scatter")?;
-            match (rank == *root, inp) {
-                (true, Some(i)) if i.len() == out.len() * world => Ok(()),
-                (true, Some(i)) => bad(
-                    "scatter",
-                    format!(
-                        "root's input holds {} bytes, needs {}",
-                        i.len(),
-                        out.len() * world
-                    ),
-                ),
-                (true, None) => bad("scatter", "the root must pass an input buffer".into()),
-                (false, _) => Ok(()),
-            }
+            root_buffer(
+                "scatter",
+                "input",
+                rank == *root,
+                inp.as_ref(),
+                out.len() * world,
+            )
         }
         Op::AllToAll { out, inp, dtype } => {
             let n = dtype.count_of(inp.len(), "all_to_all")?;
