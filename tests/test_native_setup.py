@@ -156,3 +156,22 @@ def test_missing_engine_says_how_to_build(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(builtins, "__import__", no_native)
     with pytest.raises(Exception, match="maturin develop"):
         native_backend._native_module()
+
+
+@pytest.mark.parametrize(
+    ("cores", "local_ranks", "expected"),
+    [
+        (16, 8, native_backend.DEFAULT_SLOT_BYTES),
+        (16, 16, native_backend.DEFAULT_SLOT_BYTES),
+        (16, 32, native_backend.FEW_CORES_SLOT_BYTES),
+        (2, 2, native_backend.FEW_CORES_SLOT_BYTES),
+    ],
+)
+def test_slot_size_follows_the_machine_unless_set(
+    monkeypatch: pytest.MonkeyPatch, cores: int, local_ranks: int, expected: int
+) -> None:
+    monkeypatch.setattr(native_backend.os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    monkeypatch.delenv("SHARDLINE_SHM_SLOT_BYTES", raising=False)
+    assert native_backend._slot_bytes(local_ranks) == expected
+    monkeypatch.setenv("SHARDLINE_SHM_SLOT_BYTES", "65536")
+    assert native_backend._slot_bytes(local_ranks) == 65536

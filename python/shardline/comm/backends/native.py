@@ -34,7 +34,12 @@ if TYPE_CHECKING:
 
 __all__ = ["NativeBackend", "bind_address", "create"]
 
-DEFAULT_SLOT_BYTES = 256 << 10  # per slot; two per rank (see benches/results/slot-sweep.txt)
+# Bytes per shared-memory slot (two per rank). Measured in benches/results/slot-sweep.txt:
+# with cores to spare, small slots keep chunks in cache; on small or oversubscribed machines
+# every chunk boundary is a sync point that may wait for a descheduled rank, so fewer, larger
+# chunks win.
+DEFAULT_SLOT_BYTES = 256 << 10
+FEW_CORES_SLOT_BYTES = 4 << 20
 
 
 def _native_module() -> Any:
@@ -67,10 +72,13 @@ def bind_address(master_addr: str | None) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def _slot_bytes() -> int:
+def _slot_bytes(local_ranks: int) -> int:
+    """``SHARDLINE_SHM_SLOT_BYTES``, else a size chosen for the machine (see the constants)."""
     raw = os.environ.get("SHARDLINE_SHM_SLOT_BYTES", "")
+    cores = len(os.sched_getaffinity(0))
+    default = FEW_CORES_SLOT_BYTES if cores <= 4 or local_ranks > cores else DEFAULT_SLOT_BYTES
     try:
-        value = int(raw) if raw else DEFAULT_SLOT_BYTES
+        value = int(raw) if raw else default
     except ValueError:
         raise ShardlineError(f"SHARDLINE_SHM_SLOT_BYTES={raw!r} is not an integer") from None
     if value < 4096:
@@ -217,7 +225,7 @@ def create(
         if rank == local[0]:
             native.arena_sweep()
             arena_path = f"/dev/shm/shardline-{os.getpid()}-{secrets.token_hex(8)}"
-            native.arena_create(arena_path, len(local), _slot_bytes())
+            native.arena_create(arena_path, len(local), _slot_bytes(len(local)))
             created = True
             store.set(key, arena_path)
         else:
