@@ -240,6 +240,19 @@ def worker_main(cfg_path: str) -> int:
             result["groups"][backend]["error"] = "warm-up: " + "; ".join(bad)
             _log(rank, f"  [n={world}] backend {backend} FAILED in warm-up: {bad[0]}")
 
+    # -- warm machine: seconds of large all-reduces on the native group, rank 0's clock
+    # deciding for everyone (a broadcast flag keeps the ranks in lockstep) -------------------
+    if "native" in groups and cfg.get("warmup_s", 0) > 0:
+        pg = groups["native"][1]
+        flag = torch.ones(1)
+        big = buf_a[: min(max_n, 16 << 20)]
+        start = time.monotonic()
+        while flag.item() == 1.0:
+            pg.all_reduce(big)
+            flag.fill_(float(rank != 0 or time.monotonic() - start < cfg["warmup_s"]))
+            pg.broadcast(flag, 0)
+        buf_a.zero_()
+
     # -- cells ---------------------------------------------------------------------------------
     cells = [(op, s) for op in cfg["ops"] if op != "barrier" for s in cfg["sizes"]]
     if "barrier" in cfg["ops"]:
@@ -634,6 +647,7 @@ def run_world(world: int, args: argparse.Namespace, tmp: Path) -> tuple[dict[str
         "max_iters": args.max_iters,
         "op_timeout": args.op_timeout,
         "bound_bytes": args.bound_bytes,
+        "warmup_s": args.warmup_seconds,
         "result_path": str(tmp / f"result-n{world}.json"),
     }
     cfg_path = tmp / f"cfg-n{world}.json"
@@ -968,6 +982,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--target", type=float, default=None, help="seconds per timed batch [0.3; quick 0.1]"
     )
     p.add_argument("--min-iters", type=int, default=3)
+    p.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=None,
+        help="large native all-reduces before any cell, so every backend is timed on a warm "
+        "machine (2-core VMs run a new process pair slowly for its first seconds) [3; quick 1]",
+    )
     p.add_argument("--max-iters", type=int, default=None, help="[2000; quick 1000]")
     p.add_argument(
         "--bound-mib",
@@ -1012,6 +1033,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.ops = list(dict.fromkeys(args.ops))
     args.repeats = args.repeats or (3 if args.quick else 5)
     args.target = args.target or (0.1 if args.quick else 0.3)
+    if args.warmup_seconds is None:
+        args.warmup_seconds = 1.0 if args.quick else 3.0
     args.max_iters = args.max_iters or (1000 if args.quick else 2000)
     args.min_iters = max(1, args.min_iters)
     args.bound_bytes = args.bound_mib << 20
