@@ -363,11 +363,9 @@ def _op_fns(backend: str, group: tuple[str, Any], op: str, a: Any, b: Any, world
         }
         return fns[op], fns["barrier"]
     if kind == "native-raw":
-        from shardline.comm._buffers import byte_view  # noqa: PLC0415
-
+        # The engine takes contiguous CPU tensors directly (data_ptr and nbytes).
         g = pg._impl._g
-        va = byte_view(a) if a is not None else None
-        vb = byte_view(b) if b is not None else None
+        va, vb = a, b
         fns = {
             "all_reduce": lambda: g.all_reduce(va, "float32", "sum", False).wait(),
             "reduce_scatter": lambda: g.reduce_scatter(vb, va, "float32", "sum", False).wait(),

@@ -317,8 +317,7 @@ struct Core {
     mode: Mode,
     arena: Option<ArenaComm>,
     mesh: Option<TcpMesh>,
-    /// Global ranks on this host, ascending, and this rank's index among them.
-    local: Vec<usize>,
+    /// This rank's index among the ranks of its host (0 = the host's leader).
     my_local: usize,
     /// The lowest rank of every host (hierarchical mode).
     leaders: Vec<usize>,
@@ -407,7 +406,6 @@ impl Communicator {
             mode,
             arena: arena.clone().map(|a| ArenaComm::new(a, cfg.oneshot_bytes)),
             mesh,
-            local,
             my_local,
             leaders,
             seq: 0,
@@ -919,7 +917,6 @@ impl Core {
         if let Some(a) = self.arena.as_mut() {
             a.broadcast(buf, 0, sig, deadline)?;
         }
-        let _ = &self.local;
         Ok(())
     }
 }

@@ -2,7 +2,7 @@
 
 Every collective accepts contiguous CPU ``torch.Tensor``s or C-contiguous ``numpy.ndarray``s.
 Numpy arrays become tensors over the same memory (``torch.from_numpy``), so backends see one
-kind of object; the native backend then hands the engine a ``uint8`` numpy view of it.
+kind of object; the native backend hands the engine the tensor itself (data_ptr, nbytes).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "TensorLike",
     "as_tensor",
-    "byte_view",
     "check_same_dtype",
     "dtype_name",
     "parse_op",
@@ -168,15 +167,3 @@ def check_numel(what: str, rank: int, expected: int, actual: torch.Tensor, hint:
             f"{what} on rank {rank}: expected {expected} elements ({hint}) but got "
             f"{actual.numel()} (shape {tuple(actual.shape)})"
         )
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """A writable, format ``'B'`` memoryview of ``t``'s memory (zero copy; 0-dim, bf16, bool too).
-
-    [Note: ownership] the view borrows ``t``'s storage; the caller keeps ``t`` alive until the
-    engine's Work completes (``Work`` holds it).
-    """
-    flat = t.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
