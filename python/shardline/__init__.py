@@ -7,6 +7,7 @@ Table of contents:
   ``scatter``, ``all_to_all``, ``barrier``, ``send``, ``recv``: collectives on the default
   group (or ``group=``); ``async_op=True`` returns a ``Work``.
 - ``new_group``, ``ProcessGroup``, ``DeviceMesh``: sub-groups and named axes.
+- ``distribute``, ``DistributedDataParallel``: parallel strategies (``shardline.parallel``).
 - ``ShardlineError`` and its subclasses (``shardline.errors``).
 """
 
@@ -33,6 +34,7 @@ from shardline.comm.collectives import (
     shutdown,
 )
 from shardline.comm.mesh import DeviceMesh
+from shardline.parallel import DistributedDataParallel, distribute
 from shardline.errors import (
     AuthenticationError,
     CheckpointError,
@@ -55,6 +57,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "CommunicatorClosedError",
     "DeviceMesh",
+    "DistributedDataParallel",
     "InvalidArgumentError",
     "PeerLostError",
     "ProcessGroup",
@@ -68,6 +71,7 @@ __all__ = [
     "all_to_all",
     "barrier",
     "broadcast",
+    "distribute",
     "gather",
     "get_rank",
     "get_world_size",

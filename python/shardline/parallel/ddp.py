@@ -1,0 +1,477 @@
+"""Data parallel training: replicas that all-reduce gradients in buckets while backward runs.
+
+``DistributedDataParallel`` wraps a plain ``nn.Module``. It broadcasts rank 0's parameters and
+buffers at construction, then on every backward:
+
+1. each parameter's post-accumulate-grad hook copies its gradient, divided by the world size,
+   into a flat bucket; when every gradient of a bucket has arrived, the bucket's all-reduce is
+   started asynchronously (buckets always start in index order, so every rank issues the same
+   collectives in the same order) while autograd carries on;
+2. at the end of backward (an autograd final callback) parameters whose hook did not fire are
+   treated as unused on this rank: their bucket slot carries their current gradient or zeros, a
+   one-byte-per-parameter "used" mask is max-reduced, and the call waits for every bucket before
+   writing the averaged gradients back. Gradients of parameters that no rank used are left as
+   they were (``None`` stays ``None``), as with torch's ``find_unused_parameters=True``, but
+   without a flag and without traversing the graph.
+
+The first synchronised iteration records the order gradients become ready; afterwards the
+buckets are rebuilt in rank 0's order so that bucket ``k`` is complete before bucket ``k + 1``.
+
+Uneven inputs: inside ``with model.join():`` a rank that runs out of batches keeps shadowing the
+others' collectives with zero gradients until every rank is done, then all ranks take the model
+of the last rank to finish (torch's ``Join`` semantics; gradients stay divided by the initial
+world size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from shardline.comm.group import ProcessGroup
+from shardline.errors import InvalidArgumentError, ShardlineError
+from shardline.parallel.comm_hooks import CommHook, resolve_hook
+
+__all__ = ["DistributedDataParallel"]
+
+_MIB = 1 << 20
+
+
+@dataclass
+class _Bucket:
+    """A flat buffer holding the gradients of a few parameters of one dtype."""
+
+    index: int
+    dtype: torch.dtype
+    params: list[int]
+    offsets: list[int]
+    flat: torch.Tensor
+    pending: int = 0
+    finish: Callable[[], None] | None = None
+
+    def view(self, slot: int, shape: torch.Size) -> torch.Tensor:
+        start = self.offsets[slot]
+        return self.flat[start : start + shape.numel()].view(shape)
+
+
+@dataclass
+class _StepState:
+    """What one synchronised backward has seen so far."""
+
+    ready: list[bool]
+    order: list[int] = field(default_factory=list)
+    next_bucket: int = 0
+
+
+def _default_group() -> ProcessGroup:
+    from shardline.comm.collectives import default_group  # noqa: PLC0415
+
+    return default_group()
+
+
+class DistributedDataParallel(nn.Module):
+    """Replicates ``module`` on every rank of ``group`` and averages gradients in backward.
+
+    Args:
+        module: The model (its parameters on CPU for the native and gloo backends, on this
+            rank's GPU for nccl).
+        group: The ranks that hold replicas; the default group of ``shardline.init()`` when
+            ``None``.
+        bucket_cap_mb: Size of a gradient bucket in MiB (torch's default, 25).
+        first_bucket_mb: Size of the first bucket, small so that communication starts early.
+        broadcast_buffers: Broadcast buffers (BatchNorm statistics) from rank 0 before every
+            forward that will be followed by a synchronised backward.
+        comm_hook: How a bucket is reduced: ``None`` (all-reduce in the gradient dtype),
+            ``"fp16"`` or ``"bf16"`` (compressed on the wire), or a callable (see
+            ``shardline.parallel.comm_hooks``).
+        init_sync: Broadcast rank 0's parameters and buffers now.
+
+    Raises:
+        InvalidArgumentError: parameters differ across ranks (names the ranks), sparse or
+            mixed-device parameters, or bad arguments.
+
+    ``state_dict()`` and ``load_state_dict()`` are the wrapped module's (no ``module.``
+    prefix), so checkpoints load into the plain model.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        group: ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+        broadcast_buffers: bool = True,
+        comm_hook: str | CommHook | None = None,
+        init_sync: bool = True,
+    ) -> None:
+        super().__init__()
+        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+            raise InvalidArgumentError(
+                f"bucket_cap_mb ({bucket_cap_mb}) and first_bucket_mb ({first_bucket_mb}) "
+                "must be positive"
+            )
+        self.module = module
+        self.group = group if group is not None else _default_group()
+        self.bucket_cap_bytes = int(bucket_cap_mb * _MIB)
+        self.first_bucket_bytes = int(min(first_bucket_mb, bucket_cap_mb) * _MIB)
+        self.broadcast_buffers = broadcast_buffers
+        self._hook = resolve_hook(comm_hook)
+
+        seen: set[int] = set()
+        named: list[tuple[str, nn.Parameter]] = []
+        for name, p in module.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._buffers_list = [b for b in module.buffers() if b.numel() > 0]
+        for name, p in named:
+            if p.is_sparse:
+                raise InvalidArgumentError(
+                    f"DistributedDataParallel: parameter {name!r} is sparse; sparse gradients "
+                    "are not supported, use a dense parameter"
+                )
+        self._check_same_model()
+
+        self._require_sync = True
+        self._step: _StepState | None = None
+        self._used_since_sync = [False] * len(self._params)
+        self._rebuilt = False
+        self._join_active = False
+        self._join_src: int | None = None
+        self._buckets: list[_Bucket] = []
+        self._slot: list[tuple[int, int]] = []  # param index -> (bucket, slot)
+        self._build_buckets(list(reversed(range(len(self._params)))))
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))  # type: ignore[no-untyped-call]
+            for i, p in enumerate(self._params)
+        ]
+        if init_sync:
+            self._broadcast_tensors(self._params_data() + self._buffers_list, src=0)
+
+    # -- public --------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the wrapped module, after syncing buffers (and, inside ``join()``, ranks)."""
+        will_sync = torch.is_grad_enabled() and self._require_sync
+        if self._join_active:
+            self._join_src = self._join_round(active=True, sync=will_sync)
+        if will_sync and self.broadcast_buffers and self._buffers_list:
+            self._broadcast_tensors(self._buffers_list, src=self._src())
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulates gradients locally; the first backward after the block reduces them all.
+
+        ``with model.no_sync(): loss(a).backward()`` then ``loss(b).backward()`` gives the same
+        gradients as one backward over ``a`` and ``b`` together.
+        """
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Lets ranks run different numbers of batches without deadlocking each other.
+
+        Wrap the training loop: ``with model.join(): for batch in my_batches: ...``. When a
+        rank leaves the loop it keeps answering the other ranks' collectives with zero
+        gradients until every rank has left; then every rank takes the parameters and buffers
+        of the last rank that was still training. If the loop raises, the group is aborted so
+        that the other ranks raise too instead of waiting.
+        """
+        if self._join_active:
+            raise InvalidArgumentError("DistributedDataParallel.join() is already active")
+        self._join_active = True
+        self._join_src = None
+        try:
+            yield
+        except BaseException as e:
+            self.group.abort(
+                f"rank {self.group.rank} raised {type(e).__name__} inside "
+                "DistributedDataParallel.join()"
+            )
+            raise
+        else:
+            while True:
+                src = self._join_round(active=False, sync=False)
+                if src is None:
+                    break
+                self._join_src, sync = src
+                if sync:
+                    if self.broadcast_buffers and self._buffers_list:
+                        self._broadcast_tensors(self._buffers_list, src=self._join_src)
+                    self._shadow_backward()
+            if self._join_src is not None:
+                self._broadcast_tensors(
+                    self._params_data() + self._buffers_list, src=self._join_src
+                )
+        finally:
+            self._join_active = False
+            self._join_src = None
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's ``state_dict`` (keys without a ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Loads into the wrapped module (keys without a ``module.`` prefix)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @property
+    def bucket_layout(self) -> list[list[str]]:
+        """Names of the parameters in each bucket, in the order buckets are reduced."""
+        return [[self._names[i] for i in b.params] for b in self._buckets]
+
+    def remove_hooks(self) -> None:
+        """Detaches the gradient hooks (the module trains locally afterwards)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _params_data(self) -> list[torch.Tensor]:
+        return [p.data for p in self._params]
+
+    def _src(self) -> int:
+        return self._join_src if self._join_active and self._join_src is not None else 0
+
+    def _check_same_model(self) -> None:
+        """All ranks must hold the same parameter list; otherwise name who differs."""
+        g = self.group
+        layout = ";".join(
+            f"{n}:{tuple(p.shape)}:{p.dtype}"
+            for n, p in zip(self._names, self._params, strict=True)
+        )
+        digest = int.from_bytes(hashlib.sha256(layout.encode()).digest()[:7], "little")
+        mine = torch.tensor([len(self._params), sum(p.numel() for p in self._params), digest])
+        everyone = torch.empty(g.world_size * 3, dtype=torch.int64)
+        g.all_gather(everyone, mine)
+        rows = everyone.view(g.world_size, 3)
+        for r in range(g.world_size):
+            if not torch.equal(rows[r], rows[0]):
+                a, b = rows[0].tolist(), rows[r].tolist()
+                raise InvalidArgumentError(
+                    f"DistributedDataParallel on rank {g.rank}: rank {r} has {b[0]} trainable "
+                    f"parameters with {b[1]} elements while rank 0 has {a[0]} with {a[1]}"
+                    + (" (same counts, different names/shapes/dtypes)" if a[:2] == b[:2] else "")
+                    + "; build the same model on every rank before wrapping it"
+                )
+        devices = {p.device for p in self._params}
+        if len(devices) > 1:
+            raise InvalidArgumentError(
+                "DistributedDataParallel: parameters live on several devices "
+                f"{sorted(map(str, devices))}; move the model to one device first"
+            )
+
+    def _build_buckets(self, order: list[int]) -> None:
+        """Packs parameters into per-dtype buckets following ``order`` (first ready first)."""
+        open_: dict[torch.dtype, tuple[list[int], int]] = {}
+        closed: list[tuple[torch.dtype, list[int]]] = []
+        for i in order:
+            p = self._params[i]
+            nbytes = p.numel() * p.element_size()
+            members, size = open_.get(p.dtype, ([], 0))
+            cap = self.first_bucket_bytes if not closed else self.bucket_cap_bytes
+            if members and size + nbytes > cap:
+                closed.append((p.dtype, members))
+                members, size = [], 0
+            open_[p.dtype] = ([*members, i], size + nbytes)
+        closed.extend((dt, members) for dt, (members, _) in open_.items() if members)
+        # Reduce buckets in the order their first parameter becomes ready.
+        rank_in_order = {i: k for k, i in enumerate(order)}
+        closed.sort(key=lambda c: rank_in_order[c[1][0]])
+        device = self._params[0].device if self._params else torch.device("cpu")
+        self._buckets = []
+        self._slot = [(0, 0)] * len(self._params)
+        for b, (dtype, members) in enumerate(closed):
+            offsets, total = [], 0
+            for s, i in enumerate(members):
+                offsets.append(total)
+                total += self._params[i].numel()
+                self._slot[i] = (b, s)
+            flat = torch.zeros(total, dtype=dtype, device=device)
+            self._buckets.append(_Bucket(b, dtype, members, offsets, flat))
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(i, param)
+
+        return hook
+
+    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        self._used_since_sync[i] = True
+        if not self._require_sync:
+            return
+        if self._step is None:
+            self._begin_step()
+        step = self._step
+        assert step is not None
+        if step.ready[i]:
+            raise ShardlineError(
+                f"DistributedDataParallel on rank {self.group.rank}: the gradient of "
+                f"{self._names[i]!r} became ready twice in one backward (reentrant backward or "
+                "a second backward on the same graph); use no_sync() for all but the last one"
+            )
+        self._fill_slot(i, param.grad)
+        self._mark_ready(i)
+
+    def _begin_step(self) -> None:
+        for b in self._buckets:
+            b.pending = len(b.params)
+            b.finish = None
+        self._step = _StepState(ready=[False] * len(self._params))
+        Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _fill_slot(self, i: int, grad: torch.Tensor | None) -> None:
+        p = self._params[i]
+        b, s = self._slot[i]
+        view = self._buckets[b].view(s, p.shape)
+        if grad is None:
+            view.zero_()
+        else:
+            if grad.is_sparse:
+                raise InvalidArgumentError(
+                    f"DistributedDataParallel: parameter {self._names[i]!r} got a sparse "
+                    "gradient; sparse gradients are not supported"
+                )
+            # Divide while copying, as torch's reducer does (mul_out by 1/world_size).
+            torch.mul(grad, 1.0 / self.group.world_size, out=view)
+
+    def _mark_ready(self, i: int) -> None:
+        step = self._step
+        assert step is not None
+        step.ready[i] = True
+        step.order.append(i)
+        self._buckets[self._slot[i][0]].pending -= 1
+        self._launch_ready(step)
+
+    def _launch_ready(self, step: _StepState) -> None:
+        while step.next_bucket < len(self._buckets):
+            bucket = self._buckets[step.next_bucket]
+            if bucket.pending > 0:
+                return
+            bucket.finish = self._hook(self.group, bucket.flat)
+            step.next_bucket += 1
+
+    def _end_backward(self) -> None:
+        """Autograd's final callback: unused parameters, the used mask, wait, write back."""
+        step = self._step
+        assert step is not None
+        try:
+            for i, p in enumerate(self._params):
+                if not step.ready[i]:
+                    self._fill_slot(i, p.grad)
+                    step.ready[i] = True
+                    self._buckets[self._slot[i][0]].pending -= 1
+            self._launch_ready(step)
+            used = torch.tensor(self._used_since_sync, dtype=torch.uint8)
+            mask_work = self.group.all_reduce(used, "max", async_op=True)
+            for bucket in self._buckets:
+                assert bucket.finish is not None
+                bucket.finish()
+            assert mask_work is not None
+            mask_work.wait()
+            for i, p in enumerate(self._params):
+                if not used[i]:
+                    continue  # no rank used it: leave its gradient alone
+                b, s = self._slot[i]
+                view = self._buckets[b].view(s, p.shape)
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
+            if not self._rebuilt:
+                self._rebuild(step.order)
+        finally:
+            self._step = None
+            self._used_since_sync = [False] * len(self._params)
+
+    def _rebuild(self, order: list[int]) -> None:
+        """After the first step: rebuild buckets in the order rank ``src`` saw gradients."""
+        seen = set(order)
+        full = order + [i for i in reversed(range(len(self._params))) if i not in seen]
+        t = torch.tensor(full, dtype=torch.int64)
+        self.group.broadcast(t, src=self._src())
+        self._build_buckets(t.tolist())
+        self._rebuilt = True
+
+    # -- uneven inputs ---------------------------------------------------------------------------
+
+    def _join_round(self, *, active: bool, sync: bool) -> Any:
+        """One round of the join protocol: who is still training, and will they sync?
+
+        Active ranks call it from ``forward`` and get the rank to take buffers from; joined
+        ranks call it in their shadow loop and get ``(src, sync)`` or ``None`` once all left.
+        """
+        flag = torch.tensor(
+            [self.group.rank if active else -1, 1 if (active and sync) else 0], dtype=torch.int64
+        )
+        self.group.all_reduce(flag, "max")
+        src, any_sync = int(flag[0]), bool(flag[1])
+        if active:
+            return src
+        return None if src < 0 else (src, any_sync)
+
+    def _shadow_backward(self) -> None:
+        """Mirrors one synchronised backward of the active ranks with zero gradients."""
+        finishes = []
+        for b in self._buckets:
+            b.flat.zero_()
+            finishes.append(self._hook(self.group, b.flat))
+        used = torch.zeros(len(self._params), dtype=torch.uint8)
+        mask_work = self.group.all_reduce(used, "max", async_op=True)
+        for f in finishes:
+            f()
+        assert mask_work is not None
+        mask_work.wait()
+        if not self._rebuilt:
+            self._rebuild([])
+
+    # -- broadcast -------------------------------------------------------------------------------
+
+    def _broadcast_tensors(self, tensors: list[torch.Tensor], src: int) -> None:
+        """Broadcasts tensors from ``src``, coalesced into flat chunks of about one bucket."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for dtype in sorted(by_dtype, key=str):
+            chunk: list[torch.Tensor] = []
+            size = 0
+            for t in by_dtype[dtype]:
+                nbytes = t.numel() * t.element_size()
+                if chunk and size + nbytes > self.bucket_cap_bytes:
+                    self._broadcast_chunk(chunk, src)
+                    chunk, size = [], 0
+                chunk.append(t)
+                size += nbytes
+            if chunk:
+                self._broadcast_chunk(chunk, src)
+
+    def _broadcast_chunk(self, chunk: list[torch.Tensor], src: int) -> None:
+        if len(chunk) == 1 and chunk[0].is_contiguous():
+            self.group.broadcast(chunk[0], src=src)
+            return
+        flat = torch.cat([t.reshape(-1) for t in chunk])
+        self.group.broadcast(flat, src=src)
+        offset = 0
+        with torch.no_grad():
+            for t in chunk:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n

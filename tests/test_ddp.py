@@ -1,0 +1,495 @@
+"""DDP against its oracles: torch's DDP on Gloo, and one process training on the full batch.
+
+Ranks run as threads; torch's DDP gets a real ``ProcessGroupGloo`` per thread, so both run the
+same model, seed and data split side by side in one rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import shardline as sl
+from shardline.comm import ProcessGroup
+from shardline.errors import CommunicatorClosedError, InvalidArgumentError, ShardlineError
+from shardline.parallel import DistributedDataParallel
+from tests._ranks import new_store, run_ranks
+
+pytestmark = pytest.mark.usefixtures("native")
+
+IN, HIDDEN, OUT = 12, 24, 5
+# Rank threads share torch's global generator: models are built under this lock.
+_INIT = threading.Lock()
+
+
+def mlp(seed: int = 0, *, batchnorm: bool = False) -> nn.Module:
+    with _INIT:
+        torch.manual_seed(seed)
+        return _mlp(batchnorm)
+
+
+def _mlp(batchnorm: bool) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(IN, HIDDEN)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(HIDDEN))
+    layers += [nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT)]
+    return nn.Sequential(*layers)
+
+
+def batch(step: int, rank: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(rows, IN, generator=g), torch.randn(rows, OUT, generator=g)
+
+
+def torch_gloo(port: int, rank: int, world_size: int) -> dist.ProcessGroup:
+    """A torch ProcessGroup on Gloo for one thread-rank (torch's DDP needs the c10d wrapper)."""
+    store = dist.PrefixStore(
+        "torch-ddp", dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30))
+    )
+    gloo = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=30))
+    pg = dist.ProcessGroup(store, rank, world_size)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    return pg
+
+
+def train(
+    model: nn.Module,
+    rank: int,
+    steps: int,
+    *,
+    lr: float = 0.05,
+    rows: int = 8,
+    record: list[list[torch.Tensor]] | None = None,
+) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for step in range(steps):
+        x, y = batch(step, rank, rows)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if record is not None:
+            record.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        opt.step()
+
+
+def params(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def side_by_side(
+    n: int,
+    ours: Callable[[ProcessGroup], nn.Module],
+    theirs: Callable[[dist.ProcessGroup], nn.Module],
+    run: Callable[[nn.Module, int], object],
+    backend: str = "native",
+) -> list[tuple[object, object]]:
+    """Runs ``run`` on our DDP and on torch's DDP in every rank; returns both results."""
+    master = new_store()
+
+    def body(g: ProcessGroup) -> tuple[object, object]:
+        torch.set_num_threads(1)
+        a = run(ours(g), g.rank)
+        b = run(theirs(torch_gloo(master.port, g.rank, n)), g.rank)
+        return a, b
+
+    return run_ranks(n, body, backend=backend, timeout=90.0)
+
+
+def assert_equal_lists(a: list[torch.Tensor], b: list[torch.Tensor], exact: bool) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        if exact:
+            assert torch.equal(x, y), (x - y).abs().max()
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+# -- parity ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_matches_torch_ddp(n: int, backend: str) -> None:
+    """Bitwise at 2 ranks (a sum of two numbers), assert_close at 3 and 4; several buckets."""
+
+    def run(model: nn.Module, rank: int) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+        grads: list[list[torch.Tensor]] = []
+        train(model, rank, steps=4, record=grads)
+        return grads, params(model)
+
+    results = side_by_side(
+        n,
+        lambda g: DistributedDataParallel(mlp(), group=g, bucket_cap_mb=0.001),
+        lambda pg: TorchDDP(mlp(), process_group=pg, bucket_cap_mb=0.001),
+        run,
+        backend=backend,
+    )
+    for ours, theirs in results:
+        (g_ours, p_ours), (g_theirs, p_theirs) = ours, theirs  # type: ignore[misc]
+        for a, b in zip(g_ours, g_theirs, strict=True):
+            assert_equal_lists(a, b, exact=n == 2)
+        assert_equal_lists(p_ours, p_theirs, exact=n == 2)
+    # Every replica holds the same model.
+    first = results[0][0][1]  # type: ignore[index]
+    for ours, _ in results[1:]:
+        assert_equal_lists(ours[1], first, exact=True)  # type: ignore[index]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_equals_single_process_on_the_full_batch(n: int) -> None:
+    steps, rows = 3, 6
+
+    def body(g: ProcessGroup) -> list[torch.Tensor]:
+        torch.set_num_threads(1)
+        model = DistributedDataParallel(mlp(), group=g, bucket_cap_mb=0.002)
+        train(model, g.rank, steps, rows=rows)
+        return params(model)
+
+    results = run_ranks(n, body)
+
+    reference = mlp()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        xs, ys = zip(*(batch(step, r, rows) for r in range(n)), strict=True)
+        opt.zero_grad()
+        nn.functional.mse_loss(reference(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    for ours in results:
+        assert_equal_lists(ours, params(reference), exact=False)
+
+
+def test_batchnorm_buffers_follow_torch() -> None:
+    """Buffers are broadcast from rank 0 before each forward, as torch's DDP does."""
+
+    def run(model: nn.Module, rank: int) -> list[torch.Tensor]:
+        train(model, rank, steps=3)
+        return params(model)  # includes running_mean / running_var / num_batches_tracked
+
+    results = side_by_side(
+        2,
+        lambda g: DistributedDataParallel(mlp(batchnorm=True), group=g),
+        lambda pg: TorchDDP(mlp(batchnorm=True), process_group=pg),
+        run,
+    )
+    for ours, theirs in results:
+        assert_equal_lists(ours, theirs, exact=True)  # type: ignore[arg-type]
+    # Rank-local statistics of the last forward differ, which proves they were not averaged.
+    running_mean = 4  # state_dict: 0.weight, 0.bias, 1.weight, 1.bias, 1.running_mean, ...
+    assert not torch.equal(results[0][0][running_mean], results[1][0][running_mean])  # type: ignore[index]
+
+
+class Branchy(nn.Module):
+    """Rank 0 uses ``left``, rank 1 uses ``right``; nobody ever uses ``never``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with _INIT:
+            torch.manual_seed(3)
+            self.trunk = nn.Linear(IN, HIDDEN)
+            self.left = nn.Linear(HIDDEN, OUT)
+            self.right = nn.Linear(HIDDEN, OUT)
+            self.never = nn.Linear(HIDDEN, OUT)
+        self.branch = "left"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.left if self.branch == "left" else self.right
+        return head(torch.relu(self.trunk(x)))
+
+
+def test_unused_parameters_need_no_flag() -> None:
+    """Equal to torch's DDP with find_unused_parameters=True, which needs the flag."""
+
+    def make(rank: int) -> Branchy:
+        m = Branchy()
+        m.branch = "left" if rank == 0 else "right"
+        return m
+
+    def run(model: nn.Module, rank: int) -> tuple[list[object], list[torch.Tensor]]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads: list[object] = []
+        for step in range(3):
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+            opt.step()
+        return grads, params(model)
+
+    results = side_by_side(
+        2,
+        lambda g: DistributedDataParallel(make(g.rank), group=g),
+        lambda pg: TorchDDP(make(pg.rank()), process_group=pg, find_unused_parameters=True),
+        run,
+    )
+    for (g_ours, p_ours), (g_theirs, p_theirs) in results:  # type: ignore[misc]
+        for a, b in zip(g_ours, g_theirs, strict=True):
+            assert [t is None for t in a] == [t is None for t in b]
+            assert_equal_lists(
+                [t for t in a if t is not None], [t for t in b if t is not None], True
+            )
+        assert_equal_lists(p_ours, p_theirs, exact=True)
+    # ``never`` got no gradient anywhere and stays None; both heads were trained everywhere.
+    last = results[0][0][0][-1]  # type: ignore[index]
+    assert last[-1] is None and last[-2] is None and last[2] is not None and last[4] is not None
+
+
+def test_no_sync_accumulation_equals_one_big_batch() -> None:
+    def body(g: ProcessGroup) -> list[torch.Tensor]:
+        torch.set_num_threads(1)
+        model = DistributedDataParallel(mlp(), group=g, bucket_cap_mb=0.001)
+        (x1, y1), (x2, y2) = batch(0, g.rank), batch(1, g.rank)
+        with model.no_sync():
+            (nn.functional.mse_loss(model(x1), y1, reduction="sum")).backward()
+        (nn.functional.mse_loss(model(x2), y2, reduction="sum")).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    results = run_ranks(2, body)
+    reference = mlp()
+    for r in range(2):
+        for s in range(2):
+            x, y = batch(s, r)
+            (nn.functional.mse_loss(reference(x), y, reduction="sum") / 2).backward()
+    expected = [p.grad for p in reference.parameters()]
+    for grads in results:
+        assert_equal_lists(grads, expected, exact=False)
+
+
+def test_join_uneven_inputs() -> None:
+    """Rank 0 has 2 batches, rank 1 has 5: no hang, and torch's Join semantics exactly.
+
+    torch's ``Join`` needs a default process group, so the oracle is a one-process simulation
+    of its documented semantics: buffers come from the highest rank still training, gradients
+    are divided by the initial world size, joined ranks contribute zeros and stop stepping,
+    and at the end everyone takes the model of the last rank to finish.
+    """
+    counts = [2, 5]
+
+    def body(g: ProcessGroup) -> list[torch.Tensor]:
+        torch.set_num_threads(1)
+        model = DistributedDataParallel(mlp(batchnorm=True), group=g, bucket_cap_mb=0.001)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with model.join():
+            for step in range(counts[g.rank]):
+                x, y = batch(step, g.rank)
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+        return params(model)
+
+    results = run_ranks(2, body)
+
+    replicas = [mlp(batchnorm=True), mlp(batchnorm=True)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in replicas]
+    for step in range(max(counts)):
+        active = [r for r in range(2) if step < counts[r]]
+        src = max(active)
+        grads = []
+        for r in active:
+            for mine, theirs in zip(replicas[r].buffers(), replicas[src].buffers(), strict=True):
+                mine.copy_(theirs)
+            replicas[r].zero_grad()
+            x, y = batch(step, r)
+            nn.functional.mse_loss(replicas[r](x), y).backward()
+            grads.append([p.grad * 0.5 for p in replicas[r].parameters()])
+        total = [sum(parts[1:], parts[0]) for parts in zip(*grads, strict=True)]
+        for r in active:
+            for p, gsum in zip(replicas[r].parameters(), total, strict=True):
+                p.grad = gsum.clone()
+            opts[r].step()
+    expected = params(replicas[1])
+    for ours in results:
+        assert_equal_lists(ours, expected, exact=True)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_compression_hooks_within_tolerance(name: str) -> None:
+    torch_hook = {
+        "bf16": default_hooks.bf16_compress_hook,
+        "fp16": default_hooks.fp16_compress_hook,
+    }[name]
+
+    def theirs(pg: dist.ProcessGroup) -> nn.Module:
+        m = TorchDDP(mlp(), process_group=pg)
+        m.register_comm_hook(pg, torch_hook)
+        return m
+
+    def run(model: nn.Module, rank: int) -> list[list[torch.Tensor]]:
+        grads: list[list[torch.Tensor]] = []
+        train(model, rank, steps=2, record=grads)
+        return grads
+
+    exact = side_by_side(
+        2,
+        lambda g: DistributedDataParallel(mlp(), group=g),
+        lambda pg: TorchDDP(mlp(), process_group=pg),
+        run,
+    )
+    compressed = side_by_side(
+        2, lambda g: DistributedDataParallel(mlp(), group=g, comm_hook=name), theirs, run
+    )
+    tol = {"bf16": 2e-2, "fp16": 2e-3}[name]
+    for (ours_c, theirs_c), (ours_e, _) in zip(compressed, exact, strict=True):
+        for a, b, e in zip(ours_c[0], theirs_c[0], ours_e[0], strict=True):  # type: ignore[index]
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol * 0.1)
+            torch.testing.assert_close(a, e, rtol=tol, atol=tol * 0.1)
+        # Compression really happened: the first step's gradients differ from exact ones.
+        assert any(
+            not torch.equal(a, e)
+            for a, e in zip(ours_c[0][0], ours_e[0][0], strict=True)  # type: ignore[index]
+        )
+
+
+# -- mechanics ---------------------------------------------------------------------------------
+
+
+class Shuffled(nn.Module):
+    """Registered b, a, c but run a -> b -> c: backward readies c, b, a."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with _INIT:
+            torch.manual_seed(0)
+            self.b = nn.Linear(HIDDEN, HIDDEN)
+            self.a = nn.Linear(IN, HIDDEN)
+            self.c = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def test_buckets_follow_ready_order_and_start_during_backward() -> None:
+    launched: list[tuple[int, int]] = []
+
+    def body(g: ProcessGroup) -> list[list[list[str]]]:
+        torch.set_num_threads(1)
+        model: DistributedDataParallel
+
+        def hook(group: ProcessGroup, bucket: torch.Tensor) -> Callable[[], None]:
+            step = model._step
+            assert step is not None
+            if g.rank == 0:
+                launched.append((bucket.numel(), step.ready.count(False)))
+            work = group.all_reduce(bucket, "sum", async_op=True)
+            assert work is not None
+            return work.wait
+
+        # One parameter per bucket (cap below the smallest parameter's bytes).
+        model = DistributedDataParallel(
+            Shuffled(), group=g, bucket_cap_mb=1e-6, first_bucket_mb=1e-6, comm_hook=hook
+        )
+        before = model.bucket_layout
+        for step in range(2):
+            x, y = batch(step, g.rank)
+            nn.functional.mse_loss(model(x), y).backward()
+        return [before, model.bucket_layout]
+
+    layouts = run_ranks(2, body)
+    assert layouts[0] == layouts[1]
+    # Before the first step: reverse registration order (b, a, c registered).
+    assert [name for names in layouts[0][0] for name in names] == [
+        "c.bias",
+        "c.weight",
+        "a.bias",
+        "a.weight",
+        "b.bias",
+        "b.weight",
+    ]
+    # After it: the order backward produced the gradients.
+    assert [name for names in layouts[0][1] for name in names] == [
+        "c.bias",
+        "c.weight",
+        "b.bias",
+        "b.weight",
+        "a.bias",
+        "a.weight",
+    ]
+    # The first bucket of each step started while other gradients were still being computed.
+    first_of_each_step = [launched[0], launched[6]]
+    assert all(pending > 0 for _, pending in first_of_each_step), launched
+
+
+def test_different_models_are_named() -> None:
+    def body(g: ProcessGroup) -> str:
+        width = HIDDEN if g.rank == 0 else HIDDEN + 1
+        with pytest.raises(InvalidArgumentError) as info:
+            DistributedDataParallel(nn.Linear(IN, width), group=g)
+        return str(info.value)
+
+    messages = run_ranks(2, body)
+    assert all("rank 1 has 2 trainable parameters" in m for m in messages), messages
+
+
+def test_initial_parameters_come_from_rank_0() -> None:
+    def body(g: ProcessGroup) -> list[torch.Tensor]:
+        model = DistributedDataParallel(mlp(seed=g.rank), group=g)
+        return params(model)
+
+    results = run_ranks(3, body)
+    for ours in results:
+        assert_equal_lists(ours, params(mlp(seed=0)), exact=True)
+
+
+def test_exception_inside_join_reaches_the_other_rank() -> None:
+    def body(g: ProcessGroup) -> str:
+        model = DistributedDataParallel(mlp(), group=g)
+        try:
+            with model.join():
+                for step in range(3):
+                    x, y = batch(step, g.rank)
+                    if g.rank == 1 and step == 1:
+                        raise RuntimeError("data loader broke")
+                    nn.functional.mse_loss(model(x), y).backward()
+        except ShardlineError as e:
+            return f"peer: {type(e).__name__}: {e}"
+        except RuntimeError as e:
+            return f"raised: {e}"
+        return "finished"
+
+    results = run_ranks(2, body, timeout=30.0)
+    assert results[1] == "raised: data loader broke"
+    assert results[0].startswith("peer:"), results[0]
+    assert "DistributedDataParallel.join()" in results[0] or "abort" in results[0].lower()
+
+
+def test_distribute_returns_the_wrapped_model_and_the_same_optimizer() -> None:
+    def body(g: ProcessGroup) -> None:
+        model = mlp()
+        opt = torch.optim.Adam(model.parameters())
+        wrapped, opt2 = sl.distribute(model, opt, strategy="ddp", group=g)
+        assert isinstance(wrapped, DistributedDataParallel) and opt2 is opt
+        assert set(wrapped.state_dict()) == set(model.state_dict())
+        with pytest.raises(InvalidArgumentError, match="unknown strategy"):
+            sl.distribute(model, opt, strategy="zero9", group=g)
+        with pytest.raises(InvalidArgumentError, match="not parameters of the model"):
+            sl.distribute(model, torch.optim.SGD(mlp(1).parameters(), lr=1), group=g)
+
+    run_ranks(2, body)
+
+
+def test_bad_arguments() -> None:
+    def body(g: ProcessGroup) -> None:
+        with pytest.raises(InvalidArgumentError, match="bucket_cap_mb"):
+            DistributedDataParallel(mlp(), group=g, bucket_cap_mb=0)
+        with pytest.raises(InvalidArgumentError, match="unknown comm_hook"):
+            DistributedDataParallel(mlp(), group=g, comm_hook="int3")
+
+    run_ranks(1, body)
+
+
+def test_shut_down_group_is_reported() -> None:
+    def body(g: ProcessGroup) -> None:
+        model = DistributedDataParallel(copy.deepcopy(mlp()), group=g)
+        g.shutdown()
+        x, y = batch(0, 0)
+        with pytest.raises(CommunicatorClosedError):
+            nn.functional.mse_loss(model(x), y).backward()
+
+    run_ranks(1, body)
