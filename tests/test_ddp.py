@@ -166,6 +166,42 @@ def test_equals_single_process_on_the_full_batch(n: int) -> None:
         assert_equal_lists(ours, params(reference), exact=False)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradient_as_bucket_view_changes_nothing(set_to_none: bool) -> None:
+    """Grads that alias the buckets (default) equal copied-back ones, with and without
+    zero_grad(set_to_none), across no_sync accumulation and several steps."""
+
+    def run(model: nn.Module, rank: int) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        grads = []
+        for step in range(3):
+            opt.zero_grad(set_to_none=set_to_none)
+            with model.no_sync():  # type: ignore[operator]
+                x, y = batch(10 + step, rank)
+                nn.functional.mse_loss(model(x), y).backward()
+            x, y = batch(step, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+        return grads, params(model)
+
+    def body(g: ProcessGroup) -> tuple[object, object]:
+        torch.set_num_threads(1)
+        a = run(DistributedDataParallel(mlp(), group=g, bucket_cap_mb=0.001), g.rank)
+        b = run(
+            DistributedDataParallel(
+                mlp(), group=g, bucket_cap_mb=0.001, gradient_as_bucket_view=False
+            ),
+            g.rank,
+        )
+        return a, b
+
+    for (g_view, p_view), (g_copy, p_copy) in run_ranks(2, body):  # type: ignore[misc]
+        for a, b in zip(g_view, g_copy, strict=True):
+            assert_equal_lists(a, b, exact=True)
+        assert_equal_lists(p_view, p_copy, exact=True)
+
+
 def test_batchnorm_buffers_follow_torch() -> None:
     """Buffers are broadcast from rank 0 before each forward, as torch's DDP does."""
 

@@ -92,6 +92,10 @@ class DistributedDataParallel(nn.Module):
             ``"fp16"`` or ``"bf16"`` (compressed on the wire), or a callable (see
             ``shardline.parallel.comm_hooks``).
         init_sync: Broadcast rank 0's parameters and buffers now.
+        gradient_as_bucket_view: After the reduction, make each ``param.grad`` a view into its
+            bucket instead of copying the result back (saves one pass over all gradients per
+            step). A ``.grad`` tensor kept across steps is then overwritten by the next
+            synchronised backward; clone it to keep it, or pass ``False``.
 
     Raises:
         InvalidArgumentError: parameters differ across ranks (names the ranks), sparse or
@@ -111,6 +115,7 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         comm_hook: str | CommHook | None = None,
         init_sync: bool = True,
+        gradient_as_bucket_view: bool = True,
     ) -> None:
         super().__init__()
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
@@ -123,6 +128,7 @@ class DistributedDataParallel(nn.Module):
         self.bucket_cap_bytes = int(bucket_cap_mb * _MIB)
         self.first_bucket_bytes = int(min(first_bucket_mb, bucket_cap_mb) * _MIB)
         self.broadcast_buffers = broadcast_buffers
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self._hook = resolve_hook(comm_hook)
 
         seen: set[int] = set()
@@ -134,6 +140,7 @@ class DistributedDataParallel(nn.Module):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._buffers_list = [b for b in module.buffers() if b.numel() > 0]
+        self._device = self._params[0].device if self._params else torch.device("cpu")
         for name, p in named:
             if p.is_sparse:
                 raise InvalidArgumentError(
@@ -257,8 +264,10 @@ class DistributedDataParallel(nn.Module):
             for n, p in zip(self._names, self._params, strict=True)
         )
         digest = int.from_bytes(hashlib.sha256(layout.encode()).digest()[:7], "little")
-        mine = torch.tensor([len(self._params), sum(p.numel() for p in self._params), digest])
-        everyone = torch.empty(g.world_size * 3, dtype=torch.int64)
+        mine = torch.tensor(
+            [len(self._params), sum(p.numel() for p in self._params), digest], device=self._device
+        )
+        everyone = torch.empty(g.world_size * 3, dtype=torch.int64, device=self._device)
         g.all_gather(everyone, mine)
         rows = everyone.view(g.world_size, 3)
         for r in range(g.world_size):
@@ -294,7 +303,7 @@ class DistributedDataParallel(nn.Module):
         # Reduce buckets in the order their first parameter becomes ready.
         rank_in_order = {i: k for k, i in enumerate(order)}
         closed.sort(key=lambda c: rank_in_order[c[1][0]])
-        device = self._params[0].device if self._params else torch.device("cpu")
+        device = self._device
         self._buckets = []
         self._slot = [(0, 0)] * len(self._params)
         for b, (dtype, members) in enumerate(closed):
@@ -380,19 +389,23 @@ class DistributedDataParallel(nn.Module):
                     step.ready[i] = True
                     self._buckets[self._slot[i][0]].pending -= 1
             self._launch_ready(step)
-            used = torch.tensor(self._used_since_sync, dtype=torch.uint8)
-            mask_work = self.group.all_reduce(used, "max", async_op=True)
+            used_t = torch.tensor(self._used_since_sync, dtype=torch.uint8, device=self._device)
+            mask_work = self.group.all_reduce(used_t, "max", async_op=True)
             for bucket in self._buckets:
                 assert bucket.finish is not None
                 bucket.finish()
             assert mask_work is not None
             mask_work.wait()
+            used = used_t.tolist()
             for i, p in enumerate(self._params):
                 if not used[i]:
                     continue  # no rank used it: leave its gradient alone
                 b, s = self._slot[i]
                 view = self._buckets[b].view(s, p.shape)
-                if p.grad is None:
+                if self.gradient_as_bucket_view:
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view  # no copy back; autograd accumulates here next time
+                elif p.grad is None:
                     p.grad = view.clone()
                 else:
                     p.grad.copy_(view)
@@ -406,7 +419,7 @@ class DistributedDataParallel(nn.Module):
         """After the first step: rebuild buckets in the order rank ``src`` saw gradients."""
         seen = set(order)
         full = order + [i for i in reversed(range(len(self._params))) if i not in seen]
-        t = torch.tensor(full, dtype=torch.int64)
+        t = torch.tensor(full, dtype=torch.int64, device=self._device)
         self.group.broadcast(t, src=self._src())
         self._build_buckets(t.tolist())
         self._rebuilt = True
@@ -420,7 +433,9 @@ class DistributedDataParallel(nn.Module):
         ranks call it in their shadow loop and get ``(src, sync)`` or ``None`` once all left.
         """
         flag = torch.tensor(
-            [self.group.rank if active else -1, 1 if (active and sync) else 0], dtype=torch.int64
+            [self.group.rank if active else -1, 1 if (active and sync) else 0],
+            dtype=torch.int64,
+            device=self._device,
         )
         self.group.all_reduce(flag, "max")
         src, any_sync = int(flag[0]), bool(flag[1])
@@ -434,7 +449,7 @@ class DistributedDataParallel(nn.Module):
         for b in self._buckets:
             b.flat.zero_()
             finishes.append(self._hook(self.group, b.flat))
-        used = torch.zeros(len(self._params), dtype=torch.uint8)
+        used = torch.zeros(len(self._params), dtype=torch.uint8, device=self._device)
         mask_work = self.group.all_reduce(used, "max", async_op=True)
         for f in finishes:
             f()

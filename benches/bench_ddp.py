@@ -1,0 +1,277 @@
+"""Our DDP against torch's DDP, in the same processes, on the same model and data.
+
+Each world size starts ``--ranks`` processes. Every rank builds both wrappers around copies of
+the same model: ``shardline.DistributedDataParallel`` on our group (native engine on CPU, NCCL
+passthrough on CUDA) and ``torch.nn.parallel.DistributedDataParallel`` on torch's group (Gloo on
+CPU, NCCL on CUDA). Timed blocks of ``--steps`` training steps alternate between the two, so
+both see the same machine state; the median block gives steps/s and samples (or tokens)/s.
+
+Models:
+- ``comm``: communication-heavy, a deep wide MLP (25 MB of gradients) on a small batch;
+- ``compute``: compute-heavy, the main job's transformer LM on a large batch.
+
+Prints the throughput ratio ours/torch and writes JSON, a text table and (with matplotlib) a
+PNG to ``benches/results/``.
+
+    python benches/bench_ddp.py --ranks 2 4                 # CPU, here
+    python benches/bench_ddp.py --device cuda --ranks 2     # the 2-GPU host, NCCL vs NCCL
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benches" / "results"
+
+
+# -- worker --------------------------------------------------------------------------------------
+
+
+def make_model(kind: str, device: Any, big: bool) -> tuple[Any, Any, int]:
+    """(model, batch maker, items per rank and step) for ``kind``."""
+    import torch  # noqa: PLC0415
+    from torch import nn  # noqa: PLC0415
+
+    from shardline.examples.train import Config, TinyGPT  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    if kind == "comm":
+        width, depth, rows = (4096, 8, 64) if big else (1024, 6, 8)
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        model = nn.Sequential(*layers).to(device)
+        gen = torch.Generator(device="cpu").manual_seed(1)
+
+        def batch_mlp() -> tuple[Any, ...]:
+            x = torch.randn(rows, width, generator=gen).to(device)
+            return (x,)
+
+        return model, batch_mlp, rows
+    cfg = (
+        Config(d_model=1024, num_layers=8, num_heads=16, seq_len=512, batch_size=8)
+        if big
+        else Config(batch_size=32, seq_len=64)
+    )
+    model = TinyGPT(cfg).to(device)
+    gen = torch.Generator(device="cpu").manual_seed(2)
+
+    def batch_lm() -> tuple[Any, ...]:
+        rows = torch.randint(0, cfg.vocab, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
+        rows = rows.to(device)
+        return rows[:, :-1], rows[:, 1:]
+
+    return model, batch_lm, cfg.batch_size * cfg.seq_len
+
+
+def step_fn(model: Any, opt: Any, batch: tuple[Any, ...]) -> None:
+    opt.zero_grad(set_to_none=True)
+    out = model(*batch)
+    loss = out if out.dim() == 0 else out.float().pow(2).mean()
+    loss.backward()
+    opt.step()
+
+
+def worker(args: argparse.Namespace) -> int:
+    import copy  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: PLC0415
+
+    import shardline as sl  # noqa: PLC0415
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    ours_group = sl.init(backend="nccl" if cuda else "native")
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["TORCH_PORT"]), world, rank == 0, timedelta(seconds=120)
+    )
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    results: dict[str, Any] = {}
+    for kind in args.models:
+        base, make_batch, items = make_model(kind, device, big=cuda)
+        params = sum(p.numel() for p in base.parameters())
+        ours = sl.DistributedDataParallel(copy.deepcopy(base), group=ours_group)
+        theirs = TorchDDP(copy.deepcopy(base), device_ids=[device.index] if cuda else None)
+        contenders = {"shardline": ours, "torch": theirs}
+        opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in contenders.items()}
+        batches = [make_batch() for _ in range(4)]
+        times: dict[str, list[float]] = {k: [] for k in contenders}
+        for name, m in contenders.items():  # warm-up, also the bucket rebuild
+            for i in range(args.warmup):
+                step_fn(m, opts[name], batches[i % 4])
+        sync()
+        for _ in range(args.repeats):
+            for name, m in contenders.items():
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                for i in range(args.steps):
+                    step_fn(m, opts[name], batches[i % 4])
+                sync()
+                times[name].append((time.perf_counter() - t0) / args.steps)
+        # Report the slowest rank's median: a step is as slow as its slowest rank.
+        med = torch.tensor([statistics.median(times[k]) for k in contenders], dtype=torch.float64)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        row = {
+            "params": params,
+            "grad_mb": params * 4 / 2**20,
+            "items_per_step": items * world,
+            "unit": "samples" if kind == "comm" else "tokens",
+        }
+        for (name, _), t in zip(contenders.items(), med.tolist(), strict=True):
+            row[f"{name}_step_ms"] = t * 1e3
+            row[f"{name}_per_s"] = items * world / t
+        row["ratio"] = row["shardline_per_s"] / row["torch_per_s"]
+        results[kind] = row
+        del ours, theirs, contenders, opts
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+    sl.shutdown()
+    return 0
+
+
+# -- parent --------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world(world: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"ddp-{world}.json"
+    cores = os.cpu_count() or 1
+    env_base = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "TORCH_PORT": str(free_port()),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "SHARDLINE_SECRET": secrets.token_hex(16),
+        "OMP_NUM_THREADS": str(max(1, cores // world)),
+    }
+    cmd = [sys.executable, __file__, "--worker", "--out", str(out), *sys.argv[1:]]
+    procs = []
+    for r in range(world):
+        env = {**env_base, "RANK": str(r), "LOCAL_RANK": str(r)}
+        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + args.timeout
+    errors = []
+    for r, p in enumerate(procs):
+        try:
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise SystemExit(f"world {world}: ranks still running after {args.timeout} s") from None
+        if p.returncode != 0:
+            errors.append(f"--- rank {r} exited {p.returncode} ---\n{err[-3000:]}")
+    if errors:
+        raise SystemExit("\n".join(errors))
+    return dict(json.loads(out.read_text()))
+
+
+def table(results: dict[int, dict[str, Any]], device: str) -> str:
+    peer = "torch DDP (NCCL)" if device == "cuda" else "torch DDP (Gloo)"
+    lines = [
+        f"{'model':8} {'ranks':>5} {'grads MB':>9} {'shardline/s':>13} {'torch/s':>13} "
+        f"{'step ms ours':>12} {'step ms torch':>13} {'ratio':>6}   (peer: {peer})"
+    ]
+    for world, res in results.items():
+        for kind, row in res.items():
+            lines.append(
+                f"{kind:8} {world:5d} {row['grad_mb']:9.1f} {row['shardline_per_s']:13,.0f} "
+                f"{row['torch_per_s']:13,.0f} {row['shardline_step_ms']:12.2f} "
+                f"{row['torch_step_ms']:13.2f} {row['ratio']:5.2f}x  ({row['unit']}/s)"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: dict[int, dict[str, Any]], path: Path) -> str:
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError as exc:
+        return f"no plot: matplotlib unavailable ({exc})"
+    labels, ratios = [], []
+    for world, res in results.items():
+        for kind, row in res.items():
+            labels.append(f"{kind}\n{world} ranks")
+            ratios.append(row["ratio"])
+    fig, ax = plt.subplots(figsize=(1.4 * len(labels) + 2, 3.5))
+    ax.bar(labels, ratios, color="tab:blue")
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.set_ylabel("throughput, shardline / torch DDP")
+    ax.set_title("DDP training throughput ratio")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"plot: {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--models", nargs="+", default=["comm", "compute"], choices=["comm", "compute"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    p.add_argument("--repeats", type=int, default=5, help="timed blocks per contender")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--tag", default=None, help="results file name suffix")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    import tempfile  # noqa: PLC0415
+
+    results: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in args.ranks:
+            results[world] = run_world(world, args, Path(tmp))
+            print(table({world: results[world]}, args.device), flush=True)
+    text = table(results, args.device)
+    cores = os.cpu_count()
+    tag = args.tag or f"{args.device}-{cores}c"
+    header = f"# bench_ddp.py {' '.join(sys.argv[1:])}\n# {platform.node()} {cores} cores"
+    print(header + "\n" + text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"ddp-{tag}.txt").write_text(header + "\n" + text + "\n")
+    (RESULTS / f"ddp-{tag}.json").write_text(
+        json.dumps({"args": vars(args), "cores": cores, "results": results}, indent=1)
+    )
+    print(plot(results, RESULTS / f"ddp-{tag}.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Runnable examples; ``shardline.examples.train`` is the README's main job."""
