@@ -1,0 +1,142 @@
+"""The ``shardline`` command line: ``shardline run`` starts a training script on many ranks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from shardline.errors import InvalidArgumentError
+from shardline.launch import DEFAULT_GRACE_PERIOD_S, LaunchConfig, launch
+
+__all__ = ["build_parser", "main"]
+
+_RUN_EPILOG = """\
+Every worker gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR, MASTER_PORT) plus SHARDLINE_SECRET, SHARDLINE_RESTART_COUNT and
+TORCHELASTIC_RESTART_COUNT, so the same script also runs under torchrun and srun.
+
+examples:
+  shardline run --nproc-per-node 4 train.py --lr 0.1
+  shardline run --nproc-per-node 8 -m mypkg.train
+  # two nodes: export the same SHARDLINE_SECRET on both, then
+  shardline run --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 \\
+      --nproc-per-node 8 train.py
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``shardline`` and its ``run`` subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="shardline", description="Train PyTorch models across processes with shardline."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser(
+        "run",
+        help="start a training script on many ranks (like torchrun)",
+        description="Start a training script on many ranks of this node (like torchrun).",
+        epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    run.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="workers on this node (default: 1)",
+    )
+    run.add_argument(
+        "--nnodes", type=int, default=1, metavar="N", help="nodes in the job (default: 1)"
+    )
+    run.add_argument(
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="this node's index in [0, nnodes) (default: 0)",
+    )
+    run.add_argument(
+        "--master-addr",
+        "--master_addr",
+        dest="master_addr",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="host of rank 0, reachable from every node (default: 127.0.0.1)",
+    )
+    run.add_argument(
+        "--master-port",
+        "--master_port",
+        dest="master_port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="port of rank 0's rendezvous store (default: a free port; required with --nnodes > 1)",
+    )
+    run.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart the workers up to N times after a failure (default: 0)",
+    )
+    run.add_argument(
+        "--no-prefix",
+        dest="prefix_output",
+        action="store_false",
+        help="print worker output as is, without the [rank<N>]: prefix",
+    )
+    run.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run the target as a module (python -m target) instead of a script",
+    )
+    run.add_argument("target", metavar="script.py | module", help="what every worker runs")
+    run.add_argument(
+        "args", nargs=argparse.REMAINDER, help="arguments passed to the script unchanged"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``shardline`` command line.
+
+    Args:
+        argv: The arguments after the program name; ``sys.argv[1:]`` by default.
+
+    Returns:
+        The exit status: 0 on success, 2 for bad arguments, 130 or 143 when stopped by
+        SIGINT or SIGTERM, else the exit code of the worker that failed.
+    """
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or an argparse error it already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    if ns.command != "run":  # pragma: no cover - argparse only knows "run"
+        parser.error(f"unknown command {ns.command!r}")
+    try:
+        config = LaunchConfig(
+            target=ns.target,
+            args=tuple(ns.args),
+            module=ns.module,
+            nproc_per_node=ns.nproc_per_node,
+            nnodes=ns.nnodes,
+            node_rank=ns.node_rank,
+            master_addr=ns.master_addr,
+            master_port=ns.master_port,
+            max_restarts=ns.max_restarts,
+            prefix_output=ns.prefix_output,
+            grace_period=DEFAULT_GRACE_PERIOD_S,
+        )
+        return launch(config)
+    except InvalidArgumentError as exc:
+        print(f"shardline run: error: {exc}", file=sys.stderr)
+        return 2
