@@ -14,6 +14,7 @@ Table of contents:
 from __future__ import annotations
 
 from shardline.comm import ProcessGroup, Work, init_process_group
+from shardline.comm import torch_backend as _torch_backend  # noqa: F401  # registers "shardline"
 from shardline.comm.collectives import (
     all_gather,
     all_reduce,
@@ -34,7 +35,6 @@ from shardline.comm.collectives import (
     shutdown,
 )
 from shardline.comm.mesh import DeviceMesh
-from shardline.parallel import DistributedDataParallel, distribute
 from shardline.errors import (
     AuthenticationError,
     CheckpointError,
@@ -47,6 +47,7 @@ from shardline.errors import (
     ShardlineError,
     TransportError,
 )
+from shardline.parallel import DistributedDataParallel, distribute
 
 __version__ = "0.1.0"
 

@@ -89,7 +89,8 @@ class Block(nn.Module):
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class TinyGPT(nn.Module):
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     n = windows(tokens, cfg)
     probe = get_batch(tokens, list(range(n - cfg.batch_size, n)), cfg)  # same on every rank
 
-    model = build_model(cfg)
+    model: nn.Module = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     if group is not None:
         model, _ = sl.distribute(model, opt, strategy="ddp", comm_hook=args.comm_hook)
