@@ -322,6 +322,28 @@ def test_join_uneven_inputs() -> None:
 
     results = run_ranks(2, body)
 
+    expected = single_threaded(lambda: simulate_join(counts))
+    for ours in results:
+        assert_equal_lists(ours, expected, exact=True)
+
+
+def single_threaded(fn: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Runs ``fn`` in a fresh thread with one intra-op thread, like the rank threads
+    (bitwise comparisons need the same matmul blocking)."""
+    out: list[list[torch.Tensor]] = []
+
+    def run() -> None:
+        torch.set_num_threads(1)
+        out.append(fn())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    assert out, "reference computation failed or timed out"
+    return out[0]
+
+
+def simulate_join(counts: list[int]) -> list[torch.Tensor]:
     replicas = [mlp(batchnorm=True), mlp(batchnorm=True)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in replicas]
     for step in range(max(counts)):
@@ -340,9 +362,7 @@ def test_join_uneven_inputs() -> None:
             for p, gsum in zip(replicas[r].parameters(), total, strict=True):
                 p.grad = gsum.clone()
             opts[r].step()
-    expected = params(replicas[1])
-    for ours in results:
-        assert_equal_lists(ours, expected, exact=True)
+    return params(replicas[1])
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])

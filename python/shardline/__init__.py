@@ -8,6 +8,8 @@ Table of contents:
   group (or ``group=``); ``async_op=True`` returns a ``Work``.
 - ``new_group``, ``ProcessGroup``, ``DeviceMesh``: sub-groups and named axes.
 - ``distribute``, ``DistributedDataParallel``: parallel strategies (``shardline.parallel``).
+- ``DistributedSampler``: each rank's share of a dataset, resumable mid-epoch (``shardline.data``).
+- ``shardline run`` (``shardline.launch``): the launcher; ``python -m shardline run ...``.
 - ``ShardlineError`` and its subclasses (``shardline.errors``).
 """
 
@@ -35,6 +37,7 @@ from shardline.comm.collectives import (
     shutdown,
 )
 from shardline.comm.mesh import DeviceMesh
+from shardline.data import DistributedSampler
 from shardline.errors import (
     AuthenticationError,
     CheckpointError,
@@ -59,6 +62,7 @@ __all__ = [
     "CommunicatorClosedError",
     "DeviceMesh",
     "DistributedDataParallel",
+    "DistributedSampler",
     "InvalidArgumentError",
     "PeerLostError",
     "ProcessGroup",

@@ -2,7 +2,8 @@
 
 - ``rendezvous``: env:// and SLURM variables, the TCPStore, host identity, secret, timeout.
 - ``group``: ``ProcessGroup``, the collectives strategies call; ``work``: ``Work``.
-- ``backends``: ``native`` (the Rust engine) and ``gloo`` (torch's, as a reference).
+- ``backends``: ``native`` (the Rust engine, CPU), ``nccl`` (torch's, CUDA), ``gloo`` (torch's,
+  a reference) and ``mpi`` (mpi4py, optional).
 - ``mesh``: ``DeviceMesh``, a process group per named axis.
 - ``collectives``: ``init`` and the module-level functions on the default group.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 from typing import TYPE_CHECKING
+
+import torch
 
 from shardline.comm.group import ProcessGroup
 from shardline.comm.rendezvous import host_identity, timeout_seconds
@@ -26,7 +29,7 @@ BACKENDS = ("native", "gloo", "nccl", "mpi")
 
 
 def init_process_group(
-    store: Store,
+    store: Store | None,
     rank: int,
     world_size: int,
     *,
@@ -36,29 +39,45 @@ def init_process_group(
     timeout: timedelta | float | None = None,
     secret: bytes | None = None,
     master_addr: str | None = None,
+    device: torch.device | str | int | None = None,
 ) -> ProcessGroup:
     """Creates a ProcessGroup from an existing store (no global state; ranks may be threads).
 
     Args:
-        store: A store every rank of the group is connected to (e.g. a ``TCPStore``).
+        store: A store every rank of the group is connected to (e.g. a ``TCPStore``); only
+            ``"mpi"``, which rendezvous through MPI itself, accepts ``None``.
         rank: This rank, in ``[0, world_size)``.
         world_size: Number of ranks.
-        backend: ``"native"`` or ``"gloo"``.
+        backend: ``"native"`` (CPU tensors, the Rust engine), ``"nccl"`` (CUDA tensors,
+            through torch's NCCL), ``"gloo"`` (torch's gloo, CPU) or ``"mpi"`` (mpi4py, CPU;
+            ``rank``/``world_size`` must be MPI's).
         host_id: This rank's host identity; ``rendezvous.host_identity()`` when ``None``.
             Ranks with equal ids use shared memory, others TCP.
         name: Group name; namespaces store keys, so two groups on one store need two names.
         timeout: Deadline of every blocking wait (default ``SHARDLINE_TIMEOUT`` or 300 s).
         secret: Job secret for TCP authentication; from ``SHARDLINE_SECRET`` when ``None``.
         master_addr: The store's host, to pick the address other hosts reach this rank at.
+        device: The nccl backend's GPU (``"cuda:1"``, ``1``, a ``torch.device``); ``None``
+            picks ``SHARDLINE_DEVICE=cuda:N`` or ``cuda:LOCAL_RANK``. Ignored by the others.
 
     Raises:
         ShardlineError: unknown or unavailable backend, bad rank, or setup failure.
     """
+    seconds = timeout_seconds(timeout)
+    if backend == "mpi":
+        # Before any check of this rank alone: mpi.create checks every rank collectively, so
+        # a bad rank fails all ranks instead of leaving the others waiting in MPI.
+        from shardline.comm.backends import mpi  # noqa: PLC0415
+
+        return ProcessGroup(mpi.create(store, rank, world_size, name=name, timeout=seconds))
     if not 0 <= rank < world_size:
         raise ShardlineError(f"rank {rank} is outside [0, world_size={world_size})")
-    seconds = timeout_seconds(timeout)
     if master_addr is None:
         master_addr = getattr(store, "host", None)
+    if backend not in BACKENDS:
+        raise ShardlineError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if store is None:
+        raise ShardlineError(f"backend={backend!r} needs a store (e.g. a torch TCPStore)")
     if backend == "native":
         from shardline.comm.backends import native  # noqa: PLC0415
 
@@ -77,9 +96,8 @@ def init_process_group(
         from shardline.comm.backends import gloo  # noqa: PLC0415
 
         return ProcessGroup(gloo.create(store, rank, world_size, name=name, timeout=seconds))
-    if backend in ("nccl", "mpi"):
-        raise ShardlineError(
-            f"backend={backend!r} is not available yet (it arrives with the {backend.upper()} "
-            "issue); use backend='native' (CPU tensors) or 'gloo'"
-        )
-    raise ShardlineError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    from shardline.comm.backends import nccl  # noqa: PLC0415
+
+    return ProcessGroup(
+        nccl.create(store, rank, world_size, name=name, timeout=seconds, device=device)
+    )

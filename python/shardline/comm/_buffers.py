@@ -3,6 +3,7 @@
 Every collective accepts contiguous CPU ``torch.Tensor``s or C-contiguous ``numpy.ndarray``s.
 Numpy arrays become tensors over the same memory (``torch.from_numpy``), so backends see one
 kind of object; the native backend hands the engine the tensor itself (data_ptr, nbytes).
+A group whose backend has a CUDA ``device`` (nccl) accepts CUDA tensors on that device instead.
 """
 
 from __future__ import annotations
@@ -69,19 +70,27 @@ def parse_op(op: object, *, dtype: torch.dtype, what: str, rank: int) -> str:
     return name
 
 
-def as_tensor(value: object, *, what: str, rank: int) -> torch.Tensor:
-    """Checks a collective's argument and returns it as a CPU tensor over the same memory.
+def as_tensor(
+    value: object, *, what: str, rank: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """Checks a collective's argument and returns it as a tensor over the same memory.
 
     Args:
         value: A torch tensor or numpy array.
         what: ``"all_reduce(out)"``-style name of the argument, for messages.
         rank: This rank, for messages.
+        device: The group's CUDA device (nccl backend); ``None`` for CPU groups.
 
     Raises:
         InvalidArgumentError: wrong type, device, dtype, layout, or a read-only array.
     """
-    if isinstance(value, torch.Tensor) and _fast_ok(value):
+    if isinstance(value, torch.Tensor) and _fast_ok(value, device):
         return value.detach() if value.requires_grad else value
+    if isinstance(value, np.ndarray) and device is not None:
+        raise InvalidArgumentError(
+            f"{what} on rank {rank}: got a numpy array, but the nccl backend works on CUDA "
+            f"tensors on this rank's {device}; pass torch.from_numpy(a).to('{device}')"
+        )
     if isinstance(value, np.ndarray):
         if not value.flags.c_contiguous:
             raise InvalidArgumentError(
@@ -105,12 +114,15 @@ def as_tensor(value: object, *, what: str, rank: int) -> torch.Tensor:
             f"got {type(value).__name__}"
         )
     t = value
-    if t.device.type == "cuda":
+    if device is not None:
+        _check_cuda_device(t, what, rank, device)
+    elif t.device.type == "cuda":
         raise InvalidArgumentError(
-            f"{what} on rank {rank}: CUDA tensors need the NCCL backend, whose passthrough is not "
-            "available yet; move the tensor to CPU (.cpu()) for now"
+            f"{what} on rank {rank}: tensor is on {t.device}, but this group's backend works on "
+            "CPU tensors; CUDA tensors need the NCCL backend: shardline.init(backend='nccl') "
+            "(the default where CUDA is available), or move the tensor to CPU with .cpu()"
         )
-    if t.device.type != "cpu":
+    elif t.device.type != "cpu":
         raise InvalidArgumentError(
             f"{what} on rank {rank}: tensor is on device {t.device}; shardline's native backend "
             "works on CPU tensors, call .cpu() first"
@@ -139,10 +151,26 @@ def as_tensor(value: object, *, what: str, rank: int) -> torch.Tensor:
     return t.detach()
 
 
-def _fast_ok(t: torch.Tensor) -> bool:
-    """The common case in one pass (~0.5 µs): a dense, contiguous CPU tensor we can reduce."""
+def _check_cuda_device(t: torch.Tensor, what: str, rank: int, device: torch.device) -> None:
+    if t.device == device:
+        return
+    if t.device.type == "cuda":
+        raise InvalidArgumentError(
+            f"{what} on rank {rank}: tensor is on {t.device} but this rank's NCCL group runs on "
+            f"{device} (one GPU per rank, LOCAL_RANK or SHARDLINE_DEVICE); move it with "
+            f".to('{device}')"
+        )
+    raise InvalidArgumentError(
+        f"{what} on rank {rank}: tensor is on {t.device}, but the nccl backend works on CUDA "
+        f"tensors on this rank's {device}; move it with .to('{device}'), or use "
+        "backend='native' (SHARDLINE_DEVICE=cpu) for CPU training"
+    )
+
+
+def _fast_ok(t: torch.Tensor, device: torch.device | None = None) -> bool:
+    """The common case in one pass (~0.5 µs): a dense, contiguous tensor we can reduce."""
     return (
-        t.is_cpu
+        (t.is_cpu if device is None else t.device == device)
         and t.layout == torch.strided
         and t.dtype in SUPPORTED_DTYPES
         and t.is_contiguous()

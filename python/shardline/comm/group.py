@@ -2,7 +2,8 @@
 
 A ProcessGroup checks arguments at the edge (device, layout, dtype, sizes) before anything is
 sent, turns list-shaped arguments into flat buffers, keeps tensors alive while ops run, and
-delegates to a backend (``native`` or ``gloo``) that only sees flat, checked CPU tensors.
+delegates to a backend (``native``, ``gloo``, ``mpi``; ``nccl`` for CUDA tensors) that only
+sees flat, checked tensors on its device.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ class ProcessGroup:
     Create one with ``shardline.init()`` (the default group), ``init_process_group()`` or
     ``new_group()``. Every rank of the group must call the same collectives in the same order.
     Inputs are contiguous CPU tensors or numpy arrays, used in place (zero copy); list-shaped
-    outputs are filled from a flat buffer.
+    outputs are filled from a flat buffer. On the ``nccl`` backend they are CUDA tensors on
+    the group's ``device`` instead.
 
     Attributes:
         rank: This process's rank within the group.
         world_size: Number of ranks in the group.
-        backend: ``"native"`` or ``"gloo"``.
+        backend: ``"native"``, ``"gloo"``, ``"nccl"`` or ``"mpi"``.
+        device: Where the group's tensors live: ``cuda:N`` for nccl, else ``cpu``.
         name: Unique name of the group (``"world"``, ``"world.0"``, ...).
         ranks: Ranks of the parent group that form this one (``None`` for a root group).
     """
@@ -52,6 +55,9 @@ class ProcessGroup:
         self.rank = impl.rank
         self.world_size = impl.world_size
         self.backend = impl.name
+        # Only the nccl backend has a device (CUDA); None keeps the CPU checks' fast path.
+        self._device: torch.device | None = getattr(impl, "device", None)
+        self.device = self._device if self._device is not None else torch.device("cpu")
         self.name = getattr(impl, "group_name", "world")
         self.ranks = tuple(ranks) if ranks is not None else None
         self._pending: list[Work] = []
@@ -74,7 +80,7 @@ class ProcessGroup:
     # -- plumbing ----------------------------------------------------------------------------
 
     def _t(self, value: object, what: str) -> torch.Tensor:
-        return as_tensor(value, what=what, rank=self.rank)
+        return as_tensor(value, what=what, rank=self.rank, device=self._device)
 
     def _check_rank(self, op: str, role: str, r: int) -> None:
         if not isinstance(r, int) or not 0 <= r < self.world_size:
@@ -187,7 +193,7 @@ class ProcessGroup:
                 outs[self.rank],
                 "this rank's entry must match its input",
             )
-            flat = torch.empty(sum(counts), dtype=inp.dtype)
+            flat = torch.empty(sum(counts), dtype=inp.dtype, device=inp.device)
             equal = len(set(counts)) == 1
             return self._submit(
                 "all_gather",
@@ -425,7 +431,7 @@ class ProcessGroup:
                     f"{op}(input list[{i}])", self.rank, n, p, "every entry like the output"
                 )
             if n == 0:
-                return torch.empty(0, dtype=like.dtype)
+                return torch.empty(0, dtype=like.dtype, device=like.device)
             return torch.cat([p.reshape(-1) for p in parts])
         return self._t(value, f"{op}(input)")
 
@@ -439,7 +445,7 @@ class ProcessGroup:
                 check_numel(
                     f"{op}(output list[{i}])", self.rank, n, o, "every entry like the input"
                 )
-            flat = torch.empty(n * self.world_size, dtype=like.dtype)
+            flat = torch.empty(n * self.world_size, dtype=like.dtype, device=like.device)
             return flat, _scatter_into(flat, outs)
         out = self._t(value, f"{op}(output)")
         check_same_dtype(op, self.rank, like, out)

@@ -31,8 +31,9 @@ class Handle(Protocol):
 class Backend(Protocol):
     """The few primitives a backend implements; ``ProcessGroup`` checks arguments first.
 
-    Every tensor argument is a contiguous CPU tensor of a supported dtype whose sizes are
-    already consistent; every method starts the op and returns without waiting.
+    Every tensor argument is a contiguous tensor of a supported dtype whose sizes are
+    already consistent, on the backend's ``device`` (an optional attribute; CPU when absent,
+    ``cuda:N`` for nccl); every method starts the op and returns without waiting.
     """
 
     name: str

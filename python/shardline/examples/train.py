@@ -178,7 +178,7 @@ def single_process_loss(
     tokens: torch.Tensor, cfg: Config, world_size: int, probe: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[float, TinyGPT]:
     """Trains one process on the same global batches (every rank's batch, concatenated)."""
-    model = build_model(cfg)
+    model = build_model(cfg).to(tokens.device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     per_rank = [rank_batches(windows(tokens, cfg), r, world_size, cfg) for r in range(world_size)]
     for step in range(cfg.steps):
@@ -196,7 +196,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, value in vars(defaults).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
-    p.add_argument("--backend", default=None, help="native (default on CPU), gloo, nccl, mpi")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to train")
+    p.add_argument(
+        "--backend", default=None, help="native (default on cpu), nccl (default on cuda), gloo, mpi"
+    )
     p.add_argument("--comm-hook", default=None, help="gradient compression: fp16 or bf16")
     p.add_argument(
         "--no-verify",
@@ -213,16 +216,21 @@ def main(argv: list[str] | None = None) -> int:
     """Trains, prints the summary on rank 0, returns the exit code."""
     cfg, args = parse_args(argv)
     distributed = "RANK" in os.environ or "SLURM_PROCID" in os.environ
+    cuda = args.device == "cuda"
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if distributed:
-        group = sl.init(backend=args.backend)
+        group = sl.init(backend=args.backend or ("nccl" if cuda else "native"))
         rank, world_size = group.rank, group.world_size
     else:
         group, rank, world_size = None, 0, 1
-    tokens = corpus(seed=cfg.seed)
+    tokens = corpus(seed=cfg.seed).to(device)
     n = windows(tokens, cfg)
     probe = get_batch(tokens, list(range(n - cfg.batch_size, n)), cfg)  # same on every rank
 
-    model: nn.Module = build_model(cfg)
+    model: nn.Module = build_model(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     if group is not None:
         model, _ = sl.distribute(model, opt, strategy="ddp", comm_hook=args.comm_hook)

@@ -1,0 +1,349 @@
+"""The nccl backend: torch's ``ProcessGroupNCCL``, built directly, for CUDA tensors.
+
+CUDA tensors never travel through shardline's own wire: this backend hands them to NCCL
+through torch.distributed, constructed like the gloo backend from the job's store, this rank
+and the group size (no global state). Each rank drives one GPU, ``device`` (by default
+``cuda:LOCAL_RANK``), which it makes the current CUDA device.
+
+[Note: stream semantics] as in torch.distributed, ``wait()`` without a timeout makes the
+current CUDA stream wait for the collective; it does not block the CPU. Work queued on that
+stream afterwards (including the steps this module adds, such as un-padding an unequal
+all_gather) sees the result. ``wait(timeout)`` blocks the CPU until the op is done.
+
+[Note: eager connect] the communicator is created when the group is (so a missing peer fails
+at init, not in the first collective). send/recv then run on that communicator, in issue
+order with the collectives, as on every other backend; torch logs a one-time note about this
+serialisation (``TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING=false`` hides it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from shardline.comm.work import seconds
+from shardline.errors import CollectiveTimeoutError, CommunicatorClosedError, ShardlineError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+__all__ = ["NcclBackend", "create", "default_device"]
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+# [Note: bool] bool is reduced as uint8: sum/max are "or", prod/min are "and".
+_BOOL_OPS = {"sum": "max", "max": "max", "prod": "min", "min": "min"}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def default_device(local_rank: int | None = None) -> torch.device:
+    """This rank's GPU: ``SHARDLINE_DEVICE=cuda:N`` if set, else ``cuda:<local_rank>``.
+
+    Args:
+        local_rank: The rank among this host's processes; ``LOCAL_RANK`` (else 0) if ``None``.
+
+    Raises:
+        ShardlineError: CUDA is unavailable, or the GPU index does not exist on this host.
+    """
+    if not torch.cuda.is_available():
+        raise ShardlineError(
+            "backend='nccl' needs CUDA, but torch.cuda.is_available() is False; use "
+            "backend='native' for CPU tensors (or check CUDA_VISIBLE_DEVICES and the driver)"
+        )
+    spec = os.environ.get("SHARDLINE_DEVICE", "").strip()
+    if spec.startswith("cuda:"):
+        index = _index(spec[len("cuda:") :], "SHARDLINE_DEVICE", spec)
+        source = f"SHARDLINE_DEVICE={spec}"
+    else:
+        if local_rank is None:
+            local_rank = _index(os.environ.get("LOCAL_RANK", "0") or "0", "LOCAL_RANK", None)
+        index, source = local_rank, f"LOCAL_RANK={local_rank}"
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise ShardlineError(
+            f"{source} selects cuda:{index} but this host has {count} GPU(s) visible; run at "
+            "most one process per GPU (nproc-per-node <= GPUs), or set SHARDLINE_DEVICE=cpu "
+            "with backend='native' for CPU training"
+        )
+    return torch.device("cuda", index)
+
+
+def _index(raw: str, name: str, spec: str | None) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        shown = spec if spec is not None else raw
+        raise ShardlineError(f"{name}={shown!r} does not name a GPU index") from None
+
+
+class _NcclHandle:
+    """Adapts torch ``Work``s to our Handle; runs ``after`` once, on the first ``wait``."""
+
+    def __init__(
+        self,
+        works: list[dist.Work],
+        what: str,
+        rank: int,
+        after: Callable[[], None] | None = None,
+        keep: tuple[object, ...] = (),
+    ) -> None:
+        self._works = works
+        self._what = what
+        self._rank = rank
+        self._after = after
+        self._keep: tuple[object, ...] | None = keep
+
+    def wait(self, timeout: float | None = None) -> None:
+        for w in self._works:
+            try:
+                if timeout is None:
+                    w.wait()
+                else:
+                    w.wait(timedelta(seconds=timeout))
+            except RuntimeError as exc:
+                raise _translate(exc, self._what, self._rank) from exc
+        if self._after is not None:
+            after, self._after = self._after, None
+            after()
+        self._keep = None
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+def _translate(exc: RuntimeError, what: str, rank: int) -> ShardlineError:
+    text = str(exc)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return CollectiveTimeoutError(
+            f"{what} on rank {rank} (nccl) timed out: {text}; check that every rank runs the "
+            "same collectives in the same order (SHARDLINE_TIMEOUT sets the deadline)"
+        )
+    return CommunicatorClosedError(
+        f"{what} on rank {rank} (nccl) failed: {text}; the NCCL communicator cannot be used "
+        "again, create a new group (a peer may have died)"
+    )
+
+
+class NcclBackend:
+    """Checked CUDA tensors in, torch NCCL collectives out."""
+
+    name = "nccl"
+    transport = "nccl"
+
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        world_size: int,
+        *,
+        name: str,
+        timeout: float,
+        device: torch.device,
+    ) -> None:
+        self._store = store
+        self._timeout = timeout
+        self.group_name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        torch.cuda.set_device(device)
+        prefixed = dist.PrefixStore(f"shardline/{name}/nccl", store)  # type: ignore[attr-defined]
+        opts: Any = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=timeout)
+        opts.is_high_priority_stream = False
+        # torch's stubs do not list ProcessGroup methods; they exist at runtime.
+        self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        if hasattr(self._pg, "eager_connect_single_device"):
+            # Connect now, so a missing peer fails here and not in the first collective.
+            self._pg.eager_connect_single_device(device)
+
+    def _handle(
+        self,
+        what: str,
+        start: Callable[[], list[dist.Work]],
+        after: Callable[[], None] | None = None,
+        keep: tuple[object, ...] = (),
+    ) -> _NcclHandle:
+        try:
+            works = start()
+        except RuntimeError as exc:
+            raise _translate(exc, what, self.rank) from exc
+        return _NcclHandle(works, what, self.rank, after, keep)
+
+    def _reduce_args(self, t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
+        if t.dtype == torch.bool:
+            return _bytes(t), _OPS[_BOOL_OPS[op]]
+        return t.reshape(-1), _OPS[op]
+
+    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _NcclHandle:
+        buf, rop = self._reduce_args(t, op)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = rop
+        return self._handle("all_reduce", lambda: [self._pg.allreduce([buf], opts)])
+
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, op: str, *, async_op: bool = True
+    ) -> _NcclHandle:
+        obuf, rop = self._reduce_args(out, op)
+        ibuf, _ = self._reduce_args(inp, op)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = rop
+        return self._handle(
+            "reduce_scatter", lambda: [self._pg._reduce_scatter_base(obuf, ibuf, opts)]
+        )
+
+    def all_gather(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        counts: Sequence[int] | None,
+        *,
+        async_op: bool = True,
+    ) -> _NcclHandle:
+        if counts is None:
+            return self._handle(
+                "all_gather", lambda: [self._pg._allgather_base(_bytes(out), _bytes(inp))]
+            )
+        # Unequal sizes: gather equal, padded slots, then copy each rank's part out.
+        width = max(counts)
+        padded = torch.zeros(width, dtype=inp.dtype, device=self.device)
+        padded[: inp.numel()] = inp.reshape(-1)
+        gathered = torch.empty(width * self.world_size, dtype=inp.dtype, device=self.device)
+
+        def unpad() -> None:
+            start, flat = 0, out.reshape(-1)
+            for r, c in enumerate(counts):
+                flat[start : start + c] = gathered[r * width : r * width + c]
+                start += c
+
+        return self._handle(
+            "all_gather",
+            lambda: [self._pg._allgather_base(_bytes(gathered), _bytes(padded))],
+            unpad,
+            (padded, gathered),
+        )
+
+    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> _NcclHandle:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        return self._handle("broadcast", lambda: [self._pg.broadcast([_bytes(t)], opts)])
+
+    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> _NcclHandle:
+        buf, rop = self._reduce_args(t, op)
+        opts = dist.ReduceOptions()
+        opts.rootRank, opts.reduceOp = root, rop
+        return self._handle("reduce", lambda: [self._pg.reduce([buf], opts)])
+
+    def gather(
+        self, out: torch.Tensor | None, inp: torch.Tensor, root: int, *, async_op: bool = True
+    ) -> _NcclHandle:
+        opts = dist.GatherOptions()
+        opts.rootRank = root
+        outs = [] if out is None else [_split(_bytes(out), self.world_size)]
+        return self._handle("gather", lambda: [self._pg.gather(outs, [_bytes(inp)], opts)])
+
+    def scatter(
+        self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
+    ) -> _NcclHandle:
+        opts = dist.ScatterOptions()
+        opts.rootRank = root
+        ins = [] if inp is None else [_split(_bytes(inp), self.world_size)]
+        return self._handle("scatter", lambda: [self._pg.scatter([_bytes(out)], ins, opts)])
+
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
+    ) -> _NcclHandle:
+        return self._handle(
+            "all_to_all",
+            lambda: [
+                self._pg.alltoall_base(_bytes(out), _bytes(inp), [], [], dist.AllToAllOptions())
+            ],
+        )
+
+    def barrier(self, *, async_op: bool = True) -> _NcclHandle:
+        # What NCCL's own barrier does, on our device (torch's guesses the device and warns).
+        token = torch.zeros(1, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self._handle("barrier", lambda: [self._pg.allreduce([token], opts)], keep=(token,))
+
+    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _NcclHandle:
+        return self._handle("send", lambda: [self._pg.send([_bytes(t)], dst, 0)])
+
+    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _NcclHandle:
+        return self._handle("recv", lambda: [self._pg.recv([_bytes(t)], src, 0)])
+
+    def subgroup(self, name: str, ranks: Sequence[int]) -> NcclBackend:
+        return NcclBackend(
+            self._store,
+            list(ranks).index(self.rank),
+            len(ranks),
+            name=name,
+            timeout=self._timeout,
+            device=self.device,
+        )
+
+    def abort(self, reason: str) -> None:
+        self._pg.abort()
+
+    def close(self) -> None:
+        self._pg.shutdown()
+
+
+def _split(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    return list(flat.view(parts, flat.numel() // parts).unbind(0))
+
+
+def create(
+    store: Store,
+    rank: int,
+    world_size: int,
+    *,
+    name: str,
+    timeout: float,
+    device: torch.device | str | int | None = None,
+) -> NcclBackend:
+    """An NCCL backend for one group; every rank of it calls this with the same ``name``.
+
+    Args:
+        store: The job's store.
+        rank: This rank within the group.
+        world_size: Number of ranks in the group.
+        name: Unique group name; namespaces the store keys.
+        timeout: Deadline of every blocking wait, in seconds (NCCL's watchdog timeout).
+        device: This rank's GPU (``"cuda:1"``, ``1`` or a ``torch.device``); ``None`` picks
+            ``default_device()``.
+
+    Raises:
+        ShardlineError: NCCL or CUDA is unavailable, or the device is not a visible GPU.
+    """
+    if not dist.is_nccl_available():
+        raise ShardlineError(
+            "backend='nccl' needs a torch build with NCCL (a CUDA build of torch on Linux); "
+            "use backend='native' or 'gloo'"
+        )
+    if device is None:
+        dev = default_device()
+    else:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if dev.type != "cuda":
+            raise ShardlineError(f"backend='nccl' needs a CUDA device, got device={device!r}")
+        if str(dev) == "cuda":  # no index: the current device
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return NcclBackend(
+        store, rank, world_size, name=name, timeout=seconds(timeout) or 300.0, device=dev
+    )
