@@ -27,6 +27,7 @@ from tests._ranks import new_store, run_ranks
 pytestmark = pytest.mark.usefixtures("native")
 
 IN, HIDDEN, OUT = 12, 24, 5
+INF = float("inf")
 # Rank threads share torch's global generator: models are built under this lock.
 _INIT = threading.Lock()
 
@@ -116,9 +117,11 @@ def assert_equal_lists(a: list[torch.Tensor], b: list[torch.Tensor], exact: bool
 # -- parity ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("in_place_mb", [0.0, INF], ids=["in-place", "packed"])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_matches_torch_ddp(n: int, backend: str) -> None:
-    """Bitwise at 2 ranks (a sum of two numbers), assert_close at 3 and 4; several buckets."""
+def test_matches_torch_ddp(n: int, backend: str, in_place_mb: float) -> None:
+    """Bitwise at 2 ranks (a sum of two numbers), assert_close at 3 and 4; several buckets,
+    gradients copied into buckets or reduced in place."""
 
     def run(model: nn.Module, rank: int) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
         grads: list[list[torch.Tensor]] = []
@@ -127,7 +130,9 @@ def test_matches_torch_ddp(n: int, backend: str) -> None:
 
     results = side_by_side(
         n,
-        lambda g: DistributedDataParallel(mlp(), group=g, bucket_cap_mb=0.001),
+        lambda g: DistributedDataParallel(
+            mlp(), group=g, bucket_cap_mb=0.001, in_place_mb=in_place_mb
+        ),
         lambda pg: TorchDDP(mlp(), process_group=pg, bucket_cap_mb=0.001),
         run,
         backend=backend,
@@ -240,7 +245,8 @@ class Branchy(nn.Module):
         return head(torch.relu(self.trunk(x)))
 
 
-def test_unused_parameters_need_no_flag() -> None:
+@pytest.mark.parametrize("in_place_mb", [0.0, INF], ids=["in-place", "packed"])
+def test_unused_parameters_need_no_flag(in_place_mb: float) -> None:
     """Equal to torch's DDP with find_unused_parameters=True, which needs the flag."""
 
     def make(rank: int) -> Branchy:
@@ -261,7 +267,7 @@ def test_unused_parameters_need_no_flag() -> None:
 
     results = side_by_side(
         2,
-        lambda g: DistributedDataParallel(make(g.rank), group=g),
+        lambda g: DistributedDataParallel(make(g.rank), group=g, in_place_mb=in_place_mb),
         lambda pg: TorchDDP(make(pg.rank()), process_group=pg, find_unused_parameters=True),
         run,
     )
@@ -277,10 +283,13 @@ def test_unused_parameters_need_no_flag() -> None:
     assert last[-1] is None and last[-2] is None and last[2] is not None and last[4] is not None
 
 
-def test_no_sync_accumulation_equals_one_big_batch() -> None:
+@pytest.mark.parametrize("in_place_mb", [0.0, INF], ids=["in-place", "packed"])
+def test_no_sync_accumulation_equals_one_big_batch(in_place_mb: float) -> None:
     def body(g: ProcessGroup) -> list[torch.Tensor]:
         torch.set_num_threads(1)
-        model = DistributedDataParallel(mlp(), group=g, bucket_cap_mb=0.001)
+        model = DistributedDataParallel(
+            mlp(), group=g, bucket_cap_mb=0.001, in_place_mb=in_place_mb
+        )
         (x1, y1), (x2, y2) = batch(0, g.rank), batch(1, g.rank)
         with model.no_sync():
             (nn.functional.mse_loss(model(x1), y1, reduction="sum")).backward()
@@ -298,7 +307,8 @@ def test_no_sync_accumulation_equals_one_big_batch() -> None:
         assert_equal_lists(grads, expected, exact=False)
 
 
-def test_join_uneven_inputs() -> None:
+@pytest.mark.parametrize("in_place_mb", [0.0, INF], ids=["in-place", "packed"])
+def test_join_uneven_inputs(in_place_mb: float) -> None:
     """Rank 0 has 2 batches, rank 1 has 5: no hang, and torch's Join semantics exactly.
 
     torch's ``Join`` needs a default process group, so the oracle is a one-process simulation
@@ -310,7 +320,9 @@ def test_join_uneven_inputs() -> None:
 
     def body(g: ProcessGroup) -> list[torch.Tensor]:
         torch.set_num_threads(1)
-        model = DistributedDataParallel(mlp(batchnorm=True), group=g, bucket_cap_mb=0.001)
+        model = DistributedDataParallel(
+            mlp(batchnorm=True), group=g, bucket_cap_mb=0.001, in_place_mb=in_place_mb
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         with model.join():
             for step in range(counts[g.rank]):

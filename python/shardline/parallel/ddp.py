@@ -37,7 +37,7 @@ from torch.autograd import Variable
 
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError, ShardlineError
-from shardline.parallel.comm_hooks import CommHook, resolve_hook
+from shardline.parallel.comm_hooks import CommHook, allreduce_hook, resolve_hook
 
 __all__ = ["DistributedDataParallel"]
 
@@ -46,13 +46,18 @@ _MIB = 1 << 20
 
 @dataclass
 class _Bucket:
-    """A flat buffer holding the gradients of a few parameters of one dtype."""
+    """What one collective reduces.
+
+    Either a flat buffer packing the gradients of a few parameters of one dtype, or
+    (``in_place``) one large gradient, reduced where autograd left it (no copies).
+    """
 
     index: int
     dtype: torch.dtype
     params: list[int]
     offsets: list[int]
     flat: torch.Tensor
+    in_place: bool = False
     pending: int = 0
     finish: Callable[[], None] | None = None
 
@@ -96,6 +101,9 @@ class DistributedDataParallel(nn.Module):
             bucket instead of copying the result back (saves one pass over all gradients per
             step). A ``.grad`` tensor kept across steps is then overwritten by the next
             synchronised backward; clone it to keep it, or pass ``False``.
+        in_place_mb: Gradients of at least this many MiB (under the default hook) are
+            reduced where autograd left them, with the division by the world size fused into
+            the reduction: no copy into a bucket and none back. ``float("inf")`` packs all.
 
     Raises:
         InvalidArgumentError: parameters differ across ranks (names the ranks), sparse or
@@ -116,6 +124,7 @@ class DistributedDataParallel(nn.Module):
         comm_hook: str | CommHook | None = None,
         init_sync: bool = True,
         gradient_as_bucket_view: bool = True,
+        in_place_mb: float = 1.0,
     ) -> None:
         super().__init__()
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
@@ -129,6 +138,7 @@ class DistributedDataParallel(nn.Module):
         self.first_bucket_bytes = int(min(first_bucket_mb, bucket_cap_mb) * _MIB)
         self.broadcast_buffers = broadcast_buffers
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.in_place_bytes = in_place_mb * _MIB  # float: inf disables the in-place path
         self._hook = resolve_hook(comm_hook)
 
         seen: set[int] = set()
@@ -293,6 +303,9 @@ class DistributedDataParallel(nn.Module):
         for i in order:
             p = self._params[i]
             nbytes = p.numel() * p.element_size()
+            if self._in_place_ok(p):
+                closed.append((p.dtype, [i]))
+                continue
             members, size = open_.get(p.dtype, ([], 0))
             cap = self.first_bucket_bytes if not closed else self.bucket_cap_bytes
             if members and size + nbytes > cap:
@@ -312,8 +325,21 @@ class DistributedDataParallel(nn.Module):
                 offsets.append(total)
                 total += self._params[i].numel()
                 self._slot[i] = (b, s)
+            if len(members) == 1 and self._in_place_ok(self._params[members[0]]):
+                # The gradient tensor itself is reduced; ``flat`` is set at every step.
+                empty = torch.empty(0, dtype=dtype, device=device)
+                self._buckets.append(_Bucket(b, dtype, members, offsets, empty, in_place=True))
+                continue
             flat = torch.zeros(total, dtype=dtype, device=device)
             self._buckets.append(_Bucket(b, dtype, members, offsets, flat))
+
+    def _in_place_ok(self, p: torch.Tensor) -> bool:
+        """Large float gradients under the default hook skip the bucket copy."""
+        return (
+            self._hook is allreduce_hook
+            and p.is_floating_point()
+            and p.numel() * p.element_size() >= self.in_place_bytes
+        )
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -347,10 +373,21 @@ class DistributedDataParallel(nn.Module):
         self._step = _StepState(ready=[False] * len(self._params))
         Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _fill_slot(self, i: int, grad: torch.Tensor | None) -> None:
+    def _fill_slot(self, i: int, grad: torch.Tensor | None, used: bool = True) -> None:
         p = self._params[i]
         b, s = self._slot[i]
-        view = self._buckets[b].view(s, p.shape)
+        bucket = self._buckets[b]
+        if bucket.in_place:
+            if grad is None:
+                bucket.flat = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            elif not used or not grad.is_contiguous():
+                # A stale gradient of a parameter this rank did not use stays untouched
+                # unless some rank used it (decided after the reduction).
+                bucket.flat = grad.contiguous() if used else grad.clone()
+            else:
+                bucket.flat = grad
+            return
+        view = bucket.view(s, p.shape)
         if grad is None:
             view.zero_()
         else:
@@ -375,8 +412,16 @@ class DistributedDataParallel(nn.Module):
             bucket = self._buckets[step.next_bucket]
             if bucket.pending > 0:
                 return
-            bucket.finish = self._hook(self.group, bucket.flat)
+            bucket.finish = self._start(bucket)
             step.next_bucket += 1
+
+    def _start(self, bucket: _Bucket) -> Callable[[], None]:
+        if bucket.in_place:
+            # avg divides by the world size inside the reduction, as the bucket copy would.
+            work = self.group.all_reduce(bucket.flat, "avg", async_op=True)
+            assert work is not None
+            return work.wait
+        return self._hook(self.group, bucket.flat)
 
     def _end_backward(self) -> None:
         """Autograd's final callback: unused parameters, the used mask, wait, write back."""
@@ -385,7 +430,7 @@ class DistributedDataParallel(nn.Module):
         try:
             for i, p in enumerate(self._params):
                 if not step.ready[i]:
-                    self._fill_slot(i, p.grad)
+                    self._fill_slot(i, p.grad, used=False)
                     step.ready[i] = True
                     self._buckets[self._slot[i][0]].pending -= 1
             self._launch_ready(step)
@@ -401,6 +446,12 @@ class DistributedDataParallel(nn.Module):
                 if not used[i]:
                     continue  # no rank used it: leave its gradient alone
                 b, s = self._slot[i]
+                if self._buckets[b].in_place:
+                    reduced = self._buckets[b].flat.view(p.shape)
+                    if p.grad is None or p.grad.data_ptr() != reduced.data_ptr():
+                        p.grad = reduced
+                    self._buckets[b].flat = self._buckets[b].flat[:0]  # drop the reference
+                    continue
                 view = self._buckets[b].view(s, p.shape)
                 if self.gradient_as_bucket_view:
                     if p.grad is None or p.grad.data_ptr() != view.data_ptr():
@@ -447,8 +498,11 @@ class DistributedDataParallel(nn.Module):
         """Mirrors one synchronised backward of the active ranks with zero gradients."""
         finishes = []
         for b in self._buckets:
-            b.flat.zero_()
-            finishes.append(self._hook(self.group, b.flat))
+            if b.in_place:
+                b.flat = torch.zeros_like(self._params[b.params[0]]).view(-1)
+            else:
+                b.flat.zero_()
+            finishes.append(self._start(b))
         used = torch.zeros(len(self._params), dtype=torch.uint8, device=self._device)
         mask_work = self.group.all_reduce(used, "max", async_op=True)
         for f in finishes:
