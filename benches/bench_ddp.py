@@ -113,7 +113,7 @@ def worker(args: argparse.Namespace) -> int:
     for kind in args.models:
         base, make_batch, items = make_model(kind, device, big=cuda)
         params = sum(p.numel() for p in base.parameters())
-        ours = sl.DistributedDataParallel(copy.deepcopy(base), group=ours_group)
+        ours = sl.DistributedDataParallel(copy.deepcopy(base), group=ours_group, **args.ddp_kw)
         theirs = TorchDDP(copy.deepcopy(base), device_ids=[device.index] if cuda else None)
         contenders = {"shardline": ours, "torch": theirs}
         opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in contenders.items()}
@@ -133,7 +133,9 @@ def worker(args: argparse.Namespace) -> int:
                 sync()
                 times[name].append((time.perf_counter() - t0) / args.steps)
         # Report the slowest rank's median: a step is as slow as its slowest rank.
-        med = torch.tensor([statistics.median(times[k]) for k in contenders], dtype=torch.float64)
+        med = torch.tensor(
+            [statistics.median(times[k]) for k in contenders], dtype=torch.float64, device=device
+        )
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
         row = {
             "params": params,
@@ -247,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--tag", default=None, help="results file name suffix")
+    p.add_argument(
+        "--ddp-kw",
+        type=lambda text: {k: float(v) for k, v in (kv.split("=") for kv in text.split(","))},
+        default={},
+        help="options for shardline's DDP, e.g. in_place_mb=inf,bucket_cap_mb=50",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -60,7 +60,8 @@ class ProcessGroup:
         self.device = self._device if self._device is not None else torch.device("cpu")
         self.name = getattr(impl, "group_name", "world")
         self.ranks = tuple(ranks) if ranks is not None else None
-        self._pending: list[Work] = []
+        self._pending: list[Work] = []  # keeps in-flight ops' tensors alive
+        self._prune_at = 64
         self._children: list[ProcessGroup] = []
         self._num_subgroups = 0
         self._closed = False
@@ -110,7 +111,11 @@ class ProcessGroup:
             return None
         work = Work(start(True), keepalive, finalize)
         with self._lock:
-            self._pending = [w for w in self._pending if not w._done()]
+            # Pruned only when the list has doubled: checking every Work on every call would
+            # cost O(n^2) completion queries (CUDA event queries for nccl) per burst of ops.
+            if len(self._pending) >= self._prune_at:
+                self._pending = [w for w in self._pending if not w._done()]
+                self._prune_at = max(64, 2 * len(self._pending))
             self._pending.append(work)
         return work
 

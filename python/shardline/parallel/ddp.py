@@ -441,7 +441,12 @@ class DistributedDataParallel(nn.Module):
                 bucket.finish()
             assert mask_work is not None
             mask_work.wait()
-            used = used_t.tolist()
+            # A parameter this rank used was used by some rank: only parameters unused here
+            # need the mask's verdict. Reading it costs a device sync on GPUs, so it is read
+            # only then (the common case, every parameter used, never syncs).
+            used = self._used_since_sync
+            if not all(used):
+                used = [bool(u) for u in used_t.tolist()]
             for i, p in enumerate(self._params):
                 if not used[i]:
                     continue  # no rank used it: leave its gradient alone
