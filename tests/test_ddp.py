@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -307,16 +309,17 @@ def test_no_sync_accumulation_equals_one_big_batch(in_place_mb: float) -> None:
         assert_equal_lists(grads, expected, exact=False)
 
 
+@pytest.mark.parametrize("counts", [[2, 5], [5, 2], [0, 3], [3, 3]])
 @pytest.mark.parametrize("in_place_mb", [0.0, INF], ids=["in-place", "packed"])
-def test_join_uneven_inputs(in_place_mb: float) -> None:
-    """Rank 0 has 2 batches, rank 1 has 5: no hang, and torch's Join semantics exactly.
+def test_join_uneven_inputs(in_place_mb: float, counts: list[int]) -> None:
+    """Ranks with different numbers of batches (none at all, too): no hang, and torch's Join
+    semantics exactly.
 
     torch's ``Join`` needs a default process group, so the oracle is a one-process simulation
     of its documented semantics: buffers come from the highest rank still training, gradients
     are divided by the initial world size, joined ranks contribute zeros and stop stepping,
     and at the end everyone takes the model of the last rank to finish.
     """
-    counts = [2, 5]
 
     def body(g: ProcessGroup) -> list[torch.Tensor]:
         torch.set_num_threads(1)
@@ -358,9 +361,10 @@ def single_threaded(fn: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
 def simulate_join(counts: list[int]) -> list[torch.Tensor]:
     replicas = [mlp(batchnorm=True), mlp(batchnorm=True)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in replicas]
+    last = 0  # the highest rank still training in the last round
     for step in range(max(counts)):
         active = [r for r in range(2) if step < counts[r]]
-        src = max(active)
+        src = last = max(active)
         grads = []
         for r in active:
             for mine, theirs in zip(replicas[r].buffers(), replicas[src].buffers(), strict=True):
@@ -374,7 +378,7 @@ def simulate_join(counts: list[int]) -> list[torch.Tensor]:
             for p, gsum in zip(replicas[r].parameters(), total, strict=True):
                 p.grad = gsum.clone()
             opts[r].step()
-    return params(replicas[1])
+    return params(replicas[last])
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
@@ -405,14 +409,156 @@ def test_compression_hooks_within_tolerance(name: str) -> None:
     )
     tol = {"bf16": 2e-2, "fp16": 2e-3}[name]
     for (ours_c, theirs_c), (ours_e, _) in zip(compressed, exact, strict=True):
-        for a, b, e in zip(ours_c[0], theirs_c[0], ours_e[0], strict=True):  # type: ignore[index]
-            torch.testing.assert_close(a, b, rtol=tol, atol=tol * 0.1)
-            torch.testing.assert_close(a, e, rtol=tol, atol=tol * 0.1)
-        # Compression really happened: the first step's gradients differ from exact ones.
+        for step_c, step_t, step_e in zip(ours_c, theirs_c, ours_e, strict=True):  # type: ignore[call-overload]
+            for a, b, e in zip(step_c, step_t, step_e, strict=True):
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol * 0.1)
+                torch.testing.assert_close(a, e, rtol=tol, atol=tol * 0.1)
+        # Compression really happened: some gradient of the first step differs from exact.
         assert any(
             not torch.equal(a, e)
-            for a, e in zip(ours_c[0][0], ours_e[0][0], strict=True)  # type: ignore[index]
+            for a, e in zip(ours_c[0], ours_e[0], strict=True)  # type: ignore[index]
         )
+
+
+@pytest.mark.parametrize("in_place_mb", [0.0, INF], ids=["in-place", "packed"])
+def test_gradient_nobody_used_is_left_alone(in_place_mb: float) -> None:
+    """Gradients kept across steps (no zero_grad) of a head no rank uses stay bit for bit."""
+
+    def body(g: ProcessGroup) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.set_num_threads(1)
+        model = DistributedDataParallel(Branchy(), group=g, in_place_mb=in_place_mb)
+        inner = model.module
+        assert isinstance(inner, Branchy)
+        for step in range(3):  # past the bucket rebuild, so grads alias buckets
+            x, y = batch(step, g.rank)
+            nn.functional.mse_loss(model(x), y).backward()
+        kept = [inner.left.weight.grad.clone(), inner.left.bias.grad.clone()]
+        inner.branch = "right"  # nobody uses ``left`` any more; grads are not zeroed
+        x, y = batch(9, g.rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        return kept, [inner.left.weight.grad, inner.left.bias.grad]
+
+    for kept, after in run_ranks(3, body):
+        assert_equal_lists(after, kept, exact=True)
+
+
+def test_no_sync_is_decided_at_forward_time() -> None:
+    """A forward inside no_sync() keeps its backward local, as in torch, wherever it runs."""
+
+    def body(g: ProcessGroup) -> list[torch.Tensor]:
+        torch.set_num_threads(1)
+        model = DistributedDataParallel(mlp(), group=g)
+        x, y = batch(0, g.rank)
+        with model.no_sync():
+            loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    results = run_ranks(2, body)
+    for rank, grads in enumerate(results):
+        local = mlp()
+        x, y = batch(0, rank)
+        nn.functional.mse_loss(local(x), y).backward()
+        assert_equal_lists(grads, [p.grad for p in local.parameters()], exact=False)
+    assert not torch.equal(results[0][0], results[1][0])
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises while ``armed``."""
+
+    armed = threading.Event()
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if _FailOnce.armed.is_set() and threading.current_thread().name.endswith("-1"):
+            raise RuntimeError("backward broke on rank 1")
+        return grad
+
+
+def test_exception_inside_backward_aborts_instead_of_hanging() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with _INIT:
+                torch.manual_seed(0)
+                self.a, self.b = nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, OUT)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(_FailOnce.apply(self.a(x)))
+
+    def body(g: ProcessGroup) -> str:
+        model = DistributedDataParallel(Model(), group=g, bucket_cap_mb=1e-6)
+        try:
+            for step in range(3):
+                x, y = batch(step, g.rank)
+                try:
+                    nn.functional.mse_loss(model(x), y).backward()
+                except RuntimeError as e:
+                    if "backward broke" not in str(e):
+                        raise
+        except ShardlineError as e:
+            return f"{type(e).__name__}: {e}"
+        return "finished"
+
+    _FailOnce.armed.set()
+    try:
+        results = run_ranks(2, body, timeout=30.0)
+    finally:
+        _FailOnce.armed.clear()
+    assert all(r != "finished" for r in results), results
+    assert "did not finish" in results[1] and "aborted" in results[1], results[1]
+
+
+def test_join_forward_without_backward_is_an_error_not_a_hang() -> None:
+    def body(g: ProcessGroup) -> str:
+        model = DistributedDataParallel(mlp(), group=g)
+        try:
+            with model.join():
+                for step in range(2 + g.rank):
+                    x, y = batch(step, g.rank)
+                    loss = nn.functional.mse_loss(model(x), y)
+                    if step == 0:
+                        continue  # "skip this batch" after a forward with gradients
+                    loss.backward()
+        except ShardlineError as e:
+            return f"{type(e).__name__}: {e}"
+        return "finished"
+
+    results = run_ranks(2, body, timeout=30.0)
+    assert all(r.startswith(("ShardlineError", "CommunicatorClosedError")) for r in results)
+    assert any("a forward ran before the backward" in r for r in results), results
+
+
+def test_channels_last_conv_in_join_and_in_place() -> None:
+    """channels_last weights keep their layout (no copy) and shadow correctly in join()."""
+
+    def make() -> nn.Module:
+        with _INIT:
+            torch.manual_seed(0)
+            conv = nn.Conv2d(8, 16, 3)
+        return conv.to(memory_format=torch.channels_last)
+
+    def body(g: ProcessGroup) -> list[torch.Tensor]:
+        torch.set_num_threads(1)
+        model = DistributedDataParallel(make(), group=g, in_place_mb=0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with model.join():
+            for step in range(1 + g.rank):
+                gen = torch.Generator().manual_seed(step * 10 + g.rank)
+                x = torch.randn(2, 8, 6, 6, generator=gen).to(memory_format=torch.channels_last)
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+        return params(model)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # autograd warns when a grad's layout is copied
+        results = run_ranks(2, body, timeout=30.0)
+    assert_equal_lists(results[0], results[1], exact=True)
 
 
 # -- mechanics ---------------------------------------------------------------------------------

@@ -61,9 +61,23 @@ class _Bucket:
     pending: int = 0
     finish: Callable[[], None] | None = None
 
-    def view(self, slot: int, shape: torch.Size) -> torch.Tensor:
+    def view(self, slot: int, param: torch.Tensor) -> torch.Tensor:
+        """The slot, shaped (and, for channels_last parameters, strided) like ``param``."""
         start = self.offsets[slot]
-        return self.flat[start : start + shape.numel()].view(shape)
+        if _dense_permuted(param) and not param.is_contiguous():
+            return self.flat.as_strided(
+                param.shape, param.stride(), self.flat.storage_offset() + start
+            )
+        return self.flat[start : start + param.numel()].view(param.shape)
+
+
+def _dense_permuted(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers exactly ``numel`` elements in some dimension order."""
+    return any(
+        t.is_contiguous(memory_format=f)
+        for f in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+        if f is torch.contiguous_format or t.dim() == (4 if f is torch.channels_last else 5)
+    )
 
 
 @dataclass
@@ -160,6 +174,9 @@ class DistributedDataParallel(nn.Module):
         self._check_same_model()
 
         self._require_sync = True
+        self._sync_next_backward = True  # decided by each forward
+        self._buffers_due = True  # broadcast buffers before the next forward
+        self._awaiting_backward = False  # join(): a synchronised forward awaits its backward
         self._step: _StepState | None = None
         self._used_since_sync = [False] * len(self._params)
         self._rebuilt = False
@@ -178,13 +195,51 @@ class DistributedDataParallel(nn.Module):
     # -- public --------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Runs the wrapped module, after syncing buffers (and, inside ``join()``, ranks)."""
+        """Runs the wrapped module, after syncing buffers (and, inside ``join()``, ranks).
+
+        As in torch's DDP, whether the next backward reduces gradients is decided here (grad
+        mode on and not inside ``no_sync()``), and buffers are broadcast before a forward
+        that follows such a synchronised forward (and before the first one).
+        """
+        self._check_no_stale_step()
         will_sync = torch.is_grad_enabled() and self._require_sync
         if self._join_active:
+            if self._awaiting_backward:
+                self.group.abort(f"rank {self.group.rank}: forward before backward in join()")
+                raise ShardlineError(
+                    f"DistributedDataParallel.join() on rank {self.group.rank}: a forward ran "
+                    "before the backward of the previous forward with gradients; inside join() "
+                    "the other ranks mirror each such forward's backward, so it must come "
+                    "next (evaluate outside join() or under torch.no_grad() after the "
+                    "backward); the group was aborted"
+                )
             self._join_src = self._join_round(active=True, sync=will_sync)
-        if will_sync and self.broadcast_buffers and self._buffers_list:
+            self._awaiting_backward = will_sync
+        if self._buffers_due and self.broadcast_buffers and self._buffers_list:
             self._broadcast_tensors(self._buffers_list, src=self._src())
+        self._buffers_due = will_sync
+        self._sync_next_backward = will_sync
         return self.module(*args, **kwargs)
+
+    def _check_no_stale_step(self) -> None:
+        """A backward that raised midway leaves this rank's collectives out of step: abort."""
+        step = self._step
+        if step is None:
+            return
+        self._step = None
+        self._used_since_sync = [False] * len(self._params)
+        started = step.next_bucket
+        reason = (
+            f"rank {self.group.rank}: the previous backward through DistributedDataParallel "
+            f"did not finish ({started} of {len(self._buckets)} gradient buckets started; an "
+            "exception inside backward?)"
+        )
+        self.group.abort(reason)
+        raise ShardlineError(
+            f"{reason}. The ranks' collectives no longer line up, so the group was aborted "
+            "(every rank raises instead of waiting); restart the job or resume from a "
+            "checkpoint"
+        )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -213,31 +268,43 @@ class DistributedDataParallel(nn.Module):
             raise InvalidArgumentError("DistributedDataParallel.join() is already active")
         self._join_active = True
         self._join_src = None
+        self._awaiting_backward = False
         try:
-            yield
-        except BaseException as e:
-            self.group.abort(
-                f"rank {self.group.rank} raised {type(e).__name__} inside "
-                "DistributedDataParallel.join()"
-            )
-            raise
-        else:
-            while True:
-                src = self._join_round(active=False, sync=False)
-                if src is None:
-                    break
-                self._join_src, sync = src
-                if sync:
-                    if self.broadcast_buffers and self._buffers_list:
-                        self._broadcast_tensors(self._buffers_list, src=self._join_src)
-                    self._shadow_backward()
-            if self._join_src is not None:
-                self._broadcast_tensors(
-                    self._params_data() + self._buffers_list, src=self._join_src
+            try:
+                yield
+            except BaseException as e:
+                self.group.abort(
+                    f"rank {self.group.rank} raised {type(e).__name__} inside "
+                    "DistributedDataParallel.join()"
                 )
+                raise
+            try:
+                self._shadow_until_all_joined()
+            except BaseException as e:
+                self.group.abort(
+                    f"rank {self.group.rank} failed while shadowing the other ranks in "
+                    f"DistributedDataParallel.join(): {type(e).__name__}: {e}"
+                )
+                raise
         finally:
             self._join_active = False
             self._join_src = None
+            self._awaiting_backward = False
+
+    def _shadow_until_all_joined(self) -> None:
+        """Joined rank: mirror each round of the active ranks, then take the final model."""
+        while True:
+            src = self._join_round(active=False, sync=False)
+            if src is None:
+                break
+            self._join_src, sync = src
+            if self._buffers_due and self.broadcast_buffers and self._buffers_list:
+                self._broadcast_tensors(self._buffers_list, src=self._join_src)
+            self._buffers_due = sync
+            if sync:
+                self._shadow_backward()
+        if self._join_src is not None:
+            self._broadcast_tensors(self._params_data() + self._buffers_list, src=self._join_src)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's ``state_dict`` (keys without a ``module.`` prefix)."""
@@ -334,10 +401,11 @@ class DistributedDataParallel(nn.Module):
             self._buckets.append(_Bucket(b, dtype, members, offsets, flat))
 
     def _in_place_ok(self, p: torch.Tensor) -> bool:
-        """Large float gradients under the default hook skip the bucket copy."""
+        """Large contiguous float gradients under the default hook skip the bucket copy."""
         return (
             self._hook is allreduce_hook
             and p.is_floating_point()
+            and p.is_contiguous()
             and p.numel() * p.element_size() >= self.in_place_bytes
         )
 
@@ -351,7 +419,7 @@ class DistributedDataParallel(nn.Module):
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         self._used_since_sync[i] = True
-        if not self._require_sync:
+        if not self._sync_next_backward:
             return
         if self._step is None:
             self._begin_step()
@@ -379,15 +447,20 @@ class DistributedDataParallel(nn.Module):
         bucket = self._buckets[b]
         if bucket.in_place:
             if grad is None:
-                bucket.flat = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            elif not used or not grad.is_contiguous():
+                bucket.flat = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            elif not used:
                 # A stale gradient of a parameter this rank did not use stays untouched
                 # unless some rank used it (decided after the reduction).
-                bucket.flat = grad.contiguous() if used else grad.clone()
+                bucket.flat = grad.clone(memory_format=torch.contiguous_format)
             else:
                 bucket.flat = grad
             return
-        view = bucket.view(s, p.shape)
+        view = bucket.view(s, p)
+        if grad is not None and not used and grad.data_ptr() == view.data_ptr():
+            # The stale gradient lives in this slot (gradient_as_bucket_view): keep a copy
+            # as the parameter's gradient, in case no rank used it.
+            grad = grad.clone()
+            p.grad = grad
         if grad is None:
             view.zero_()
         else:
@@ -457,7 +530,7 @@ class DistributedDataParallel(nn.Module):
                         p.grad = reduced
                     self._buckets[b].flat = self._buckets[b].flat[:0]  # drop the reference
                     continue
-                view = self._buckets[b].view(s, p.shape)
+                view = self._buckets[b].view(s, p)
                 if self.gradient_as_bucket_view:
                     if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                         p.grad = view  # no copy back; autograd accumulates here next time
@@ -469,6 +542,7 @@ class DistributedDataParallel(nn.Module):
                 self._rebuild(step.order)
         finally:
             self._step = None
+            self._awaiting_backward = False
             self._used_since_sync = [False] * len(self._params)
 
     def _rebuild(self, order: list[int]) -> None:
@@ -504,7 +578,8 @@ class DistributedDataParallel(nn.Module):
         finishes = []
         for b in self._buckets:
             if b.in_place:
-                b.flat = torch.zeros_like(self._params[b.params[0]]).view(-1)
+                p = self._params[b.params[0]]
+                b.flat = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
             else:
                 b.flat.zero_()
             finishes.append(self._start(b))
