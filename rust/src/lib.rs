@@ -18,6 +18,7 @@ pub mod collectives;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod memcpy;
 pub mod op;
 pub mod reduce;
 pub mod transport;

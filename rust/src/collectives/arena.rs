@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
+use crate::memcpy::{copy_to_shared, reduce_to_shared};
 use crate::op::OpSig;
 use crate::reduce::{self, ReduceOp};
 use std::sync::Arc;
@@ -136,8 +137,8 @@ impl ArenaComm {
             let src = &buf[off..off + len];
             // Peers need every part of this chunk but ours, which only we reduce.
             let parity = self.step(sig, first.then_some(0), deadline, |s| {
-                s[..lo].copy_from_slice(&src[..lo]);
-                s[hi..len].copy_from_slice(&src[hi..len]);
+                copy_to_shared(&mut s[..lo], &src[..lo]);
+                copy_to_shared(&mut s[hi..len], &src[hi..len]);
             })?;
             first = false;
             // Reduce our part straight into the slot of the next phase: it was last read in
@@ -153,7 +154,7 @@ impl ArenaComm {
                         }
                     })
                     .collect();
-                reduce::reduce_slices(&mut self.arena.my_slot(next)[lo..hi], &srcs, dtype, op);
+                reduce_to_shared(&mut self.arena.my_slot(next)[lo..hi], &srcs, dtype, op);
             }
             let parity = self.step(sig, None, deadline, |_| {})?;
             debug_assert_eq!(parity, next);
