@@ -630,6 +630,22 @@ def test_buckets_follow_ready_order_and_start_during_backward() -> None:
     assert all(pending > 0 for _, pending in first_of_each_step), launched
 
 
+def test_in_place_gradients_keep_the_ready_order() -> None:
+    """Small gradients packed between in-place ones do not hold the later ones back."""
+
+    def body(g: ProcessGroup) -> list[list[str]]:
+        model = DistributedDataParallel(Shuffled(), group=g, in_place_mb=1e-3)  # >= 1 KiB
+        for step in range(2):
+            x, y = batch(step, g.rank)
+            nn.functional.mse_loss(model(x), y).backward()
+        return model.bucket_layout
+
+    layout = run_ranks(2, body)[0]
+    # Ready order: c.bias, c.weight, b.bias, b.weight, a.bias, a.weight. b.weight and a.weight
+    # (>= 1 KiB) are reduced in place; the small ones share a bucket that fills at a.bias.
+    assert layout == [["b.weight"], ["c.bias", "c.weight", "b.bias", "a.bias"], ["a.weight"]]
+
+
 def test_different_models_are_named() -> None:
     def body(g: ProcessGroup) -> str:
         width = HIDDEN if g.rank == 0 else HIDDEN + 1

@@ -380,9 +380,11 @@ class DistributedDataParallel(nn.Module):
                 members, size = [], 0
             open_[p.dtype] = ([*members, i], size + nbytes)
         closed.extend((dt, members) for dt, (members, _) in open_.items() if members)
-        # Reduce buckets in the order their first parameter becomes ready.
+        # Reduce buckets in the order they fill up (their last gradient arrives): no bucket
+        # waits behind one that completes later, and small gradients that arrive between
+        # large in-place ones still share a bucket (one collective instead of many).
         rank_in_order = {i: k for k, i in enumerate(order)}
-        closed.sort(key=lambda c: rank_in_order[c[1][0]])
+        closed.sort(key=lambda c: max(rank_in_order[i] for i in c[1]))
         device = self._device
         self._buckets = []
         self._slot = [(0, 0)] * len(self._params)
