@@ -23,6 +23,7 @@ test:
 
 bench:
 	$(PYTHON) benches/bench_collectives.py --ranks 2
+	$(PYTHON) benches/bench_ddp.py --ranks 2 4
 	cargo bench
 
 fmt:
