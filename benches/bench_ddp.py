@@ -270,7 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     text = table(results, args.device)
     cores = os.cpu_count()
     tag = args.tag or f"{args.device}-{cores}c"
-    header = f"# bench_ddp.py {' '.join(sys.argv[1:])}\n# {platform.node()} {cores} cores"
+    import torch  # noqa: PLC0415
+
+    gpu = f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else ""
+    header = (
+        f"# bench_ddp.py {' '.join(sys.argv[1:])}\n"
+        f"# {platform.node()} {cores} cores{gpu}, torch {torch.__version__}"
+    )
     print(header + "\n" + text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"ddp-{tag}.txt").write_text(header + "\n" + text + "\n")
