@@ -25,6 +25,8 @@ from shardline.comm import ProcessGroup
 from shardline.errors import CommunicatorClosedError, InvalidArgumentError, ShardlineError
 from shardline.parallel import DistributedDataParallel
 from tests._ranks import new_store, run_ranks
+from tests.multiprocess._launch import report
+from tests.multiprocess._launch import run as run_processes
 
 pytestmark = pytest.mark.usefixtures("native")
 
@@ -559,6 +561,14 @@ def test_channels_last_conv_in_join_and_in_place() -> None:
         warnings.simplefilter("error")  # autograd warns when a grad's layout is copied
         results = run_ranks(2, body, timeout=30.0)
     assert_equal_lists(results[0], results[1], exact=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 3])
+def test_join_matches_torch_join_in_processes(n: int) -> None:
+    """Real processes, torch's default group: our join() equals torch's DDP under its Join."""
+    ranks = run_processes(n, "ddp_join_vs_torch", timeout=90)
+    assert all(r.rc == 0 and "OK" in r.out for r in ranks), report(ranks)
 
 
 # -- mechanics ---------------------------------------------------------------------------------

@@ -330,6 +330,44 @@ def torch_ddp() -> None:
     print("OK", flush=True)
 
 
+def ddp_join_vs_torch() -> None:
+    """Our DDP's join() against torch's DDP under torch's Join, in the same processes."""
+    from torch.distributed.algorithms.join import Join
+
+    from shardline.comm import init_process_group
+
+    dist.init_process_group("gloo")  # torch's Join needs a default group
+    r, w = dist.get_rank(), dist.get_world_size()
+    store = dist.PrefixStore("shardline-ddp", dist.distributed_c10d._get_default_store())
+    group = init_process_group(store, r, w, master_addr=os.environ["MASTER_ADDR"])
+    counts = [2, 5, 3][:w]
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(
+        torch.nn.Linear(12, 24), torch.nn.BatchNorm1d(24), torch.nn.Tanh(), torch.nn.Linear(24, 5)
+    )
+    ours = sl.DistributedDataParallel(copy.deepcopy(base), group=group, bucket_cap_mb=0.001)
+    theirs = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.001)
+    for model in (ours, theirs):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        ctx = ours.join() if model is ours else Join([theirs])
+        with ctx:
+            for step in range(counts[r]):
+                gen = torch.Generator().manual_seed(100 * step + r)
+                x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 5, generator=gen)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+    mine, torchs = ours.state_dict(), theirs.module.state_dict()
+    for key in torchs:
+        if w == 2:  # a sum of two numbers: bit for bit
+            assert torch.equal(mine[key], torchs[key]), (key, (mine[key] - torchs[key]).abs())
+        else:  # 1/3 scaling and summation order differ in the last bits
+            torch.testing.assert_close(mine[key], torchs[key], rtol=1e-5, atol=1e-6)
+    group.shutdown()
+    dist.destroy_process_group()
+    print("OK", flush=True)
+
+
 SCENARIOS = {
     "allreduce": allreduce,
     "kill_loop": kill_loop,
@@ -339,6 +377,7 @@ SCENARIOS = {
     "torch_collectives": torch_collectives,
     "torch_errors": torch_errors,
     "torch_ddp": torch_ddp,
+    "ddp_join_vs_torch": ddp_join_vs_torch,
 }
 
 if __name__ == "__main__":
