@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -159,13 +158,9 @@ def worker(args: argparse.Namespace) -> int:
 # -- parent --------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_world(world: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from shardline.launch import free_port  # noqa: PLC0415
+
     out = tmp / f"ddp-{world}.json"
     cores = os.cpu_count() or 1
     env_base = {

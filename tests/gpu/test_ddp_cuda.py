@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.multiprocess._launch import free_port
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -19,17 +20,11 @@ pytestmark = pytest.mark.skipif(
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(240)
 def test_ddp_matches_torch_ddp_on_nccl() -> None:
     env = {
         **os.environ,
-        "TORCH_PORT": str(_free_port()),
+        "TORCH_PORT": str(free_port()),
         "PYTHONPATH": os.pathsep.join(
             [str(Path(__import__("shardline").__file__).parents[1]), str(ROOT)]
         ),

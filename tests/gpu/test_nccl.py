@@ -6,16 +6,13 @@ is skipped with the reason.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiprocess._launch import PYTHONPATH, Rank, finish, free_port, report
+from tests.multiprocess._launch import Rank, finish, report, start
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 if GPUS < 2:
@@ -29,31 +26,9 @@ WORKER = Path(__file__).with_name("_nccl_worker.py")
 
 def run(scenario: str, env: dict[str, str] | None = None, n: int = 2) -> list[Rank]:
     """Runs ``n`` ranks of the worker, rank ``r`` on GPU ``r``; asserts all exit 0 with OK."""
-    port = free_port()
-    ranks = []
-    for r in range(n):
-        child_env = {
-            **os.environ,
-            "PYTHONPATH": PYTHONPATH,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(r),
-            "WORLD_SIZE": str(n),
-            "LOCAL_RANK": str(r),
-            "LOCAL_WORLD_SIZE": str(n),
-            "SHARDLINE_TIMEOUT": "60",
-            **(env or {}),
-        }
-        child_env.pop("SHARDLINE_BACKEND", None)
-        proc = subprocess.Popen(
-            [sys.executable, str(WORKER), scenario],
-            env=child_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        ranks.append(Rank(r, proc))
-    finish(ranks, 110)
+    # An empty SHARDLINE_BACKEND counts as unset: the worker's init() chooses by device.
+    env = {"SHARDLINE_TIMEOUT": "60", "SHARDLINE_BACKEND": "", **(env or {})}
+    ranks = finish(start(n, scenario, env=env, worker=WORKER), 110)
     assert all(r.rc == 0 and "OK" in r.out for r in ranks), report(ranks)
     return ranks
 

@@ -45,8 +45,10 @@ def start(
     env: dict[str, str] | None = None,
     per_rank: dict[int, dict[str, str]] | None = None,
     port: int | None = None,
+    worker: Path = WORKER,
 ) -> list[Rank]:
-    """Starts ``n`` ranks of ``_worker.py scenario`` with torchrun-style variables."""
+    """Starts ``n`` ranks of ``worker scenario`` (``_worker.py`` by default) with
+    torchrun-style variables."""
     port = port or free_port()
     ranks = []
     for r in range(n):
@@ -64,7 +66,7 @@ def start(
             **((per_rank or {}).get(r, {})),
         }
         proc = subprocess.Popen(
-            [sys.executable, str(WORKER), scenario],
+            [sys.executable, str(worker), scenario],
             env=child_env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from shardline.comm.backends._common import as_bytes, pad_unequal, reduce_args, split
 from shardline.comm.work import seconds
 
 if TYPE_CHECKING:
@@ -29,13 +30,6 @@ _OPS = {
     "min": dist.ReduceOp.MIN,
     "prod": dist.ReduceOp.PRODUCT,
 }
-# [Note: bool] bool is reduced as uint8: sum/max are "or", prod/min are "and".
-_BOOL_OPS = {"sum": "max", "max": "max", "prod": "min", "min": "min"}
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = t.reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
 class _GlooHandle:
@@ -79,9 +73,7 @@ class GlooBackend:
         )
 
     def _reduce_args(self, t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
-        if t.dtype == torch.bool:
-            return _bytes(t), _OPS[_BOOL_OPS[op]]
-        return t.reshape(-1), _OPS[op]
+        return reduce_args(t, op, _OPS)
 
     def _avg(self, t: torch.Tensor, op: str) -> Callable[[], None] | None:
         if op != "avg":
@@ -118,25 +110,15 @@ class GlooBackend:
         async_op: bool = True,
     ) -> _GlooHandle:
         if counts is None:
-            return _GlooHandle([self._pg._allgather_base(_bytes(out), _bytes(inp))])
-        width = max(counts)
-        padded = torch.zeros(width, dtype=inp.dtype)
-        padded[: inp.numel()] = inp.reshape(-1)
-        gathered = torch.empty(width * self.world_size, dtype=inp.dtype)
-        work = self._pg._allgather_base(_bytes(gathered), _bytes(padded))
-
-        def unpad() -> None:
-            start, flat = 0, out.reshape(-1)
-            for r, c in enumerate(counts):
-                flat[start : start + c] = gathered[r * width : r * width + c]
-                start += c
-
+            return _GlooHandle([self._pg._allgather_base(as_bytes(out), as_bytes(inp))])
+        padded, gathered, unpad = pad_unequal(out, inp, counts, self.world_size)
+        work = self._pg._allgather_base(as_bytes(gathered), as_bytes(padded))
         return _GlooHandle([work], unpad)
 
     def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> _GlooHandle:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        return _GlooHandle([self._pg.broadcast([_bytes(t)], opts)])
+        return _GlooHandle([self._pg.broadcast([as_bytes(t)], opts)])
 
     def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> _GlooHandle:
         buf, rop = self._reduce_args(t, op)
@@ -150,32 +132,32 @@ class GlooBackend:
     ) -> _GlooHandle:
         opts = dist.GatherOptions()
         opts.rootRank = root
-        outs = [] if out is None else [_split(_bytes(out), self.world_size)]
-        return _GlooHandle([self._pg.gather(outs, [_bytes(inp)], opts)])
+        outs = [] if out is None else [split(as_bytes(out), self.world_size)]
+        return _GlooHandle([self._pg.gather(outs, [as_bytes(inp)], opts)])
 
     def scatter(
         self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
     ) -> _GlooHandle:
         opts = dist.ScatterOptions()
         opts.rootRank = root
-        ins = [] if inp is None else [_split(_bytes(inp), self.world_size)]
-        return _GlooHandle([self._pg.scatter([_bytes(out)], ins, opts)])
+        ins = [] if inp is None else [split(as_bytes(inp), self.world_size)]
+        return _GlooHandle([self._pg.scatter([as_bytes(out)], ins, opts)])
 
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
     ) -> _GlooHandle:
         return _GlooHandle(
-            [self._pg.alltoall_base(_bytes(out), _bytes(inp), [], [], dist.AllToAllOptions())]
+            [self._pg.alltoall_base(as_bytes(out), as_bytes(inp), [], [], dist.AllToAllOptions())]
         )
 
     def barrier(self, *, async_op: bool = True) -> _GlooHandle:
         return _GlooHandle([self._pg.barrier()])
 
     def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _GlooHandle:
-        return _GlooHandle([self._pg.send([_bytes(t)], dst, 0)])
+        return _GlooHandle([self._pg.send([as_bytes(t)], dst, 0)])
 
     def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _GlooHandle:
-        return _GlooHandle([self._pg.recv([_bytes(t)], src, 0)])
+        return _GlooHandle([self._pg.recv([as_bytes(t)], src, 0)])
 
     def subgroup(self, name: str, ranks: Sequence[int]) -> GlooBackend:
         return GlooBackend(
@@ -187,10 +169,6 @@ class GlooBackend:
 
     def close(self) -> None:
         self._pg.shutdown()
-
-
-def _split(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    return list(flat.view(parts, flat.numel() // parts).unbind(0))
 
 
 def _opt(rop: Any) -> dist.AllreduceOptions:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from shardline.comm.backends._common import BOOL_OPS
 from shardline.comm.work import seconds
 from shardline.errors import (
     CollectiveTimeoutError,
@@ -46,7 +47,6 @@ _REDUCE_TYPES = {
     torch.int64: "INT64_T",
 }
 _UPCAST = (torch.float16, torch.bfloat16)
-_BOOL_OPS = {"sum": "max", "max": "max", "prod": "min", "min": "min"}
 _MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
 
 
@@ -183,7 +183,7 @@ class MpiBackend:
         flat = t.reshape(-1)
         name = op
         if flat.dtype == torch.bool:
-            flat, name = flat.view(torch.uint8), _BOOL_OPS[op]
+            flat, name = flat.view(torch.uint8), BOOL_OPS[op]
         back: Callable[[], None] | None = None
         if flat.dtype in _UPCAST:
             wide = flat.float()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from shardline.comm.backends._common import as_bytes, pad_unequal, reduce_args, split
 from shardline.comm.work import seconds
 from shardline.errors import CollectiveTimeoutError, CommunicatorClosedError, ShardlineError
 
@@ -41,13 +42,6 @@ _OPS = {
     "min": dist.ReduceOp.MIN,
     "prod": dist.ReduceOp.PRODUCT,
 }
-# [Note: bool] bool is reduced as uint8: sum/max are "or", prod/min are "and".
-_BOOL_OPS = {"sum": "max", "max": "max", "prod": "min", "min": "min"}
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = t.reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
 def default_device(local_rank: int | None = None) -> torch.device:
@@ -185,9 +179,7 @@ class NcclBackend:
         return _NcclHandle(works, what, self.rank, after, keep)
 
     def _reduce_args(self, t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
-        if t.dtype == torch.bool:
-            return _bytes(t), _OPS[_BOOL_OPS[op]]
-        return t.reshape(-1), _OPS[op]
+        return reduce_args(t, op, _OPS)
 
     def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _NcclHandle:
         buf, rop = self._reduce_args(t, op)
@@ -216,23 +208,13 @@ class NcclBackend:
     ) -> _NcclHandle:
         if counts is None:
             return self._handle(
-                "all_gather", lambda: [self._pg._allgather_base(_bytes(out), _bytes(inp))]
+                "all_gather", lambda: [self._pg._allgather_base(as_bytes(out), as_bytes(inp))]
             )
         # Unequal sizes: gather equal, padded slots, then copy each rank's part out.
-        width = max(counts)
-        padded = torch.zeros(width, dtype=inp.dtype, device=self.device)
-        padded[: inp.numel()] = inp.reshape(-1)
-        gathered = torch.empty(width * self.world_size, dtype=inp.dtype, device=self.device)
-
-        def unpad() -> None:
-            start, flat = 0, out.reshape(-1)
-            for r, c in enumerate(counts):
-                flat[start : start + c] = gathered[r * width : r * width + c]
-                start += c
-
+        padded, gathered, unpad = pad_unequal(out, inp, counts, self.world_size)
         return self._handle(
             "all_gather",
-            lambda: [self._pg._allgather_base(_bytes(gathered), _bytes(padded))],
+            lambda: [self._pg._allgather_base(as_bytes(gathered), as_bytes(padded))],
             unpad,
             (padded, gathered),
         )
@@ -240,7 +222,7 @@ class NcclBackend:
     def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> _NcclHandle:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        return self._handle("broadcast", lambda: [self._pg.broadcast([_bytes(t)], opts)])
+        return self._handle("broadcast", lambda: [self._pg.broadcast([as_bytes(t)], opts)])
 
     def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> _NcclHandle:
         buf, rop = self._reduce_args(t, op)
@@ -253,16 +235,16 @@ class NcclBackend:
     ) -> _NcclHandle:
         opts = dist.GatherOptions()
         opts.rootRank = root
-        outs = [] if out is None else [_split(_bytes(out), self.world_size)]
-        return self._handle("gather", lambda: [self._pg.gather(outs, [_bytes(inp)], opts)])
+        outs = [] if out is None else [split(as_bytes(out), self.world_size)]
+        return self._handle("gather", lambda: [self._pg.gather(outs, [as_bytes(inp)], opts)])
 
     def scatter(
         self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
     ) -> _NcclHandle:
         opts = dist.ScatterOptions()
         opts.rootRank = root
-        ins = [] if inp is None else [_split(_bytes(inp), self.world_size)]
-        return self._handle("scatter", lambda: [self._pg.scatter([_bytes(out)], ins, opts)])
+        ins = [] if inp is None else [split(as_bytes(inp), self.world_size)]
+        return self._handle("scatter", lambda: [self._pg.scatter([as_bytes(out)], ins, opts)])
 
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
@@ -270,7 +252,7 @@ class NcclBackend:
         return self._handle(
             "all_to_all",
             lambda: [
-                self._pg.alltoall_base(_bytes(out), _bytes(inp), [], [], dist.AllToAllOptions())
+                self._pg.alltoall_base(as_bytes(out), as_bytes(inp), [], [], dist.AllToAllOptions())
             ],
         )
 
@@ -282,10 +264,10 @@ class NcclBackend:
         return self._handle("barrier", lambda: [self._pg.allreduce([token], opts)], keep=(token,))
 
     def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _NcclHandle:
-        return self._handle("send", lambda: [self._pg.send([_bytes(t)], dst, 0)])
+        return self._handle("send", lambda: [self._pg.send([as_bytes(t)], dst, 0)])
 
     def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _NcclHandle:
-        return self._handle("recv", lambda: [self._pg.recv([_bytes(t)], src, 0)])
+        return self._handle("recv", lambda: [self._pg.recv([as_bytes(t)], src, 0)])
 
     def subgroup(self, name: str, ranks: Sequence[int]) -> NcclBackend:
         return NcclBackend(
@@ -302,10 +284,6 @@ class NcclBackend:
 
     def close(self) -> None:
         self._pg.shutdown()
-
-
-def _split(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    return list(flat.view(parts, flat.numel() // parts).unbind(0))
 
 
 def create(
