@@ -10,6 +10,7 @@ from torch import nn
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.ddp import DistributedDataParallel
+from shardline.parallel.zero import ShardedDataParallel
 
 __all__ = ["STRATEGIES", "distribute"]
 
@@ -29,15 +30,16 @@ def distribute(
     Args:
         model: A plain ``nn.Module``, already on its device.
         optimizer: A plain optimizer over ``model``'s parameters, or ``None``.
-        strategy: ``"ddp"`` today; ``"zero1"``, ``"zero2"``, ``"zero3"`` and ``"fsdp"`` arrive
-            with the ZeRO/FSDP issue.
+        strategy: ``"ddp"``; ``"zero1"``, ``"zero2"``, ``"zero3"`` (``"fsdp"`` is zero3): see
+            ``ShardedDataParallel``.
         group: The ranks to train on; the default group when ``None``.
         **options: Passed to the strategy (for DDP: ``bucket_cap_mb``, ``broadcast_buffers``,
-            ``comm_hook``, ...).
+            ``comm_hook``, ...; for ZeRO: ``unit_mb``, ``prefetch``, ``mixed_precision``).
 
     Returns:
         ``(wrapped_model, optimizer)``. For DDP the optimizer is returned as is: it already
-        holds the parameters that the wrapper keeps in sync.
+        holds the parameters that the wrapper keeps in sync. For ZeRO it is the same object,
+        its param groups (and their hyperparameters) now holding this rank's shards.
 
     Raises:
         InvalidArgumentError: an unknown strategy, or an optimizer over other parameters.
@@ -48,10 +50,11 @@ def distribute(
             f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}"
         )
     if name != "ddp":
-        raise InvalidArgumentError(
-            f"strategy {strategy!r} is not available yet (it arrives with the ZeRO/FSDP issue); "
-            "use strategy='ddp'"
-        )
+        stage = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[name]
+        sharded = ShardedDataParallel(model, stage=stage, group=group, **options)
+        if optimizer is not None:
+            sharded.bind_optimizer(optimizer)
+        return sharded, optimizer
     if optimizer is not None:
         owned = {id(p) for p in model.parameters()}
         foreign = [p for grp in optimizer.param_groups for p in grp["params"] if id(p) not in owned]

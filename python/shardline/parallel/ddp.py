@@ -26,7 +26,6 @@ world size).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +36,7 @@ from torch.autograd import Variable
 
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError, ShardlineError
+from shardline.parallel._common import broadcast_coalesced, check_same_model, default_group
 from shardline.parallel.comm_hooks import CommHook, allreduce_hook, resolve_hook
 
 __all__ = ["DistributedDataParallel"]
@@ -87,12 +87,6 @@ class _StepState:
     ready: list[bool]
     order: list[int] = field(default_factory=list)
     next_bucket: int = 0
-
-
-def _default_group() -> ProcessGroup:
-    from shardline.comm.collectives import default_group  # noqa: PLC0415
-
-    return default_group()
 
 
 class DistributedDataParallel(nn.Module):
@@ -147,7 +141,7 @@ class DistributedDataParallel(nn.Module):
                 "must be positive"
             )
         self.module = module
-        self.group = group if group is not None else _default_group()
+        self.group = group if group is not None else default_group()
         self.bucket_cap_bytes = int(bucket_cap_mb * _MIB)
         self.first_bucket_bytes = int(min(first_bucket_mb, bucket_cap_mb) * _MIB)
         self.broadcast_buffers = broadcast_buffers
@@ -334,34 +328,7 @@ class DistributedDataParallel(nn.Module):
         return self._join_src if self._join_active and self._join_src is not None else 0
 
     def _check_same_model(self) -> None:
-        """All ranks must hold the same parameter list; otherwise name who differs."""
-        g = self.group
-        layout = ";".join(
-            f"{n}:{tuple(p.shape)}:{p.dtype}"
-            for n, p in zip(self._names, self._params, strict=True)
-        )
-        digest = int.from_bytes(hashlib.sha256(layout.encode()).digest()[:7], "little")
-        mine = torch.tensor(
-            [len(self._params), sum(p.numel() for p in self._params), digest], device=self._device
-        )
-        everyone = torch.empty(g.world_size * 3, dtype=torch.int64, device=self._device)
-        g.all_gather(everyone, mine)
-        rows = everyone.view(g.world_size, 3)
-        for r in range(g.world_size):
-            if not torch.equal(rows[r], rows[0]):
-                a, b = rows[0].tolist(), rows[r].tolist()
-                raise InvalidArgumentError(
-                    f"DistributedDataParallel on rank {g.rank}: rank {r} has {b[0]} trainable "
-                    f"parameters with {b[1]} elements while rank 0 has {a[0]} with {a[1]}"
-                    + (" (same counts, different names/shapes/dtypes)" if a[:2] == b[:2] else "")
-                    + "; build the same model on every rank before wrapping it"
-                )
-        devices = {p.device for p in self._params}
-        if len(devices) > 1:
-            raise InvalidArgumentError(
-                "DistributedDataParallel: parameters live on several devices "
-                f"{sorted(map(str, devices))}; move the model to one device first"
-            )
+        check_same_model(self.group, self._names, self._params, "DistributedDataParallel")
 
     def _build_buckets(self, order: list[int]) -> None:
         """Packs parameters into per-dtype buckets following ``order`` (first ready first)."""
@@ -598,31 +565,4 @@ class DistributedDataParallel(nn.Module):
 
     def _broadcast_tensors(self, tensors: list[torch.Tensor], src: int) -> None:
         """Broadcasts tensors from ``src``, coalesced into flat chunks of about one bucket."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for dtype in sorted(by_dtype, key=str):
-            chunk: list[torch.Tensor] = []
-            size = 0
-            for t in by_dtype[dtype]:
-                nbytes = t.numel() * t.element_size()
-                if chunk and size + nbytes > self.bucket_cap_bytes:
-                    self._broadcast_chunk(chunk, src)
-                    chunk, size = [], 0
-                chunk.append(t)
-                size += nbytes
-            if chunk:
-                self._broadcast_chunk(chunk, src)
-
-    def _broadcast_chunk(self, chunk: list[torch.Tensor], src: int) -> None:
-        if len(chunk) == 1 and chunk[0].is_contiguous():
-            self.group.broadcast(chunk[0], src=src)
-            return
-        flat = torch.cat([t.reshape(-1) for t in chunk])
-        self.group.broadcast(flat, src=src)
-        offset = 0
-        with torch.no_grad():
-            for t in chunk:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
+        broadcast_coalesced(self.group, tensors, src, self.bucket_cap_bytes)

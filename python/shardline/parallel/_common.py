@@ -1,0 +1,91 @@
+"""Pieces every data-parallel wrapper needs: the same-model check and coalesced broadcasts."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from shardline.comm.group import ProcessGroup
+from shardline.errors import InvalidArgumentError
+
+__all__ = ["broadcast_coalesced", "check_same_model", "default_group"]
+
+
+def default_group() -> ProcessGroup:
+    """The group of ``shardline.init()`` (imported late: comm imports parallel users)."""
+    from shardline.comm.collectives import default_group as get  # noqa: PLC0415
+
+    return get()
+
+
+def check_same_model(
+    group: ProcessGroup,
+    names: Sequence[str],
+    params: Sequence[torch.Tensor],
+    who: str,
+) -> None:
+    """All ranks must hold the same parameter list; otherwise name the rank that differs.
+
+    Raises:
+        InvalidArgumentError: counts, names, shapes or dtypes differ from rank 0's, or the
+            parameters live on several devices.
+    """
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise InvalidArgumentError(
+            f"{who}: parameters live on several devices {sorted(map(str, devices))}; "
+            "move the model to one device first"
+        )
+    device = params[0].device if params else torch.device("cpu")
+    layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(names, params, strict=True))
+    digest = int.from_bytes(hashlib.sha256(layout.encode()).digest()[:7], "little")
+    mine = torch.tensor([len(params), sum(p.numel() for p in params), digest], device=device)
+    everyone = torch.empty(group.world_size * 3, dtype=torch.int64, device=device)
+    group.all_gather(everyone, mine)
+    rows = everyone.view(group.world_size, 3)
+    for r in range(group.world_size):
+        if not torch.equal(rows[r], rows[0]):
+            a, b = rows[0].tolist(), rows[r].tolist()
+            raise InvalidArgumentError(
+                f"{who} on rank {group.rank}: rank {r} has {b[0]} trainable "
+                f"parameters with {b[1]} elements while rank 0 has {a[0]} with {a[1]}"
+                + (" (same counts, different names/shapes/dtypes)" if a[:2] == b[:2] else "")
+                + "; build the same model on every rank before wrapping it"
+            )
+
+
+def broadcast_coalesced(
+    group: ProcessGroup, tensors: Sequence[torch.Tensor], src: int, cap_bytes: int
+) -> None:
+    """Broadcasts tensors from ``src``, coalesced into flat chunks of about ``cap_bytes``."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype in sorted(by_dtype, key=str):
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for t in by_dtype[dtype]:
+            nbytes = t.numel() * t.element_size()
+            if chunk and size + nbytes > cap_bytes:
+                _broadcast_chunk(group, chunk, src)
+                chunk, size = [], 0
+            chunk.append(t)
+            size += nbytes
+        if chunk:
+            _broadcast_chunk(group, chunk, src)
+
+
+def _broadcast_chunk(group: ProcessGroup, chunk: list[torch.Tensor], src: int) -> None:
+    if len(chunk) == 1 and chunk[0].is_contiguous():
+        group.broadcast(chunk[0], src=src)
+        return
+    flat = torch.cat([t.reshape(-1) for t in chunk])
+    group.broadcast(flat, src=src)
+    offset = 0
+    with torch.no_grad():
+        for t in chunk:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n

@@ -1,0 +1,217 @@
+"""One sharding unit: its parameters laid out in a flat buffer, and this rank's shard of it.
+
+Layout of a unit of ``numel`` elements on ``N`` ranks: the parameters are concatenated in a
+flat buffer padded to ``N * S`` elements, ``S = ceil(numel / N)``. Rank ``r`` owns elements
+``[r*S, (r+1)*S)``: its *shard* (in the master dtype, what the optimizer steps). Each original
+parameter that overlaps the shard gets a 1-D *local* ``nn.Parameter`` viewing its part of the
+shard (possibly empty), named like the original; optimizers step those.
+
+``full`` (compute dtype) holds the gathered parameters; the module's own parameters are views
+into it. For ZeRO-3 its storage is released (``resize_(0)``) between uses and re-allocated
+before the next all-gather, so the views (and tensors autograd saved) stay valid objects.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardline.comm.work import Work
+
+__all__ = ["Unit"]
+
+
+@dataclass
+class Unit:
+    """A unit's buffers and bookkeeping (see the module docstring)."""
+
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    world_size: int
+    rank: int
+    cdtype: torch.dtype  # compute: gathered parameters
+    wdtype: torch.dtype  # master: shard and optimizer
+    rdtype: torch.dtype  # reduce: gradients on the wire
+    modules: list[str] = field(default_factory=list)
+    # layout
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    shard_numel: int = 0
+    # buffers
+    full: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    shard: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    locals: list[nn.Parameter] = field(default_factory=list)
+    local_ranges: list[tuple[int, int]] = field(default_factory=list)  # in the param's numel
+    shard_grad: torch.Tensor | None = None
+    grad_full: torch.Tensor | None = None
+    grad_filled: list[bool] = field(default_factory=list)
+    # state
+    gathered: bool = True
+    gather_work: Work | None = None
+    gather_input: torch.Tensor | None = None
+    shard_is_view: bool = False
+    trainable: bool = True
+    frozen_any: bool = False
+    active: int = 0
+    uses_left: int = 0
+    expected_uses: int = 0
+    uses_seen: int = 0
+    grads_pending: int = 0
+    launched: bool = False
+    touched: bool = False  # got a gradient in this backward
+    published: bool = False  # grad_full holds reduced gradients the optimizer was shown
+    fresh: bool = True  # the reduction overwrites shard_grad instead of adding to it
+    grad_version: int = 0
+    bw_issued: bool = False
+
+    # -- layout ------------------------------------------------------------------------------
+
+    def build(self, device: torch.device, shard_is_view: bool) -> None:
+        """Lays the parameters out, copies their values in, and makes the local views.
+
+        The parameters' ``.data`` become views of ``full``; nothing is communicated here.
+        """
+        off = 0
+        self.offsets = []
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        n = self.world_size
+        self.shard_numel = max(1, math.ceil(off / n))
+        lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        self.full = torch.zeros(self.padded, dtype=self.cdtype, device=device)
+        self.shard_is_view = shard_is_view
+        if not shard_is_view:  # the master copy comes from the original values, not the cast
+            self.shard = torch.zeros(self.shard_numel, dtype=self.wdtype, device=device)
+        with torch.no_grad():
+            for p, o in zip(self.params, self.offsets, strict=True):
+                flat = p.detach().reshape(-1)
+                self.full[o : o + p.numel()].copy_(flat)
+                a, b = max(o, lo), min(o + p.numel(), hi)
+                if b > a and not shard_is_view:
+                    self.shard[a - lo : b - lo].copy_(flat[a - o : b - o])
+        self._point_params()
+        if shard_is_view:
+            self.shard = self.full[lo:hi]
+        self.trainable = any(p.requires_grad for p in self.params)
+        self.frozen_any = not all(p.requires_grad for p in self.params)
+        self._make_locals()
+
+    def _point_params(self) -> None:
+        for p, o in zip(self.params, self.offsets, strict=True):
+            p.data = self.full[o : o + p.numel()].view(p.shape)
+
+    def _make_locals(self) -> None:
+        lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        self.locals, self.local_ranges = [], []
+        for p, o in zip(self.params, self.offsets, strict=True):
+            a, b = max(o, lo), min(o + p.numel(), hi)
+            if b < a:
+                a = b = min(max(o, lo), hi)
+            view = self.shard[a - lo : b - lo]
+            self.locals.append(nn.Parameter(view, requires_grad=p.requires_grad))
+            self.local_ranges.append((a - o, b - o) if b > a else (0, 0))
+
+    @property
+    def padded(self) -> int:
+        """Elements of the full flat buffer (``world_size * shard_numel``)."""
+        return self.world_size * self.shard_numel
+
+    # -- gathered parameters -----------------------------------------------------------------
+
+    def free(self) -> None:
+        """Releases the gathered parameters' memory (views stay valid objects)."""
+        if self.gathered and self.full.untyped_storage().nbytes() > 0:
+            self.full.untyped_storage().resize_(0)
+        self.gathered = False
+        self.gather_work = None
+        self.gather_input = None
+
+    def alloc(self) -> None:
+        """Re-allocates the gathered parameters' memory (contents undefined)."""
+        need = self.padded * self.full.element_size()
+        if self.full.untyped_storage().nbytes() < need:
+            self.full.untyped_storage().resize_(need)
+
+    def gather_source(self) -> torch.Tensor:
+        """This rank's shard in the compute dtype (the all-gather's input)."""
+        if self.shard_is_view:
+            return self.shard.clone()  # the input may not alias the output's own slice
+        if self.shard.dtype == self.cdtype:
+            return self.shard
+        return self.shard.to(self.cdtype)
+
+    # -- gradients ---------------------------------------------------------------------------
+
+    def new_grad_window(self) -> None:
+        """Starts accumulating gradients of a new backward into ``grad_full``."""
+        if self.grad_full is None:
+            self.grad_full = torch.empty(self.padded, dtype=self.rdtype, device=self.full.device)
+            self.grad_filled = [False] * len(self.params)
+
+    def add_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Adds parameter ``i``'s gradient into the unit's flat gradient buffer."""
+        self.new_grad_window()
+        assert self.grad_full is not None
+        o, n = self.offsets[i], self.params[i].numel()
+        dst = self.grad_full[o : o + n].view(grad.shape)
+        if self.grad_filled[i]:
+            dst.add_(grad)
+        else:
+            dst.copy_(grad)
+            self.grad_filled[i] = True
+
+    def fill_missing(self) -> None:
+        """Zeros the parts of ``grad_full`` no gradient arrived for (and the padding)."""
+        self.new_grad_window()
+        assert self.grad_full is not None
+        for i, p in enumerate(self.params):
+            if not self.grad_filled[i]:
+                o = self.offsets[i]
+                self.grad_full[o : o + p.numel()].zero_()
+                self.grad_filled[i] = True
+        self.grad_full[self.numel :].zero_()
+
+    def publish_grads(self) -> None:
+        """Points each trainable local parameter's ``.grad`` at its part of ``shard_grad``."""
+        if self.shard_grad is None:
+            return
+        lo = self.rank * self.shard_numel
+        for p, loc, (a, b), o in zip(
+            self.params, self.locals, self.local_ranges, self.offsets, strict=True
+        ):
+            if not p.requires_grad:
+                continue
+            start = o + a - lo if b > a else 0
+            loc.grad = self.shard_grad[start : start + (b - a)]
+
+    def locals_have_grads(self) -> bool:
+        """Whether the optimizer side still holds this unit's gradients (not zeroed to None)."""
+        return all(
+            loc.grad is not None
+            for loc, p in zip(self.locals, self.params, strict=True)
+            if p.requires_grad
+        )
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the unit, by kind."""
+
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.untyped_storage().nbytes()
+
+        full = size(self.full)
+        shard_own = 0 if self.shard_is_view else size(self.shard)
+        grad_own = size(self.grad_full) if self.grad_full is not None else 0
+        sg = self.shard_grad
+        sg_own = 0
+        if sg is not None and not (
+            self.grad_full is not None
+            and sg.untyped_storage().data_ptr() == self.grad_full.untyped_storage().data_ptr()
+        ):
+            sg_own = size(sg)
+        return {"params": full, "master": shard_own, "grads": grad_own + sg_own}

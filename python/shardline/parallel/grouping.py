@@ -1,0 +1,166 @@
+"""Automatic grouping of a model's parameters into sharding units.
+
+A *unit* is the set of parameters that ZeRO-3 all-gathers together (and that every ZeRO stage
+reduces and shards as one flat buffer). Units are formed from the module tree and parameter
+sizes, without user wrapping:
+
+- the modules that own parameters are taken in execution order (the order recorded on the first
+  step) or, before anything ran, in registration order;
+- consecutive small modules are merged until a unit reaches ``threshold`` bytes (default
+  1 MiB); a module at or above the threshold stands alone;
+- a unit never mixes dtypes (a flat buffer has one dtype).
+
+A parameter shared by several modules (tied embeddings) belongs to the unit of the first module
+that owns it; the other modules *use* that unit too, and the sharded wrapper gathers it for
+them. The result is deterministic for a given model and order, so every rank computes the same
+units without talking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardline.errors import InvalidArgumentError
+
+__all__ = ["DEFAULT_UNIT_MB", "UnitPlan", "UnitSpec", "plan_units"]
+
+DEFAULT_UNIT_MB = 1.0
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One unit: its modules, its parameters (fully qualified names) and its size."""
+
+    index: int
+    modules: tuple[str, ...]
+    params: tuple[str, ...]
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the unit's parameters (unpadded)."""
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """All units of a model, with the numbers ``model.plan()`` prints."""
+
+    units: tuple[UnitSpec, ...]
+    layers: int
+    threshold: int
+
+    def all_gathers_per_step(self, stage: int) -> int:
+        """Parameter all-gathers per training step: stage 3 gathers for forward and backward."""
+        return 2 * len(self.units) if stage == 3 else len(self.units)
+
+    def summary(self, stage: int = 3) -> str:
+        """One line, e.g. ``312 layers -> 24 units, 48 all-gathers per step``."""
+        return (
+            f"{self.layers} layers -> {len(self.units)} units, "
+            f"{self.all_gathers_per_step(stage)} all-gathers per step"
+        )
+
+    def table(self, stage: int = 3) -> str:
+        """The summary line followed by one row per unit."""
+        rows = [self.summary(stage)]
+        for u in self.units:
+            first, last = u.modules[0] or "<root>", u.modules[-1] or "<root>"
+            span = first if len(u.modules) == 1 else f"{first} .. {last} ({len(u.modules)})"
+            rows.append(
+                f"  unit {u.index:>3}: {u.nbytes / 2**20:8.2f} MiB  "
+                f"{len(u.params):>3} params  {span}"
+            )
+        return "\n".join(rows)
+
+
+def owned_parameters(module: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """``{module name: [(parameter name, parameter)]}`` for parameters each module owns.
+
+    A parameter is owned by the first module (in ``named_modules`` order) that holds it; the
+    names are fully qualified (``blocks.0.attn.weight``).
+    """
+    seen: set[int] = set()
+    owned: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for mname, mod in module.named_modules(remove_duplicate=True):
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            owned.setdefault(mname, []).append((f"{mname}.{pname}" if mname else pname, p))
+    return owned
+
+
+def plan_units(
+    module: nn.Module,
+    threshold_bytes: int | None = None,
+    order: Sequence[str] | None = None,
+) -> UnitPlan:
+    """Groups ``module``'s parameters into units (see the module docstring).
+
+    Args:
+        module: The plain model.
+        threshold_bytes: Merge small modules until a unit holds this many bytes;
+            ``DEFAULT_UNIT_MB`` MiB when ``None``. ``0`` puts every module in its own unit.
+        order: Names of modules in the order they ran; modules missing from it follow in
+            registration order.
+
+    Raises:
+        InvalidArgumentError: a module owns parameters of two dtypes, or the model has no
+            parameters.
+    """
+    threshold = int(DEFAULT_UNIT_MB * 2**20) if threshold_bytes is None else threshold_bytes
+    owned = owned_parameters(module)
+    if not owned:
+        raise InvalidArgumentError("the model has no parameters to shard")
+    names = list(owned)
+    if order is not None:
+        ran = [m for m in dict.fromkeys(order) if m in owned]
+        names = ran + [m for m in names if m not in set(ran)]
+    units: list[UnitSpec] = []
+    cur_mods: list[str] = []
+    cur_params: list[str] = []
+    cur_numel = 0
+    cur_dtype: torch.dtype | None = None
+
+    def close() -> None:
+        nonlocal cur_mods, cur_params, cur_numel, cur_dtype
+        if cur_mods and cur_dtype is not None:
+            units.append(
+                UnitSpec(len(units), tuple(cur_mods), tuple(cur_params), cur_numel, cur_dtype)
+            )
+        cur_mods, cur_params, cur_numel, cur_dtype = [], [], 0, None
+
+    for mname in names:
+        params = owned[mname]
+        dtypes = {p.dtype for _, p in params}
+        if len(dtypes) > 1:
+            listed = ", ".join(f"{n} ({p.dtype})" for n, p in params)
+            raise InvalidArgumentError(
+                f"module {mname or '<root>'!r} owns parameters of several dtypes ({listed}); "
+                "cast the model to one dtype and set compute precision with MixedPrecision"
+            )
+        dtype = dtypes.pop()
+        numel = sum(p.numel() for _, p in params)
+        nbytes = numel * params[0][1].element_size()
+        if cur_dtype is not None and dtype != cur_dtype:
+            close()
+        if nbytes >= threshold:
+            close()
+            cur_mods, cur_params = [mname], [n for n, _ in params]
+            cur_numel, cur_dtype = numel, dtype
+            close()
+            continue
+        cur_mods.append(mname)
+        cur_params += [n for n, _ in params]
+        cur_numel += numel
+        cur_dtype = dtype
+        if cur_numel * params[0][1].element_size() >= threshold:
+            close()
+    close()
+    return UnitPlan(tuple(units), layers=len(names), threshold=threshold)

@@ -1,0 +1,658 @@
+"""Pre-flight memory planning: bytes per rank for each strategy, and the cheapest one that fits.
+
+``estimate_memory`` reads only parameter metadata (numel, dtype) and the sharding units of
+``grouping.plan_units``; it never allocates parameters. Optionally it runs one forward of the
+model on the meta device to count the activations autograd saves for backward.
+
+The per-rank layout matches the sharded wrapper (``_units.Unit``). With Ψ parameters (Ψ_t of
+them trainable), N ranks, each unit ``u`` padded to a multiple of N (shard
+``S_u = max(1, ceil(numel_u / N))``), model dtype size m, compute size c, master size w,
+reduce size r and k optimizer states per parameter (stored in w):
+
+==========  ========  =============================  ===================  =========
+strategy    params    grads                          master               optimizer
+==========  ========  =============================  ===================  =========
+ddp         m·Ψ       m·Ψ_t                          0                    k·m·Ψ_t
+zero1       c·ΣN·S_u  r·ΣN·S_u (+ w·ΣS_u if w != r)  w·ΣS_u if w != c     k·w·ΣS_u
+zero2       c·ΣN·S_u  w·ΣS_u                         w·ΣS_u if w != c     k·w·ΣS_u
+zero3/fsdp  w·ΣS_u    w·ΣS_u                         0 (the shard is it)  k·w·ΣS_u
+==========  ========  =============================  ===================  =========
+
+fp32 Adam without mixed precision gives the ZeRO paper's 16, 8 + 8/N, 4 + 12/N and 16/N bytes
+per parameter. Transient communication buffers come on top (the largest units, an upper
+bound): ZeRO-1 the all-gather input after the step (c·S); ZeRO-2 two full gradient flats in
+the reduce dtype (2·r·N·S); ZeRO-3 ``1 + prefetch`` gathered units in the compute dtype, one
+full gradient flat and, when c != w, the cast all-gather input.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardline.errors import InvalidArgumentError
+from shardline.parallel.grouping import DEFAULT_UNIT_MB, plan_units
+from shardline.parallel.precision import MixedPrecision
+
+__all__ = [
+    "OPTIMIZERS",
+    "PLANNED_STRATEGIES",
+    "MemoryEstimate",
+    "available_memory",
+    "choose_strategy",
+    "estimate_activations",
+    "estimate_memory",
+    "format_bytes",
+    "optimizer_states",
+]
+
+PLANNED_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+"""Strategies ``estimate_memory`` knows (``fsdp`` is laid out as ``zero3``)."""
+
+OPTIMIZERS: dict[str, int] = {
+    "adamw": 2,
+    "adam": 2,
+    "sgd": 0,
+    "sgd-momentum": 1,
+    "adagrad": 1,
+    "rmsprop": 1,
+    "none": 0,
+}
+"""Optimizer names and the states each keeps per parameter."""
+
+_COMPONENTS = ("params", "grads", "master", "optimizer")
+_MEMINFO = "/proc/meminfo"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank needs for a strategy; ``str()`` prints a table.
+
+    Attributes:
+        strategy: The strategy estimated (``ddp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp``).
+        world_size: Ranks the model is spread over (N).
+        params: Parameters held between steps (full, or this rank's shard).
+        grads: Gradients held between steps (full flats, shard flats, or both).
+        master: The higher-precision copy of this rank's shard, when it is not a view.
+        optimizer: Optimizer states of this rank's shard (full for DDP).
+        comm_buffers: Peak transient communication buffers (gathered units, gradient flats).
+        activations: Tensors saved for backward by one forward of ``example_input``.
+        num_params: Parameters of the model (Ψ, unpadded, each shared tensor once).
+        num_units: Sharding units the model was grouped into.
+        optimizer_states: States per parameter (k).
+        activations_estimated: Whether ``activations`` was measured (needs an example input).
+        formulas: ``(component, bytes per parameter)`` with ``N`` for the world size, such as
+            ``("optimizer", "8/N")``; empty strings where unit dtypes differ.
+        notes: Caveats, one sentence each.
+    """
+
+    strategy: str
+    world_size: int
+    params: int
+    grads: int
+    master: int
+    optimizer: int
+    comm_buffers: int
+    activations: int
+    num_params: int
+    num_units: int = 0
+    optimizer_states: int = 0
+    activations_estimated: bool = False
+    formulas: tuple[tuple[str, str], ...] = field(default=())
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def persistent(self) -> int:
+        """Bytes held between steps: params + grads + master + optimizer."""
+        return self.params + self.grads + self.master + self.optimizer
+
+    @property
+    def total(self) -> int:
+        """Peak bytes per rank: persistent state, communication buffers and activations."""
+        return self.persistent + self.comm_buffers + self.activations
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Persistent bytes per model parameter (16 for fp32 Adam under DDP)."""
+        return self.persistent / self.num_params if self.num_params else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field plus ``persistent``, ``total`` and ``bytes_per_param``."""
+        out = asdict(self)
+        out["formulas"] = dict(self.formulas)
+        out["notes"] = list(self.notes)
+        out.update(
+            persistent=self.persistent, total=self.total, bytes_per_param=self.bytes_per_param
+        )
+        return out
+
+    def __str__(self) -> str:
+        formulas = dict(self.formulas)
+        n = self.world_size
+        head = (
+            f"{self.strategy} on N={n} rank{'s' if n != 1 else ''}: {self.num_params:,} params "
+            f"in {self.num_units} units, k={self.optimizer_states} optimizer states (per rank)"
+        )
+        rows = [head, f"  {'component':<14}{'bytes':>12}   bytes/param"]
+
+        def row(name: str, nbytes: int, per_param: str) -> None:
+            rows.append(f"  {name:<14}{format_bytes(nbytes, 2):>12}   {per_param}".rstrip())
+
+        def per_param(name: str, nbytes: int) -> str:
+            value = f"{nbytes / self.num_params:.2f}" if self.num_params else "-"
+            formula = formulas.get(name, "")
+            return f"{formula} = {value}" if "N" in formula else value
+
+        for name in _COMPONENTS:
+            row(name, getattr(self, name), per_param(name, getattr(self, name)))
+        row("persistent", self.persistent, per_param("persistent", self.persistent))
+        row("comm buffers", self.comm_buffers, "transient")
+        act = "one forward of the example input" if self.activations_estimated else "not estimated"
+        row("activations", self.activations, act)
+        row("total", self.total, "")
+        rows += [f"  note: {note}" for note in self.notes]
+        return "\n".join(rows)
+
+
+def format_bytes(nbytes: float, digits: int = 1) -> str:
+    """``1288490188`` -> ``"1.2 GiB"``: bytes in the largest binary unit below the value."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.{digits}f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def optimizer_states(optimizer: str | torch.optim.Optimizer | None) -> int:
+    """States per parameter (k) for an optimizer name or instance.
+
+    Instances are read from their class and hyperparameters (largest over param groups):
+    ``SGD`` keeps a momentum buffer when ``momentum > 0``, ``Adam(amsgrad=True)`` three states,
+    ``RMSprop`` one plus one for momentum and one when centered.
+
+    Raises:
+        InvalidArgumentError: an unknown name or optimizer class.
+    """
+    if optimizer is None:
+        return 0
+    if isinstance(optimizer, str):
+        key = optimizer.lower()
+        if key not in OPTIMIZERS:
+            raise InvalidArgumentError(
+                f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)} "
+                "or pass a torch.optim.Optimizer"
+            )
+        return OPTIMIZERS[key]
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidArgumentError(
+            f"optimizer must be a name ({', '.join(OPTIMIZERS)}) or a torch.optim.Optimizer, "
+            f"not {type(optimizer).__name__}"
+        )
+    groups = optimizer.param_groups or [optimizer.defaults]
+    return max(_states_of(optimizer, {**optimizer.defaults, **g}) for g in groups)
+
+
+def _states_of(optimizer: torch.optim.Optimizer, hp: Mapping[str, Any]) -> int:
+    """States per parameter of one param group with hyperparameters ``hp``."""
+    optim = torch.optim
+    rules: list[tuple[type[torch.optim.Optimizer], Callable[[Mapping[str, Any]], int]]] = [
+        (optim.SGD, lambda h: int(h.get("momentum", 0) > 0)),
+        (optim.Adam, lambda h: 3 if h.get("amsgrad") else 2),
+        (optim.AdamW, lambda h: 3 if h.get("amsgrad") else 2),
+        (optim.Adagrad, lambda h: 1),
+        (
+            optim.RMSprop,
+            lambda h: 1 + int(h.get("momentum", 0) > 0) + int(bool(h.get("centered"))),
+        ),
+        (optim.Adamax, lambda h: 2),
+        (optim.NAdam, lambda h: 2),
+        (optim.RAdam, lambda h: 2),
+        (optim.Adadelta, lambda h: 2),
+        (optim.Rprop, lambda h: 2),
+        (optim.ASGD, lambda h: 1),
+        (optim.SparseAdam, lambda h: 2),
+    ]
+    for cls, states in rules:
+        if isinstance(optimizer, cls):
+            return states(hp)
+    known = ", ".join(cls.__name__ for cls, _ in rules)
+    raise InvalidArgumentError(
+        f"cannot infer the optimizer states of {type(optimizer).__name__}; pass a name "
+        f"({', '.join(OPTIMIZERS)}) or one of {known}"
+    )
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """Sizes of one sharding unit: element counts and the dtypes it lives in."""
+
+    numel: int
+    trainable: int  # elements of parameters that require grad
+    shard: int  # S_u = max(1, ceil(numel / N))
+    model: torch.dtype
+    compute: torch.dtype
+    master: torch.dtype
+    reduce: torch.dtype
+
+
+def _coefficients(name: str, u: _Unit, k: int) -> dict[str, tuple[int, int]]:
+    """``{component: (bytes per full element, bytes per shard element)}`` for one unit.
+
+    For ``ddp`` the full coefficient multiplies the unpadded numel; for ZeRO it multiplies
+    the padded ``N * S_u``; the shard coefficient always multiplies ``S_u``.
+    """
+    m, c, w, r = u.model.itemsize, u.compute.itemsize, u.master.itemsize, u.reduce.itemsize
+    separate = u.master != u.compute  # else the master shard is a view into the full params
+    if name == "ddp":
+        return {"params": (m, 0), "grads": (m, 0), "master": (0, 0), "optimizer": (k * m, 0)}
+    if name == "zero1":
+        # The full gradients persist in the reduce dtype; the shard gradient views them
+        # unless the master dtype differs.
+        return {
+            "params": (c, 0),
+            "grads": (r, w if u.master != u.reduce else 0),
+            "master": (0, w if separate else 0),
+            "optimizer": (0, k * w),
+        }
+    if name == "zero2":
+        return {
+            "params": (c, 0),
+            "grads": (0, w),
+            "master": (0, w if separate else 0),
+            "optimizer": (0, k * w),
+        }
+    return {"params": (0, w), "grads": (0, w), "master": (0, 0), "optimizer": (0, k * w)}
+
+
+def _comm_buffers(name: str, units: list[_Unit], n: int, prefetch: int) -> int:
+    """Peak transient bytes of communication buffers (upper bound: the largest units)."""
+    if name == "ddp":
+        return 0  # gradients are views into the buckets, already counted in grads
+    grad_flat = max(u.reduce.itemsize * n * u.shard for u in units)
+    gather_in = max(u.compute.itemsize * u.shard for u in units)  # shard copied or cast
+    if name == "zero1":
+        return gather_in  # the persistent full gradients are reduce-scattered in place
+    if name == "zero2":
+        return max(2 * grad_flat, gather_in)  # two reductions in flight during backward
+    gathered = sorted((u.compute.itemsize * n * u.shard for u in units), reverse=True)
+    cast_in = max((u.compute.itemsize * u.shard for u in units if u.compute != u.master), default=0)
+    return sum(gathered[: 1 + prefetch]) + grad_flat + cast_in
+
+
+def _formula(full: int, shard: int, n_symbol: str = "N") -> str:
+    """``(8, 8)`` -> ``"8 + 8/N"``; ``(0, 16)`` -> ``"16/N"``; ``(0, 0)`` -> ``"0"``."""
+    parts = [str(full)] if full else []
+    if shard:
+        parts.append(f"{shard}/{n_symbol}")
+    return " + ".join(parts) or "0"
+
+
+def estimate_memory(
+    model: nn.Module,
+    *,
+    world_size: int,
+    strategy: str = "zero3",
+    optimizer: str | torch.optim.Optimizer | None = "adamw",
+    mixed_precision: MixedPrecision | None = None,
+    example_input: Any = None,
+    unit_mb: float = DEFAULT_UNIT_MB,
+    prefetch: int = 1,
+) -> MemoryEstimate:
+    """Bytes per rank to train ``model`` with ``strategy`` on ``world_size`` ranks.
+
+    Only parameter metadata is read; nothing is allocated for parameters. Activations are
+    counted only when ``example_input`` is given, by one forward on the meta device.
+
+    Args:
+        model: The plain model (on any device, ``meta`` included).
+        world_size: Ranks (N), at least 1.
+        strategy: ``ddp``, ``zero1``, ``zero2``, ``zero3`` or ``fsdp`` (laid out as zero3).
+        optimizer: A name from ``OPTIMIZERS`` or a ``torch.optim.Optimizer`` (its states per
+            parameter are inferred from its class and hyperparameters).
+        mixed_precision: The sharded strategies' precision policy; ignored (with a note) for
+            ``ddp``.
+        example_input: One rank's batch: a tensor, a tuple of positional arguments or a dict
+            of keyword arguments. Only shapes and dtypes are used.
+        unit_mb: Sharding unit threshold in MiB, as given to the sharded wrapper.
+        prefetch: Units ZeRO-3 gathers ahead of the one computing.
+
+    Returns:
+        A ``MemoryEstimate``; ``print`` it for a table.
+
+    Raises:
+        InvalidArgumentError: an unknown strategy or optimizer, ``world_size < 1``, a negative
+            ``prefetch`` or ``unit_mb``, or a model without parameters.
+    """
+    name = _check_strategy(strategy)
+    _check_world_size(world_size)
+    if prefetch < 0 or unit_mb < 0:
+        raise InvalidArgumentError(
+            f"prefetch ({prefetch}) and unit_mb ({unit_mb}) must not be negative"
+        )
+    k = optimizer_states(optimizer)
+    notes: list[str] = []
+    mp = _effective_precision(name, mixed_precision, notes)
+    activations, measured = _activations_or_note(model, example_input, mp, notes)
+    return _estimate(
+        model, name, world_size, k, mp, unit_mb, prefetch, activations, measured, notes
+    )
+
+
+def _estimate(
+    model: nn.Module,
+    name: str,
+    world_size: int,
+    k: int,
+    mp: MixedPrecision | None,
+    unit_mb: float,
+    prefetch: int,
+    activations: int,
+    measured: bool,
+    notes: list[str],
+) -> MemoryEstimate:
+    """The estimate once arguments are checked and activations counted."""
+    layout = "zero3" if name == "fsdp" else name
+    plan = plan_units(model, int(unit_mb * 2**20))
+    n = world_size
+    named = dict(model.named_parameters())
+
+    def params_of(names: tuple[str, ...]) -> list[nn.Parameter]:
+        return [named[name] for name in names]
+
+    units = []
+    for spec in plan.units:
+        dt = spec.dtype
+        compute = mp.compute_dtype(dt) if mp else dt
+        master = mp.master_dtype(dt) if mp else dt
+        reduce = mp.reduction_dtype(dt) if mp else dt
+        trainable = sum(p.numel() for p in params_of(spec.params) if p.requires_grad)
+        shard = max(1, -(-spec.numel // n))
+        units.append(_Unit(spec.numel, trainable, shard, dt, compute, master, reduce))
+
+    totals = dict.fromkeys(_COMPONENTS, 0)
+    coefficients: dict[str, set[tuple[int, int]]] = {c: set() for c in _COMPONENTS}
+    for u in units:
+        for comp, (full, shard) in _coefficients(layout, u, k).items():
+            if layout != "ddp":
+                full_elems = n * u.shard
+            else:  # DDP reduces and steps only parameters that require grad
+                full_elems = u.numel if comp == "params" else u.trainable
+            totals[comp] += full * full_elems + shard * u.shard
+            coefficients[comp].add((full, shard))
+
+    formulas: list[tuple[str, str]] = []
+    if all(len(c) == 1 for c in coefficients.values()):
+        pairs = {comp: next(iter(c)) for comp, c in coefficients.items()}
+        formulas = [(comp, _formula(*pairs[comp])) for comp in _COMPONENTS]
+        persistent = (sum(p[0] for p in pairs.values()), sum(p[1] for p in pairs.values()))
+        formulas.append(("persistent", _formula(*persistent)))
+
+    num_params = sum(u.numel for u in units)
+    frozen = num_params - sum(u.trainable for u in units)
+    if frozen and layout != "ddp":
+        notes.append(
+            f"{frozen:,} frozen parameters are counted with gradients and optimizer states "
+            "(an upper bound)"
+        )
+    if not measured and not any(note.startswith("activations") for note in notes):
+        notes.append("activations not estimated: pass example_input")
+    return MemoryEstimate(
+        strategy=name,
+        world_size=n,
+        params=totals["params"],
+        grads=totals["grads"],
+        master=totals["master"],
+        optimizer=totals["optimizer"],
+        comm_buffers=_comm_buffers(layout, units, n, prefetch),
+        activations=activations,
+        num_params=num_params,
+        num_units=len(units),
+        optimizer_states=k,
+        activations_estimated=measured,
+        formulas=tuple(formulas),
+        notes=tuple(notes),
+    )
+
+
+def _check_strategy(strategy: str) -> str:
+    name = strategy.lower() if isinstance(strategy, str) else ""
+    if name not in PLANNED_STRATEGIES:
+        raise InvalidArgumentError(
+            f"unknown strategy {strategy!r}; use one of {', '.join(PLANNED_STRATEGIES)}"
+        )
+    return name
+
+
+def _check_world_size(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InvalidArgumentError(f"world_size must be an integer >= 1, got {world_size!r}")
+
+
+def _effective_precision(
+    name: str, mixed_precision: MixedPrecision | None, notes: list[str]
+) -> MixedPrecision | None:
+    """The policy that applies to ``name``: DDP trains in the model's dtype."""
+    if mixed_precision is not None and name == "ddp":
+        notes.append("ddp ignores mixed_precision: estimated in the model's dtype")
+        return None
+    return mixed_precision
+
+
+def _activations_or_note(
+    model: nn.Module, example_input: Any, mp: MixedPrecision | None, notes: list[str]
+) -> tuple[int, bool]:
+    """``(bytes, measured)``; a forward that fails on the meta device becomes a note."""
+    if example_input is None:
+        return 0, False
+    try:
+        return estimate_activations(model, example_input, mp), True
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+        notes.append(
+            f"activations not estimated: the forward failed on the meta device "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        )
+        return 0, False
+
+
+def estimate_activations(
+    model: nn.Module, example_input: Any, mixed_precision: MixedPrecision | None = None
+) -> int:
+    """Bytes of tensors autograd saves in one forward of ``example_input``.
+
+    The forward runs on the meta device: parameters and buffers are replaced by meta tensors
+    of the same shapes (cast to the compute dtype under ``mixed_precision``, floating inputs
+    too), so nothing is allocated or computed. Saved tensors that are parameters (or views of
+    them) are skipped, and a tensor saved several times (or through several views) counts once,
+    at the size of its storage.
+
+    Args:
+        model: The plain model.
+        example_input: A tensor, a tuple of positional arguments or a dict of keyword arguments.
+        mixed_precision: The policy whose compute dtype the forward runs in.
+    """
+
+    def meta(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+        dtype = t.dtype
+        if mixed_precision is not None and t.is_floating_point():
+            dtype = mixed_precision.compute_dtype(t.dtype)
+        out = torch.empty(t.shape, dtype=dtype, device="meta")
+        return out.requires_grad_(requires_grad and dtype.is_floating_point)
+
+    params = {n: meta(p, p.requires_grad) for n, p in model.named_parameters()}
+    state = {**{n: meta(b) for n, b in model.named_buffers()}, **params}
+    param_ids = {id(p) for p in params.values()}
+    if isinstance(example_input, Mapping):
+        args: tuple[Any, ...] = ()
+        kwargs = {k: _map_tensors(v, meta) for k, v in example_input.items()}
+    else:
+        raw = example_input if isinstance(example_input, tuple) else (example_input,)
+        args, kwargs = tuple(_map_tensors(a, meta) for a in raw), {}
+
+    # [Note: saved tensors are kept alive until the count is done, so ids are never reused.]
+    saved: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t if t._base is None else t._base
+        if id(base) not in param_ids and id(base) not in saved:
+            saved[id(base)] = (base, base.untyped_storage().nbytes())
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = torch.func.functional_call(model, state, args, kwargs, strict=False)
+    del out
+    return sum(nbytes for _, nbytes in saved.values())
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Applies ``fn`` to every tensor in nested tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_map_tensors(v, fn) for v in value))
+    if isinstance(value, tuple | list):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def available_memory(device: torch.device | str | int = "cpu") -> int:
+    """Free bytes one rank can use on ``device``.
+
+    CUDA: the free memory ``torch.cuda.mem_get_info`` reports. CPU: ``MemAvailable`` from
+    ``/proc/meminfo`` (or ``os.sysconf`` where ``/proc`` is missing) divided by the ranks on
+    this host (``LOCAL_WORLD_SIZE``, default 1).
+
+    Raises:
+        InvalidArgumentError: a device that is neither CPU nor an available CUDA device, or a
+            malformed ``LOCAL_WORLD_SIZE``.
+    """
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(f"available_memory({device!r}): CUDA is not available")
+        return int(torch.cuda.mem_get_info(dev)[0])
+    if dev.type != "cpu":
+        raise InvalidArgumentError(
+            f"available_memory() knows cpu and cuda devices, not {dev.type!r}"
+        )
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    try:
+        local = int(raw)
+    except ValueError:
+        raise InvalidArgumentError(f"LOCAL_WORLD_SIZE={raw!r} is not an integer") from None
+    return _host_available() // max(local, 1)
+
+
+def _host_available() -> int:
+    """``MemAvailable`` of this host in bytes."""
+    try:
+        with open(_MEMINFO, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    value, *unit = line.split()[1:]
+                    return int(value) * (1024 if unit and unit[0].lower() == "kb" else 1)
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _default_device(model: nn.Module) -> torch.device:
+    """The device a model trains on: its own if CUDA, else CUDA when present, else CPU."""
+    first = next(model.parameters(), None)
+    if first is not None and first.device.type == "cuda":
+        return first.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def choose_strategy(
+    model: nn.Module,
+    *,
+    world_size: int,
+    available_bytes: int | None = None,
+    optimizer: str | torch.optim.Optimizer | None = "adamw",
+    mixed_precision: MixedPrecision | None = None,
+    example_input: Any = None,
+    headroom: float = 0.7,
+    unit_mb: float = DEFAULT_UNIT_MB,
+    prefetch: int = 1,
+    device: torch.device | str | int | None = None,
+) -> tuple[str, str, MemoryEstimate]:
+    """The least sharded strategy whose estimate fits ``headroom`` of the available memory.
+
+    Tries ``ddp``, then ``zero1``, ``zero2`` and ``zero3``; when none fits, returns ``zero3``
+    with a reason that says by how much it is short.
+
+    Args:
+        model: The plain model.
+        world_size: Ranks (N).
+        available_bytes: Bytes one rank may use; ``available_memory(device)`` when ``None``.
+        optimizer: As for ``estimate_memory``.
+        mixed_precision: As for ``estimate_memory`` (ddp is estimated without it).
+        example_input: As for ``estimate_memory``; activations count towards the total.
+        headroom: Fraction of ``available_bytes`` a strategy may use, in (0, 1].
+        unit_mb: As for ``estimate_memory``.
+        prefetch: As for ``estimate_memory``.
+        device: Where ``available_memory`` looks; the model's CUDA device, else the current
+            CUDA device, else the CPU.
+
+    Returns:
+        ``(strategy, reason, estimate)``, the reason reading like
+        ``"ddp: 1.2 GiB per rank of 12.0 GiB available (70% headroom)"``.
+
+    Raises:
+        InvalidArgumentError: as ``estimate_memory``, or ``headroom`` outside (0, 1] or a
+            negative ``available_bytes``.
+    """
+    _check_world_size(world_size)
+    if not 0 < headroom <= 1:
+        raise InvalidArgumentError(f"headroom must be in (0, 1], got {headroom}")
+    if available_bytes is None:
+        available_bytes = available_memory(device if device is not None else _default_device(model))
+    if available_bytes < 0:
+        raise InvalidArgumentError(f"available_bytes must not be negative, got {available_bytes}")
+    if prefetch < 0 or unit_mb < 0:
+        raise InvalidArgumentError(
+            f"prefetch ({prefetch}) and unit_mb ({unit_mb}) must not be negative"
+        )
+    k = optimizer_states(optimizer)
+    budget = headroom * available_bytes
+    cache: dict[bool, tuple[int, bool, list[str]]] = {}
+    rejected: list[str] = []
+    estimate: MemoryEstimate | None = None
+    for name in ("ddp", "zero1", "zero2", "zero3"):
+        notes: list[str] = []
+        mp = _effective_precision(name, mixed_precision, notes)
+        key = mp is None
+        if key not in cache:  # one meta forward per compute dtype
+            act_notes: list[str] = []
+            act, measured = _activations_or_note(model, example_input, mp, act_notes)
+            cache[key] = (act, measured, act_notes)
+        act, measured, act_notes = cache[key]
+        estimate = _estimate(
+            model, name, world_size, k, mp, unit_mb, prefetch, act, measured, notes + act_notes
+        )
+        if estimate.total <= budget:
+            reason = (
+                f"{name}: {format_bytes(estimate.total)} per rank of "
+                f"{format_bytes(available_bytes)} available ({headroom:.0%} headroom)"
+            )
+            if rejected:
+                reason += "; " + ", ".join(rejected) + " would not fit"
+            return name, reason, estimate
+        rejected.append(f"{name} ({format_bytes(estimate.total)})")
+    assert estimate is not None
+    short = estimate.total - budget
+    reason = (
+        f"zero3 may not fit: {format_bytes(estimate.total)} per rank of "
+        f"{format_bytes(available_bytes)} available ({headroom:.0%} headroom allows "
+        f"{format_bytes(budget)}), short by {format_bytes(short)}; add ranks, use mixed "
+        "precision, a smaller batch or activation checkpointing"
+    )
+    return "zero3", reason, estimate

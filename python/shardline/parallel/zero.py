@@ -1,0 +1,723 @@
+"""Sharded data parallel: ZeRO stages 1, 2 and 3 (FSDP) around a plain model.
+
+``ShardedDataParallel`` groups the model's parameters into *units* automatically
+(``grouping.plan_units``: small layers merged up to ~1 MiB, large ones alone) and gives every
+unit a flat buffer sharded across the ranks (``_units.Unit``). The optimizer steps this rank's
+shards: ``model.parameters()`` yields one 1-D local parameter per original parameter, named like
+it, so ``torch.optim.AdamW(model.parameters())`` keeps 1/N of the optimizer state.
+
+- **Stage 1**: gathered parameters and full gradients stay on every rank; each unit's gradients
+  are all-reduced when complete (so accumulation across backward passes is exactly DDP's);
+  after the optimizer step the units are all-gathered again before the next forward.
+- **Stage 2**: as stage 1, but each unit's gradients are reduce-scattered as soon as the unit is
+  complete, and only this rank's gradient shard is kept.
+- **Stage 3**: parameters are sharded too. A unit is all-gathered just before the first module
+  that uses it runs (the next unit is prefetched meanwhile) and freed after its last use; in
+  backward it is gathered again when the gradient reaches its modules' outputs, and freed once
+  its gradients are complete.
+
+No hangs when ranks run different modules: collectives never depend on which modules ran.
+Every forward all-gathers every unit once, in unit order, on a dedicated group; every
+synchronised backward gathers every unit once in a fixed order (the reverse of their last use)
+and reduces every unit once in reverse unit order on another group. A unit a rank does not use
+is gathered and dropped; its gradient contribution is zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.autograd import Variable
+
+from shardline.comm.group import ProcessGroup
+from shardline.comm.work import Work
+from shardline.errors import InvalidArgumentError, ShardlineError
+from shardline.parallel._common import broadcast_coalesced, check_same_model, default_group
+from shardline.parallel._units import Unit
+from shardline.parallel.grouping import DEFAULT_UNIT_MB, UnitPlan, owned_parameters, plan_units
+from shardline.parallel.precision import MixedPrecision
+
+__all__ = ["ShardedDataParallel", "ShardedTensor"]
+
+_MIB = 1 << 20
+_MAX_INFLIGHT = 2  # gradient reductions in flight before backward waits for the oldest
+
+
+class ShardedTensor:
+    """This rank's part of a parameter (or of its optimizer state): a flat element range.
+
+    Attributes:
+        local: The 1-D local values (elements ``offset .. offset + local.numel()`` of the
+            parameter flattened in row-major order).
+        global_shape: The parameter's full shape.
+        offset: Where ``local`` starts in the flattened parameter.
+    """
+
+    __slots__ = ("global_shape", "local", "offset")
+
+    def __init__(self, local: torch.Tensor, global_shape: torch.Size, offset: int) -> None:
+        self.local = local
+        self.global_shape = global_shape
+        self.offset = offset
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedTensor(shape={tuple(self.global_shape)}, offset={self.offset}, "
+            f"numel={self.local.numel()}, dtype={self.local.dtype})"
+        )
+
+
+class ShardedDataParallel(nn.Module):
+    """ZeRO stage 1, 2 or 3 around ``module`` (see the module docstring).
+
+    Args:
+        module: The plain model, on its device (CPU for native/gloo, this rank's GPU for nccl).
+        stage: 1, 2 or 3.
+        group: The ranks to shard across; the default group when ``None``.
+        unit_mb: Merge small layers into units of at least this many MiB.
+        prefetch: Units to all-gather ahead of the one in use (stage 3).
+        mixed_precision: Compute and reduce dtypes, fp32 master weights.
+        init_sync: Broadcast rank 0's parameters and buffers first.
+
+    ``state_dict()`` returns full tensors under the plain model's names on every rank (a
+    collective: every rank must call it); ``sharded_state_dict()`` returns this rank's shards.
+
+    Raises:
+        InvalidArgumentError: a bad stage, different models on different ranks, parameters on
+            several devices, or a module owning parameters of several dtypes.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        stage: int = 3,
+        group: ProcessGroup | None = None,
+        unit_mb: float = DEFAULT_UNIT_MB,
+        prefetch: int = 1,
+        mixed_precision: MixedPrecision | None = None,
+        init_sync: bool = True,
+    ) -> None:
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise InvalidArgumentError(f"ShardedDataParallel: stage must be 1, 2 or 3, not {stage}")
+        if unit_mb < 0 or prefetch < 0:
+            raise InvalidArgumentError(
+                f"ShardedDataParallel: unit_mb ({unit_mb}) and prefetch ({prefetch}) must be >= 0"
+            )
+        self.module = module
+        self.stage = stage
+        self.group = group if group is not None else default_group()
+        self.prefetch = prefetch
+        self.mixed_precision = mixed_precision or MixedPrecision()
+        owned = owned_parameters(module)
+        named = [np for params in owned.values() for np in params]
+        if not named:
+            raise InvalidArgumentError("ShardedDataParallel: the model has no parameters")
+        check_same_model(
+            self.group, [n for n, _ in named], [p for _, p in named], "ShardedDataParallel"
+        )
+        self._device = named[0][1].device
+        if init_sync:
+            broadcast_coalesced(
+                self.group,
+                [p.data for _, p in named] + [b for b in module.buffers() if b.numel() > 0],
+                0,
+                25 * _MIB,
+            )
+        # Two more communicators, so all-gathers and reductions each keep their own order.
+        ranks = list(range(self.group.world_size))
+        gather_group = self.group.new_group(ranks)
+        reduce_group = self.group.new_group(ranks)
+        assert gather_group is not None and reduce_group is not None
+        self._gather_group: ProcessGroup = gather_group
+        self._reduce_group: ProcessGroup = reduce_group
+
+        self._plan: UnitPlan = plan_units(module, int(unit_mb * _MIB))
+        self._by_name = dict(named)
+        self._dtypes = {n: p.dtype for n, p in named}
+        self._units: list[Unit] = []
+        for spec in self._plan.units:
+            mp = self.mixed_precision
+            unit = Unit(
+                index=spec.index,
+                names=list(spec.params),
+                params=[self._by_name[n] for n in spec.params],
+                world_size=self.group.world_size,
+                rank=self.group.rank,
+                cdtype=mp.compute_dtype(spec.dtype),
+                wdtype=mp.master_dtype(spec.dtype),
+                rdtype=mp.reduction_dtype(spec.dtype),
+                modules=list(spec.modules),
+            )
+            unit.build(self._device, shard_is_view=stage < 3 and unit.cdtype == unit.wdtype)
+            self._units.append(unit)
+        self._unit_of = {id(p): u for u in self._units for p in u.params}
+        self._module_units: dict[nn.Module, list[Unit]] = {}
+        module_pos: dict[str, int] = {}
+        for pos, (mname, mod) in enumerate(module.named_modules(remove_duplicate=False)):
+            units = sorted(
+                {
+                    u.index: u
+                    for p in mod.parameters(recurse=False)
+                    if (u := self._unit_of.get(id(p))) is not None
+                }.values(),
+                key=lambda u: u.index,
+            )
+            if units:
+                self._module_units.setdefault(mod, units)
+                module_pos.setdefault(mname, pos)
+                for u in units:
+                    u.expected_uses += 1
+        # Backward gathers units in the reverse order of their last use in forward.
+        last_use: dict[int, int] = {}
+        for mname, mod in module.named_modules(remove_duplicate=False):
+            for u in self._module_units.get(mod, []):
+                last_use[u.index] = max(last_use.get(u.index, -1), module_pos.get(mname, 0))
+        self._bw_order = sorted(self._units, key=lambda u: (-last_use[u.index], -u.index))
+        self._rs_order = [u for u in reversed(self._units) if u.trainable]
+        self._handles: list[Any] = []
+        for mod in self._module_units:
+            self._handles.append(mod.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(mod.register_forward_hook(self._post_forward))
+        for u in self._units:
+            for i, p in enumerate(u.params):
+                if p.requires_grad:
+                    self._handles.append(
+                        p.register_post_accumulate_grad_hook(self._grad_hook(u, i))  # type: ignore[no-untyped-call]
+                    )
+        # per-forward / per-backward state
+        self._require_sync = True
+        self._sync_backward = True
+        self._needs_gather = False
+        self._fwd_next = 0
+        self._bw_next = 0
+        self._rs_next = 0
+        self._callback_queued = False
+        self._inflight: list[tuple[Unit, Work, torch.Tensor]] = []
+        self._in_forward = False
+        if stage == 3:
+            for u in self._units:
+                u.free()
+
+    # -- public --------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the wrapped module, gathering units as its modules need them."""
+        self._begin_forward()
+        cdt = self.mixed_precision.param_dtype
+        if cdt is not None:
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to(cdt) if t.is_floating_point() else t, (args, kwargs)
+            )
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            self._in_forward = False
+        self._end_forward()
+        return out
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """This rank's local (sharded) parameters: what an optimizer should step."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Local parameters under the plain model's names (tied parameters once)."""
+        for u in self._units:
+            for name, loc in zip(u.names, u.locals, strict=True):
+                yield (f"{prefix}.{name}" if prefix else name), loc
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate full-size local gradients without communicating.
+
+        The first synchronised backward after it reduces the sum. Costs one full gradient
+        buffer per unit while it lasts (stage 1 keeps it anyway); without ``no_sync``,
+        accumulation keeps gradients sharded and communicates every backward.
+        """
+        prev, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = prev
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the local gradients and any gradients accumulated under ``no_sync``."""
+        for u in self._units:
+            for loc in u.locals:
+                loc.grad = None
+            u.grad_full = None if self.stage > 1 else u.grad_full
+            u.grad_filled = [False] * len(u.params)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients to a global norm across all ranks; returns that norm."""
+        grads = [u.shard_grad for u in self._units if u.shard_grad is not None]
+        norm_type = float(norm_type)
+        dev = self._device
+        if norm_type == float("inf"):
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else None
+            total = (local if local is not None else torch.zeros((), device=dev)).float()
+            total = total.reshape(1).clone()
+            self.group.all_reduce(total, op="max")
+        else:
+            parts = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+            local = (
+                torch.stack(parts).pow(norm_type).sum() if parts else torch.zeros((), device=dev)
+            )
+            total = local.reshape(1).clone()
+            self.group.all_reduce(total, op="sum")
+            total = total.pow(1.0 / norm_type)
+        norm = total[0]
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return norm
+
+    def plan(self) -> str:
+        """The units: ``N layers -> U units, G all-gathers per step``, then one row per unit."""
+        head = f"ShardedDataParallel stage {self.stage} on {self.group.world_size} ranks"
+        return f"{head}: {self._plan.table(self.stage)}"
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds now for parameters, master copies and gradients."""
+        out = {"params": 0, "master": 0, "grads": 0}
+        for u in self._units:
+            for k, v in u.nbytes().items():
+                out[k] += v
+        return out
+
+    # -- state dicts -----------------------------------------------------------------------------
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Full tensors under the plain model's names (collective: call it on every rank)."""
+        full: dict[int, torch.Tensor] = {}
+        for u in self._units:
+            values = self._gather_master(u)
+            for p, name, o in zip(u.params, u.names, u.offsets, strict=True):
+                full[id(p)] = values[o : o + p.numel()].view(p.shape).to(self._dtypes[name])
+        out: dict[str, Any] = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            out[key] = full[id(value)] if id(value) in full else value.detach()
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Loads full tensors (as from the plain model's ``state_dict``) into the shards."""
+        expected = self.module.state_dict(keep_vars=True)
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        bad = [
+            f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}"
+            for k, v in expected.items()
+            if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
+        ]
+        if bad or (strict and (missing or unexpected)):
+            raise InvalidArgumentError(
+                "load_state_dict: "
+                + "; ".join(
+                    part
+                    for part in (
+                        f"missing keys {missing}" if missing else "",
+                        f"unexpected keys {unexpected}" if unexpected else "",
+                        f"shape mismatches {bad}" if bad else "",
+                    )
+                    if part
+                )
+            )
+        for key, value in expected.items():
+            if key not in state_dict:
+                continue
+            src = state_dict[key]
+            u = self._unit_of.get(id(value))
+            if u is None:
+                value.copy_(src)
+                continue
+            i = next(j for j, p in enumerate(u.params) if p is value)
+            a, b = u.local_ranges[i]
+            flat = src.detach().reshape(-1).to(u.wdtype)
+            u.locals[i].data.copy_(flat[a:b])
+            if u.gathered and self.stage < 3:
+                o = u.offsets[i]
+                u.full[o : o + value.numel()].copy_(flat)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards (``ShardedTensor``) and buffers, under the plain model's names."""
+        out: dict[str, Any] = {}
+        shards: dict[int, ShardedTensor] = {}
+        for u in self._units:
+            for p, loc, (a, _b) in zip(u.params, u.locals, u.local_ranges, strict=True):
+                shards[id(p)] = ShardedTensor(loc.detach(), p.shape, a)
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            out[key] = shards[id(value)] if id(value) in shards else value.detach()
+        return out
+
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state with full tensors, keyed by parameter name (collective)."""
+        local_name = {
+            id(loc): name for u in self._units for name, loc in zip(u.names, u.locals, strict=True)
+        }
+        state: dict[str, dict[str, Any]] = {}
+        for u in self._units:
+            keys = sorted(
+                {
+                    k
+                    for loc in u.locals
+                    for k, v in optimizer.state.get(loc, {}).items()
+                    if torch.is_tensor(v) and v.shape == loc.shape and v.dim() == 1
+                }
+            )
+            for k in keys:
+                values = self._gather_state(u, optimizer, k)
+                for p, name, o, loc in zip(u.params, u.names, u.offsets, u.locals, strict=True):
+                    if loc in optimizer.state:
+                        state.setdefault(name, {})[k] = values[o : o + p.numel()].view(p.shape)
+            for name, loc in zip(u.names, u.locals, strict=True):
+                for k, v in optimizer.state.get(loc, {}).items():
+                    if k not in keys:
+                        state.setdefault(name, {})[k] = v.clone() if torch.is_tensor(v) else v
+        groups = []
+        for g in optimizer.param_groups:
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry["params"] = [local_name[id(p)] for p in g["params"] if id(p) in local_name]
+            groups.append(entry)
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> None:
+        """Loads ``optim_state_dict()`` output (full tensors by name) into this rank's shards."""
+        by_name = {name: (u, i) for u in self._units for i, name in enumerate(u.names)}
+        unknown = [n for n in state_dict["state"] if n not in by_name]
+        if unknown:
+            raise InvalidArgumentError(
+                f"load_optim_state_dict: state for parameters the model does not have: {unknown}"
+            )
+        for name, entries in state_dict["state"].items():
+            u, i = by_name[name]
+            loc, (a, b) = u.locals[i], u.local_ranges[i]
+            new: dict[str, Any] = {}
+            for k, v in entries.items():
+                if torch.is_tensor(v) and v.shape == u.params[i].shape and v.dim() > 0:
+                    new[k] = v.reshape(-1)[a:b].to(device=loc.device, dtype=loc.dtype).clone()
+                else:
+                    new[k] = v.clone() if torch.is_tensor(v) else v
+            optimizer.state[loc] = new
+        for g, saved in zip(optimizer.param_groups, state_dict["param_groups"], strict=False):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = v
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Points an optimizer built over the plain model's parameters at the local shards.
+
+        Param groups and their hyperparameters are kept; the same optimizer object is returned.
+
+        Raises:
+            InvalidArgumentError: the optimizer holds foreign tensors or already has state.
+        """
+        local_of = {
+            id(p): loc for u in self._units for p, loc in zip(u.params, u.locals, strict=True)
+        }
+        if any(optimizer.state.values()):
+            raise InvalidArgumentError(
+                "distribute(): the optimizer already has state; wrap the model before the first "
+                "optimizer step (load optimizer checkpoints with model.load_optim_state_dict)"
+            )
+        for g in optimizer.param_groups:
+            foreign = [p for p in g["params"] if id(p) not in local_of]
+            if foreign:
+                raise InvalidArgumentError(
+                    f"distribute(): the optimizer holds {len(foreign)} tensors that are not "
+                    "parameters of the model; build the optimizer from model.parameters()"
+                )
+            g["params"] = [local_of[id(p)] for p in g["params"]]
+        optimizer.state.clear()
+        return optimizer
+
+    def remove_hooks(self) -> None:
+        """Detaches every hook (the wrapper stops working)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- gathering -------------------------------------------------------------------------------
+
+    def _gather(self, u: Unit) -> None:
+        """Starts the all-gather of ``u``'s parameters into ``u.full``."""
+        if u.gather_work is not None:
+            return
+        u.alloc()
+        src = u.gather_source()
+        with torch.autograd._unsafe_preserve_version_counter(u.full):
+            work = self._gather_group.all_gather(u.full, src, async_op=True)
+        assert work is not None
+        u.gather_work, u.gather_input = work, src
+
+    def _wait(self, u: Unit) -> None:
+        if u.gather_work is not None:
+            with torch.autograd._unsafe_preserve_version_counter(u.full):
+                u.gather_work.wait()
+            u.gather_work = u.gather_input = None
+            u.gathered = True
+
+    def _release(self, u: Unit) -> None:
+        self._wait(u)
+        u.free()
+
+    def _gather_master(self, u: Unit) -> torch.Tensor:
+        """Every rank's master shard of ``u``, concatenated (a fresh tensor)."""
+        out = torch.empty(u.padded, dtype=u.wdtype, device=self._device)
+        self.group.all_gather(out, u.shard.detach().clone() if u.shard_is_view else u.shard)
+        return out
+
+    def _gather_state(self, u: Unit, optimizer: torch.optim.Optimizer, key: str) -> torch.Tensor:
+        lo = u.rank * u.shard_numel
+        flat: torch.Tensor | None = None
+        for loc, o, (a, b) in zip(u.locals, u.offsets, u.local_ranges, strict=True):
+            v = optimizer.state.get(loc, {}).get(key)
+            if v is None or b <= a:
+                continue
+            if flat is None:
+                flat = torch.zeros(u.shard_numel, dtype=v.dtype, device=self._device)
+            flat[o + a - lo : o + b - lo].copy_(v)
+        if flat is None:
+            flat = torch.zeros(u.shard_numel, dtype=u.wdtype, device=self._device)
+        out = torch.empty(u.padded, dtype=flat.dtype, device=self._device)
+        self.group.all_gather(out, flat)
+        return out
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def _begin_forward(self) -> None:
+        self._in_forward = True
+        self._sync_backward = self._require_sync
+        for u in self._units:
+            u.active = 0
+            u.uses_left = u.expected_uses
+            u.uses_seen = 0
+        if self.stage == 3:
+            for u in self._units:
+                if u.gathered or u.gather_work is not None:
+                    self._release(u)
+            self._fwd_next = 0
+        elif self._needs_gather:
+            self._needs_gather = False
+            for u in self._units:
+                self._gather(u)
+
+    def _ensure_forward(self, u: Unit) -> None:
+        if self.stage == 3:
+            last = min(len(self._units) - 1, u.index + self.prefetch)
+            while self._fwd_next <= last:
+                self._gather(self._units[self._fwd_next])
+                self._fwd_next += 1
+            if not u.gathered and u.gather_work is None:  # freed, then used again
+                self._gather(u)
+        self._wait(u)
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not self._in_forward:
+            raise ShardlineError(
+                f"ShardedDataParallel: module {type(module).__name__} ran outside the wrapper's "
+                "forward; call the wrapped model, not its inner module"
+            )
+        for u in self._module_units[module]:
+            self._ensure_forward(u)
+            u.active += 1
+            u.uses_seen += 1
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        units = self._module_units[module]
+        for u in units:
+            u.active -= 1
+            u.uses_left -= 1
+        if self.stage == 3:
+            keep = self._bw_order[0]
+            for u in units:
+                if u.active == 0 and u.uses_left <= 0 and u is not keep:
+                    self._release(u)
+        if torch.is_grad_enabled() and self.stage == 3:
+            outs = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
+            if outs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outs, lambda _g, units=units: self._pre_backward(units), mode="any"
+                )
+
+    def _end_forward(self) -> None:
+        for u in self._units:
+            if u.uses_seen:
+                u.expected_uses = u.uses_seen
+        if self.stage != 3:
+            return
+        while self._fwd_next < len(self._units):  # units no module of this rank used
+            self._gather(self._units[self._fwd_next])
+            self._fwd_next += 1
+        keep = self._bw_order[0]
+        for u in self._units:
+            if u is keep:
+                self._wait(u)
+            else:
+                self._release(u)
+            u.bw_issued = u is keep
+        self._bw_next = 0
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def _queue_final(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_backward)
+            for u in self._units:
+                u.grads_pending = sum(p.requires_grad for p in u.params)
+                u.launched = False
+                u.touched = False
+            self._rs_next = 0
+
+    def _issue_backward_gathers(self, upto: Unit | None, extra: int) -> None:
+        """Issues backward all-gathers in their fixed order until ``upto`` (+ ``extra``)."""
+        order = self._bw_order
+        while self._bw_next < len(order) and (upto is None or not upto.bw_issued):
+            v = order[self._bw_next]
+            self._bw_next += 1
+            if not v.bw_issued:
+                self._gather(v)
+                v.bw_issued = True
+        while extra > 0 and self._bw_next < len(order):
+            v = order[self._bw_next]
+            self._bw_next += 1
+            if not v.bw_issued:
+                self._gather(v)
+                v.bw_issued = True
+            extra -= 1
+
+    def _pre_backward(self, units: list[Unit]) -> None:
+        self._queue_final()
+        for u in units:
+            self._issue_backward_gathers(u, self.prefetch)
+            if not u.gathered and u.gather_work is None:
+                raise ShardlineError(
+                    f"ShardedDataParallel on rank {self.group.rank}: unit {u.index} "
+                    f"({u.modules[0] or '<root>'} ..) is needed in backward after its gradients "
+                    "were complete; a parameter is used outside its module's forward"
+                )
+            self._wait(u)
+
+    def _grad_hook(self, u: Unit, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._queue_final()
+            grad = param.grad
+            if grad is None:
+                return
+            param.grad = None
+            if u.launched:
+                raise ShardlineError(
+                    f"ShardedDataParallel on rank {self.group.rank}: parameter {u.names[i]!r} "
+                    "got a second gradient in one backward, after its unit was reduced "
+                    "(reentrant activation checkpointing?); use "
+                    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+                )
+            with torch.no_grad():
+                if not u.touched:
+                    u.touched = True
+                    if u.published and self._stale(u):
+                        u.grad_filled = [False] * len(u.params)  # the optimizer dropped them
+                    u.published = False
+                u.add_grad(i, grad)
+            u.grads_pending -= 1
+            if u.grads_pending == 0:
+                if self.stage == 3 and not u.frozen_any:
+                    self._release(u)
+                if self._sync_backward:
+                    self._launch_ready()
+
+        return hook
+
+    def _stale(self, u: Unit) -> bool:
+        """Stage 1: the optimizer side zeroed the gradients since they were published.
+
+        ``zero_grad()`` sets them to ``None``; ``zero_grad(set_to_none=False)`` zeros the local
+        views in place (their shared version counter moves and the shard reads all zero).
+        """
+        if not u.locals_have_grads():
+            return True
+        sg = u.shard_grad
+        return sg is not None and sg._version != u.grad_version and not bool(torch.any(sg))
+
+    def _launch_ready(self) -> None:
+        order = self._rs_order
+        while self._rs_next < len(order) and order[self._rs_next].grads_pending == 0:
+            self._launch(order[self._rs_next])
+            self._rs_next += 1
+
+    def _launch(self, u: Unit) -> None:
+        u.fill_missing()
+        u.launched = True
+        assert u.grad_full is not None
+        if self.stage == 1:
+            work = self._reduce_group.all_reduce(u.grad_full, op="avg", async_op=True)
+            out = u.grad_full
+        else:
+            u.fresh = u.shard_grad is None or not u.locals_have_grads()
+            if u.fresh and u.shard_grad is not None and u.rdtype == u.wdtype:
+                out = u.shard_grad
+            else:
+                out = torch.empty(u.shard_numel, dtype=u.rdtype, device=self._device)
+            work = self._reduce_group.reduce_scatter(out, u.grad_full, op="avg", async_op=True)
+        assert work is not None
+        self._inflight.append((u, work, out))
+        while len(self._inflight) > _MAX_INFLIGHT:
+            self._finish(*self._inflight.pop(0))
+
+    def _finish(self, u: Unit, work: Work, out: torch.Tensor) -> None:
+        work.wait()
+        if self.stage == 1:
+            lo = u.rank * u.shard_numel
+            owned = out[lo : lo + u.shard_numel]
+            if u.rdtype == u.wdtype:
+                u.shard_grad = owned
+            else:
+                u.shard_grad = owned.to(u.wdtype)
+            return
+        if out is not u.shard_grad:
+            if u.fresh or u.shard_grad is None:
+                u.shard_grad = out if out.dtype == u.wdtype else out.to(u.wdtype)
+            else:
+                u.shard_grad.add_(out)
+        u.grad_full = None
+        u.grad_filled = []
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        try:
+            if self.stage == 3:
+                self._issue_backward_gathers(None, 0)
+            if self._sync_backward:
+                for u in self._rs_order[self._rs_next :]:
+                    self._launch(u)
+                self._rs_next = len(self._rs_order)
+                while self._inflight:
+                    self._finish(*self._inflight.pop(0))
+                for u in self._units:
+                    u.publish_grads()
+                    u.published = True
+                    if u.shard_grad is not None:
+                        u.grad_version = u.shard_grad._version
+                if self.stage < 3:
+                    self._needs_gather = True
+            if self.stage == 3:
+                for u in self._units:
+                    self._release(u)
+        except BaseException as exc:
+            self.group.abort(f"backward failed on rank {self.group.rank}: {exc}")
+            raise
