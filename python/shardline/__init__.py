@@ -7,7 +7,8 @@ Table of contents:
   ``scatter``, ``all_to_all``, ``barrier``, ``send``, ``recv``: collectives on the default
   group (or ``group=``); ``async_op=True`` returns a ``Work``.
 - ``new_group``, ``ProcessGroup``, ``DeviceMesh``: sub-groups and named axes.
-- ``distribute``, ``DistributedDataParallel``: parallel strategies (``shardline.parallel``).
+- ``distribute``, ``DistributedDataParallel``, ``ShardedDataParallel`` (ZeRO 1/2/3, FSDP),
+  ``MixedPrecision``: parallel strategies (``shardline.parallel``).
 - ``DistributedSampler``: each rank's share of a dataset, resumable mid-epoch (``shardline.data``).
 - ``shardline run`` (``shardline.launch``): the launcher; ``python -m shardline run ...``.
 - ``ShardlineError`` and its subclasses (``shardline.errors``).
@@ -50,7 +51,12 @@ from shardline.errors import (
     ShardlineError,
     TransportError,
 )
-from shardline.parallel import DistributedDataParallel, distribute
+from shardline.parallel import (
+    DistributedDataParallel,
+    MixedPrecision,
+    ShardedDataParallel,
+    distribute,
+)
 
 __version__ = "0.1.0"
 
@@ -64,9 +70,11 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedSampler",
     "InvalidArgumentError",
+    "MixedPrecision",
     "PeerLostError",
     "ProcessGroup",
     "ProtocolError",
+    "ShardedDataParallel",
     "ShardlineError",
     "TransportError",
     "Work",

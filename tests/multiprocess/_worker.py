@@ -368,6 +368,74 @@ def ddp_join_vs_torch() -> None:
     print("OK", flush=True)
 
 
+def zero_vs_torch() -> None:
+    """Our zero1 against torch DDP + ZeroRedundancyOptimizer, our zero3 against FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from shardline.comm import init_process_group
+
+    dist.init_process_group("gloo")
+    r, w = dist.get_rank(), dist.get_world_size()
+    store = dist.PrefixStore("shardline-zero", dist.distributed_c10d._get_default_store())
+    group = init_process_group(store, r, w, master_addr=os.environ["MASTER_ADDR"])
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(
+        torch.nn.Linear(12, 32), torch.nn.LayerNorm(32), torch.nn.Tanh(), torch.nn.Linear(32, 5)
+    )
+
+    def run(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[float]:
+        losses = []
+        for step in range(8):
+            gen = torch.Generator().manual_seed(100 * step + r)
+            x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 5, generator=gen)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        return losses
+
+    # zero1 vs DDP + ZeroRedundancyOptimizer
+    theirs = DistributedDataParallel(copy.deepcopy(base))
+    zro = ZeroRedundancyOptimizer(theirs.parameters(), torch.optim.AdamW, lr=1e-2)
+    plain = copy.deepcopy(base)
+    ours, opt = sl.distribute(
+        plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), strategy="zero1", group=group
+    )
+    assert opt is not None
+    a, b = run(ours, opt), run(theirs, zro)
+    assert a == b or max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+    mine, torchs = ours.state_dict(), theirs.module.state_dict()
+    for key in torchs:
+        torch.testing.assert_close(mine[key], torchs[key], rtol=1e-5, atol=1e-6)
+
+    # zero3 vs FSDP2 (fully_shard on each Linear, then the root)
+    fsdp = copy.deepcopy(base)
+    for layer in (fsdp[0], fsdp[3]):
+        fully_shard(layer)
+    fully_shard(fsdp)
+    plain = copy.deepcopy(base)
+    ours, opt = sl.distribute(
+        plain,
+        torch.optim.AdamW(plain.parameters(), lr=1e-2),
+        strategy="zero3",
+        group=group,
+        unit_mb=0.001,
+    )
+    assert opt is not None
+    a = run(ours, opt)
+    b = run(fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-2))
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+    mine = ours.state_dict()
+    for key, value in fsdp.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        torch.testing.assert_close(mine[key], full, rtol=1e-5, atol=1e-6)
+    group.shutdown()
+    dist.destroy_process_group()
+    print("OK", flush=True)
+
+
 SCENARIOS = {
     "allreduce": allreduce,
     "kill_loop": kill_loop,
@@ -378,6 +446,7 @@ SCENARIOS = {
     "torch_errors": torch_errors,
     "torch_ddp": torch_ddp,
     "ddp_join_vs_torch": ddp_join_vs_torch,
+    "zero_vs_torch": zero_vs_torch,
 }
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ zero3/fsdp  w·ΣS_u    w·ΣS_u                         0 (the shard is it)  k�
 
 fp32 Adam without mixed precision gives the ZeRO paper's 16, 8 + 8/N, 4 + 12/N and 16/N bytes
 per parameter. Transient communication buffers come on top (the largest units, an upper
-bound): ZeRO-1 the all-gather input after the step (c·S); ZeRO-2 two full gradient flats in
-the reduce dtype (2·r·N·S); ZeRO-3 ``1 + prefetch`` gathered units in the compute dtype, one
-full gradient flat and, when c != w, the cast all-gather input.
+bound): ZeRO-1 and ZeRO-2 re-gather all units after the step from compute-dtype copies of the
+shards (c·ΣS_u); ZeRO-2 and ZeRO-3 hold up to three full gradient flats in backward (two
+reductions in flight, one unit accumulating: 3·r·N·S), and ZeRO-3 ``1 + prefetch`` gathered
+units in the compute dtype (plus their cast all-gather inputs when c != w).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.grouping import DEFAULT_UNIT_MB, plan_units
 from shardline.parallel.precision import MixedPrecision
+from shardline.parallel.zero import _MAX_INFLIGHT
 
 __all__ = [
     "OPTIMIZERS",
@@ -268,19 +270,30 @@ def _coefficients(name: str, u: _Unit, k: int) -> dict[str, tuple[int, int]]:
     return {"params": (0, w), "grads": (0, w), "master": (0, 0), "optimizer": (0, k * w)}
 
 
+def _top(values: list[int], count: int) -> int:
+    """Sum of the ``count`` largest ``values`` (the largest units: an upper bound)."""
+    return sum(sorted(values, reverse=True)[:count])
+
+
 def _comm_buffers(name: str, units: list[_Unit], n: int, prefetch: int) -> int:
-    """Peak transient bytes of communication buffers (upper bound: the largest units)."""
+    """Peak transient bytes of communication buffers, as ``ShardedDataParallel`` holds them."""
     if name == "ddp":
         return 0  # gradients are views into the buckets, already counted in grads
-    grad_flat = max(u.reduce.itemsize * n * u.shard for u in units)
-    gather_in = max(u.compute.itemsize * u.shard for u in units)  # shard copied or cast
+    # Stages 1 and 2 re-gather every unit at once before the forward after a step, each from a
+    # copy (or cast) of its shard in the compute dtype.
+    gather_inputs = sum(u.compute.itemsize * u.shard for u in units)
     if name == "zero1":
-        return gather_in  # the persistent full gradients are reduce-scattered in place
+        return gather_inputs  # the persistent full gradients are all-reduced in place
+    # Backward: _MAX_INFLIGHT reductions in flight plus the unit accumulating, each a full
+    # gradient flat in the reduce dtype, and a reduce-scatter output when r != w.
+    flats = _top([u.reduce.itemsize * n * u.shard for u in units], _MAX_INFLIGHT + 1)
+    outs = _top([u.reduce.itemsize * u.shard for u in units if u.reduce != u.master], _MAX_INFLIGHT)
     if name == "zero2":
-        return max(2 * grad_flat, gather_in)  # two reductions in flight during backward
-    gathered = sorted((u.compute.itemsize * n * u.shard for u in units), reverse=True)
-    cast_in = max((u.compute.itemsize * u.shard for u in units if u.compute != u.master), default=0)
-    return sum(gathered[: 1 + prefetch]) + grad_flat + cast_in
+        return max(flats + outs, gather_inputs)
+    live = 1 + prefetch  # the unit in use and those gathered ahead
+    gathered = _top([u.compute.itemsize * n * u.shard for u in units], live)
+    casts = _top([u.compute.itemsize * u.shard for u in units if u.compute != u.master], live)
+    return gathered + casts + flats + outs
 
 
 def _formula(full: int, shard: int, n_symbol: str = "N") -> str:
@@ -435,11 +448,16 @@ def _check_world_size(world_size: int) -> None:
 def _effective_precision(
     name: str, mixed_precision: MixedPrecision | None, notes: list[str]
 ) -> MixedPrecision | None:
-    """The policy that applies to ``name``: DDP trains in the model's dtype."""
-    if mixed_precision is not None and name == "ddp":
-        notes.append("ddp ignores mixed_precision: estimated in the model's dtype")
+    """The policy that applies to ``name``.
+
+    DDP trains in the model's dtype; the sharded wrapper defaults to ``MixedPrecision()``
+    (fp32 master weights for a low-precision model).
+    """
+    if name == "ddp":
+        if mixed_precision is not None:
+            notes.append("ddp ignores mixed_precision: estimated in the model's dtype")
         return None
-    return mixed_precision
+    return mixed_precision or MixedPrecision()
 
 
 def _activations_or_note(
@@ -623,13 +641,13 @@ def choose_strategy(
         )
     k = optimizer_states(optimizer)
     budget = headroom * available_bytes
-    cache: dict[bool, tuple[int, bool, list[str]]] = {}
+    cache: dict[torch.dtype | None, tuple[int, bool, list[str]]] = {}
     rejected: list[str] = []
     estimate: MemoryEstimate | None = None
     for name in ("ddp", "zero1", "zero2", "zero3"):
         notes: list[str] = []
         mp = _effective_precision(name, mixed_precision, notes)
-        key = mp is None
+        key = mp.param_dtype if mp is not None else None
         if key not in cache:  # one meta forward per compute dtype
             act_notes: list[str] = []
             act, measured = _activations_or_note(model, example_input, mp, act_notes)

@@ -454,9 +454,12 @@ class ShardedDataParallel(nn.Module):
     # -- gathering -------------------------------------------------------------------------------
 
     def _gather(self, u: Unit) -> None:
-        """Starts the all-gather of ``u``'s parameters into ``u.full``."""
-        if u.gather_work is not None:
-            return
+        """Starts the all-gather of ``u``'s parameters into ``u.full``.
+
+        Always issues one collective: callers follow a schedule every rank follows, so
+        skipping one here would pair this rank's next all-gather with another unit's.
+        """
+        self._wait(u)
         u.alloc()
         src = u.gather_source()
         with torch.autograd._unsafe_preserve_version_counter(u.full):
@@ -559,6 +562,8 @@ class ShardedDataParallel(nn.Module):
             if u.uses_seen:
                 u.expected_uses = u.uses_seen
         if self.stage != 3:
+            for u in self._units:  # units no module of this rank used
+                self._wait(u)
             return
         while self._fwd_next < len(self._units):  # units no module of this rank used
             self._gather(self._units[self._fwd_next])
@@ -628,11 +633,7 @@ class ShardedDataParallel(nn.Module):
                     "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
                 )
             with torch.no_grad():
-                if not u.touched:
-                    u.touched = True
-                    if u.published and self._stale(u):
-                        u.grad_filled = [False] * len(u.params)  # the optimizer dropped them
-                    u.published = False
+                self._touch(u)
                 u.add_grad(i, grad)
             u.grads_pending -= 1
             if u.grads_pending == 0:
@@ -642,6 +643,15 @@ class ShardedDataParallel(nn.Module):
                     self._launch_ready()
 
         return hook
+
+    def _touch(self, u: Unit) -> None:
+        """First gradient (or the final flush) of ``u`` in this backward."""
+        if u.touched:
+            return
+        u.touched = True
+        if u.published and self._stale(u):
+            u.grad_filled = [False] * len(u.params)  # the optimizer dropped them
+        u.published = False
 
     def _stale(self, u: Unit) -> bool:
         """Stage 1: the optimizer side zeroed the gradients since they were published.
@@ -661,6 +671,7 @@ class ShardedDataParallel(nn.Module):
             self._rs_next += 1
 
     def _launch(self, u: Unit) -> None:
+        self._touch(u)
         u.fill_missing()
         u.launched = True
         assert u.grad_full is not None
