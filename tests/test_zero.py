@@ -319,6 +319,70 @@ def test_module_run_on_some_ranks_only_does_not_hang(stage: int) -> None:
         assert_state_close(state, ref.state_dict())
 
 
+class Scrambled(nn.Module):
+    """Registered out -> mid -> inp, run inp -> mid -> out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(24, 4)
+        self.mid = nn.ModuleList(nn.Linear(24, 24) for _ in range(3))
+        self.inp = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for layer in self.mid:
+            h = torch.tanh(layer(h))
+        return self.out(h)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_units_are_re_formed_in_execution_order_after_the_first_backward(stage: int) -> None:
+    """Units follow the order modules ran from the second step on; the optimizer built before
+    keeps working (same local parameter objects) and training equals one process."""
+    n, steps = 2, 5
+
+    def new() -> Scrambled:
+        with _INIT:
+            torch.manual_seed(0)
+            return Scrambled()
+
+    def data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(step * 10 + rank)
+        return torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen)
+
+    ref = new()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(steps):
+        ropt.zero_grad()
+        loss = sum(
+            nn.functional.mse_loss(ref(data(step, r)[0]), data(step, r)[1]) for r in range(n)
+        )
+        (loss / n).backward()
+        ropt.step()
+
+    def body(g: ProcessGroup) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]], Any]:
+        torch.set_num_threads(1)
+        plain = new()
+        opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        model, opt = sl.distribute(plain, opt, strategy=f"zero{stage}", group=g, unit_mb=0.003)
+        assert isinstance(model, ShardedDataParallel) and opt is not None
+        before = [u.modules for u in model._plan.units]
+        locals_before = [id(p) for p in model.parameters()]
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = data(step, g.rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        after = [u.modules for u in model._plan.units]
+        assert sorted(locals_before) == sorted(id(p) for p in model.parameters())
+        return before, after, model.state_dict()
+
+    for before, after, state in run_ranks(n, body, timeout=60):
+        assert before[0][0] == "out" and after[0][0] == "inp", (before, after)
+        assert [m for u in after for m in u] == ["inp", "mid.0", "mid.1", "mid.2", "out"]
+        assert_state_close(state, ref.state_dict())
+
+
 # -- state dicts -------------------------------------------------------------------------------
 
 

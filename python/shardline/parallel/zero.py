@@ -26,7 +26,7 @@ is gathered and dropped; its gradient contribution is zero.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -83,6 +83,9 @@ class ShardedDataParallel(nn.Module):
         prefetch: Units to all-gather ahead of the one in use (stage 3).
         mixed_precision: Compute and reduce dtypes, fp32 master weights.
         init_sync: Broadcast rank 0's parameters and buffers first.
+        reorder: After the first backward, re-form the units in the order modules ran (rank
+            0's order) when that differs from registration order. It happens before the first
+            optimizer step and moves parameters and gradients one unit at a time.
 
     ``state_dict()`` returns full tensors under the plain model's names on every rank (a
     collective: every rank must call it); ``sharded_state_dict()`` returns this rank's shards.
@@ -102,6 +105,7 @@ class ShardedDataParallel(nn.Module):
         prefetch: int = 1,
         mixed_precision: MixedPrecision | None = None,
         init_sync: bool = True,
+        reorder: bool = True,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
@@ -138,12 +142,45 @@ class ShardedDataParallel(nn.Module):
         self._gather_group: ProcessGroup = gather_group
         self._reduce_group: ProcessGroup = reduce_group
 
-        self._plan: UnitPlan = plan_units(module, int(unit_mb * _MIB))
         self._by_name = dict(named)
         self._dtypes = {n: p.dtype for n, p in named}
+        self._module_names = {
+            mod: mname for mname, mod in module.named_modules(remove_duplicate=False)
+        }
+        self._handles: list[Any] = []
         self._units: list[Unit] = []
-        for spec in self._plan.units:
-            mp = self.mixed_precision
+        self._install(plan_units(module, int(unit_mb * _MIB)), [])
+        for mod in self._module_units:
+            self._handles.append(mod.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(mod.register_forward_hook(self._post_forward))
+        for _, p in named:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))  # type: ignore[no-untyped-call]
+        self._trace: list[str] | None = []  # module names in the order the first forward ran
+        self._traced = False
+        self._reorder = reorder
+        self._optimizer: torch.optim.Optimizer | None = None
+        # per-forward / per-backward state
+        self._require_sync = True
+        self._sync_backward = True
+        self._needs_gather = False
+        self._fwd_next = 0
+        self._bw_next = 0
+        self._rs_next = 0
+        self._callback_queued = False
+        self._inflight: list[tuple[Unit, Work, torch.Tensor]] = []
+        self._in_forward = False
+
+    def _install(self, plan: UnitPlan, order: list[str]) -> None:
+        """Builds the units of ``plan`` and everything derived from them.
+
+        The parameters' current values (``.data``) are laid out; ``order`` (module names as
+        they ran) fixes the backward order of units, registration order when empty.
+        """
+        mp = self.mixed_precision
+        self._plan = plan
+        self._units = []
+        for spec in plan.units:
             unit = Unit(
                 index=spec.index,
                 names=list(spec.params),
@@ -155,12 +192,14 @@ class ShardedDataParallel(nn.Module):
                 rdtype=mp.reduction_dtype(spec.dtype),
                 modules=list(spec.modules),
             )
-            unit.build(self._device, shard_is_view=stage < 3 and unit.cdtype == unit.wdtype)
+            unit.build(self._device, shard_is_view=self.stage < 3 and unit.cdtype == unit.wdtype)
             self._units.append(unit)
         self._unit_of = {id(p): u for u in self._units for p in u.params}
+        self._slot = {id(p): i for u in self._units for i, p in enumerate(u.params)}
+        position = {name: i for i, name in enumerate(order)}
         self._module_units: dict[nn.Module, list[Unit]] = {}
-        module_pos: dict[str, int] = {}
-        for pos, (mname, mod) in enumerate(module.named_modules(remove_duplicate=False)):
+        last_use: dict[int, float] = {}
+        for pos, (mname, mod) in enumerate(self.module.named_modules(remove_duplicate=False)):
             units = sorted(
                 {
                     u.index: u
@@ -169,39 +208,19 @@ class ShardedDataParallel(nn.Module):
                 }.values(),
                 key=lambda u: u.index,
             )
-            if units:
-                self._module_units.setdefault(mod, units)
-                module_pos.setdefault(mname, pos)
+            if not units:
+                continue
+            where = position.get(mname, len(position) + pos)
+            for u in units:
+                last_use[u.index] = max(last_use.get(u.index, -1), where)
+            if mod not in self._module_units:
+                self._module_units[mod] = units
                 for u in units:
                     u.expected_uses += 1
         # Backward gathers units in the reverse order of their last use in forward.
-        last_use: dict[int, int] = {}
-        for mname, mod in module.named_modules(remove_duplicate=False):
-            for u in self._module_units.get(mod, []):
-                last_use[u.index] = max(last_use.get(u.index, -1), module_pos.get(mname, 0))
         self._bw_order = sorted(self._units, key=lambda u: (-last_use[u.index], -u.index))
         self._rs_order = [u for u in reversed(self._units) if u.trainable]
-        self._handles: list[Any] = []
-        for mod in self._module_units:
-            self._handles.append(mod.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(mod.register_forward_hook(self._post_forward))
-        for u in self._units:
-            for i, p in enumerate(u.params):
-                if p.requires_grad:
-                    self._handles.append(
-                        p.register_post_accumulate_grad_hook(self._grad_hook(u, i))  # type: ignore[no-untyped-call]
-                    )
-        # per-forward / per-backward state
-        self._require_sync = True
-        self._sync_backward = True
-        self._needs_gather = False
-        self._fwd_next = 0
-        self._bw_next = 0
-        self._rs_next = 0
-        self._callback_queued = False
-        self._inflight: list[tuple[Unit, Work, torch.Tensor]] = []
-        self._in_forward = False
-        if stage == 3:
+        if self.stage == 3:
             for u in self._units:
                 u.free()
 
@@ -396,7 +415,11 @@ class ShardedDataParallel(nn.Module):
     def load_optim_state_dict(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     ) -> None:
-        """Loads ``optim_state_dict()`` output (full tensors by name) into this rank's shards."""
+        """Loads ``optim_state_dict()`` output (full tensors by name) into this rank's shards.
+
+        The unit layout is fixed from here on (no re-forming after the first backward).
+        """
+        self._trace = None
         by_name = {name: (u, i) for u in self._units for i, name in enumerate(u.names)}
         unknown = [n for n in state_dict["state"] if n not in by_name]
         if unknown:
@@ -443,6 +466,7 @@ class ShardedDataParallel(nn.Module):
                 )
             g["params"] = [local_of[id(p)] for p in g["params"]]
         optimizer.state.clear()
+        self._optimizer = optimizer
         return optimizer
 
     def remove_hooks(self) -> None:
@@ -535,6 +559,8 @@ class ShardedDataParallel(nn.Module):
                 f"ShardedDataParallel: module {type(module).__name__} ran outside the wrapper's "
                 "forward; call the wrapped model, not its inner module"
             )
+        if self._trace is not None and not self._traced:
+            self._trace.append(self._module_names[module])
         for u in self._module_units[module]:
             self._ensure_forward(u)
             u.active += 1
@@ -558,6 +584,7 @@ class ShardedDataParallel(nn.Module):
                 )
 
     def _end_forward(self) -> None:
+        self._traced = True
         for u in self._units:
             if u.uses_seen:
                 u.expected_uses = u.uses_seen
@@ -618,31 +645,29 @@ class ShardedDataParallel(nn.Module):
                 )
             self._wait(u)
 
-    def _grad_hook(self, u: Unit, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            self._queue_final()
-            grad = param.grad
-            if grad is None:
-                return
-            param.grad = None
-            if u.launched:
-                raise ShardlineError(
-                    f"ShardedDataParallel on rank {self.group.rank}: parameter {u.names[i]!r} "
-                    "got a second gradient in one backward, after its unit was reduced "
-                    "(reentrant activation checkpointing?); use "
-                    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
-                )
-            with torch.no_grad():
-                self._touch(u)
-                u.add_grad(i, grad)
-            u.grads_pending -= 1
-            if u.grads_pending == 0:
-                if self.stage == 3 and not u.frozen_any:
-                    self._release(u)
-                if self._sync_backward:
-                    self._launch_ready()
-
-        return hook
+    def _grad_hook(self, param: torch.Tensor) -> None:
+        self._queue_final()
+        grad = param.grad
+        if grad is None:
+            return
+        param.grad = None
+        u, i = self._unit_of[id(param)], self._slot[id(param)]
+        if u.launched:
+            raise ShardlineError(
+                f"ShardedDataParallel on rank {self.group.rank}: parameter {u.names[i]!r} "
+                "got a second gradient in one backward, after its unit was reduced "
+                "(reentrant activation checkpointing?); use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
+        with torch.no_grad():
+            self._touch(u)
+            u.add_grad(i, grad)
+        u.grads_pending -= 1
+        if u.grads_pending == 0:
+            if self.stage == 3 and not u.frozen_any:
+                self._release(u)
+            if self._sync_backward:
+                self._launch_ready()
 
     def _touch(self, u: Unit) -> None:
         """First gradient (or the final flush) of ``u`` in this backward."""
@@ -729,6 +754,96 @@ class ShardedDataParallel(nn.Module):
             if self.stage == 3:
                 for u in self._units:
                     self._release(u)
+            if self._sync_backward and self._trace is not None:
+                trace, self._trace = self._trace, None
+                if self._reorder and not self._optimizer_has_state():
+                    self._reform(trace)
         except BaseException as exc:
             self.group.abort(f"backward failed on rank {self.group.rank}: {exc}")
             raise
+
+    # -- re-forming units --------------------------------------------------------------------------
+
+    def _optimizer_has_state(self) -> bool:
+        opt = self._optimizer
+        return opt is not None and any(opt.state.values())
+
+    @torch.no_grad()
+    def _reform(self, trace: list[str]) -> None:
+        """Re-forms the units in rank 0's execution order if that changes them.
+
+        Runs at the end of the first synchronised backward, before any optimizer step (no
+        optimizer state exists yet). Local parameter objects are kept, so an optimizer built
+        over them stays valid; parameters and the reduced gradients move to the new layout,
+        one old unit materialised at a time.
+        """
+        names = [self._module_names[m] for m in self._module_units]
+        index = {n: i for i, n in enumerate(names)}
+        mine = [index[n] for n in dict.fromkeys(trace) if n in index]
+        mine += [i for i in range(len(names)) if i not in set(mine)]
+        order_t = torch.tensor(mine, dtype=torch.int64, device=self._device)
+        self.group.broadcast(order_t, src=0)
+        order = [names[i] for i in order_t.tolist()]
+        plan = plan_units(self.module, self._plan.threshold, order)
+        if [u.params for u in plan.units] == [u.params for u in self._plan.units]:
+            return
+        old_units, old_unit_of, old_slot = self._units, self._unit_of, self._slot
+        old_locals = {
+            id(p): loc for u in old_units for p, loc in zip(u.params, u.locals, strict=True)
+        }
+        cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+        def materialise(u: Unit) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if u.index not in cache:
+                cache.clear()
+                cache[u.index] = (self._gather_master(u), self._full_grads(u))
+            return cache[u.index]
+
+        grads: dict[int, torch.Tensor] = {}
+        for spec in plan.units:  # point every parameter at its master values, unit by unit
+            for name in spec.params:
+                p = self._by_name[name]
+                old = old_unit_of[id(p)]
+                o, n = old.offsets[old_slot[id(p)]], p.numel()
+                values, grad = materialise(old)
+                p.data = values[o : o + n].clone().view(p.shape)
+                if grad is not None and p.requires_grad:
+                    grads[id(p)] = grad[o : o + n].clone()
+        cache.clear()
+        self._install(plan, order)
+        for u in self._units:
+            fresh = u.locals
+            u.locals = [old_locals[id(p)] for p in u.params]
+            for loc, new in zip(u.locals, fresh, strict=True):
+                loc.data = new.data
+            if not any(id(p) in grads for p in u.params):
+                continue
+            full = torch.zeros(u.padded, dtype=u.rdtype if self.stage == 1 else u.wdtype)
+            full = full.to(self._device)
+            for p, o in zip(u.params, u.offsets, strict=True):
+                if id(p) in grads:
+                    full[o : o + p.numel()].copy_(grads[id(p)])
+            lo = u.rank * u.shard_numel
+            if self.stage == 1:
+                u.grad_full = full
+                u.grad_filled = [True] * len(u.params)
+                owned = full[lo : lo + u.shard_numel]
+                u.shard_grad = owned if u.rdtype == u.wdtype else owned.to(u.wdtype)
+            else:
+                u.shard_grad = full[lo : lo + u.shard_numel].clone()
+            u.publish_grads()
+            u.published = True
+            u.grad_version = u.shard_grad._version
+
+    def _full_grads(self, u: Unit) -> torch.Tensor | None:
+        """``u``'s reduced gradients, full length (stage 1 keeps them; else all-gathered)."""
+        if not u.trainable:
+            return None
+        if self.stage == 1:
+            return u.grad_full
+        shard = u.shard_grad
+        if shard is None:
+            shard = torch.zeros(u.shard_numel, dtype=u.wdtype, device=self._device)
+        out = torch.empty(u.padded, dtype=shard.dtype, device=self._device)
+        self.group.all_gather(out, shard)
+        return out
