@@ -117,7 +117,7 @@ class ShardedDataParallel(nn.Module):
         self.module = module
         self.stage = stage
         self.group = group if group is not None else default_group()
-        self.prefetch = prefetch
+        self.prefetch = int(prefetch)
         self.mixed_precision = mixed_precision or MixedPrecision()
         owned = owned_parameters(module)
         named = [np for params in owned.values() for np in params]

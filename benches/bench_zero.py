@@ -1,0 +1,473 @@
+"""Our ZeRO stages against torch FSDP2 and torch DDP, in the same processes, on the same model.
+
+Each world size starts ``--ranks`` processes (``bench_ddp.py``'s launcher: torchrun-style env,
+our group on MASTER_PORT, torch's on its own TCPStore). Every rank builds, from deep copies of
+the same initial model (the main job's ``TinyGPT``) and AdamW:
+
+- ``zero1``, ``zero2``, ``zero3``: ``sl.distribute(model, opt, strategy=...)`` on our group
+  (native engine on CPU, NCCL on CUDA);
+- ``fsdp2``: torch's ``fully_shard`` on every transformer block, then on the root (the standard
+  manual wrapping), on torch's group (Gloo on CPU, NCCL on CUDA);
+- ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on torch's group.
+
+Two passes per world size:
+
+1. memory, one implementation at a time: build it, run ``--warmup`` steps, record the rank's
+   persistent bytes (parameters + gradients + optimizer state it holds: unique storages, or
+   ``model.memory_stats()`` where ours has it) and, on CUDA, the peak allocated memory of those
+   steps; then free everything. On CPU only the persistent bytes are reported: peak RSS of a
+   process that hosts all implementations is not per implementation.
+2. time: all implementations alive, ``--warmup`` steps each, then ``--repeats`` timed blocks of
+   ``--steps`` steps that alternate between them (same batches, same order); a cell is the
+   slowest rank's median step time. The rank-mean loss of each implementation's last step is
+   compared with FSDP2's (or the first implementation's): more than 1e-3 relative is flagged.
+
+Writes JSON, a text table and (with matplotlib) a PNG to ``benches/results/zero-<tag>.*``.
+
+    python benches/bench_zero.py --ranks 2                          # CPU, here, small model
+    python benches/bench_zero.py --ranks 2 --impls ddp,fsdp2        # torch only
+    python benches/bench_zero.py --device cuda --ranks 2 --size large
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_ddp
+from bench_ddp import RESULTS
+
+IMPLS = ("zero1", "zero2", "zero3", "fsdp2", "ddp")
+OURS = ("zero1", "zero2", "zero3")
+MIB = 2**20
+MEM_KEYS = ("persistent_bytes", "persistent_generic_bytes", "peak_bytes")
+# (d_model, num_layers, num_heads, seq_len, batch_size per rank)
+SIZES = {
+    "small": (256, 4, 4, 64, 8),  # 3.2M parameters, for 2 CPU cores
+    "medium": (1024, 8, 16, 512, 8),  # 101M
+    "large": (1280, 20, 20, 1024, 8),  # 394M
+}
+
+
+# -- worker --------------------------------------------------------------------------------------
+
+
+def fully_shard_fn() -> Any:
+    """torch's FSDP2 ``fully_shard`` (public since torch 2.6, composable before)."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard  # type: ignore[attr-defined]  # noqa: PLC0415
+    return fully_shard
+
+
+def local(t: Any) -> Any:
+    """The rank-local tensor of a DTensor (FSDP2's parameters, gradients, optimizer state)."""
+    return getattr(t, "_local_tensor", t)
+
+
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the unique (non-empty) storages behind ``tensors`` (``None`` skipped)."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        s = local(t).untyped_storage()
+        if s.nbytes():
+            seen[(str(s.device), s.data_ptr())] = s.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_tensors(opt: Any) -> list[Any]:
+    import torch  # noqa: PLC0415
+
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def persistent_bytes(model: Any, opt: Any) -> int:
+    """Bytes this rank holds for parameters, gradients, buffers and optimizer state: unique
+    storages of ``model``'s parameters (and, for a wrapper, its ``.module``'s: ours' gathered
+    ones), their gradients, buffers, ``opt``'s parameters, gradients and state tensors."""
+    params = list(model.parameters())
+    inner = getattr(model, "module", None)
+    if inner is not None:
+        params += list(inner.parameters())
+    for group in opt.param_groups:
+        params += list(group["params"])
+    tensors = params + [p.grad for p in params] + list(model.buffers())
+    return storage_bytes(tensors + optimizer_tensors(opt))
+
+
+def memory_breakdown(model: Any, opt: Any) -> tuple[int, dict[str, int] | None]:
+    """(persistent bytes, the breakdown by ours' ``model.memory_stats()`` if the wrapper has
+    it: its keys plus ``optimizer``, the optimizer state's storages, where it lacks that key)."""
+    stats = getattr(model, "memory_stats", None)
+    if not callable(stats):
+        return persistent_bytes(model, opt), None
+    d = {k: int(v) for k, v in stats().items() if isinstance(v, int | float)}
+    d.setdefault("optimizer", storage_bytes(optimizer_tensors(opt)))
+    return sum(d.values()), d
+
+
+def worker(args: argparse.Namespace) -> int:
+    import copy  # noqa: PLC0415
+    import gc  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: PLC0415
+
+    import shardline as sl  # noqa: PLC0415
+    from shardline.examples.train import Config, TinyGPT, corpus  # noqa: PLC0415
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sl.init(backend="nccl" if cuda else "native")
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["TORCH_PORT"]), world, rank == 0, timedelta(seconds=120)
+    )
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world)
+    fully_shard = fully_shard_fn()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def free() -> None:
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    d_model, layers, heads, seq_len, batch = SIZES[args.size]
+    cfg = Config(
+        d_model=d_model, num_layers=layers, num_heads=heads, seq_len=seq_len, batch_size=batch
+    )
+    torch.manual_seed(0)
+    base = TinyGPT(cfg)  # on the CPU; each implementation moves its own copy
+    n_params = sum(p.numel() for p in base.parameters())
+    # Each rank its own windows of the built-in corpus (real text, so the loss moves).
+    tokens = corpus(num_chars=max(200_000, 64 * (seq_len + 1) * batch))
+    n_windows = (tokens.numel() - 1) // seq_len
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batches = []
+    for _ in range(4):
+        idx = torch.randint(0, n_windows, (batch,), generator=gen).tolist()
+        win = torch.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in idx])
+        batches.append((win[:, :-1].to(device), win[:, 1:].to(device)))
+    items = batch * seq_len * world  # tokens per step, all ranks
+
+    def build(name: str) -> tuple[Any, Any]:
+        model: Any = copy.deepcopy(base).to(device)
+        if name in OURS:
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+            return sl.distribute(model, opt, strategy=name, **args.zero_kw)
+        if name == "fsdp2":
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        else:
+            model = TorchDDP(model, device_ids=[device.index] if cuda else None)
+        return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def step(model: Any, opt: Any, counter: list[int]) -> Any:
+        x, y = batches[counter[0] % len(batches)]
+        counter[0] += 1
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    impls = [i for i in IMPLS if i in args.impls]
+    errors: dict[str, str] = {}
+    rows: dict[str, dict[str, Any]] = {i: {} for i in impls}
+
+    def failed(name: str, what: str) -> None:
+        errors[name] = f"{what}: {traceback.format_exc()}"
+        if rank == 0:
+            print(f"[world {world}] {name} failed during {what}:\n{errors[name]}", flush=True)
+
+    # Pass 1: memory, one implementation alive at a time.
+    for name in impls:
+        free()
+        base_alloc = torch.cuda.memory_allocated() if cuda else 0
+        model = opt = None
+        try:
+            model, opt = build(name)
+            if rank == 0 and hasattr(model, "plan"):
+                rows[name]["plan"] = str(model.plan())
+                head = rows[name]["plan"].splitlines()[0]
+                print(f"[world {world}] {name}: {head} (whole plan in the JSON)", flush=True)
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            counter = [0]
+            for _ in range(args.warmup):
+                step(model, opt, counter)
+            sync()
+            persistent, own = memory_breakdown(model, opt)
+            rows[name]["persistent_generic_bytes"] = persistent_bytes(model, opt)
+            if own is not None:
+                rows[name]["memory_stats"] = own
+            rows[name]["persistent_bytes"] = persistent
+            if cuda:
+                rows[name]["peak_bytes"] = torch.cuda.max_memory_allocated() - base_alloc
+        except Exception:  # ours may be unfinished: report, go on
+            failed(name, "memory pass")
+        del model, opt
+        free()
+
+    # Pass 2: time, all alive, alternating blocks.
+    alive: dict[str, tuple[Any, Any, list[int]]] = {}
+    losses: dict[str, Any] = {}
+    for name in impls:
+        if name in errors:
+            continue
+        try:
+            model, opt = build(name)
+            counter = [0]
+            for _ in range(args.warmup):
+                step(model, opt, counter)
+            alive[name] = (model, opt, counter)
+        except Exception:
+            failed(name, "timing warm-up")
+    sync()
+    times: dict[str, list[float]] = {k: [] for k in alive}
+    for _ in range(args.repeats):
+        for name, (model, opt, counter) in list(alive.items()):
+            dist.barrier()
+            sync()
+            try:
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    loss = step(model, opt, counter)
+                sync()
+                times[name].append((time.perf_counter() - t0) / args.steps)
+                losses[name] = loss
+            except Exception:
+                failed(name, "timed steps")
+                del alive[name]
+
+    # Slowest rank's median step time, max over ranks of the memory, mean over ranks of the loss.
+    names = [n for n in impls if times.get(n)]
+    nan = float("nan")
+    med = torch.tensor([statistics.median(times[n]) for n in names] or [0.0], dtype=torch.float64)
+    mem = torch.tensor(
+        [float(rows[n].get(k, nan)) for n in impls for k in MEM_KEYS],
+        dtype=torch.float64,
+    )
+    lss = torch.tensor([float(losses[n]) for n in names] or [0.0], dtype=torch.float64)
+    for t, op in ((med, dist.ReduceOp.MAX), (mem, dist.ReduceOp.MAX), (lss, dist.ReduceOp.SUM)):
+        t_dev = t.to(device)
+        dist.all_reduce(t_dev, op=op)
+        t.copy_(t_dev.cpu())
+    lss /= world
+    for i, n in enumerate(impls):
+        for j, k in enumerate(MEM_KEYS):
+            v = float(mem[len(MEM_KEYS) * i + j])
+            rows[n][k] = None if math.isnan(v) else v
+    for n, t, lo in zip(names, med.tolist(), lss.tolist(), strict=True):
+        rows[n].update(step_ms=t * 1e3, tokens_per_s=items / t, loss=lo)
+    for n in impls:
+        if n in errors:
+            rows[n]["error"] = errors[n]
+    result = {
+        "params": n_params,
+        "tokens_per_step": items,
+        "config": {
+            "d_model": d_model,
+            "layers": layers,
+            "heads": heads,
+            "seq_len": seq_len,
+            "batch_per_rank": batch,
+        },
+        "impls": rows,
+    }
+    alive.clear()
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+    sl.shutdown()
+    return 0
+
+
+# -- parent --------------------------------------------------------------------------------------
+
+
+def run_world(world: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """``bench_ddp.run_world``, starting this file's workers: it runs the module's ``__file__``
+    with ``--worker --out PATH`` and the parent's arguments, and returns the rank-0 JSON."""
+    bench_ddp.__file__ = __file__
+    return bench_ddp.run_world(world, args, tmp)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:5.2f}x" if a and b else "    - "
+
+
+def table(results: dict[int, dict[str, Any]], device: str) -> str:
+    cuda = device == "cuda"
+    peer = "torch (NCCL)" if cuda else "torch (Gloo)"
+    mem_col = "peak MiB" if cuda else "persist MiB"
+    lines = [
+        f"{'ranks':>5} {'impl':6} {'step ms':>9} {'tokens/s':>11} {'vs fsdp2':>8} "
+        f"{mem_col:>11} {'vs fsdp2':>8} "
+        + (f"{'persist MiB':>11} " if cuda else "")
+        + f"{'loss':>8}  check   (zero*: ours on {'NCCL' if cuda else 'the native engine'}; "
+        f"fsdp2, ddp: {peer}; memory per rank, max over ranks)"
+    ]
+    goals = []
+    for world, res in results.items():
+        rows = res["impls"]
+        ref_name = "fsdp2" if "loss" in rows.get("fsdp2", {}) else None
+        ref_name = ref_name or next((n for n, r in rows.items() if "loss" in r), None)
+        ref_loss = rows[ref_name]["loss"] if ref_name else None
+        fs = rows.get("fsdp2", {})
+        mem_key = "peak_bytes" if cuda else "persistent_bytes"
+        for name, r in rows.items():
+            if "error" in r and "step_ms" not in r:
+                lines.append(f"{world:5d} {name:6} FAILED: {r['error'].strip().splitlines()[-1]}")
+                continue
+            mem = r.get(mem_key)
+            check = "ok"
+            if ref_loss is not None and "loss" in r:
+                rel = abs(r["loss"] - ref_loss) / max(abs(ref_loss), 1e-12)
+                if not rel <= 1e-3:  # NaN too
+                    check = f"WARN {rel:.1e} vs {ref_name}"
+            lines.append(
+                f"{world:5d} {name:6} {r.get('step_ms', math.nan):9.2f} "
+                f"{r.get('tokens_per_s', math.nan):11,.0f} "
+                f"{_ratio(r.get('tokens_per_s'), fs.get('tokens_per_s')):>8} "
+                f"{(mem or math.nan) / MIB:11.1f} {_ratio(mem, fs.get(mem_key)):>8} "
+                + (f"{(r.get('persistent_bytes') or math.nan) / MIB:11.1f} " if cuda else "")
+                + f"{r.get('loss', math.nan):8.4f}  {check}"
+            )
+        for name, r in rows.items():  # ours' own accounting against the storage walk
+            own, walk = r.get("persistent_bytes"), r.get("persistent_generic_bytes")
+            if r.get("memory_stats") and own and walk and abs(own - walk) > 0.05 * walk:
+                lines.append(
+                    f"      note: {name} memory_stats() says {own / MIB:.1f} MiB, its reachable "
+                    f"storages {walk / MIB:.1f} MiB"
+                )
+        mem_word = "peak" if cuda else "persistent"
+        z3 = rows.get("zero3", {})
+        if "tokens_per_s" in z3 and "tokens_per_s" in fs:
+            speed = z3["tokens_per_s"] / fs["tokens_per_s"]
+            m3, mf = z3.get(mem_key), fs.get(mem_key)
+            mem_ok = m3 is not None and mf is not None and m3 <= mf
+            goals.append(
+                f"{world} ranks: tokens/s {speed:.2f}x FSDP2 "
+                f"({'met' if speed >= 1.0 else 'NOT met'}), {mem_word} memory "
+                f"{(m3 or math.nan) / MIB:.1f} vs {(mf or math.nan) / MIB:.1f} MiB "
+                f"({'met' if mem_ok else 'NOT met'})"
+            )
+    lines.append("goals: zero3 >= 1.0x FSDP2 tokens/s, peak memory <= FSDP2")
+    lines += [f"  {g}" for g in goals] or ["  (needs zero3 and fsdp2 in the run)"]
+    return "\n".join(lines)
+
+
+def plot(results: dict[int, dict[str, Any]], path: Path, device: str) -> str:
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError as exc:
+        return f"no plot: matplotlib unavailable ({exc})"
+    mem_key = "peak_bytes" if device == "cuda" else "persistent_bytes"
+    mem_word = "peak" if device == "cuda" else "persistent"
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    worlds = list(results)
+    names = [n for n in IMPLS if any(n in results[w]["impls"] for w in worlds)]
+    width = 0.8 / max(1, len(names))
+    for k, name in enumerate(names):
+        xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(worlds))]
+        rows = [results[w]["impls"].get(name, {}) for w in worlds]
+        axes[0].bar(xs, [r.get("tokens_per_s") or 0 for r in rows], width, label=name)
+        axes[1].bar(xs, [(r.get(mem_key) or 0) / MIB for r in rows], width, label=name)
+    for ax, ylabel in zip(axes, ("tokens/s (all ranks)", f"{mem_word} MiB per rank"), strict=True):
+        ax.set_xticks(range(len(worlds)), [f"{w} ranks" for w in worlds])
+        ax.set_ylabel(ylabel)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"ZeRO / FSDP2 / DDP, TinyGPT ({device})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"plot: {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument(
+        "--impls",
+        type=lambda text: [s.strip() for s in text.split(",") if s.strip()],
+        default=list(IMPLS),
+        help=f"comma-separated subset of {','.join(IMPLS)} (default: all)",
+    )
+    p.add_argument("--size", default="small", choices=list(SIZES))
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    p.add_argument("--repeats", type=int, default=3, help="timed blocks per implementation")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
+    p.add_argument("--tag", default=None, help="results file name suffix")
+    p.add_argument(
+        "--zero-kw",
+        type=lambda text: {k: float(v) for k, v in (kv.split("=") for kv in text.split(","))},
+        default={},
+        help="options for our ZeRO wrapper, e.g. unit_mb=32,prefetch=2",
+    )
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    unknown = set(args.impls) - set(IMPLS)
+    if unknown:
+        p.error(f"--impls: unknown {', '.join(sorted(unknown))}; choose from {', '.join(IMPLS)}")
+    if args.worker:
+        return worker(args)
+    import tempfile  # noqa: PLC0415
+
+    results: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in args.ranks:
+            results[world] = run_world(world, args, Path(tmp))
+            print(table({world: results[world]}, args.device), flush=True)
+    text = table(results, args.device)
+    cores = os.cpu_count()
+    tag = args.tag or f"{args.device}-{cores}c-{args.size}"
+    import torch  # noqa: PLC0415
+
+    gpu = f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else ""
+    first = next(iter(results.values()))
+    header = (
+        f"# bench_zero.py {' '.join(sys.argv[1:])}\n"
+        f"# {platform.node()} {cores} cores{gpu}, torch {torch.__version__}; TinyGPT "
+        f"{first['params'] / 1e6:.1f}M params {first['config']}, AdamW, fp32"
+    )
+    print(header + "\n" + text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"zero-{tag}.txt").write_text(header + "\n" + text + "\n")
+    (RESULTS / f"zero-{tag}.json").write_text(
+        json.dumps({"args": vars(args), "cores": cores, "results": results}, indent=1)
+    )
+    print(plot(results, RESULTS / f"zero-{tag}.png", args.device))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

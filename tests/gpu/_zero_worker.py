@@ -1,0 +1,87 @@
+"""One rank of the CUDA ZeRO-3 check (run by test_zero_cuda.py through ``shardline run``).
+
+Trains the same transformer with our zero3 on the nccl backend and with torch's FSDP2
+(``fully_shard`` on every block, then the root) on NCCL: same seed, data and AdamW. Prints the
+largest parameter difference and each one's peak ``torch.cuda.max_memory_allocated``; exits
+non-zero if the models differ.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import shardline as sl
+from shardline.examples.train import Config, TinyGPT
+
+
+def main() -> int:
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    group = sl.init(backend="nccl")
+    rank, world = group.rank, group.world_size
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["TORCH_PORT"]), world, rank == 0, timedelta(seconds=60)
+    )
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    cfg = Config(d_model=512, num_layers=6, num_heads=8, seq_len=256)
+    base = TinyGPT(cfg)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, cfg.vocab, (8, cfg.seq_len + 1), generator=gen) for _ in range(6)]
+
+    def train(name: str) -> tuple[dict[str, torch.Tensor], int, list[float]]:
+        model = copy.deepcopy(base).to(device)
+        if name == "fsdp2":
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            model, opt = sl.distribute(model, opt, strategy="zero3", group=group)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        losses = []
+        for cpu_batch in batches:
+            b = cpu_batch.to(device)
+            opt.zero_grad()
+            loss = model(b[:, :-1], b[:, 1:])
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        peak = torch.cuda.max_memory_allocated()
+        state = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu()
+            for k, v in model.state_dict().items()
+        }
+        del model, opt
+        gc.collect()
+        torch.cuda.empty_cache()
+        return state, peak, losses
+
+    ours, ours_peak, ours_losses = train("zero3")
+    theirs, theirs_peak, theirs_losses = train("fsdp2")
+    worst = max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
+    print(
+        f"rank {rank}: max |ours - fsdp2| = {worst:.3g}; peak MiB ours {ours_peak / 2**20:.1f} "
+        f"fsdp2 {theirs_peak / 2**20:.1f} ({ours_peak / theirs_peak:.3f}x); "
+        f"losses ours {ours_losses[-1]:.5f} fsdp2 {theirs_losses[-1]:.5f}",
+        flush=True,
+    )
+    dist.destroy_process_group()
+    sl.shutdown()
+    ok = worst <= 1e-4 and ours_peak <= 1.05 * theirs_peak
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
