@@ -7,7 +7,9 @@ sizes, without user wrapping:
 - the modules that own parameters are taken in execution order (the order recorded on the first
   step) or, before anything ran, in registration order;
 - consecutive small modules are merged until a unit reaches ``threshold`` bytes (default
-  1 MiB); a module at or above the threshold stands alone;
+  1 MiB); a module at or above the threshold is never merged with another large one (small
+  modules that ran just before it, fewer than ``threshold`` bytes, join its unit rather than
+  forming a tiny unit of their own: one collective fewer for each LayerNorm);
 - a unit never mixes dtypes (a flat buffer has one dtype).
 
 A parameter shared by several modules (tied embeddings) belongs to the unit of the first module
@@ -150,10 +152,11 @@ def plan_units(
         nbytes = numel * params[0][1].element_size()
         if cur_dtype is not None and dtype != cur_dtype:
             close()
-        if nbytes >= threshold:
-            close()
-            cur_mods, cur_params = [mname], [n for n, _ in params]
-            cur_numel, cur_dtype = numel, dtype
+        if nbytes >= threshold:  # large: its own unit, with the small modules just before it
+            cur_mods.append(mname)
+            cur_params += [n for n, _ in params]
+            cur_numel += numel
+            cur_dtype = dtype
             close()
             continue
         cur_mods.append(mname)

@@ -45,7 +45,7 @@ from shardline.parallel.precision import MixedPrecision
 __all__ = ["ShardedDataParallel", "ShardedTensor"]
 
 _MIB = 1 << 20
-_MAX_INFLIGHT = 2  # gradient reductions in flight before backward waits for the oldest
+_MAX_INFLIGHT = 1  # gradient reductions in flight before backward waits for the oldest
 
 
 class ShardedTensor:
