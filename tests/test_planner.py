@@ -19,6 +19,9 @@ from shardline.parallel.planner import (
     optimizer_states,
 )
 from shardline.parallel.precision import MixedPrecision
+from shardline.parallel.zero import _MAX_INFLIGHT
+
+FLATS = _MAX_INFLIGHT + 1  # full gradient flats in backward: reductions in flight + accumulating
 
 WIDTH = 64  # every layer 64 x 64 = 4096 elements: divisible by 1, 2 and 4
 LAYERS = 8
@@ -71,11 +74,10 @@ def test_fp32_components_and_comm_buffers(world_size: int) -> None:
     assert est["ddp"].comm_buffers == 0  # gradients are views into the buckets
     # stages 1 and 2 re-gather every unit after the step from copies of the shards
     assert est["zero1"].comm_buffers == 4 * psi // n
-    # two reductions in flight and one unit accumulating: three full gradient flats
-    assert est["zero2"].comm_buffers == max(3 * 4 * unit, 4 * psi // n)
-    assert est["zero3"].comm_buffers == (1 + 1) * 4 * unit + 3 * 4 * unit  # prefetch=1
+    assert est["zero2"].comm_buffers == max(FLATS * 4 * unit, 4 * psi // n)
+    assert est["zero3"].comm_buffers == (1 + 1) * 4 * unit + FLATS * 4 * unit  # prefetch=1
     prefetch2 = estimate_memory(model, world_size=n, strategy="zero3", unit_mb=0, prefetch=2)
-    assert prefetch2.comm_buffers == 3 * 4 * unit + 3 * 4 * unit
+    assert prefetch2.comm_buffers == 3 * 4 * unit + FLATS * 4 * unit
     fsdp = estimate_memory(model, world_size=n, strategy="fsdp", unit_mb=0)
     assert fsdp.strategy == "fsdp"
     assert fsdp.as_dict() | {"strategy": "zero3"} == est["zero3"].as_dict()
@@ -125,15 +127,16 @@ def test_mixed_precision_bf16_params_fp32_master(
             w * psi // n,
             w * psi // n,
             k * w * psi // n,
-            max(3 * r * unit + 2 * r * unit // n, c * psi // n),  # 3 flats, 2 bf16 outputs
+            # full gradient flats, bf16 reduce-scatter outputs (r != w) or the re-gather
+            max(FLATS * r * unit + _MAX_INFLIGHT * r * unit // n, c * psi // n),
         ),
         "zero3": (
             w * psi // n,
             w * psi // n,
             0,
             k * w * psi // n,
-            # 2 gathered units and their cast inputs, 3 gradient flats, 2 bf16 outputs
-            2 * c * unit + 2 * c * unit // n + 3 * r * unit + 2 * r * unit // n,
+            # 2 gathered units and their cast inputs, gradient flats, bf16 outputs
+            2 * c * unit + 2 * c * unit // n + FLATS * r * unit + _MAX_INFLIGHT * r * unit // n,
         ),
     }
     for strategy, want in expected.items():

@@ -21,9 +21,10 @@ zero3/fsdp  w·ΣS_u    w·ΣS_u                         0 (the shard is it)  k�
 fp32 Adam without mixed precision gives the ZeRO paper's 16, 8 + 8/N, 4 + 12/N and 16/N bytes
 per parameter. Transient communication buffers come on top (the largest units, an upper
 bound): ZeRO-1 and ZeRO-2 re-gather all units after the step from compute-dtype copies of the
-shards (c·ΣS_u); ZeRO-2 and ZeRO-3 hold up to three full gradient flats in backward (two
-reductions in flight, one unit accumulating: 3·r·N·S), and ZeRO-3 ``1 + prefetch`` gathered
-units in the compute dtype (plus their cast all-gather inputs when c != w).
+shards (c·ΣS_u); ZeRO-2 and ZeRO-3 hold full gradient flats in backward (the wrapper's
+``_MAX_INFLIGHT`` reductions in flight plus the unit accumulating, each r·N·S), and ZeRO-3
+``1 + prefetch`` gathered units in the compute dtype (plus their cast all-gather inputs when
+c != w).
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ class _GlooHandle:
                 w.wait()
             else:
                 w.wait(timedelta(seconds=timeout))
+        self._works = []  # torch's Works hold their tensors: let them go once waited
         if self._after is not None:
             after, self._after = self._after, None
             after()

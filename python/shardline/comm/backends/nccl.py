@@ -110,6 +110,9 @@ class _NcclHandle:
                     w.wait(timedelta(seconds=timeout))
             except RuntimeError as exc:
                 raise _translate(exc, self._what, self._rank) from exc
+        # torch's Works hold their tensors: drop them once waited, so a caller that keeps our
+        # Work (the group's pending list does, for a while) does not keep freed memory alive.
+        self._works = []
         if self._after is not None:
             after, self._after = self._after, None
             after()
