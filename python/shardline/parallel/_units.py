@@ -66,6 +66,7 @@ class Unit:
     published: bool = False  # grad_full holds reduced gradients the optimizer was shown
     fresh: bool = True  # the reduction overwrites shard_grad instead of adding to it
     grad_version: int = 0
+    last_outputs: list[torch.Tensor] = field(default_factory=list)  # of its last module call
     bw_issued: bool = False
 
     # -- layout ------------------------------------------------------------------------------

@@ -533,8 +533,15 @@ class ShardedDataParallel(nn.Module):
             u.active = 0
             u.uses_left = u.expected_uses
             u.uses_seen = 0
+        if self.stage > 1:
+            for u in self._units:
+                if u.shard_grad is not None and not any(
+                    loc.grad is not None for loc in u.locals
+                ):  # zero_grad() dropped them all: free the memory until backward needs it
+                    u.shard_grad = None
         if self.stage == 3:
             for u in self._units:
+                u.last_outputs = []
                 if u.gathered or u.gather_work is not None:
                     self._release(u)
             self._fwd_next = 0
@@ -578,10 +585,9 @@ class ShardedDataParallel(nn.Module):
                     self._release(u)
         if torch.is_grad_enabled() and self.stage == 3:
             outs = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
-            if outs:
-                torch.autograd.graph.register_multi_grad_hook(
-                    outs, lambda _g, units=units: self._pre_backward(units), mode="any"
-                )
+            if outs:  # the unit's backward starts with its last module that ran
+                for u in units:
+                    u.last_outputs = outs
 
     def _end_forward(self) -> None:
         self._traced = True
@@ -596,13 +602,21 @@ class ShardedDataParallel(nn.Module):
             self._gather(self._units[self._fwd_next])
             self._fwd_next += 1
         keep = self._bw_order[0]
+        hooked: dict[int, tuple[list[torch.Tensor], list[Unit]]] = {}
         for u in self._units:
             if u is keep:
                 self._wait(u)
             else:
                 self._release(u)
             u.bw_issued = u is keep
+            if u.last_outputs:
+                hooked.setdefault(id(u.last_outputs), (u.last_outputs, []))[1].append(u)
+                u.last_outputs = []
         self._bw_next = 0
+        for outs, units in hooked.values():  # gather each unit again when backward reaches it
+            torch.autograd.graph.register_multi_grad_hook(
+                outs, lambda _g, units=units: self._pre_backward(units), mode="any"
+            )
 
     # -- backward --------------------------------------------------------------------------------
 
