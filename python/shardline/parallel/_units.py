@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,7 +67,7 @@ class Unit:
     published: bool = False  # grad_full holds reduced gradients the optimizer was shown
     fresh: bool = True  # the reduction overwrites shard_grad instead of adding to it
     grad_version: int = 0
-    last_outputs: list[torch.Tensor] = field(default_factory=list)  # of its last module call
+    bw_hook: Any = None  # pre-backward hook on the outputs of its latest module call
     bw_issued: bool = False
 
     # -- layout ------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from shardline.errors import InvalidArgumentError
-from shardline.parallel.grouping import DEFAULT_UNIT_MB, plan_units
+from shardline.parallel.grouping import default_unit_mb, plan_units
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.zero import _MAX_INFLIGHT
 
@@ -313,7 +313,7 @@ def estimate_memory(
     optimizer: str | torch.optim.Optimizer | None = "adamw",
     mixed_precision: MixedPrecision | None = None,
     example_input: Any = None,
-    unit_mb: float = DEFAULT_UNIT_MB,
+    unit_mb: float | None = None,
     prefetch: int = 1,
 ) -> MemoryEstimate:
     """Bytes per rank to train ``model`` with ``strategy`` on ``world_size`` ranks.
@@ -331,7 +331,8 @@ def estimate_memory(
             ``ddp``.
         example_input: One rank's batch: a tensor, a tuple of positional arguments or a dict
             of keyword arguments. Only shapes and dtypes are used.
-        unit_mb: Sharding unit threshold in MiB, as given to the sharded wrapper.
+        unit_mb: Sharding unit threshold in MiB, as given to the sharded wrapper; ``None``:
+            its default for the model's device (1 MiB on CPU, 32 MiB on CUDA).
         prefetch: Units ZeRO-3 gathers ahead of the one computing.
 
     Returns:
@@ -343,7 +344,7 @@ def estimate_memory(
     """
     name = _check_strategy(strategy)
     _check_world_size(world_size)
-    if prefetch < 0 or unit_mb < 0:
+    if prefetch < 0 or (unit_mb is not None and unit_mb < 0):
         raise InvalidArgumentError(
             f"prefetch ({prefetch}) and unit_mb ({unit_mb}) must not be negative"
         )
@@ -362,7 +363,7 @@ def _estimate(
     world_size: int,
     k: int,
     mp: MixedPrecision | None,
-    unit_mb: float,
+    unit_mb: float | None,
     prefetch: int,
     activations: int,
     measured: bool,
@@ -370,6 +371,9 @@ def _estimate(
 ) -> MemoryEstimate:
     """The estimate once arguments are checked and activations counted."""
     layout = "zero3" if name == "fsdp" else name
+    if unit_mb is None:
+        first = next(model.parameters(), None)
+        unit_mb = default_unit_mb(first.device if first is not None else torch.device("cpu"))
     plan = plan_units(model, int(unit_mb * 2**20))
     n = world_size
     named = dict(model.named_parameters())
@@ -599,7 +603,7 @@ def choose_strategy(
     mixed_precision: MixedPrecision | None = None,
     example_input: Any = None,
     headroom: float = 0.7,
-    unit_mb: float = DEFAULT_UNIT_MB,
+    unit_mb: float | None = None,
     prefetch: int = 1,
     device: torch.device | str | int | None = None,
 ) -> tuple[str, str, MemoryEstimate]:
@@ -636,7 +640,7 @@ def choose_strategy(
         available_bytes = available_memory(device if device is not None else _default_device(model))
     if available_bytes < 0:
         raise InvalidArgumentError(f"available_bytes must not be negative, got {available_bytes}")
-    if prefetch < 0 or unit_mb < 0:
+    if prefetch < 0 or (unit_mb is not None and unit_mb < 0):
         raise InvalidArgumentError(
             f"prefetch ({prefetch}) and unit_mb ({unit_mb}) must not be negative"
         )

@@ -39,7 +39,7 @@ from shardline.comm.work import Work
 from shardline.errors import InvalidArgumentError, ShardlineError
 from shardline.parallel._common import broadcast_coalesced, check_same_model, default_group
 from shardline.parallel._units import Unit
-from shardline.parallel.grouping import DEFAULT_UNIT_MB, UnitPlan, owned_parameters, plan_units
+from shardline.parallel.grouping import UnitPlan, default_unit_mb, owned_parameters, plan_units
 from shardline.parallel.precision import MixedPrecision
 
 __all__ = ["ShardedDataParallel", "ShardedTensor"]
@@ -79,7 +79,8 @@ class ShardedDataParallel(nn.Module):
         module: The plain model, on its device (CPU for native/gloo, this rank's GPU for nccl).
         stage: 1, 2 or 3.
         group: The ranks to shard across; the default group when ``None``.
-        unit_mb: Merge small layers into units of at least this many MiB.
+        unit_mb: Merge small layers into units of at least this many MiB; ``None``: 1 MiB on
+            CPU, 32 MiB on CUDA (``grouping.default_unit_mb``).
         prefetch: Units to all-gather ahead of the one in use (stage 3).
         mixed_precision: Compute and reduce dtypes, fp32 master weights.
         init_sync: Broadcast rank 0's parameters and buffers first.
@@ -101,7 +102,7 @@ class ShardedDataParallel(nn.Module):
         *,
         stage: int = 3,
         group: ProcessGroup | None = None,
-        unit_mb: float = DEFAULT_UNIT_MB,
+        unit_mb: float | None = None,
         prefetch: int = 1,
         mixed_precision: MixedPrecision | None = None,
         init_sync: bool = True,
@@ -110,7 +111,7 @@ class ShardedDataParallel(nn.Module):
         super().__init__()
         if stage not in (1, 2, 3):
             raise InvalidArgumentError(f"ShardedDataParallel: stage must be 1, 2 or 3, not {stage}")
-        if unit_mb < 0 or prefetch < 0:
+        if (unit_mb is not None and unit_mb < 0) or prefetch < 0:
             raise InvalidArgumentError(
                 f"ShardedDataParallel: unit_mb ({unit_mb}) and prefetch ({prefetch}) must be >= 0"
             )
@@ -149,6 +150,8 @@ class ShardedDataParallel(nn.Module):
         }
         self._handles: list[Any] = []
         self._units: list[Unit] = []
+        if unit_mb is None:
+            unit_mb = default_unit_mb(self._device)
         self._install(plan_units(module, int(unit_mb * _MIB)), [])
         for mod in self._module_units:
             self._handles.append(mod.register_forward_pre_hook(self._pre_forward))
@@ -541,7 +544,6 @@ class ShardedDataParallel(nn.Module):
                     u.shard_grad = None
         if self.stage == 3:
             for u in self._units:
-                u.last_outputs = []
                 if u.gathered or u.gather_work is not None:
                     self._release(u)
             self._fwd_next = 0
@@ -585,9 +587,13 @@ class ShardedDataParallel(nn.Module):
                     self._release(u)
         if torch.is_grad_enabled() and self.stage == 3:
             outs = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
-            if outs:  # the unit's backward starts with its last module that ran
+            if outs:  # a unit's backward starts at its last module that ran: hook only that
                 for u in units:
-                    u.last_outputs = outs
+                    if u.bw_hook is not None:
+                        u.bw_hook.remove()
+                    u.bw_hook = torch.autograd.graph.register_multi_grad_hook(
+                        outs, lambda _g, u=u: self._pre_backward([u]), mode="any"
+                    )
 
     def _end_forward(self) -> None:
         self._traced = True
@@ -602,21 +608,14 @@ class ShardedDataParallel(nn.Module):
             self._gather(self._units[self._fwd_next])
             self._fwd_next += 1
         keep = self._bw_order[0]
-        hooked: dict[int, tuple[list[torch.Tensor], list[Unit]]] = {}
         for u in self._units:
             if u is keep:
                 self._wait(u)
             else:
                 self._release(u)
             u.bw_issued = u is keep
-            if u.last_outputs:
-                hooked.setdefault(id(u.last_outputs), (u.last_outputs, []))[1].append(u)
-                u.last_outputs = []
+            u.bw_hook = None  # stays registered on this graph; a later forward adds its own
         self._bw_next = 0
-        for outs, units in hooked.values():  # gather each unit again when backward reaches it
-            torch.autograd.graph.register_multi_grad_hook(
-                outs, lambda _g, units=units: self._pre_backward(units), mode="any"
-            )
 
     # -- backward --------------------------------------------------------------------------------
 
