@@ -583,3 +583,40 @@ def test_zero1_matches_torch_zero_redundancy_optimizer_in_processes() -> None:
     """Real processes: our zero1 and zero3 against torch DDP + ZeroRedundancyOptimizer."""
     ranks = run_processes(2, "zero_vs_torch", timeout=120)
     assert all(r.rc == 0 and "OK" in r.out for r in ranks), report(ranks)
+
+
+# -- one line ----------------------------------------------------------------------------------
+
+
+def test_as_distributed_picks_by_memory_and_trains_like_one_process() -> None:
+    """Plenty of memory: DDP. Little: zero3, and a plain AdamW over model.parameters() (the
+    shards) trains exactly like one process. Ranks with different memory agree on the most
+    sharded choice."""
+    ref_losses, ref_state, _ = reference(2, 4, adamw)
+
+    def body(g: ProcessGroup) -> tuple[str, str, str, list[float], dict[str, torch.Tensor]]:
+        torch.set_num_threads(1)
+        roomy = sl.as_distributed(make(), group=g, available_bytes=1 << 40, verbose=False)
+        # rank 0 believes it has room for DDP, rank 1 only for zero3
+        budget = 1 << 40 if g.rank == 0 else 60_000
+        model = sl.as_distributed(
+            make(), group=g, available_bytes=budget, verbose=False, unit_mb=UNIT_MB
+        )
+        opt = adamw(list(model.named_parameters()))
+        losses = []
+        for step in range(4):
+            opt.zero_grad()
+            x, y = batch(step, g.rank)
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            total = loss.detach().reshape(1).clone()
+            g.all_reduce(total, op="avg")
+            losses.append(float(total))
+        return roomy.strategy, model.strategy, model.strategy_reason, losses, model.state_dict()
+
+    for roomy, chosen, reason, losses, state in run_ranks(2, body, timeout=60):
+        assert roomy == "ddp"
+        assert chosen == "zero3", reason
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        assert_state_close(state, ref_state)

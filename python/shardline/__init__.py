@@ -8,7 +8,8 @@ Table of contents:
   group (or ``group=``); ``async_op=True`` returns a ``Work``.
 - ``new_group``, ``ProcessGroup``, ``DeviceMesh``: sub-groups and named axes.
 - ``distribute``, ``DistributedDataParallel``, ``ShardedDataParallel`` (ZeRO 1/2/3, FSDP),
-  ``MixedPrecision``: parallel strategies (``shardline.parallel``).
+  ``MixedPrecision``: parallel strategies (``shardline.parallel``); ``as_distributed`` picks
+  one by memory, ``estimate_memory`` plans it before anything is allocated.
 - ``DistributedSampler``: each rank's share of a dataset, resumable mid-epoch (``shardline.data``).
 - ``shardline run`` (``shardline.launch``): the launcher; ``python -m shardline run ...``.
 - ``ShardlineError`` and its subclasses (``shardline.errors``).
@@ -53,9 +54,12 @@ from shardline.errors import (
 )
 from shardline.parallel import (
     DistributedDataParallel,
+    MemoryEstimate,
     MixedPrecision,
     ShardedDataParallel,
+    as_distributed,
     distribute,
+    estimate_memory,
 )
 
 __version__ = "0.1.0"
@@ -70,6 +74,7 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedSampler",
     "InvalidArgumentError",
+    "MemoryEstimate",
     "MixedPrecision",
     "PeerLostError",
     "ProcessGroup",
@@ -82,9 +87,11 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "as_distributed",
     "barrier",
     "broadcast",
     "distribute",
+    "estimate_memory",
     "gather",
     "get_rank",
     "get_world_size",

@@ -1,7 +1,8 @@
-"""``distribute()``: wrap a model and its optimizer for a parallel strategy in one call."""
+"""``distribute()`` and ``as_distributed()``: wrap a model for a parallel strategy in one call."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -9,10 +10,15 @@ from torch import nn
 
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
+from shardline.parallel._common import default_group
 from shardline.parallel.ddp import DistributedDataParallel
+from shardline.parallel.planner import choose_strategy
+from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.zero import ShardedDataParallel
 
-__all__ = ["STRATEGIES", "distribute"]
+__all__ = ["STRATEGIES", "as_distributed", "distribute"]
+
+_log = logging.getLogger("shardline")
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
@@ -64,3 +70,79 @@ def distribute(
                 "parameters of the model; build the optimizer from model.parameters()"
             )
     return DistributedDataParallel(model, group=group, **options), optimizer
+
+
+_ORDER = ("ddp", "zero1", "zero2", "zero3")
+_ZERO_ONLY = frozenset({"unit_mb", "prefetch", "reorder"})
+
+
+def as_distributed(
+    model: nn.Module,
+    *,
+    group: ProcessGroup | None = None,
+    optimizer: str | torch.optim.Optimizer | None = "adamw",
+    mixed_precision: MixedPrecision | None = None,
+    example_input: Any = None,
+    available_bytes: int | None = None,
+    headroom: float = 0.7,
+    verbose: bool = True,
+    **options: Any,
+) -> nn.Module:
+    """Wraps ``model`` with the least sharded strategy whose memory fits, and says why.
+
+    DDP when the model, its gradients and optimizer state (``optimizer``: the name of the one
+    you will build, or an instance) fit in ``headroom`` of one rank's memory, otherwise the
+    lowest ZeRO stage that fits (``estimate_memory`` for each). Every rank agrees on the most
+    sharded choice any rank needs. Build the optimizer afterwards from the returned model's
+    ``parameters()`` (for ZeRO those are this rank's shards, named like the originals).
+
+    Args:
+        model: The plain model, on its device.
+        group: The ranks to train on; the default group when ``None``.
+        optimizer: What the optimizer state will be (``"adamw"``, ``"sgd-momentum"``, ...).
+        mixed_precision: For the ZeRO stages (DDP keeps the model's dtype).
+        example_input: One rank's batch, to count activations (meta device, no compute).
+        available_bytes: Memory per rank; measured (free GPU memory, or available host memory
+            shared by the local ranks) when ``None``.
+        headroom: Fraction of the available memory a strategy may plan to use.
+        verbose: Print the choice and the reason on rank 0 (always logged to ``shardline``).
+        **options: Passed to the chosen wrapper (ZeRO-only ones such as ``unit_mb`` are
+            dropped when DDP is chosen).
+
+    Returns:
+        A ``DistributedDataParallel`` or ``ShardedDataParallel``; ``model.strategy`` and
+        ``model.strategy_reason`` record the choice.
+    """
+    g = group if group is not None else default_group()
+    device = next(model.parameters()).device
+    name, reason, _ = choose_strategy(
+        model,
+        world_size=g.world_size,
+        available_bytes=available_bytes,
+        optimizer=optimizer,
+        mixed_precision=mixed_precision,
+        example_input=example_input,
+        headroom=headroom,
+        unit_mb=options.get("unit_mb"),
+        device=device,
+    )
+    mine = torch.tensor([_ORDER.index(name)], dtype=torch.int64, device=device)
+    g.all_reduce(mine, op="max")
+    agreed = _ORDER[int(mine.item())]
+    if agreed != name:
+        reason = f"{agreed}: another rank has less memory ({reason} here)"
+    wrapped: nn.Module
+    if agreed == "ddp":
+        ddp_options = {k: v for k, v in options.items() if k not in _ZERO_ONLY}
+        wrapped = DistributedDataParallel(model, group=g, **ddp_options)
+    else:
+        wrapped = ShardedDataParallel(
+            model, stage=_ORDER.index(agreed), group=g, mixed_precision=mixed_precision, **options
+        )
+    wrapped.strategy = agreed  # type: ignore[assignment]
+    wrapped.strategy_reason = reason  # type: ignore[assignment]
+    message = f"shardline.as_distributed chose {reason}"
+    _log.info(message)
+    if verbose and g.rank == 0:
+        print(message, flush=True)
+    return wrapped
