@@ -200,7 +200,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument(
         "--backend", default=None, help="native (default on cpu), nccl (default on cuda), gloo, mpi"
     )
-    p.add_argument("--comm-hook", default=None, help="gradient compression: fp16 or bf16")
+    p.add_argument(
+        "--strategy",
+        default="ddp",
+        choices=["ddp", "zero1", "zero2", "zero3", "fsdp", "auto"],
+        help="data parallel strategy (auto: sl.as_distributed picks by memory)",
+    )
+    p.add_argument("--comm-hook", default=None, help="gradient compression: fp16 or bf16 (ddp)")
     p.add_argument(
         "--no-verify",
         dest="verify",
@@ -231,14 +237,21 @@ def main(argv: list[str] | None = None) -> int:
     probe = get_batch(tokens, list(range(n - cfg.batch_size, n)), cfg)  # same on every rank
 
     model: nn.Module = build_model(cfg).to(device)
+    num_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    if group is not None:
-        model, _ = sl.distribute(model, opt, strategy="ddp", comm_hook=args.comm_hook)
+    strategy = args.strategy if group is not None else "none"
+    if strategy == "auto":  # the one-line way: the strategy that fits, then a plain optimizer
+        model = sl.as_distributed(model)
+        strategy = str(model.strategy)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    elif group is not None:
+        hook = {"comm_hook": args.comm_hook} if strategy == "ddp" else {}
+        model, _ = sl.distribute(model, opt, strategy=strategy, **hook)
     batches = rank_batches(n, rank, world_size, cfg)
     if rank == 0:
         print(
-            f"shardline: training TinyGPT ({sum(p.numel() for p in model.parameters()):,} "
-            f"parameters) on {world_size} process(es), backend "
+            f"shardline: training TinyGPT ({num_params:,} parameters) with {strategy} on "
+            f"{world_size} process(es), backend "
             f"{group.backend if group else 'none'}, {cfg.steps} steps of "
             f"{world_size} x {cfg.batch_size} x {cfg.seq_len} tokens",
             flush=True,
