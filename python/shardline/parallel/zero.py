@@ -26,6 +26,7 @@ is gathered and dropped; its gradient contribution is zero.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,7 +45,12 @@ from shardline.parallel.precision import MixedPrecision
 
 __all__ = ["ShardedDataParallel", "ShardedTensor"]
 
+_log = logging.getLogger("shardline")
+
 _MIB = 1 << 20
+# The engine writes gathered parameters into memory autograd saved; the bytes are the ones that
+# were saved, so the version counter must not move (torch's FSDP does the same).
+_preserve_version = torch.autograd.grad_mode._unsafe_preserve_version_counter
 _MAX_INFLIGHT = 1  # gradient reductions in flight before backward waits for the oldest
 
 
@@ -159,6 +165,8 @@ class ShardedDataParallel(nn.Module):
         for _, p in named:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))  # type: ignore[no-untyped-call]
+        if self.group.rank == 0:
+            _log.info("%s", self.plan())
         self._trace: list[str] | None = []  # module names in the order the first forward ran
         self._traced = False
         self._reorder = reorder
@@ -489,14 +497,14 @@ class ShardedDataParallel(nn.Module):
         self._wait(u)
         u.alloc()
         src = u.gather_source()
-        with torch.autograd._unsafe_preserve_version_counter(u.full):
+        with _preserve_version(u.full):
             work = self._gather_group.all_gather(u.full, src, async_op=True)
         assert work is not None
         u.gather_work, u.gather_input = work, src
 
     def _wait(self, u: Unit) -> None:
         if u.gather_work is not None:
-            with torch.autograd._unsafe_preserve_version_counter(u.full):
+            with _preserve_version(u.full):
                 u.gather_work.wait()
             u.gather_work = u.gather_input = None
             u.gathered = True
