@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -64,10 +63,13 @@ class Unit:
     grads_pending: int = 0
     launched: bool = False
     touched: bool = False  # got a gradient in this backward
-    published: bool = False  # grad_full holds reduced gradients the optimizer was shown
+    shown: bool = False  # the locals' .grad were set at the end of the last backward
+    shown_base: torch.Tensor | None = None  # what those .grad tensors view
     fresh: bool = True  # the reduction overwrites shard_grad instead of adding to it
     grad_version: int = 0
-    bw_hook: Any = None  # pre-backward hook on the outputs of its latest module call
+    fwd_uses: int = 0  # module calls since the last backward
+    packed: int = 0  # tensors saved for backward by its modules (stage 3)
+    unpacked: int = 0  # ... and used by backward so far
     bw_issued: bool = False
 
     # -- layout ------------------------------------------------------------------------------
@@ -181,8 +183,24 @@ class Unit:
 
     def publish_grads(self) -> None:
         """Points each trainable local parameter's ``.grad`` at its part of ``shard_grad``."""
-        if self.shard_grad is None:
+        if self.shard_grad is not None:
+            self._show(self.shard_grad)
+
+    def mark_accumulating(self) -> None:
+        """After a ``no_sync`` backward: shows the locals this rank's unreduced slice.
+
+        As DDP leaves local gradients in ``.grad``; a ``zero_grad()`` before the next backward
+        is then seen, and drops the accumulation.
+        """
+        if self.grad_full is None or not any(self.grad_filled):
             return
+        lo = self.rank * self.shard_numel
+        mine = self.grad_full[lo : lo + self.shard_numel]
+        if mine.dtype != self.wdtype:  # a .grad must have its parameter's dtype
+            mine = mine.to(self.wdtype)
+        self._show(mine)
+
+    def _show(self, base: torch.Tensor) -> None:
         lo = self.rank * self.shard_numel
         for p, loc, (a, b), o in zip(
             self.params, self.locals, self.local_ranges, self.offsets, strict=True
@@ -190,7 +208,10 @@ class Unit:
             if not p.requires_grad:
                 continue
             start = o + a - lo if b > a else 0
-            loc.grad = self.shard_grad[start : start + (b - a)]
+            loc.grad = base[start : start + (b - a)]
+        self.shown = True
+        self.shown_base = base
+        self.grad_version = base._version
 
     def locals_have_grads(self) -> bool:
         """Whether the optimizer side still holds this unit's gradients (not zeroed to None)."""

@@ -74,6 +74,16 @@ def distribute(
 
 _ORDER = ("ddp", "zero1", "zero2", "zero3")
 _ZERO_ONLY = frozenset({"unit_mb", "prefetch", "reorder"})
+_DDP_ONLY = frozenset(
+    {
+        "bucket_cap_mb",
+        "first_bucket_mb",
+        "broadcast_buffers",
+        "comm_hook",
+        "gradient_as_bucket_view",
+        "in_place_mb",
+    }
+)
 
 
 def as_distributed(
@@ -106,8 +116,8 @@ def as_distributed(
             shared by the local ranks) when ``None``.
         headroom: Fraction of the available memory a strategy may plan to use.
         verbose: Print the choice and the reason on rank 0 (always logged to ``shardline``).
-        **options: Passed to the chosen wrapper (ZeRO-only ones such as ``unit_mb`` are
-            dropped when DDP is chosen).
+        **options: Passed to the chosen wrapper; those only the other one knows (``unit_mb``,
+            ``comm_hook``, ...) are dropped, so one call works whatever memory a machine has.
 
     Returns:
         A ``DistributedDataParallel`` or ``ShardedDataParallel``; ``model.strategy`` and
@@ -136,8 +146,13 @@ def as_distributed(
         ddp_options = {k: v for k, v in options.items() if k not in _ZERO_ONLY}
         wrapped = DistributedDataParallel(model, group=g, **ddp_options)
     else:
+        zero_options = {k: v for k, v in options.items() if k not in _DDP_ONLY}
         wrapped = ShardedDataParallel(
-            model, stage=_ORDER.index(agreed), group=g, mixed_precision=mixed_precision, **options
+            model,
+            stage=_ORDER.index(agreed),
+            group=g,
+            mixed_precision=mixed_precision,
+            **zero_options,
         )
     wrapped.strategy = agreed  # type: ignore[assignment]
     wrapped.strategy_reason = reason  # type: ignore[assignment]

@@ -20,7 +20,7 @@ units without talking.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +118,7 @@ def plan_units(
     module: nn.Module,
     threshold_bytes: int | None = None,
     order: Sequence[str] | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> UnitPlan:
     """Groups ``module``'s parameters into units (see the module docstring).
 
@@ -127,6 +128,8 @@ def plan_units(
             ``DEFAULT_UNIT_MB`` MiB when ``None``. ``0`` puts every module in its own unit.
         order: Names of modules in the order they ran; modules missing from it follow in
             registration order.
+        dtypes: The dtype of each parameter (by name) when it differs from the tensor's now
+            (a sharded model whose parameters are views in a compute dtype).
 
     Raises:
         InvalidArgumentError: a module owns parameters of two dtypes, or the model has no
@@ -156,16 +159,21 @@ def plan_units(
 
     for mname in names:
         params = owned[mname]
-        dtypes = {p.dtype for _, p in params}
-        if len(dtypes) > 1:
-            listed = ", ".join(f"{n} ({p.dtype})" for n, p in params)
+
+        def dtype_of(name: str, p: nn.Parameter) -> torch.dtype:
+            return dtypes[name] if dtypes is not None and name in dtypes else p.dtype
+
+        kinds = {dtype_of(n, p) for n, p in params}
+        if len(kinds) > 1:
+            listed = ", ".join(f"{n} ({dtype_of(n, p)})" for n, p in params)
             raise InvalidArgumentError(
                 f"module {mname or '<root>'!r} owns parameters of several dtypes ({listed}); "
                 "cast the model to one dtype and set compute precision with MixedPrecision"
             )
-        dtype = dtypes.pop()
+        dtype = kinds.pop()
         numel = sum(p.numel() for _, p in params)
-        nbytes = numel * params[0][1].element_size()
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * itemsize
         if cur_dtype is not None and dtype != cur_dtype:
             close()
         if nbytes >= threshold:  # large: its own unit, with the small modules just before it
@@ -179,7 +187,7 @@ def plan_units(
         cur_params += [n for n, _ in params]
         cur_numel += numel
         cur_dtype = dtype
-        if cur_numel * params[0][1].element_size() >= threshold:
+        if cur_numel * itemsize >= threshold:
             close()
     close()
     return UnitPlan(tuple(units), layers=len(names), threshold=threshold)

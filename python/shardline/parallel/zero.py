@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from shardline.comm.group import ProcessGroup
 from shardline.comm.work import Work
@@ -174,13 +176,25 @@ class ShardedDataParallel(nn.Module):
         # per-forward / per-backward state
         self._require_sync = True
         self._sync_backward = True
-        self._needs_gather = False
+        self._needs_gather = False  # stages 1/2: an optimizer stepped the shards
         self._fwd_next = 0
         self._bw_next = 0
         self._rs_next = 0
         self._callback_queued = False
         self._inflight: list[tuple[Unit, Work, torch.Tensor]] = []
         self._in_forward = False
+        self._unit_stack: list[list[Unit]] = []  # units of the modules running now
+        self._drop: list[Unit] = []  # gathered in backward only to keep ranks in step
+        self._releasable: list[Unit] = []  # done in backward, freed at the next event
+        self._graph_done = True
+        me = weakref.ref(self)
+
+        def after_step(opt: torch.optim.Optimizer, *_: Any) -> None:
+            wrapper = me()
+            if wrapper is not None:
+                wrapper._after_step(opt)
+
+        self._handles.append(register_optimizer_step_post_hook(after_step))
 
     def _install(self, plan: UnitPlan, order: list[str]) -> None:
         """Builds the units of ``plan`` and everything derived from them.
@@ -207,6 +221,7 @@ class ShardedDataParallel(nn.Module):
             self._units.append(unit)
         self._unit_of = {id(p): u for u in self._units for p in u.params}
         self._slot = {id(p): i for u in self._units for i, p in enumerate(u.params)}
+        self._local_ids = {id(loc) for u in self._units for loc in u.locals}
         position = {name: i for i, name in enumerate(order)}
         self._module_units: dict[nn.Module, list[Unit]] = {}
         last_use: dict[int, float] = {}
@@ -230,6 +245,7 @@ class ShardedDataParallel(nn.Module):
                     u.expected_uses += 1
         # Backward gathers units in the reverse order of their last use in forward.
         self._bw_order = sorted(self._units, key=lambda u: (-last_use[u.index], -u.index))
+        self._bw_pos = {u.index: i for i, u in enumerate(self._bw_order)}
         self._rs_order = [u for u in reversed(self._units) if u.trainable]
         if self.stage == 3:
             for u in self._units:
@@ -245,10 +261,17 @@ class ShardedDataParallel(nn.Module):
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(cdt) if t.is_floating_point() else t, (args, kwargs)
             )
+        saved: contextlib.AbstractContextManager[Any] = (
+            torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            if self.stage == 3 and torch.is_grad_enabled()
+            else contextlib.nullcontext()
+        )
         try:
-            out = self.module(*args, **kwargs)
+            with saved:
+                out = self.module(*args, **kwargs)
         finally:
             self._in_forward = False
+            self._unit_stack.clear()
         self._end_forward()
         return out
 
@@ -554,6 +577,9 @@ class ShardedDataParallel(nn.Module):
             for u in self._units:
                 if u.gathered or u.gather_work is not None:
                     self._release(u)
+                if self._graph_done:  # (a retained graph's second backward keeps the counts)
+                    u.packed = u.fwd_uses = 0
+            self._graph_done = False
             self._fwd_next = 0
         elif self._needs_gather:
             self._needs_gather = False
@@ -571,6 +597,11 @@ class ShardedDataParallel(nn.Module):
         self._wait(u)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:  # recomputed in backward (checkpointing)
+            if self.stage == 3:
+                self._flush_releases()
+                self._pre_backward(self._module_units[module])
+            return
         if not self._in_forward:
             raise ShardlineError(
                 f"ShardedDataParallel: module {type(module).__name__} ran outside the wrapper's "
@@ -578,13 +609,20 @@ class ShardedDataParallel(nn.Module):
             )
         if self._trace is not None and not self._traced:
             self._trace.append(self._module_names[module])
-        for u in self._module_units[module]:
+        units = self._module_units[module]
+        for u in units:
             self._ensure_forward(u)
             u.active += 1
             u.uses_seen += 1
+            u.fwd_uses += 1
+        self._unit_stack.append(units)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1 or not self._in_forward:
+            return
         units = self._module_units[module]
+        if self._unit_stack:
+            self._unit_stack.pop()
         for u in units:
             u.active -= 1
             u.uses_left -= 1
@@ -593,15 +631,26 @@ class ShardedDataParallel(nn.Module):
             for u in units:
                 if u.active == 0 and u.uses_left <= 0 and u is not keep:
                     self._release(u)
-        if torch.is_grad_enabled() and self.stage == 3:
-            outs = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
-            if outs:  # a unit's backward starts at its last module that ran: hook only that
-                for u in units:
-                    if u.bw_hook is not None:
-                        u.bw_hook.remove()
-                    u.bw_hook = torch.autograd.graph.register_multi_grad_hook(
-                        outs, lambda _g, u=u: self._pre_backward([u]), mode="any"
-                    )
+
+    def _pack(self, t: torch.Tensor) -> tuple[tuple[Unit, ...], torch.Tensor]:
+        """Tags a tensor autograd saves with the units whose parameters backward needs then."""
+        units = tuple(self._unit_stack[-1]) if self._unit_stack else ()
+        owner = self._unit_of.get(id(t))  # a parameter saved outside its own modules
+        if owner is not None and owner not in units:
+            units = (*units, owner)
+        for u in units:
+            u.packed += 1
+        return units, t
+
+    def _unpack(self, packed: tuple[tuple[Unit, ...], torch.Tensor]) -> torch.Tensor:
+        units, t = packed
+        self._flush_releases()
+        if units:
+            self._pre_backward(list(units))
+            for u in units:
+                u.unpacked += 1
+                self._maybe_release(u)
+        return t
 
     def _end_forward(self) -> None:
         self._traced = True
@@ -615,15 +664,21 @@ class ShardedDataParallel(nn.Module):
         while self._fwd_next < len(self._units):  # units no module of this rank used
             self._gather(self._units[self._fwd_next])
             self._fwd_next += 1
-        keep = self._bw_order[0]
+        keep = self._bw_order[0] if torch.is_grad_enabled() else None
         for u in self._units:
             if u is keep:
                 self._wait(u)
             else:
                 self._release(u)
             u.bw_issued = u is keep
-            u.bw_hook = None  # stays registered on this graph; a later forward adds its own
         self._bw_next = 0
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Stages 1/2: an optimizer stepped; if it holds our shards, re-gather before forward."""
+        if self.stage < 3 and not self._needs_gather:
+            self._needs_gather = any(
+                id(p) in self._local_ids for g in optimizer.param_groups for p in g["params"]
+            )
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -638,21 +693,27 @@ class ShardedDataParallel(nn.Module):
             self._rs_next = 0
 
     def _issue_backward_gathers(self, upto: Unit | None, extra: int) -> None:
-        """Issues backward all-gathers in their fixed order until ``upto`` (+ ``extra``)."""
+        """Issues backward all-gathers, in their fixed order, through ``upto`` and ``extra`` more.
+
+        All of them when ``upto`` is ``None``.
+        """
         order = self._bw_order
-        while self._bw_next < len(order) and (upto is None or not upto.bw_issued):
-            v = order[self._bw_next]
-            self._bw_next += 1
-            if not v.bw_issued:
-                self._gather(v)
-                v.bw_issued = True
-        while extra > 0 and self._bw_next < len(order):
-            v = order[self._bw_next]
-            self._bw_next += 1
-            if not v.bw_issued:
-                self._gather(v)
-                v.bw_issued = True
-            extra -= 1
+        last = (
+            len(order) - 1
+            if upto is None
+            else min(len(order) - 1, self._bw_pos[upto.index] + extra)
+        )
+        while self._bw_next <= last:
+            self._issue_backward_gather(order[self._bw_next])
+
+    def _issue_backward_gather(self, v: Unit) -> None:
+        self._bw_next += 1
+        if v.bw_issued:
+            return
+        self._gather(v)
+        v.bw_issued = True
+        if v.fwd_uses == 0:  # this rank ran none of its modules: drop it once gathered
+            self._drop.append(v)
 
     def _pre_backward(self, units: list[Unit]) -> None:
         self._queue_final()
@@ -661,13 +722,37 @@ class ShardedDataParallel(nn.Module):
             if not u.gathered and u.gather_work is None:
                 raise ShardlineError(
                     f"ShardedDataParallel on rank {self.group.rank}: unit {u.index} "
-                    f"({u.modules[0] or '<root>'} ..) is needed in backward after its gradients "
-                    "were complete; a parameter is used outside its module's forward"
+                    f"({u.modules[0] or '<root>'} ..) is needed in backward after it was "
+                    "released: its gradients were complete and its saved tensors used; is a "
+                    "parameter used outside its module's forward?"
                 )
             self._wait(u)
+        drop = self._drop
+        while drop and (drop[0].gather_work is None or drop[0].gather_work.is_completed()):
+            self._release(drop.pop(0))
+
+    def _maybe_release(self, u: Unit) -> None:
+        """Stage 3: frees ``u`` once its gradients are in and its saved tensors were used.
+
+        Deferred to the next backward event: the node that unpacked the last saved tensor
+        has not computed with it yet.
+        """
+        if (
+            self.stage == 3
+            and u.grads_pending == 0
+            and u.unpacked >= u.packed
+            and (u.gathered or u.gather_work is not None)
+            and u not in self._releasable
+        ):
+            self._releasable.append(u)
+
+    def _flush_releases(self) -> None:
+        while self._releasable:
+            self._release(self._releasable.pop())
 
     def _grad_hook(self, param: torch.Tensor) -> None:
         self._queue_final()
+        self._flush_releases()
         grad = param.grad
         if grad is None:
             return
@@ -685,8 +770,7 @@ class ShardedDataParallel(nn.Module):
             u.add_grad(i, grad)
         u.grads_pending -= 1
         if u.grads_pending == 0:
-            if self.stage == 3 and not u.frozen_any:
-                self._release(u)
+            self._maybe_release(u)
             if self._sync_backward:
                 self._launch_ready()
 
@@ -695,20 +779,20 @@ class ShardedDataParallel(nn.Module):
         if u.touched:
             return
         u.touched = True
-        if u.published and self._stale(u):
+        if u.shown and self._stale(u):
             u.grad_filled = [False] * len(u.params)  # the optimizer dropped them
-        u.published = False
+        u.shown = False
 
     def _stale(self, u: Unit) -> bool:
-        """Stage 1: the optimizer side zeroed the gradients since they were published.
+        """The optimizer side zeroed the gradients shown to it at the end of the last backward.
 
         ``zero_grad()`` sets them to ``None``; ``zero_grad(set_to_none=False)`` zeros the local
-        views in place (their shared version counter moves and the shard reads all zero).
+        views in place (their shared version counter moves and they read all zero).
         """
         if not u.locals_have_grads():
             return True
-        sg = u.shard_grad
-        return sg is not None and sg._version != u.grad_version and not bool(torch.any(sg))
+        base = u.shown_base
+        return base is not None and base._version != u.grad_version and not bool(torch.any(base))
 
     def _launch_ready(self) -> None:
         order = self._rs_order
@@ -733,7 +817,13 @@ class ShardedDataParallel(nn.Module):
             work = self._reduce_group.reduce_scatter(out, u.grad_full, op="avg", async_op=True)
         assert work is not None
         self._inflight.append((u, work, out))
-        while len(self._inflight) > _MAX_INFLIGHT:
+        # A host-blocking wait here could close a cycle with a rank that has yet to reach a
+        # gather this rank has not issued (ranks running modules in different orders); CUDA
+        # waits only order streams.
+        blocking = self._device.type == "cuda" or self._bw_next >= len(self._bw_order)
+        while len(self._inflight) > _MAX_INFLIGHT and (
+            blocking or self._inflight[0][1].is_completed()
+        ):
             self._finish(*self._inflight.pop(0))
 
     def _finish(self, u: Unit, work: Work, out: torch.Tensor) -> None:
@@ -767,17 +857,25 @@ class ShardedDataParallel(nn.Module):
                     self._finish(*self._inflight.pop(0))
                 for u in self._units:
                     u.publish_grads()
-                    u.published = True
-                    if u.shard_grad is not None:
-                        u.grad_version = u.shard_grad._version
-                if self.stage < 3:
-                    self._needs_gather = True
-            if self.stage == 3:
+            else:
                 for u in self._units:
+                    u.mark_accumulating()
+            for u in self._units:
+                if self.stage == 3:
                     self._release(u)
+                    u.bw_issued = False
+                u.unpacked = 0
+            self._graph_done = True  # a new forward starts counting saved tensors afresh
+            self._bw_next = 0
+            self._drop.clear()
+            self._releasable.clear()
             if self._sync_backward and self._trace is not None:
                 trace, self._trace = self._trace, None
-                if self._reorder and not self._optimizer_has_state():
+                if (
+                    self._reorder
+                    and self._optimizer is not None
+                    and not self._optimizer_has_state()
+                ):
                     self._reform(trace)
         except BaseException as exc:
             self.group.abort(f"backward failed on rank {self.group.rank}: {exc}")
@@ -805,7 +903,7 @@ class ShardedDataParallel(nn.Module):
         order_t = torch.tensor(mine, dtype=torch.int64, device=self._device)
         self.group.broadcast(order_t, src=0)
         order = [names[i] for i in order_t.tolist()]
-        plan = plan_units(self.module, self._plan.threshold, order)
+        plan = plan_units(self.module, self._plan.threshold, order, dtypes=self._dtypes)
         if [u.params for u in plan.units] == [u.params for u in self._plan.units]:
             return
         old_units, old_unit_of, old_slot = self._units, self._unit_of, self._slot
@@ -837,6 +935,8 @@ class ShardedDataParallel(nn.Module):
             u.locals = [old_locals[id(p)] for p in u.params]
             for loc, new in zip(u.locals, fresh, strict=True):
                 loc.data = new.data
+        self._local_ids = {id(loc) for loc in old_locals.values()}
+        for u in self._units:
             if not any(id(p) in grads for p in u.params):
                 continue
             full = torch.zeros(u.padded, dtype=u.rdtype if self.stage == 1 else u.wdtype)
@@ -853,8 +953,6 @@ class ShardedDataParallel(nn.Module):
             else:
                 u.shard_grad = full[lo : lo + u.shard_numel].clone()
             u.publish_grads()
-            u.published = True
-            u.grad_version = u.shard_grad._version
 
     def _full_grads(self, u: Unit) -> torch.Tensor | None:
         """``u``'s reduced gradients, full length (stage 1 keeps them; else all-gathered)."""
