@@ -14,6 +14,7 @@ before the next all-gather, so the views (and tensors autograd saved) stay valid
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -64,7 +65,7 @@ class Unit:
     launched: bool = False
     touched: bool = False  # got a gradient in this backward
     shown: bool = False  # the locals' .grad were set at the end of the last backward
-    shown_base: torch.Tensor | None = None  # what those .grad tensors view
+    shown_base: weakref.ref[torch.Tensor] | None = None  # what they view (not kept alive)
     fresh: bool = True  # the reduction overwrites shard_grad instead of adding to it
     grad_version: int = 0
     fwd_uses: int = 0  # module calls since the last backward
@@ -210,7 +211,7 @@ class Unit:
             start = o + a - lo if b > a else 0
             loc.grad = base[start : start + (b - a)]
         self.shown = True
-        self.shown_base = base
+        self.shown_base = weakref.ref(base)
         self.grad_version = base._version
 
     def locals_have_grads(self) -> bool:

@@ -791,7 +791,7 @@ class ShardedDataParallel(nn.Module):
         """
         if not u.locals_have_grads():
             return True
-        base = u.shown_base
+        base = u.shown_base() if u.shown_base is not None else None
         return base is not None and base._version != u.grad_version and not bool(torch.any(base))
 
     def _launch_ready(self) -> None:
