@@ -1,26 +1,37 @@
 """Sharded data parallel: ZeRO stages 1, 2 and 3 (FSDP) around a plain model.
 
 ``ShardedDataParallel`` groups the model's parameters into *units* automatically
-(``grouping.plan_units``: small layers merged up to ~1 MiB, large ones alone) and gives every
-unit a flat buffer sharded across the ranks (``_units.Unit``). The optimizer steps this rank's
-shards: ``model.parameters()`` yields one 1-D local parameter per original parameter, named like
-it, so ``torch.optim.AdamW(model.parameters())`` keeps 1/N of the optimizer state.
+(``grouping.plan_units``: small layers merged up to a threshold, large ones never merged with
+each other) and gives every unit a flat buffer sharded across the ranks (``_units.Unit``). The
+optimizer steps this rank's shards: ``model.parameters()`` yields one 1-D local parameter per
+original parameter, named like it, so ``torch.optim.AdamW(model.parameters())`` keeps 1/N of
+the optimizer state.
 
 - **Stage 1**: gathered parameters and full gradients stay on every rank; each unit's gradients
   are all-reduced when complete (so accumulation across backward passes is exactly DDP's);
-  after the optimizer step the units are all-gathered again before the next forward.
+  after an optimizer step (a global step hook sees it) the units are all-gathered again before
+  the next forward.
 - **Stage 2**: as stage 1, but each unit's gradients are reduce-scattered as soon as the unit is
   complete, and only this rank's gradient shard is kept.
 - **Stage 3**: parameters are sharded too. A unit is all-gathered just before the first module
-  that uses it runs (the next unit is prefetched meanwhile) and freed after its last use; in
-  backward it is gathered again when the gradient reaches its modules' outputs, and freed once
-  its gradients are complete.
+  that uses it runs (the next unit is prefetched meanwhile) and freed after its last use. Every
+  tensor autograd saves inside a unit's modules is tagged (saved-tensor hooks), so in backward
+  the unit is gathered again when a saved tensor first needs it, and freed once its gradients
+  are in and all its saved tensors were used (frozen and unused units included). Modules that
+  activation checkpointing runs again in backward gather their units the same way.
 
 No hangs when ranks run different modules: collectives never depend on which modules ran.
 Every forward all-gathers every unit once, in unit order, on a dedicated group; every
 synchronised backward gathers every unit once in a fixed order (the reverse of their last use)
 and reduces every unit once in reverse unit order on another group. A unit a rank does not use
-is gathered and dropped; its gradient contribution is zero.
+is gathered and dropped; its gradient contribution is zero. One case is not covered: a module
+run a *different number of times* on different ranks in one forward (stage 3 re-gathers a unit
+used again after it was freed, and only the ranks that use it issue that all-gather), as with
+FSDP.
+
+Not supported yet: CPU offload, deferred (meta-device) initialisation, hybrid sharding, buffers
+kept in sync after construction (BatchNorm statistics stay per rank, as in FSDP), optimizers
+that look across a whole tensor (LAMB, Adafactor: each rank holds 1-D pieces).
 """
 
 from __future__ import annotations
