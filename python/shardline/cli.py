@@ -1,4 +1,8 @@
-"""The ``shardline`` command line: ``shardline run`` starts a training script on many ranks."""
+"""The ``shardline`` command line.
+
+``shardline run`` starts a training script on many ranks; ``shardline ckpt info|verify|
+consolidate`` inspects, checks and exports checkpoints.
+"""
 
 from __future__ import annotations
 
@@ -102,7 +106,46 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "args", nargs=argparse.REMAINDER, help="arguments passed to the script unchanged"
     )
+    ckpt = commands.add_parser("ckpt", help="inspect, check or export a checkpoint")
+    actions = ckpt.add_subparsers(dest="action", required=True, metavar="ACTION")
+    info = actions.add_parser("info", help="what a checkpoint holds and how it was saved")
+    info.add_argument("path", help="a checkpoint directory, or a root (its latest checkpoint)")
+    verify = actions.add_parser("verify", help="check every checksum and the index")
+    verify.add_argument("path")
+    cons = actions.add_parser(
+        "consolidate", help="write the model as Hugging Face-style safetensors files"
+    )
+    cons.add_argument("path")
+    cons.add_argument("out", help="output directory")
+    cons.add_argument(
+        "--max-shard-gb", type=float, default=5.0, help="split files above this size (5)"
+    )
     return parser
+
+
+def _ckpt(ns: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from shardline import checkpoint  # noqa: PLC0415
+    from shardline.errors import CheckpointError  # noqa: PLC0415
+
+    path = Path(ns.path)
+    try:
+        if not (path / "COMMIT").exists() and (found := checkpoint.latest(path)) is not None:
+            path = found
+        if ns.action == "info":
+            print(json.dumps(checkpoint.info(path), indent=1, default=str))
+        elif ns.action == "verify":
+            checkpoint.verify(path)
+            print(f"{path}: ok")
+        else:
+            files = checkpoint.consolidate(path, ns.out, int(ns.max_shard_gb * (1 << 30)))
+            print("\n".join(str(f) for f in files))
+    except CheckpointError as exc:
+        print(f"shardline ckpt {ns.action}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,8 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or an argparse error it already printed
         return exc.code if isinstance(exc.code, int) else 2
-    if ns.command != "run":  # pragma: no cover - argparse only knows "run"
-        parser.error(f"unknown command {ns.command!r}")
+    if ns.command == "ckpt":
+        return _ckpt(ns)
     try:
         config = LaunchConfig(
             target=ns.target,

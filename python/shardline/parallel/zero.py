@@ -425,6 +425,45 @@ class ShardedDataParallel(nn.Module):
             out[key] = shards[id(value)] if id(value) in shards else value.detach()
         return out
 
+    def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's optimizer state by parameter name, without communication.
+
+        Elementwise state (Adam's moments) comes as ``ShardedTensor`` (the same element range
+        as the parameter's shard); other values (``step``) as they are. ``param_groups`` list
+        parameter names instead of indices.
+        """
+        state: dict[str, dict[str, Any]] = {}
+        names: dict[int, str] = {}
+        for u in self._units:
+            for p, name, loc, (a, _b) in zip(
+                u.params, u.names, u.locals, u.local_ranges, strict=True
+            ):
+                names[id(loc)] = name
+                entries = optimizer.state.get(loc)
+                if not entries:
+                    continue
+                state[name] = {
+                    k: ShardedTensor(v.detach(), p.shape, a)
+                    if torch.is_tensor(v) and v.dim() == 1 and v.shape == loc.shape
+                    else v
+                    for k, v in entries.items()
+                }
+        groups = []
+        for g in optimizer.param_groups:
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry["params"] = [names[id(p)] for p in g["params"] if id(p) in names]
+            groups.append(entry)
+        return {"state": state, "param_groups": groups}
+
+    def refresh(self) -> None:
+        """Re-gathers parameters from the shards before the next forward.
+
+        Call it after writing into the local shards directly (a checkpoint loader does);
+        ``load_state_dict`` and optimizer steps do it for you. Stage 3 always gathers.
+        """
+        if self.stage < 3:
+            self._needs_gather = True
+
     def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state with full tensors, keyed by parameter name (collective)."""
         local_name = {

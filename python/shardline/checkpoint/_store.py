@@ -1,0 +1,259 @@
+"""A checkpoint directory: per-rank shard files, ``index.json``, and the commit protocol.
+
+Layout of a committed checkpoint ``path``::
+
+    path/rank00000.safetensors     this rank's pieces (``.safetensors.zst`` when compressed)
+    path/index.json                every tensor: dtype, global shape, chunks (file, range)
+    path/COMMIT                    written last; readers ignore directories without it
+
+Saving writes into ``path.partial``: every rank writes and fsyncs its shard file and a small
+manifest; rank 0 waits for all manifests, writes the index and ``COMMIT`` (fsynced), renames the
+directory to ``path`` and fsyncs the parent. A crash at any point leaves either the previous
+checkpoint or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardline import _native
+from shardline.checkpoint._state import TORCH_DTYPES, Piece, dtype_name
+from shardline.errors import CheckpointError
+
+__all__ = ["COMMIT", "INDEX", "SCHEMA", "Checkpoint", "commit", "write_rank"]
+
+INDEX = "index.json"
+COMMIT = "COMMIT"
+SCHEMA = 1
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _bytes_view(t: torch.Tensor) -> Any:
+    """A zero-copy writable/readable byte view of a contiguous CPU tensor."""
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else bytearray()
+
+
+def manifest_name(rank: int) -> str:
+    """The per-rank manifest in a partial checkpoint."""
+    return f"rank{rank:05d}.json"
+
+
+def write_rank(
+    directory: Path,
+    rank: int,
+    pieces: Iterable[Piece],
+    compress: int | None,
+    extra_manifest: dict[str, Any],
+) -> None:
+    """Writes this rank's shard file and manifest into ``directory`` (both fsynced)."""
+    fname = f"rank{rank:05d}.safetensors" + (".zst" if compress is not None else "")
+    tensors = []
+    chunks = []
+    keep = []
+    for p in pieces:
+        t = p.tensor.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        t = t.contiguous()
+        keep.append(t)
+        file_key = f"{p.key}@{p.start}"
+        shape = list(p.shape) if p.replicated else [t.numel()]
+        dtype = dtype_name(t.dtype, p.key)
+        tensors.append((file_key, dtype, shape, _bytes_view(t)))
+        chunks.append(
+            {
+                "key": p.key,
+                "file": fname,
+                "file_key": file_key,
+                "start": p.start,
+                "end": p.start + t.numel(),
+                "dtype": dtype,
+                "shape": list(p.shape),
+            }
+        )
+    info = _native.write_shard(
+        str(directory / fname),
+        tensors,
+        {"format": "pt", "shardline.rank": str(rank)},
+        compress=compress,
+    )
+    manifest = {
+        "rank": rank,
+        "file": fname,
+        "bytes": info["__file__"]["bytes"],
+        "compressed": compress is not None,
+        "chunks": chunks,
+        **extra_manifest,
+    }
+    tmp = directory / (manifest_name(rank) + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(directory / manifest_name(rank))
+
+
+def commit(
+    partial: Path,
+    final: Path,
+    world_size: int,
+    header: dict[str, Any],
+    deadline: float,
+) -> None:
+    """Rank 0: waits for every rank's manifest, writes the index and COMMIT, renames."""
+    names = [partial / manifest_name(r) for r in range(world_size)]
+    while True:
+        missing = [n for n in names if not n.exists()]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"checkpoint {final}: ranks {[int(n.name[4:9]) for n in missing]} did not "
+                f"finish writing their shards in time; {final} was not changed (the previous "
+                "checkpoint there, if any, is intact)"
+            )
+        time.sleep(0.01)
+    tensors: dict[str, dict[str, Any]] = {}
+    files: dict[str, Any] = {}
+    rng: dict[str, Any] = {}
+    for n in names:
+        m = json.loads(n.read_text())
+        files[m["file"]] = {"rank": m["rank"], "bytes": m["bytes"], "compressed": m["compressed"]}
+        rng[str(m["rank"])] = m.get("rng")
+        for c in m["chunks"]:
+            entry = tensors.setdefault(c["key"], {"dtype": c["dtype"], "shape": c["shape"]})
+            if entry["dtype"] != c["dtype"] or entry["shape"] != c["shape"]:
+                raise CheckpointError(
+                    f"checkpoint {final}: ranks disagree on {c['key']!r} "
+                    f"({entry['dtype']} {entry['shape']} vs {c['dtype']} {c['shape']})"
+                )
+            entry.setdefault("chunks", []).append(
+                {k: c[k] for k in ("file", "file_key", "start", "end")}
+            )
+        n.unlink()
+    for entry in tensors.values():
+        entry["chunks"].sort(key=lambda c: c["start"])
+    index = {**header, "schema": SCHEMA, "files": files, "tensors": tensors, "rng": rng}
+    with open(partial / INDEX, "w") as f:
+        json.dump(index, f)
+        f.flush()
+        os.fsync(f.fileno())
+    with open(partial / COMMIT, "w") as f:
+        f.write(str(header.get("nonce", "")))
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(partial)
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{header.get('nonce', 0)}")
+        final.rename(old)
+    partial.rename(final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def is_committed(path: Path) -> bool:
+    """Whether ``path`` is a complete checkpoint."""
+    return (path / COMMIT).is_file() and (path / INDEX).is_file()
+
+
+class Checkpoint:
+    """A committed checkpoint opened for reading: the index and byte-range reads."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"no checkpoint at {self.path}: not a directory")
+        if not is_committed(self.path):
+            raise CheckpointError(
+                f"{self.path} is not a committed checkpoint (no {COMMIT} marker or {INDEX}): "
+                "a save did not finish; load an earlier one (checkpoint.latest(root))"
+            )
+        try:
+            self.index: dict[str, Any] = json.loads((self.path / INDEX).read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{self.path / INDEX} is unreadable: {exc}") from exc
+        if self.index.get("schema") != SCHEMA:
+            raise CheckpointError(
+                f"{self.path}: index schema {self.index.get('schema')!r}, this shardline reads "
+                f"schema {SCHEMA}"
+            )
+        self.tensors: dict[str, dict[str, Any]] = self.index["tensors"]
+        self.aliases: dict[str, str] = self.index.get("aliases", {})
+
+    def resolve(self, key: str) -> str:
+        """The stored key for ``key`` (tied tensors are stored once)."""
+        return self.aliases.get(key, key)
+
+    def has(self, key: str) -> bool:
+        """Whether the checkpoint holds ``key`` (directly or as an alias)."""
+        return self.resolve(key) in self.tensors
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The global shape of ``key``."""
+        return tuple(self.tensors[self.resolve(key)]["shape"])
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The stored dtype of ``key``."""
+        return TORCH_DTYPES[self.tensors[self.resolve(key)]["dtype"]]
+
+    def read(self, key: str, out: torch.Tensor, start: int = 0, verify: bool = True) -> None:
+        """Copies elements ``start .. start + out.numel()`` of ``key`` into ``out``.
+
+        Reads only the byte ranges needed (memory-mapped); converts the dtype if ``out``'s
+        differs from the stored one.
+        """
+        stored = self.resolve(key)
+        entry = self.tensors[stored]
+        dtype = TORCH_DTYPES[entry["dtype"]]
+        n = out.numel()
+        direct = out.device.type == "cpu" and out.is_contiguous() and out.dtype == dtype
+        buf = out if direct else torch.empty(n, dtype=dtype)
+        flat = buf.reshape(-1)
+        itemsize = flat.element_size()
+        lo, hi = start, start + n
+        covered = lo
+        for c in entry["chunks"]:
+            a, b = max(lo, c["start"]), min(hi, c["end"])
+            if b <= a:
+                continue
+            if a > covered:
+                break
+            dst = flat[a - lo : b - lo]
+            _native.read_tensor_range(
+                str(self.path / c["file"]),
+                c["file_key"],
+                (a - c["start"]) * itemsize,
+                _bytes_view(dst),
+                verify,
+            )
+            covered = max(covered, b)
+        if covered < hi:
+            raise CheckpointError(
+                f"{self.path}: {key!r} elements {covered}..{hi} are in no shard file; the index "
+                "is incomplete (run checkpoint.verify)"
+            )
+        if not direct:
+            with torch.no_grad():
+                out.copy_(buf.view(out.shape) if out.dim() else buf.reshape(()))
+
+    def files(self) -> list[Path]:
+        """The shard files."""
+        return [self.path / name for name in self.index["files"]]

@@ -1,0 +1,529 @@
+"""``save``, ``load``, ``latest``, ``info``, ``verify``, ``consolidate``: the checkpoint API.
+
+Any strategy saves and any strategy loads: a checkpoint written by N ranks with ZeRO-3 loads
+into M ranks with DDP, into ZeRO-2, or into one process and a plain ``nn.Module``, bit for bit
+(model and optimizer; Adam's moments follow their parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from shardline import __version__ as _version
+from shardline import _native
+from shardline.checkpoint._state import (
+    Piece,
+    dtype_name,
+    model_pieces,
+    optimizer_pieces,
+    param_names,
+    strategy_of,
+)
+from shardline.checkpoint._store import (
+    INDEX,
+    Checkpoint,
+    commit,
+    is_committed,
+    write_rank,
+)
+from shardline.comm.group import ProcessGroup
+from shardline.errors import CheckpointError
+from shardline.parallel.ddp import DistributedDataParallel
+from shardline.parallel.zero import ShardedDataParallel
+
+__all__ = ["SaveHandle", "consolidate", "info", "latest", "load", "save", "verify"]
+
+_pending: SaveHandle | None = None
+_pending_lock = threading.Lock()
+
+
+def _timeout() -> float:
+    return float(os.environ.get("SHARDLINE_TIMEOUT", "300"))
+
+
+def _group(group: ProcessGroup | None) -> ProcessGroup | None:
+    if group is not None:
+        return group
+    from shardline.comm.collectives import default_group, is_initialized  # noqa: PLC0415
+
+    return default_group() if is_initialized() else None
+
+
+def _device(group: ProcessGroup) -> torch.device:
+    return torch.device(getattr(group._impl, "device", "cpu"))
+
+
+class SaveHandle:
+    """A save in progress (``async_=True``) or done: ``wait()`` raises its error, if any."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def _run(self, job: Any) -> None:
+        try:
+            job()
+        except BaseException as exc:  # surfaced by wait()
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        """Whether the save finished (committed or failed)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Blocks until the checkpoint is committed; returns its path or raises its error."""
+        if not self._done.wait(timeout):
+            raise CheckpointError(f"checkpoint {self.path} still being written after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+
+def _capture_rng() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    np_state: Any = np.random.get_state()
+    name, keys, pos, has_gauss, gauss = np_state
+    state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+    version, values, gauss_next = random.getstate()
+    state["python"] = [version, list(values), gauss_next]
+    return state
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(torch.tensor(s, dtype=torch.uint8), i)
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, values, gauss_next = state["python"]
+    random.setstate((version, tuple(values), gauss_next))
+
+
+def _owners(pieces: list[Piece], world_size: int) -> dict[str, int]:
+    """Which rank writes each replicated piece: biggest first, to the least loaded rank."""
+    load = [0] * world_size
+    owner: dict[str, int] = {}
+    for p in sorted(pieces, key=lambda p: (-p.numel * p.tensor.element_size(), p.key)):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        owner[p.key] = r
+        load[r] += p.numel * p.tensor.element_size()
+    return owner
+
+
+def save(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+    compress: int | None = None,
+    async_: bool = False,
+    keep_last: int | None = None,
+    group: ProcessGroup | None = None,
+) -> SaveHandle:
+    """Saves a checkpoint directory at ``path`` (collective: every rank calls it).
+
+    Args:
+        path: The checkpoint directory (replaced atomically if it exists).
+        model: A plain model, ``DistributedDataParallel`` or ``ShardedDataParallel``.
+        optimizer: Its optimizer; state is stored by parameter name.
+        extra: JSON-serialisable training state (step, sampler state, your values). RNG
+            states of torch, numpy and random are saved per rank as well.
+        compress: A zstd level (e.g. 3) for ``.safetensors.zst`` shards; ``None``: plain
+            safetensors files that other tools read.
+        async_: Snapshot the state into host memory, return at once and write in a
+            background thread; ``handle.wait()`` commits (a later save waits for it too).
+        keep_last: Afterwards keep only the newest ``keep_last`` checkpoints next to ``path``.
+        group: The ranks; the default group (or one process when none was initialised).
+
+    Returns:
+        A ``SaveHandle``; for a synchronous save it is already done.
+    """
+    global _pending  # noqa: PLW0603  # one save in flight per process
+    with _pending_lock:
+        previous = _pending
+    if previous is not None:
+        previous.wait()
+    g = _group(group)
+    rank, world = (g.rank, g.world_size) if g is not None else (0, 1)
+    final = Path(path)
+    partial = final.with_name(final.name + ".partial")
+    user = dict(extra or {})
+    try:
+        extra_json = json.loads(json.dumps(user))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"save({final}): extra is not JSON-serialisable: {exc}") from exc
+    nonce = secrets.randbits(62) if rank == 0 else 0
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    if g is not None:  # rank 0's nonce, and nobody writes before the directory exists
+        t = torch.tensor([nonce], dtype=torch.int64, device=_device(g))
+        g.broadcast(t, src=0)
+        nonce = int(t.item())
+
+    pieces: list[Piece] = []
+    aliases: dict[str, str] = {}
+    optim_json: dict[str, Any] | None = None
+    if model is not None:
+        pieces, aliases = model_pieces(model)
+    if optimizer is not None:
+        if model is None:
+            raise CheckpointError("save(optimizer=...) needs model= too (state is keyed by name)")
+        more, optim_json = optimizer_pieces(model, optimizer)
+        pieces += more
+    owner = _owners([p for p in pieces if p.replicated], world)
+    mine = [p for p in pieces if (owner.get(p.key) == rank if p.replicated else p.numel > 0)]
+    if async_:  # a snapshot in host memory; training may change the originals meanwhile
+        mine = [
+            Piece(p.key, p.tensor.detach().to("cpu", copy=True), p.shape, p.start, p.replicated)
+            for p in mine
+        ]
+    rng = _capture_rng()
+    header = {
+        "writer": f"shardline {_version}",
+        "nonce": nonce,
+        "world_size": world,
+        "created": time.time(),
+        "step": user.get("step"),
+        "layout": strategy_of(model),
+        "aliases": aliases,
+        "optimizer": optim_json,
+        "extra": extra_json,
+    }
+    handle = SaveHandle(final)
+
+    def job() -> None:
+        deadline = time.monotonic() + _timeout()
+        write_rank(partial, rank, mine, compress, {"rng": rng})
+        if rank == 0:
+            commit(partial, final, world, header, deadline)
+            if keep_last is not None:
+                _rotate(final, keep_last)
+        else:
+            _wait_commit(final, nonce, deadline)
+
+    if async_:
+        thread = threading.Thread(target=handle._run, args=(job,), name="shardline-ckpt")
+        handle._thread = thread
+        thread.start()
+        with _pending_lock:
+            _pending = handle
+    else:
+        handle._run(job)
+        handle.wait()
+    return handle
+
+
+def _wait_commit(final: Path, nonce: int, deadline: float) -> None:
+    while True:
+        if is_committed(final):
+            try:
+                if json.loads((final / INDEX).read_text()).get("nonce") == nonce:
+                    return
+            except (OSError, ValueError):
+                pass
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"checkpoint {final}: rank 0 did not commit in time (is it alive?); the "
+                "previous checkpoint there, if any, is intact"
+            )
+        time.sleep(0.01)
+
+
+def _committed_under(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return [p for p in root.iterdir() if p.is_dir() and is_committed(p)]
+
+
+def _age_key(path: Path) -> tuple[float, float]:
+    index = json.loads((path / INDEX).read_text())
+    step = index.get("step")
+    return (float(step) if isinstance(step, int | float) else -1.0, float(index["created"]))
+
+
+def _rotate(final: Path, keep: int) -> None:
+    others = sorted(_committed_under(final.parent), key=_age_key)
+    for old in others[: max(0, len(others) - max(keep, 1))]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def latest(root: str | os.PathLike[str]) -> Path | None:
+    """The newest committed checkpoint under ``root`` (by step, then time), or ``None``."""
+    found = _committed_under(Path(root))
+    return max(found, key=_age_key) if found else None
+
+
+def info(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a checkpoint holds and how it was written (strategy, shards, precision, ...)."""
+    ck = Checkpoint(path)
+    idx = ck.index
+    model_keys = [k for k in ck.tensors if k.startswith("model/")]
+    return {
+        "path": str(ck.path),
+        "writer": idx.get("writer"),
+        "world_size": idx["world_size"],
+        "step": idx.get("step"),
+        "created": idx.get("created"),
+        **idx.get("layout", {}),
+        "compressed": any(f["compressed"] for f in idx["files"].values()),
+        "files": len(idx["files"]),
+        "bytes": sum(f["bytes"] for f in idx["files"].values()),
+        "model_tensors": len(model_keys),
+        "model_parameters": sum(int(np.prod(ck.tensors[k]["shape"])) for k in model_keys),
+        "optimizer": idx.get("optimizer") is not None,
+        "aliases": idx.get("aliases", {}),
+        "extra": idx.get("extra", {}),
+    }
+
+
+def verify(path: str | os.PathLike[str]) -> None:
+    """Checks every checksum and that the index covers every tensor completely."""
+    ck = Checkpoint(path)
+    for f in ck.files():
+        if not f.is_file():
+            raise CheckpointError(f"{ck.path}: shard file {f.name} is missing")
+        _native.verify_shard(str(f))
+    for key, entry in ck.tensors.items():
+        total = int(np.prod(entry["shape"])) if entry["shape"] else 1
+        covered = 0
+        for c in entry["chunks"]:
+            if c["start"] > covered:
+                break
+            covered = max(covered, c["end"])
+        if covered < total:
+            raise CheckpointError(f"{ck.path}: {key!r} is covered up to {covered} of {total}")
+
+
+# -- load ----------------------------------------------------------------------------------------
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    strict: bool = True,
+    restore_rng: bool = True,
+    group: ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Loads a checkpoint into ``model`` / ``optimizer`` of any strategy and world size.
+
+    Each rank reads only the byte ranges of the shards it needs. Missing keys, unexpected
+    keys and shape mismatches are reported together in one ``CheckpointError`` (with
+    ``strict=False`` only shape mismatches are). With ``restore_rng`` this rank's RNG states
+    are restored when the checkpoint has them for this rank.
+
+    Returns:
+        The ``extra`` saved with it.
+    """
+    ck = Checkpoint(path)
+    g = _group(group)
+    rank = g.rank if g is not None else 0
+    if model is not None:
+        _load_model(ck, model, strict)
+    if optimizer is not None:
+        if model is None:
+            raise CheckpointError("load(optimizer=...) needs model= too (state is keyed by name)")
+        _load_optimizer(ck, model, optimizer, strict)
+    rng = ck.index.get("rng", {}).get(str(rank))
+    if restore_rng and rng:
+        _restore_rng(rng)
+    return dict(ck.index.get("extra") or {})
+
+
+def _targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, ...], int]]:
+    """``name -> (tensor to fill, global shape, first element)`` for this rank's model."""
+    out: dict[str, tuple[torch.Tensor, tuple[int, ...], int]] = {}
+    if isinstance(model, ShardedDataParallel):
+        for name, v in model.sharded_state_dict().items():
+            if torch.is_tensor(v):
+                out[name] = (v, tuple(v.shape), 0)
+            else:
+                out[name] = (v.local, tuple(v.global_shape), v.offset)
+        return out
+    plain = model.module if isinstance(model, DistributedDataParallel) else model
+    for name, v in plain.state_dict(keep_vars=True).items():
+        t = v.detach()
+        out[name] = (t, tuple(t.shape), 0)
+    return out
+
+
+def _load_model(ck: Checkpoint, model: nn.Module, strict: bool) -> None:
+    targets = _targets(model)
+    stored = {
+        k[len("model/") :] for k in list(ck.tensors) + list(ck.aliases) if k.startswith("model/")
+    }
+    missing = sorted(n for n in targets if not ck.has(f"model/{n}"))
+    unexpected = sorted(stored - set(targets))
+    bad = [
+        f"{n}: checkpoint {list(ck.shape(f'model/{n}'))} vs model {list(shape)}"
+        for n, (_, shape, _) in sorted(targets.items())
+        if ck.has(f"model/{n}") and ck.shape(f"model/{n}") != shape
+    ]
+    problems = []
+    if bad:
+        problems.append(f"shape mismatches: {'; '.join(bad)}")
+    if strict and missing:
+        problems.append(f"missing keys: {missing}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys: {unexpected}")
+    if problems:
+        raise CheckpointError(
+            f"load({ck.path}) into {type(model).__name__}: " + " | ".join(problems)
+        )
+    with torch.no_grad():
+        for name, (t, _, start) in targets.items():
+            if ck.has(f"model/{name}"):
+                ck.read(f"model/{name}", t, start)
+    if isinstance(model, ShardedDataParallel):
+        model.refresh()
+
+
+def _load_optimizer(
+    ck: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer, strict: bool
+) -> None:
+    saved = ck.index.get("optimizer")
+    if saved is None:
+        raise CheckpointError(f"{ck.path} holds no optimizer state")
+    if isinstance(model, ShardedDataParallel):
+        layout = {
+            n: (v.local, tuple(v.global_shape), v.offset)
+            for n, v in model.sharded_state_dict().items()
+            if not torch.is_tensor(v)
+        }
+        params = dict(model.named_parameters())
+    else:
+        plain = model.module if isinstance(model, DistributedDataParallel) else model
+        params = dict(plain.named_parameters(remove_duplicate=True))
+        layout = {n: (p.detach(), tuple(p.shape), 0) for n, p in params.items()}
+    by_param: dict[str, list[str]] = {}
+    for key in ck.tensors:
+        if key.startswith("optim/"):
+            name, _, k = key[len("optim/") :].rpartition("/")
+            by_param.setdefault(name, []).append(k)
+    values = saved.get("values", {})
+    unknown = sorted(set(by_param) - set(params))
+    if strict and unknown:
+        raise CheckpointError(
+            f"load({ck.path}): optimizer state for parameters the model lacks: {unknown}"
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            if name not in by_param and name not in values:
+                continue
+            local, shape, start = layout[name]
+            state: dict[str, Any] = {}
+            for k in by_param.get(name, []):
+                key = f"optim/{name}/{k}"
+                if ck.shape(key) == shape and len(shape) > 0:  # elementwise, sharded like it
+                    t = torch.empty(local.numel(), dtype=ck.dtype(key), device=local.device)
+                    ck.read(key, t, start)
+                    state[k] = t.view(local.shape)
+                else:  # a scalar such as step: whole
+                    t = torch.empty(ck.shape(key), dtype=ck.dtype(key))
+                    ck.read(key, t)
+                    state[k] = t
+            state.update(values.get(name, {}))
+            optimizer.state[param] = state
+    names = (
+        param_names(model)
+        if not isinstance(model, ShardedDataParallel)
+        else {id(p): n for n, p in params.items()}
+    )
+    groups = saved.get("param_groups", [])
+    if strict and len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"load({ck.path}): the checkpoint has {len(groups)} optimizer param groups, "
+            f"the optimizer {len(optimizer.param_groups)}"
+        )
+    for g, sg in zip(optimizer.param_groups, groups, strict=False):
+        mine = [names.get(id(p)) for p in g["params"]]
+        if strict and set(mine) != set(sg.get("params", [])):
+            raise CheckpointError(
+                f"load({ck.path}): optimizer param groups hold different parameters than "
+                "when saved; build the optimizer's groups the same way"
+            )
+        for k, v in sg.items():
+            if k != "params":
+                g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+
+
+# -- consolidate ---------------------------------------------------------------------------------
+
+
+def consolidate(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    max_shard_bytes: int = 5 << 30,
+) -> list[Path]:
+    """Writes the model as Hugging Face-style safetensors (full tensors, plain names).
+
+    One ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files plus
+    ``model.safetensors.index.json`` when larger than ``max_shard_bytes``. Streams: at most
+    one output file's worth of tensors is in memory. Tied tensors are stored once.
+    """
+    ck = Checkpoint(path)
+    dst = Path(out)
+    dst.mkdir(parents=True, exist_ok=True)
+    keys = [k for k in ck.tensors if k.startswith("model/")]
+    groups: list[list[str]] = [[]]
+    size = 0
+    for k in keys:
+        nbytes = int(np.prod(ck.shape(k))) * torch.empty(0, dtype=ck.dtype(k)).element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += nbytes
+    written: list[Path] = []
+    weight_map: dict[str, str] = {}
+    for i, group_keys in enumerate(groups):
+        name = (
+            "model.safetensors"
+            if len(groups) == 1
+            else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        )
+        tensors = []
+        keep = []
+        for k in group_keys:
+            t = torch.empty(ck.shape(k), dtype=ck.dtype(k))
+            ck.read(k, t)
+            keep.append(t)
+            plain = k[len("model/") :]
+            view = t.reshape(-1)
+            data = view.view(torch.uint8).numpy() if view.numel() else bytearray()
+            tensors.append((plain, dtype_name(t.dtype, k), list(t.shape), data))
+            weight_map[plain] = name
+        _native.write_shard(str(dst / name), tensors, {"format": "pt"})
+        written.append(dst / name)
+        del keep, tensors
+    if len(groups) > 1:
+        index = {
+            "metadata": {"total_size": sum(f.stat().st_size for f in written)},
+            "weight_map": weight_map,
+        }
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        written.append(dst / "model.safetensors.index.json")
+    return written
