@@ -1,8 +1,8 @@
 """Type stubs for shardline._native, the Rust collective engine (PyO3)."""
 
 import sys
-from collections.abc import Sequence
-from typing import Protocol, TypeAlias, final, type_check_only
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypeAlias, TypedDict, final, type_check_only
 
 if sys.version_info >= (3, 12):
     from collections.abc import Buffer
@@ -18,6 +18,10 @@ __all__ = [
     "arena_create",
     "arena_sweep",
     "arena_unlink",
+    "read_shard_header",
+    "read_tensor_range",
+    "verify_shard",
+    "write_shard",
 ]
 
 @type_check_only
@@ -31,7 +35,15 @@ class _CpuTensor(Protocol):
     def is_contiguous(self) -> bool: ...
     def data_ptr(self) -> int: ...
 
-_Memory: TypeAlias = Buffer | _CpuTensor
+@type_check_only
+class _NumpyArray(Protocol):
+    """A numpy array: a buffer-protocol object, typed apart because numpy's stubs declare
+    ``__buffer__`` only for Python 3.12+."""
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+
+_Memory: TypeAlias = Buffer | _CpuTensor | _NumpyArray
 """_Memory an op reads or writes in place: a buffer-protocol object or a CPU tensor."""
 
 @final
@@ -128,3 +140,86 @@ class Group:
 
     def close(self) -> None:
         """Waits for queued ops, then releases the transport; later calls raise."""
+
+# Checkpoint shard files: one per rank, safetensors-compatible when uncompressed.
+
+_ShardTensor: TypeAlias = tuple[str, str, Sequence[int], _Memory]
+"""``(name, dtype, shape, data)``: dtype a safetensors name (``"F32"``, ``"BF16"``, ``"F8_E4M3"``,
+...); ``data`` C-contiguous bytes of ``prod(shape) * itemsize`` bytes."""
+
+@type_check_only
+class _ShardTensorInfo(TypedDict):
+    dtype: str
+    shape: list[int]
+    offset: int
+    raw_bytes: int
+    stored_bytes: int
+    compressed: bool
+
+@type_check_only
+class _ShardHeader(TypedDict):
+    metadata: dict[str, str]
+    tensors: dict[str, _ShardTensorInfo]
+
+def write_shard(
+    path: str,
+    tensors: Iterable[_ShardTensor],
+    metadata: Mapping[str, str],
+    compress: int | None = None,
+    chunk_bytes: int = 4194304,
+    threads: int = 0,
+) -> dict[str, Any]:
+    """Writes one shard file from the callers' buffers (zero copy, GIL released) and fsyncs it.
+
+    Args:
+        path: The file to create (replaced if it exists; removed again on failure).
+        tensors: ``(name, dtype, shape, data)`` tuples, laid out in this order.
+        metadata: Strings stored in the safetensors ``__metadata__`` (key ``"shardline"`` is
+            reserved for the checksums).
+        compress: ``None`` writes a valid safetensors file; a zstd level writes every tensor
+            as ``chunk_bytes`` zstd frames (floats byte-shuffled when that compresses better),
+            listed with dtype ``SHARDLINE_ZSTD`` so plain safetensors readers refuse the file.
+        chunk_bytes: Checksum chunk and compression frame size (4 MiB = ``4 << 20``).
+        threads: Compression threads; 0 = all cores.
+
+    Returns:
+        ``{name: {"offset", "stored_bytes", "raw_bytes", "crc32c"}}`` (offset absolute, one
+        CRC32C per raw chunk) plus ``"__file__": {"bytes", "header_bytes"}``.
+
+    Raises:
+        InvalidArgumentError: A buffer's size does not match its shape and dtype, an unknown
+            dtype, a duplicate or reserved name, or a bad option.
+        CheckpointError: The file could not be written.
+    """
+
+def read_shard_header(path: str) -> _ShardHeader:
+    """Reads and fully validates a shard's header.
+
+    Returns:
+        ``{"metadata": {...}, "tensors": {name: {"dtype", "shape", "offset", "raw_bytes",
+        "stored_bytes", "compressed"}}}``, tensors in file order; dtype and shape are the
+        real ones for compressed tensors too.
+
+    Raises:
+        CheckpointError: The file is missing, truncated or malformed (the message names the
+            file, the tensor and what is wrong).
+    """
+
+def read_tensor_range(path: str, name: str, start: int, out: _Memory, verify: bool = True) -> None:
+    """Copies raw bytes ``[start, start + len(out))`` of tensor ``name`` into ``out``.
+
+    Decodes the frames the range touches (in parallel for large ranges) with the GIL
+    released; with ``verify``, checks the CRC32C of every chunk or frame touched, whole.
+
+    Raises:
+        InvalidArgumentError: No such tensor, or the range lies outside it.
+        CheckpointError: The file is malformed or a checksum fails (the message names the
+            file, the tensor and the chunk).
+    """
+
+def verify_shard(path: str) -> None:
+    """Checks every checksum of every tensor in a shard file, on all cores.
+
+    Raises:
+        CheckpointError: The file is malformed, has no checksums, or a checksum fails.
+    """

@@ -126,6 +126,11 @@ impl RawBuf {
         self.len == 0
     }
 
+    /// Start of the memory (dangling or null when empty).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
     #[allow(clippy::mut_from_ref)]
     fn bytes(&self) -> &mut [u8] {
         if self.len == 0 {

@@ -22,6 +22,8 @@ pub enum ErrorKind {
     Io = 7,
     /// The communicator was shut down or broken by an earlier failure (`CommunicatorClosedError`).
     Closed = 8,
+    /// A checkpoint file is corrupt, truncated or unreadable (`CheckpointError`).
+    Checkpoint = 9,
 }
 
 impl ErrorKind {
@@ -35,6 +37,7 @@ impl ErrorKind {
             5 => ErrorKind::Auth,
             7 => ErrorKind::Io,
             8 => ErrorKind::Closed,
+            9 => ErrorKind::Checkpoint,
             _ => ErrorKind::Protocol,
         }
     }
@@ -50,6 +53,7 @@ impl ErrorKind {
             ErrorKind::Protocol => "ProtocolError",
             ErrorKind::Io => "TransportError",
             ErrorKind::Closed => "CommunicatorClosedError",
+            ErrorKind::Checkpoint => "CheckpointError",
         }
     }
 }

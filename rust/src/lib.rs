@@ -11,6 +11,8 @@
 //! - [`collectives`]: the algorithms (one-shot and chunked two-phase on the arena, ring and
 //!   direct exchange over TCP, hierarchical across hosts).
 //! - [`engine`]: the communicator: op queue, worker thread, inline fast path, `Work`.
+//! - [`shard`]: checkpoint shard files (safetensors-compatible, CRC32C-checked, optional
+//!   zstd frames), written from and read into caller memory.
 //! - `python` (feature `python`): the PyO3 bindings, the only code that knows Python.
 #![deny(missing_docs)]
 
@@ -21,6 +23,7 @@ pub mod error;
 pub mod memcpy;
 pub mod op;
 pub mod reduce;
+pub mod shard;
 pub mod transport;
 pub mod wait;
 

@@ -3,6 +3,7 @@
 mod buffer;
 mod errors;
 mod group;
+mod shard;
 
 use pyo3::prelude::*;
 
@@ -16,5 +17,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(group::arena_create, m)?)?;
     m.add_function(wrap_pyfunction!(group::arena_unlink, m)?)?;
     m.add_function(wrap_pyfunction!(group::arena_sweep, m)?)?;
+    m.add_function(wrap_pyfunction!(shard::write_shard, m)?)?;
+    m.add_function(wrap_pyfunction!(shard::read_shard_header, m)?)?;
+    m.add_function(wrap_pyfunction!(shard::read_tensor_range, m)?)?;
+    m.add_function(wrap_pyfunction!(shard::verify_shard, m)?)?;
     Ok(())
 }

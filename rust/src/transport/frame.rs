@@ -250,7 +250,7 @@ mod tests {
         }
 
         #[test]
-        fn abort_round_trips(tag in 1u8..=8, rank in any::<u32>(), msg in ".{0,200}") {
+        fn abort_round_trips(tag in 1u8..=9, rank in any::<u32>(), msg in ".{0,200}") {
             let kind = ErrorKind::from_tag(tag);
             let (k, r, m) = decode_abort(&encode_abort(kind, rank, &msg)).unwrap();
             prop_assert_eq!((k, r, m), (kind, rank, msg));

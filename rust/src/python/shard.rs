@@ -1,0 +1,195 @@
+//! Checkpoint shard files: thin adapters over [`crate::shard`]. Buffers are borrowed zero
+//! copy and every read or write runs with the GIL released.
+
+use std::collections::BTreeMap;
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::buffer::{hold, Held};
+use super::errors::{to_py, IntoPy};
+use crate::error::Error;
+use crate::shard::{self, Encoding, ShardReader, StoredDType, TensorData, WriteOptions};
+
+fn invalid(msg: String) -> PyErr {
+    to_py(Error::invalid(msg))
+}
+
+/// The bytes `held` pins.
+fn bytes_of(held: &Held) -> &[u8] {
+    let (ptr, len) = (held.raw.as_ptr(), held.raw.len());
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: `hold` checked that the object exports `len` contiguous bytes at `ptr`, and
+    // `held` keeps them pinned for as long as the returned borrow of `held` lives.
+    unsafe { std::slice::from_raw_parts(ptr, len) }
+}
+
+/// The writable bytes `held` pins (checked writable by `hold(.., true, ..)`).
+fn bytes_of_mut(held: &mut Held) -> &mut [u8] {
+    let (ptr, len) = (held.raw.as_ptr(), held.raw.len());
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: as in `bytes_of`; the buffer was checked writable, and the exclusive borrow of
+    // `held` keeps this the only Rust reference to it.
+    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+}
+
+fn non_negative(value: i64, what: &str) -> PyResult<u64> {
+    u64::try_from(value).map_err(|_| invalid(format!("{what} must be >= 0, got {value}")))
+}
+
+/// One `(name, dtype, shape, data)` item of `write_shard`'s `tensors`.
+struct Spec {
+    name: String,
+    dtype: StoredDType,
+    shape: Vec<u64>,
+    held: Held,
+}
+
+fn parse_spec(i: usize, item: &Bound<'_, PyAny>) -> PyResult<Spec> {
+    let (name, dtype, shape, data): (String, String, Vec<i64>, Bound<'_, PyAny>) =
+        item.extract().map_err(|e: PyErr| {
+            invalid(format!(
+                "tensors[{i}] must be a (name: str, dtype: str, shape: list[int], data: buffer) \
+                 tuple: {e}"
+            ))
+        })?;
+    let dtype =
+        StoredDType::parse(&dtype).map_err(|e| to_py(e.context(format!("tensor {name:?}"))))?;
+    let shape = shape
+        .into_iter()
+        .map(|d| non_negative(d, &format!("every dimension of tensor {name:?}")))
+        .collect::<PyResult<_>>()?;
+    let held = hold(&data, false, &format!("the data of tensor {name:?}"))?;
+    Ok(Spec {
+        name,
+        dtype,
+        shape,
+        held,
+    })
+}
+
+fn parse_metadata(metadata: &Bound<'_, PyAny>) -> PyResult<BTreeMap<String, String>> {
+    let dict = metadata
+        .cast::<PyDict>()
+        .map_err(|_| invalid("metadata must be a dict[str, str]".to_owned()))?;
+    dict.iter()
+        .map(|(k, v)| {
+            let key: String = k
+                .extract()
+                .map_err(|_| invalid(format!("metadata key {k} is not a str")))?;
+            let value: String = v
+                .extract()
+                .map_err(|_| invalid(format!("metadata[{key:?}] is not a str")))?;
+            Ok((key, value))
+        })
+        .collect()
+}
+
+/// Writes one shard file (see `shardline._native.write_shard` in `_native.pyi`).
+/// `chunk_bytes` defaults to 4 MiB, spelled out so that Python's signature shows it.
+#[pyfunction]
+#[pyo3(signature = (path, tensors, metadata, compress = None, chunk_bytes = 4194304, threads = 0))]
+pub fn write_shard<'py>(
+    py: Python<'py>,
+    path: &str,
+    tensors: &Bound<'py, PyAny>,
+    metadata: &Bound<'py, PyAny>,
+    compress: Option<i32>,
+    chunk_bytes: i64,
+    threads: i64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let specs = tensors
+        .try_iter()?
+        .enumerate()
+        .map(|(i, item)| parse_spec(i, &item?))
+        .collect::<PyResult<Vec<_>>>()?;
+    let metadata = parse_metadata(metadata)?;
+    let options = WriteOptions {
+        compress,
+        chunk_bytes: non_negative(chunk_bytes, "chunk_bytes")?,
+        threads: non_negative(threads, "threads")? as usize,
+    };
+    let data: Vec<TensorData<'_>> = specs
+        .iter()
+        .map(|s| TensorData {
+            name: s.name.clone(),
+            dtype: s.dtype,
+            shape: s.shape.clone(),
+            data: bytes_of(&s.held),
+        })
+        .collect();
+    // [Note: buffer ownership] `specs` holds every buffer until the write has returned.
+    let report = py
+        .detach(|| shard::write_shard(path, &data, &metadata, &options))
+        .py_err()?;
+    drop(data);
+    drop(specs);
+
+    let out = PyDict::new(py);
+    for t in report.tensors {
+        let entry = PyDict::new(py);
+        entry.set_item("offset", t.offset)?;
+        entry.set_item("stored_bytes", t.stored_bytes)?;
+        entry.set_item("raw_bytes", t.raw_bytes)?;
+        entry.set_item("crc32c", t.crc32c)?;
+        out.set_item(t.name, entry)?;
+    }
+    let file = PyDict::new(py);
+    file.set_item("bytes", report.file_bytes)?;
+    file.set_item("header_bytes", report.header_bytes)?;
+    out.set_item("__file__", file)?;
+    Ok(out)
+}
+
+/// Reads and validates a shard's header (see `_native.pyi`).
+#[pyfunction]
+pub fn read_shard_header<'py>(py: Python<'py>, path: &str) -> PyResult<Bound<'py, PyDict>> {
+    let header = py.detach(|| shard::read_header(path)).py_err()?;
+    let tensors = PyDict::new(py);
+    for t in &header.tensors {
+        let entry = PyDict::new(py);
+        entry.set_item("dtype", t.dtype.name())?;
+        entry.set_item("shape", &t.shape)?;
+        entry.set_item("offset", header.data_start() + t.begin)?;
+        entry.set_item("raw_bytes", t.raw_bytes)?;
+        entry.set_item("stored_bytes", t.stored_bytes())?;
+        entry.set_item("compressed", matches!(t.encoding, Encoding::Zstd { .. }))?;
+        tensors.set_item(&t.name, entry)?;
+    }
+    let out = PyDict::new(py);
+    out.set_item("metadata", &header.metadata)?;
+    out.set_item("tensors", tensors)?;
+    Ok(out)
+}
+
+/// Copies raw bytes `[start, start + len(out))` of one tensor into `out` (see `_native.pyi`).
+#[pyfunction]
+#[pyo3(signature = (path, name, start, out, verify = true))]
+pub fn read_tensor_range(
+    py: Python<'_>,
+    path: &str,
+    name: &str,
+    start: i64,
+    out: &Bound<'_, PyAny>,
+    verify: bool,
+) -> PyResult<()> {
+    let start = non_negative(start, "start")?;
+    let mut held = hold(out, true, "out")?;
+    let dst = bytes_of_mut(&mut held);
+    py.detach(|| {
+        let reader = ShardReader::open(path)?;
+        reader.view().read_range(name, start, dst, verify, 0)
+    })
+    .py_err()
+}
+
+/// Checks every checksum in a shard file (see `_native.pyi`).
+#[pyfunction]
+pub fn verify_shard(py: Python<'_>, path: &str) -> PyResult<()> {
+    py.detach(|| ShardReader::open(path)?.view().verify(0))
+        .py_err()
+}
