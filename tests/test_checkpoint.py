@@ -292,3 +292,22 @@ def test_cli_info_verify_consolidate(tmp_path: Path) -> None:
     assert main(["ckpt", "consolidate", str(tmp_path / "root"), str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert main(["ckpt", "verify", str(tmp_path / "nothing")]) == 1
+
+
+def test_async_saves_in_a_row_reuse_buffers_without_mixing_snapshots(tmp_path: Path) -> None:
+    """The second async save waits for the first before refilling the reused host buffers."""
+    model = make()
+    states = []
+    handles = []
+    for i in range(3):
+        states.append(full_state(model))
+        handles.append(checkpoint.save(tmp_path / f"ck{i}", model=model, async_=True))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+    handles[-1].wait()
+    for i, want in enumerate(states):
+        loaded = make(seed=9)
+        checkpoint.load(tmp_path / f"ck{i}", model=loaded)
+        for k, v in want.items():
+            assert torch.equal(loaded.state_dict()[k], v), (i, k)

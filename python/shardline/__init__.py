@@ -10,6 +10,8 @@ Table of contents:
 - ``distribute``, ``DistributedDataParallel``, ``ShardedDataParallel`` (ZeRO 1/2/3, FSDP),
   ``MixedPrecision``: parallel strategies (``shardline.parallel``); ``as_distributed`` picks
   one by memory, ``estimate_memory`` plans it before anything is allocated.
+- ``checkpoint``: distributed checkpoints (``save``, ``load``, ``latest``, ...) and activation
+  checkpointing across ranks (``checkpoint.activations``).
 - ``DistributedSampler``: each rank's share of a dataset, resumable mid-epoch (``shardline.data``).
 - ``shardline run`` (``shardline.launch``): the launcher; ``python -m shardline run ...``.
 - ``ShardlineError`` and its subclasses (``shardline.errors``).
@@ -17,6 +19,7 @@ Table of contents:
 
 from __future__ import annotations
 
+from shardline import checkpoint
 from shardline.comm import ProcessGroup, Work, init_process_group
 from shardline.comm import torch_backend as _torch_backend  # noqa: F401  # registers "shardline"
 from shardline.comm.collectives import (
@@ -90,6 +93,7 @@ __all__ = [
     "as_distributed",
     "barrier",
     "broadcast",
+    "checkpoint",
     "distribute",
     "estimate_memory",
     "gather",

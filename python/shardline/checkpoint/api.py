@@ -21,7 +21,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardline import __version__ as _version
 from shardline import _native
 from shardline.checkpoint._state import (
     Piece,
@@ -152,6 +151,7 @@ def save(
             safetensors files that other tools read.
         async_: Snapshot the state into host memory, return at once and write in a
             background thread; ``handle.wait()`` commits (a later save waits for it too).
+            The host buffers are kept and reused by the next async save.
         keep_last: Afterwards keep only the newest ``keep_last`` checkpoints next to ``path``.
         group: The ranks; the default group (or one process when none was initialised).
 
@@ -194,13 +194,15 @@ def save(
     owner = _owners([p for p in pieces if p.replicated], world)
     mine = [p for p in pieces if (owner.get(p.key) == rank if p.replicated else p.numel > 0)]
     if async_:  # a snapshot in host memory; training may change the originals meanwhile
-        mine = [
-            Piece(p.key, p.tensor.detach().to("cpu", copy=True), p.shape, p.start, p.replicated)
-            for p in mine
-        ]
+        on_gpu = any(p.tensor.is_cuda for p in mine)
+        mine = [Piece(p.key, _staged(p), p.shape, p.start, p.replicated) for p in mine]
+        if on_gpu:
+            torch.cuda.synchronize()  # the non-blocking copies into pinned buffers
     rng = _capture_rng()
+    from shardline import __version__  # noqa: PLC0415  # (shardline imports this module)
+
     header = {
-        "writer": f"shardline {_version}",
+        "writer": f"shardline {__version__}",
         "nonce": nonce,
         "world_size": world,
         "created": time.time(),
@@ -232,6 +234,22 @@ def save(
         handle._run(job)
         handle.wait()
     return handle
+
+
+# Host buffers of the last async save, reused by the next one (the previous save is always
+# finished before a new one snapshots): no page faults on new memory, only the copy.
+_staging: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _staged(p: Piece) -> torch.Tensor:
+    """A host copy of ``p``'s tensor in a buffer kept from the previous async save."""
+    src = p.tensor.detach()
+    buf = _staging.get((p.key, p.start))
+    if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+        buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+        _staging[(p.key, p.start)] = buf
+    buf.copy_(src, non_blocking=src.is_cuda)
+    return buf
 
 
 def _wait_commit(final: Path, nonce: int, deadline: float) -> None:
