@@ -18,23 +18,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardline.checkpoint._state import DTYPES
 from shardline.errors import CheckpointError, InvalidArgumentError
 from tests.conftest import need_native
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
+# The names are safetensors' own (its package is the oracle: files must load with it).
+SAFETENSORS_DTYPES = DTYPES
 
 
 @pytest.fixture(autouse=True)

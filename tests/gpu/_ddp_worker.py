@@ -7,9 +7,7 @@ same seed and data, and exits non-zero (with the numbers) if they differ.
 from __future__ import annotations
 
 import copy
-import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -17,18 +15,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import shardline as sl
+from tests.gpu._common import init_both
 
 
 def main() -> int:
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    group = sl.init(backend="nccl")
-    rank, world = group.rank, group.world_size
-    store = dist.TCPStore(
-        "127.0.0.1", int(os.environ["TORCH_PORT"]), world, rank == 0, timedelta(seconds=60)
-    )
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world)
+    group, rank, _, device = init_both()
 
     torch.manual_seed(0)
     base = nn.Sequential(
@@ -40,7 +31,7 @@ def main() -> int:
         nn.Linear(256, 8),
     ).to(device)
     ours = sl.DistributedDataParallel(copy.deepcopy(base), group=group, bucket_cap_mb=0.1)
-    theirs = TorchDDP(copy.deepcopy(base), device_ids=[local], bucket_cap_mb=0.1)
+    theirs = TorchDDP(copy.deepcopy(base), device_ids=[device.index], bucket_cap_mb=0.1)
     worst = 0.0
     bitwise = True
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,18 +18,11 @@ from torch.distributed.fsdp import fully_shard
 
 import shardline as sl
 from shardline.examples.train import Config, TinyGPT
+from tests.gpu._common import init_both
 
 
 def main() -> int:
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    group = sl.init(backend="nccl")
-    rank, world = group.rank, group.world_size
-    store = dist.TCPStore(
-        "127.0.0.1", int(os.environ["TORCH_PORT"]), world, rank == 0, timedelta(seconds=60)
-    )
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world)
+    group, rank, _, device = init_both()
     torch.manual_seed(0)
     cfg = Config(d_model=512, num_layers=6, num_heads=8, seq_len=256)
     base = TinyGPT(cfg)

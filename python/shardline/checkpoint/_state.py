@@ -18,7 +18,7 @@ from torch import nn
 
 from shardline.errors import CheckpointError
 from shardline.parallel.ddp import DistributedDataParallel
-from shardline.parallel.zero import ShardedDataParallel, ShardedTensor
+from shardline.parallel.zero import ShardedDataParallel, ShardedTensor, groups_by_name
 
 __all__ = ["DTYPES", "Piece", "dtype_name", "model_pieces", "optimizer_pieces", "strategy_of"]
 
@@ -152,11 +152,7 @@ def optimizer_pieces(
                     "the optimizer holds state for a tensor that is not a parameter of the model"
                 )
             state[names[id(p)]] = dict(entries)
-        groups = []
-        for g in optimizer.param_groups:
-            entry = {k: v for k, v in g.items() if k != "params"}
-            entry["params"] = [names[id(p)] for p in g["params"] if id(p) in names]
-            groups.append(entry)
+        groups = groups_by_name(optimizer, names)
     for name, entries in sorted(state.items()):
         for k, v in entries.items():
             key = f"optim/{name}/{k}"

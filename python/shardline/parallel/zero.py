@@ -67,6 +67,16 @@ _preserve_version = torch.autograd.grad_mode._unsafe_preserve_version_counter
 _MAX_INFLIGHT = 1  # gradient reductions in flight before backward waits for the oldest
 
 
+def groups_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
+    """The optimizer's param groups with parameter names (``names[id(p)]``) for parameters."""
+    groups = []
+    for g in optimizer.param_groups:
+        entry = {k: v for k, v in g.items() if k != "params"}
+        entry["params"] = [names[id(p)] for p in g["params"] if id(p) in names]
+        groups.append(entry)
+    return groups
+
+
 class ShardedTensor:
     """This rank's part of a parameter (or of its optimizer state): a flat element range.
 
@@ -448,12 +458,7 @@ class ShardedDataParallel(nn.Module):
                     else v
                     for k, v in entries.items()
                 }
-        groups = []
-        for g in optimizer.param_groups:
-            entry = {k: v for k, v in g.items() if k != "params"}
-            entry["params"] = [names[id(p)] for p in g["params"] if id(p) in names]
-            groups.append(entry)
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": groups_by_name(optimizer, names)}
 
     def refresh(self) -> None:
         """Re-gathers parameters from the shards before the next forward.
@@ -488,12 +493,7 @@ class ShardedDataParallel(nn.Module):
                 for k, v in optimizer.state.get(loc, {}).items():
                     if k not in keys:
                         state.setdefault(name, {})[k] = v.clone() if torch.is_tensor(v) else v
-        groups = []
-        for g in optimizer.param_groups:
-            entry = {k: v for k, v in g.items() if k != "params"}
-            entry["params"] = [local_name[id(p)] for p in g["params"] if id(p) in local_name]
-            groups.append(entry)
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": groups_by_name(optimizer, local_name)}
 
     @torch.no_grad()
     def load_optim_state_dict(
