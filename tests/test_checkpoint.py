@@ -311,3 +311,38 @@ def test_async_saves_in_a_row_reuse_buffers_without_mixing_snapshots(tmp_path: P
         checkpoint.load(tmp_path / f"ck{i}", model=loaded)
         for k, v in want.items():
             assert torch.equal(loaded.state_dict()[k], v), (i, k)
+
+
+class TiedAtTheEnd(nn.Module):
+    """One unit where the tied embedding comes last: only the last rank holds any of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(64, 64)
+        self.embed = nn.Embedding(4, 4)
+        self.head = nn.Linear(4, 4, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)[:, :4])
+
+
+def test_tied_weights_held_by_one_rank_only(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    want = TiedAtTheEnd().state_dict()
+
+    def body(g: ProcessGroup) -> None:
+        with torch.no_grad():
+            plain = TiedAtTheEnd()
+            plain.load_state_dict(want)
+        model = sl.ShardedDataParallel(plain, stage=3, group=g, unit_mb=1.0)
+        checkpoint.save(tmp_path / "ck", model=model, group=g)
+
+    run_ranks(4, body, timeout=60)
+    assert checkpoint.info(tmp_path / "ck")["aliases"] == {
+        "model/head.weight": "model/embed.weight"
+    }
+    loaded = TiedAtTheEnd()
+    checkpoint.load(tmp_path / "ck", model=loaded)
+    for k, v in want.items():
+        assert torch.equal(loaded.state_dict()[k], v), k

@@ -93,36 +93,37 @@ def _plain(model: nn.Module) -> nn.Module:
 
 
 def model_pieces(model: nn.Module) -> tuple[list[Piece], dict[str, str]]:
-    """This rank's model pieces and the aliases (tied tensors: alias key -> stored key)."""
+    """This rank's model pieces and the aliases (tied tensors: alias key -> stored key).
+
+    Aliases come from the module structure (one tensor object under two names), so every
+    rank finds the same ones whatever part of the tensor it holds.
+    """
+    plain = model.module if isinstance(model, ShardedDataParallel) else _plain(model)
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, value in plain.state_dict(keep_vars=True).items():
+        if id(value) in first:
+            aliases[f"model/{name}"] = f"model/{first[id(value)]}"
+        else:
+            first[id(value)] = name
     if isinstance(model, ShardedDataParallel):
         items: Iterator[tuple[str, Any]] = iter(model.sharded_state_dict().items())
     else:
-        items = iter(_plain(model).state_dict(keep_vars=True).items())
+        items = iter(plain.state_dict(keep_vars=True).items())
     pieces: list[Piece] = []
-    aliases: dict[str, str] = {}
-    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
     for name, value in items:
         key = f"model/{name}"
+        if key in aliases:
+            continue
         if isinstance(value, ShardedTensor):
             local = value.local
-            ident = (_ptr(local), local.numel(), tuple(value.global_shape))
-            piece = Piece(key, local, tuple(value.global_shape), value.offset, replicated=False)
+            pieces.append(Piece(key, local, tuple(value.global_shape), value.offset, False))
         elif torch.is_tensor(value):
             t = value.detach()
-            ident = (_ptr(t), t.numel(), tuple(t.shape))
-            piece = Piece(key, t, tuple(t.shape))
+            pieces.append(Piece(key, t, tuple(t.shape)))
         else:
             raise CheckpointError(f"model state {name!r} is a {type(value).__name__}, not a tensor")
-        if ident[0] and ident in seen:  # the same memory under two names: tied weights
-            aliases[key] = seen[ident]
-            continue
-        seen[ident] = key
-        pieces.append(piece)
     return pieces, aliases
-
-
-def _ptr(t: torch.Tensor) -> int:
-    return t.data_ptr() if t.numel() else 0
 
 
 def param_names(model: nn.Module) -> dict[int, str]:
