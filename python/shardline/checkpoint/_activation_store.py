@@ -1,0 +1,681 @@
+"""The distributed activation store behind ``shardline.checkpoint.activations``.
+
+``ActivationCheckpointManager`` keeps activations by layer id under a placement policy and
+fetches them from their owners; ``ActivationMemoryStats`` aggregates its memory over the group.
+Public names are re-exported by ``activations``, whose docstring says which calls are
+collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+import torch
+
+from shardline.comm.group import ProcessGroup
+from shardline.errors import InvalidArgumentError
+from shardline.parallel.planner import format_bytes as _format_bytes
+
+__all__ = [
+    "ACTIVE",
+    "POLICIES",
+    "ActivationCheckpointManager",
+    "ActivationMemoryStats",
+    "LayerId",
+    "Policy",
+    "format_bytes",
+]
+
+LayerId: TypeAlias = str | int
+Policy: TypeAlias = Literal["local", "first_rank", "partition"]
+POLICIES: tuple[str, ...] = ("local", "first_rank", "partition")
+_REPLICATED = "replicated"  # what register_and_broadcast stores: a full copy on every rank
+
+# The manager whose activate() block is running (checkpoint() records into it).
+ACTIVE: contextvars.ContextVar[ActivationCheckpointManager | None] = contextvars.ContextVar(
+    "shardline_activation_manager", default=None
+)
+
+
+# -- statistics ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActivationMemoryStats:
+    """Activation memory on every rank of a group, from ``memory_stats()``.
+
+    Attributes:
+        per_rank_bytes: Bytes of activations each rank holds now.
+        per_rank_peak_bytes: The most each rank has held at once.
+        per_rank_counts: How many tensors (whole or partition parts) each rank holds.
+        per_rank_recomputed_bytes: Bytes ``checkpoint`` did not keep on each rank (recomputed
+            in backward instead), while this manager was active.
+    """
+
+    per_rank_bytes: tuple[int, ...]
+    per_rank_peak_bytes: tuple[int, ...]
+    per_rank_counts: tuple[int, ...]
+    per_rank_recomputed_bytes: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks the statistics cover."""
+        return len(self.per_rank_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes held now, summed over ranks."""
+        return sum(self.per_rank_bytes)
+
+    @property
+    def total_peak_bytes(self) -> int:
+        """Every rank's peak, summed (an upper bound of the group's simultaneous peak)."""
+        return sum(self.per_rank_peak_bytes)
+
+    @property
+    def min_bytes(self) -> int:
+        """Bytes held by the rank that holds the least."""
+        return min(self.per_rank_bytes)
+
+    @property
+    def max_bytes(self) -> int:
+        """Bytes held by the rank that holds the most."""
+        return max(self.per_rank_bytes)
+
+    @property
+    def average_bytes(self) -> float:
+        """Mean bytes held per rank."""
+        return self.total_bytes / self.world_size
+
+    @property
+    def total_count(self) -> int:
+        """Tensors held, summed over ranks (a partitioned entry counts once per rank)."""
+        return sum(self.per_rank_counts)
+
+    @property
+    def total_recomputed_bytes(self) -> int:
+        """Bytes recomputed instead of kept, summed over ranks."""
+        return sum(self.per_rank_recomputed_bytes)
+
+    def summary(self) -> str:
+        """A readable multi-line report (exact byte counts in parentheses)."""
+
+        def b(n: float) -> str:
+            return f"{format_bytes(n)} ({round(n)} B)"
+
+        per_rank = ", ".join(format_bytes(n) for n in self.per_rank_bytes)
+        return "\n".join(
+            [
+                f"Activation memory over {self.world_size} rank(s):",
+                f"  total held:        {b(self.total_bytes)} in {self.total_count} tensor(s)",
+                f"  total peak:        {b(self.total_peak_bytes)}",
+                f"  per rank:          min {format_bytes(self.min_bytes)}, "
+                f"max {format_bytes(self.max_bytes)}, "
+                f"average {format_bytes(self.average_bytes)}",
+                f"  held by rank:      [{per_rank}]",
+                f"  tensors by rank:   {list(self.per_rank_counts)}",
+                f"  recomputed:        {b(self.total_recomputed_bytes)} not kept by checkpoint",
+            ]
+        )
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units: ``"512 B"``, ``"1.50 KiB"``, ``"2.00 MiB"``."""
+    return _format_bytes(n, digits=2)
+
+
+# -- the store -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    """One layer's activation on this rank: the whole tensor, a part, or only its metadata."""
+
+    policy: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    data: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.data is None else self.data.numel() * self.data.element_size()
+
+    @property
+    def whole(self) -> bool:
+        return self.data is not None and self.policy != "partition"
+
+
+class ActivationCheckpointManager:
+    """Activations kept by layer id on the ranks of a group, under a placement policy.
+
+    Policies (per manager, or per ``register`` call):
+
+    - ``"local"``: the registering rank keeps the tensor; other ranks get it with ``fetch``.
+    - ``"first_rank"``: for activations every rank computes alike (replicated): rank 0 of the
+      group keeps the tensor, the others keep only its shape and dtype. ``get`` is collective
+      and broadcasts it from rank 0.
+    - ``"partition"``: also for replicated activations: every rank registers the same tensor
+      and keeps 1/world_size of its flattened elements (the first ``numel % world_size`` ranks
+      one more). ``get`` is collective and all-gathers the parts.
+
+    ``register_and_broadcast`` gives every rank a full copy. Stored tensors are detached and
+    share memory with the registered tensor (a partition part is a copy of its slice).
+
+    Args:
+        group: The ranks that share the store; ``None`` for the group of ``shardline.init()``.
+        policy: Default placement for ``register``.
+
+    Raises:
+        InvalidArgumentError: ``policy`` is not one of ``POLICIES``.
+    """
+
+    def __init__(self, group: ProcessGroup | None = None, policy: Policy = "local") -> None:
+        if group is None:
+            from shardline.comm.collectives import default_group  # noqa: PLC0415
+
+            group = default_group()
+        self.group = group
+        self.policy: str = self._check_policy(policy)
+        self._entries: dict[LayerId, _Entry] = {}
+        self._owners: dict[LayerId, tuple[int, ...]] = {}  # from the last sync_keys / fetch
+        self._bytes = 0
+        self._peak = 0
+        self._recomputed = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"ActivationCheckpointManager(rank={self.rank}, world_size={self.world_size}, "
+            f"policy={self.policy!r}, entries={len(self._entries)}, bytes={self._bytes})"
+        )
+
+    @property
+    def rank(self) -> int:
+        """This rank within the group."""
+        return self.group.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+        return self.group.world_size
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of activations this rank holds now."""
+        return self._bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes this rank has held at once."""
+        return self._peak
+
+    @property
+    def recomputed_bytes(self) -> int:
+        """Bytes ``checkpoint`` did not keep on this rank while this manager was active."""
+        return self._recomputed
+
+    def __contains__(self, layer_id: object) -> bool:
+        return layer_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[LayerId]:
+        """Layer ids this rank knows: held whole, as a part, or as metadata only."""
+        return list(self._entries)
+
+    def holds(self, layer_id: LayerId) -> bool:
+        """Whether this rank holds the whole tensor of ``layer_id`` (``get`` is then local)."""
+        entry = self._entries.get(layer_id)
+        return entry is not None and entry.whole
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[ActivationCheckpointManager]:
+        """Within this block, ``checkpoint`` adds the bytes it does not keep to this manager.
+
+        Per thread (a ``contextvars`` variable), so ranks running as threads stay apart.
+        """
+        token = ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            ACTIVE.reset(token)
+
+    # -- storing -----------------------------------------------------------------------------
+
+    def register(
+        self, layer_id: LayerId, tensor: torch.Tensor, *, policy: Policy | None = None
+    ) -> None:
+        """Keeps ``tensor`` under ``layer_id`` on this rank, placed by ``policy``. Local.
+
+        Args:
+            layer_id: A str or int not registered yet on this rank.
+            tensor: The activation; it is stored detached (no autograd history).
+            policy: Overrides the manager's policy for this entry. With ``"first_rank"`` and
+                ``"partition"`` every rank registers the same tensor.
+
+        Raises:
+            InvalidArgumentError: a bad or already registered id, a bad policy, or not a tensor.
+        """
+        what = "register"
+        self._check_id(layer_id, what)
+        chosen = self._check_policy(policy if policy is not None else self.policy)
+        self._check_new(layer_id, what)
+        t = self._check_tensor(tensor, layer_id, what).detach()
+        shape = tuple(t.shape)
+        data: torch.Tensor | None = t
+        if chosen == "first_rank" and self.rank != 0:
+            data = None
+        elif chosen == "partition":
+            start, stop = _part_bounds(t.numel(), self.world_size, self.rank)
+            data = t.reshape(-1)[start:stop].clone()  # a copy: the full tensor may be freed
+        self._store(layer_id, _Entry(chosen, shape, t.dtype, data))
+
+    def register_and_broadcast(
+        self, layer_id: LayerId, tensor: torch.Tensor | None, src: int = 0
+    ) -> torch.Tensor:
+        """Keeps rank ``src``'s ``tensor`` under ``layer_id`` on every rank. Collective.
+
+        Args:
+            layer_id: A str or int, the same on every rank, not registered yet.
+            tensor: The activation on ``src``; ignored elsewhere (may be ``None``).
+            src: The rank of the group that has the tensor.
+
+        Returns:
+            This rank's copy.
+
+        Raises:
+            InvalidArgumentError: a bad id or ``src`` (before communicating), ``src`` passed no
+                tensor (on every rank), or the id is already registered here (after the
+                broadcast, so the other ranks finish).
+        """
+        what = "register_and_broadcast"
+        self._check_id(layer_id, what)
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise InvalidArgumentError(
+                f"{what}({layer_id!r}) on rank {self.rank}: src={src!r} is not a rank of this "
+                f"group (world_size {self.world_size})"
+            )
+        meta: dict[str, Any] = {}
+        data: torch.Tensor | None = None
+        if self.rank == src:
+            if isinstance(tensor, torch.Tensor):
+                data = tensor.detach().contiguous()
+                meta = {"shape": list(data.shape), "dtype": _dtype_name(data.dtype)}
+            else:
+                meta = {"error": f"src rank {src} passed {type(tensor).__name__}, not a tensor"}
+        meta = self._broadcast_object(meta, src)
+        if "error" in meta:
+            raise InvalidArgumentError(f"{what}({layer_id!r}) on rank {self.rank}: {meta['error']}")
+        shape, dtype = tuple(int(n) for n in meta["shape"]), _dtype_from_name(meta["dtype"])
+        if data is None:
+            data = torch.empty(shape, dtype=dtype, device=self.group.device)
+        if data.numel():
+            self.group.broadcast(_as_bytes(data), src)
+        self._check_new(layer_id, what)
+        self._store(layer_id, _Entry(_REPLICATED, shape, dtype, data))
+        return data
+
+    def keep_boundary(self, stage_id: int, tensor: torch.Tensor, micro_batch: int = 0) -> None:
+        """Keeps a pipeline stage's boundary activation on this rank (policy ``"local"``).
+
+        The key is ``boundary_id(stage_id, micro_batch)``; read it back with ``boundary``.
+        """
+        self.register(self.boundary_id(stage_id, micro_batch), tensor, policy="local")
+
+    def boundary(self, stage_id: int, micro_batch: int = 0) -> torch.Tensor:
+        """The boundary activation ``keep_boundary`` kept for this stage and micro-batch."""
+        return self.get(self.boundary_id(stage_id, micro_batch))
+
+    def boundary_id(self, stage_id: int, micro_batch: int = 0) -> str:
+        """The layer id of a pipeline stage's boundary activation."""
+        for name, v in (("stage_id", stage_id), ("micro_batch", micro_batch)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidArgumentError(
+                    f"keep_boundary on rank {self.rank}: {name}={v!r} must be an int >= 0"
+                )
+        return f"stage{stage_id}.mb{micro_batch}.boundary"
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def get(self, layer_id: LayerId) -> torch.Tensor:
+        """The activation registered under ``layer_id``.
+
+        Local for entries this rank holds whole (``"local"`` on the registering rank, and
+        ``register_and_broadcast``). Collective for ``"first_rank"`` entries (broadcast from
+        rank 0) and ``"partition"`` entries (all-gather of the parts): every rank calls
+        ``get(layer_id)`` at the same point. The result of a collective ``get`` is not kept.
+
+        Raises:
+            InvalidArgumentError: the id is invalid or unknown here, or only other ranks hold
+                it (use ``fetch``, which is collective).
+        """
+        what = "get"
+        self._check_id(layer_id, what)
+        entry = self._entries.get(layer_id)
+        if entry is None:
+            raise self._unknown(layer_id, what)
+        if entry.policy == "partition":
+            return self._gather_partition(entry)
+        if entry.policy == "first_rank":
+            out = entry.data if entry.data is not None else self._empty_like(entry)
+            if out.numel():
+                self.group.broadcast(_as_bytes(out), 0)
+            return out
+        assert entry.data is not None  # local and replicated entries always hold data
+        return entry.data
+
+    def fetch(self, layer_ids: Iterable[LayerId]) -> dict[LayerId, torch.Tensor]:
+        """Gets activations wherever they are held. Collective; each rank asks for its own.
+
+        Every rank calls ``fetch`` with the ids it needs (possibly none). The ranks first
+        all-gather their requests and what they hold; then each missing whole tensor travels
+        from an owner by ``send``/``recv``, in one order every rank derives from the gathered
+        requests (sorted by id, then destination), so the earliest unfinished transfer always
+        has both ends waiting on it and none can deadlock. Partitioned entries anyone asked
+        for are all-gathered. Also refreshes what ``sync_keys`` returns.
+
+        Args:
+            layer_ids: Ids this rank needs; duplicates are fetched once.
+
+        Returns:
+            ``{layer_id: tensor}`` for this rank's ids, in the order asked.
+
+        Raises:
+            InvalidArgumentError: on every rank, if any rank asked for an invalid id or one no
+                rank holds; the message names the rank and the id.
+        """
+        what = "fetch"
+        wanted = list(dict.fromkeys(layer_ids))
+        error = None
+        for k in wanted:
+            try:
+                self._check_id(k, what)
+            except InvalidArgumentError as e:
+                error = str(e)
+        everyone = self._all_gather_object(
+            {
+                "need": [] if error else [_encode_id(k) for k in wanted],
+                "have": self._holdings(),
+                "error": error,
+            }
+        )
+        errors = [p["error"] for p in everyone if p["error"]]
+        if errors:
+            raise InvalidArgumentError("; ".join(errors))
+        held = [_decode_holdings(p["have"]) for p in everyone]
+        self._owners = _owner_table(held)
+
+        transfers: list[tuple[LayerId, int, int]] = []  # (id, dst, src)
+        gathers: set[LayerId] = set()
+        problems: list[str] = []
+        for dst, p in enumerate(everyone):
+            for k in map(_decode_id, p["need"]):
+                if _holds_whole(held[dst], k):
+                    continue
+                whole = [r for r in range(self.world_size) if _holds_whole(held[r], k)]
+                parts = [r for r in range(self.world_size) if _holds_part(held[r], k)]
+                if whole:
+                    transfers.append((k, dst, whole[dst % len(whole)]))
+                elif len(parts) == self.world_size:
+                    gathers.add(k)
+                elif parts:
+                    problems.append(
+                        f"rank {dst} asked for {k!r}, partitioned but only ranks {parts} of "
+                        f"{self.world_size} hold parts; register it on every rank"
+                    )
+                else:
+                    problems.append(f"rank {dst} asked for {k!r}, which no rank holds")
+        if problems:
+            raise InvalidArgumentError(f"{what} on rank {self.rank}: " + "; ".join(problems))
+
+        mine = set(wanted)
+        got: dict[LayerId, torch.Tensor] = {}
+        for k in sorted(gathers, key=_id_order):
+            full = self._gather_partition(self._entries[k])
+            if k in mine:
+                got[k] = full
+        for k, dst, src in sorted(transfers, key=lambda t: (_id_order(t[0]), t[1])):
+            if self.rank == src:
+                data = self._entries[k].data
+                assert data is not None
+                if data.numel():
+                    self.group.send(_as_bytes(data.contiguous()), dst)
+            elif self.rank == dst:
+                policy, shape, dtype, _ = held[src][k]
+                buf = self._empty_like(_Entry(policy, shape, dtype, None))
+                if buf.numel():
+                    self.group.recv(_as_bytes(buf), src)
+                got[k] = buf
+        for k in wanted:
+            if k not in got:
+                data = self._entries[k].data
+                assert data is not None
+                got[k] = data
+        return {k: got[k] for k in wanted}
+
+    def sync_keys(self) -> dict[LayerId, tuple[int, ...]]:
+        """Every id known on any rank, with the ranks that hold its data. Collective.
+
+        A ``"partition"`` entry lists every rank holding a part; a ``"first_rank"`` entry
+        lists rank 0 (the others know only its shape). Ids are sorted (ints, then strs).
+        """
+        held = [_decode_holdings(p) for p in self._all_gather_object(self._holdings())]
+        self._owners = _owner_table(held)
+        return dict(self._owners)
+
+    # -- dropping ----------------------------------------------------------------------------
+
+    def remove(self, layer_id: LayerId) -> None:
+        """Drops ``layer_id`` on this rank. Local: for shared entries every rank calls it.
+
+        Raises:
+            InvalidArgumentError: the id is invalid or not registered here.
+        """
+        self._check_id(layer_id, "remove")
+        entry = self._entries.pop(layer_id, None)
+        if entry is None:
+            raise self._unknown(layer_id, "remove")
+        self._bytes -= entry.nbytes
+        self._owners.pop(layer_id, None)
+
+    def clear(self) -> None:
+        """Drops every activation on every rank. Collective (ends with a barrier).
+
+        Peak and recomputed byte counts are history and stay.
+        """
+        self._entries.clear()
+        self._owners.clear()
+        self._bytes = 0
+        self.group.barrier()
+
+    # -- statistics --------------------------------------------------------------------------
+
+    def memory_stats(self) -> ActivationMemoryStats:
+        """Bytes and tensor counts of every rank, gathered on every rank. Collective."""
+        count = sum(1 for e in self._entries.values() if e.data is not None)
+        local = torch.tensor([self._bytes, self._peak, count, self._recomputed], dtype=torch.int64)
+        if self.group.device.type != "cpu":
+            local = local.to(self.group.device)
+        out = torch.empty(4 * self.world_size, dtype=torch.int64, device=local.device)
+        self.group.all_gather(out, local)
+        rows = out.cpu().view(self.world_size, 4).tolist()
+        return ActivationMemoryStats(*(tuple(int(r[i]) for r in rows) for i in range(4)))
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _note_recomputed(self, nbytes: int) -> None:
+        self._recomputed += nbytes
+
+    def _store(self, layer_id: LayerId, entry: _Entry) -> None:
+        self._entries[layer_id] = entry
+        self._bytes += entry.nbytes
+        self._peak = max(self._peak, self._bytes)
+
+    def _check_policy(self, policy: object) -> str:
+        if policy not in POLICIES:
+            raise InvalidArgumentError(
+                f"activation policy {policy!r} on rank {self.group.rank} is unknown; "
+                f"use one of {list(POLICIES)}"
+            )
+        return policy
+
+    def _check_id(self, layer_id: object, what: str) -> None:
+        ok = (isinstance(layer_id, int) and not isinstance(layer_id, bool)) or (
+            isinstance(layer_id, str) and layer_id != ""
+        )
+        if not ok:
+            raise InvalidArgumentError(
+                f"{what} on rank {self.rank}: layer id {layer_id!r} is invalid; "
+                "use an int or a non-empty str"
+            )
+
+    def _check_new(self, layer_id: LayerId, what: str) -> None:
+        if layer_id in self._entries:
+            raise InvalidArgumentError(
+                f"{what} on rank {self.rank}: layer id {layer_id!r} is already registered; "
+                "remove() it first"
+            )
+
+    def _check_tensor(self, tensor: object, layer_id: LayerId, what: str) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidArgumentError(
+                f"{what}({layer_id!r}) on rank {self.rank}: expected a torch.Tensor, "
+                f"got {type(tensor).__name__}"
+            )
+        return tensor
+
+    def _unknown(self, layer_id: LayerId, what: str) -> InvalidArgumentError:
+        owners = self._owners.get(layer_id)
+        if owners:
+            return InvalidArgumentError(
+                f"{what} on rank {self.rank}: layer id {layer_id!r} is held by rank(s) "
+                f"{list(owners)}, not this one; call fetch([{layer_id!r}]) on every rank of "
+                "the group (collective)"
+            )
+        known = sorted(self._entries, key=_id_order)
+        shown = ", ".join(repr(k) for k in known[:8]) + (", ..." if len(known) > 8 else "")
+        return InvalidArgumentError(
+            f"{what} on rank {self.rank}: no activation registered under layer id "
+            f"{layer_id!r} (known here: [{shown}]); sync_keys() lists every rank's ids"
+        )
+
+    def _empty_like(self, entry: _Entry) -> torch.Tensor:
+        return torch.empty(entry.shape, dtype=entry.dtype, device=self.group.device)
+
+    def _gather_partition(self, entry: _Entry) -> torch.Tensor:
+        assert entry.data is not None
+        numel = _numel(entry.shape)
+        out = self._empty_like(entry)
+        if numel == 0:
+            return out
+        size = entry.data.element_size()
+        counts = [_part_size(numel, self.world_size, r) * size for r in range(self.world_size)]
+        flat = _as_bytes(out)
+        parts = list(torch.split(flat, counts))
+        self.group.all_gather(parts, _as_bytes(entry.data))
+        return out
+
+    def _holdings(self) -> list[list[Any]]:
+        return [
+            [_encode_id(k), e.policy, list(e.shape), _dtype_name(e.dtype), e.data is not None]
+            for k, e in self._entries.items()
+        ]
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's JSON-able ``obj``: two all-gathers, the sizes, then the bytes."""
+        payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        dev = self.group.device
+        sizes = torch.empty(self.world_size, dtype=torch.int64, device=dev)
+        self.group.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64).to(dev))
+        outs = [torch.empty(int(n), dtype=torch.uint8, device=dev) for n in sizes.tolist()]
+        self.group.all_gather(outs, payload.to(dev))
+        return [json.loads(o.cpu().numpy().tobytes()) for o in outs]
+
+    def _broadcast_object(self, obj: Any, src: int) -> Any:
+        """Rank ``src``'s JSON-able ``obj`` on every rank: two broadcasts, size then bytes."""
+        dev = self.group.device
+        data = json.dumps(obj).encode() if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64).to(dev)
+        self.group.broadcast(size, src)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+        if self.rank == src:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.group.broadcast(buf, src)
+        return json.loads(buf.cpu().numpy().tobytes())
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+_Holding: TypeAlias = tuple[str, tuple[int, ...], torch.dtype, bool]  # policy, shape, dtype, data
+
+
+def _part_size(numel: int, world_size: int, rank: int) -> int:
+    return numel // world_size + (1 if rank < numel % world_size else 0)
+
+
+def _part_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    start = sum(_part_size(numel, world_size, r) for r in range(rank))
+    return start, start + _part_size(numel, world_size, rank)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (any dtype travels as bytes)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgumentError(f"unknown dtype {name!r} received from a peer")
+    return dtype
+
+
+def _encode_id(layer_id: LayerId) -> list[Any]:
+    return [1, layer_id] if isinstance(layer_id, str) else [0, layer_id]
+
+
+def _decode_id(encoded: list[Any]) -> LayerId:
+    tag, value = encoded
+    return str(value) if tag == 1 else int(value)
+
+
+def _id_order(layer_id: LayerId) -> tuple[int, int, str]:
+    return (1, 0, layer_id) if isinstance(layer_id, str) else (0, layer_id, "")
+
+
+def _decode_holdings(rows: list[list[Any]]) -> dict[LayerId, _Holding]:
+    return {
+        _decode_id(k): (str(p), tuple(int(n) for n in shape), _dtype_from_name(d), bool(has))
+        for k, p, shape, d, has in rows
+    }
+
+
+def _holds_whole(held: dict[LayerId, _Holding], k: LayerId) -> bool:
+    h = held.get(k)
+    return h is not None and h[3] and h[0] != "partition"
+
+
+def _holds_part(held: dict[LayerId, _Holding], k: LayerId) -> bool:
+    h = held.get(k)
+    return h is not None and h[3] and h[0] == "partition"
+
+
+def _owner_table(held: list[dict[LayerId, _Holding]]) -> dict[LayerId, tuple[int, ...]]:
+    ids = sorted({k for h in held for k in h}, key=_id_order)
+    return {k: tuple(r for r, h in enumerate(held) if k in h and h[k][3]) for k in ids}
