@@ -56,7 +56,6 @@ class Unit:
     gather_input: torch.Tensor | None = None
     shard_is_view: bool = False
     trainable: bool = True
-    frozen_any: bool = False
     active: int = 0
     uses_left: int = 0
     expected_uses: int = 0
@@ -104,7 +103,6 @@ class Unit:
         if shard_is_view:
             self.shard = self.full[lo:hi]
         self.trainable = any(p.requires_grad for p in self.params)
-        self.frozen_any = not all(p.requires_grad for p in self.params)
         self._make_locals()
 
     def _point_params(self) -> None:
