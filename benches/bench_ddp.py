@@ -84,6 +84,27 @@ def step_fn(model: Any, opt: Any, batch: tuple[Any, ...]) -> None:
     opt.step()
 
 
+def join_job(device_kind: str) -> tuple[int, int, Any, Any]:
+    """In a worker: this rank's device, our group (native or NCCL) and torch's default group
+    (Gloo or NCCL) on its own store; returns ``(rank, world, device, our group)``."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import shardline as sl  # noqa: PLC0415
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = device_kind == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    ours = sl.init(backend="nccl" if cuda else "native")
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["TORCH_PORT"]), world, rank == 0, timedelta(seconds=120)
+    )
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world)
+    return rank, world, device, ours
+
+
 def worker(args: argparse.Namespace) -> int:
     import copy  # noqa: PLC0415
 
@@ -93,16 +114,8 @@ def worker(args: argparse.Namespace) -> int:
 
     import shardline as sl  # noqa: PLC0415
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    ours_group = sl.init(backend="nccl" if cuda else "native")
-    store = dist.TCPStore(
-        "127.0.0.1", int(os.environ["TORCH_PORT"]), world, rank == 0, timedelta(seconds=120)
-    )
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world)
+    rank, world, device, ours_group = join_job(args.device)
+    cuda = device.type == "cuda"
 
     def sync() -> None:
         if cuda:

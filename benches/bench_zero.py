@@ -40,7 +40,6 @@ import statistics
 import sys
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -131,16 +130,8 @@ def worker(args: argparse.Namespace) -> int:
     import shardline as sl  # noqa: PLC0415
     from shardline.examples.train import Config, TinyGPT, corpus  # noqa: PLC0415
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    sl.init(backend="nccl" if cuda else "native")
-    store = dist.TCPStore(
-        "127.0.0.1", int(os.environ["TORCH_PORT"]), world, rank == 0, timedelta(seconds=120)
-    )
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world)
+    rank, world, device, _ = bench_ddp.join_job(args.device)
+    cuda = device.type == "cuda"
     fully_shard = fully_shard_fn()
 
     def sync() -> None:
