@@ -56,6 +56,7 @@ SIZES = {
     "small": (256, 4, 4, 64, 8),  # 3.2M parameters, for 2 CPU cores
     "medium": (1024, 8, 16, 512, 8),  # 101M
     "large": (1280, 20, 20, 1024, 8),  # 394M
+    "xl": (2048, 20, 16, 1024, 8),  # 1.01B (bench_scaling.py's model)
 }
 
 

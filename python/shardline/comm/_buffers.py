@@ -8,6 +8,7 @@ A group whose backend has a CUDA ``device`` (nccl) accepts CUDA tensors on that 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -188,10 +189,17 @@ def check_same_dtype(what: str, rank: int, expected: torch.Tensor, actual: torch
         )
 
 
-def check_numel(what: str, rank: int, expected: int, actual: torch.Tensor, hint: str) -> None:
-    """Raises unless ``actual`` holds ``expected`` elements."""
+def check_numel(
+    what: str, rank: int, expected: int, actual: torch.Tensor, hint: str | Callable[[], str]
+) -> None:
+    """Raises unless ``actual`` holds ``expected`` elements.
+
+    ``hint`` says where ``expected`` came from; hot paths pass a lambda, so the text is built
+    only on failure.
+    """
     if actual.numel() != expected:
+        text = hint if isinstance(hint, str) else hint()
         raise InvalidArgumentError(
-            f"{what} on rank {rank}: expected {expected} elements ({hint}) but got "
+            f"{what} on rank {rank}: expected {expected} elements ({text}) but got "
             f"{actual.numel()} (shape {tuple(actual.shape)})"
         )

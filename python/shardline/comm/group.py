@@ -165,7 +165,7 @@ class ProcessGroup:
             self.rank,
             self.world_size * out.numel(),
             inp,
-            f"world_size {self.world_size} x output's {out.numel()}",
+            lambda: f"world_size {self.world_size} x output's {out.numel()}",
         )
         name = parse_op(op, dtype=out.dtype, what="reduce_scatter", rank=self.rank)
         return self._submit(
@@ -214,7 +214,7 @@ class ProcessGroup:
             self.rank,
             self.world_size * inp.numel(),
             out,
-            f"world_size {self.world_size} x input's {inp.numel()}",
+            lambda: f"world_size {self.world_size} x input's {inp.numel()}",
         )
         return self._submit(
             "all_gather",

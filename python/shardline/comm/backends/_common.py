@@ -28,7 +28,7 @@ def reduce_args(t: torch.Tensor, op: str, ops: Mapping[str, Any]) -> tuple[torch
     """The flat buffer and torch ReduceOp for reducing ``t`` with ``op`` (bool as uint8)."""
     if t.dtype == torch.bool:
         return as_bytes(t), ops[BOOL_OPS[op]]
-    return t.reshape(-1), ops[op]
+    return (t if t.dim() == 1 else t.reshape(-1)), ops[op]
 
 
 def pad_unequal(

@@ -84,6 +84,21 @@ def _index(raw: str, name: str, spec: str | None) -> int:
         raise ShardlineError(f"{name}={shown!r} does not name a GPU index") from None
 
 
+class _Done:
+    """The handle of a blocking call that already waited in the backend."""
+
+    __slots__ = ()
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 class _NcclHandle:
     """Adapts torch ``Work``s to our Handle; runs ``after`` once, on the first ``wait``."""
 
@@ -164,6 +179,14 @@ class NcclBackend:
         opts.is_high_priority_stream = False
         # torch's stubs do not list ProcessGroup methods; they exist at runtime.
         self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        # Options are read when an op is queued: one object per reduction serves every call.
+        self._allreduce_opts: dict[Any, Any] = {}
+        self._reduce_scatter_opts: dict[Any, Any] = {}
+        for rop in _OPS.values():
+            self._allreduce_opts[rop] = dist.AllreduceOptions()
+            self._allreduce_opts[rop].reduceOp = rop
+            self._reduce_scatter_opts[rop] = dist.ReduceScatterOptions()
+            self._reduce_scatter_opts[rop].reduceOp = rop
         if hasattr(self._pg, "eager_connect_single_device"):
             # Connect now, so a missing peer fails here and not in the first collective.
             self._pg.eager_connect_single_device(device)
@@ -174,31 +197,42 @@ class NcclBackend:
         start: Callable[[], list[dist.Work]],
         after: Callable[[], None] | None = None,
         keep: tuple[object, ...] = (),
-    ) -> _NcclHandle:
+        *,
+        async_op: bool = True,
+    ) -> _NcclHandle | _Done:
         try:
             works = start()
+            if not async_op:  # a blocking call: wait here, no handle object to build
+                for w in works:
+                    w.wait()
         except RuntimeError as exc:
             raise _translate(exc, what, self.rank) from exc
-        return _NcclHandle(works, what, self.rank, after, keep)
+        if async_op:
+            return _NcclHandle(works, what, self.rank, after, keep)
+        if after is not None:
+            after()
+        return _DONE
 
     def _reduce_args(self, t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
         return reduce_args(t, op, _OPS)
 
-    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _NcclHandle:
+    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _NcclHandle | _Done:
         buf, rop = self._reduce_args(t, op)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = rop
-        return self._handle("all_reduce", lambda: [self._pg.allreduce([buf], opts)])
+        opts = self._allreduce_opts[rop]
+        return self._handle(
+            "all_reduce", lambda: [self._pg.allreduce([buf], opts)], async_op=async_op
+        )
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, op: str, *, async_op: bool = True
-    ) -> _NcclHandle:
+    ) -> _NcclHandle | _Done:
         obuf, rop = self._reduce_args(out, op)
         ibuf, _ = self._reduce_args(inp, op)
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = rop
+        opts = self._reduce_scatter_opts[rop]
         return self._handle(
-            "reduce_scatter", lambda: [self._pg._reduce_scatter_base(obuf, ibuf, opts)]
+            "reduce_scatter",
+            lambda: [self._pg._reduce_scatter_base(obuf, ibuf, opts)],
+            async_op=async_op,
         )
 
     def all_gather(
@@ -208,10 +242,16 @@ class NcclBackend:
         counts: Sequence[int] | None,
         *,
         async_op: bool = True,
-    ) -> _NcclHandle:
+    ) -> _NcclHandle | _Done:
         if counts is None:
+            if out.dtype != torch.bool:  # NCCL moves every other dtype of ours as it is
+                return self._handle(
+                    "all_gather", lambda: [self._pg._allgather_base(out, inp)], async_op=async_op
+                )
             return self._handle(
-                "all_gather", lambda: [self._pg._allgather_base(as_bytes(out), as_bytes(inp))]
+                "all_gather",
+                lambda: [self._pg._allgather_base(as_bytes(out), as_bytes(inp))],
+                async_op=async_op,
             )
         # Unequal sizes: gather equal, padded slots, then copy each rank's part out.
         padded, gathered, unpad = pad_unequal(out, inp, counts, self.world_size)
@@ -220,57 +260,78 @@ class NcclBackend:
             lambda: [self._pg._allgather_base(as_bytes(gathered), as_bytes(padded))],
             unpad,
             (padded, gathered),
+            async_op=async_op,
         )
 
-    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> _NcclHandle:
+    def broadcast(
+        self, t: torch.Tensor, root: int, *, async_op: bool = True
+    ) -> _NcclHandle | _Done:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        return self._handle("broadcast", lambda: [self._pg.broadcast([as_bytes(t)], opts)])
+        return self._handle(
+            "broadcast", lambda: [self._pg.broadcast([as_bytes(t)], opts)], async_op=async_op
+        )
 
-    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> _NcclHandle:
+    def reduce(
+        self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True
+    ) -> _NcclHandle | _Done:
         buf, rop = self._reduce_args(t, op)
         opts = dist.ReduceOptions()
         opts.rootRank, opts.reduceOp = root, rop
-        return self._handle("reduce", lambda: [self._pg.reduce([buf], opts)])
+        return self._handle("reduce", lambda: [self._pg.reduce([buf], opts)], async_op=async_op)
 
     def gather(
         self, out: torch.Tensor | None, inp: torch.Tensor, root: int, *, async_op: bool = True
-    ) -> _NcclHandle:
+    ) -> _NcclHandle | _Done:
         opts = dist.GatherOptions()
         opts.rootRank = root
         outs = [] if out is None else [split(as_bytes(out), self.world_size)]
-        return self._handle("gather", lambda: [self._pg.gather(outs, [as_bytes(inp)], opts)])
+        return self._handle(
+            "gather", lambda: [self._pg.gather(outs, [as_bytes(inp)], opts)], async_op=async_op
+        )
 
     def scatter(
         self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
-    ) -> _NcclHandle:
+    ) -> _NcclHandle | _Done:
         opts = dist.ScatterOptions()
         opts.rootRank = root
         ins = [] if inp is None else [split(as_bytes(inp), self.world_size)]
-        return self._handle("scatter", lambda: [self._pg.scatter([as_bytes(out)], ins, opts)])
+        return self._handle(
+            "scatter", lambda: [self._pg.scatter([as_bytes(out)], ins, opts)], async_op=async_op
+        )
 
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
-    ) -> _NcclHandle:
+    ) -> _NcclHandle | _Done:
         return self._handle(
             "all_to_all",
             lambda: [
                 self._pg.alltoall_base(as_bytes(out), as_bytes(inp), [], [], dist.AllToAllOptions())
             ],
+            async_op=async_op,
         )
 
-    def barrier(self, *, async_op: bool = True) -> _NcclHandle:
+    def barrier(self, *, async_op: bool = True) -> _NcclHandle | _Done:
         # What NCCL's own barrier does, on our device (torch's guesses the device and warns).
         token = torch.zeros(1, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        return self._handle("barrier", lambda: [self._pg.allreduce([token], opts)], keep=(token,))
+        return self._handle(
+            "barrier",
+            lambda: [self._pg.allreduce([token], opts)],
+            keep=(token,),
+            async_op=async_op,
+        )
 
-    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _NcclHandle:
-        return self._handle("send", lambda: [self._pg.send([as_bytes(t)], dst, 0)])
+    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _NcclHandle | _Done:
+        return self._handle(
+            "send", lambda: [self._pg.send([as_bytes(t)], dst, 0)], async_op=async_op
+        )
 
-    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _NcclHandle:
-        return self._handle("recv", lambda: [self._pg.recv([as_bytes(t)], src, 0)])
+    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _NcclHandle | _Done:
+        return self._handle(
+            "recv", lambda: [self._pg.recv([as_bytes(t)], src, 0)], async_op=async_op
+        )
 
     def subgroup(self, name: str, ranks: Sequence[int]) -> NcclBackend:
         return NcclBackend(
