@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock};
 
 use super::header::{
@@ -25,6 +25,12 @@ use crate::error::{Error, Result};
 
 /// Bytes checksummed then written per system call when writing uncompressed tensors.
 const PIECE_BYTES: usize = 1 << 20;
+
+/// Written bytes after which the kernel is asked to start writing them to disk. Without it,
+/// on a host with much memory the whole file sits in the page cache until the final fsync,
+/// and the disk idles while we copy: measured on a 16-core host with 128 GiB, a 4 GB shard
+/// took the time of the copy plus the time of the disk.
+const WRITEBACK_BYTES: u64 = 16 << 20;
 
 /// One tensor to write: its bytes, borrowed from the caller.
 #[derive(Clone, Debug)]
@@ -107,6 +113,7 @@ pub fn write_shard(
         file: &file,
         metadata,
         chunk_bytes: options.chunk_bytes,
+        written_back: AtomicU64::new(0),
     };
     let result = match options.compress {
         None => out.write_plain(tensors),
@@ -181,13 +188,42 @@ struct Out<'a> {
     file: &'a File,
     metadata: &'a BTreeMap<String, String>,
     chunk_bytes: u64,
+    /// End of the bytes already handed to [`Out::start_writeback`].
+    written_back: AtomicU64,
 }
 
 impl Out<'_> {
     fn write_at(&self, bytes: &[u8], pos: u64) -> Result<()> {
         self.file
             .write_all_at(bytes, pos)
-            .map_err(|e| io_error(self.path, "writing", e))
+            .map_err(|e| io_error(self.path, "writing", e))?;
+        let end = pos + bytes.len() as u64;
+        let from = self.written_back.load(Ordering::Relaxed);
+        if pos >= from && end - from >= WRITEBACK_BYTES {
+            // The data is written front to back by one thread; the header (at 0) comes last.
+            self.start_writeback(from, end - from);
+            self.written_back.store(end, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Asks the kernel to start writing file bytes `[at, at + len)` to disk without waiting
+    /// for them (the final fsync does). Advice only: an error changes nothing.
+    fn start_writeback(&self, at: u64, len: u64) {
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::fd::AsRawFd;
+            let (Ok(at), Ok(len)) = (i64::try_from(at), i64::try_from(len)) else {
+                return;
+            };
+            // SAFETY: sync_file_range only reads its integer arguments; the descriptor is
+            // open for as long as `self.file` is borrowed.
+            let _ = unsafe {
+                libc::sync_file_range(self.file.as_raw_fd(), at, len, libc::SYNC_FILE_RANGE_WRITE)
+            };
+        }
+        #[cfg(not(target_os = "linux"))]
+        let _ = (at, len);
     }
 
     /// Where the data section starts, given the header with every unknown at its maximum.
