@@ -156,6 +156,35 @@ def test_reads_into_a_tensor_and_from_threads(tmp_path: Path) -> None:
     assert not errors, errors
 
 
+def test_large_plain_reads_check_every_chunk(tmp_path: Path) -> None:
+    """Plain pieces of 256 KiB and more are read with pread (the 4 MiB default chunks): whole
+    and partial ranges return the stored bytes, and a flipped byte fails its chunk only."""
+    t = torch.randn(5 << 20)  # 20 MiB: five 4 MiB chunks
+    path = tmp_path / "big.shard"
+    result = write(path, {"w": t})
+    expected = raw(t)
+    for start, length in ((0, t.nbytes), (1 << 20, 6 << 20), ((4 << 20) - 5, 300 << 10)):
+        out = np.zeros(length, dtype=np.uint8)
+        _n().read_tensor_range(str(path), "w", start, out)
+        np.testing.assert_array_equal(out, expected[start : start + length])
+    flip = result["w"]["offset"] + (9 << 20) + 123  # inside chunk 2: bytes [8, 12) MiB
+    with path.open("r+b") as f:
+        f.seek(flip)
+        byte = f.read(1)
+        f.seek(flip)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(CheckpointError, match=r"big\.shard.*tensor \"w\".*chunk 2"):
+        read(path, "w", t)
+    with pytest.raises(CheckpointError, match="chunk 2"):  # a partial range in that chunk
+        _n().read_tensor_range(str(path), "w", 8 << 20, np.zeros(512 << 10, dtype=np.uint8))
+    out = np.zeros(4 << 20, dtype=np.uint8)  # chunk 3 is intact
+    _n().read_tensor_range(str(path), "w", 12 << 20, out)
+    np.testing.assert_array_equal(out, expected[12 << 20 : 16 << 20])
+    back = read(path, "w", t, verify=False)  # unverified: the stored bytes, flip included
+    np.testing.assert_array_equal(raw(back)[: 9 << 20], expected[: 9 << 20])
+    assert raw(back)[(9 << 20) + 123] == expected[(9 << 20) + 123] ^ 0x01
+
+
 def test_plain_files_are_safetensors(tmp_path: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file

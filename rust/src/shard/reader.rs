@@ -1,8 +1,12 @@
-//! Reads shard files through a memory map: a validated (and cached) header, byte ranges of
+//! Reads shard files: a validated (and cached) header through a memory map, byte ranges of
 //! one tensor with their frames decoded in parallel, CRC32C checks on every chunk touched.
+//! Large uncompressed pieces are read with `pread` straight into the caller's buffer: a
+//! file evicted from the page cache then comes in as large requests (the disk's speed), where
+//! faulting the mapping in reads it in readahead-sized steps.
 
 use std::collections::VecDeque;
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
 
 use memmap2::{Advice, Mmap};
@@ -23,12 +27,17 @@ const PIECE_BYTES: usize = 256 << 10;
 const PARALLEL_BYTES: usize = 8 << 20;
 /// Smallest share of a read or a verify that one thread takes.
 const JOB_BYTES: u64 = 1 << 20;
-/// Pieces at least this large have their pages mapped in one call before copying.
+/// Pieces at least this large have their pages mapped in one call before copying, or are
+/// read with `pread` when the view has the file.
 const POPULATE_BYTES: usize = 256 << 10;
+/// Bytes read by one `pread` then checksummed (large requests, still warm in cache for the
+/// checksum).
+const READ_BYTES: usize = 1 << 20;
 
 /// An open shard file: its mapping and validated header.
 pub struct ShardReader {
     path: String,
+    file: File,
     map: Mmap,
     header: Arc<ShardHeader>,
 }
@@ -47,6 +56,7 @@ impl ShardReader {
         let header = cached_header(path, &map)?;
         Ok(ShardReader {
             path: path.to_owned(),
+            file,
             map,
             header,
         })
@@ -64,6 +74,7 @@ impl ShardReader {
             header: &self.header,
             bytes: &self.map,
             map: Some(&self.map),
+            file: Some(&self.file),
         }
     }
 }
@@ -126,6 +137,8 @@ pub struct ShardView<'a> {
     pub bytes: &'a [u8],
     /// The mapping behind `bytes`, if any: large reads prefault its pages in one call.
     pub map: Option<&'a Mmap>,
+    /// The file behind `bytes`, if any: large plain pieces are read from it with `pread`.
+    pub file: Option<&'a File>,
 }
 
 /// One chunk (plain) or frame (compressed) a read touches.
@@ -244,7 +257,11 @@ impl<'a> ShardView<'a> {
             Encoding::Plain { crc32c } => {
                 let at = p.offset as usize;
                 let src = &stored[at..at + p.dst.len()];
-                self.populate(self.header.data_start() + t.begin + p.offset, src.len());
+                let file_at = self.header.data_start() + t.begin + p.offset;
+                if let Some(file) = self.file.filter(|_| p.dst.len() >= POPULATE_BYTES) {
+                    return self.pread_piece(file, t, crc32c, p, file_at, verify);
+                }
+                self.populate(file_at, src.len());
                 if !verify {
                     p.dst.copy_from_slice(src);
                     return Ok(());
@@ -287,6 +304,39 @@ impl<'a> ShardView<'a> {
                 Ok(())
             }
         }
+    }
+
+    /// [`Self::read_piece`] of a large plain piece: `pread` into `p.dst` (file bytes from
+    /// `file_at`), checksummed as it arrives when the piece is a whole chunk.
+    fn pread_piece(
+        &self,
+        file: &File,
+        t: &TensorEntry,
+        crc32c: &[u32],
+        p: Piece<'_>,
+        file_at: u64,
+        verify: bool,
+    ) -> Result<()> {
+        let (begin, end) = self.chunk_span(t, p.index);
+        let whole = begin == p.offset && end - begin == p.dst.len() as u64;
+        let mut crc = 0;
+        let mut pos = file_at;
+        for part in p.dst.chunks_mut(READ_BYTES) {
+            file.read_exact_at(part, pos)
+                .map_err(|e| io_error(self.path, "reading", e))?;
+            if verify && whole {
+                crc = crc32c::crc32c_append(crc, part);
+            }
+            pos += part.len() as u64;
+        }
+        if !verify {
+            return Ok(());
+        }
+        if !whole {
+            // Part of a chunk: check the whole chunk, as the mapped path does.
+            crc = crc32c::crc32c(&self.stored(t)[begin as usize..end as usize]);
+        }
+        self.check(t, "chunk", p.index, (begin, end), crc32c.get(p.index), crc)
     }
 
     /// Raw byte span of chunk `index` of `t`.
