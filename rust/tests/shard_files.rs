@@ -417,6 +417,7 @@ fn read_everything(bytes: &[u8]) {
         header: &header,
         bytes,
         map: None,
+        file: None,
     };
     for t in &header.tensors {
         let mut out = vec![0; t.raw_bytes.min(1 << 20) as usize];

@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,9 @@ from shardline.errors import CheckpointError
 __all__ = ["COMMIT", "INDEX", "SCHEMA", "Checkpoint", "commit", "write_rank"]
 
 INDEX = "index.json"
+# Reads at least this large are not pooled: the engine splits each across threads itself.
+PARALLEL_READ_BYTES = 64 << 20
+READ_THREADS = 8
 COMMIT = "COMMIT"
 SCHEMA = 1
 
@@ -253,6 +257,27 @@ class Checkpoint:
         if not direct:
             with torch.no_grad():
                 out.copy_(buf.view(out.shape) if out.dim() else buf.reshape(()))
+
+    def read_many(self, jobs: Iterable[tuple[str, torch.Tensor, int]], verify: bool = True) -> None:
+        """``read(key, out, start)`` for every job, several at a time.
+
+        Reads of 64 MiB or more run one after another (each is split across threads in the
+        engine); the smaller ones, most of a model's tensors, run on a pool of threads (the
+        engine releases the GIL), which also keeps a cold disk's request queue full.
+        """
+        jobs = list(jobs)
+        big = [j for j in jobs if j[1].numel() * j[1].element_size() >= PARALLEL_READ_BYTES]
+        small = [j for j in jobs if j[1].numel() * j[1].element_size() < PARALLEL_READ_BYTES]
+        for key, out, start in big:
+            self.read(key, out, start, verify)
+        workers = min(READ_THREADS, os.cpu_count() or 1, len(small))
+        if workers <= 1:
+            for key, out, start in small:
+                self.read(key, out, start, verify)
+            return
+        with ThreadPoolExecutor(workers, thread_name_prefix="shardline-load") as pool:
+            # list(): wait for all, and raise the first error in job order.
+            list(pool.map(lambda j: self.read(j[0], j[1], j[2], verify), small))
 
     def files(self) -> list[Path]:
         """The shard files."""

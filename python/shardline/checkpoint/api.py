@@ -412,9 +412,11 @@ def _load_model(ck: Checkpoint, model: nn.Module, strict: bool) -> None:
             f"load({ck.path}) into {type(model).__name__}: " + " | ".join(problems)
         )
     with torch.no_grad():
-        for name, (t, _, start) in targets.items():
-            if ck.has(f"model/{name}"):
-                ck.read(f"model/{name}", t, start)
+        ck.read_many(
+            (f"model/{name}", t, start)
+            for name, (t, _, start) in targets.items()
+            if ck.has(f"model/{name}")
+        )
     if isinstance(model, ShardedDataParallel):
         model.refresh()
 
@@ -447,6 +449,8 @@ def _load_optimizer(
         raise CheckpointError(
             f"load({ck.path}): optimizer state for parameters the model lacks: {unknown}"
         )
+    reads: list[tuple[str, torch.Tensor, int]] = []
+    states: dict[torch.Tensor, dict[str, Any]] = {}
     with torch.no_grad():
         for name, param in params.items():
             if name not in by_param and name not in values:
@@ -457,14 +461,16 @@ def _load_optimizer(
                 key = f"optim/{name}/{k}"
                 if ck.shape(key) == shape and len(shape) > 0:  # elementwise, sharded like it
                     t = torch.empty(local.numel(), dtype=ck.dtype(key), device=local.device)
-                    ck.read(key, t, start)
+                    reads.append((key, t, start))
                     state[k] = t.view(local.shape)
                 else:  # a scalar such as step: whole
                     t = torch.empty(ck.shape(key), dtype=ck.dtype(key))
-                    ck.read(key, t)
+                    reads.append((key, t, 0))
                     state[k] = t
             state.update(values.get(name, {}))
-            optimizer.state[param] = state
+            states[param] = state
+        ck.read_many(reads)  # all of it, before the optimizer sees any
+    optimizer.state.update(states)
     names = (
         param_names(model)
         if not isinstance(model, ShardedDataParallel)
