@@ -36,6 +36,23 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benches" / "results"
 
 
+def float_options(text: str) -> dict[str, float]:
+    """``"a=1,b=2.5"`` as ``{"a": 1.0, "b": 2.5}`` (the ``--*-kw`` options of the benches)."""
+    return {k: float(v) for k, v in (kv.split("=") for kv in text.split(","))}
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or a "no plot: ..." string without it."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError as exc:
+        return f"no plot: matplotlib unavailable ({exc})"
+    return plt
+
+
 # -- worker --------------------------------------------------------------------------------------
 
 
@@ -225,13 +242,9 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
 
 
 def plot(results: dict[int, dict[str, Any]], path: Path) -> str:
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError as exc:
-        return f"no plot: matplotlib unavailable ({exc})"
+    plt = pyplot()
+    if isinstance(plt, str):
+        return plt
     labels, ratios = [], []
     for world, res in results.items():
         for kind, row in res.items():
@@ -259,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default=None, help="results file name suffix")
     p.add_argument(
         "--ddp-kw",
-        type=lambda text: {k: float(v) for k, v in (kv.split("=") for kv in text.split(","))},
+        type=float_options,
         default={},
         help="options for shardline's DDP, e.g. in_place_mb=inf,bucket_cap_mb=50",
     )

@@ -434,13 +434,9 @@ def tables(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 def plot(results: dict[int, dict[str, Any]], path: Path) -> str:
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError as exc:
-        return f"no plot: matplotlib unavailable ({exc})"
+    plt = bench_ddp.pyplot()
+    if isinstance(plt, str):
+        return plt
     worlds = sorted(results)
     coll = {w: results[w]["collectives"] for w in worlds if "collectives" in results[w]}
     fig, axes = plt.subplots(1, 3 if coll else 2, figsize=(15 if coll else 10, 3.8))
@@ -494,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument(
         "--zero-kw",
-        type=lambda text: {k: float(v) for k, v in (kv.split("=") for kv in text.split(","))},
+        type=bench_ddp.float_options,
         default={},
         help="options for our zero3, e.g. unit_mb=128",
     )

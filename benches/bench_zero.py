@@ -373,13 +373,9 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
 
 
 def plot(results: dict[int, dict[str, Any]], path: Path, device: str) -> str:
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError as exc:
-        return f"no plot: matplotlib unavailable ({exc})"
+    plt = bench_ddp.pyplot()
+    if isinstance(plt, str):
+        return plt
     mem_key = "peak_bytes" if device == "cuda" else "persistent_bytes"
     mem_word = "peak" if device == "cuda" else "persistent"
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
@@ -420,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default=None, help="results file name suffix")
     p.add_argument(
         "--zero-kw",
-        type=lambda text: {k: float(v) for k, v in (kv.split("=") for kv in text.split(","))},
+        type=bench_ddp.float_options,
         default={},
         help="options for our ZeRO wrapper, e.g. unit_mb=32,prefetch=2",
     )
