@@ -223,6 +223,27 @@ def test_a_flipped_byte_is_caught_naming_file_and_tensor(tmp_path: Path) -> None
         checkpoint.verify(tmp_path / "ck")
 
 
+def test_a_corrupt_optimizer_tensor_leaves_the_optimizer_untouched(tmp_path: Path) -> None:
+    model = make()
+    opt = adamw(list(model.named_parameters()))
+    x, y = batch(0, 0)
+    lm_loss(model(x), y).backward()
+    opt.step()
+    checkpoint.save(tmp_path / "ck", model=model, optimizer=opt)
+    shard = next((tmp_path / "ck").glob("rank*.safetensors"))
+    header = sl._native.read_shard_header(str(shard))
+    key, info = next((k, v) for k, v in header["tensors"].items() if "exp_avg_sq" in k)
+    assert key.startswith("optim/")
+    data = bytearray(shard.read_bytes())
+    data[info["offset"] + info["stored_bytes"] // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    model2 = make()
+    opt2 = adamw(list(model2.named_parameters()))
+    with pytest.raises(CheckpointError, match=shard.name):
+        checkpoint.load(tmp_path / "ck", model=model2, optimizer=opt2)
+    assert len(opt2.state) == 0, "a failed load must not leave half an optimizer state"
+
+
 def test_truncated_shard_is_a_clear_error(tmp_path: Path) -> None:
     checkpoint.save(tmp_path / "ck", model=make())
     shard = next((tmp_path / "ck").glob("rank*.safetensors"))
