@@ -566,6 +566,7 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
     disk = rows.get("disk", {}).get("rounds", [])
     if disk:
         b = disk[0]["bytes"]
+        direct = [x["direct_write"] for x in disk if x.get("direct_write")]
         out["disk"] = {
             "bytes": b,
             "dd_write_gbs": b / med([x["dd_write"] for x in disk]) / GB,
@@ -578,11 +579,7 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
             / min(
                 med([x["dd_write"] for x in disk]),
                 med([x["rand_write"] for x in disk]),
-                *(
-                    [med(direct)]
-                    if (direct := [x["direct_write"] for x in disk if x.get("direct_write")])
-                    else []
-                ),
+                *([med(direct)] if direct else []),
             )
             / GB,
             "direct_write_gbs": b / med(direct) / GB if direct else None,
