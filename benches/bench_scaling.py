@@ -3,7 +3,7 @@ NCCL passthrough collectives against raw torch NCCL.
 
 Per GPU count ``W`` (``--gpus``), ``W`` processes start (``bench_ddp.py``'s launcher: our group
 on MASTER_PORT, torch's NCCL group on its own TCPStore). Every rank builds, from the same
-CPU-initialised ``TinyGPT`` (seed 0; ``--size 1b`` has 1.02B parameters) and AdamW, one
+CPU-initialised ``TinyGPT`` (seed 0; ``--size 1b`` has 1.01B parameters) and AdamW, one
 implementation at a time:
 
 - ``sl-ddp``: ``sl.distribute(model, opt, strategy="ddp")`` on our group (NCCL passthrough);
@@ -24,7 +24,8 @@ Per implementation, three phases on the same model:
    built, so the full model FSDP2 and zero3 shard on construction is not in it), max over
    ranks.
 
-Scaling efficiency at ``W`` GPUs = tokens/s(W) / (W x tokens/s(1)), per implementation.
+Scaling efficiency at ``W`` GPUs = tokens/s(W) / (W / W0 x tokens/s(W0)), ``W0`` the first
+count (1 by default), per implementation.
 
 Then, at every ``W >= 2``, our group's all_reduce / all_gather / reduce_scatter against torch's
 ``all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on its NCCL group,
