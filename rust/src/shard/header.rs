@@ -826,50 +826,59 @@ mod tests {
 
     #[test]
     fn dtypes_shapes_and_offsets_are_checked() {
-        let e = err(&file(
-            r#"{"a":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}}"#,
-            8,
-        ));
-        assert!(
-            e.contains("unknown dtype \"C64\"") && e.contains("\"a\""),
-            "{e}"
-        );
-        let e = err(&file(
-            r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
-            8,
-        ));
-        assert!(e.contains("needs 12 bytes"), "{e}");
-        let e = err(&file(
-            r#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},
-                "b":{"dtype":"U8","shape":[4],"data_offsets":[4,8]}}"#,
-            8,
-        ));
-        assert!(e.contains("overlap"), "{e}");
-        let e = err(&file(
-            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[4,8]}}"#,
-            8,
-        ));
-        assert!(e.contains("gap"), "{e}");
-        let e = err(&file(
-            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
-            8,
-        ));
-        assert!(e.contains("follow the last tensor"), "{e}");
-        let e = err(&file(
-            r#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}"#,
-            5,
-        ));
-        assert!(e.contains("truncated"), "{e}");
-        let e = err(&file(
-            r#"{"a":{"dtype":"U8","shape":[4294967296,4294967296,2],"data_offsets":[0,0]}}"#,
-            0,
-        ));
-        assert!(e.contains("overflows"), "{e}");
-        let e = err(&file(
-            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[1,0]}}"#,
-            1,
-        ));
-        assert!(e.contains("end before"), "{e}");
+        // (tensors JSON, data bytes, what the error must say)
+        let cases: [(&str, usize, &str); 9] = [
+            (
+                r#"{"a":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}}"#,
+                8,
+                "unknown dtype \"C64\"",
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+                8,
+                "needs 12 bytes",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},
+                    "b":{"dtype":"U8","shape":[4],"data_offsets":[4,8]}}"#,
+                8,
+                "overlap",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[4,8]}}"#,
+                8,
+                "gap",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
+                8,
+                "follow the last tensor",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}"#,
+                5,
+                "truncated",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[4294967296,4294967296,2],"data_offsets":[0,0]}}"#,
+                0,
+                "overflows",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[1,0]}}"#,
+                1,
+                "end before",
+            ),
+            (
+                r#"{"a":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}}"#,
+                8,
+                "\"a\"",
+            ),
+        ];
+        for (json, data, want) in cases {
+            let e = err(&file(json, data));
+            assert!(e.contains(want), "{json}: {e}");
+        }
     }
 
     #[test]
