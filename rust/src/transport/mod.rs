@@ -2,6 +2,7 @@
 //! between hosts.
 
 pub mod auth;
+pub mod cma;
 mod connect;
 pub mod frame;
 pub mod shm;
