@@ -21,8 +21,7 @@ Bounds, measured in the same run (ANCHORS.md section 1):
 Backends: ``native`` (ProcessGroup, shared memory), ``native-tcp`` (the same engine with the
 TCP path forced: a distinct host id per rank), ``gloo`` (raw ``ProcessGroupGloo`` calls, what
 torch users get), ``native-raw`` (diagnostic: ``_native.Group`` called directly, no Python
-layer), ``native-2copy`` (the shared-memory engine without single-copy reads,
-``SHARDLINE_CMA_BYTES=0``: every byte copied into the arena and out again).
+layer).
 
 Exit status: 0 all good; 1 a worker failed or timed out (every rank's stderr is printed);
 2 bad arguments; 3 the run finished but a backend or a cell failed (listed at the end).
@@ -54,7 +53,7 @@ from typing import Any
 
 SIZED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 OPS = (*SIZED_OPS, "barrier")
-BACKENDS = ("native", "native-tcp", "gloo", "native-raw", "native-2copy")
+BACKENDS = ("native", "native-tcp", "gloo", "native-raw")
 DEFAULT_SIZES = "4K,64K,1M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M,64M"
 BOUND_BYTES = 256 << 20
@@ -284,10 +283,7 @@ def worker_main(cfg_path: str) -> int:
                     f"FAILED: {cell['error']}",
                 )
 
-    for backend, (kind, handle) in groups.items():
-        # Which path large ops took on the shared-memory groups (None: none was large enough).
-        with contextlib.suppress(Exception):
-            result["groups"][backend]["single_copy"] = handle.single_copy
+    for _backend, (kind, handle) in groups.items():
         with contextlib.suppress(Exception):
             if kind != "native-raw" or "native" not in groups:
                 handle.shutdown()
@@ -319,19 +315,6 @@ def _make_group(
                 store, rank, world, backend="native", name="bench-shm", timeout=op_timeout
             ),
         )
-    if backend == "native-2copy":
-        before = os.environ.get("SHARDLINE_CMA_BYTES")
-        os.environ["SHARDLINE_CMA_BYTES"] = "0"  # read when the group is created
-        try:
-            pg = init_process_group(
-                store, rank, world, backend="native", name="bench-2copy", timeout=op_timeout
-            )
-        finally:
-            if before is None:
-                del os.environ["SHARDLINE_CMA_BYTES"]
-            else:
-                os.environ["SHARDLINE_CMA_BYTES"] = before
-        return ("native-2copy", pg)
     if backend == "native-tcp":
         pg = init_process_group(
             store,
@@ -854,9 +837,6 @@ def table(world: int, res: dict[str, Any], ncores: int) -> str:
     for b, g in res["groups"].items():
         if g.get("error"):
             lines.append(f"backend {b}: FAILED: {g['error']}")
-        elif g.get("single_copy") is not None:
-            path = "single-copy reads" if g["single_copy"] else "two copies through the arena"
-            lines.append(f"backend {b}: large ops used {path}")
     hdr = (
         f"{'op':<14} {'size':>9} {'backend':<10} {'median us':>11} {'algbw GB/s':>10} "
         f"{'busbw GB/s':>10} {'vs gloo':>8} {'%bound':>10} {'spread':>7}"
@@ -880,7 +860,7 @@ def table(world: int, res: dict[str, Any], ncores: int) -> str:
         pct = "-"
         if c["op"] == "all_reduce":
             # shm bound for the shared-memory engine, TCP ring bound for TCP paths (gloo too)
-            if c["backend"] in ("native", "native-raw", "native-2copy"):
+            if c["backend"] in ("native", "native-raw"):
                 pct = f"{c['pct_shm_bound']:.0f}% shm"
             else:
                 pct = f"{c['pct_tcp_bound']:.0f}% tcp"
@@ -910,13 +890,7 @@ def plot(results: dict[int, dict[str, Any]], path: Path) -> str | None:
     fig, axes = plt.subplots(
         2 * len(worlds), len(ops), figsize=(4.2 * len(ops), 3.3 * 2 * len(worlds)), squeeze=False
     )
-    styles = {
-        "native": "C0-o",
-        "native-raw": "C2:^",
-        "native-tcp": "C1-s",
-        "gloo": "C3--x",
-        "native-2copy": "C4-.d",
-    }
+    styles = {"native": "C0-o", "native-raw": "C2:^", "native-tcp": "C1-s", "gloo": "C3--x"}
     for wi, world in enumerate(worlds):
         res = results[world]
         for oi, op in enumerate(ops):

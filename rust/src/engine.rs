@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::collectives::arena::{ArenaComm, DEFAULT_CMA_BYTES, DEFAULT_ONESHOT_BYTES};
+use crate::collectives::arena::{ArenaComm, DEFAULT_ONESHOT_BYTES};
 use crate::collectives::p2p::P2p;
 use crate::collectives::{direct, ring};
 use crate::dtype::DType;
@@ -43,11 +43,6 @@ pub struct CommConfig {
     pub timeout: Duration,
     /// All-reduces up to this size are one-shot on the arena.
     pub oneshot_bytes: usize,
-    /// Arena ops of at least this size read peers' buffers directly where the OS allows it
-    /// (0: never).
-    pub cma_bytes: usize,
-    /// For tests of the fallback: this rank reports that it may not read its peers.
-    pub cma_refuse: bool,
 }
 
 impl CommConfig {
@@ -63,8 +58,6 @@ impl CommConfig {
             arena_path: None,
             timeout: Duration::from_secs(300),
             oneshot_bytes: DEFAULT_ONESHOT_BYTES,
-            cma_bytes: DEFAULT_CMA_BYTES,
-            cma_refuse: false,
         }
     }
 }
@@ -416,9 +409,7 @@ impl Communicator {
             rank,
             world,
             mode,
-            arena: arena
-                .clone()
-                .map(|a| ArenaComm::new(a, cfg.oneshot_bytes, cfg.cma_bytes, cfg.cma_refuse)),
+            arena: arena.clone().map(|a| ArenaComm::new(a, cfg.oneshot_bytes)),
             mesh,
             my_local,
             leaders,
@@ -459,16 +450,6 @@ impl Communicator {
     /// How the ranks are connected.
     pub fn mode(&self) -> Mode {
         self.shared.mode
-    }
-
-    /// Whether large ops on this host read peers' buffers directly: `None` until the first
-    /// op large enough to try (or without an arena), then what the ranks decided together.
-    /// Waits for a running op to finish.
-    pub fn single_copy(&self) -> Option<bool> {
-        lock(&self.shared.core)
-            .arena
-            .as_ref()
-            .and_then(|a| a.single_copy())
     }
 
     /// Validates `op` and runs it: inline when blocking and nothing is queued, else on the

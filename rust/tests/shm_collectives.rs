@@ -15,16 +15,6 @@ fn run_ranks<T: Send + 'static>(
     slot: usize,
     body: impl Fn(&Communicator, usize) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    run_ranks_with(n, slot, |_| {}, body)
-}
-
-/// [`run_ranks`] with `setup` adjusting each rank's config.
-fn run_ranks_with<T: Send + 'static>(
-    n: usize,
-    slot: usize,
-    setup: impl Fn(&mut CommConfig) + Send + Sync + Clone + 'static,
-    body: impl Fn(&Communicator, usize) -> T + Send + Sync + Clone + 'static,
-) -> Vec<T> {
     let path = format!(
         "/dev/shm/shardline-{}-test{}",
         std::process::id(),
@@ -33,13 +23,12 @@ fn run_ranks_with<T: Send + 'static>(
     shm::create(&path, n, slot).unwrap();
     let handles: Vec<_> = (0..n)
         .map(|r| {
-            let (path, body, setup) = (path.clone(), body.clone(), setup.clone());
+            let (path, body) = (path.clone(), body.clone());
             std::thread::spawn(move || {
                 let mut cfg = CommConfig::new(r, n, "test");
                 cfg.arena_path = (n > 1).then_some(path);
                 cfg.timeout = Duration::from_secs(5);
                 cfg.oneshot_bytes = 1024;
-                setup(&mut cfg);
                 let c = Communicator::new(cfg, None).unwrap();
                 body(&c, r)
             })
@@ -64,16 +53,12 @@ fn input(r: usize, len: usize) -> Vec<f32> {
     (0..len).map(|i| (i * 7 + r * 13) as f32 % 101.0).collect()
 }
 
-/// Threshold of single-copy ops in the data tests: off (slots), and on for every op.
-const PATHS: [usize; 2] = [0, 1];
-
 #[test]
 fn all_reduce_every_size_and_op() {
-    for (n, cma) in (1..=4).flat_map(|n| PATHS.map(|c| (n, c))) {
+    for n in 1..=4 {
         for len in [0usize, 1, 5, 255, 256, 1000, 40_000] {
             for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg] {
-                let setup = move |cfg: &mut CommConfig| cfg.cma_bytes = cma;
-                let out = run_ranks_with(n, 8192, setup, move |c, r| {
+                let out = run_ranks(n, 8192, move |c, r| {
                     let mut b = f32s(&input(r, len));
                     run(
                         c,
@@ -84,9 +69,6 @@ fn all_reduce_every_size_and_op() {
                         },
                     )
                     .unwrap();
-                    if n > 1 && len > 0 {
-                        assert_eq!(c.single_copy(), Some(cma > 0), "n={n} cma={cma}");
-                    }
                     b
                 });
                 let inputs: Vec<Vec<f32>> = (0..n).map(|r| input(r, len)).collect();
@@ -102,7 +84,7 @@ fn all_reduce_every_size_and_op() {
                     })
                     .collect();
                 for o in out {
-                    assert_eq!(o, f32s(&expect), "n={n} len={len} op={op:?} cma={cma}");
+                    assert_eq!(o, f32s(&expect), "n={n} len={len} op={op:?}");
                 }
             }
         }
@@ -111,10 +93,9 @@ fn all_reduce_every_size_and_op() {
 
 #[test]
 fn reduce_scatter_all_gather_broadcast_scatter_gather_all_to_all() {
-    for (n, cma) in (1..=4).flat_map(|n| PATHS.map(|c| (n, c))) {
+    for n in 1..=4 {
         for block in [0usize, 1, 3, 700, 5000] {
-            let setup = move |cfg: &mut CommConfig| cfg.cma_bytes = cma;
-            let out = run_ranks_with(n, 4096, setup, move |c, r| {
+            let out = run_ranks(n, 4096, move |c, r| {
                 let inp = f32s(&input(r, block * n));
                 let mut rs = vec![0u8; block * 4];
                 let mut inp_copy = inp.clone();
@@ -176,9 +157,6 @@ fn reduce_scatter_all_gather_broadcast_scatter_gather_all_to_all() {
                 };
                 run(c, op).unwrap();
                 run(c, Op::Barrier).unwrap();
-                if n > 1 && block > 0 {
-                    assert_eq!(c.single_copy(), Some(cma > 0), "n={n} cma={cma}");
-                }
                 (rs, ag, bc, sc, ga, a2a)
             });
             let full: Vec<Vec<f32>> = (0..n).map(|r| input(r, block * n)).collect();
@@ -186,86 +164,25 @@ fn reduce_scatter_all_gather_broadcast_scatter_gather_all_to_all() {
                 let rs_ref: Vec<f32> = (0..block)
                     .map(|i| (0..n).map(|q| full[q][r * block + i]).sum())
                     .collect();
-                assert_eq!(
-                    rs,
-                    f32s(&rs_ref),
-                    "reduce_scatter n={n} block={block} cma={cma}"
-                );
+                assert_eq!(rs, f32s(&rs_ref), "reduce_scatter n={n} block={block}");
                 let ag_ref: Vec<f32> = (0..n).flat_map(|q| input(q, block + q)).collect();
-                assert_eq!(ag, f32s(&ag_ref), "all_gather n={n} cma={cma}");
-                assert_eq!(bc, f32s(&full[n - 1]), "broadcast n={n} cma={cma}");
+                assert_eq!(ag, f32s(&ag_ref), "all_gather n={n}");
+                assert_eq!(bc, f32s(&full[n - 1]), "broadcast n={n}");
                 assert_eq!(
                     sc,
                     f32s(&full[0][r * block..(r + 1) * block]),
-                    "scatter n={n} cma={cma}"
+                    "scatter n={n}"
                 );
                 if r == 0 {
                     let ga_ref: Vec<f32> = (0..n).flat_map(|q| input(q, block)).collect();
-                    assert_eq!(ga, f32s(&ga_ref), "gather n={n} cma={cma}");
+                    assert_eq!(ga, f32s(&ga_ref), "gather n={n}");
                 }
                 let a2a_ref: Vec<f32> = (0..n)
                     .flat_map(|q| full[q][r * block..(r + 1) * block].to_vec())
                     .collect();
-                assert_eq!(
-                    a2a,
-                    f32s(&a2a_ref),
-                    "all_to_all n={n} block={block} cma={cma}"
-                );
+                assert_eq!(a2a, f32s(&a2a_ref), "all_to_all n={n} block={block}");
             }
         }
-    }
-}
-
-#[test]
-fn single_copy_falls_back_to_the_slots_when_one_rank_may_not_read() {
-    let n = 3;
-    let len = 100_000;
-    let setup = |cfg: &mut CommConfig| {
-        cfg.cma_bytes = 1;
-        cfg.cma_refuse = cfg.rank == 1;
-    };
-    // The first op decides for the communicator, the second runs on what was decided.
-    let out = run_ranks_with(n, 8192, setup, move |c, r| {
-        let mut results = Vec::new();
-        for _ in 0..2 {
-            let mut b = f32s(&input(r, len));
-            let op = Op::AllReduce {
-                buf: RawBuf::from_slice(&mut b),
-                dtype: DType::F32,
-                op: ReduceOp::Sum,
-            };
-            run(c, op).unwrap();
-            results.push(b);
-        }
-        (results, c.single_copy())
-    });
-    let inputs: Vec<Vec<f32>> = (0..n).map(|r| input(r, len)).collect();
-    let expect: Vec<f32> = (0..len)
-        .map(|i| inputs.iter().map(|v| v[i]).sum())
-        .collect();
-    for (results, single) in out {
-        assert_eq!(single, Some(false), "every rank must agree on the slots");
-        for b in results {
-            assert_eq!(b, f32s(&expect));
-        }
-    }
-}
-
-#[test]
-fn ranks_with_different_single_copy_thresholds_fail_naming_the_setting() {
-    let setup = |cfg: &mut CommConfig| cfg.cma_bytes = if cfg.rank == 0 { 1 } else { 0 };
-    let errs = run_ranks_with(2, 8192, setup, |c, r| {
-        let mut b = f32s(&input(r, 50_000));
-        let op = Op::AllReduce {
-            buf: RawBuf::from_slice(&mut b),
-            dtype: DType::F32,
-            op: ReduceOp::Sum,
-        };
-        run(c, op).unwrap_err()
-    });
-    for e in errs {
-        assert_eq!(e.kind, ErrorKind::Mismatch, "{}", e.message);
-        assert!(e.message.contains("SHARDLINE_CMA_BYTES"), "{}", e.message);
     }
 }
 

@@ -78,18 +78,6 @@ class ProcessGroup:
         """How ranks talk: ``"single"``, ``"shm"``, ``"tcp"``, ``"hierarchical"`` or ``"gloo"``."""
         return self._impl.transport
 
-    @property
-    def single_copy(self) -> bool | None:
-        """Whether large shared-memory ops read peers' tensors directly (one copy).
-
-        ``True`` once an op of at least ``SHARDLINE_CMA_BYTES`` (default 1 MiB) ran that way;
-        ``False`` when the ranks may not read each other's memory (e.g. Yama ``ptrace_scope``
-        2-3 or a seccomp filter) or it was turned off (``SHARDLINE_CMA_BYTES=0``), so data goes
-        through shared memory (two copies); ``None`` before any such op, or for backends
-        without a shared-memory arena.
-        """
-        return getattr(self._impl, "single_copy", None)
-
     # -- plumbing ----------------------------------------------------------------------------
 
     def _t(self, value: object, what: str) -> torch.Tensor:

@@ -212,11 +212,6 @@ impl PyGroup {
                 "SHARDLINE_ONESHOT_BYTES",
                 crate::collectives::arena::DEFAULT_ONESHOT_BYTES,
             ),
-            cma_bytes: env_usize(
-                "SHARDLINE_CMA_BYTES",
-                crate::collectives::arena::DEFAULT_CMA_BYTES,
-            ),
-            cma_refuse: std::env::var("SHARDLINE_CMA_REFUSE").is_ok_and(|v| v == "1"),
         };
         let comm = py.detach(|| Communicator::new(cfg, listener)).py_err()?;
         Ok(PyGroup {
@@ -241,16 +236,6 @@ impl PyGroup {
     #[getter]
     fn transport(&self) -> &'static str {
         self.transport
-    }
-
-    /// Whether large ops among this host's ranks read peers' buffers directly
-    /// (`process_vm_readv`, one copy) rather than through shared memory (two copies):
-    /// `None` until the first op of at least `SHARDLINE_CMA_BYTES` (default 1 MiB), or
-    /// without shared memory. Waits for a running op.
-    #[getter]
-    fn single_copy(&self, py: Python<'_>) -> PyResult<Option<bool>> {
-        let comm = self.comm()?;
-        Ok(py.detach(|| comm.single_copy()))
     }
 
     #[pyo3(signature = (buf, dtype, op = "sum", async_op = false))]

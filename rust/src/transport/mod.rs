@@ -2,7 +2,6 @@
 //! between hosts.
 
 pub mod auth;
-pub mod cma;
 mod connect;
 pub mod frame;
 pub mod shm;

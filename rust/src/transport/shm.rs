@@ -4,8 +4,7 @@
 //! ```text
 //! [ header: magic, version, ranks, slot size, abort word + message      ]  4096 bytes
 //! [ control line per rank: publish counter + sleepers, pid, departed,   ]  256 bytes each
-//! [   the signature of the rank's current op, an extra word, the        ]
-//! [   address of its buffer for single-copy reads (see `cma`)           ]
+//! [   the signature of the rank's current op, an extra word             ]
 //! [ data: per rank two slots of `slot_bytes` (double buffering)         ]
 //! ```
 //! A rank writes only its own control line and its own slots; it reads everybody's. The
@@ -23,7 +22,7 @@ use crate::op::{OpSig, SIG_BYTES};
 use crate::wait::{self, Signal, SpinPolicy, Stop};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"SHLARENA");
-const VERSION: u32 = 2;
+const VERSION: u32 = 1;
 const PAGE: usize = 4096;
 const CTRL_BYTES: usize = 256;
 const ABORT_MSG_BYTES: usize = 2048;
@@ -51,13 +50,6 @@ struct Ctrl {
     /// what a slow rank is still comparing).
     extra: [AtomicU64; 2],
     sig: [[u8; SIG_BYTES]; 2],
-    /// Where this rank mapped the arena: peers read its header there to learn whether they
-    /// may read this process's memory (see [`Arena::probe`]).
-    base: AtomicU64,
-    /// Per parity: the address of this rank's buffer for single-copy reads, and the protocol
-    /// of the op (0 two-copy through the slots, 1 single-copy), compared across ranks.
-    addr: [AtomicU64; 2],
-    proto: [AtomicU32; 2],
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() <= PAGE);
@@ -308,7 +300,6 @@ impl Arena {
         };
         let c = arena.ctrl(me);
         c.pid.store(std::process::id(), Ordering::SeqCst);
-        c.base.store(arena.map.base as u64, Ordering::SeqCst);
         c.departed.store(0, Ordering::SeqCst);
         Ok(arena)
     }
@@ -399,47 +390,6 @@ impl Arena {
             OpSig::decode(&buf)?,
             c.extra[parity].load(Ordering::Relaxed),
         ))
-    }
-
-    /// Writes this rank's buffer address and protocol for the phase of `parity`, to publish
-    /// with the next post.
-    pub fn set_addr(&self, parity: usize, addr: u64, proto: u32) {
-        let c = self.ctrl(self.me);
-        c.addr[parity].store(addr, Ordering::Relaxed);
-        c.proto[parity].store(proto, Ordering::Relaxed);
-    }
-
-    /// The buffer address and protocol rank `r` published for the phase of `parity`.
-    pub fn addr_of(&self, r: usize, parity: usize) -> (u64, u32) {
-        let c = self.ctrl(r);
-        (
-            c.addr[parity].load(Ordering::Relaxed),
-            c.proto[parity].load(Ordering::Relaxed),
-        )
-    }
-
-    /// Process id of rank `r` (0 until it mapped the arena).
-    pub fn pid_of(&self, r: usize) -> u32 {
-        self.ctrl(r).pid.load(Ordering::Acquire)
-    }
-
-    /// Whether this process may read rank `r`'s memory: reads the arena's magic where rank
-    /// `r` mapped it. Call only after a phase rank `r` posted (so it has mapped the arena).
-    pub fn probe(&self, r: usize) -> std::io::Result<()> {
-        let c = self.ctrl(r);
-        let mut word = [0u8; 8];
-        super::cma::read(
-            c.pid.load(Ordering::Acquire),
-            c.base.load(Ordering::Acquire),
-            &mut word,
-        )?;
-        if u64::from_ne_bytes(word) != MAGIC {
-            return Err(std::io::Error::other(format!(
-                "pid {} does not have this arena where it said (a different pid namespace?)",
-                c.pid.load(Ordering::Acquire)
-            )));
-        }
-        Ok(())
     }
 
     /// Publishes phase `value` of this rank.

@@ -113,11 +113,6 @@ class NativeBackend:
         self.world_size = group.world_size
         self.transport = group.transport
 
-    @property
-    def single_copy(self) -> bool | None:
-        """See :attr:`shardline.comm.ProcessGroup.single_copy`."""
-        return self._g.single_copy
-
     def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _native.Work:
         return self._g.all_reduce(t, dtype_name(t), op, async_op=async_op)
 
