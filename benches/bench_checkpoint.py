@@ -71,6 +71,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -422,19 +423,27 @@ def disk_round(d: Path, nbytes: int, rand_block: bytes, settle: float) -> dict[s
         os.close(fd)
     t_rand = time.perf_counter() - t0
     g.unlink()
+    direct = d / "direct.bin"
+    try:
+        t_direct = direct_write(direct, count, rand_block, settle)
+        t_direct_read = direct_read(direct) if t_direct is not None else None
+    finally:
+        direct.unlink(missing_ok=True)
     return {
         "bytes": count * BLOCK,
         "dd_write": t_dd,
         "rand_write": t_rand,
-        "direct_write": direct_write(d / "direct.bin", count, rand_block, settle),
+        "direct_write": t_direct,
         "dd_read_cold": t_read,
+        "direct_read": t_direct_read,
         "evicted": evicted,
     }
 
 
 def direct_write(path: Path, count: int, rand_block: bytes, settle: float) -> float | None:
-    """Seconds to write ``count`` random blocks with O_DIRECT (no page cache: the disk's
-    streaming speed) + fsync; ``None`` where the filesystem refuses O_DIRECT (tmpfs)."""
+    """Seconds to write ``count`` random blocks to ``path`` with O_DIRECT (no page cache: the
+    disk's streaming speed) + fsync; ``None`` where the filesystem refuses O_DIRECT (tmpfs).
+    The caller removes the file."""
     import mmap  # noqa: PLC0415
 
     buf = mmap.mmap(-1, len(rand_block))  # page-aligned, as O_DIRECT needs
@@ -457,9 +466,40 @@ def direct_write(path: Path, count: int, rand_block: bytes, settle: float) -> fl
         return None
     finally:
         os.close(fd)
-        path.unlink(missing_ok=True)
         whole.release()
         buf.close()
+
+
+def direct_read(path: Path, threads: int = 8, request: int = 4 << 20) -> float | None:
+    """Seconds to read ``path`` with O_DIRECT on ``threads`` threads in ``request``-byte
+    pieces: the disk's parallel read speed without the page cache, which no loader of a cold
+    file can beat; ``None`` where O_DIRECT is refused."""
+    import mmap  # noqa: PLC0415
+
+    size = path.stat().st_size
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return None
+    bufs = [mmap.mmap(-1, request) for _ in range(threads)]  # page-aligned
+
+    def worker(i: int) -> None:
+        off = i * request
+        while off < size:
+            os.preadv(fd, [bufs[i]], off)
+            off += threads * request
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(worker, range(threads)))
+        return time.perf_counter() - t0
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        for b in bufs:
+            b.close()
 
 
 # -- one pass: every contender, --repeats rounds --------------------------------------------------
@@ -567,11 +607,13 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
     if disk:
         b = disk[0]["bytes"]
         direct = [x["direct_write"] for x in disk if x.get("direct_write")]
+        dread = [x["direct_read"] for x in disk if x.get("direct_read")]
         out["disk"] = {
             "bytes": b,
             "dd_write_gbs": b / med([x["dd_write"] for x in disk]) / GB,
             "rand_write_gbs": b / med([x["rand_write"] for x in disk]) / GB,
             "dd_read_cold_gbs": b / med([x["dd_read_cold"] for x in disk]) / GB,
+            "direct_read_gbs": b / med(dread) / GB if dread else None,
             # the reference for "% disk": the fastest of the three (all write and fsync the
             # same byte count; a virtual disk may treat zeros specially; O_DIRECT streams to the
             # disk while the others first fill the page cache), so the goal is not flattered
@@ -711,6 +753,9 @@ def table(passes: dict[str, dict[str, Any]], main_dtype: str, args: argparse.Nam
             f"{'disk dd read':24} {b / g / GB:8.3f} {g:6.2f} {'':>7} {'':>8} {'':>6} {'':>7} "
             f"{disk['evicted_frac'] * 100:7.0f}%"
         )
+        if disk.get("direct_read_gbs"):
+            g = disk["direct_read_gbs"]
+            lines.append(f"{'disk O_DIRECT 8 threads':24} {b / g / GB:8.3f} {g:6.2f}")
     for name, s in sm.items():
         if name == "disk":
             continue
@@ -767,6 +812,7 @@ def table(passes: dict[str, dict[str, Any]], main_dtype: str, args: argparse.Nam
 
 def goals(passes: dict[str, dict[str, Any]], main_dtype: str) -> list[str]:
     sm = passes[main_dtype]["summary"]
+    nbytes = passes[main_dtype]["state"]["bytes"]
     ours, dcp, disk = sm.get("ours"), sm.get("dcp"), sm.get("disk")
     out = []
 
@@ -797,6 +843,16 @@ def goals(passes: dict[str, dict[str, Any]], main_dtype: str) -> list[str]:
                 f"load >= 2x DCP: cold (evicted) {ol['cold_s']:.3f} s vs {dl['cold_s']:.3f} s = "
                 f"{xc:.2f}x: {verdict(xc >= 2)}; warm (page cache) {xw:.2f}x: {verdict(xw >= 2)}"
             )
+            if disk:
+                best = max(disk["dd_read_cold_gbs"], disk.get("direct_read_gbs") or 0.0)
+                need = 2 * nbytes / dl["cold_s"] / GB
+                got = nbytes / ol["cold_s"] / GB
+                out.append(
+                    f"  cold load ceiling: the disk reads at most {best:.2f} GB/s (dd "
+                    f"{disk['dd_read_cold_gbs']:.2f}, O_DIRECT 8 threads "
+                    f"{disk.get('direct_read_gbs') or 0:.2f}); ours {got:.2f} GB/s = "
+                    f"{got / best:.0%} of it; 2x DCP needs {need:.2f} GB/s"
+                )
     else:
         out.append("save >= 1.5x DCP, load >= 2x DCP: need ours and dcp")
     for a, sync in (("ours-async", "ours"), ("ours-zstd-async", "ours-zstd")):

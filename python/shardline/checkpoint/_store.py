@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from shardline import _native
 from shardline.checkpoint._state import TORCH_DTYPES, Piece, dtype_name
 from shardline.errors import CheckpointError
 
-__all__ = ["COMMIT", "INDEX", "SCHEMA", "Checkpoint", "commit", "write_rank"]
+__all__ = ["COMMIT", "INDEX", "SCHEMA", "Checkpoint", "commit", "shard_name", "write_rank"]
 
 INDEX = "index.json"
 # Reads at least this large are not pooled: the engine splits each across threads itself.
@@ -58,6 +58,11 @@ def manifest_name(rank: int) -> str:
     return f"rank{rank:05d}.json"
 
 
+def shard_name(rank: int, compressed: bool) -> str:
+    """This rank's shard file in a checkpoint directory."""
+    return f"rank{rank:05d}.safetensors" + (".zst" if compressed else "")
+
+
 def write_rank(
     directory: Path,
     rank: int,
@@ -66,7 +71,7 @@ def write_rank(
     extra_manifest: dict[str, Any],
 ) -> None:
     """Writes this rank's shard file and manifest into ``directory`` (both fsynced)."""
-    fname = f"rank{rank:05d}.safetensors" + (".zst" if compress is not None else "")
+    fname = shard_name(rank, compress is not None)
     tensors = []
     chunks = []
     keep = []
@@ -258,26 +263,39 @@ class Checkpoint:
             with torch.no_grad():
                 out.copy_(buf.view(out.shape) if out.dim() else buf.reshape(()))
 
-    def read_many(self, jobs: Iterable[tuple[str, torch.Tensor, int]], verify: bool = True) -> None:
+    def read_many(
+        self,
+        jobs: Iterable[tuple[str, torch.Tensor, int]],
+        verify: bool = True,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
         """``read(key, out, start)`` for every job, several at a time.
 
         Reads of 64 MiB or more run one after another (each is split across threads in the
         engine); the smaller ones, most of a model's tensors, run on a pool of threads (the
         engine releases the GIL), which also keeps a cold disk's request queue full.
+        ``progress`` is called with the bytes of each read once it is done.
         """
+
+        def one(job: tuple[str, torch.Tensor, int]) -> None:
+            key, out, start = job
+            self.read(key, out, start, verify)
+            if progress is not None:
+                progress(out.numel() * out.element_size())
+
         jobs = list(jobs)
         big = [j for j in jobs if j[1].numel() * j[1].element_size() >= PARALLEL_READ_BYTES]
         small = [j for j in jobs if j[1].numel() * j[1].element_size() < PARALLEL_READ_BYTES]
-        for key, out, start in big:
-            self.read(key, out, start, verify)
+        for job in big:
+            one(job)
         workers = min(READ_THREADS, os.cpu_count() or 1, len(small))
         if workers <= 1:
-            for key, out, start in small:
-                self.read(key, out, start, verify)
+            for job in small:
+                one(job)
             return
         with ThreadPoolExecutor(workers, thread_name_prefix="shardline-load") as pool:
             # list(): wait for all, and raise the first error in job order.
-            list(pool.map(lambda j: self.read(j[0], j[1], j[2], verify), small))
+            list(pool.map(one, small))
 
     def files(self) -> list[Path]:
         """The shard files."""

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardline import _native
+from shardline._progress import Progress, wanted
 from shardline.checkpoint._state import (
     Piece,
     dtype_name,
@@ -35,6 +36,7 @@ from shardline.checkpoint._store import (
     Checkpoint,
     commit,
     is_committed,
+    shard_name,
     write_rank,
 )
 from shardline.comm.group import ProcessGroup
@@ -137,6 +139,7 @@ def save(
     compress: int | None = None,
     async_: bool = False,
     keep_last: int | None = None,
+    progress: bool | None = None,
     group: ProcessGroup | None = None,
 ) -> SaveHandle:
     """Saves a checkpoint directory at ``path`` (collective: every rank calls it).
@@ -153,6 +156,9 @@ def save(
             background thread; ``handle.wait()`` commits (a later save waits for it too).
             The host buffers are kept and reused by the next async save.
         keep_last: Afterwards keep only the newest ``keep_last`` checkpoints next to ``path``.
+        progress: A progress line on stderr for this rank's shard. ``None``: on rank 0 for
+            synchronous saves that take more than 2 s (``SHARDLINE_PROGRESS=0`` turns it
+            off, ``=1`` shows it at once); ``True``/``False``: always/never.
         group: The ranks; the default group (or one process when none was initialised).
 
     Returns:
@@ -213,16 +219,34 @@ def save(
         "extra": extra_json,
     }
     handle = SaveHandle(final)
+    # An async save runs while training prints: no progress line unless asked for.
+    show, delay = wanted(progress if progress is not None or not async_ else False, rank)
+    shard = partial / shard_name(rank, compress is not None)
+    what = f"checkpoint save {final}" + (f" (rank {rank}'s shard)" if world > 1 else "")
+    nbytes = sum(p.tensor.numel() * p.tensor.element_size() for p in mine)
 
     def job() -> None:
         deadline = time.monotonic() + _timeout()
-        write_rank(partial, rank, mine, compress, {"rng": rng})
-        if rank == 0:
-            commit(partial, final, world, header, deadline)
-            if keep_last is not None:
-                _rotate(final, keep_last)
-        else:
-            _wait_commit(final, nonce, deadline)
+        # Compressed files end smaller than the state: show bytes written, not a fraction.
+        bar = Progress(
+            what,
+            None if compress is not None else nbytes,
+            enabled=show,
+            delay=delay,
+            poll=lambda: os.stat(shard).st_size,
+        )
+        try:
+            write_rank(partial, rank, mine, compress, {"rng": rng})
+            if rank == 0:
+                commit(partial, final, world, header, deadline)
+                if keep_last is not None:
+                    _rotate(final, keep_last)
+            else:
+                _wait_commit(final, nonce, deadline)
+        except BaseException:
+            bar.close(ok=False)
+            raise
+        bar.close()
 
     if async_:
         thread = threading.Thread(target=handle._run, args=(job,), name="shardline-ckpt")
@@ -344,14 +368,17 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     strict: bool = True,
     restore_rng: bool = True,
+    progress: bool | None = None,
     group: ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """Loads a checkpoint into ``model`` / ``optimizer`` of any strategy and world size.
 
     Each rank reads only the byte ranges of the shards it needs. Missing keys, unexpected
     keys and shape mismatches are reported together in one ``CheckpointError`` (with
-    ``strict=False`` only shape mismatches are). With ``restore_rng`` this rank's RNG states
-    are restored when the checkpoint has them for this rank.
+    ``strict=False`` only shape mismatches are), before anything is read. With
+    ``restore_rng`` this rank's RNG states are restored when the checkpoint has them for this
+    rank. ``progress``: a progress line on stderr (``None``: on rank 0, for loads that take
+    more than 2 s; ``SHARDLINE_PROGRESS=0`` turns it off).
 
     Returns:
         The ``extra`` saved with it.
@@ -359,12 +386,36 @@ def load(
     ck = Checkpoint(path)
     g = _group(group)
     rank = g.rank if g is not None else 0
+    if optimizer is not None and model is None:
+        raise CheckpointError("load(optimizer=...) needs model= too (state is keyed by name)")
+    # Check everything first, then read model and optimizer in one go.
+    reads: list[tuple[str, torch.Tensor, int]] = []
+    finish: list[Any] = []
     if model is not None:
-        _load_model(ck, model, strict)
+        reads += _plan_model(ck, model, strict)
+        if isinstance(model, ShardedDataParallel):
+            finish.append(model.refresh)
     if optimizer is not None:
-        if model is None:
-            raise CheckpointError("load(optimizer=...) needs model= too (state is keyed by name)")
-        _load_optimizer(ck, model, optimizer, strict)
+        assert model is not None
+        more, apply = _plan_optimizer(ck, model, optimizer, strict)
+        reads += more
+        finish.append(apply)
+    show, delay = wanted(progress, rank)
+    bar = Progress(
+        f"checkpoint load {ck.path}",
+        sum(t.numel() * t.element_size() for _, t, _ in reads),
+        enabled=show,
+        delay=delay,
+    )
+    try:
+        with torch.no_grad():
+            ck.read_many(reads, progress=bar.add)
+    except BaseException:
+        bar.close(ok=False)
+        raise
+    bar.close()
+    for f in finish:
+        f()
     rng = ck.index.get("rng", {}).get(str(rank))
     if restore_rng and rng:
         _restore_rng(rng)
@@ -388,7 +439,10 @@ def _targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, ...],
     return out
 
 
-def _load_model(ck: Checkpoint, model: nn.Module, strict: bool) -> None:
+def _plan_model(
+    ck: Checkpoint, model: nn.Module, strict: bool
+) -> list[tuple[str, torch.Tensor, int]]:
+    """Checks the model against the checkpoint; the reads that load it."""
     targets = _targets(model)
     stored = {
         k[len("model/") :] for k in list(ck.tensors) + list(ck.aliases) if k.startswith("model/")
@@ -411,19 +465,21 @@ def _load_model(ck: Checkpoint, model: nn.Module, strict: bool) -> None:
         raise CheckpointError(
             f"load({ck.path}) into {type(model).__name__}: " + " | ".join(problems)
         )
-    with torch.no_grad():
-        ck.read_many(
-            (f"model/{name}", t, start)
-            for name, (t, _, start) in targets.items()
-            if ck.has(f"model/{name}")
-        )
-    if isinstance(model, ShardedDataParallel):
-        model.refresh()
+    return [
+        (f"model/{name}", t, start)
+        for name, (t, _, start) in targets.items()
+        if ck.has(f"model/{name}")
+    ]
 
 
-def _load_optimizer(
+def _plan_optimizer(
     ck: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer, strict: bool
-) -> None:
+) -> tuple[list[tuple[str, torch.Tensor, int]], Any]:
+    """Checks the optimizer against the checkpoint.
+
+    Returns the reads of its state into fresh tensors, and a function that hands them to the
+    optimizer once all are read.
+    """
     saved = ck.index.get("optimizer")
     if saved is None:
         raise CheckpointError(f"{ck.path} holds no optimizer state")
@@ -469,8 +525,6 @@ def _load_optimizer(
                     state[k] = t
             state.update(values.get(name, {}))
             states[param] = state
-        ck.read_many(reads)  # all of it, before the optimizer sees any
-    optimizer.state.update(states)
     names = (
         param_names(model)
         if not isinstance(model, ShardedDataParallel)
@@ -489,9 +543,15 @@ def _load_optimizer(
                 f"load({ck.path}): optimizer param groups hold different parameters than "
                 "when saved; build the optimizer's groups the same way"
             )
-        for k, v in sg.items():
-            if k != "params":
-                g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+
+    def apply() -> None:
+        optimizer.state.update(states)
+        for g, sg in zip(optimizer.param_groups, groups, strict=False):
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+
+    return reads, apply
 
 
 # -- consolidate ---------------------------------------------------------------------------------
