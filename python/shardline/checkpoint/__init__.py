@@ -4,12 +4,15 @@
   loadable into any other strategy and world size; ``extra`` training state and RNG states.
 - ``latest``, ``info``, ``verify``, ``consolidate``: find, describe, check and export
   checkpoints (``shardline ckpt info|verify|consolidate`` on the command line).
+- ``BlockShard``: what a module's ``sharded_state_dict()`` returns for a tensor-parallel
+  block, so checkpoints store blocks and load them into any layout.
 - ``activations``: activation checkpointing across ranks.
 """
 
 from __future__ import annotations
 
 from shardline.checkpoint import activations
+from shardline.checkpoint._state import BlockShard
 from shardline.checkpoint.api import (
     SaveHandle,
     consolidate,
@@ -21,6 +24,7 @@ from shardline.checkpoint.api import (
 )
 
 __all__ = [
+    "BlockShard",
     "SaveHandle",
     "activations",
     "consolidate",

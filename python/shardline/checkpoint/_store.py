@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from shardline import _native
-from shardline.checkpoint._state import TORCH_DTYPES, Piece, dtype_name
+from shardline.checkpoint._state import TORCH_DTYPES, Piece, dtype_name, flat_index
 from shardline.errors import CheckpointError
 
 __all__ = ["COMMIT", "INDEX", "SCHEMA", "Checkpoint", "commit", "shard_name", "write_rank"]
@@ -82,20 +82,21 @@ def write_rank(
         t = t.contiguous()
         keep.append(t)
         file_key = f"{p.key}@{p.start}"
-        shape = list(p.shape) if p.replicated else [t.numel()]
+        shape = list(t.shape) if p.replicated or p.box is not None else [t.numel()]
         dtype = dtype_name(t.dtype, p.key)
         tensors.append((file_key, dtype, shape, _bytes_view(t)))
-        chunks.append(
-            {
-                "key": p.key,
-                "file": fname,
-                "file_key": file_key,
-                "start": p.start,
-                "end": p.start + t.numel(),
-                "dtype": dtype,
-                "shape": list(p.shape),
-            }
-        )
+        chunk = {
+            "key": p.key,
+            "file": fname,
+            "file_key": file_key,
+            "start": p.start,
+            "end": p.end,
+            "dtype": dtype,
+            "shape": list(p.shape),
+        }
+        if p.box is not None:
+            chunk["box"] = {"offsets": list(p.box), "shape": list(t.shape)}
+        chunks.append(chunk)
     info = _native.write_shard(
         str(directory / fname),
         tensors,
@@ -153,7 +154,7 @@ def commit(
                     f"({entry['dtype']} {entry['shape']} vs {c['dtype']} {c['shape']})"
                 )
             entry.setdefault("chunks", []).append(
-                {k: c[k] for k in ("file", "file_key", "start", "end")}
+                {k: c[k] for k in ("file", "file_key", "start", "end", "box") if k in c}
             )
         n.unlink()
     for entry in tensors.values():
@@ -223,14 +224,24 @@ class Checkpoint:
         """The stored dtype of ``key``."""
         return TORCH_DTYPES[self.tensors[self.resolve(key)]["dtype"]]
 
-    def read(self, key: str, out: torch.Tensor, start: int = 0, verify: bool = True) -> None:
+    def read(
+        self,
+        key: str,
+        out: torch.Tensor,
+        start: int | tuple[int, ...] = 0,
+        verify: bool = True,
+    ) -> None:
         """Copies elements ``start .. start + out.numel()`` of ``key`` into ``out``.
 
-        Reads only the byte ranges needed (memory-mapped); converts the dtype if ``out``'s
-        differs from the stored one.
+        With ``start`` a tuple of offsets, ``out`` receives the block of its own shape at
+        those offsets instead. Reads only the byte ranges needed; converts the dtype if
+        ``out``'s differs from the stored one.
         """
         stored = self.resolve(key)
         entry = self.tensors[stored]
+        if isinstance(start, tuple) or any("box" in c for c in entry["chunks"]):
+            self._read_through_whole(key, entry, out, start, verify)
+            return
         dtype = TORCH_DTYPES[entry["dtype"]]
         n = out.numel()
         direct = out.device.type == "cpu" and out.is_contiguous() and out.dtype == dtype
@@ -263,9 +274,70 @@ class Checkpoint:
             with torch.no_grad():
                 out.copy_(buf.view(out.shape) if out.dim() else buf.reshape(()))
 
+    def _read_through_whole(
+        self,
+        key: str,
+        entry: dict[str, Any],
+        out: torch.Tensor,
+        start: int | tuple[int, ...],
+        verify: bool,
+    ) -> None:
+        """``read`` where blocks are involved.
+
+        The chunks that overlap the request are placed into the whole tensor (in host
+        memory), and the request is cut out of it.
+        """
+        dtype = TORCH_DTYPES[entry["dtype"]]
+        shape = tuple(entry["shape"])
+        whole = torch.empty(shape, dtype=dtype)
+        flat = whole.reshape(-1)
+        seen = torch.zeros(flat.numel(), dtype=torch.bool)
+        if out.numel() == 0:
+            return
+        if isinstance(start, tuple):
+            if len(start) != len(shape) or out.dim() != len(shape):
+                raise CheckpointError(
+                    f"{self.path}: a block at {list(start)} of shape {list(out.shape)} does not "
+                    f"fit {key!r} of shape {list(shape)}"
+                )
+            region = tuple(slice(o, o + n) for o, n in zip(start, out.shape, strict=True))
+            lo = flat_index(shape, start)
+            last = tuple(o + n - 1 for o, n in zip(start, out.shape, strict=True))
+            hi = flat_index(shape, last) + 1
+        else:
+            lo, hi = start, start + out.numel()
+        for c in entry["chunks"]:
+            if c["end"] <= lo or c["start"] >= hi or c["end"] <= c["start"]:
+                continue
+            path = str(self.path / c["file"])
+            if "box" in c:
+                box = c["box"]
+                block = torch.empty(box["shape"], dtype=dtype)
+                _native.read_tensor_range(path, c["file_key"], 0, _bytes_view(block), verify)
+                where = tuple(
+                    slice(o, o + n) for o, n in zip(box["offsets"], box["shape"], strict=True)
+                )
+                whole[where] = block
+                seen.view(shape)[where] = True
+            else:
+                dst = flat[c["start"] : c["end"]]
+                _native.read_tensor_range(path, c["file_key"], 0, _bytes_view(dst), verify)
+                seen[c["start"] : c["end"]] = True
+        if isinstance(start, tuple):
+            values, got = whole[region], seen.view(shape)[region]
+        else:
+            values, got = flat[lo:hi], seen[lo:hi]
+        if not bool(got.all()):
+            raise CheckpointError(
+                f"{self.path}: parts of {key!r} are in no shard file; the index is incomplete "
+                "(run checkpoint.verify)"
+            )
+        with torch.no_grad():
+            out.copy_(values.reshape(out.shape))
+
     def read_many(
         self,
-        jobs: Iterable[tuple[str, torch.Tensor, int]],
+        jobs: Iterable[tuple[str, torch.Tensor, int | tuple[int, ...]]],
         verify: bool = True,
         progress: Callable[[int], None] | None = None,
     ) -> None:
@@ -277,7 +349,7 @@ class Checkpoint:
         ``progress`` is called with the bytes of each read once it is done.
         """
 
-        def one(job: tuple[str, torch.Tensor, int]) -> None:
+        def one(job: tuple[str, torch.Tensor, int | tuple[int, ...]]) -> None:
             key, out, start = job
             self.read(key, out, start, verify)
             if progress is not None:

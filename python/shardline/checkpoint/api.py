@@ -24,10 +24,13 @@ from torch import nn
 from shardline import _native
 from shardline._progress import Progress, wanted
 from shardline.checkpoint._state import (
+    BlockShard,
     Piece,
+    blocks_of,
     dtype_name,
     model_pieces,
     optimizer_pieces,
+    own_sharded_state_dict,
     param_names,
     strategy_of,
 )
@@ -350,7 +353,12 @@ def verify(path: str | os.PathLike[str]) -> None:
     for key, entry in ck.tensors.items():
         total = int(np.prod(entry["shape"])) if entry["shape"] else 1
         covered = 0
-        for c in entry["chunks"]:
+        if any("box" in c for c in entry["chunks"]):  # blocks do not overlap: count them
+            covered = sum(
+                int(np.prod(c["box"]["shape"])) if "box" in c else c["end"] - c["start"]
+                for c in entry["chunks"]
+            )
+        for c in entry["chunks"] if not covered else []:
             if c["start"] > covered:
                 break
             covered = max(covered, c["end"])
@@ -389,7 +397,7 @@ def load(
     if optimizer is not None and model is None:
         raise CheckpointError("load(optimizer=...) needs model= too (state is keyed by name)")
     # Check everything first, then read model and optimizer in one go.
-    reads: list[tuple[str, torch.Tensor, int]] = []
+    reads: list[tuple[str, torch.Tensor, int | tuple[int, ...]]] = []
     finish: list[Any] = []
     if model is not None:
         reads += _plan_model(ck, model, strict)
@@ -422,9 +430,12 @@ def load(
     return dict(ck.index.get("extra") or {})
 
 
-def _targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, ...], int]]:
-    """``name -> (tensor to fill, global shape, first element)`` for this rank's model."""
-    out: dict[str, tuple[torch.Tensor, tuple[int, ...], int]] = {}
+Target = tuple[torch.Tensor, tuple[int, ...], int | tuple[int, ...]]
+
+
+def _targets(model: nn.Module) -> dict[str, Target]:
+    """``name -> (tensor to fill, global shape, first element or block offsets)``."""
+    out: dict[str, Target] = {}
     if isinstance(model, ShardedDataParallel):
         for name, v in model.sharded_state_dict().items():
             if torch.is_tensor(v):
@@ -433,6 +444,17 @@ def _targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, ...],
                 out[name] = (v.local, tuple(v.global_shape), v.offset)
         return out
     plain = model.module if isinstance(model, DistributedDataParallel) else model
+    own = own_sharded_state_dict(plain)
+    if own is not None:
+        for name, v in own.items():
+            if isinstance(v, BlockShard):
+                v.check(name)
+                out[name] = (v.local.detach(), tuple(v.global_shape), tuple(v.offsets))
+            elif torch.is_tensor(v):
+                out[name] = (v.detach(), tuple(v.shape), 0)
+            else:
+                out[name] = (v.local, tuple(v.global_shape), v.offset)
+        return out
     for name, v in plain.state_dict(keep_vars=True).items():
         t = v.detach()
         out[name] = (t, tuple(t.shape), 0)
@@ -441,7 +463,7 @@ def _targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, ...],
 
 def _plan_model(
     ck: Checkpoint, model: nn.Module, strict: bool
-) -> list[tuple[str, torch.Tensor, int]]:
+) -> list[tuple[str, torch.Tensor, int | tuple[int, ...]]]:
     """Checks the model against the checkpoint; the reads that load it."""
     targets = _targets(model)
     stored = {
@@ -474,7 +496,7 @@ def _plan_model(
 
 def _plan_optimizer(
     ck: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer, strict: bool
-) -> tuple[list[tuple[str, torch.Tensor, int]], Any]:
+) -> tuple[list[tuple[str, torch.Tensor, int | tuple[int, ...]]], Any]:
     """Checks the optimizer against the checkpoint.
 
     Returns the reads of its state into fresh tensors, and a function that hands them to the
@@ -483,6 +505,7 @@ def _plan_optimizer(
     saved = ck.index.get("optimizer")
     if saved is None:
         raise CheckpointError(f"{ck.path} holds no optimizer state")
+    layout: dict[str, Target]
     if isinstance(model, ShardedDataParallel):
         layout = {
             n: (v.local, tuple(v.global_shape), v.offset)
@@ -494,6 +517,9 @@ def _plan_optimizer(
         plain = model.module if isinstance(model, DistributedDataParallel) else model
         params = dict(plain.named_parameters(remove_duplicate=True))
         layout = {n: (p.detach(), tuple(p.shape), 0) for n, p in params.items()}
+        for n, b in blocks_of(model).items():
+            if n in layout:
+                layout[n] = (b.local.detach(), tuple(b.global_shape), tuple(b.offsets))
     by_param: dict[str, list[str]] = {}
     for key in ck.tensors:
         if key.startswith("optim/"):
@@ -505,7 +531,7 @@ def _plan_optimizer(
         raise CheckpointError(
             f"load({ck.path}): optimizer state for parameters the model lacks: {unknown}"
         )
-    reads: list[tuple[str, torch.Tensor, int]] = []
+    reads: list[tuple[str, torch.Tensor, int | tuple[int, ...]]] = []
     states: dict[torch.Tensor, dict[str, Any]] = {}
     with torch.no_grad():
         for name, param in params.items():
@@ -516,9 +542,9 @@ def _plan_optimizer(
             for k in by_param.get(name, []):
                 key = f"optim/{name}/{k}"
                 if ck.shape(key) == shape and len(shape) > 0:  # elementwise, sharded like it
-                    t = torch.empty(local.numel(), dtype=ck.dtype(key), device=local.device)
+                    t = torch.empty(local.shape, dtype=ck.dtype(key), device=local.device)
                     reads.append((key, t, start))
-                    state[k] = t.view(local.shape)
+                    state[k] = t
                 else:  # a scalar such as step: whole
                     t = torch.empty(ck.shape(key), dtype=ck.dtype(key))
                     reads.append((key, t, 0))
