@@ -1,0 +1,69 @@
+"""A real client of consolidated checkpoints: Hugging Face ``transformers``.
+
+A GPT-2 trained one step under zero3 on 2 ranks is saved, consolidated, and loaded with
+``GPT2LMHeadModel.from_pretrained``: its weights must equal ours bit for bit (the tied
+``lm_head`` included, which the checkpoint stores once), and its loss must equal that of one
+process trained on the whole batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardline as sl
+from shardline import checkpoint
+from tests._ranks import run_ranks
+
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face client test needs transformers (pip install .[test])"
+)
+
+pytestmark = pytest.mark.usefixtures("native")
+
+
+def test_zero3_checkpoint_consolidates_into_a_transformers_model(tmp_path: Path) -> None:
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )  # fmt: skip  (no dropout: the oracle is one process on the whole batch)
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(cfg)
+    copies = [transformers.GPT2LMHeadModel(cfg) for _ in range(2)]
+    for c in copies:
+        c.load_state_dict(ref.state_dict())
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+
+    def body(g: Any) -> dict[str, torch.Tensor]:
+        opt = torch.optim.AdamW(copies[g.rank].parameters(), lr=1e-2)
+        model, opt = sl.distribute(copies[g.rank], opt, strategy="zero3", group=g, unit_mb=0.01)
+        mine = x[2 * g.rank : 2 * g.rank + 2]
+        model(mine, labels=mine).loss.backward()
+        opt.step()
+        checkpoint.save(tmp_path / "ck", model=model, optimizer=opt, group=g)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    ours = run_ranks(2, body, timeout=120)[0]
+    checkpoint.consolidate(tmp_path / "ck", tmp_path / "hf")
+    cfg.save_pretrained(tmp_path / "hf")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    for k, v in hf.state_dict().items():
+        assert torch.equal(v, ours[k]), k
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
+
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref(x, labels=x).loss.backward()
+    opt.step()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x, labels=x).loss, ref(x, labels=x).loss)
