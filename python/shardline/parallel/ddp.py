@@ -476,7 +476,11 @@ class DistributedDataParallel(nn.Module):
                     step.ready[i] = True
                     self._buckets[self._slot[i][0]].pending -= 1
             self._launch_ready(step)
-            used_t = torch.tensor(self._used_since_sync, dtype=torch.uint8, device=self._device)
+            # Through pinned memory: a plain host-to-device copy would block this thread until
+            # the GPU finished the backward, so the optimizer's kernels would be queued late.
+            on_gpu = self._device.type == "cuda"
+            used_t = torch.tensor(self._used_since_sync, dtype=torch.uint8, pin_memory=on_gpu)
+            used_t = used_t.to(self._device, non_blocking=True)
             mask_work = self.group.all_reduce(used_t, "max", async_op=True)
             for bucket in self._buckets:
                 assert bucket.finish is not None
