@@ -230,3 +230,14 @@ def test_real_cpu_backends_reject_cuda_tensors(backend: str) -> None:
             g.all_reduce(fake_cuda(0))
 
     run_ranks(1, body, backend=backend)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "eight", "1.5"])
+def test_a_bad_nccl_max_ctas_is_refused_before_any_gpu_work(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("SHARDLINE_NCCL_MAX_CTAS", value)
+    with pytest.raises(InvalidArgumentError, match=r"SHARDLINE_NCCL_MAX_CTAS=.*positive integer"):
+        nccl.NcclBackend(
+            new_store(), 0, 1, name="ctas", timeout=5.0, device=torch.device("cuda", 0)
+        )

@@ -28,7 +28,12 @@ import torch.distributed as dist
 
 from shardline.comm.backends._common import as_bytes, pad_unequal, reduce_args, split
 from shardline.comm.work import seconds
-from shardline.errors import CollectiveTimeoutError, CommunicatorClosedError, ShardlineError
+from shardline.errors import (
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    InvalidArgumentError,
+    ShardlineError,
+)
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -150,6 +155,19 @@ def _translate(exc: RuntimeError, what: str, rank: int) -> ShardlineError:
     )
 
 
+def _max_ctas() -> int | None:
+    """``SHARDLINE_NCCL_MAX_CTAS``: thread blocks per collective at most (unset: NCCL's choice)."""
+    raw = os.environ.get("SHARDLINE_NCCL_MAX_CTAS", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise InvalidArgumentError(
+            f"SHARDLINE_NCCL_MAX_CTAS={raw!r} must be a positive integer (thread blocks per "
+            "NCCL collective), or unset"
+        )
+    return int(raw)
+
+
 class NcclBackend:
     """Checked CUDA tensors in, torch NCCL collectives out."""
 
@@ -166,6 +184,7 @@ class NcclBackend:
         timeout: float,
         device: torch.device,
     ) -> None:
+        ctas = _max_ctas()
         self._store = store
         self._timeout = timeout
         self.group_name = name
@@ -177,6 +196,10 @@ class NcclBackend:
         opts: Any = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout)
         opts.is_high_priority_stream = False
+        if ctas:
+            # Fewer thread blocks per collective: less of the GPU taken from the compute that
+            # collectives overlap with, at some bandwidth (NCCL's config.maxCTAs).
+            opts.config.max_ctas = ctas
         # torch's stubs do not list ProcessGroup methods; they exist at runtime.
         self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         # Options are read when an op is queued: one object per reduction serves every call.
