@@ -353,15 +353,16 @@ def verify(path: str | os.PathLike[str]) -> None:
     for key, entry in ck.tensors.items():
         total = int(np.prod(entry["shape"])) if entry["shape"] else 1
         covered = 0
-        if any("box" in c for c in entry["chunks"]):  # blocks do not overlap: count them
+        if any("box" in c for c in entry["chunks"]):  # blocks do not overlap: count elements
             covered = sum(
                 int(np.prod(c["box"]["shape"])) if "box" in c else c["end"] - c["start"]
                 for c in entry["chunks"]
             )
-        for c in entry["chunks"] if not covered else []:
-            if c["start"] > covered:
-                break
-            covered = max(covered, c["end"])
+        else:  # flat ranges, sorted: the covered prefix
+            for c in entry["chunks"]:
+                if c["start"] > covered:
+                    break
+                covered = max(covered, c["end"])
         if covered < total:
             raise CheckpointError(f"{ck.path}: {key!r} is covered up to {covered} of {total}")
 
