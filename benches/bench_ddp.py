@@ -7,7 +7,10 @@ CPU, NCCL on CUDA). Timed blocks of ``--steps`` training steps alternate between
 both see the same machine state; the median block gives steps/s and samples (or tokens)/s.
 
 Models:
-- ``comm``: communication-heavy, a deep wide MLP (25 MB of gradients) on a small batch;
+- ``comm``: communication-heavy, a deep wide MLP (25 MB of gradients) on a small batch
+  (8 rows per rank on CPU: with Gloo, about half of a step is communication);
+- ``comm1``: the same MLP on one row per rank: communication-bound, the step is mostly the
+  gradient all-reduce (the case the engine is for);
 - ``compute``: compute-heavy, the main job's transformer LM on a large batch.
 
 Prints the throughput ratio ours/torch and writes JSON, a text table and (with matplotlib) a
@@ -64,8 +67,9 @@ def make_model(kind: str, device: Any, big: bool) -> tuple[Any, Any, int]:
     from shardline.examples.train import Config, TinyGPT  # noqa: PLC0415
 
     torch.manual_seed(0)
-    if kind == "comm":
+    if kind in ("comm", "comm1"):
         width, depth, rows = (4096, 8, 64) if big else (1024, 6, 8)
+        rows = 1 if kind == "comm1" else rows
         layers: list[nn.Module] = []
         for _ in range(depth):
             layers += [nn.Linear(width, width), nn.ReLU()]
@@ -170,7 +174,7 @@ def worker(args: argparse.Namespace) -> int:
             "params": params,
             "grad_mb": params * 4 / 2**20,
             "items_per_step": items * world,
-            "unit": "samples" if kind == "comm" else "tokens",
+            "unit": "samples" if kind.startswith("comm") else "tokens",
         }
         for (name, _), t in zip(contenders.items(), med.tolist(), strict=True):
             row[f"{name}_step_ms"] = t * 1e3
@@ -263,7 +267,9 @@ def plot(results: dict[int, dict[str, Any]], path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--models", nargs="+", default=["comm", "compute"], choices=["comm", "compute"])
+    p.add_argument(
+        "--models", nargs="+", default=["comm", "compute"], choices=["comm", "comm1", "compute"]
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--steps", type=int, default=10, help="steps per timed block")
     p.add_argument("--repeats", type=int, default=5, help="timed blocks per contender")
