@@ -126,3 +126,24 @@ def test_a_mismatched_optimizer_is_refused_before_the_model_is_touched(tmp_path:
         checkpoint.load(tmp_path / "ck", model=model2, optimizer=one_group)
     for k, v in model2.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed by a refused load"
+
+
+def test_a_failure_after_the_last_quarter_is_still_reported() -> None:
+    out = io.StringIO()
+    bar = Progress("job", 100, delay=0.0, stream=out)
+    bar.add(100)
+    bar.close(ok=False)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[-1].endswith("-- failed"), lines
+
+
+def test_a_shorter_line_blanks_the_rest_of_the_longer_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = Tty()
+    bar = Progress("job", 100, delay=0.0, stream=out)
+    texts = iter(["x" * 50, "y" * 10])
+    monkeypatch.setattr(bar, "line", lambda failed=False: next(texts))
+    bar.add(10)
+    bar.close()
+    assert out.getvalue() == "\r" + "x" * 50 + "\r" + "y" * 10 + " " * 40 + "\n"

@@ -65,6 +65,7 @@ class Progress:
         self.next_quarter = 1
         self._start = time.monotonic()
         self._last_draw = 0.0
+        self._drawn = 0  # length of the line on a terminal, to blank what a shorter one leaves
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -135,14 +136,16 @@ class Progress:
         if self.tty:
             if final or now - self._last_draw >= 0.1:
                 end = "\n" if final else ""
-                self.stream.write("\r" + self.line(failed) + end)
+                text = self.line(failed)
+                self.stream.write("\r" + text.ljust(self._drawn) + end)
+                self._drawn = len(text)
                 self.stream.flush()
                 self._last_draw = now
                 self.shown = True
             return
         # A log file: the first line once the delay has passed, then every quarter, then done
         # (once: a quarter line at 100 % is the last).
-        if self.next_quarter > 4:
+        if self.next_quarter > 4 and not (final and failed):
             return
         if final or not self.shown or frac * 4 >= self.next_quarter:
             self.stream.write(self.line(failed) + "\n")
