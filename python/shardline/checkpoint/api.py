@@ -222,8 +222,9 @@ def save(
         "extra": extra_json,
     }
     handle = SaveHandle(final)
-    # An async save runs while training prints: no progress line unless asked for.
-    show, delay = wanted(progress if progress is not None or not async_ else False, rank)
+    if progress is None and async_:
+        progress = False  # an async save runs while training prints: quiet unless asked
+    show, delay = wanted(progress, rank)
     shard = partial / shard_name(rank, compress is not None)
     what = f"checkpoint save {final}" + (f" (rank {rank}'s shard)" if world > 1 else "")
     nbytes = sum(p.tensor.numel() * p.tensor.element_size() for p in mine)
