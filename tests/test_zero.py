@@ -6,7 +6,9 @@ the average of every rank's loss, which is what data parallelism computes.
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -888,3 +890,39 @@ def test_backward_holds_few_units_gathered(frozen: str) -> None:
     # next event), of 8.
     for peak in run_ranks(2, body, timeout=60):
         assert 0 < peak <= 3, peak
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3"])
+def test_deleting_the_wrapped_model_frees_it(strategy: str) -> None:
+    """After ``del model, opt`` the wrapper and its buffers are garbage, and the plain model
+    the caller kept carries none of its hooks: hooks on the user's modules and parameters
+    must not keep the wrapper (and its memory) alive."""
+
+    def body(g: ProcessGroup) -> tuple[bool, int, int]:
+        torch.set_num_threads(1)
+        plain = make()
+        hooks_before = _hook_count(plain)
+        opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        kw = {} if strategy == "ddp" else {"unit_mb": 0}
+        model, opt = sl.distribute(plain, opt, strategy=strategy, group=g, **kw)
+        hooks_wrapped = _hook_count(plain)
+        x, y = batch(0, g.rank)
+        lm_loss(model(x), y).backward()
+        opt.step()
+        wrapper = weakref.ref(model)
+        del model, opt
+        gc.collect()
+        return wrapper() is None, hooks_wrapped - hooks_before, _hook_count(plain) - hooks_before
+
+    for wrapper_gone, added, left in run_ranks(2, body, timeout=60):
+        assert added > 0, "the wrapper registered no hooks: this test checks nothing"
+        assert wrapper_gone, "the wrapper is still alive after del model, opt"
+        assert left == 0, f"the plain model still carries {left} of the wrapper's hooks"
+
+
+def _hook_count(module: nn.Module) -> int:
+    """Forward (pre-)hooks on ``module``'s modules plus post-accumulate-grad hooks on its
+    parameters."""
+    on_modules = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
+    on_params = sum(len(p._post_accumulate_grad_hooks or {}) for p in module.parameters())
+    return on_modules + on_params

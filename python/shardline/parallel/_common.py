@@ -1,16 +1,27 @@
-"""Pieces every data-parallel wrapper needs: the same-model check and coalesced broadcasts."""
+"""Pieces every data-parallel wrapper needs.
+
+The same-model check, coalesced broadcasts, and hooks that do not keep the wrapper alive.
+"""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
 
-__all__ = ["broadcast_coalesced", "check_same_model", "default_group"]
+__all__ = [
+    "broadcast_coalesced",
+    "check_same_model",
+    "default_group",
+    "remove_hooks_when_collected",
+    "weak_method",
+]
 
 
 def default_group() -> ProcessGroup:
@@ -89,3 +100,34 @@ def _broadcast_chunk(group: ProcessGroup, chunk: list[torch.Tensor], src: int) -
             n = t.numel()
             t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
+
+
+def weak_method(obj: object, name: str, *bound: Any) -> Callable[..., Any]:
+    """A hook calling ``obj.<name>(*bound, *args)`` while ``obj`` lives (a no-op after).
+
+    Hooks live on the user's modules and parameters. A bound method there would keep the
+    wrapper, and with it every buffer and optimizer shard it owns, alive for as long as the
+    plain model is: ``del model`` would free nothing.
+    """
+    ref = weakref.ref(obj)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        target = ref()
+        if target is None:
+            return None
+        return getattr(target, name)(*bound, *args, **kwargs)
+
+    return call
+
+
+def _remove(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+
+
+def remove_hooks_when_collected(obj: object, handles: list[Any]) -> None:
+    """Removes ``handles`` (hook handles) once ``obj`` is garbage-collected.
+
+    The plain model that ``obj`` wrapped then carries no dead hooks.
+    """
+    weakref.finalize(obj, _remove, handles).atexit = False

@@ -36,7 +36,13 @@ from torch.autograd import Variable
 
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError, ShardlineError
-from shardline.parallel._common import broadcast_coalesced, check_same_model, default_group
+from shardline.parallel._common import (
+    broadcast_coalesced,
+    check_same_model,
+    default_group,
+    remove_hooks_when_collected,
+    weak_method,
+)
 from shardline.parallel.comm_hooks import CommHook, allreduce_hook, resolve_hook
 
 __all__ = ["DistributedDataParallel"]
@@ -180,9 +186,10 @@ class DistributedDataParallel(nn.Module):
         self._slot: list[tuple[int, int]] = []  # param index -> (bucket, slot)
         self._build_buckets(list(reversed(range(len(self._params)))))
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))  # type: ignore[no-untyped-call]
+            p.register_post_accumulate_grad_hook(weak_method(self, "_on_grad_ready", i))  # type: ignore[no-untyped-call]
             for i, p in enumerate(self._params)
         ]
+        remove_hooks_when_collected(self, self._handles)
         if init_sync:
             self._broadcast_tensors(self._params_data() + self._buffers_list, src=0)
 
@@ -379,12 +386,6 @@ class DistributedDataParallel(nn.Module):
         )
 
     # -- backward --------------------------------------------------------------------------------
-
-    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad_ready(i, param)
-
-        return hook
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         self._used_since_sync[i] = True

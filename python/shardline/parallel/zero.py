@@ -51,7 +51,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from shardline.comm.group import ProcessGroup
 from shardline.comm.work import Work
 from shardline.errors import InvalidArgumentError, ShardlineError
-from shardline.parallel._common import broadcast_coalesced, check_same_model, default_group
+from shardline.parallel._common import (
+    broadcast_coalesced,
+    check_same_model,
+    default_group,
+    remove_hooks_when_collected,
+    weak_method,
+)
 from shardline.parallel._units import Unit
 from shardline.parallel.grouping import UnitPlan, default_unit_mb, owned_parameters, plan_units
 from shardline.parallel.precision import MixedPrecision
@@ -182,12 +188,15 @@ class ShardedDataParallel(nn.Module):
         if unit_mb is None:
             unit_mb = default_unit_mb(self._device)
         self._install(plan_units(module, int(unit_mb * _MIB)), [])
+        pre_forward = weak_method(self, "_pre_forward")
+        post_forward = weak_method(self, "_post_forward")
         for mod in self._module_units:
-            self._handles.append(mod.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(mod.register_forward_hook(self._post_forward))
+            self._handles.append(mod.register_forward_pre_hook(pre_forward))
+            self._handles.append(mod.register_forward_hook(post_forward))
+        grad_hook = weak_method(self, "_grad_hook")
         for _, p in named:
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))  # type: ignore[no-untyped-call]
+                self._handles.append(p.register_post_accumulate_grad_hook(grad_hook))  # type: ignore[no-untyped-call]
         if self.group.rank == 0:
             _log.info("%s", self.plan())
         self._trace: list[str] | None = []  # module names in the order the first forward ran
@@ -216,6 +225,7 @@ class ShardedDataParallel(nn.Module):
                 wrapper._after_step(opt)
 
         self._handles.append(register_optimizer_step_post_hook(after_step))
+        remove_hooks_when_collected(self, self._handles)
 
     def _install(self, plan: UnitPlan, order: list[str]) -> None:
         """Builds the units of ``plan`` and everything derived from them.
