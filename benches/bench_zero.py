@@ -15,8 +15,10 @@ Two passes per world size:
 1. memory, one implementation at a time: build it, run ``--warmup`` steps, record the rank's
    persistent bytes (parameters + gradients + optimizer state it holds: unique storages, or
    ``model.memory_stats()`` where ours has it) and, on CUDA, the peak allocated memory of those
-   steps; then free everything. On CPU only the persistent bytes are reported: peak RSS of a
-   process that hosts all implementations is not per implementation.
+   steps above what was allocated before the build; then free everything and note what
+   ``del`` did not give back. cuBLAS's workspaces are allocated by a warm-up GEMM before the
+   first build, so they count for no implementation. On CPU only the persistent bytes are
+   reported: peak RSS of a process that hosts all implementations is not per implementation.
 2. time: all implementations alive, ``--warmup`` steps each, then ``--repeats`` timed blocks of
    ``--steps`` steps that alternate between them (same batches, same order); a cell is the
    slowest rank's median step time. The rank-mean loss of each implementation's last step is
@@ -50,7 +52,7 @@ from bench_ddp import RESULTS
 IMPLS = ("zero1", "zero2", "zero3", "fsdp2", "ddp")
 OURS = ("zero1", "zero2", "zero3")
 MIB = 2**20
-MEM_KEYS = ("persistent_bytes", "persistent_generic_bytes", "peak_bytes")
+MEM_KEYS = ("persistent_bytes", "persistent_generic_bytes", "peak_bytes", "left_after_del_bytes")
 # (d_model, num_layers, num_heads, seq_len, batch_size per rank)
 SIZES = {
     "small": (256, 4, 4, 64, 8),  # 3.2M parameters, for 2 CPU cores
@@ -194,6 +196,15 @@ def worker(args: argparse.Namespace) -> int:
             print(f"[world {world}] {name} failed during {what}:\n{errors[name]}", flush=True)
 
     # Pass 1: memory, one implementation alive at a time.
+    if cuda:
+        # cuBLAS allocates its workspaces (32 MiB and more per handle: one for this thread,
+        # one for autograd's backward thread) through the caching allocator at its first
+        # GEMM and keeps them; without this warm-up they would count in the peak of whichever
+        # implementation runs first.
+        w = torch.randn(256, 256, device=device, requires_grad=True)
+        (w @ w).sum().backward()
+        del w
+        sync()
     for name in impls:
         free()
         base_alloc = torch.cuda.memory_allocated() if cuda else 0
@@ -222,6 +233,8 @@ def worker(args: argparse.Namespace) -> int:
             failed(name, "memory pass")
         del model, opt
         free()
+        if cuda:  # what ``del model, opt`` did not give back (peaks count from base_alloc)
+            rows[name]["left_after_del_bytes"] = torch.cuda.memory_allocated() - base_alloc
 
     # Pass 2: time, all alive, alternating blocks.
     alive: dict[str, tuple[Any, Any, list[int]]] = {}
@@ -348,6 +361,12 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
                 + (f"{(r.get('persistent_bytes') or math.nan) / MIB:11.1f} " if cuda else "")
                 + f"{r.get('loss', math.nan):8.4f}  {check}"
             )
+        for name, r in rows.items():
+            left = r.get("left_after_del_bytes") or 0
+            if left > MIB:
+                lines.append(
+                    f"      note: {name} left {left / MIB:,.1f} MiB allocated after del model, opt"
+                )
         for name, r in rows.items():  # ours' own accounting against the storage walk
             own, walk = r.get("persistent_bytes"), r.get("persistent_generic_bytes")
             if r.get("memory_stats") and own and walk and abs(own - walk) > 0.05 * walk:

@@ -177,7 +177,7 @@ class _FakeBackend:
         self.calls.append("all_reduce")
         return _Done()
 
-    def subgroup(self, name: str, ranks: Sequence[int]) -> Any:
+    def subgroup(self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False) -> Any:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -241,3 +241,45 @@ def test_a_bad_nccl_max_ctas_is_refused_before_any_gpu_work(
         nccl.NcclBackend(
             new_store(), 0, 1, name="ctas", timeout=5.0, device=torch.device("cuda", 0)
         )
+
+
+@pytest.mark.parametrize("value", ["-1", "eight", "1.5"])
+def test_a_bad_nccl_overlap_ctas_is_refused_before_any_gpu_work(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("SHARDLINE_NCCL_OVERLAP_CTAS", value)
+    with pytest.raises(
+        InvalidArgumentError, match=r"SHARDLINE_NCCL_OVERLAP_CTAS=.*non-negative integer"
+    ):
+        nccl.NcclBackend(
+            new_store(), 0, 1, name="ctas", timeout=5.0, device=torch.device("cuda", 0)
+        )
+
+
+@pytest.mark.parametrize(
+    ("every", "overlap", "plain_group", "overlap_group"),
+    [
+        (None, None, None, nccl.OVERLAP_CTAS),  # the defaults
+        (None, "0", None, None),  # 0: NCCL's choice for overlapping groups too
+        (None, "4", None, 4),
+        ("16", None, 16, 16),  # SHARDLINE_NCCL_MAX_CTAS caps every group of ours
+        ("16", "4", 16, 16),
+    ],
+)
+def test_which_groups_get_fewer_nccl_thread_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+    every: str | None,
+    overlap: str | None,
+    plain_group: int | None,
+    overlap_group: int | None,
+) -> None:
+    for var, value in (
+        ("SHARDLINE_NCCL_MAX_CTAS", every),
+        ("SHARDLINE_NCCL_OVERLAP_CTAS", overlap),
+    ):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    assert nccl._max_ctas(overlap_compute=False) == plain_group
+    assert nccl._max_ctas(overlap_compute=True) == overlap_group

@@ -371,12 +371,17 @@ class ProcessGroup:
 
     # -- groups ------------------------------------------------------------------------------
 
-    def new_group(self, ranks: Sequence[int]) -> ProcessGroup | None:
+    def new_group(
+        self, ranks: Sequence[int], *, overlap_compute: bool = False
+    ) -> ProcessGroup | None:
         """Creates a sub-group of ``ranks`` (ranks of this group).
 
         Every rank of this group must call ``new_group`` with the same ranks, in the same order
         as its other ``new_group`` calls (torch.distributed semantics); ranks outside the
         sub-group get ``None``. The sub-group's rank ``i`` is the ``i``-th smallest member.
+        ``overlap_compute`` says the group's collectives will run beside compute: on NCCL they
+        then take fewer thread blocks (``SHARDLINE_NCCL_OVERLAP_CTAS``, default 8), so fewer
+        SMs are taken from the kernels they overlap; CPU backends ignore it.
         """
         members = sorted({int(r) for r in ranks})
         if len(members) != len(list(ranks)) or not members:
@@ -389,7 +394,7 @@ class ProcessGroup:
         self._num_subgroups += 1
         if self.rank not in members:
             return None
-        impl = self._impl.subgroup(name, members)
+        impl = self._impl.subgroup(name, members, overlap_compute=overlap_compute)
         child = ProcessGroup(impl, ranks=members)
         self._children.append(child)
         return child

@@ -170,10 +170,11 @@ class ShardedDataParallel(nn.Module):
                 0,
                 25 * _MIB,
             )
-        # Two more communicators, so all-gathers and reductions each keep their own order.
+        # Two more communicators, so all-gathers and reductions each keep their own order;
+        # their collectives overlap forward and backward compute.
         ranks = list(range(self.group.world_size))
-        gather_group = self.group.new_group(ranks)
-        reduce_group = self.group.new_group(ranks)
+        gather_group = self.group.new_group(ranks, overlap_compute=True)
+        reduce_group = self.group.new_group(ranks, overlap_compute=True)
         assert gather_group is not None and reduce_group is not None
         self._gather_group: ProcessGroup = gather_group
         self._reduce_group: ProcessGroup = reduce_group

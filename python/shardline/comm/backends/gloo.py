@@ -160,7 +160,10 @@ class GlooBackend:
     def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _GlooHandle:
         return _GlooHandle([self._pg.recv([as_bytes(t)], src, 0)])
 
-    def subgroup(self, name: str, ranks: Sequence[int]) -> GlooBackend:
+    def subgroup(
+        self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False
+    ) -> GlooBackend:
+        del overlap_compute  # a hint for GPU backends; CPU collectives take no SMs
         return GlooBackend(
             self._store, list(ranks).index(self.rank), len(ranks), name=name, timeout=self._timeout
         )

@@ -320,7 +320,10 @@ class MpiBackend:
 
     # -- groups ------------------------------------------------------------------------------
 
-    def subgroup(self, name: str, ranks: Sequence[int]) -> MpiBackend:
+    def subgroup(
+        self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False
+    ) -> MpiBackend:
+        del overlap_compute  # a hint for GPU backends; CPU collectives take no SMs
         # MPI_Comm_create_group is collective over the members only, as new_group needs.
         members = self._comm.Get_group().Incl(list(ranks))
         tag = zlib.crc32(name.encode()) & 0x7FFF

@@ -161,7 +161,10 @@ class NativeBackend:
     def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _native.Work:
         return self._g.recv(t, dtype_name(t), src, async_op=async_op)
 
-    def subgroup(self, name: str, ranks: Sequence[int]) -> NativeBackend:
+    def subgroup(
+        self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False
+    ) -> NativeBackend:
+        del overlap_compute  # a hint for GPU backends; CPU collectives take no SMs
         return create(
             self._store,
             list(ranks).index(self.rank),
