@@ -50,6 +50,7 @@ class Unit:
     shard_grad: torch.Tensor | None = None
     grad_full: torch.Tensor | None = None
     grad_filled: list[bool] = field(default_factory=list)
+    held_grads: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # not yet in grad_full
     # state
     gathered: bool = True
     gather_work: Work | None = None
@@ -152,14 +153,29 @@ class Unit:
     # -- gradients ---------------------------------------------------------------------------
 
     def new_grad_window(self) -> None:
-        """Starts accumulating gradients of a new backward into ``grad_full``."""
+        """Makes ``grad_full`` hold every gradient of this backward so far (allocating it)."""
         if self.grad_full is None:
             self.grad_full = torch.empty(self.padded, dtype=self.rdtype, device=self.full.device)
             self.grad_filled = [False] * len(self.params)
+        while self.held_grads:
+            i, grad = self.held_grads.pop(0)
+            self._accumulate(i, grad)
+            del grad  # freed here, one at a time
 
-    def add_grad(self, i: int, grad: torch.Tensor) -> None:
-        """Adds parameter ``i``'s gradient into the unit's flat gradient buffer."""
+    def add_grad(self, i: int, grad: torch.Tensor, *, last: bool) -> None:
+        """Adds parameter ``i``'s gradient into the unit's flat gradient buffer.
+
+        Until the unit's ``last`` gradient the buffer is not allocated: autograd's gradients
+        are held as they are (what a plain backward holds), so the full-size buffer lives only
+        from the unit's last gradient to its reduction (as FSDP2's reduce-scatter input).
+        """
+        if self.grad_full is None and not last:
+            self.held_grads.append((i, grad))
+            return
         self.new_grad_window()
+        self._accumulate(i, grad)
+
+    def _accumulate(self, i: int, grad: torch.Tensor) -> None:
         assert self.grad_full is not None
         o, n = self.offsets[i], self.params[i].numel()
         dst = self.grad_full[o : o + n].view(grad.shape)
@@ -191,6 +207,8 @@ class Unit:
         As DDP leaves local gradients in ``.grad``; a ``zero_grad()`` before the next backward
         is then seen, and drops the accumulation.
         """
+        if self.held_grads:  # a no_sync backward that left some parameter without a gradient
+            self.new_grad_window()
         if self.grad_full is None or not any(self.grad_filled):
             return
         lo = self.rank * self.shard_numel

@@ -341,6 +341,7 @@ class ShardedDataParallel(nn.Module):
                 loc.grad = None
             u.grad_full = None if self.stage > 1 else u.grad_full
             u.grad_filled = [False] * len(u.params)
+            u.held_grads.clear()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -828,7 +829,7 @@ class ShardedDataParallel(nn.Module):
             )
         with torch.no_grad():
             self._touch(u)
-            u.add_grad(i, grad)
+            u.add_grad(i, grad, last=u.grads_pending == 1)
         u.grads_pending -= 1
         if u.grads_pending == 0:
             self._maybe_release(u)
@@ -842,6 +843,7 @@ class ShardedDataParallel(nn.Module):
         u.touched = True
         if u.shown and self._stale(u):
             u.grad_filled = [False] * len(u.params)  # the optimizer dropped them
+            u.held_grads.clear()
         u.shown = False
 
     def _stale(self, u: Unit) -> bool:
