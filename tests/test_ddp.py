@@ -708,6 +708,11 @@ def test_distribute_returns_the_wrapped_model_and_the_same_optimizer() -> None:
         assert set(wrapped.state_dict()) == set(model.state_dict())
         with pytest.raises(InvalidArgumentError, match="unknown strategy"):
             sl.distribute(model, opt, strategy="zero9", group=g)
+        # An option of another strategy: named, with who takes it, before any collective.
+        with pytest.raises(InvalidArgumentError, match=r"unit_mb \(.*the ZeRO strategies\)"):
+            sl.distribute(model, opt, strategy="ddp", group=g, unit_mb=4)
+        with pytest.raises(InvalidArgumentError, match=r"bucket_cap_mb \(.*DDP\).*takes unit_mb"):
+            sl.distribute(model, opt, strategy="zero3", group=g, bucket_cap_mb=4)
         with pytest.raises(InvalidArgumentError, match="not parameters of the model"):
             sl.distribute(model, torch.optim.SGD(mlp(1).parameters(), lr=1), group=g)
 

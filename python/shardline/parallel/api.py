@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -48,13 +49,15 @@ def distribute(
         its param groups (and their hyperparameters) now holding this rank's shards.
 
     Raises:
-        InvalidArgumentError: an unknown strategy, or an optimizer over other parameters.
+        InvalidArgumentError: an unknown strategy or option, or an optimizer over other
+            parameters.
     """
     name = strategy.lower()
     if name not in STRATEGIES:
         raise InvalidArgumentError(
             f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}"
         )
+    _check_options(name, options)
     if name != "ddp":
         stage = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[name]
         sharded = ShardedDataParallel(model, stage=stage, group=group, **options)
@@ -70,6 +73,31 @@ def distribute(
                 "parameters of the model; build the optimizer from model.parameters()"
             )
     return DistributedDataParallel(model, group=group, **options), optimizer
+
+
+def _check_options(strategy: str, options: dict[str, Any]) -> None:
+    """Refuses an option the strategy's wrapper does not take, before any work.
+
+    The error names who takes it instead (a ``TypeError`` from deep inside otherwise).
+    """
+    cls = DistributedDataParallel if strategy == "ddp" else ShardedDataParallel
+    params = inspect.signature(cls.__init__).parameters
+    valid = [
+        n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in ("group", "stage")
+    ]
+    unknown = sorted(set(options) - set(valid))
+    if not unknown:
+        return
+    elsewhere = [
+        f"{n} is an option of {'DDP' if n in _DDP_ONLY else 'the ZeRO strategies'}"
+        for n in unknown
+        if n in _DDP_ONLY | _ZERO_ONLY
+    ]
+    raise InvalidArgumentError(
+        f"distribute(strategy={strategy!r}): unknown option(s) {', '.join(unknown)}"
+        + (f" ({'; '.join(elsewhere)})" if elsewhere else "")
+        + f"; {cls.__name__} takes {', '.join(valid)}"
+    )
 
 
 _ORDER = ("ddp", "zero1", "zero2", "zero3")
