@@ -892,6 +892,33 @@ def test_backward_holds_few_units_gathered(frozen: str) -> None:
         assert 0 < peak <= 3, peak
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_units_gradient_buffer_exists_only_from_its_last_gradient(stage: int) -> None:
+    """Until a unit's last gradient arrives its gradients stay autograd's tensors: the
+    full-size flat buffer is allocated only then, and the values are still exact."""
+
+    def body(g: ProcessGroup) -> list[tuple[int, bool]]:
+        torch.set_num_threads(1)
+        with _INIT:
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        model = ShardedDataParallel(net, stage=stage, group=g, unit_mb=1)  # one unit
+        (unit,) = model._units
+        seen: list[tuple[int, bool]] = []
+        for p in net.parameters():  # registered after the wrapper's hooks: they run after them
+            p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                lambda _: seen.append((len(unit.held_grads), unit.grad_full is None))
+            )
+        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(g.rank))
+        model(x).square().mean().backward()
+        return seen
+
+    for seen in run_ranks(2, body, timeout=60):
+        # Four parameters: three held without a buffer, the last one flushes them all.
+        assert seen[:3] == [(1, True), (2, True), (3, True)], seen
+        assert seen[3][0] == 0, seen
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3"])
 def test_deleting_the_wrapped_model_frees_it(strategy: str) -> None:
     """After ``del model, opt`` the wrapper and its buffers are garbage, and the plain model

@@ -156,9 +156,9 @@ def _translate(exc: RuntimeError, what: str, rank: int) -> ShardlineError:
 
 
 # Thread blocks per collective of a group whose collectives overlap compute (ZeRO's gathers
-# and reductions): on 2x H100 a 395M GPT's zero3 step ran 0.7-0.9 % faster with 8 than with
-# NCCL's choice, the collectives taking fewer SMs from the GEMMs beside them
-# (benches/results/zero-cuda-2xh100-large-fair-*).
+# and reductions): on 2x H100 zero3 ran 0.6 % (395M GPT) and 1.9 % (1B GPT) faster with 8 than
+# with NCCL's choice, the collectives taking fewer SMs from the GEMMs beside them
+# (benches/results/zero-cuda-2xh100-overlap-ctas.txt).
 OVERLAP_CTAS = 8
 
 
