@@ -122,20 +122,44 @@ def memory_breakdown(model: Any, opt: Any) -> tuple[int, dict[str, int] | None]:
     return sum(d.values()), d
 
 
-def worker(args: argparse.Namespace) -> int:
+def build_impl(
+    name: str, base: Any, device: Any, lr: float, zero_kw: dict[str, Any]
+) -> tuple[Any, Any]:
+    """A copy of ``base`` on ``device`` wrapped as ``name`` (one of ``IMPLS``), and its AdamW:
+    ours through ``sl.distribute``, FSDP2 with ``fully_shard`` per block then the root, torch
+    DDP on the default group."""
     import copy  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: PLC0415
+
+    import shardline as sl  # noqa: PLC0415
+
+    model: Any = copy.deepcopy(base).to(device)
+    if name in OURS:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        return sl.distribute(model, opt, strategy=name, **zero_kw)
+    if name == "fsdp2":
+        fully_shard = fully_shard_fn()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        model = TorchDDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def worker(args: argparse.Namespace) -> int:
     import gc  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: PLC0415
 
     import shardline as sl  # noqa: PLC0415
     from shardline.examples.train import Config, TinyGPT, corpus  # noqa: PLC0415
 
     rank, world, device, _ = bench_ddp.join_job(args.device)
     cuda = device.type == "cuda"
-    fully_shard = fully_shard_fn()
 
     def sync() -> None:
         if cuda:
@@ -165,17 +189,7 @@ def worker(args: argparse.Namespace) -> int:
     items = batch * seq_len * world  # tokens per step, all ranks
 
     def build(name: str) -> tuple[Any, Any]:
-        model: Any = copy.deepcopy(base).to(device)
-        if name in OURS:
-            opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-            return sl.distribute(model, opt, strategy=name, **args.zero_kw)
-        if name == "fsdp2":
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
-        else:
-            model = TorchDDP(model, device_ids=[device.index] if cuda else None)
-        return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
+        return build_impl(name, base, device, args.lr, args.zero_kw)
 
     def step(model: Any, opt: Any, counter: list[int]) -> Any:
         x, y = batches[counter[0] % len(batches)]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import gc
 import sys
 from pathlib import Path
@@ -97,7 +96,6 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randint(0, cfg.vocab, (batch, seq_len), generator=gen).to(device)
     y = torch.randint(0, cfg.vocab, (batch, seq_len), generator=gen).to(device)
-    fully_shard = bench_zero.fully_shard_fn()
 
     gc.collect()
     idle = torch.cuda.memory_allocated()
@@ -107,15 +105,7 @@ def main() -> int:
         if rank == 0:
             left = (torch.cuda.memory_allocated() - idle) / MIB
             print(f"-- before building {name}: {left:,.1f} MiB left by what ran before", flush=True)
-        model: Any = copy.deepcopy(base).to(device)
-        if name == "fsdp2":
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            model, opt = sl.distribute(model, opt, strategy=name, **args.zero_kw)
+        model, opt = bench_zero.build_impl(name, base, device, 1e-3, args.zero_kw)
         torch.cuda.synchronize()
         start = torch.cuda.memory_allocated()
         torch.cuda.memory._record_memory_history(max_entries=1_000_000)
