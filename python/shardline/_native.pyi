@@ -94,7 +94,10 @@ class Group:
         listener: Listener | None,
         arena_path: str | None,
         timeout: float,
-    ) -> Group: ...
+        machine_ranks: int | None = None,
+    ) -> Group:
+        """``machine_ranks``: ranks of the job on this machine whatever their host ids say
+        (default ``world_size``); TCP waits spin briefly only while each has a core."""
     @property
     def rank(self) -> int: ...
     @property

@@ -21,6 +21,7 @@ use crate::op::{OpKind, OpSig};
 use crate::reduce::{self, ReduceOp};
 use crate::transport::shm::Arena;
 use crate::transport::tcp::{TcpListenerHandle, TcpMesh};
+use crate::wait::SpinPolicy;
 
 /// Everything a rank needs to join a communicator (rendezvous happens in Python).
 #[derive(Clone, Debug)]
@@ -43,6 +44,9 @@ pub struct CommConfig {
     pub timeout: Duration,
     /// All-reduces up to this size are one-shot on the arena.
     pub oneshot_bytes: usize,
+    /// Ranks of the job on this machine, whatever their host ids say (they share its cores):
+    /// TCP waits spin only while every one of them has a core.
+    pub machine_ranks: usize,
 }
 
 impl CommConfig {
@@ -58,6 +62,7 @@ impl CommConfig {
             arena_path: None,
             timeout: Duration::from_secs(300),
             oneshot_bytes: DEFAULT_ONESHOT_BYTES,
+            machine_ranks: world,
         }
     }
 }
@@ -386,7 +391,7 @@ impl Communicator {
         let mesh = match listener {
             Some(l) if world > 1 => {
                 let peers: Vec<usize> = (0..world).filter(|&r| r != rank).collect();
-                Some(TcpMesh::connect(
+                let mut mesh = TcpMesh::connect(
                     rank,
                     world,
                     &cfg.addrs,
@@ -395,7 +400,9 @@ impl Communicator {
                     &cfg.secret,
                     &cfg.name,
                     deadline,
-                )?)
+                )?;
+                mesh.set_spin(SpinPolicy::for_ranks(cfg.machine_ranks).spin);
+                Some(mesh)
             }
             _ => None,
         };

@@ -535,19 +535,39 @@ fn silent_peer_is_a_timeout_naming_peer_and_op() {
 #[test]
 fn large_exchange_is_full_duplex() {
     use shardline::collectives::p2p::P2p;
-    // 24 MiB each way, far beyond the socket buffers: both peers send first.
+    // 24 MiB each way, far beyond the socket buffers: both peers send first. Also with
+    // stalled receives spinning on their socket before they sleep in poll(2).
     let bytes = 24 << 20;
-    mesh_world(2, |rank, mesh| {
-        let out: Vec<u8> = (0..bytes).map(|i| (i % 251) as u8 ^ rank as u8).collect();
-        let mut inp = vec![0u8; bytes];
-        let sig = OpSig::new(OpKind::Send, DType::U8, bytes);
-        mesh.exchange(1 - rank, &out, 1 - rank, &mut inp, &sig, deadline())
-            .unwrap();
-        assert!(inp
-            .iter()
-            .enumerate()
-            .all(|(i, &b)| b == (i % 251) as u8 ^ (1 - rank) as u8));
-    });
+    for spin in [Duration::ZERO, Duration::from_micros(50)] {
+        mesh_world(2, |rank, mesh| {
+            mesh.set_spin(spin);
+            let out: Vec<u8> = (0..bytes).map(|i| (i % 251) as u8 ^ rank as u8).collect();
+            let mut inp = vec![0u8; bytes];
+            let mut seq = Seq(0);
+            let sig = seq.next(OpKind::Send, DType::U8, bytes);
+            mesh.exchange(1 - rank, &out, 1 - rank, &mut inp, &sig, deadline())
+                .unwrap();
+            assert!(
+                inp.iter()
+                    .enumerate()
+                    .all(|(i, &b)| b == (i % 251) as u8 ^ (1 - rank) as u8),
+                "spin {spin:?}"
+            );
+            // Small messages, where the spin is what answers them.
+            for k in 0..200usize {
+                let sig = seq.next(OpKind::Send, DType::U8, 64);
+                let out = [(k % 251) as u8 ^ rank as u8; 64];
+                let mut inp = [0u8; 64];
+                mesh.exchange(1 - rank, &out, 1 - rank, &mut inp, &sig, deadline())
+                    .unwrap();
+                assert_eq!(
+                    inp,
+                    [(k % 251) as u8 ^ (1 - rank) as u8; 64],
+                    "spin {spin:?}"
+                );
+            }
+        });
+    }
 }
 
 /// Not a test: prints all_reduce timings (`cargo test --release -- --ignored --nocapture`).

@@ -34,6 +34,7 @@ __all__ = [
     "first_slurm_host",
     "host_identity",
     "job_secret",
+    "machine_identity",
     "read_env",
     "timeout_seconds",
 ]
@@ -241,6 +242,15 @@ def host_identity(env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     if env.get("SHARDLINE_HOST_ID"):
         return env["SHARDLINE_HOST_ID"]
+    return machine_identity()
+
+
+def machine_identity() -> str:
+    """This machine's identity, hostname plus boot id, whatever ``SHARDLINE_HOST_ID`` says.
+
+    Ranks with equal machine identities share its cores, which decides how long they may
+    spin while waiting.
+    """
     try:
         with open(_BOOT_ID, encoding="ascii") as f:
             boot = f.read().strip()

@@ -166,7 +166,7 @@ impl PyGroup {
 #[pymethods]
 impl PyGroup {
     #[new]
-    #[pyo3(signature = (rank, world_size, *, name, secret, host_ids, addrs, listener, arena_path, timeout))]
+    #[pyo3(signature = (rank, world_size, *, name, secret, host_ids, addrs, listener, arena_path, timeout, machine_ranks=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -179,6 +179,7 @@ impl PyGroup {
         listener: Option<PyRef<'_, PyListener>>,
         arena_path: Option<String>,
         timeout: f64,
+        machine_ranks: Option<usize>,
     ) -> PyResult<Self> {
         let listener = match listener {
             Some(l) => Some(
@@ -212,6 +213,7 @@ impl PyGroup {
                 "SHARDLINE_ONESHOT_BYTES",
                 crate::collectives::arena::DEFAULT_ONESHOT_BYTES,
             ),
+            machine_ranks: machine_ranks.unwrap_or(world_size).max(1),
         };
         let comm = py.detach(|| Communicator::new(cfg, listener)).py_err()?;
         Ok(PyGroup {

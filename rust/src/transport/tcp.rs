@@ -39,6 +39,8 @@ pub struct TcpMesh {
     group: u64,
     links: Vec<Option<Link>>,
     broken: Option<Error>,
+    /// How long a stalled receive retries its socket before sleeping in poll(2).
+    spin: Duration,
 }
 
 /// A shared reference to a stream usable where the helpers want `Read + Write + AsRawFd`.
@@ -115,7 +117,15 @@ impl TcpMesh {
             group: tag,
             links,
             broken: None,
+            spin: Duration::ZERO,
         })
+    }
+
+    /// Lets a stalled receive retry its socket for up to `spin` before sleeping in poll(2)
+    /// (a message about to arrive then costs no wake-up); worth it only when every rank on
+    /// the machine has a core to spin on (`SpinPolicy::for_ranks`).
+    pub fn set_spin(&mut self, spin: Duration) {
+        self.spin = spin;
     }
 
     /// The world size the mesh was built for.
@@ -314,6 +324,7 @@ impl TcpMesh {
         if sending {
             self.links[to].as_mut().expect("checked").tx_dirty = true;
         }
+        let mut spin_until: Option<Instant> = None;
         while !(out_done && in_done) {
             let mut progress = false;
             if !out_done {
@@ -358,6 +369,17 @@ impl TcpMesh {
                 progress |= n > 0;
                 if n == 0 {
                     break;
+                }
+            }
+            if progress {
+                spin_until = None;
+            } else if !in_done && !self.spin.is_zero() {
+                // Retry the non-blocking read for a while: a message that is about to arrive
+                // is taken without the wake-up latency of a sleep in poll(2).
+                let now = Instant::now();
+                if now < *spin_until.get_or_insert(now + self.spin) {
+                    std::hint::spin_loop();
+                    continue;
                 }
             }
             if !progress && (!out_done || !in_done) {

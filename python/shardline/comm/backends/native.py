@@ -24,7 +24,7 @@ import torch
 
 from shardline.comm._buffers import dtype_name
 from shardline.comm.backends._store import exchange, store_barrier
-from shardline.comm.rendezvous import job_secret
+from shardline.comm.rendezvous import job_secret, machine_identity
 from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:
@@ -208,7 +208,12 @@ def create(
     """
     native = _native_module()
     prefix = f"shardline/{name}"
-    host_ids = exchange(store, f"{prefix}/host", rank, world_size, host_id)
+    # One round for both identities: the host id decides shared memory, the machine (the
+    # same unless SHARDLINE_HOST_ID overrides it) how many ranks share this machine's cores.
+    idents = exchange(store, f"{prefix}/host", rank, world_size, f"{host_id}\0{machine_identity()}")
+    host_ids = [i.split("\0", 1)[0] for i in idents]
+    machines = [i.split("\0", 1)[-1] for i in idents]
+    machine_ranks = machines.count(machines[rank])
     if secret is None:
         secret = job_secret(store, rank, host_ids, key=f"{prefix}/secret")
     listener = None
@@ -244,6 +249,7 @@ def create(
             listener=listener,
             arena_path=arena_path,
             timeout=timeout,
+            machine_ranks=machine_ranks,
         )
         store_barrier(
             store, f"{prefix}/ready", rank, world_size, timeout, f"creating group {name!r}"
