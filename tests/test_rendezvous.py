@@ -19,6 +19,7 @@ from shardline.comm.rendezvous import (
     first_slurm_host,
     host_identity,
     job_secret,
+    machine_identity,
     read_env,
     timeout_seconds,
 )
@@ -124,6 +125,14 @@ def test_host_identity() -> None:
     ident = host_identity({})
     assert ident.startswith(socket.gethostname() + "/")
     assert len(ident) > len(socket.gethostname()) + 1
+
+
+def test_machine_identity_ignores_the_host_id_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks forced apart with SHARDLINE_HOST_ID still share this machine's cores."""
+    real = host_identity({})
+    monkeypatch.setenv("SHARDLINE_HOST_ID", "pretend-host")
+    assert host_identity() == "pretend-host"
+    assert machine_identity() == real
 
 
 def test_secret_from_env_is_hashed() -> None:
