@@ -16,12 +16,14 @@ reduce_scatter: the input; all_gather: the output), busbw = algbw * factor (all_
 Bounds, measured in the same run (ANCHORS.md section 1):
   shm all_reduce:      T >= max(2S/B1, 2NS/B2)   B1 one core's copy bandwidth (read+write),
                                                  B2 all ranks copying at once (sum)
+    with T helper threads per rank (SHARDLINE_COMM_THREADS, default: cores / ranks, at most 4):
+                       T >= max(2S/(T B1), 2NS/B3)  B3 all ranks copying on T threads each
   TCP ring all_reduce: T >= 2(N-1)S/B_lo         B_lo one loopback TCP stream
 
 Backends: ``native`` (ProcessGroup, shared memory), ``native-tcp`` (the same engine with the
 TCP path forced: a distinct host id per rank), ``gloo`` (raw ``ProcessGroupGloo`` calls, what
 torch users get), ``native-raw`` (diagnostic: ``_native.Group`` called directly, no Python
-layer).
+layer), ``native-1t`` (the engine with one thread per rank: ``SHARDLINE_COMM_THREADS=1``).
 
 Exit status: 0 all good; 1 a worker failed or timed out (every rank's stderr is printed);
 2 bad arguments; 3 the run finished but a backend or a cell failed (listed at the end).
@@ -53,7 +55,7 @@ from typing import Any
 
 SIZED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 OPS = (*SIZED_OPS, "barrier")
-BACKENDS = ("native", "native-tcp", "gloo", "native-raw")
+BACKENDS = ("native", "native-tcp", "gloo", "native-raw", "native-1t")
 DEFAULT_SIZES = "4K,64K,1M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M,64M"
 BOUND_BYTES = 256 << 20
@@ -191,6 +193,31 @@ def worker_main(cfg_path: str) -> int:
         t_all = sync.gather(f"b2-{i}", time.perf_counter() - t0)
         b2s.append(world * reps * 2 * src.nbytes / max(t_all))
     del src, dst
+    # B3: every rank copying on as many threads as the engine's helpers (numpy releases the GIL).
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    from shardline.comm.backends.native import comm_threads  # noqa: PLC0415
+
+    lanes, b3s = comm_threads(world), []
+    if lanes > 1:
+        pairs = [
+            (np.full(nb // lanes, 1.0, dtype=np.float32), np.full(nb // lanes, 2.0, np.float32))
+            for _ in range(lanes)
+        ]
+
+        def copies(pair: tuple[Any, Any]) -> None:
+            for _ in range(reps):
+                np.copyto(pair[1], pair[0])
+
+        with ThreadPoolExecutor(lanes) as ex:
+            list(ex.map(copies, pairs))
+            for i in range(3):
+                sync.gather(f"b3-go-{i}", None)
+                t0 = time.perf_counter()
+                list(ex.map(copies, pairs))
+                t_all = sync.gather(f"b3-{i}", time.perf_counter() - t0)
+                b3s.append(world * reps * 2 * sum(p[0].nbytes for p in pairs) / max(t_all))
+        del pairs
     blo = _loopback_tcp(cfg["bound_bytes"]) if rank == 0 else []
     idle = _idle_cpu(0.5)
     idles = sync.gather("idle", idle)
@@ -201,6 +228,8 @@ def worker_main(cfg_path: str) -> int:
             "B1_samples_GBps": [x / 1e9 for x in b1],
             "B2_copy_all_ranks_GBps": max(b2s) / 1e9,
             "B2_samples_GBps": [x / 1e9 for x in b2s],
+            "lanes": lanes,
+            "B3_copy_all_threads_GBps": max(b3s) / 1e9 if b3s else None,
             "B_lo_tcp_GBps": max(blo) / 1e9,
             "B_lo_samples_GBps": [x / 1e9 for x in blo],
             "bound_bytes": cfg["bound_bytes"],
@@ -329,6 +358,19 @@ def _make_group(
         if pg.transport != "tcp":
             raise RuntimeError(f"native-tcp group reports transport {pg.transport!r}, not 'tcp'")
         return ("native-tcp", pg)
+    if backend == "native-1t":
+        saved = os.environ.get("SHARDLINE_COMM_THREADS")
+        os.environ["SHARDLINE_COMM_THREADS"] = "1"
+        try:
+            pg = init_process_group(
+                store, rank, world, backend="native", name="bench-1t", timeout=op_timeout
+            )
+        finally:
+            if saved is None:
+                os.environ.pop("SHARDLINE_COMM_THREADS", None)
+            else:
+                os.environ["SHARDLINE_COMM_THREADS"] = saved
+        return ("native-1t", pg)
     if backend == "native-raw":
         if "native" in groups:  # the same communicator as "native", called without the wrapper
             return ("native-raw", groups["native"][1])
@@ -794,7 +836,11 @@ def derive(world: int, res: dict[str, Any]) -> None:
         bd["B2_copy_all_ranks_GBps"] * 1e9,
         bd["B_lo_tcp_GBps"] * 1e9,
     )
-    shm = 1 / max(2 / b1, 2 * world / b2)  # all_reduce algbw bound, B/s
+    shm = shm_1t = 1 / max(2 / b1, 2 * world / b2)  # all_reduce algbw bound, B/s
+    lanes = bd.get("lanes", 1)
+    if lanes > 1 and bd.get("B3_copy_all_threads_GBps"):
+        # The engine's helper threads: T cores per rank, all ranks' threads copying at once.
+        shm = 1 / max(2 / (lanes * b1), 2 * world / (bd["B3_copy_all_threads_GBps"] * 1e9))
     tcp = blo / (2 * (world - 1))
     bd["shm_all_reduce_algbw_bound_GBps"] = shm / 1e9
     bd["tcp_ring_all_reduce_algbw_bound_GBps"] = tcp / 1e9
@@ -819,7 +865,8 @@ def derive(world: int, res: dict[str, Any]) -> None:
         if g and c["backend"] != "gloo":
             c["speedup_vs_gloo"] = g / t
         if c["op"] == "all_reduce":
-            c["pct_shm_bound"] = 100 * c["algbw_GBps"] * 1e9 / shm
+            bound = shm_1t if c["backend"] == "native-1t" else shm
+            c["pct_shm_bound"] = 100 * c["algbw_GBps"] * 1e9 / bound
             c["pct_tcp_bound"] = 100 * c["algbw_GBps"] * 1e9 / tcp
 
 
@@ -829,9 +876,20 @@ def table(world: int, res: dict[str, Any], ncores: int) -> str:
         f"== {world} ranks on {ncores} cores ==",
         f"best of: B1 (1 core copy, rd+wr) {bd['B1_copy_GBps']:.1f} GB/s; B2 (all {world} ranks) "
         f"{bd['B2_copy_all_ranks_GBps']:.1f} GB/s; loopback TCP B_lo "
-        f"{bd['B_lo_tcp_GBps']:.2f} GB/s",
+        f"{bd['B_lo_tcp_GBps']:.2f} GB/s"
+        + (
+            f"; B3 (all {world} ranks x {bd['lanes']} threads) "
+            f"{bd['B3_copy_all_threads_GBps']:.1f} GB/s"
+            if bd.get("B3_copy_all_threads_GBps")
+            else ""
+        ),
         f"all_reduce algbw bounds: shm {bd['shm_all_reduce_algbw_bound_GBps']:.2f} GB/s "
-        f"[T >= max(2S/B1, 2NS/B2)], TCP ring {bd['tcp_ring_all_reduce_algbw_bound_GBps']:.2f}"
+        + (
+            f"[{bd['lanes']} threads per rank: T >= max(2S/(T B1), 2NS/B3)]"
+            if bd.get("B3_copy_all_threads_GBps")
+            else "[T >= max(2S/B1, 2NS/B2)]"
+        )
+        + f", TCP ring {bd['tcp_ring_all_reduce_algbw_bound_GBps']:.2f}"
         " GB/s [T >= 2(N-1)S/B_lo]",
     ]
     for b, g in res["groups"].items():
@@ -860,7 +918,7 @@ def table(world: int, res: dict[str, Any], ncores: int) -> str:
         pct = "-"
         if c["op"] == "all_reduce":
             # shm bound for the shared-memory engine, TCP ring bound for TCP paths (gloo too)
-            if c["backend"] in ("native", "native-raw"):
+            if c["backend"] in ("native", "native-raw", "native-1t"):
                 pct = f"{c['pct_shm_bound']:.0f}% shm"
             else:
                 pct = f"{c['pct_tcp_bound']:.0f}% tcp"
@@ -890,7 +948,13 @@ def plot(results: dict[int, dict[str, Any]], path: Path) -> str | None:
     fig, axes = plt.subplots(
         2 * len(worlds), len(ops), figsize=(4.2 * len(ops), 3.3 * 2 * len(worlds)), squeeze=False
     )
-    styles = {"native": "C0-o", "native-raw": "C2:^", "native-tcp": "C1-s", "gloo": "C3--x"}
+    styles = {
+        "native": "C0-o",
+        "native-raw": "C2:^",
+        "native-tcp": "C1-s",
+        "gloo": "C3--x",
+        "native-1t": "C4-.v",
+    }
     for wi, world in enumerate(worlds):
         res = results[world]
         for oi, op in enumerate(ops):

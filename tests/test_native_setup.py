@@ -14,6 +14,7 @@ import pytest
 
 from shardline.comm import ProcessGroup
 from shardline.comm.backends import native as native_backend
+from shardline.errors import ShardlineError
 from tests._ranks import SECRET, host_ids, run_ranks
 
 
@@ -156,6 +157,61 @@ def test_missing_engine_says_how_to_build(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(builtins, "__import__", no_native)
     with pytest.raises(Exception, match="maturin develop"):
         native_backend._native_module()
+
+
+@pytest.mark.parametrize(
+    ("cores", "machine_ranks", "threads", "min_bytes", "slot"),
+    [
+        (16, 2, 4, native_backend.LANES_MIN_BYTES, native_backend.LANES_SLOT_BYTES),
+        (16, 4, 4, native_backend.LANES_MIN_BYTES, native_backend.LANES_SLOT_BYTES),
+        (64, 2, 4, native_backend.LANES_MIN_BYTES, native_backend.LANES_SLOT_BYTES),
+        (16, 8, 1, native_backend.FEW_LANES_MIN_BYTES, native_backend.DEFAULT_SLOT_BYTES),
+        (12, 4, 1, native_backend.FEW_LANES_MIN_BYTES, native_backend.DEFAULT_SLOT_BYTES),
+        (16, 16, 1, native_backend.FEW_LANES_MIN_BYTES, native_backend.DEFAULT_SLOT_BYTES),
+        (2, 2, 1, native_backend.FEW_LANES_MIN_BYTES, native_backend.FEW_CORES_SLOT_BYTES),
+    ],
+)
+def test_helper_threads_take_the_cores_the_ranks_leave(
+    monkeypatch: pytest.MonkeyPatch,
+    cores: int,
+    machine_ranks: int,
+    threads: int,
+    min_bytes: int,
+    slot: int,
+) -> None:
+    monkeypatch.setattr(native_backend.os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    for var in ("SHARDLINE_COMM_THREADS", "SHARDLINE_COMM_THREADS_MIN_BYTES"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("SHARDLINE_SHM_SLOT_BYTES", raising=False)
+    assert native_backend.comm_threads(machine_ranks) == threads
+    assert native_backend.lanes_min_bytes(threads) == min_bytes
+    assert native_backend._slot_bytes(machine_ranks, threads) == slot
+    monkeypatch.setenv("SHARDLINE_COMM_THREADS", "2")
+    monkeypatch.setenv("SHARDLINE_COMM_THREADS_MIN_BYTES", "0")
+    assert native_backend.comm_threads(machine_ranks) == 2
+    assert native_backend.lanes_min_bytes(2) == 0
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("SHARDLINE_COMM_THREADS", "0"),
+        ("SHARDLINE_COMM_THREADS", "four"),
+        ("SHARDLINE_COMM_THREADS_MIN_BYTES", "-1"),
+        ("SHARDLINE_SHM_SLOT_BYTES", "1000"),
+    ],
+)
+def test_bad_engine_settings_are_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    read = {
+        "SHARDLINE_COMM_THREADS": lambda: native_backend.comm_threads(2),
+        "SHARDLINE_COMM_THREADS_MIN_BYTES": lambda: native_backend.lanes_min_bytes(2),
+        "SHARDLINE_SHM_SLOT_BYTES": lambda: native_backend._slot_bytes(2, 1),
+    }[var]
+    with pytest.raises(ShardlineError, match=f"{var}='{value}' must be an integer of at least"):
+        read()
 
 
 @pytest.mark.parametrize(

@@ -95,9 +95,13 @@ class Group:
         arena_path: str | None,
         timeout: float,
         machine_ranks: int | None = None,
+        lanes: int = 1,
+        lanes_min_bytes: int | None = None,
     ) -> Group:
         """``machine_ranks``: ranks of the job on this machine whatever their host ids say
-        (default ``world_size``); TCP waits spin briefly only while each has a core."""
+        (default ``world_size``); TCP waits spin briefly only while each has a core.
+        ``lanes``: threads per rank for the memory passes of blocking shared-memory ops of at
+        least ``lanes_min_bytes`` (default 1 MiB); 1 for none."""
     @property
     def rank(self) -> int: ...
     @property

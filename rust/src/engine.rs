@@ -13,6 +13,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::collectives::arena::{ArenaComm, DEFAULT_ONESHOT_BYTES};
+use crate::collectives::lanes::Lanes;
 use crate::collectives::p2p::P2p;
 use crate::collectives::{direct, ring};
 use crate::dtype::DType;
@@ -47,6 +48,10 @@ pub struct CommConfig {
     /// Ranks of the job on this machine, whatever their host ids say (they share its cores):
     /// TCP waits spin only while every one of them has a core.
     pub machine_ranks: usize,
+    /// Threads per rank for the memory passes of large shared-memory ops (1: none).
+    pub lanes: usize,
+    /// Shared-memory ops of at least this many bytes use the lanes.
+    pub lanes_min_bytes: usize,
 }
 
 impl CommConfig {
@@ -63,6 +68,8 @@ impl CommConfig {
             timeout: Duration::from_secs(300),
             oneshot_bytes: DEFAULT_ONESHOT_BYTES,
             machine_ranks: world,
+            lanes: 1,
+            lanes_min_bytes: crate::collectives::lanes::DEFAULT_MIN_BYTES,
         }
     }
 }
@@ -296,6 +303,8 @@ struct Job {
     op: Op,
     work: Work,
     keepalive: Box<dyn Any + Send>,
+    /// Submitted with `async_op`: it overlaps the caller's compute, so no helper threads.
+    async_op: bool,
 }
 
 #[derive(Default)]
@@ -416,7 +425,14 @@ impl Communicator {
             rank,
             world,
             mode,
-            arena: arena.clone().map(|a| ArenaComm::new(a, cfg.oneshot_bytes)),
+            arena: arena.clone().map(|a| {
+                let lanes = Lanes::new(
+                    cfg.lanes,
+                    cfg.lanes_min_bytes,
+                    &format!("shardline-{}-r{rank}", cfg.name),
+                );
+                ArenaComm::new(a, cfg.oneshot_bytes, lanes)
+            }),
             mesh,
             my_local,
             leaders,
@@ -470,7 +486,7 @@ impl Communicator {
         if !async_op && q.items.is_empty() && q.running == 0 {
             q.running += 1;
             drop(q);
-            let r = run_guarded(&self.shared, &op);
+            let r = run_guarded(&self.shared, &op, true);
             drop(keepalive);
             let mut q = lock(&self.shared.queue);
             q.running -= 1;
@@ -486,6 +502,7 @@ impl Communicator {
             op,
             work: work.clone(),
             keepalive,
+            async_op,
         });
         self.shared.cv.notify_all();
         Ok(work)
@@ -533,9 +550,14 @@ fn closed_error(rank: usize) -> Error {
 
 /// Runs one op; a panic (a bug in the engine) becomes an error on this rank, breaks the
 /// communicator like any failure, and leaves the queue usable for the error to surface.
-fn run_guarded(shared: &Shared, op: &Op) -> Result<()> {
-    let outcome =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lock(&shared.core).run(op)));
+///
+/// `helpers`: whether a large shared-memory op may split its passes over the communicator's
+/// helper threads. Only ops the caller waits for do: an async op runs beside the caller's
+/// compute, whose cores the helpers would take.
+fn run_guarded(shared: &Shared, op: &Op, helpers: bool) -> Result<()> {
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        lock(&shared.core).run(op, helpers)
+    }));
     outcome.unwrap_or_else(|panic| {
         let what = panic
             .downcast_ref::<&str>()
@@ -571,7 +593,7 @@ fn worker_loop(shared: &Shared) {
                 q = shared.cv.wait(q).unwrap_or_else(|e| e.into_inner());
             }
         };
-        let r = run_guarded(shared, &job.op);
+        let r = run_guarded(shared, &job.op, !job.async_op);
         job.work.complete(r);
         drop(job.keepalive);
         lock(&shared.queue).running -= 1;
@@ -799,7 +821,7 @@ impl Core {
         }
     }
 
-    fn run(&mut self, op: &Op) -> Result<()> {
+    fn run(&mut self, op: &Op, helpers: bool) -> Result<()> {
         if let Some(e) = &self.broken {
             return Err(Error::new(
                 ErrorKind::Closed,
@@ -816,6 +838,9 @@ impl Core {
             self.seq += 1;
         }
         let deadline = Instant::now() + self.timeout;
+        if let Some(a) = self.arena.as_mut() {
+            a.allow_helpers(helpers);
+        }
         let r = self.dispatch(op, &sig, deadline);
         if let Err(e) = &r {
             self.fail(e);

@@ -45,7 +45,13 @@ pub fn stream_mode() -> StreamMode {
 ///
 /// Ends with a store fence, so a release store after it (a phase signal) orders after the data.
 pub fn copy_to_shared(dst: &mut [u8], src: &[u8]) {
-    if dst.len() >= STREAM_MIN_BYTES && stream_mode() != StreamMode::Off {
+    copy_piece_to_shared(dst, src, dst.len());
+}
+
+/// One piece of a copy of `whole` bytes into shared memory (split over helper threads): it
+/// streams exactly when the whole copy would.
+pub fn copy_piece_to_shared(dst: &mut [u8], src: &[u8], whole: usize) {
+    if whole >= STREAM_MIN_BYTES && stream_mode() != StreamMode::Off {
         stream_to_shared(dst, src);
     } else {
         dst.copy_from_slice(src);
@@ -59,7 +65,18 @@ const REDUCE_BLOCK: usize = 64 * 1024;
 /// outputs are reduced block by block into a scratch buffer that stays in cache, then
 /// streamed to `dst`.
 pub fn reduce_to_shared(dst: &mut [u8], srcs: &[&[u8]], dtype: DType, op: ReduceOp) {
-    if dst.len() < STREAM_MIN_BYTES || stream_mode() != StreamMode::All {
+    reduce_piece_to_shared(dst, srcs, dtype, op, dst.len());
+}
+
+/// One piece of a [`reduce_to_shared`] of `whole` bytes: it streams when the whole would.
+pub fn reduce_piece_to_shared(
+    dst: &mut [u8],
+    srcs: &[&[u8]],
+    dtype: DType,
+    op: ReduceOp,
+    whole: usize,
+) {
+    if whole < STREAM_MIN_BYTES || stream_mode() != StreamMode::All {
         reduce::reduce_slices(dst, srcs, dtype, op);
     } else {
         reduce_streamed(dst, srcs, dtype, op);

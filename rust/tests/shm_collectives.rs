@@ -15,6 +15,16 @@ fn run_ranks<T: Send + 'static>(
     slot: usize,
     body: impl Fn(&Communicator, usize) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
+    run_ranks_lanes(n, slot, 1, body)
+}
+
+/// [`run_ranks`] with `lanes` helper threads per rank on every op (no size threshold).
+fn run_ranks_lanes<T: Send + 'static>(
+    n: usize,
+    slot: usize,
+    lanes: usize,
+    body: impl Fn(&Communicator, usize) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
     let path = format!(
         "/dev/shm/shardline-{}-test{}",
         std::process::id(),
@@ -29,6 +39,8 @@ fn run_ranks<T: Send + 'static>(
                 cfg.arena_path = (n > 1).then_some(path);
                 cfg.timeout = Duration::from_secs(5);
                 cfg.oneshot_bytes = 1024;
+                cfg.lanes = lanes;
+                cfg.lanes_min_bytes = 0;
                 let c = Communicator::new(cfg, None).unwrap();
                 body(&c, r)
             })
@@ -181,6 +193,86 @@ fn reduce_scatter_all_gather_broadcast_scatter_gather_all_to_all() {
                     .flat_map(|q| full[q][r * block..(r + 1) * block].to_vec())
                     .collect();
                 assert_eq!(a2a, f32s(&a2a_ref), "all_to_all n={n} block={block}");
+            }
+        }
+    }
+}
+
+#[test]
+fn large_ops_split_over_helper_threads_equal_the_reference() {
+    // Sizes that cut the chunks and pieces raggedly: many 64-byte pieces per lane, a last
+    // chunk shorter than the slot, blocks not a multiple of the element count per piece.
+    let slot = 256 * 1024;
+    for n in 1..=3 {
+        for lanes in [2, 3] {
+            let (len, block) = (300_001usize, 70_003usize);
+            let out = run_ranks_lanes(n, slot, lanes, move |c, r| {
+                let mut ar = f32s(&input(r, len));
+                let op = Op::AllReduce {
+                    buf: RawBuf::from_slice(&mut ar),
+                    dtype: DType::F32,
+                    op: ReduceOp::Sum,
+                };
+                run(c, op).unwrap();
+                let mut red = f32s(&input(r, len));
+                let op = Op::Reduce {
+                    buf: RawBuf::from_slice(&mut red),
+                    dtype: DType::F32,
+                    op: ReduceOp::Max,
+                    root: n - 1,
+                };
+                run(c, op).unwrap();
+                let mut rs = vec![0u8; block * 4];
+                let mut inp = f32s(&input(r, block * n));
+                let op = Op::ReduceScatter {
+                    out: RawBuf::from_slice(&mut rs),
+                    inp: RawBuf::from_slice(&mut inp),
+                    dtype: DType::F32,
+                    op: ReduceOp::Sum,
+                };
+                run(c, op).unwrap();
+                let counts: Vec<usize> = (0..n).map(|q| block + 1000 * q).collect();
+                let mut mine = f32s(&input(r, counts[r]));
+                let mut ag = vec![0u8; counts.iter().sum::<usize>() * 4];
+                let op = Op::AllGather {
+                    out: RawBuf::from_slice(&mut ag),
+                    inp: RawBuf::from_slice(&mut mine),
+                    dtype: DType::F32,
+                    counts: Some(counts),
+                };
+                run(c, op).unwrap();
+                let mut bc = if r == 0 {
+                    f32s(&input(7, len))
+                } else {
+                    vec![0u8; len * 4]
+                };
+                let op = Op::Broadcast {
+                    buf: RawBuf::from_slice(&mut bc),
+                    dtype: DType::F32,
+                    root: 0,
+                };
+                run(c, op).unwrap();
+                (ar, red, rs, ag, bc)
+            });
+            let ins: Vec<Vec<f32>> = (0..n).map(|q| input(q, len)).collect();
+            let sum: Vec<f32> = (0..len).map(|i| ins.iter().map(|v| v[i]).sum()).collect();
+            let max: Vec<f32> = (0..len)
+                .map(|i| ins.iter().map(|v| v[i]).fold(f32::MIN, f32::max))
+                .collect();
+            let blocks: Vec<Vec<f32>> = (0..n).map(|q| input(q, block * n)).collect();
+            for (r, (ar, red, rs, ag, bc)) in out.into_iter().enumerate() {
+                let what = format!("n={n} lanes={lanes} rank {r}");
+                assert_eq!(ar, f32s(&sum), "all_reduce {what}");
+                if r == n - 1 {
+                    assert_eq!(red, f32s(&max), "reduce {what}");
+                }
+                let rs_ref: Vec<f32> = (0..block)
+                    .map(|i| blocks.iter().map(|v| v[r * block + i]).sum())
+                    .collect();
+                assert_eq!(rs, f32s(&rs_ref), "reduce_scatter {what}");
+                let ag_ref: Vec<f32> = (0..n).flat_map(|q| input(q, block + 1000 * q)).collect();
+                assert_eq!(ag, f32s(&ag_ref), "all_gather {what}");
+                assert_eq!(bc, f32s(&input(7, len)), "broadcast {what}");
             }
         }
     }

@@ -13,9 +13,10 @@
 
 use std::time::Instant;
 
+use crate::collectives::lanes::{self, Lanes};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
-use crate::memcpy::{copy_to_shared, reduce_to_shared};
+use crate::memcpy::{copy_piece_to_shared, reduce_piece_to_shared};
 use crate::op::OpSig;
 use crate::reduce::{self, ReduceOp};
 use std::sync::Arc;
@@ -30,6 +31,9 @@ pub struct ArenaComm {
     arena: Arc<Arena>,
     phase: u32,
     oneshot_bytes: usize,
+    lanes: Lanes,
+    /// Whether the op in progress may use the lanes (see [`ArenaComm::allow_helpers`]).
+    helpers: bool,
 }
 
 /// Splits `len` bytes of `es`-byte elements into `n` nearly equal parts; part `i`'s range.
@@ -50,12 +54,41 @@ fn piece_bytes(slot: usize, n: usize, es: usize) -> usize {
 }
 
 impl ArenaComm {
-    /// Wraps a mapped arena.
-    pub fn new(arena: Arc<Arena>, oneshot_bytes: usize) -> Self {
+    /// Wraps a mapped arena; large ops split their memory passes over `lanes`.
+    pub fn new(arena: Arc<Arena>, oneshot_bytes: usize, lanes: Lanes) -> Self {
         ArenaComm {
             arena,
             phase: 0,
             oneshot_bytes,
+            lanes,
+            helpers: true,
+        }
+    }
+
+    /// Whether the next ops may split their passes over the helper threads: yes for ops the
+    /// caller waits for, no for async ops that overlap the caller's compute.
+    pub fn allow_helpers(&mut self, on: bool) {
+        self.helpers = on;
+    }
+
+    /// Runs `body(self, ways)`: on the helper pool, split `ways` ways, for an op of `bytes`
+    /// that is large enough, else on this thread with `ways` = 1.
+    fn with_lanes<R: Send>(
+        &mut self,
+        bytes: usize,
+        body: impl FnOnce(&mut Self, usize) -> R + Send,
+    ) -> R {
+        let pool = if self.helpers {
+            self.lanes.pool_for(bytes)
+        } else {
+            None
+        };
+        match pool {
+            Some(pool) => {
+                let ways = self.lanes.threads();
+                pool.install(|| body(self, ways))
+            }
+            None => body(self, 1),
         }
     }
 
@@ -115,7 +148,7 @@ impl ArenaComm {
         only_root: Option<usize>,
         deadline: Instant,
     ) -> Result<()> {
-        let (n, me, es) = (self.n(), self.arena.me(), dtype.size());
+        let (n, me) = (self.n(), self.arena.me());
         let total = buf.len();
         let slot = self.arena.slot_bytes();
         if total <= self.oneshot_bytes.min(slot) {
@@ -128,6 +161,26 @@ impl ArenaComm {
             }
             return Ok(());
         }
+        self.with_lanes(total, |c, ways| {
+            c.all_reduce_chunked(buf, dtype, op, sig, only_root, deadline, ways)
+        })
+    }
+
+    /// The chunked two-phase all-reduce, each memory pass split `ways` ways.
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_chunked(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        sig: &OpSig,
+        only_root: Option<usize>,
+        deadline: Instant,
+        ways: usize,
+    ) -> Result<()> {
+        let (n, me, es) = (self.n(), self.arena.me(), dtype.size());
+        let total = buf.len();
+        let slot = self.arena.slot_bytes();
         let chunk = slot - slot % (es * 64);
         let mut off = 0;
         let mut first = true;
@@ -137,32 +190,53 @@ impl ArenaComm {
             let src = &buf[off..off + len];
             // Peers need every part of this chunk but ours, which only we reduce.
             let parity = self.step(sig, first.then_some(0), deadline, |s| {
-                copy_to_shared(&mut s[..lo], &src[..lo]);
-                copy_to_shared(&mut s[hi..len], &src[hi..len]);
+                lanes::split(&mut s[..len], ways, |a, d| {
+                    let b = a + d.len();
+                    if a < lo {
+                        let e = lo.min(b);
+                        copy_piece_to_shared(&mut d[..e - a], &src[a..e], lo);
+                    }
+                    if b > hi {
+                        let x = hi.max(a);
+                        copy_piece_to_shared(&mut d[x - a..], &src[x..b], len - hi);
+                    }
+                });
             })?;
             first = false;
             // Reduce our part straight into the slot of the next phase: it was last read in
             // the previous phase, which every rank finished before posting this one.
             let next = 1 - parity;
             {
+                let arena = &*self.arena;
                 let srcs: Vec<&[u8]> = (0..n)
                     .map(|r| {
                         if r == me {
                             &src[lo..hi]
                         } else {
-                            &self.arena.slot(r, parity)[lo..hi]
+                            &arena.slot(r, parity)[lo..hi]
                         }
                     })
                     .collect();
-                reduce_to_shared(&mut self.arena.my_slot(next)[lo..hi], &srcs, dtype, op);
+                lanes::split(&mut arena.my_slot(next)[lo..hi], ways, |a, d| {
+                    let pieces: Vec<&[u8]> = srcs.iter().map(|s| &s[a..a + d.len()]).collect();
+                    reduce_piece_to_shared(d, &pieces, dtype, op, hi - lo);
+                });
             }
             let parity = self.step(sig, None, deadline, |_| {})?;
             debug_assert_eq!(parity, next);
             if only_root.is_none_or(|r| r == me) {
-                for r in 0..n {
-                    let (lo, hi) = part(len, es, n, r);
-                    buf[off + lo..off + hi].copy_from_slice(&self.arena.slot(r, parity)[lo..hi]);
-                }
+                let arena = &*self.arena;
+                let slots: Vec<&[u8]> = (0..n).map(|r| arena.slot(r, parity)).collect();
+                lanes::split(&mut buf[off..off + len], ways, |a, d| {
+                    let b = a + d.len();
+                    for (r, slot) in slots.iter().enumerate() {
+                        let (lo, hi) = part(len, es, n, r);
+                        let (x, y) = (lo.max(a), hi.min(b));
+                        if x < y {
+                            d[x - a..y - a].copy_from_slice(&slot[x..y]);
+                        }
+                    }
+                });
             }
             off += len;
         }
@@ -179,6 +253,22 @@ impl ArenaComm {
         sig: &OpSig,
         deadline: Instant,
     ) -> Result<()> {
+        self.with_lanes(inp.len(), |c, ways| {
+            c.reduce_scatter_ways(out, inp, dtype, op, sig, deadline, ways)
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter_ways(
+        &mut self,
+        out: &mut [u8],
+        inp: &[u8],
+        dtype: DType,
+        op: ReduceOp,
+        sig: &OpSig,
+        deadline: Instant,
+        ways: usize,
+    ) -> Result<()> {
         let (n, me) = (self.n(), self.arena.me());
         let block = out.len();
         let piece = piece_bytes(self.arena.slot_bytes(), n, dtype.size());
@@ -187,16 +277,27 @@ impl ArenaComm {
         while first || off < block {
             let len = piece.min(block - off);
             let parity = self.step(sig, first.then_some(0), deadline, |s| {
-                for d in 0..n {
-                    s[d * piece..d * piece + len]
-                        .copy_from_slice(&inp[d * block + off..d * block + off + len]);
-                }
+                // Destination d's piece goes to [d * piece, d * piece + len) of the slot.
+                lanes::split(&mut s[..n * piece], ways, |a, dst| {
+                    let b = a + dst.len();
+                    for d in 0..n {
+                        let (x, y) = ((d * piece).max(a), (d * piece + len).min(b));
+                        if x < y {
+                            let from = d * block + off + x - d * piece;
+                            dst[x - a..y - a].copy_from_slice(&inp[from..from + y - x]);
+                        }
+                    }
+                });
             })?;
             first = false;
+            let arena = &*self.arena;
             let srcs: Vec<&[u8]> = (0..n)
-                .map(|r| &self.arena.slot(r, parity)[me * piece..me * piece + len])
+                .map(|r| &arena.slot(r, parity)[me * piece..me * piece + len])
                 .collect();
-            reduce::reduce_slices(&mut out[off..off + len], &srcs, dtype, op);
+            lanes::split(&mut out[off..off + len], ways, |a, d| {
+                let pieces: Vec<&[u8]> = srcs.iter().map(|s| &s[a..a + d.len()]).collect();
+                reduce::reduce_slices(d, &pieces, dtype, op);
+            });
             off += len;
         }
         Ok(())
@@ -213,6 +314,22 @@ impl ArenaComm {
         sig: &OpSig,
         only_root: Option<usize>,
         deadline: Instant,
+    ) -> Result<()> {
+        self.with_lanes(out.len().max(inp.len()), |c, ways| {
+            c.all_gather_ways(out, inp, counts, sig, only_root, deadline, ways)
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn all_gather_ways(
+        &mut self,
+        out: &mut [u8],
+        inp: &[u8],
+        counts: &[usize],
+        sig: &OpSig,
+        only_root: Option<usize>,
+        deadline: Instant,
+        ways: usize,
     ) -> Result<()> {
         let (n, me) = (self.n(), self.arena.me());
         let chunk = self.arena.slot_bytes();
@@ -250,11 +367,24 @@ impl ArenaComm {
                 }
             }
             if only_root.is_none_or(|root| root == me) {
+                // This round's window of each rank's block: disjoint and in order in `out`.
+                let arena = &*self.arena;
+                let mut regions = Vec::with_capacity(n);
+                let mut rest: &mut [u8] = &mut out[..];
+                let mut at = 0;
                 for r in 0..n {
-                    let len = span(counts[r]);
-                    out[disp[r] + off..disp[r] + off + len]
-                        .copy_from_slice(&self.arena.slot(r, parity)[..len]);
+                    let (start, len) = (disp[r] + off, span(counts[r]));
+                    let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - at);
+                    let (region, tail) = tail.split_at_mut(len);
+                    regions.push((region, &arena.slot(r, parity)[..len]));
+                    rest = tail;
+                    at = start + len;
                 }
+                lanes::each(regions, ways, |_, (dst, src)| {
+                    lanes::split(dst, ways, |a, d| {
+                        d.copy_from_slice(&src[a..a + d.len()]);
+                    });
+                });
             }
         }
         Ok(())
@@ -268,6 +398,19 @@ impl ArenaComm {
         sig: &OpSig,
         deadline: Instant,
     ) -> Result<()> {
+        self.with_lanes(buf.len(), |c, ways| {
+            c.broadcast_ways(buf, root, sig, deadline, ways)
+        })
+    }
+
+    fn broadcast_ways(
+        &mut self,
+        buf: &mut [u8],
+        root: usize,
+        sig: &OpSig,
+        deadline: Instant,
+        ways: usize,
+    ) -> Result<()> {
         let me = self.arena.me();
         let chunk = self.arena.slot_bytes();
         let total = buf.len();
@@ -278,12 +421,17 @@ impl ArenaComm {
             let src = &buf[off..off + len];
             let parity = self.step(sig, first.then_some(0), deadline, |s| {
                 if me == root {
-                    s[..len].copy_from_slice(src)
+                    lanes::split(&mut s[..len], ways, |a, d| {
+                        d.copy_from_slice(&src[a..a + d.len()]);
+                    });
                 }
             })?;
             first = false;
             if me != root {
-                buf[off..off + len].copy_from_slice(&self.arena.slot(root, parity)[..len]);
+                let slot = &self.arena.slot(root, parity)[..len];
+                lanes::split(&mut buf[off..off + len], ways, |a, d| {
+                    d.copy_from_slice(&slot[a..a + d.len()]);
+                });
             }
             off += len;
         }

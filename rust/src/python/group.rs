@@ -166,7 +166,7 @@ impl PyGroup {
 #[pymethods]
 impl PyGroup {
     #[new]
-    #[pyo3(signature = (rank, world_size, *, name, secret, host_ids, addrs, listener, arena_path, timeout, machine_ranks=None))]
+    #[pyo3(signature = (rank, world_size, *, name, secret, host_ids, addrs, listener, arena_path, timeout, machine_ranks=None, lanes=1, lanes_min_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -180,6 +180,8 @@ impl PyGroup {
         arena_path: Option<String>,
         timeout: f64,
         machine_ranks: Option<usize>,
+        lanes: usize,
+        lanes_min_bytes: Option<usize>,
     ) -> PyResult<Self> {
         let listener = match listener {
             Some(l) => Some(
@@ -214,6 +216,9 @@ impl PyGroup {
                 crate::collectives::arena::DEFAULT_ONESHOT_BYTES,
             ),
             machine_ranks: machine_ranks.unwrap_or(world_size).max(1),
+            lanes: lanes.max(1),
+            lanes_min_bytes: lanes_min_bytes
+                .unwrap_or(crate::collectives::lanes::DEFAULT_MIN_BYTES),
         };
         let comm = py.detach(|| Communicator::new(cfg, listener)).py_err()?;
         Ok(PyGroup {

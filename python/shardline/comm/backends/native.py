@@ -40,6 +40,10 @@ __all__ = ["NativeBackend", "bind_address", "create"]
 # chunks win.
 DEFAULT_SLOT_BYTES = 256 << 10
 FEW_CORES_SLOT_BYTES = 4 << 20
+# With 4 helper threads per rank (below), each phase's passes are split four ways: 256 KiB
+# slots leave pieces too small to pay for the split. 1 MiB slots made 2-rank 64 MiB ops
+# 1.2-1.4x faster than 256 KiB ones, both with helpers (benches/results/collectives-16c-lanes*).
+LANES_SLOT_BYTES = 1 << 20
 
 
 def _native_module() -> Any:
@@ -72,18 +76,69 @@ def bind_address(master_addr: str | None) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def _slot_bytes(local_ranks: int) -> int:
-    """``SHARDLINE_SHM_SLOT_BYTES``, else a size chosen for the machine (see the constants)."""
-    raw = os.environ.get("SHARDLINE_SHM_SLOT_BYTES", "")
-    cores = len(os.sched_getaffinity(0))
-    default = FEW_CORES_SLOT_BYTES if cores <= 4 or local_ranks > cores else DEFAULT_SLOT_BYTES
+def _env_int(name: str, default: int, minimum: int, what: str) -> int:
+    """The integer in environment variable ``name`` (at least ``minimum``), else ``default``."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
     try:
-        value = int(raw) if raw else default
+        value = int(raw)
     except ValueError:
-        raise ShardlineError(f"SHARDLINE_SHM_SLOT_BYTES={raw!r} is not an integer") from None
-    if value < 4096:
-        raise ShardlineError(f"SHARDLINE_SHM_SLOT_BYTES={value} must be at least 4096")
+        value = minimum - 1
+    if value < minimum:
+        raise ShardlineError(f"{name}={raw!r} must be an integer of at least {minimum} ({what})")
     return value
+
+
+def _slot_bytes(local_ranks: int, lanes: int = 1) -> int:
+    """``SHARDLINE_SHM_SLOT_BYTES``, else a size chosen for the machine (see the constants)."""
+    cores = len(os.sched_getaffinity(0))
+    if cores <= 4 or local_ranks > cores:
+        default = FEW_CORES_SLOT_BYTES
+    else:
+        default = LANES_SLOT_BYTES if lanes >= MAX_COMM_THREADS else DEFAULT_SLOT_BYTES
+    return _env_int(
+        "SHARDLINE_SHM_SLOT_BYTES", default, 4096, "bytes per shared-memory slot, page-sized"
+    )
+
+
+# Helper threads per rank for large blocking shared-memory ops, when every rank has at least
+# this many cores. On the 16-core host, 4 threads per rank copied at 78-121 GB/s with 2-4 ranks
+# against 26-47 GB/s with one (B3 and B2 in benches/results/collectives-16c-lanes*.txt) and made
+# 16-64 MiB ops 1.3-3.9x faster. With 2 cores per rank (8 ranks) 2 threads gained little and
+# made 8-rank broadcasts of 16-64 MiB 2.2x slower, so fewer than 4 cores per rank get none.
+# More than 4 per rank were not measured.
+MAX_COMM_THREADS = 4
+# Ops below these sizes run on one thread: with 1 MiB slots (4 threads) a 1 MiB op is already
+# split well; with 256 KiB slots (2-3 threads, set by hand) 1 MiB ops got slower (8 ranks:
+# 206 -> 305 us).
+LANES_MIN_BYTES = 1 << 20
+FEW_LANES_MIN_BYTES = 4 << 20
+
+
+def comm_threads(machine_ranks: int) -> int:
+    """Threads per rank for large blocking shared-memory ops.
+
+    ``SHARDLINE_COMM_THREADS`` if set; else ``MAX_COMM_THREADS`` when this process's cores,
+    divided among the job's ranks on the machine, give every rank that many, and 1 (no
+    helpers) otherwise.
+    """
+    cores = len(os.sched_getaffinity(0))
+    spare = cores // max(1, machine_ranks) >= MAX_COMM_THREADS
+    default = MAX_COMM_THREADS if spare else 1
+    return _env_int(
+        "SHARDLINE_COMM_THREADS", default, 1, "threads per rank for large collectives; 1: none"
+    )
+
+
+def lanes_min_bytes(lanes: int) -> int:
+    """Bytes of the smallest op that uses the helper threads.
+
+    ``SHARDLINE_COMM_THREADS_MIN_BYTES`` if set; else ``LANES_MIN_BYTES`` with 4 threads per
+    rank and ``FEW_LANES_MIN_BYTES`` with fewer.
+    """
+    default = LANES_MIN_BYTES if lanes >= MAX_COMM_THREADS else FEW_LANES_MIN_BYTES
+    return _env_int("SHARDLINE_COMM_THREADS_MIN_BYTES", default, 0, "bytes")
 
 
 class NativeBackend:
@@ -214,6 +269,7 @@ def create(
     host_ids = [i.split("\0", 1)[0] for i in idents]
     machines = [i.split("\0", 1)[-1] for i in idents]
     machine_ranks = machines.count(machines[rank])
+    lanes = comm_threads(machine_ranks)
     if secret is None:
         secret = job_secret(store, rank, host_ids, key=f"{prefix}/secret")
     listener = None
@@ -233,7 +289,7 @@ def create(
         if rank == local[0]:
             native.arena_sweep()
             arena_path = f"/dev/shm/shardline-{os.getpid()}-{secrets.token_hex(8)}"
-            native.arena_create(arena_path, len(local), _slot_bytes(len(local)))
+            native.arena_create(arena_path, len(local), _slot_bytes(len(local), lanes))
             created = True
             store.set(key, arena_path)
         else:
@@ -250,6 +306,8 @@ def create(
             arena_path=arena_path,
             timeout=timeout,
             machine_ranks=machine_ranks,
+            lanes=lanes,
+            lanes_min_bytes=lanes_min_bytes(lanes),
         )
         store_barrier(
             store, f"{prefix}/ready", rank, world_size, timeout, f"creating group {name!r}"

@@ -1,0 +1,131 @@
+//! Helper threads for one rank's large memory passes on the arena.
+//!
+//! A rank's share of a large shared-memory collective is memory traffic: copy its input into
+//! its slot, reduce its part from every slot, copy the results out. One core moves about
+//! 10 GB/s; a many-core host moves several times that with more cores. When the machine has
+//! more cores than ranks, each rank splits every such pass over `lanes` threads (a rayon pool
+//! of its own per communicator, started at the first large op). The phase protocol is
+//! unchanged: the passes of one phase are split, joined, and only then is the phase posted.
+//!
+//! The op runs on a pool thread (`ThreadPool::install`), so the splits inside it are cheap
+//! fork-joins among the pool's threads. Each communicator has its own pool, and runs one op
+//! at a time, so a thread that waits in a join can only pick up pieces of the same op.
+
+use std::sync::{Arc, OnceLock};
+
+use rayon::prelude::*;
+
+/// Ops smaller than this run on the calling thread alone.
+pub const DEFAULT_MIN_BYTES: usize = 1 << 20;
+
+/// No piece of a split pass is smaller than this.
+const MIN_PIECE: usize = 32 * 1024;
+
+/// The helper threads of one communicator.
+pub struct Lanes {
+    threads: usize,
+    min_bytes: usize,
+    name: String,
+    pool: OnceLock<Option<Arc<rayon::ThreadPool>>>,
+}
+
+impl Lanes {
+    /// `threads` per rank (1: none) for ops of at least `min_bytes`; `name` names the threads.
+    pub fn new(threads: usize, min_bytes: usize, name: &str) -> Self {
+        Lanes {
+            threads: threads.max(1),
+            min_bytes,
+            name: name.to_string(),
+            pool: OnceLock::new(),
+        }
+    }
+
+    /// Threads per rank.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// The pool for an op of `bytes`, or `None` to run it on the caller.
+    ///
+    /// A pool that cannot be started (no threads left) leaves every op on the caller.
+    pub fn pool_for(&self, bytes: usize) -> Option<Arc<rayon::ThreadPool>> {
+        if self.threads <= 1 || bytes < self.min_bytes {
+            return None;
+        }
+        self.pool
+            .get_or_init(|| {
+                let name = self.name.clone();
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(self.threads)
+                    .thread_name(move |i| format!("{name}-lane{i}"))
+                    .build()
+                    .ok()
+                    .map(Arc::new)
+            })
+            .clone()
+    }
+}
+
+/// Runs `f(offset, piece)` over `dst` cut into at most `ways` pieces (64-byte aligned, at
+/// least 32 KiB), in parallel on the current rayon pool; with `ways <= 1`, once on all of it.
+///
+/// Call it with `ways > 1` only on a thread of a [`Lanes`] pool.
+pub fn split(dst: &mut [u8], ways: usize, f: impl Fn(usize, &mut [u8]) + Sync + Send) {
+    let len = dst.len();
+    if ways <= 1 || len < 2 * MIN_PIECE {
+        f(0, dst);
+        return;
+    }
+    let piece = len.div_ceil(ways).next_multiple_of(64).max(MIN_PIECE);
+    dst.par_chunks_mut(piece)
+        .enumerate()
+        .for_each(|(i, d)| f(i * piece, d));
+}
+
+/// Runs `f(i, region)` for every region, in parallel on the current pool when `ways > 1`.
+pub fn each<T: Send>(regions: Vec<T>, ways: usize, f: impl Fn(usize, T) + Sync + Send) {
+    if ways <= 1 {
+        for (i, r) in regions.into_iter().enumerate() {
+            f(i, r);
+        }
+    } else {
+        regions
+            .into_par_iter()
+            .enumerate()
+            .for_each(|(i, r)| f(i, r));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_covers_every_byte_once_in_aligned_pieces() {
+        let pool = Lanes::new(3, 0, "t").pool_for(1).expect("pool");
+        for len in [0usize, 1, 100, MIN_PIECE * 2 - 1, MIN_PIECE * 2, 1_000_003] {
+            for ways in [1, 2, 3, 7] {
+                let mut buf = vec![0u8; len];
+                pool.install(|| {
+                    split(&mut buf, ways, |off, d| {
+                        assert!(off % 64 == 0);
+                        for (i, b) in d.iter_mut().enumerate() {
+                            *b = b.wrapping_add(((off + i) % 251) as u8 + 1);
+                        }
+                    })
+                });
+                for (i, &b) in buf.iter().enumerate() {
+                    assert_eq!(b, (i % 251) as u8 + 1, "len {len} ways {ways} byte {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn no_pool_below_the_threshold_or_with_one_thread() {
+        assert!(Lanes::new(1, 0, "t").pool_for(1 << 30).is_none());
+        let lanes = Lanes::new(2, 1000, "t");
+        assert!(lanes.pool_for(999).is_none());
+        assert!(lanes.pool_for(1000).is_some());
+    }
+}
