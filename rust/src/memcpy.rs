@@ -22,7 +22,8 @@ pub enum StreamMode {
     Off,
     /// `1`: a rank's input copied into its slot and its reduced part.
     All,
-    /// `2` (default): only the input copied into the slot. Measured: on a 2-core VM whose
+    /// `2` (default): only the input copied into the slot, by an all-reduce that runs on one
+    /// thread per rank (split over helper threads, copies stay ordinary). Measured: on a 2-core VM whose
     /// vCPUs sit in different cache domains for minutes at a time a 2-rank 24 MiB
     /// all_reduce takes 8.5-9 ms instead of 12 ms (3.3 ms -> 4.1 ms while they share one);
     /// on a 32-core host within +-10 % of `Off` at 2-16 ranks.
@@ -45,13 +46,18 @@ pub fn stream_mode() -> StreamMode {
 ///
 /// Ends with a store fence, so a release store after it (a phase signal) orders after the data.
 pub fn copy_to_shared(dst: &mut [u8], src: &[u8]) {
-    copy_piece_to_shared(dst, src, dst.len());
+    copy_piece_to_shared(dst, src, streams_to_shared(dst.len()));
 }
 
-/// One piece of a copy of `whole` bytes into shared memory (split over helper threads): it
-/// streams exactly when the whole copy would.
-pub fn copy_piece_to_shared(dst: &mut [u8], src: &[u8], whole: usize) {
-    if whole >= STREAM_MIN_BYTES && stream_mode() != StreamMode::Off {
+/// Whether [`copy_to_shared`] of `bytes` streams.
+pub fn streams_to_shared(bytes: usize) -> bool {
+    bytes >= STREAM_MIN_BYTES && stream_mode() != StreamMode::Off
+}
+
+/// One piece of a larger copy into shared memory, with streaming stores or not (decided for
+/// the whole copy by the caller, with [`streams_to_shared`]).
+pub fn copy_piece_to_shared(dst: &mut [u8], src: &[u8], stream: bool) {
+    if stream {
         stream_to_shared(dst, src);
     } else {
         dst.copy_from_slice(src);
@@ -65,18 +71,25 @@ const REDUCE_BLOCK: usize = 64 * 1024;
 /// outputs are reduced block by block into a scratch buffer that stays in cache, then
 /// streamed to `dst`.
 pub fn reduce_to_shared(dst: &mut [u8], srcs: &[&[u8]], dtype: DType, op: ReduceOp) {
-    reduce_piece_to_shared(dst, srcs, dtype, op, dst.len());
+    let stream = reduction_streams_to_shared(dst.len());
+    reduce_piece_to_shared(dst, srcs, dtype, op, stream);
 }
 
-/// One piece of a [`reduce_to_shared`] of `whole` bytes: it streams when the whole would.
+/// Whether [`reduce_to_shared`] of `bytes` streams.
+pub fn reduction_streams_to_shared(bytes: usize) -> bool {
+    bytes >= STREAM_MIN_BYTES && stream_mode() == StreamMode::All
+}
+
+/// One piece of a larger [`reduce_to_shared`], streamed or not as the caller decided for the
+/// whole (with [`reduction_streams_to_shared`]).
 pub fn reduce_piece_to_shared(
     dst: &mut [u8],
     srcs: &[&[u8]],
     dtype: DType,
     op: ReduceOp,
-    whole: usize,
+    stream: bool,
 ) {
-    if whole < STREAM_MIN_BYTES || stream_mode() != StreamMode::All {
+    if !stream {
         reduce::reduce_slices(dst, srcs, dtype, op);
     } else {
         reduce_streamed(dst, srcs, dtype, op);

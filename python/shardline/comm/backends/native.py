@@ -41,8 +41,10 @@ __all__ = ["NativeBackend", "bind_address", "create"]
 DEFAULT_SLOT_BYTES = 256 << 10
 FEW_CORES_SLOT_BYTES = 4 << 20
 # With 4 helper threads per rank (below), each phase's passes are split four ways: 256 KiB
-# slots leave pieces too small to pay for the split. 1 MiB slots made 2-rank 64 MiB ops
-# 1.2-1.4x faster than 256 KiB ones, both with helpers (benches/results/collectives-16c-lanes*).
+# slots leave pieces too small to pay for the split. With the helpers, 1 MiB slots made 2- and
+# 4-rank ops of 16-64 MiB 1.1-1.6x faster than 256 KiB ones (collectives-16c-lanes4.txt against
+# collectives-16c-lanes5-slot256k.txt). Async ops (DDP's) use them too, on one thread: DDP at
+# 2 ranks ran 4 % slower on average than with 256 KiB (ddp-cpu-16c-lanes-ab.txt).
 LANES_SLOT_BYTES = 1 << 20
 
 
