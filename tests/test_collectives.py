@@ -127,15 +127,15 @@ def test_every_op_on_every_transport(transport: str, world: int, dtype: torch.dt
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_every_op_with_helper_threads(
-    monkeypatch: pytest.MonkeyPatch, transport: str, world: int, dtype: torch.dtype
+    monkeypatch: pytest.MonkeyPatch, world: int, dtype: torch.dtype
 ) -> None:
-    """Blocking ops split over 3 helper threads per rank (forced on at every size, on small
-    slots so the large sizes cross many chunks) give the same results."""
+    """Blocking shared-memory ops split over 3 helper threads per rank (forced on at every
+    size, on small slots so the large sizes cross many chunks) give the same results."""
     monkeypatch.setenv("SHARDLINE_COMM_THREADS", "3")
     monkeypatch.setenv("SHARDLINE_COMM_THREADS_MIN_BYTES", "0")
     monkeypatch.setenv("SHARDLINE_SHM_SLOT_BYTES", str(256 << 10))
     sizes = [0, 37, 300_001]
-    results = run_ranks(world, lambda g: run_every_op(g, sizes, dtype), transport=transport)
+    results = run_ranks(world, lambda g: run_every_op(g, sizes, dtype))
     check_every_op(results, sizes, dtype)
 
 

@@ -192,6 +192,19 @@ def test_helper_threads_take_the_cores_the_ranks_leave(
     assert native_backend.lanes_min_bytes(2) == 0
 
 
+def test_helper_threads_count_the_jobs_ranks_on_the_node(
+    fake: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group of 2 ranks gets 4 helper threads each on 16 cores, unless the job has more
+    ranks on the node (LOCAL_WORLD_SIZE): a sub-group's ranks share the cores with them."""
+    monkeypatch.setattr(native_backend.os, "sched_getaffinity", lambda _pid: set(range(16)))
+    monkeypatch.delenv("SHARDLINE_COMM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert [kw.lanes for kw in run_ranks(2, _kwargs)] == [4, 4]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert [kw.lanes for kw in run_ranks(2, _kwargs)] == [1, 1]
+
+
 @pytest.mark.parametrize(
     ("var", "value"),
     [

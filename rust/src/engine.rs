@@ -426,11 +426,7 @@ impl Communicator {
             world,
             mode,
             arena: arena.clone().map(|a| {
-                let lanes = Lanes::new(
-                    cfg.lanes,
-                    cfg.lanes_min_bytes,
-                    &format!("shardline-{}-r{rank}", cfg.name),
-                );
+                let lanes = Lanes::new(cfg.lanes, cfg.lanes_min_bytes, &format!("sl-r{rank}"));
                 ArenaComm::new(a, cfg.oneshot_bytes, lanes)
             }),
             mesh,

@@ -199,6 +199,33 @@ fn reduce_scatter_all_gather_broadcast_scatter_gather_all_to_all() {
 }
 
 #[test]
+fn all_gather_where_ranks_need_different_numbers_of_rounds() {
+    // 4 KiB slots hold 1024 floats: rank 0 needs 3 rounds, rank 1 one, rank 2 none.
+    for n in 2..=3 {
+        for lanes in [1, 2] {
+            let counts: Vec<usize> = [3000usize, 500, 0][..n].to_vec();
+            let c2 = counts.clone();
+            let out = run_ranks_lanes(n, 4096, lanes, move |c, r| {
+                let mut mine = f32s(&input(r, c2[r]));
+                let mut ag = vec![0u8; c2.iter().sum::<usize>() * 4];
+                let op = Op::AllGather {
+                    out: RawBuf::from_slice(&mut ag),
+                    inp: RawBuf::from_slice(&mut mine),
+                    dtype: DType::F32,
+                    counts: Some(c2.clone()),
+                };
+                run(c, op).unwrap();
+                ag
+            });
+            let want: Vec<f32> = (0..n).flat_map(|q| input(q, counts[q])).collect();
+            for (r, ag) in out.into_iter().enumerate() {
+                assert_eq!(ag, f32s(&want), "n={n} lanes={lanes} rank {r}");
+            }
+        }
+    }
+}
+
+#[test]
 fn large_ops_split_over_helper_threads_equal_the_reference() {
     // Sizes that cut the chunks and pieces raggedly: many 64-byte pieces per lane, a last
     // chunk shorter than the slot, blocks not a multiple of the element count per piece.

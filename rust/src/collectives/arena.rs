@@ -199,16 +199,14 @@ impl ArenaComm {
                 ways == 1 && streams_to_shared(len - hi),
             );
             let parity = self.step(sig, first.then_some(0), deadline, |s| {
-                lanes::split(&mut s[..len], ways, |a, d| {
-                    let b = a + d.len();
-                    if a < lo {
-                        let e = lo.min(b);
-                        copy_piece_to_shared(&mut d[..e - a], &src[a..e], stream_lo);
-                    }
-                    if b > hi {
-                        let x = hi.max(a);
-                        copy_piece_to_shared(&mut d[x - a..], &src[x..b], stream_hi);
-                    }
+                // The two runs around our part, each split over the helpers.
+                let (head, rest) = s[..len].split_at_mut(lo);
+                let tail = &mut rest[hi - lo..];
+                let runs = vec![(head, 0, stream_lo), (tail, hi, stream_hi)];
+                lanes::each(runs, ways, |_, (dst, at, stream)| {
+                    lanes::split(dst, ways, |a, d| {
+                        copy_piece_to_shared(d, &src[at + a..at + a + d.len()], stream);
+                    });
                 });
             })?;
             first = false;
@@ -358,7 +356,8 @@ impl ArenaComm {
             let span = |c: usize| c.saturating_sub(off).min(chunk);
             let mine = span(inp.len());
             let parity = self.step(sig, (it == 0).then_some(inp.len() as u64), deadline, |s| {
-                let src = &inp[off..off + mine];
+                // A rank whose block ends before this round's offset sends nothing.
+                let src = &inp[off.min(inp.len())..][..mine];
                 lanes::split(&mut s[..mine], ways, |a, d| {
                     d.copy_from_slice(&src[a..a + d.len()]);
                 });
@@ -386,7 +385,7 @@ impl ArenaComm {
                 let mut rest: &mut [u8] = &mut out[..];
                 let mut at = 0;
                 for r in 0..n {
-                    let (start, len) = (disp[r] + off, span(counts[r]));
+                    let (start, len) = (disp[r] + off.min(counts[r]), span(counts[r]));
                     let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - at);
                     let (region, tail) = tail.split_at_mut(len);
                     regions.push((region, &arena.slot(r, parity)[..len]));

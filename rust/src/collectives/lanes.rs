@@ -30,7 +30,8 @@ pub struct Lanes {
 }
 
 impl Lanes {
-    /// `threads` per rank (1: none) for ops of at least `min_bytes`; `name` names the threads.
+    /// `threads` per rank (1: none) for ops of at least `min_bytes`; the threads are named
+    /// `{name}-l{i}` (Linux keeps 15 bytes of a thread name: keep `name` short).
     pub fn new(threads: usize, min_bytes: usize, name: &str) -> Self {
         Lanes {
             threads: threads.max(1),
@@ -57,7 +58,7 @@ impl Lanes {
                 let name = self.name.clone();
                 rayon::ThreadPoolBuilder::new()
                     .num_threads(self.threads)
-                    .thread_name(move |i| format!("{name}-lane{i}"))
+                    .thread_name(move |i| format!("{name}-l{i}"))
                     .build()
                     .ok()
                     .map(Arc::new)
@@ -71,6 +72,10 @@ impl Lanes {
 ///
 /// Call it with `ways > 1` only on a thread of a [`Lanes`] pool.
 pub fn split(dst: &mut [u8], ways: usize, f: impl Fn(usize, &mut [u8]) + Sync + Send) {
+    debug_assert!(
+        ways <= 1 || rayon::current_thread_index().is_some(),
+        "lanes::split with {ways} ways outside a Lanes pool"
+    );
     let len = dst.len();
     if ways <= 1 || len < 2 * MIN_PIECE {
         f(0, dst);
@@ -84,6 +89,7 @@ pub fn split(dst: &mut [u8], ways: usize, f: impl Fn(usize, &mut [u8]) + Sync + 
 
 /// Runs `f(i, region)` for every region, in parallel on the current pool when `ways > 1`.
 pub fn each<T: Send>(regions: Vec<T>, ways: usize, f: impl Fn(usize, T) + Sync + Send) {
+    debug_assert!(ways <= 1 || rayon::current_thread_index().is_some());
     if ways <= 1 {
         for (i, r) in regions.into_iter().enumerate() {
             f(i, r);

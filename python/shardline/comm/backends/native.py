@@ -271,7 +271,9 @@ def create(
     host_ids = [i.split("\0", 1)[0] for i in idents]
     machines = [i.split("\0", 1)[-1] for i in idents]
     machine_ranks = machines.count(machines[rank])
-    lanes = comm_threads(machine_ranks)
+    # A sub-group's ranks share the machine with the rest of the job: count the job's.
+    job_local = _env_int("LOCAL_WORLD_SIZE", 0, 0, "ranks of the job on this node")
+    lanes = comm_threads(max(machine_ranks, job_local))
     if secret is None:
         secret = job_secret(store, rank, host_ids, key=f"{prefix}/secret")
     listener = None
