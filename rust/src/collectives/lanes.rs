@@ -2,10 +2,12 @@
 //!
 //! A rank's share of a large shared-memory collective is memory traffic: copy its input into
 //! its slot, reduce its part from every slot, copy the results out. One core moves about
-//! 10 GB/s; a many-core host moves several times that with more cores. When the machine has
-//! more cores than ranks, each rank splits every such pass over `lanes` threads (a rayon pool
-//! of its own per communicator, started at the first large op). The phase protocol is
-//! unchanged: the passes of one phase are split, joined, and only then is the phase posted.
+//! 10 GB/s; a many-core host moves several times that with more cores. When every rank has
+//! cores to spare (the Python layer gives 4 threads to ranks with 4 cores each), each rank
+//! splits every such pass of a blocking op over `lanes` threads (a rayon pool of its own per
+//! communicator, started at the first large op). The phase protocol is unchanged: the passes
+//! of one phase are split, joined, and only then is the phase posted, and nothing that ranks
+//! must agree on (chunks, phases) depends on the split.
 //!
 //! The op runs on a pool thread (`ThreadPool::install`), so the splits inside it are cheap
 //! fork-joins among the pool's threads. Each communicator has its own pool, and runs one op
