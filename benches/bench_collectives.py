@@ -16,7 +16,7 @@ reduce_scatter: the input; all_gather: the output), busbw = algbw * factor (all_
 Bounds, measured in the same run (ANCHORS.md section 1):
   shm all_reduce:      T >= max(2S/B1, 2NS/B2)   B1 one core's copy bandwidth (read+write),
                                                  B2 all ranks copying at once (sum)
-    with T helper threads per rank (SHARDLINE_COMM_THREADS, default: cores / ranks, at most 4):
+    with T helper threads per rank (SHARDLINE_COMM_THREADS; default 4 when each rank has 4 cores):
                        T >= max(2S/(T B1), 2NS/B3)  B3 all ranks copying on T threads each
   TCP ring all_reduce: T >= 2(N-1)S/B_lo         B_lo one loopback TCP stream
 
