@@ -42,20 +42,16 @@ pub fn stream_mode() -> StreamMode {
     )
 }
 
-/// `dst.copy_from_slice(src)`, with streaming stores for large copies on x86-64.
-///
-/// Ends with a store fence, so a release store after it (a phase signal) orders after the data.
-pub fn copy_to_shared(dst: &mut [u8], src: &[u8]) {
-    copy_piece_to_shared(dst, src, streams_to_shared(dst.len()));
-}
-
-/// Whether [`copy_to_shared`] of `bytes` streams.
+/// Whether a copy of `bytes` into shared memory streams (the mode allows it, and it is large).
 pub fn streams_to_shared(bytes: usize) -> bool {
     bytes >= STREAM_MIN_BYTES && stream_mode() != StreamMode::Off
 }
 
-/// One piece of a larger copy into shared memory, with streaming stores or not (decided for
-/// the whole copy by the caller, with [`streams_to_shared`]).
+/// `dst.copy_from_slice(src)`, with streaming stores when `stream` (on x86-64; decide it for
+/// the whole copy with [`streams_to_shared`], whatever piece of it this is).
+///
+/// A streamed copy ends with a store fence, so a release store after it (a phase signal)
+/// orders after the data.
 pub fn copy_piece_to_shared(dst: &mut [u8], src: &[u8], stream: bool) {
     if stream {
         stream_to_shared(dst, src);
@@ -67,21 +63,15 @@ pub fn copy_piece_to_shared(dst: &mut [u8], src: &[u8], stream: bool) {
 /// Bytes reduced into a cache-resident scratch buffer before they are streamed out.
 const REDUCE_BLOCK: usize = 64 * 1024;
 
-/// `reduce_slices(dst, srcs, ..)` where `dst` is shared memory a peer reads next: large
-/// outputs are reduced block by block into a scratch buffer that stays in cache, then
-/// streamed to `dst`.
-pub fn reduce_to_shared(dst: &mut [u8], srcs: &[&[u8]], dtype: DType, op: ReduceOp) {
-    let stream = reduction_streams_to_shared(dst.len());
-    reduce_piece_to_shared(dst, srcs, dtype, op, stream);
-}
-
-/// Whether [`reduce_to_shared`] of `bytes` streams.
+/// Whether a reduction of `bytes` into shared memory streams its output.
 pub fn reduction_streams_to_shared(bytes: usize) -> bool {
     bytes >= STREAM_MIN_BYTES && stream_mode() == StreamMode::All
 }
 
-/// One piece of a larger [`reduce_to_shared`], streamed or not as the caller decided for the
-/// whole (with [`reduction_streams_to_shared`]).
+/// `reduce_slices(dst, srcs, ..)` where `dst` is shared memory a peer reads next. With
+/// `stream` (decide it for the whole reduction with [`reduction_streams_to_shared`]), the
+/// output is reduced block by block into a scratch buffer that stays in cache, then streamed
+/// to `dst`.
 pub fn reduce_piece_to_shared(
     dst: &mut [u8],
     srcs: &[&[u8]],
@@ -192,7 +182,11 @@ mod tests {
             (1, 10),
         ] {
             let mut dst = vec![0u8; len + 64];
-            copy_to_shared(&mut dst[off..off + len], &src[..len]);
+            copy_piece_to_shared(
+                &mut dst[off..off + len],
+                &src[..len],
+                streams_to_shared(len),
+            );
             assert_eq!(&dst[off..off + len], &src[..len]);
             assert!(dst[..off].iter().all(|&b| b == 0) && dst[off + len..].iter().all(|&b| b == 0));
         }

@@ -204,9 +204,8 @@ impl ArenaComm {
                 let tail = &mut rest[hi - lo..];
                 let runs = vec![(head, 0, stream_lo), (tail, hi, stream_hi)];
                 lanes::each(runs, ways, |_, (dst, at, stream)| {
-                    lanes::split(dst, ways, |a, d| {
-                        copy_piece_to_shared(d, &src[at + a..at + a + d.len()], stream);
-                    });
+                    let from = &src[at..at + dst.len()];
+                    lanes::copy(dst, from, ways, |d, s| copy_piece_to_shared(d, s, stream));
                 });
             })?;
             first = false;
@@ -225,9 +224,8 @@ impl ArenaComm {
                     })
                     .collect();
                 let stream = ways == 1 && reduction_streams_to_shared(hi - lo);
-                lanes::split(&mut arena.my_slot(next)[lo..hi], ways, |a, d| {
-                    let pieces: Vec<&[u8]> = srcs.iter().map(|s| &s[a..a + d.len()]).collect();
-                    reduce_piece_to_shared(d, &pieces, dtype, op, stream);
+                lanes::reduce(&mut arena.my_slot(next)[lo..hi], &srcs, ways, |d, ss| {
+                    reduce_piece_to_shared(d, ss, dtype, op, stream);
                 });
             }
             let parity = self.step(sig, None, deadline, |_| {})?;
@@ -302,9 +300,8 @@ impl ArenaComm {
             let srcs: Vec<&[u8]> = (0..n)
                 .map(|r| &arena.slot(r, parity)[me * piece..me * piece + len])
                 .collect();
-            lanes::split(&mut out[off..off + len], ways, |a, d| {
-                let pieces: Vec<&[u8]> = srcs.iter().map(|s| &s[a..a + d.len()]).collect();
-                reduce::reduce_slices(d, &pieces, dtype, op);
+            lanes::reduce(&mut out[off..off + len], &srcs, ways, |d, ss| {
+                reduce::reduce_slices(d, ss, dtype, op);
             });
             off += len;
         }
@@ -358,9 +355,7 @@ impl ArenaComm {
             let parity = self.step(sig, (it == 0).then_some(inp.len() as u64), deadline, |s| {
                 // A rank whose block ends before this round's offset sends nothing.
                 let src = &inp[off.min(inp.len())..][..mine];
-                lanes::split(&mut s[..mine], ways, |a, d| {
-                    d.copy_from_slice(&src[a..a + d.len()]);
-                });
+                lanes::copy(&mut s[..mine], src, ways, <[u8]>::copy_from_slice);
             })?;
             if it == 0 {
                 for (r, &expect) in counts.iter().enumerate() {
@@ -393,9 +388,7 @@ impl ArenaComm {
                     at = start + len;
                 }
                 lanes::each(regions, ways, |_, (dst, src)| {
-                    lanes::split(dst, ways, |a, d| {
-                        d.copy_from_slice(&src[a..a + d.len()]);
-                    });
+                    lanes::copy(dst, src, ways, <[u8]>::copy_from_slice);
                 });
             }
         }
@@ -433,17 +426,18 @@ impl ArenaComm {
             let src = &buf[off..off + len];
             let parity = self.step(sig, first.then_some(0), deadline, |s| {
                 if me == root {
-                    lanes::split(&mut s[..len], ways, |a, d| {
-                        d.copy_from_slice(&src[a..a + d.len()]);
-                    });
+                    lanes::copy(&mut s[..len], src, ways, <[u8]>::copy_from_slice);
                 }
             })?;
             first = false;
             if me != root {
                 let slot = &self.arena.slot(root, parity)[..len];
-                lanes::split(&mut buf[off..off + len], ways, |a, d| {
-                    d.copy_from_slice(&slot[a..a + d.len()]);
-                });
+                lanes::copy(
+                    &mut buf[off..off + len],
+                    slot,
+                    ways,
+                    <[u8]>::copy_from_slice,
+                );
             }
             off += len;
         }

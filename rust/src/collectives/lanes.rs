@@ -89,6 +89,30 @@ pub fn split(dst: &mut [u8], ways: usize, f: impl Fn(usize, &mut [u8]) + Sync + 
         .for_each(|(i, d)| f(i * piece, d));
 }
 
+/// `kernel(dst, src)` over `dst` and the same bytes of `src`, cut as [`split`] cuts `dst`.
+pub fn copy(
+    dst: &mut [u8],
+    src: &[u8],
+    ways: usize,
+    kernel: impl Fn(&mut [u8], &[u8]) + Sync + Send,
+) {
+    split(dst, ways, |a, d| kernel(d, &src[a..a + d.len()]));
+}
+
+/// `kernel(dst, srcs)` over `dst` and the same bytes of every source, cut as [`split`] cuts
+/// `dst`.
+pub fn reduce(
+    dst: &mut [u8],
+    srcs: &[&[u8]],
+    ways: usize,
+    kernel: impl Fn(&mut [u8], &[&[u8]]) + Sync + Send,
+) {
+    split(dst, ways, |a, d| {
+        let pieces: Vec<&[u8]> = srcs.iter().map(|s| &s[a..a + d.len()]).collect();
+        kernel(d, &pieces);
+    });
+}
+
 /// Runs `f(i, region)` for every region, in parallel on the current pool when `ways > 1`.
 pub fn each<T: Send>(regions: Vec<T>, ways: usize, f: impl Fn(usize, T) + Sync + Send) {
     debug_assert!(ways <= 1 || rayon::current_thread_index().is_some());
