@@ -8,12 +8,13 @@ the end. ``SHARDLINE_PROGRESS=0`` turns them off everywhere, ``=1`` shows them a
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import TextIO
+
+from shardline import config
 
 __all__ = ["Progress", "wanted"]
 
@@ -23,9 +24,8 @@ _WIDTH = 24
 
 def wanted(progress: bool | None, rank: int) -> tuple[bool, float]:
     """(show, delay): the caller's choice, else the environment, else rank 0 after a delay."""
-    env = os.environ.get("SHARDLINE_PROGRESS", "").strip()
-    if progress is None and env in ("0", "1"):
-        progress = env == "1"
+    if progress is None:
+        progress = config.get("SHARDLINE_PROGRESS")
     if progress is None:
         return rank == 0, DELAY_S
     return progress, 0.0

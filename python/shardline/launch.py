@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, TextIO
 
+from shardline import config as settings
 from shardline.errors import InvalidArgumentError
 
 __all__ = [
@@ -157,11 +158,12 @@ def resolve_secret(config: LaunchConfig, env: Mapping[str, str]) -> str | None:
     Raises:
         InvalidArgumentError: Several nodes, no ``SHARDLINE_SECRET`` and no opt-out.
     """
-    if env.get("SHARDLINE_SECRET"):
-        return env["SHARDLINE_SECRET"]
+    given: str | None = settings.raw("SHARDLINE_SECRET", env)
+    if given is not None:
+        return given
     if config.nnodes == 1:
         return secrets.token_hex(32)
-    if env.get("SHARDLINE_INSECURE") == "1":
+    if settings.get("SHARDLINE_INSECURE", env):
         return None
     raise InvalidArgumentError(
         f"--nnodes {config.nnodes} needs a secret shared by every node: run\n"

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardline import _native
+from shardline import _native, config
 from shardline._progress import Progress, wanted
 from shardline.checkpoint._state import (
     BlockShard,
@@ -54,7 +54,7 @@ _pending_lock = threading.Lock()
 
 
 def _timeout() -> float:
-    return float(os.environ.get("SHARDLINE_TIMEOUT", "300"))
+    return float(config.get("SHARDLINE_TIMEOUT"))
 
 
 def _group(group: ProcessGroup | None) -> ProcessGroup | None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardline import config
 from shardline.comm import BACKENDS, init_process_group
 from shardline.comm._buffers import TensorLike
 from shardline.comm.group import ProcessGroup, TensorList
@@ -80,25 +81,20 @@ def choose_backend(
     Raises:
         ShardlineError: an unknown backend or ``SHARDLINE_DEVICE``.
     """
-    env = os.environ if env is None else env
-    source = "backend"
-    if not backend:
-        backend, source = env.get("SHARDLINE_BACKEND", "").strip().lower(), "SHARDLINE_BACKEND"
     if backend:
         if backend not in BACKENDS:
             raise ShardlineError(
-                f"{source}={backend!r} is not a backend; use one of {', '.join(BACKENDS)}"
+                f"backend={backend!r} is not a backend; use one of {', '.join(BACKENDS)}"
             )
         return backend
-    device = env.get("SHARDLINE_DEVICE", "").strip().lower()
+    named: str | None = config.get("SHARDLINE_BACKEND", env)
+    if named is not None:
+        return named
+    device: str | None = config.get("SHARDLINE_DEVICE", env)
     if device == "cpu":
         return "native"
-    if device == "cuda" or device.startswith("cuda:"):
+    if device is not None:
         return "nccl"
-    if device:
-        raise ShardlineError(
-            f"SHARDLINE_DEVICE={device!r} is not a device; use cpu, cuda or cuda:N"
-        )
     if cuda_devices is None:
         cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return "nccl" if cuda_devices >= max(local_world_size, 1) else "native"
@@ -134,7 +130,7 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
                 f"shardline is already initialised on rank {_default.rank}; call "
                 "shardline.shutdown() first"
             )
-        named = (backend or os.environ.get("SHARDLINE_BACKEND", "")).strip().lower()
+        named = backend.strip().lower() if backend else config.get("SHARDLINE_BACKEND")
         if named == "mpi":  # MPI has its own rendezvous
             _default = _init_mpi(timeout)
             return _default

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from shardline import config
 from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ __all__ = [
     "timeout_seconds",
 ]
 
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S: float = config.setting("SHARDLINE_TIMEOUT").parsed_default
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
@@ -184,13 +185,7 @@ def _slurm_tasks_on_this_node(env: Mapping[str, str]) -> int | None:
 def timeout_seconds(timeout: timedelta | float | None = None) -> float:
     """The deadline for blocking calls: the argument, else ``SHARDLINE_TIMEOUT``, else 300 s."""
     if timeout is None:
-        raw = os.environ.get("SHARDLINE_TIMEOUT")
-        if raw is None or raw.strip() == "":
-            return DEFAULT_TIMEOUT_S
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise ShardlineError(f"SHARDLINE_TIMEOUT={raw!r} is not a number of seconds") from None
+        return float(config.get("SHARDLINE_TIMEOUT"))
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if not seconds > 0:
         raise ShardlineError(f"timeout must be positive, got {seconds} s")
@@ -239,10 +234,8 @@ def host_identity(env: Mapping[str, str] | None = None) -> str:
     Ranks with equal identities talk through shared memory; tests set ``SHARDLINE_HOST_ID``
     to force the TCP path between processes of one machine.
     """
-    env = os.environ if env is None else env
-    if env.get("SHARDLINE_HOST_ID"):
-        return env["SHARDLINE_HOST_ID"]
-    return machine_identity()
+    given = config.raw("SHARDLINE_HOST_ID", env)
+    return given if given is not None else machine_identity()
 
 
 def machine_identity() -> str:
@@ -259,9 +252,9 @@ def machine_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _secret_from_env(env: Mapping[str, str]) -> bytes | None:
-    raw = env.get("SHARDLINE_SECRET")
-    if raw is None or raw == "":
+def _secret_from_env(env: Mapping[str, str] | None) -> bytes | None:
+    raw = config.raw("SHARDLINE_SECRET", env)
+    if raw is None:
         return None
     return hashlib.sha256(raw.encode("utf-8")).digest()
 
@@ -305,12 +298,11 @@ def job_secret(
         key: Store key for a generated secret.
         env: Variables to read; ``os.environ`` by default.
     """
-    env = os.environ if env is None else env
     from_env = _secret_from_env(env)
     if from_env is not None:
         return from_env
     if len(set(host_ids)) > 1:
-        if env.get("SHARDLINE_INSECURE") == "1":
+        if config.get("SHARDLINE_INSECURE", env):
             # The handshake still runs (it rejects strays and garbage) but proves nothing.
             return INSECURE_SECRET
         _fail_together(store, rank, len(host_ids), key=f"{key}/missing")

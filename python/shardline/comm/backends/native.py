@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardline import config
 from shardline.comm._buffers import dtype_name
 from shardline.comm.backends._store import exchange, store_barrier
 from shardline.comm.rendezvous import job_secret, machine_identity
@@ -65,8 +66,9 @@ def bind_address(master_addr: str | None) -> str:
     ``SHARDLINE_BIND_ADDR`` if set; else the local address of the route to ``master_addr``
     (no packet is sent); else the address of this host's name.
     """
-    if os.environ.get("SHARDLINE_BIND_ADDR"):
-        return os.environ["SHARDLINE_BIND_ADDR"]
+    given: str | None = config.raw("SHARDLINE_BIND_ADDR")
+    if given is not None:
+        return given
     if master_addr:
         try:
             family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
@@ -78,18 +80,16 @@ def bind_address(master_addr: str | None) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def _env_int(name: str, default: int, minimum: int, what: str) -> int:
-    """The integer in environment variable ``name`` (at least ``minimum``), else ``default``."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise ShardlineError(f"{name}={raw!r} must be an integer of at least {minimum} ({what})")
-    return value
+def _env_int(name: str, default: int) -> int:
+    """The integer setting ``name`` (checked by ``config``), else ``default``."""
+    value: int | None = config.get(name)
+    return default if value is None else value
+
+
+def _job_ranks_on_node() -> int:
+    """``LOCAL_WORLD_SIZE`` (the launcher's ranks on this node), 0 when unset or malformed."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(raw) if raw.isdigit() else 0
 
 
 def _slot_bytes(local_ranks: int, lanes: int = 1) -> int:
@@ -99,9 +99,7 @@ def _slot_bytes(local_ranks: int, lanes: int = 1) -> int:
         default = FEW_CORES_SLOT_BYTES
     else:
         default = LANES_SLOT_BYTES if lanes >= MAX_COMM_THREADS else DEFAULT_SLOT_BYTES
-    return _env_int(
-        "SHARDLINE_SHM_SLOT_BYTES", default, 4096, "bytes per shared-memory slot, page-sized"
-    )
+    return _env_int("SHARDLINE_SHM_SLOT_BYTES", default)
 
 
 # Helper threads per rank for large blocking shared-memory ops, when every rank has at least
@@ -128,9 +126,7 @@ def comm_threads(machine_ranks: int) -> int:
     cores = len(os.sched_getaffinity(0))
     spare = cores // max(1, machine_ranks) >= MAX_COMM_THREADS
     default = MAX_COMM_THREADS if spare else 1
-    return _env_int(
-        "SHARDLINE_COMM_THREADS", default, 1, "threads per rank for large collectives; 1: none"
-    )
+    return _env_int("SHARDLINE_COMM_THREADS", default)
 
 
 def lanes_min_bytes(lanes: int) -> int:
@@ -140,7 +136,7 @@ def lanes_min_bytes(lanes: int) -> int:
     rank and ``FEW_LANES_MIN_BYTES`` with fewer.
     """
     default = LANES_MIN_BYTES if lanes >= MAX_COMM_THREADS else FEW_LANES_MIN_BYTES
-    return _env_int("SHARDLINE_COMM_THREADS_MIN_BYTES", default, 0, "bytes")
+    return _env_int("SHARDLINE_COMM_THREADS_MIN_BYTES", default)
 
 
 class NativeBackend:
@@ -272,7 +268,7 @@ def create(
     machines = [i.split("\0", 1)[-1] for i in idents]
     machine_ranks = machines.count(machines[rank])
     # A sub-group's ranks share the machine with the rest of the job: count the job's.
-    job_local = _env_int("LOCAL_WORLD_SIZE", 0, 0, "ranks of the job on this node")
+    job_local = _job_ranks_on_node()
     lanes = comm_threads(max(machine_ranks, job_local))
     if secret is None:
         secret = job_secret(store, rank, host_ids, key=f"{prefix}/secret")

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from shardline import config
 from shardline.comm.backends._common import as_bytes, pad_unequal, reduce_args, split
 from shardline.comm.work import seconds
 from shardline.errors import (
     CollectiveTimeoutError,
     CommunicatorClosedError,
-    InvalidArgumentError,
     ShardlineError,
 )
 
@@ -63,7 +63,7 @@ def default_device(local_rank: int | None = None) -> torch.device:
             "backend='nccl' needs CUDA, but torch.cuda.is_available() is False; use "
             "backend='native' for CPU tensors (or check CUDA_VISIBLE_DEVICES and the driver)"
         )
-    spec = os.environ.get("SHARDLINE_DEVICE", "").strip()
+    spec = config.get("SHARDLINE_DEVICE") or ""
     if spec.startswith("cuda:"):
         index = _index(spec[len("cuda:") :], "SHARDLINE_DEVICE", spec)
         source = f"SHARDLINE_DEVICE={spec}"
@@ -156,22 +156,9 @@ def _translate(exc: RuntimeError, what: str, rank: int) -> ShardlineError:
 
 
 # Thread blocks per collective of a group whose collectives overlap compute (ZeRO's gathers
-# and reductions): on 2x H100 zero3 ran 0.6 % (395M GPT) and 1.9 % (1B GPT) faster with 8 than
-# with NCCL's choice, the collectives taking fewer SMs from the GEMMs beside them
-# (benches/results/zero-cuda-2xh100-overlap-ctas.txt).
-OVERLAP_CTAS = 8
-
-
-def _ctas_env(var: str, *, zero_ok: bool) -> int | None:
-    raw = os.environ.get(var, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or int(raw) < (0 if zero_ok else 1):
-        what = "a non-negative integer (0: NCCL's choice)" if zero_ok else "a positive integer"
-        raise InvalidArgumentError(
-            f"{var}={raw!r} must be {what} (thread blocks per NCCL collective), or unset"
-        )
-    return int(raw)
+# and reductions): with fewer blocks the collectives take fewer SMs from the GEMMs beside
+# them, and zero3 on two H100s ran slightly faster with 8 than with NCCL's choice.
+OVERLAP_CTAS: int = config.setting("SHARDLINE_NCCL_OVERLAP_CTAS").parsed_default
 
 
 def _max_ctas(overlap_compute: bool) -> int | None:
@@ -181,14 +168,12 @@ def _max_ctas(overlap_compute: bool) -> int | None:
     ``overlap_compute`` take ``SHARDLINE_NCCL_OVERLAP_CTAS`` (default ``OVERLAP_CTAS``; 0 is
     NCCL's choice) and the others NCCL's choice.
     """
-    every = _ctas_env("SHARDLINE_NCCL_MAX_CTAS", zero_ok=False)
-    overlap = _ctas_env("SHARDLINE_NCCL_OVERLAP_CTAS", zero_ok=True)
+    every: int | None = config.get("SHARDLINE_NCCL_MAX_CTAS")
+    overlap: int = config.get("SHARDLINE_NCCL_OVERLAP_CTAS")
     if every is not None:
         return every
     if not overlap_compute:
         return None
-    if overlap is None:
-        return OVERLAP_CTAS
     return overlap or None
 
 

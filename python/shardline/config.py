@@ -1,0 +1,301 @@
+"""Every ``SHARDLINE_*`` setting: declared once here, validated by name, read at the API edge.
+
+Each variable has one row in ``SETTINGS`` (name, what a value looks like, default, meaning).
+Code reads a setting only through ``get(name)`` (or ``raw(name)`` for the text as given), at
+the moment its API call starts (``init``, creating a group, ``save``), and passes the value down
+as an argument: the Rust engine reads no environment. A bad value fails with an
+``InvalidArgumentError`` that names the variable, its value and what it should be.
+
+The README's "Settings" table is this table (``markdown_table()`` renders it; a test keeps the
+two equal).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardline.errors import InvalidArgumentError
+
+__all__ = ["SETTINGS", "Setting", "get", "markdown_table", "raw", "setting"]
+
+BACKENDS = ("native", "gloo", "nccl", "mpi")
+
+
+class _Invalid(ValueError):
+    """A parser's reason for refusing a value (the text after ``NAME='value'``)."""
+
+
+def _integer(minimum: int, expect: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise _Invalid(f"must be {expect}") from None
+        if value < minimum:
+            raise _Invalid(f"must be {expect}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise _Invalid("is not a number of seconds") from None
+    if not value > 0:
+        raise _Invalid("must be a positive number of seconds")
+    return value
+
+
+def _choice(choices: tuple[str, ...], noun: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.lower()
+        if value not in choices:
+            raise _Invalid(f"is not {noun}; use one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _device(text: str) -> str:
+    value = text.lower()
+    if value in ("cpu", "cuda"):
+        return value
+    if value.startswith("cuda:") and value[len("cuda:") :].isdigit():
+        return value
+    raise _Invalid("is not a device; use cpu, cuda or cuda:N")
+
+
+def _flag(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise _Invalid("must be 1 (on) or 0 (off)")
+    return text == "1"
+
+
+def _text(text: str) -> str:
+    return text
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``SHARDLINE_*`` variable.
+
+    Attributes:
+        name: The variable.
+        value: What a value looks like, as the README shows it.
+        default: The default as the README shows it (``get`` returns ``parsed_default``).
+        meaning: What it does.
+        parse: Text to value; raises ``_Invalid`` with the reason.
+        parsed_default: What ``get`` returns when the variable is unset or empty; ``None``
+            where the caller decides (an automatic choice).
+        strip: Whether surrounding blanks are ignored (not for secrets).
+    """
+
+    name: str
+    value: str
+    default: str
+    meaning: str
+    parse: Callable[[str], Any]
+    parsed_default: Any = None
+    strip: bool = True
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "SHARDLINE_SECRET",
+        "any string",
+        "unset",
+        "The job secret every TCP connection proves (HMAC); the same on every rank. Required "
+        "across hosts; `shardline run` makes one for a single node.",
+        _text,
+        strip=False,
+    ),
+    Setting(
+        "SHARDLINE_INSECURE",
+        "`1`",
+        "unset",
+        "Accept unauthenticated connections in a multi-host job without a secret.",
+        _flag,
+        False,
+    ),
+    Setting(
+        "SHARDLINE_TIMEOUT",
+        "seconds",
+        "300",
+        "Deadline of every blocking wait (collectives, rendezvous, checkpoint commits).",
+        _seconds,
+        300.0,
+    ),
+    Setting(
+        "SHARDLINE_HOST_ID",
+        "any string",
+        "hostname and boot id",
+        "This host's identity: ranks with equal ids use shared memory, others TCP.",
+        _text,
+    ),
+    Setting(
+        "SHARDLINE_BIND_ADDR",
+        "an address",
+        "the route to `MASTER_ADDR`",
+        "The address other hosts reach this rank at.",
+        _text,
+    ),
+    Setting(
+        "SHARDLINE_BACKEND",
+        "`native`, `gloo`, `nccl`, `mpi`",
+        "by device",
+        "The backend `init(backend=None)` uses.",
+        _choice(BACKENDS, "a backend"),
+    ),
+    Setting(
+        "SHARDLINE_DEVICE",
+        "`cpu`, `cuda`, `cuda:N`",
+        "by device",
+        "The device `init(backend=None)` trains on, and the GPU of the nccl backend.",
+        _device,
+    ),
+    Setting(
+        "SHARDLINE_SHM_SLOT_BYTES",
+        "bytes, at least 4096",
+        "by machine",
+        "Bytes per shared-memory slot (4 MiB on few cores, 1 MiB with helper threads, else "
+        "256 KiB).",
+        _integer(4096, "an integer of at least 4096 (bytes per shared-memory slot, page-sized)"),
+    ),
+    Setting(
+        "SHARDLINE_COMM_THREADS",
+        "an integer, at least 1",
+        "4 when every rank on the machine has 4 cores, else 1",
+        "Threads per rank for large blocking shared-memory ops (`1`: none).",
+        _integer(1, "an integer of at least 1 (threads per rank for large collectives; 1: none)"),
+    ),
+    Setting(
+        "SHARDLINE_COMM_THREADS_MIN_BYTES",
+        "bytes",
+        "1 MiB with 4 threads, else 4 MiB",
+        "The smallest op the helper threads split.",
+        _integer(0, "an integer of at least 0 (bytes)"),
+    ),
+    Setting(
+        "SHARDLINE_SPIN_US",
+        "microseconds",
+        "50",
+        "How long shared-memory and TCP waits spin before they sleep, while every rank on the "
+        "machine has a core (2 µs when ranks outnumber cores).",
+        _integer(0, "an integer of at least 0 (microseconds)"),
+        50,
+    ),
+    Setting(
+        "SHARDLINE_STREAM_STORES",
+        "`0`, `1`, `2`",
+        "2",
+        "`2`: an all_reduce on one thread per rank copies large inputs into shared memory with "
+        "streaming stores; `1`: reduced parts too; `0`: off.",
+        _choice(("0", "1", "2"), "a streaming-store mode"),
+        "2",
+    ),
+    Setting(
+        "SHARDLINE_ONESHOT_BYTES",
+        "bytes",
+        "262144",
+        "Shared-memory ops up to this size run in one shot (every rank reads every input), "
+        "larger ones in two phases.",
+        _integer(0, "an integer of at least 0 (bytes)"),
+        256 << 10,
+    ),
+    Setting(
+        "SHARDLINE_NCCL_MAX_CTAS",
+        "an integer, at least 1",
+        "unset (NCCL's choice)",
+        "Thread blocks per NCCL collective of every group of ours.",
+        _integer(1, "a positive integer (thread blocks per NCCL collective), or unset"),
+    ),
+    Setting(
+        "SHARDLINE_NCCL_OVERLAP_CTAS",
+        "an integer, at least 0",
+        "8",
+        "The same for groups made with `overlap_compute=True`, such as ZeRO's (`0`: NCCL's "
+        "choice).",
+        _integer(
+            0,
+            "a non-negative integer (0: NCCL's choice) (thread blocks per NCCL collective), "
+            "or unset",
+        ),
+        8,
+    ),
+    Setting(
+        "SHARDLINE_PROGRESS",
+        "`0`, `1`",
+        "rank 0, after 2 s",
+        "Checkpoint progress lines: `0` none, `1` at once on every rank.",
+        _flag,
+    ),
+    Setting(
+        "SHARDLINE_RESTART_COUNT",
+        "an integer",
+        "0",
+        "Set by `shardline run` for its workers: which attempt this is.",
+        _integer(0, "an integer of at least 0"),
+        0,
+    ),
+    Setting(
+        "SHARDLINE_REQUIRE_NATIVE",
+        "`1`",
+        "unset",
+        "Tests fail, instead of skipping, when the engine is not built (CI sets it).",
+        _flag,
+        False,
+    ),
+)
+
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def setting(name: str) -> Setting:
+    """The declaration of ``name``; ``KeyError`` names the table for an undeclared one."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name} is not declared in shardline.config.SETTINGS") from None
+
+
+def raw(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The text of ``name`` as set (stripped unless it is a secret), ``None`` if unset/empty."""
+    s = setting(name)
+    text = (os.environ if env is None else env).get(name)
+    if text is None:
+        return None
+    if s.strip:
+        text = text.strip()
+    return text if text != "" else None
+
+
+def get(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """The value of ``name``, parsed and checked; its default when unset or empty.
+
+    Args:
+        name: A declared ``SHARDLINE_*`` variable.
+        env: Variables to read; ``os.environ`` by default.
+
+    Raises:
+        InvalidArgumentError: the value is malformed (names the variable, value and rule).
+    """
+    s = setting(name)
+    text = raw(name, env)
+    if text is None:
+        return s.parsed_default
+    try:
+        return s.parse(text)
+    except _Invalid as exc:
+        raise InvalidArgumentError(f"{name}={text!r} {exc}") from None
+
+
+def markdown_table() -> str:
+    """The README's settings table."""
+    rows = ["| variable | value | default | meaning |", "|---|---|---|---|"]
+    rows += [f"| `{s.name}` | {s.value} | {s.default} | {s.meaning} |" for s in SETTINGS]
+    return "\n".join(rows)
