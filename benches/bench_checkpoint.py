@@ -61,7 +61,6 @@ import gc
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -75,8 +74,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benches" / "results"
+import _harness
+import _report
 
 IMPLS = (
     "ours",
@@ -594,10 +593,6 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
-def spread(xs: list[float]) -> float:
-    return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
-
-
 def summarise(res: dict[str, Any]) -> dict[str, Any]:
     """Medians and derived numbers of one pass (added under ``summary``)."""
     nbytes = res["state"]["bytes"]
@@ -625,9 +620,9 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
             )
             / GB,
             "direct_write_gbs": b / med(direct) / GB if direct else None,
-            "direct_spread": spread(direct) if direct else 0.0,
-            "dd_spread": spread([x["dd_write"] for x in disk]),
-            "rand_spread": spread([x["rand_write"] for x in disk]),
+            "direct_spread": _report.spread(direct) if direct else 0.0,
+            "dd_spread": _report.spread([x["dd_write"] for x in disk]),
+            "rand_spread": _report.spread([x["rand_write"] for x in disk]),
             "evicted_frac": med([x["evicted"] / b for x in disk]),
         }
     for name, row in rows.items():
@@ -637,7 +632,7 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
             "save_s": med(row["save"]),
             "blocking_s": med(row["blocking"]),
             "save_gbs": nbytes / med(row["save"]) / GB,
-            "save_spread": spread(row["save"]),
+            "save_spread": _report.spread(row["save"]),
             "file_bytes": row["bytes"],
             "loads": {},
         }
@@ -649,20 +644,13 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
                 "warm_s": med(cell["warm"]),
                 "cold_gbs": nbytes / med(cell["cold"]) / GB,
                 "warm_gbs": nbytes / med(cell["warm"]) / GB,
-                "cold_spread": spread(cell["cold"]),
+                "cold_spread": _report.spread(cell["cold"]),
                 "evicted_frac": med(cell["evicted"]) / max(1, row["bytes"] or 1),
                 "check": cell.get("check", "-"),
             }
         out[name] = s
     res["summary"] = out
     return out
-
-
-def _x(a: float | None, b: float | None) -> str:
-    """``a / b`` as ``1.23x`` (a: the reference's time, b: this one's)."""
-    if not a or not b or math.isnan(a) or math.isnan(b):
-        return "-"
-    return f"{a / b:.2f}x"
 
 
 LABELS = {
@@ -738,7 +726,8 @@ def table(passes: dict[str, dict[str, Any]], main_dtype: str, args: argparse.Nam
             blk = f"{'':>10} {'':>7}"
         lines.append(
             f"{label:24} {s['file_bytes'] / GB:8.3f} {s['save_s']:8.3f} {s['save_gbs']:6.2f} "
-            f"{pct} {_x(dcp.get('save_s'), s['save_s']):>7} {blk} {s['save_spread'] * 100:6.0f}%"
+            f"{pct} {_report.ratio(dcp.get('save_s'), s['save_s']):>7} {blk} "
+            f"{s['save_spread'] * 100:6.0f}%"
             + ("   (save = until wait() returns)" if sync_of else "")
         )
     lines += [
@@ -763,9 +752,10 @@ def table(passes: dict[str, dict[str, Any]], main_dtype: str, args: argparse.Nam
             shown = LOAD_LABELS.get(label, label).format(lvl=args.zstd_level)
             lines.append(
                 f"{shown:24} {c['cold_s']:8.3f} "
-                f"{c['cold_gbs']:6.2f} {_x(dcp_load.get('cold_s'), c['cold_s']):>7} "
+                f"{c['cold_gbs']:6.2f} {_report.ratio(dcp_load.get('cold_s'), c['cold_s']):>7} "
                 f"{c['warm_s']:8.3f} {c['warm_gbs']:6.2f} "
-                f"{_x(dcp_load.get('warm_s'), c['warm_s']):>7} {c['evicted_frac'] * 100:7.0f}% "
+                f"{_report.ratio(dcp_load.get('warm_s'), c['warm_s']):>7} "
+                f"{c['evicted_frac'] * 100:7.0f}% "
                 f"{c['cold_spread'] * 100:6.0f}%  {c['check']}"
             )
     # zstd: every pass that has ours-zstd
@@ -880,16 +870,8 @@ def goals(passes: dict[str, dict[str, Any]], main_dtype: str) -> list[str]:
 
 
 def plot(passes: dict[str, dict[str, Any]], main_dtype: str, path: Path, lvl: int) -> str:
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError as exc:
-        return f"no plot: matplotlib unavailable ({exc})"
     sm = passes[main_dtype]["summary"]
     disk = sm.get("disk")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     saves = [(LABELS[n].format(lvl=lvl), s["save_gbs"]) for n, s in sm.items() if n != "disk"]
     loads = [
         (LOAD_LABELS.get(lab, lab).format(lvl=lvl), c["cold_gbs"], c["warm_gbs"])
@@ -897,35 +879,40 @@ def plot(passes: dict[str, dict[str, Any]], main_dtype: str, path: Path, lvl: in
         if n != "disk"
         for lab, c in s["loads"].items()
     ]
-    if saves:
-        axes[0].bar([s[0] for s in saves], [s[1] for s in saves], color="tab:blue")
-    if loads:
-        xs = range(len(loads))
-        axes[1].bar([x - 0.2 for x in xs], [c[1] for c in loads], 0.4, label="cold (evicted)")
-        axes[1].bar([x + 0.2 for x in xs], [c[2] for c in loads], 0.4, label="warm (page cache)")
-        axes[1].set_xticks(list(xs), [c[0] for c in loads])
-    if disk:
-        axes[0].axhline(disk["write_gbs"], color="grey", lw=1, ls="--", label="disk write+fsync")
-        axes[0].axhline(0.8 * disk["write_gbs"], color="red", lw=1, ls=":", label="80% goal")
-        axes[1].axhline(
-            disk["dd_read_cold_gbs"], color="grey", lw=1, ls="--", label="dd read (evicted)"
-        )
-    for ax in axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    for ax, title in zip(axes, ("save GB/s (incl. fsync)", "load GB/s"), strict=True):
-        ax.set_title(title)
-        ax.tick_params(axis="x", labelrotation=35, labelsize=8)
     gb = passes[main_dtype]["state"]["bytes"] / GB
-    fig.suptitle(f"checkpoint of {gb:.2f} GB ({main_dtype} TinyGPT + AdamW), one process")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return f"plot: {path}"
+
+    def draw(plt: Any) -> Any:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+        if saves:
+            axes[0].bar([s[0] for s in saves], [s[1] for s in saves], color="tab:blue")
+        if loads:
+            xs = range(len(loads))
+            axes[1].bar([x - 0.2 for x in xs], [c[1] for c in loads], 0.4, label="cold (evicted)")
+            axes[1].bar(
+                [x + 0.2 for x in xs], [c[2] for c in loads], 0.4, label="warm (page cache)"
+            )
+            axes[1].set_xticks(list(xs), [c[0] for c in loads])
+        if disk:
+            write = disk["write_gbs"]
+            axes[0].axhline(write, color="grey", lw=1, ls="--", label="disk write+fsync")
+            axes[0].axhline(0.8 * write, color="red", lw=1, ls=":", label="80% goal")
+            axes[1].axhline(
+                disk["dd_read_cold_gbs"], color="grey", lw=1, ls="--", label="dd read (evicted)"
+            )
+        for ax in axes:
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+        for ax, title in zip(axes, ("save GB/s (incl. fsync)", "load GB/s"), strict=True):
+            ax.set_title(title)
+            ax.tick_params(axis="x", labelrotation=35, labelsize=8)
+        fig.suptitle(f"checkpoint of {gb:.2f} GB ({main_dtype} TinyGPT + AdamW), one process")
+        return fig
+
+    return _report.plot(path, draw)
 
 
 def machine(work: Path) -> str:
-    import torch  # noqa: PLC0415
-
+    """The machine line (with its RAM), safetensors and shardline, and where ``work`` is."""
     try:
         import safetensors  # noqa: PLC0415
 
@@ -941,11 +928,9 @@ def machine(work: Path) -> str:
             src, mnt, typ = line.split()[:3]
             if str(work).startswith(mnt) and len(mnt) >= len(best):
                 best, dev, fs = mnt, src, typ
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return (
-        f"{platform.node()} {os.cpu_count()} cores, {ram:.0f} GiB RAM, torch {torch.__version__}, "
-        f"safetensors {st}, shardline {getattr(shardline, '__version__', '?')}; files on {dev} "
-        f"({fs}, mounted at {best})"
+        f"{_report.machine(ram=True)}, safetensors {st}, shardline "
+        f"{getattr(shardline, '__version__', '?')}; files on {dev} ({fs}, mounted at {best})"
     )
 
 
@@ -953,32 +938,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gb", type=float, default=1.0, help="state size, 10^9 bytes (default 1.0)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument(
-        "--zstd-dtypes",
-        type=lambda text: [s.strip() for s in text.split(",") if s.strip()],
-        default=["fp32", "bf16"],
-        help="dtypes to report zstd on; others than --dtype get an ours/ours-zstd pass",
-    )
-    p.add_argument(
-        "--impls",
-        type=lambda text: [s.strip() for s in text.split(",") if s.strip()],
-        default=list(IMPLS),
-        help=f"comma-separated subset of {','.join(IMPLS)} (default: all)",
-    )
+    zstd_help = "dtypes to report zstd on; others than --dtype get an ours/ours-zstd pass"
+    _harness.add_subset(p, "--zstd-dtypes", ("fp32", "bf16"), zstd_help)
+    _harness.add_subset(p, "--impls", IMPLS)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--zstd-level", type=int, default=3)
     p.add_argument(
         "--settle", type=float, default=0.5, help="seconds idle after os.sync() before each write"
     )
-    p.add_argument("--dir", default=str(ROOT / ".bench-tmp"), help="where files go (removed)")
+    p.add_argument(
+        "--dir", default=str(_harness.ROOT / ".bench-tmp"), help="where files go (removed)"
+    )
     p.add_argument("--tag", default=None, help="results file name suffix")
     args = p.parse_args(argv)
-    unknown = set(args.impls) - set(IMPLS)
-    if unknown:
-        p.error(f"--impls: unknown {', '.join(sorted(unknown))}; choose from {', '.join(IMPLS)}")
-    bad = set(args.zstd_dtypes) - {"fp32", "bf16"}
-    if bad:
-        p.error(f"--zstd-dtypes: unknown {', '.join(sorted(bad))}")
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
 
@@ -1006,26 +978,21 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count()
     default_tag = f"cpu-{cores}c" + ("" if args.gb == 1.0 else f"-{args.gb:g}gb")
     tag = args.tag or default_tag + ("" if args.dtype == "fp32" else f"-{args.dtype}")
-    cmd = " ".join(sys.argv[1:] if argv is None else argv)
-    header = f"# bench_checkpoint.py {cmd}\n# {machine(work)}"
-    text = table(passes, args.dtype, args)
-    print(header + "\n" + text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"checkpoint-{tag}.txt").write_text(header + "\n" + text + "\n")
-    (RESULTS / f"checkpoint-{tag}.json").write_text(
-        json.dumps(
-            {
-                "args": vars(args),
-                "machine": header.splitlines()[1][2:],
-                "torch": torch.__version__,
-                "cores": cores,
-                "passes": passes,
-                "goals": goals(passes, args.dtype),
-            },
-            indent=1,
-        )
+    head = _report.header(Path(__file__).name, machine(work), argv)
+    _report.publish(
+        _report.RESULTS / f"checkpoint-{tag}",
+        head,
+        table(passes, args.dtype, args),
+        {
+            "args": vars(args),
+            "machine": head.splitlines()[1][2:],
+            "torch": torch.__version__,
+            "cores": cores,
+            "passes": passes,
+            "goals": goals(passes, args.dtype),
+        },
+        lambda path: plot(passes, args.dtype, path, args.zstd_level),
     )
-    print(plot(passes, args.dtype, RESULTS / f"checkpoint-{tag}.png", args.zstd_level))
     return 0
 
 

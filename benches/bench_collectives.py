@@ -40,18 +40,18 @@ import datetime
 import json
 import math
 import os
-import platform
-import re
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import _harness
+import _report
 
 SIZED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 OPS = (*SIZED_OPS, "barrier")
@@ -62,29 +62,10 @@ BOUND_BYTES = 256 << 20
 ELEM = 4  # float32
 PATTERN = 8  # period of the validation pattern
 CHECK_CHUNK = 1 << 20  # elements compared at a time
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers shared by parent and workers
-
-
-def parse_size(text: str) -> int:
-    """``"4K"``, ``"4KiB"``, ``"64MB"``, ``"1G"``, ``"4096"`` -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 4K, 64KiB, 1M, 256MiB")
-    value = int(m.group(1)) * _UNITS[m.group(2).upper()]
-    if value < ELEM:
-        raise argparse.ArgumentTypeError(f"size {text!r} is smaller than one float32")
-    return value
-
-
-def fmt_size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -302,13 +283,13 @@ def worker_main(cfg_path: str) -> int:
             if cell["median_s"] is not None:
                 _log(
                     rank,
-                    f"  [n={world}] {op:<14} {fmt_size(n * ELEM):>9} {backend:<10} "
+                    f"  [n={world}] {op:<14} {_report.fmt_size(n * ELEM):>9} {backend:<10} "
                     f"{cell['median_s'] * 1e6:12.1f} us  ({cell['iters']} iters)",
                 )
             else:
                 _log(
                     rank,
-                    f"  [n={world}] {op:<14} {fmt_size(n * ELEM):>9} {backend:<10} "
+                    f"  [n={world}] {op:<14} {_report.fmt_size(n * ELEM):>9} {backend:<10} "
                     f"FAILED: {cell['error']}",
                 )
 
@@ -521,6 +502,22 @@ def _run_cell(
         bad = [f"rank {r}: {e}" for r, (e, _v) in enumerate(got) if e]
         return [v for _e, v in got], ("; ".join(bad) or None)
 
+    def attempt(tag: str, step: Callable[[], Any], fallback: Any) -> tuple[list[Any], str | None]:
+        """Runs ``step`` here, then agrees: every rank's value (``fallback`` where it raised)."""
+        try:
+            value, err = step(), None
+        except Exception as exc:
+            value, err = fallback, _err(exc)
+        return agree(tag, err, value)
+
+    def batch(iters: int) -> float:
+        """Seconds per op over ``iters`` ops, started after a barrier."""
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+
     # 1. validate (also the warm-up of this cell)
     err, fatal = None, False
     t_first = 0.0
@@ -540,19 +537,9 @@ def _run_cell(
     # 2. agree on the iteration count: a short calibration batch, the slowest rank decides
     target, lo, hi = cfg["target_s"], cfg["min_iters"], cfg["max_iters"]
     est = max(v[1] for v in vals)
-    err = None
     # est includes the validation's fill and check: an overestimate, so k stays small
     k = max(1, min(hi, math.ceil(0.02 / max(est, 1e-7))))
-    t_cal = est
-    try:
-        barrier()
-        t0 = time.perf_counter()
-        for _ in range(k):
-            fn()
-        t_cal = (time.perf_counter() - t0) / k
-    except Exception as exc:
-        err = _err(exc)
-    vals, bad = agree("calibrate", err, t_cal)
+    vals, bad = attempt("calibrate", lambda: batch(k), est)
     if bad:
         cell.update(error=bad, fatal=True)
         return cell
@@ -561,18 +548,7 @@ def _run_cell(
     cell["iters"] = iters
 
     # 3. timed batches, each after a barrier
-    times: list[float] = []
-    err = None
-    try:
-        for _ in range(cfg["repeats"]):
-            barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            times.append((time.perf_counter() - t0) / iters)
-    except Exception as exc:
-        err = _err(exc)
-    per_rank, bad = agree("times", err, times)
+    per_rank, bad = attempt("times", lambda: [batch(iters) for _ in range(cfg["repeats"])], [])
     if bad:
         cell.update(error=bad, fatal=True)
         return cell
@@ -651,30 +627,6 @@ def _idle_cpu(seconds: float) -> float:
 # parent
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-    for p in procs:
-        with contextlib.suppress(Exception):
-            p.wait(timeout=10)
-
-
-def _tail(path: Path, limit: int = 6000) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no output)"
-    return text if len(text) <= limit else "...\n" + text[-limit:]
-
-
 def run_world(world: int, args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any] | None, str]:
     """Launches ``world`` workers; returns (result, "") or (None, failure message)."""
     cfg = {
@@ -692,140 +644,19 @@ def run_world(world: int, args: argparse.Namespace, tmp: Path) -> tuple[dict[str
     }
     cfg_path = tmp / f"cfg-n{world}.json"
     cfg_path.write_text(json.dumps(cfg))
-    port = _free_port()
-    procs: list[subprocess.Popen[bytes]] = []
-    errs = [tmp / f"n{world}-rank{r}.stderr" for r in range(world)]
-    outs = [tmp / f"n{world}-rank{r}.stdout" for r in range(world)]
-    files = []
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(cfg_path)]
     try:
-        for r in range(world):
-            env = dict(os.environ)
-            env.pop("SHARDLINE_HOST_ID", None)  # native-tcp passes host_id itself
-            env.update(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                RANK=str(r),
-                WORLD_SIZE=str(world),
-                LOCAL_RANK=str(r),
-                LOCAL_WORLD_SIZE=str(world),
-                OMP_NUM_THREADS="1",
-                PYTHONUNBUFFERED="1",
-            )
-            ef = errs[r].open("wb")
-            of = None if r == 0 else outs[r].open("wb")  # rank 0's progress goes to the terminal
-            files += [f for f in (ef, of) if f is not None]
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(Path(__file__).resolve()), "--worker", str(cfg_path)],
-                    env=env,
-                    stdout=of,
-                    stderr=ef,
-                    start_new_session=True,
-                )
-            )
-        deadline = time.monotonic() + args.timeout
-        failed_at: float | None = None
-        why = ""
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(c == 0 for c in codes):
-                break
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            now = time.monotonic()
-            if bad and failed_at is None:
-                failed_at = now
-                why = ", ".join(f"rank {r} exited with {c}" for r, c in bad)
-            if failed_at is not None and (
-                all(c is not None for c in codes) or now - failed_at > 10
-            ):
-                break
-            if now > deadline:
-                why = f"timed out after {args.timeout:.0f} s (--timeout)"
-                break
-            time.sleep(0.1)
-    except BaseException:
-        _kill(procs)
-        raise
-    finally:
-        alive = [r for r, p in enumerate(procs) if p.poll() is None]
-        if alive:
-            _kill(procs)
-            if why:
-                why += f"; killed rank(s) {', '.join(map(str, alive))}, still running"
-        for f in files:
-            f.close()
-    if why:
-        lines = [f"world size {world}: {why}; every rank's stderr follows"]
-        for r in range(world):
-            lines.append(f"----- rank {r} stderr -----")
-            lines.append(_tail(errs[r]))
-        return None, "\n".join(lines)
+        # One thread per rank for torch; rank 0's progress goes to the terminal.
+        stderr = _harness.launch(cmd, world, tmp, timeout=args.timeout, omp_threads=1, quiet=True)
+    except _harness.RanksFailed as exc:
+        return None, str(exc)
     result_path = Path(cfg["result_path"])
     if not result_path.exists():
         return None, f"world size {world}: workers exited 0 but wrote no result"
-    warn = [
-        f"rank {r}: {_tail(errs[r], 1500)}"
-        for r in range(world)
-        if errs[r].exists() and errs[r].stat().st_size
-    ]
+    warn = [f"rank {r}: {err}" for r, err in enumerate(stderr) if err]
     if warn:
         print(f"  [n={world}] note: workers wrote to stderr:\n" + "\n".join(warn), flush=True)
     return json.loads(result_path.read_text()), ""
-
-
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "loadavg_start": os.getloadavg(),
-    }
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                info["mem_total_gib"] = round(int(line.split()[1]) / (1 << 20), 1)
-    try:
-        import torch  # noqa: PLC0415
-
-        info["torch"] = torch.__version__
-    except ImportError as exc:
-        info["torch"] = f"unavailable: {exc}"
-    try:
-        import shardline  # noqa: PLC0415
-
-        info["shardline"] = getattr(shardline, "__version__", "?")
-        from shardline import _native  # noqa: PLC0415
-
-        info["shardline_native"] = getattr(_native, "__version__", "?")
-    except ImportError as exc:
-        info["shardline_native"] = f"unavailable: {exc}"
-    repo = Path(__file__).resolve().parent.parent
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        head = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "-uno"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-        info["git_commit"] = head.stdout.strip()
-        info["git_dirty_files"] = len(dirty.stdout.splitlines())
-    return info
 
 
 def derive(world: int, res: dict[str, Any]) -> None:
@@ -856,8 +687,7 @@ def derive(world: int, res: dict[str, Any]) -> None:
         if t is None:
             continue
         c["latency_us"] = t * 1e6
-        reps = c["slowest_per_repeat_s"]
-        c["spread_pct"] = 100 * (max(reps) - min(reps)) / t  # noise: (max - min) / median
+        c["spread_pct"] = 100 * _report.spread(c["slowest_per_repeat_s"])
         if c["op"] != "barrier":
             c["algbw_GBps"] = c["size"] / t / 1e9
             c["busbw_GBps"] = c["algbw_GBps"] * bus_factor(c["op"], world)
@@ -906,7 +736,7 @@ def table(world: int, res: dict[str, Any], ncores: int) -> str:
         if prev is not None and key != prev:
             lines.append("")
         prev = key
-        size = fmt_size(c["size"]) if c["op"] != "barrier" else "-"
+        size = _report.fmt_size(c["size"]) if c["op"] != "barrier" else "-"
         if c["median_s"] is None:
             lines.append(f"{c['op']:<14} {size:>9} {c['backend']:<10} FAILED: {c['error']}")
             continue
@@ -931,14 +761,14 @@ def table(world: int, res: dict[str, Any], ncores: int) -> str:
 
 
 def plot(results: dict[int, dict[str, Any]], path: Path) -> str | None:
-    try:
-        import matplotlib  # noqa: PLC0415
+    """Latency and busbw against size, per op and world size; None once drawn, else why not."""
+    said = _report.plot(path, lambda plt: _draw(plt, results), dpi=90)
+    return None if said == f"plot: {path}" else said
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-        from matplotlib.ticker import NullLocator  # noqa: PLC0415
-    except ImportError as exc:
-        return f"no plot: matplotlib unavailable ({exc})"
+
+def _draw(plt: Any, results: dict[int, dict[str, Any]]) -> Any:
+    from matplotlib.ticker import NullLocator  # noqa: PLC0415
+
     worlds = sorted(results)
     ops = [
         op for op in SIZED_OPS if any(c["op"] == op for r in results.values() for c in r["cells"])
@@ -973,25 +803,16 @@ def plot(results: dict[int, dict[str, Any]], path: Path) -> str | None:
             if op == "all_reduce":
                 f = bus_factor(op, world)
                 bd = res["bounds"]
-                ax_b.axhline(
-                    bd["shm_all_reduce_algbw_bound_GBps"] * f,
-                    color="C0",
-                    lw=0.8,
-                    ls=":",
-                    label="shm bound",
-                )
-                ax_b.axhline(
-                    bd["tcp_ring_all_reduce_algbw_bound_GBps"] * f,
-                    color="C1",
-                    lw=0.8,
-                    ls=":",
-                    label="TCP ring bound",
-                )
+                for key, color, label in (
+                    ("shm_all_reduce_algbw_bound_GBps", "C0", "shm bound"),
+                    ("tcp_ring_all_reduce_algbw_bound_GBps", "C1", "TCP ring bound"),
+                ):
+                    ax_b.axhline(bd[key] * f, color=color, lw=0.8, ls=":", label=label)
             sizes = sorted({c["size"] for c in res["cells"] if c["op"] == op})
             for ax, ylabel in ((ax_t, "median latency (us)"), (ax_b, "busbw (GB/s)")):
                 ax.set_xscale("log", base=2)
                 if sizes:
-                    labels = [fmt_size(x).replace(" ", "").replace("iB", "") for x in sizes]
+                    labels = [_report.fmt_size(x).replace(" ", "").replace("iB", "") for x in sizes]
                     ax.set_xticks(sizes, labels, fontsize=8)
                     ax.xaxis.set_minor_locator(NullLocator())
                 ax.set_yscale("log")
@@ -1001,10 +822,7 @@ def plot(results: dict[int, dict[str, Any]], path: Path) -> str | None:
             ax_t.set_title(f"{op}, {world} ranks")
             ax_t.legend(fontsize=7)
             ax_b.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return None
+    return fig
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -1084,7 +902,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--ranks: world sizes must be at least 2")
     try:
         sizes = [
-            parse_size(s)
+            _harness.parse_size(s)
             for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",")
             if s
         ]
@@ -1103,9 +921,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.timeout = args.timeout or (600.0 if args.quick else 2400.0)
     if args.out is None:
         tag = f"collectives-{os.cpu_count()}c-n{'-'.join(map(str, args.ranks))}"
-        args.out = str(
-            Path(__file__).resolve().parent / "results" / (tag + ("-quick" if args.quick else ""))
-        )
+        args.out = str(_report.RESULTS / (tag + ("-quick" if args.quick else "")))
     return args
 
 
@@ -1122,11 +938,12 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    info = machine_info()
+    info = _report.machine_info()
     ncores = info["cpu_count"] or 0
+    sizes = [_report.fmt_size(s) for s in args.sizes]
     print(
         f"bench_collectives: ranks {args.ranks}, backends {args.backends}, ops {args.ops}, "
-        f"sizes {[fmt_size(s) for s in args.sizes]}, {args.repeats} repeats x ~{args.target} s; "
+        f"sizes {sizes}, {args.repeats} repeats x ~{args.target} s; "
         f"{ncores} cores ({info.get('cpu_model', '?')}), load {info['loadavg_start']}",
         flush=True,
     )
@@ -1153,7 +970,7 @@ def main(argv: list[str]) -> int:
         if g.get("error")
     ]
     problems += [
-        f"n={w} {c['op']} {fmt_size(c['size'])} {c['backend']}: {c['error']}"
+        f"n={w} {c['op']} {_report.fmt_size(c['size'])} {c['backend']}: {c['error']}"
         for w, r in results.items()
         for c in r["cells"]
         if c["error"] and not c.get("fatal")
@@ -1177,7 +994,7 @@ def main(argv: list[str]) -> int:
         "results": {str(w): r for w, r in results.items()},
         "failures": failures + problems,
     }
-    Path(f"{out}.json").write_text(json.dumps(doc, indent=1))
+    _report.write_json(Path(f"{out}.json"), doc)
     if results:
         Path(f"{out}.txt").write_text(report)
         note = plot(results, Path(f"{out}.png"))

@@ -23,38 +23,15 @@ PNG to ``benches/results/``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import secrets
 import statistics
-import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benches" / "results"
-
-
-def float_options(text: str) -> dict[str, float]:
-    """``"a=1,b=2.5"`` as ``{"a": 1.0, "b": 2.5}`` (the ``--*-kw`` options of the benches)."""
-    return {k: float(v) for k, v in (kv.split("=") for kv in text.split(","))}
-
-
-def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend, or a "no plot: ..." string without it."""
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError as exc:
-        return f"no plot: matplotlib unavailable ({exc})"
-    return plt
-
+import _harness
+import _report
 
 # -- worker --------------------------------------------------------------------------------------
 
@@ -105,27 +82,6 @@ def step_fn(model: Any, opt: Any, batch: tuple[Any, ...]) -> None:
     opt.step()
 
 
-def join_job(device_kind: str) -> tuple[int, int, Any, Any]:
-    """In a worker: this rank's device, our group (native or NCCL) and torch's default group
-    (Gloo or NCCL) on its own store; returns ``(rank, world, device, our group)``."""
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
-
-    import shardline as sl  # noqa: PLC0415
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = device_kind == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    ours = sl.init(backend="nccl" if cuda else "native")
-    store = dist.TCPStore(
-        "127.0.0.1", int(os.environ["TORCH_PORT"]), world, rank == 0, timedelta(seconds=120)
-    )
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world)
-    return rank, world, device, ours
-
-
 def worker(args: argparse.Namespace) -> int:
     import copy  # noqa: PLC0415
 
@@ -135,13 +91,8 @@ def worker(args: argparse.Namespace) -> int:
 
     import shardline as sl  # noqa: PLC0415
 
-    rank, world, device, ours_group = join_job(args.device)
+    rank, world, device, ours_group = _harness.join_job(args.device)
     cuda = device.type == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
     results: dict[str, Any] = {}
     for kind in args.models:
         base, make_batch, items = make_model(kind, device, big=cuda)
@@ -155,15 +106,15 @@ def worker(args: argparse.Namespace) -> int:
         for name, m in contenders.items():  # warm-up, also the bucket rebuild
             for i in range(args.warmup):
                 step_fn(m, opts[name], batches[i % 4])
-        sync()
+        _harness.sync(device)
         for _ in range(args.repeats):
             for name, m in contenders.items():
                 dist.barrier()
-                sync()
+                _harness.sync(device)
                 t0 = time.perf_counter()
                 for i in range(args.steps):
                     step_fn(m, opts[name], batches[i % 4])
-                sync()
+                _harness.sync(device)
                 times[name].append((time.perf_counter() - t0) / args.steps)
         # Report the slowest rank's median: a step is as slow as its slowest rank.
         med = torch.tensor(
@@ -182,51 +133,10 @@ def worker(args: argparse.Namespace) -> int:
         row["ratio"] = row["shardline_per_s"] / row["torch_per_s"]
         results[kind] = row
         del ours, theirs, contenders, opts
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(results))
-    dist.destroy_process_group()
-    sl.shutdown()
-    return 0
+    return _harness.leave_job(rank, results, args.out)
 
 
 # -- parent --------------------------------------------------------------------------------------
-
-
-def run_world(world: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from shardline.launch import free_port  # noqa: PLC0415
-
-    out = tmp / f"ddp-{world}.json"
-    cores = os.cpu_count() or 1
-    env_base = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "TORCH_PORT": str(free_port()),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world),
-        "SHARDLINE_SECRET": secrets.token_hex(16),
-        "OMP_NUM_THREADS": str(max(1, cores // world)),
-    }
-    cmd = [sys.executable, __file__, "--worker", "--out", str(out), *sys.argv[1:]]
-    procs = []
-    for r in range(world):
-        env = {**env_base, "RANK": str(r), "LOCAL_RANK": str(r)}
-        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + args.timeout
-    errors = []
-    for r, p in enumerate(procs):
-        try:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise SystemExit(f"world {world}: ranks still running after {args.timeout} s") from None
-        if p.returncode != 0:
-            errors.append(f"--- rank {r} exited {p.returncode} ---\n{err[-3000:]}")
-    if errors:
-        raise SystemExit("\n".join(errors))
-    return dict(json.loads(out.read_text()))
 
 
 def table(results: dict[int, dict[str, Any]], device: str) -> str:
@@ -245,23 +155,25 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
     return "\n".join(lines)
 
 
+def progress(args: argparse.Namespace, world: int, res: dict[str, Any], _seconds: float) -> str:
+    return table({world: res}, args.device)
+
+
 def plot(results: dict[int, dict[str, Any]], path: Path) -> str:
-    plt = pyplot()
-    if isinstance(plt, str):
-        return plt
-    labels, ratios = [], []
-    for world, res in results.items():
-        for kind, row in res.items():
-            labels.append(f"{kind}\n{world} ranks")
-            ratios.append(row["ratio"])
-    fig, ax = plt.subplots(figsize=(1.4 * len(labels) + 2, 3.5))
-    ax.bar(labels, ratios, color="tab:blue")
-    ax.axhline(1.0, color="grey", lw=1)
-    ax.set_ylabel("throughput, shardline / torch DDP")
-    ax.set_title("DDP training throughput ratio")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return f"plot: {path}"
+    def draw(plt: Any) -> Any:
+        labels, ratios = [], []
+        for world, res in results.items():
+            for kind, row in res.items():
+                labels.append(f"{kind}\n{world} ranks")
+                ratios.append(row["ratio"])
+        fig, ax = plt.subplots(figsize=(1.4 * len(labels) + 2, 3.5))
+        ax.bar(labels, ratios, color="tab:blue")
+        ax.axhline(1.0, color="grey", lw=1)
+        ax.set_ylabel("throughput, shardline / torch DDP")
+        ax.set_title("DDP training throughput ratio")
+        return fig
+
+    return _report.plot(path, draw)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,46 +183,20 @@ def main(argv: list[str] | None = None) -> int:
         "--models", nargs="+", default=["comm", "compute"], choices=["comm", "comm1", "compute"]
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
-    p.add_argument("--repeats", type=int, default=5, help="timed blocks per contender")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--tag", default=None, help="results file name suffix")
-    p.add_argument(
-        "--ddp-kw",
-        type=float_options,
-        default={},
-        help="options for shardline's DDP, e.g. in_place_mb=inf,bucket_cap_mb=50",
-    )
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        return worker(args)
-    import tempfile  # noqa: PLC0415
-
-    results: dict[int, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in args.ranks:
-            results[world] = run_world(world, args, Path(tmp))
-            print(table({world: results[world]}, args.device), flush=True)
-    text = table(results, args.device)
+    _harness.add_blocks(p, steps=10, repeats=5, warmup=3, repeats_help="timed blocks per contender")
+    _harness.add_launch(p, timeout=900.0)
+    ddp_kw = "options for shardline's DDP, e.g. in_place_mb=inf,bucket_cap_mb=50"
+    _harness.add_kw(p, "--ddp-kw", ddp_kw)
+    args, results = _harness.run_bench(p, argv, __file__, worker, progress)
     cores = os.cpu_count()
     tag = args.tag or f"{args.device}-{cores}c"
-    import torch  # noqa: PLC0415
-
-    gpu = f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else ""
-    header = (
-        f"# bench_ddp.py {' '.join(sys.argv[1:])}\n"
-        f"# {platform.node()} {cores} cores{gpu}, torch {torch.__version__}"
+    _report.publish(
+        _report.RESULTS / f"ddp-{tag}",
+        _report.header(Path(__file__).name, _report.machine(args.device)),
+        table(results, args.device),
+        {"args": vars(args), "cores": cores, "results": results},
+        lambda path: plot(results, path),
     )
-    print(header + "\n" + text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"ddp-{tag}.txt").write_text(header + "\n" + text + "\n")
-    (RESULTS / f"ddp-{tag}.json").write_text(
-        json.dumps({"args": vars(args), "cores": cores, "results": results}, indent=1)
-    )
-    print(plot(results, RESULTS / f"ddp-{tag}.png"))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Scaling run: our DDP and zero3 against torch DDP and FSDP2 at 1, 2, 4 (, 8) GPUs, and our
 NCCL passthrough collectives against raw torch NCCL.
 
-Per GPU count ``W`` (``--gpus``), ``W`` processes start (``bench_ddp.py``'s launcher: our group
+Per GPU count ``W`` (``--gpus``), ``W`` processes start (``_harness.py``'s launcher: our group
 on MASTER_PORT, torch's NCCL group on its own TCPStore). Every rank builds, from the same
 CPU-initialised ``TinyGPT`` (seed 0; ``--size 1b`` has 1.01B parameters) and AdamW, one
 implementation at a time:
@@ -41,21 +41,19 @@ Writes ``benches/results/scaling-<tag>.{txt,json,png}``.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import math
-import os
-import platform
 import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_ddp
+import _harness
+import _report
 import bench_zero
-from bench_ddp import RESULTS
 
 IMPLS = ("sl-ddp", "torch-ddp", "sl-zero3", "fsdp2")
 PEER = {"sl-ddp": "torch-ddp", "sl-zero3": "fsdp2"}
@@ -65,37 +63,28 @@ SIZES = {
     "small": (128, 2, 4, 64),  # 0.4M parameters: checks the script on 2 CPU cores
     "1b": (2048, 20, 16, 1024),  # 1.01B parameters
 }
-COLL_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+# op -> (our group's method, torch.distributed's function)
+COLL_OPS = {
+    "all_reduce": ("all_reduce", "all_reduce"),
+    "all_gather": ("all_gather", "all_gather_into_tensor"),
+    "reduce_scatter": ("reduce_scatter", "reduce_scatter_tensor"),
+}
 BUSBW = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n}
 BUSBW["reduce_scatter"] = BUSBW["all_gather"]
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    text = text.strip().upper()
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
 # -- worker --------------------------------------------------------------------------------------
 
 
 def train_worker(args: argparse.Namespace, rank: int, world: int, device: Any) -> dict[str, Any]:
-    import copy  # noqa: PLC0415
     import gc  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: PLC0415
 
-    import shardline as sl  # noqa: PLC0415
     from shardline.examples.train import Config, TinyGPT, corpus  # noqa: PLC0415
 
     cuda = device.type == "cuda"
-    fully_shard = bench_zero.fully_shard_fn()
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
 
     d_model, layers, heads, seq_len = SIZES[args.size]
     cfg = Config(d_model=d_model, num_layers=layers, num_heads=heads, seq_len=seq_len)
@@ -126,18 +115,8 @@ def train_worker(args: argparse.Namespace, rank: int, world: int, device: Any) -
     ]
 
     def build(name: str) -> tuple[Any, Any]:
-        model: Any = copy.deepcopy(base).to(device)
-        if name.startswith("sl-"):
-            opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-            kw = args.zero_kw if name == "sl-zero3" else {}
-            return sl.distribute(model, opt, strategy=name[3:], **kw)
-        if name == "fsdp2":
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
-        else:
-            model = TorchDDP(model, device_ids=[device.index] if cuda else None)
-        return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
+        kw = args.zero_kw if name == "sl-zero3" else {}
+        return bench_zero.build_impl(name, base, device, args.lr, kw)
 
     def step(model: Any, opt: Any, batch: tuple[Any, Any]) -> Any:
         opt.zero_grad(set_to_none=True)
@@ -161,7 +140,7 @@ def train_worker(args: argparse.Namespace, rank: int, world: int, device: Any) -
         base_alloc = torch.cuda.memory_allocated() if cuda else 0
         try:
             model, opt = build(name)
-            sync()
+            _harness.sync(device)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             set_tf32(False)
@@ -172,15 +151,15 @@ def train_worker(args: argparse.Namespace, rank: int, world: int, device: Any) -
             times, k = [], 0
             for _ in range(args.repeats):
                 dist.barrier()
-                sync()
+                _harness.sync(device)
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     step(model, opt, batches[k % len(batches)])
                     k += 1
-                sync()
+                _harness.sync(device)
                 times.append((time.perf_counter() - t0) / args.steps)
             row["step_s_rank"] = statistics.median(times)
-            row["spread"] = (max(times) - min(times)) / row["step_s_rank"]
+            row["spread"] = _report.spread(times)
             row["losses"] = [float(v) for v in torch.stack(losses).cpu()]
             row["persistent_bytes"] = bench_zero.persistent_bytes(model, opt)
             if cuda:
@@ -239,24 +218,16 @@ def train_worker(args: argparse.Namespace, rank: int, world: int, device: Any) -
     }
 
 
-def _collective(impl: str, op: str, ours: Any, big: Any, small: Any) -> None:
-    """One ``op`` through our group (``impl == "ours"``) or raw torch.distributed: all_reduce
-    on ``big``, all_gather ``small`` into ``big``, reduce_scatter ``big`` into ``small``."""
+def _collective(impl: str, op: str, ours: Any, big: Any, small: Any) -> Callable[[], Any]:
+    """One ``op`` through our group (``impl == "ours"``) or raw torch.distributed, as a call
+    without arguments: all_reduce on ``big``, all_gather ``small`` into ``big``, reduce_scatter
+    ``big`` into ``small``."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    if impl == "ours":
-        if op == "all_reduce":
-            ours.all_reduce(big)
-        elif op == "all_gather":
-            ours.all_gather(big, small)
-        else:
-            ours.reduce_scatter(small, big)
-    elif op == "all_reduce":
-        dist.all_reduce(big)
-    elif op == "all_gather":
-        dist.all_gather_into_tensor(big, small)
-    else:
-        dist.reduce_scatter_tensor(small, big)
+    ours_name, torch_name = COLL_OPS[op]
+    fn = getattr(ours, ours_name) if impl == "ours" else getattr(dist, torch_name)
+    buffers = {"all_reduce": (big,), "all_gather": (big, small), "reduce_scatter": (small, big)}
+    return functools.partial(fn, *buffers[op])
 
 
 def coll_worker(args: argparse.Namespace, rank: int, world: int, device: Any, ours: Any) -> Any:
@@ -264,29 +235,20 @@ def coll_worker(args: argparse.Namespace, rank: int, world: int, device: Any, ou
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
-    cuda = device.type == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
     out: dict[str, dict[str, dict[str, Any]]] = {op: {} for op in COLL_OPS}
-    for size in sorted(parse_size(s) for s in args.coll_sizes.split(",")):
+    for size in sorted(_harness.parse_size(s) for s in args.coll_sizes.split(",")):
         n = max(world, size // 4 // world * world)  # float32 elements, a multiple of world
         big = torch.empty(n, device=device)
         small = torch.empty(n // world, device=device)
         for op in COLL_OPS:
-
-            def run(impl: str, op: str = op, big: Any = big, small: Any = small) -> None:
-                _collective(impl, op, ours, big, small)
-
             cell: dict[str, Any] = {"bytes": n * 4, "check": "ok"}
             for impl in ("ours", "torch"):
+                run = _collective(impl, op, ours, big, small)
                 # Check: rank-dependent inputs against the closed form.
                 big.fill_(rank + 1)
                 small.fill_(rank + 1)
-                run(impl)
-                sync()
+                run()
+                _harness.sync(device)
                 if op == "all_reduce":
                     good = bool((big == world * (world + 1) / 2).all())
                 elif op == "all_gather":
@@ -301,11 +263,11 @@ def coll_worker(args: argparse.Namespace, rank: int, world: int, device: Any, ou
                 times = []
                 for _ in range(args.coll_repeats):
                     dist.barrier()
-                    sync()
+                    _harness.sync(device)
                     t0 = time.perf_counter()
                     for _ in range(iters):
-                        run(impl)
-                    sync()
+                        run()
+                    _harness.sync(device)
                     times.append((time.perf_counter() - t0) / iters)
                 cell[impl] = statistics.median(times)
             out[op][str(n * 4)] = cell
@@ -320,35 +282,14 @@ def coll_worker(args: argparse.Namespace, rank: int, world: int, device: Any, ou
 
 
 def worker(args: argparse.Namespace) -> int:
-    import torch.distributed as dist  # noqa: PLC0415
-
-    import shardline as sl  # noqa: PLC0415
-
-    rank, world, device, ours = bench_ddp.join_job(args.device)
+    rank, world, device, ours = _harness.join_job(args.device)
     result = train_worker(args, rank, world, device) if args.impls else {"impls": {}}
     if world >= 2 and args.coll_sizes:
         result["collectives"] = coll_worker(args, rank, world, device, ours)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(result))
-    dist.destroy_process_group()
-    sl.shutdown()
-    return 0
+    return _harness.leave_job(rank, result, args.out)
 
 
 # -- parent --------------------------------------------------------------------------------------
-
-
-def run_world(world: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """``bench_ddp.run_world`` starting this file's workers; the rank-0 JSON."""
-    bench_ddp.__file__ = __file__
-    return bench_ddp.run_world(world, args, tmp)
-
-
-def _fmt_bytes(b: int) -> str:
-    for unit, k in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if b >= k:
-            return f"{b // k}{unit}"
-    return str(b)
 
 
 def tables(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
@@ -385,13 +326,14 @@ def tables(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
             vs = r["tokens_per_s"] / peer["tokens_per_s"] if peer.get("tokens_per_s") else None
             peak, ppeak = r.get("peak_bytes"), peer.get("peak_bytes")
             mvs = peak / ppeak if peak and ppeak else None
+            vs_text = _report.ratio(r["tokens_per_s"], peer.get("tokens_per_s"), ".3f")
             loss = r["losses"][-1]
             rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-12) if ref_loss else math.nan
             check = "ok" if rel <= args.loss_rtol else f"WARN {rel:.1e} vs {ref_name}"
             lines.append(
                 f"{w:5d} {name:10} {r['step_ms']:8.1f} {r['tokens_per_s']:10,.0f} "
-                f"{f'{vs:.3f}x' if vs else '-':>8} {eff:7.1%} "
-                f"{(peak or math.nan) / GIB:8.2f} {f'{mvs:.3f}x' if mvs else '-':>8} "
+                f"{vs_text:>8} {eff:7.1%} "
+                f"{(peak or math.nan) / GIB:8.2f} {_report.ratio(peak, ppeak, '.3f'):>8} "
                 f"{r['persistent_bytes'] / GIB:11.2f} {r['spread']:6.1%} {loss:9.5f}  {check}"
             )
             if vs is not None:
@@ -427,47 +369,51 @@ def tables(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
                 for s, c in cells.items():
                     bw = BUSBW[op](w) * int(s) / 1e9
                     lines.append(
-                        f"{w:5d} {op:14} {_fmt_bytes(int(s)):>6} {c['ours'] * 1e6:10.1f} "
+                        f"{w:5d} {op:14} {_report.fmt_size(int(s), compact=True):>6} "
+                        f"{c['ours'] * 1e6:10.1f} "
                         f"{c['torch'] * 1e6:10.1f} {bw / c['ours']:10.2f} "
-                        f"{bw / c['torch']:11.2f} {c['torch'] / c['ours']:5.2f}x  {c['check']}"
+                        f"{bw / c['torch']:11.2f} {_report.ratio(c['torch'], c['ours'], '5.2f')}  "
+                        f"{c['check']}"
                     )
     return "\n".join(lines)
 
 
+def progress(args: argparse.Namespace, world: int, res: dict[str, Any], seconds: float) -> str:
+    return f"[{world} GPUs: {seconds:.0f} s]\n" + tables({world: res}, args)
+
+
 def plot(results: dict[int, dict[str, Any]], path: Path) -> str:
-    plt = bench_ddp.pyplot()
-    if isinstance(plt, str):
-        return plt
     worlds = sorted(results)
     coll = {w: results[w]["collectives"] for w in worlds if "collectives" in results[w]}
-    fig, axes = plt.subplots(1, 3 if coll else 2, figsize=(15 if coll else 10, 3.8))
-    for name in IMPLS:
-        pts = [(w, results[w]["impls"].get(name, {})) for w in worlds]
-        pts = [(w, r) for w, r in pts if r.get("tokens_per_s")]
-        if not pts:
-            continue
-        axes[0].plot([w for w, _ in pts], [r["tokens_per_s"] for _, r in pts], "o-", label=name)
-        axes[1].plot(
-            [w for w, _ in pts], [(r.get("peak_bytes") or 0) / GIB for _, r in pts], "o-",
-            label=name,
-        )  # fmt: skip
-    axes[0].set(xlabel="GPUs", ylabel="tokens/s", xticks=worlds, title="throughput")
-    axes[1].set(xlabel="GPUs", ylabel="peak GiB per GPU", xticks=worlds, title="memory")
-    if axes[0].get_legend_handles_labels()[0]:
-        axes[0].legend(fontsize=8)
-    if coll:
-        ax = axes[2]
-        for w, ops in coll.items():
-            for impl, style in (("ours", "-"), ("torch", "--")):
-                cells = ops["all_reduce"]
-                xs = [int(s) for s in cells]
-                ys = [BUSBW["all_reduce"](w) * int(s) / 1e9 / c[impl] for s, c in cells.items()]
-                ax.plot(xs, ys, style, marker="o", ms=3, label=f"{impl} {w} GPUs")
-        ax.set(xscale="log", xlabel="bytes", ylabel="busbw GB/s", title="all_reduce")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return f"plot: {path}"
+
+    def draw(plt: Any) -> Any:
+        fig, axes = plt.subplots(1, 3 if coll else 2, figsize=(15 if coll else 10, 3.8))
+        for name in IMPLS:
+            pts = [(w, results[w]["impls"].get(name, {})) for w in worlds]
+            pts = [(w, r) for w, r in pts if r.get("tokens_per_s")]
+            if not pts:
+                continue
+            xs = [w for w, _ in pts]
+            axes[0].plot(xs, [r["tokens_per_s"] for _, r in pts], "o-", label=name)
+            axes[1].plot(xs, [(r.get("peak_bytes") or 0) / GIB for _, r in pts], "o-", label=name)
+        axes[0].set(xlabel="GPUs", ylabel="tokens/s", xticks=worlds, title="throughput")
+        axes[1].set(xlabel="GPUs", ylabel="peak GiB per GPU", xticks=worlds, title="memory")
+        if axes[0].get_legend_handles_labels()[0]:
+            axes[0].legend(fontsize=8)
+        if coll:
+            ax = axes[2]
+            for w, ops in coll.items():
+                for impl, style in (("ours", "-"), ("torch", "--")):
+                    cells = ops["all_reduce"]
+                    xs = [int(s) for s in cells]
+                    bw = BUSBW["all_reduce"](w)
+                    ys = [bw * int(s) / 1e9 / c[impl] for s, c in cells.items()]
+                    ax.plot(xs, ys, style, marker="o", ms=3, label=f"{impl} {w} GPUs")
+            ax.set(xscale="log", xlabel="bytes", ylabel="busbw GB/s", title="all_reduce")
+            ax.legend(fontsize=8)
+        return fig
+
+    return _report.plot(path, draw)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,67 +421,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", "--ranks", dest="ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     p.add_argument("--size", default="1b", choices=list(SIZES))
-    p.add_argument(
-        "--impls",
-        type=lambda text: [s.strip() for s in text.split(",") if s.strip()],
-        default=list(IMPLS),
-        help=f"comma-separated subset of {','.join(IMPLS)} (empty: collectives only)",
-    )
+    impls_help = f"comma-separated subset of {','.join(IMPLS)} (empty: collectives only)"
+    _harness.add_subset(p, "--impls", IMPLS, impls_help)
     p.add_argument("--batch", type=int, default=8, help="sequences per GPU in timed steps")
     p.add_argument("--loss-batch", type=int, default=8, help="global sequences, loss phase")
     p.add_argument("--loss-steps", type=int, default=3)
     p.add_argument("--loss-rtol", type=float, default=1e-3)
-    p.add_argument("--steps", type=int, default=5, help="steps per timed block")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
+    _harness.add_blocks(p, steps=5, repeats=3, warmup=2)
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument(
-        "--zero-kw",
-        type=bench_ddp.float_options,
-        default={},
-        help="options for our zero3, e.g. unit_mb=128",
-    )
+    _harness.add_kw(p, "--zero-kw", "options for our zero3, e.g. unit_mb=128")
     p.add_argument("--coll-sizes", default="1K,4K,16K,64K,256K,1M,4M,16M,64M,256M,1G")
     p.add_argument("--coll-repeats", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per GPU count")
-    p.add_argument("--tag", default=None, help="results file name suffix")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    unknown = set(args.impls) - set(IMPLS)
-    if unknown:
-        p.error(f"--impls: unknown {', '.join(sorted(unknown))}; choose from {', '.join(IMPLS)}")
-    if args.worker:
-        return worker(args)
-    import tempfile  # noqa: PLC0415
-
-    import torch  # noqa: PLC0415
-
-    results: dict[int, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in args.ranks:
-            t0 = time.monotonic()
-            results[world] = run_world(world, args, Path(tmp))
-            print(f"[{world} GPUs: {time.monotonic() - t0:.0f} s]", flush=True)
-            print(tables({world: results[world]}, args), flush=True)
-    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-    gpu = f", {gpus}x {torch.cuda.get_device_name(0)}" if gpus else ""
+    _harness.add_launch(p, timeout=900.0, timeout_help="seconds per GPU count")
+    args, results = _harness.run_bench(p, argv, __file__, worker, progress)
     first = next(iter(results.values()))
     tag = args.tag or f"{args.device}-{args.size}"
-    header = (
-        f"# bench_scaling.py {' '.join(sys.argv[1:])}\n"
-        f"# {platform.node()} {os.cpu_count()} cores{gpu}, torch {torch.__version__}; "
-        f"TinyGPT {first.get('params', 0) / 1e9:.2f}B params {first.get('config')}, AdamW, "
+    model = (
+        f"; TinyGPT {first.get('params', 0) / 1e9:.2f}B params {first.get('config')}, AdamW, "
         f"fp32 (TF32 matmuls in timed steps), {args.batch} seqs per GPU"
     )
-    text = header + "\n" + tables(results, args)
-    print(text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"scaling-{tag}.txt").write_text(text + "\n")
-    (RESULTS / f"scaling-{tag}.json").write_text(
-        json.dumps({"args": vars(args), "results": results}, indent=1)
+    _report.publish(
+        _report.RESULTS / f"scaling-{tag}",
+        _report.header(Path(__file__).name, _report.machine(args.device, gpu_count=True) + model),
+        tables(results, args),
+        {"args": vars(args), "results": results},
+        lambda path: plot(results, path),
     )
-    print(plot(results, RESULTS / f"scaling-{tag}.png"))
     return 0
 
 

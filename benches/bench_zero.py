@@ -1,6 +1,6 @@
 """Our ZeRO stages against torch FSDP2 and torch DDP, in the same processes, on the same model.
 
-Each world size starts ``--ranks`` processes (``bench_ddp.py``'s launcher: torchrun-style env,
+Each world size starts ``--ranks`` processes (``_harness.py``'s launcher: torchrun-style env,
 our group on MASTER_PORT, torch's on its own TCPStore). Every rank builds, from deep copies of
 the same initial model (the main job's ``TinyGPT``) and AdamW:
 
@@ -34,10 +34,8 @@ Writes JSON, a text table and (with matplotlib) a PNG to ``benches/results/zero-
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -45,9 +43,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_ddp
-from bench_ddp import RESULTS
+import _harness
+import _report
 
 IMPLS = ("zero1", "zero2", "zero3", "fsdp2", "ddp")
 OURS = ("zero1", "zero2", "zero3")
@@ -125,9 +122,10 @@ def memory_breakdown(model: Any, opt: Any) -> tuple[int, dict[str, int] | None]:
 def build_impl(
     name: str, base: Any, device: Any, lr: float, zero_kw: dict[str, Any]
 ) -> tuple[Any, Any]:
-    """A copy of ``base`` on ``device`` wrapped as ``name`` (one of ``IMPLS``), and its AdamW:
-    ours through ``sl.distribute``, FSDP2 with ``fully_shard`` per block then the root, torch
-    DDP on the default group."""
+    """A copy of ``base`` on ``device`` wrapped as ``name``, and its AdamW: ours through
+    ``sl.distribute`` (``zero1``-``zero3``, or ``sl-<strategy>`` for any of our strategies),
+    FSDP2 (``fsdp2``) with ``fully_shard`` per block then the root, else torch DDP on the
+    default group (``ddp``, ``torch-ddp``)."""
     import copy  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
@@ -136,9 +134,9 @@ def build_impl(
     import shardline as sl  # noqa: PLC0415
 
     model: Any = copy.deepcopy(base).to(device)
-    if name in OURS:
+    if name in OURS or name.startswith("sl-"):
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        return sl.distribute(model, opt, strategy=name, **zero_kw)
+        return sl.distribute(model, opt, strategy=name.removeprefix("sl-"), **zero_kw)
     if name == "fsdp2":
         fully_shard = fully_shard_fn()
         for block in model.blocks:
@@ -155,15 +153,10 @@ def worker(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
-    import shardline as sl  # noqa: PLC0415
     from shardline.examples.train import Config, TinyGPT, corpus  # noqa: PLC0415
 
-    rank, world, device, _ = bench_ddp.join_job(args.device)
+    rank, world, device, _ = _harness.join_job(args.device)
     cuda = device.type == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
 
     def free() -> None:
         gc.collect()
@@ -218,7 +211,7 @@ def worker(args: argparse.Namespace) -> int:
         w = torch.randn(256, 256, device=device, requires_grad=True)
         (w @ w).sum().backward()
         del w
-        sync()
+        _harness.sync(device)
     for name in impls:
         free()
         base_alloc = torch.cuda.memory_allocated() if cuda else 0
@@ -229,13 +222,13 @@ def worker(args: argparse.Namespace) -> int:
                 rows[name]["plan"] = str(model.plan())
                 head = rows[name]["plan"].splitlines()[0]
                 print(f"[world {world}] {name}: {head} (whole plan in the JSON)", flush=True)
-            sync()
+            _harness.sync(device)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             counter = [0]
             for _ in range(args.warmup):
                 step(model, opt, counter)
-            sync()
+            _harness.sync(device)
             persistent, own = memory_breakdown(model, opt)
             rows[name]["persistent_generic_bytes"] = persistent_bytes(model, opt)
             if own is not None:
@@ -264,17 +257,17 @@ def worker(args: argparse.Namespace) -> int:
             alive[name] = (model, opt, counter)
         except Exception:
             failed(name, "timing warm-up")
-    sync()
+    _harness.sync(device)
     times: dict[str, list[float]] = {k: [] for k in alive}
     for _ in range(args.repeats):
         for name, (model, opt, counter) in list(alive.items()):
             dist.barrier()
-            sync()
+            _harness.sync(device)
             try:
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     loss = step(model, opt, counter)
-                sync()
+                _harness.sync(device)
                 times[name].append((time.perf_counter() - t0) / args.steps)
                 losses[name] = loss
             except Exception:
@@ -317,25 +310,14 @@ def worker(args: argparse.Namespace) -> int:
         "impls": rows,
     }
     alive.clear()
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(result))
-    dist.destroy_process_group()
-    sl.shutdown()
-    return 0
+    return _harness.leave_job(rank, result, args.out)
 
 
 # -- parent --------------------------------------------------------------------------------------
 
 
-def run_world(world: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """``bench_ddp.run_world``, starting this file's workers: it runs the module's ``__file__``
-    with ``--worker --out PATH`` and the parent's arguments, and returns the rank-0 JSON."""
-    bench_ddp.__file__ = __file__
-    return bench_ddp.run_world(world, args, tmp)
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:5.2f}x" if a and b else "    - "
+def ratio(a: float | None, b: float | None) -> str:
+    return _report.ratio(a, b, "5.2f", "    - ")
 
 
 def table(results: dict[int, dict[str, Any]], device: str) -> str:
@@ -370,8 +352,8 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
             lines.append(
                 f"{world:5d} {name:6} {r.get('step_ms', math.nan):9.2f} "
                 f"{r.get('tokens_per_s', math.nan):11,.0f} "
-                f"{_ratio(r.get('tokens_per_s'), fs.get('tokens_per_s')):>8} "
-                f"{(mem or math.nan) / MIB:11.1f} {_ratio(mem, fs.get(mem_key)):>8} "
+                f"{ratio(r.get('tokens_per_s'), fs.get('tokens_per_s')):>8} "
+                f"{(mem or math.nan) / MIB:11.1f} {ratio(mem, fs.get(mem_key)):>8} "
                 + (f"{(r.get('persistent_bytes') or math.nan) / MIB:11.1f} " if cuda else "")
                 + f"{r.get('loss', math.nan):8.4f}  {check}"
             )
@@ -405,88 +387,58 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
     return "\n".join(lines)
 
 
+def progress(args: argparse.Namespace, world: int, res: dict[str, Any], _seconds: float) -> str:
+    return table({world: res}, args.device)
+
+
 def plot(results: dict[int, dict[str, Any]], path: Path, device: str) -> str:
-    plt = bench_ddp.pyplot()
-    if isinstance(plt, str):
-        return plt
     mem_key = "peak_bytes" if device == "cuda" else "persistent_bytes"
     mem_word = "peak" if device == "cuda" else "persistent"
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    worlds = list(results)
-    names = [n for n in IMPLS if any(n in results[w]["impls"] for w in worlds)]
-    width = 0.8 / max(1, len(names))
-    for k, name in enumerate(names):
-        xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(worlds))]
-        rows = [results[w]["impls"].get(name, {}) for w in worlds]
-        axes[0].bar(xs, [r.get("tokens_per_s") or 0 for r in rows], width, label=name)
-        axes[1].bar(xs, [(r.get(mem_key) or 0) / MIB for r in rows], width, label=name)
-    for ax, ylabel in zip(axes, ("tokens/s (all ranks)", f"{mem_word} MiB per rank"), strict=True):
-        ax.set_xticks(range(len(worlds)), [f"{w} ranks" for w in worlds])
-        ax.set_ylabel(ylabel)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"ZeRO / FSDP2 / DDP, TinyGPT ({device})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return f"plot: {path}"
+
+    def draw(plt: Any) -> Any:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+        worlds = list(results)
+        names = [n for n in IMPLS if any(n in results[w]["impls"] for w in worlds)]
+        width = 0.8 / max(1, len(names))
+        for k, name in enumerate(names):
+            xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(worlds))]
+            rows = [results[w]["impls"].get(name, {}) for w in worlds]
+            axes[0].bar(xs, [r.get("tokens_per_s") or 0 for r in rows], width, label=name)
+            axes[1].bar(xs, [(r.get(mem_key) or 0) / MIB for r in rows], width, label=name)
+        ylabels = ("tokens/s (all ranks)", f"{mem_word} MiB per rank")
+        for ax, ylabel in zip(axes, ylabels, strict=True):
+            ax.set_xticks(range(len(worlds)), [f"{w} ranks" for w in worlds])
+            ax.set_ylabel(ylabel)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"ZeRO / FSDP2 / DDP, TinyGPT ({device})")
+        return fig
+
+    return _report.plot(path, draw)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    p.add_argument(
-        "--impls",
-        type=lambda text: [s.strip() for s in text.split(",") if s.strip()],
-        default=list(IMPLS),
-        help=f"comma-separated subset of {','.join(IMPLS)} (default: all)",
-    )
+    _harness.add_subset(p, "--impls", IMPLS)
     p.add_argument("--size", default="small", choices=list(SIZES))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--steps", type=int, default=5, help="steps per timed block")
-    p.add_argument("--repeats", type=int, default=3, help="timed blocks per implementation")
-    p.add_argument("--warmup", type=int, default=2)
+    repeats_help = "timed blocks per implementation"
+    _harness.add_blocks(p, steps=5, repeats=3, warmup=2, repeats_help=repeats_help)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
-    p.add_argument("--tag", default=None, help="results file name suffix")
-    p.add_argument(
-        "--zero-kw",
-        type=bench_ddp.float_options,
-        default={},
-        help="options for our ZeRO wrapper, e.g. unit_mb=32,prefetch=2",
-    )
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    unknown = set(args.impls) - set(IMPLS)
-    if unknown:
-        p.error(f"--impls: unknown {', '.join(sorted(unknown))}; choose from {', '.join(IMPLS)}")
-    if args.worker:
-        return worker(args)
-    import tempfile  # noqa: PLC0415
-
-    results: dict[int, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in args.ranks:
-            results[world] = run_world(world, args, Path(tmp))
-            print(table({world: results[world]}, args.device), flush=True)
-    text = table(results, args.device)
+    _harness.add_launch(p, timeout=600.0, timeout_help="seconds per world size")
+    _harness.add_kw(p, "--zero-kw", "options for our ZeRO wrapper, e.g. unit_mb=32,prefetch=2")
+    args, results = _harness.run_bench(p, argv, __file__, worker, progress)
     cores = os.cpu_count()
     tag = args.tag or f"{args.device}-{cores}c-{args.size}"
-    import torch  # noqa: PLC0415
-
-    gpu = f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else ""
     first = next(iter(results.values()))
-    header = (
-        f"# bench_zero.py {' '.join(sys.argv[1:])}\n"
-        f"# {platform.node()} {cores} cores{gpu}, torch {torch.__version__}; TinyGPT "
-        f"{first['params'] / 1e6:.1f}M params {first['config']}, AdamW, fp32"
+    model = f"; TinyGPT {first['params'] / 1e6:.1f}M params {first['config']}, AdamW, fp32"
+    _report.publish(
+        _report.RESULTS / f"zero-{tag}",
+        _report.header(Path(__file__).name, _report.machine(args.device) + model),
+        table(results, args.device),
+        {"args": vars(args), "cores": cores, "results": results},
+        lambda path: plot(results, path, args.device),
     )
-    print(header + "\n" + text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"zero-{tag}.txt").write_text(header + "\n" + text + "\n")
-    (RESULTS / f"zero-{tag}.json").write_text(
-        json.dumps({"args": vars(args), "cores": cores, "results": results}, indent=1)
-    )
-    print(plot(results, RESULTS / f"zero-{tag}.png", args.device))
     return 0
 
 

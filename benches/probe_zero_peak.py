@@ -21,8 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_ddp
+import _harness
 import bench_zero
 
 MIB = 2**20
@@ -78,15 +77,14 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--depth", type=int, default=2, help="frames per group key")
     p.add_argument("--top", type=int, default=14)
-    p.add_argument("--zero-kw", type=bench_ddp.float_options, default={})
+    p.add_argument("--zero-kw", type=_harness.float_options, default={})
     args = p.parse_args()
 
     import torch  # noqa: PLC0415
 
-    import shardline as sl  # noqa: PLC0415
     from shardline.examples.train import Config, TinyGPT  # noqa: PLC0415
 
-    rank, _world, device, _ = bench_ddp.join_job("cuda")
+    rank, _world, device, _ = _harness.join_job("cuda")
     d_model, layers, heads, seq_len, batch = bench_zero.SIZES[args.size]
     cfg = Config(
         d_model=d_model, num_layers=layers, num_heads=heads, seq_len=seq_len, batch_size=batch
@@ -135,11 +133,7 @@ def main() -> int:
                 print(f"   {total[key] / MIB:10,.1f} MiB {n:5d}x  {key}  [{sizes(groups[key])}]")
             sys.stdout.flush()
         del model, opt, snap, trace
-    import torch.distributed as dist  # noqa: PLC0415
-
-    dist.destroy_process_group()
-    sl.shutdown()
-    return 0
+    return _harness.leave_job(rank)
 
 
 if __name__ == "__main__":
