@@ -19,7 +19,7 @@ from shardline.parallel.planner import (
     optimizer_states,
 )
 from shardline.parallel.precision import MixedPrecision
-from shardline.parallel.zero import _MAX_INFLIGHT
+from shardline.parallel.data.zero.schedule import _MAX_INFLIGHT
 
 FLATS = _MAX_INFLIGHT + 1  # full gradient flats in backward: reductions in flight + accumulating
 

@@ -20,7 +20,7 @@ import shardline as sl
 from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError, ShardlineError
 from shardline.parallel import MixedPrecision, ShardedDataParallel
-from shardline.parallel.grouping import plan_units
+from shardline.parallel.data.zero.grouping import plan_units
 from tests._ranks import run_ranks
 from tests.multiprocess._launch import report
 from tests.multiprocess._launch import run as run_processes

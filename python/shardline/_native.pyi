@@ -2,6 +2,7 @@
 
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
 from typing import Any, Protocol, TypeAlias, TypedDict, final, type_check_only
 
 if sys.version_info >= (3, 12):
@@ -13,6 +14,7 @@ __version__: str
 __all__ = [
     "Group",
     "Listener",
+    "ShardReader",
     "Work",
     "__version__",
     "arena_create",
@@ -97,11 +99,29 @@ class Group:
         machine_ranks: int | None = None,
         lanes: int = 1,
         lanes_min_bytes: int | None = None,
+        spin_us: int | None = None,
+        stream_stores: str | None = None,
+        oneshot_bytes: int | None = None,
     ) -> Group:
         """``machine_ranks``: ranks of the job on this machine whatever their host ids say
         (default ``world_size``); TCP waits spin briefly only while each has a core.
         ``lanes``: threads per rank for the memory passes of blocking shared-memory ops of at
-        least ``lanes_min_bytes`` (default 1 MiB); 1 for none."""
+        least ``lanes_min_bytes`` (default 1 MiB); 1 for none.
+
+        The engine reads no environment; these settings (``shardline.config``) arrive as
+        arguments, ``None`` keeping the engine's default:
+
+        - ``spin_us``: how long shared-memory and TCP waits spin before they sleep while every
+          rank has a core (``SHARDLINE_SPIN_US``, default 50; 2 when ranks outnumber cores).
+        - ``stream_stores``: ``"0"``, ``"1"`` or ``"2"`` (``SHARDLINE_STREAM_STORES``, default
+          ``"2"``): which copies into shared memory use streaming stores.
+        - ``oneshot_bytes``: all-reduces up to this size run in one shot on shared memory
+          (``SHARDLINE_ONESHOT_BYTES``, default 262144).
+
+        Raises:
+            InvalidArgumentError: A bad setting (a negative count, an unknown streaming mode,
+                a non-positive timeout) or an inconsistent group description.
+        """
     @property
     def rank(self) -> int: ...
     @property
@@ -199,8 +219,68 @@ def write_shard(
         CheckpointError: The file could not be written.
     """
 
+@final
+class ShardReader:
+    """One open shard file, like safetensors' ``safe_open``: mapped once, its header read and
+    validated once, serving reads from any thread (each releases the GIL) until ``close()``.
+
+    Use it as a context manager, or call ``close()``; a reader that is garbage collected is
+    closed too. Reads in flight when another thread closes it finish first.
+
+    Raises:
+        CheckpointError: The file is missing, truncated or malformed (on opening).
+    """
+
+    def __new__(cls, path: str) -> ShardReader: ...
+    @property
+    def path(self) -> str:
+        """The file's path."""
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+
+    def header(self) -> _ShardHeader:
+        """The validated header, as ``read_shard_header`` returns it."""
+
+    def read_range(
+        self, key: str, byte_offset: int, out_buffer: _Memory, verify: bool = True
+    ) -> None:
+        """Copies raw bytes ``[byte_offset, byte_offset + len(out_buffer))`` of tensor ``key``
+        into ``out_buffer`` (writable, C-contiguous), as ``read_tensor_range`` does: decodes
+        the frames the range touches (in parallel for large ranges) with the GIL released;
+        with ``verify``, checks the CRC32C of every chunk or frame touched, whole.
+
+        Raises:
+            InvalidArgumentError: No such tensor, the range lies outside it, or the reader
+                was closed.
+            CheckpointError: A checksum fails or a frame does not decode (the message names
+                the file, the tensor and the chunk).
+        """
+
+    def verify(self) -> None:
+        """Checks every checksum of every tensor, on all cores.
+
+        Raises:
+            CheckpointError: The file has no checksums, or a checksum fails.
+            InvalidArgumentError: The reader was closed.
+        """
+
+    def close(self) -> None:
+        """Releases the file (unmaps it once reads in flight are done); later calls raise.
+        Closing twice is allowed."""
+
+    def __enter__(self) -> ShardReader: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None: ...
+
 def read_shard_header(path: str) -> _ShardHeader:
-    """Reads and fully validates a shard's header.
+    """Reads and fully validates a shard's header (opens the file for this call only; keep a
+    ``ShardReader`` to read the same file repeatedly).
 
     Returns:
         ``{"metadata": {...}, "tensors": {name: {"dtype", "shape", "offset", "raw_bytes",
@@ -215,7 +295,8 @@ def read_shard_header(path: str) -> _ShardHeader:
 def read_tensor_range(path: str, name: str, start: int, out: _Memory, verify: bool = True) -> None:
     """Copies raw bytes ``[start, start + len(out))`` of tensor ``name`` into ``out``.
 
-    Decodes the frames the range touches (in parallel for large ranges) with the GIL
+    Opens the file for this call only (``ShardReader.read_range`` reads from a file opened
+    once). Decodes the frames the range touches (in parallel for large ranges) with the GIL
     released; with ``verify``, checks the CRC32C of every chunk or frame touched, whole.
 
     Raises:

@@ -1,28 +1,29 @@
-//! One error type for the engine; its kind selects the Python exception class.
+//! One error type for the engine: a coarse kind and a message that says what to do. The
+//! bindings map each kind to an exception class; this crate knows no Python names.
 
 use std::fmt;
 
-/// What went wrong, coarsely: each kind maps to one class under `shardline.ShardlineError`.
+/// What went wrong, coarsely: callers (the bindings) tell errors apart by kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum ErrorKind {
-    /// A wait passed its deadline (`CollectiveTimeoutError`).
+    /// A wait passed its deadline.
     Timeout = 1,
-    /// A peer died, closed its end or vanished (`PeerLostError`).
+    /// A peer died, closed its end or vanished.
     PeerLost = 2,
-    /// Ranks called different collectives (`CollectiveMismatchError`).
+    /// Ranks called different collectives.
     Mismatch = 3,
-    /// The caller passed something unusable (`InvalidArgumentError`, a `ValueError`).
+    /// The caller passed something unusable.
     InvalidArgument = 4,
-    /// A peer failed the HMAC handshake (`AuthenticationError`).
+    /// A peer failed the HMAC handshake.
     Auth = 5,
-    /// Bytes on the wire broke the protocol (`ProtocolError`).
+    /// Bytes on the wire broke the protocol.
     Protocol = 6,
-    /// An operating-system call failed (`TransportError`).
+    /// An operating-system call failed.
     Io = 7,
-    /// The communicator was shut down or broken by an earlier failure (`CommunicatorClosedError`).
+    /// The communicator was shut down or broken by an earlier failure.
     Closed = 8,
-    /// A checkpoint file is corrupt, truncated or unreadable (`CheckpointError`).
+    /// A checkpoint file is corrupt, truncated or unreadable.
     Checkpoint = 9,
 }
 
@@ -41,27 +42,12 @@ impl ErrorKind {
             _ => ErrorKind::Protocol,
         }
     }
-
-    /// Name of the Python exception class in `shardline.errors`.
-    pub fn python_class(self) -> &'static str {
-        match self {
-            ErrorKind::Timeout => "CollectiveTimeoutError",
-            ErrorKind::PeerLost => "PeerLostError",
-            ErrorKind::Mismatch => "CollectiveMismatchError",
-            ErrorKind::InvalidArgument => "InvalidArgumentError",
-            ErrorKind::Auth => "AuthenticationError",
-            ErrorKind::Protocol => "ProtocolError",
-            ErrorKind::Io => "TransportError",
-            ErrorKind::Closed => "CommunicatorClosedError",
-            ErrorKind::Checkpoint => "CheckpointError",
-        }
-    }
 }
 
 /// An engine error: a kind and a message that says which rank, which op and what to do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Error {
-    /// Which exception class this becomes.
+    /// What went wrong, coarsely.
     pub kind: ErrorKind,
     /// Full, human-readable message.
     pub message: String,

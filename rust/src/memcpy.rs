@@ -7,16 +7,17 @@
 //! memory. Small copies stay ordinary: their lines are cheap to share and usually still hot.
 
 use std::cell::RefCell;
-use std::sync::OnceLock;
 
 use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::reduce::{self, ReduceOp};
 
 /// Below this many bytes a copy uses ordinary stores.
 pub const STREAM_MIN_BYTES: usize = 256 * 1024;
 
-/// Which writes into shared memory stream past the cache (`SHARDLINE_STREAM_STORES`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which writes into shared memory stream past the cache; a setting of each communicator
+/// (`SHARDLINE_STREAM_STORES` in Python).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum StreamMode {
     /// `0`: ordinary stores everywhere.
     Off,
@@ -27,28 +28,48 @@ pub enum StreamMode {
     /// vCPUs sit in different cache domains for minutes at a time a 2-rank 24 MiB
     /// all_reduce takes 8.5-9 ms instead of 12 ms (3.3 ms -> 4.1 ms while they share one);
     /// on a 32-core host within +-10 % of `Off` at 2-16 ranks.
+    #[default]
     CopyIn,
 }
 
-/// The mode from the environment, read once.
-pub fn stream_mode() -> StreamMode {
-    static MODE: OnceLock<StreamMode> = OnceLock::new();
-    *MODE.get_or_init(
-        || match std::env::var("SHARDLINE_STREAM_STORES").as_deref() {
-            Ok("0") => StreamMode::Off,
-            Ok("1") => StreamMode::All,
-            _ => StreamMode::CopyIn,
-        },
-    )
-}
+impl StreamMode {
+    /// Parses the setting's text: `"0"`, `"1"` or `"2"`.
+    pub fn parse(text: &str) -> Result<Self> {
+        match text {
+            "0" => Ok(StreamMode::Off),
+            "1" => Ok(StreamMode::All),
+            "2" => Ok(StreamMode::CopyIn),
+            other => Err(Error::invalid(format!(
+                "stream_stores must be \"0\" (ordinary stores), \"1\" (stream inputs and \
+                 reduced parts) or \"2\" (stream the inputs of single-threaded all_reduces), \
+                 got {other:?}"
+            ))),
+        }
+    }
 
-/// Whether a copy of `bytes` into shared memory streams (the mode allows it, and it is large).
-pub fn streams_to_shared(bytes: usize) -> bool {
-    bytes >= STREAM_MIN_BYTES && stream_mode() != StreamMode::Off
+    /// The setting's text for this mode.
+    pub fn name(self) -> &'static str {
+        match self {
+            StreamMode::Off => "0",
+            StreamMode::All => "1",
+            StreamMode::CopyIn => "2",
+        }
+    }
+
+    /// Whether a copy of `bytes` into shared memory streams (the mode allows it, and it is
+    /// large).
+    pub fn streams_to_shared(self, bytes: usize) -> bool {
+        bytes >= STREAM_MIN_BYTES && self != StreamMode::Off
+    }
+
+    /// Whether a reduction of `bytes` into shared memory streams its output.
+    pub fn reduction_streams_to_shared(self, bytes: usize) -> bool {
+        bytes >= STREAM_MIN_BYTES && self == StreamMode::All
+    }
 }
 
 /// `dst.copy_from_slice(src)`, with streaming stores when `stream` (on x86-64; decide it for
-/// the whole copy with [`streams_to_shared`], whatever piece of it this is).
+/// the whole copy with [`StreamMode::streams_to_shared`], whatever piece of it this is).
 ///
 /// A streamed copy ends with a store fence, so a release store after it (a phase signal)
 /// orders after the data.
@@ -63,15 +84,10 @@ pub fn copy_piece_to_shared(dst: &mut [u8], src: &[u8], stream: bool) {
 /// Bytes reduced into a cache-resident scratch buffer before they are streamed out.
 const REDUCE_BLOCK: usize = 64 * 1024;
 
-/// Whether a reduction of `bytes` into shared memory streams its output.
-pub fn reduction_streams_to_shared(bytes: usize) -> bool {
-    bytes >= STREAM_MIN_BYTES && stream_mode() == StreamMode::All
-}
-
 /// `reduce_slices(dst, srcs, ..)` where `dst` is shared memory a peer reads next. With
-/// `stream` (decide it for the whole reduction with [`reduction_streams_to_shared`]), the
-/// output is reduced block by block into a scratch buffer that stays in cache, then streamed
-/// to `dst`.
+/// `stream` (decide it for the whole reduction with
+/// [`StreamMode::reduction_streams_to_shared`]), the output is reduced block by block into a
+/// scratch buffer that stays in cache, then streamed to `dst`.
 pub fn reduce_piece_to_shared(
     dst: &mut [u8],
     srcs: &[&[u8]],
@@ -185,7 +201,7 @@ mod tests {
             copy_piece_to_shared(
                 &mut dst[off..off + len],
                 &src[..len],
-                streams_to_shared(len),
+                StreamMode::default().streams_to_shared(len),
             );
             assert_eq!(&dst[off..off + len], &src[..len]);
             assert!(dst[..off].iter().all(|&b| b == 0) && dst[off + len..].iter().all(|&b| b == 0));

@@ -1,4 +1,5 @@
-//! Reduction kernels: elementwise sum, avg, max, min and prod over every dtype.
+//! Reduction kernels: elementwise sum, avg, max, min and prod over every dtype collectives
+//! move ([`DType::ALL`]).
 //!
 //! Kernels work on raw little-endian bytes (the engine never knows about tensors). They read
 //! elements with `from_le_bytes` over `chunks_exact`, which the compiler turns into vector
@@ -507,6 +508,9 @@ fn run_any(dst: &mut [u8], job: Job<'_>, dtype: DType, op: ReduceOp) {
         DType::I32 => run_op::<i32>(dst, job, op),
         DType::I64 => run_op::<i64>(dst, job, op),
         DType::Bool => run_op::<Bool8>(dst, job, op),
+        DType::I16 | DType::F8E4M3 | DType::F8E5M2 => {
+            panic!("the reduction kernels do not handle {dtype}, only DType::ALL")
+        }
     }
 }
 
@@ -544,6 +548,9 @@ fn run(dst: &mut [u8], job: Job<'_>, dtype: DType, op: ReduceOp) {
 /// to right (`((s0 op s1) op s2) ...`). Float max/min propagate NaN and keep the earlier
 /// operand on ties (so `max(-0.0, +0.0)` is `-0.0`); integers wrap; avg on an integer or
 /// bool dtype is the sum (use [`ReduceOp::validate`] to reject it).
+///
+/// # Panics
+/// If the slices differ in length or `dtype` is not one collectives reduce ([`DType::ALL`]).
 pub fn reduce_slices(dst: &mut [u8], srcs: &[&[u8]], dtype: DType, op: ReduceOp) {
     assert!(!srcs.is_empty(), "reduce_slices needs at least one source");
     assert!(

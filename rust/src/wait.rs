@@ -79,6 +79,13 @@ impl Signal {
     }
 }
 
+/// How long waits spin before they sleep by default, while every rank has a core.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+
+/// How long waits spin when ranks outnumber cores: a spinning rank would take the core of
+/// the rank it waits for.
+pub const OVERSUBSCRIBED_SPIN: Duration = Duration::from_micros(2);
+
 /// How long to spin before sleeping.
 #[derive(Clone, Copy, Debug)]
 pub struct SpinPolicy {
@@ -87,21 +94,16 @@ pub struct SpinPolicy {
 }
 
 impl SpinPolicy {
-    /// Spins long (50 µs, `SHARDLINE_SPIN_US`) when every rank has a core, 2 µs when ranks
-    /// outnumber cores.
-    pub fn for_ranks(local_ranks: usize) -> Self {
+    /// Spins `spin` (the caller's setting, [`DEFAULT_SPIN`] by default) when every one of
+    /// `local_ranks` has a core, [`OVERSUBSCRIBED_SPIN`] when ranks outnumber cores.
+    pub fn for_ranks(local_ranks: usize, spin: Duration) -> Self {
         let cores = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1);
         let spin = if local_ranks > cores {
-            Duration::from_micros(2)
+            OVERSUBSCRIBED_SPIN
         } else {
-            Duration::from_micros(
-                std::env::var("SHARDLINE_SPIN_US")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(50),
-            )
+            spin
         };
         SpinPolicy { spin }
     }

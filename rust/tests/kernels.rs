@@ -80,6 +80,7 @@ fn element(dtype: DType, rng: &mut Rng) -> Vec<u8> {
         DType::I64 if arbitrary => rng.next().to_le_bytes().to_vec(),
         DType::I64 => ((((bits >> 8) % 9) as i64) - 4).to_le_bytes().to_vec(),
         DType::Bool => vec![[0u8, 1, 0, 1, 2, 255, 0, 1][((bits >> 8) % 8) as usize]],
+        DType::I16 | DType::F8E4M3 | DType::F8E5M2 => unreachable!("{dtype} is not reduced"),
     }
 }
 
@@ -183,6 +184,7 @@ fn reference_elem(dtype: DType, op: ReduceOp, xs: &[&[u8]], divide: bool) -> Vec
             }
             vec![a as u8]
         }
+        DType::I16 | DType::F8E4M3 | DType::F8E5M2 => unreachable!("{dtype} is not reduced"),
     }
 }
 

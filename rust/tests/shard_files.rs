@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use proptest::prelude::*;
 use shardline::shard::{
-    read_header, write_shard, Encoding, ShardHeader, ShardReader, ShardView, StoredDType,
-    TensorData, WriteOptions, WriteReport, DATA_ALIGN,
+    read_header, write_shard, Encoding, ShardHeader, ShardReader, ShardView, TensorData,
+    WriteOptions, WriteReport, DATA_ALIGN,
 };
-use shardline::ErrorKind;
+use shardline::{DType, ErrorKind};
 
 /// Deterministic pseudo-random bytes (xorshift64*).
 fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
@@ -56,13 +56,13 @@ fn smooth_f32(n: usize) -> Vec<u8> {
 
 struct Case {
     name: &'static str,
-    dtype: StoredDType,
+    dtype: DType,
     shape: Vec<u64>,
     data: Vec<u8>,
 }
 
 fn cases() -> Vec<Case> {
-    let case = |name, dtype: StoredDType, shape: Vec<u64>, data: Option<Vec<u8>>| {
+    let case = |name, dtype: DType, shape: Vec<u64>, data: Option<Vec<u8>>| {
         let bytes = shape.iter().product::<u64>() as usize * dtype.size();
         Case {
             name,
@@ -72,24 +72,14 @@ fn cases() -> Vec<Case> {
         }
     };
     vec![
-        case(
-            "big.f32",
-            StoredDType::F32,
-            vec![50, 100],
-            Some(smooth_f32(5000)),
-        ),
-        case("odd.u8", StoredDType::U8, vec![3, 7], None),
-        case("empty", StoredDType::F32, vec![0, 4], None),
-        case("h.bf16", StoredDType::BF16, vec![999], None),
-        case("i64", StoredDType::I64, vec![2, 2, 3], None),
-        case("scalar.f64", StoredDType::F64, vec![], None),
-        case(
-            "flags",
-            StoredDType::Bool,
-            vec![5],
-            Some(vec![0, 1, 1, 0, 1]),
-        ),
-        case("f8", StoredDType::F8E4M3, vec![4097], None),
+        case("big.f32", DType::F32, vec![50, 100], Some(smooth_f32(5000))),
+        case("odd.u8", DType::U8, vec![3, 7], None),
+        case("empty", DType::F32, vec![0, 4], None),
+        case("h.bf16", DType::BF16, vec![999], None),
+        case("i64", DType::I64, vec![2, 2, 3], None),
+        case("scalar.f64", DType::F64, vec![], None),
+        case("flags", DType::Bool, vec![5], Some(vec![0, 1, 1, 0, 1])),
+        case("f8", DType::F8E4M3, vec![4097], None),
     ]
 }
 
@@ -336,7 +326,7 @@ fn writer_rejects_bad_input() {
     let data = [0u8; 8];
     let t = |name: &str, shape: Vec<u64>| TensorData {
         name: name.to_owned(),
-        dtype: StoredDType::F32,
+        dtype: DType::F32,
         shape,
         data: &data,
     };
@@ -470,7 +460,7 @@ fn large_reads_split_across_threads() {
         let path = TempPath::new(".shard");
         let tensors = [TensorData {
             name: "w".to_owned(),
-            dtype: StoredDType::U8,
+            dtype: DType::U8,
             shape: vec![data.len() as u64],
             data: &data,
         }];

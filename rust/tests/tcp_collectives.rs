@@ -514,7 +514,7 @@ fn garbage_connections_do_not_break_the_mesh() {
 
 #[test]
 fn silent_peer_is_a_timeout_naming_peer_and_op() {
-    use shardline::collectives::p2p::P2p;
+    use shardline::transport::p2p::P2p;
     let errs = mesh_world(2, |rank, mesh| {
         let sig = OpSig::new(OpKind::Recv, DType::U8, 4);
         if rank == 1 {
@@ -534,7 +534,7 @@ fn silent_peer_is_a_timeout_naming_peer_and_op() {
 
 #[test]
 fn large_exchange_is_full_duplex() {
-    use shardline::collectives::p2p::P2p;
+    use shardline::transport::p2p::P2p;
     // 24 MiB each way, far beyond the socket buffers: both peers send first. Also with
     // stalled receives spinning on their socket before they sleep in poll(2).
     let bytes = 24 << 20;
@@ -610,7 +610,7 @@ fn all_reduce_throughput() {
 #[test]
 #[ignore]
 fn exchange_throughput() {
-    use shardline::collectives::p2p::P2p;
+    use shardline::transport::p2p::P2p;
     for bytes in [1usize << 20, 16 << 20, 64 << 20] {
         let times = mesh_world(2, |rank, mesh| {
             let out = vec![1u8; bytes];

@@ -4,15 +4,14 @@
   loadable into any other strategy and world size; ``extra`` training state and RNG states.
 - ``latest``, ``info``, ``verify``, ``consolidate``: find, describe, check and export
   checkpoints (``shardline ckpt info|verify|consolidate`` on the command line).
-- ``BlockShard``: what a module's ``sharded_state_dict()`` returns for a tensor-parallel
-  block, so checkpoints store blocks and load them into any layout.
+- ``BlockShard``: a one-block ``shardline.parallel.Shard``, what a module's
+  ``sharded_state_dict()`` returns for a tensor-parallel block (kept from earlier versions).
 - ``activations``: activation checkpointing across ranks.
 """
 
 from __future__ import annotations
 
 from shardline.checkpoint import activations
-from shardline.checkpoint._state import BlockShard
 from shardline.checkpoint.api import (
     SaveHandle,
     consolidate,
@@ -22,6 +21,7 @@ from shardline.checkpoint.api import (
     save,
     verify,
 )
+from shardline.parallel.contract import BlockShard
 
 __all__ = [
     "BlockShard",

@@ -1,56 +1,47 @@
-"""What a checkpoint holds, as flat pieces: model and optimizer state of any strategy.
+"""What a checkpoint holds, as flat pieces, taken from the strategy contract.
 
 A *piece* is one rank's part of one global tensor, named by a key (``model/<name>``,
-``optim/<name>/<state>``): the whole tensor (replicated on every rank: DDP, a plain model,
-buffers, scalars), a flat element range of it (a ZeRO shard: elements ``start .. start + n`` of
-the tensor flattened in row-major order), or a rectangular block (a tensor-parallel shard,
-:class:`BlockShard`). Saving writes pieces; loading asks the index for the byte ranges each
-target piece needs, so any layout loads into any other.
+``optim/<name>/<state>``): the whole tensor (a replicated value: every rank has it, one rank
+writes it), a flat element range of it, or a rectangular block (the two kinds of ``Shard``
+piece), or a rank's own value (``Local``, stored under ``<key>#rank<r>``). Saving writes pieces;
+loading asks the index for the byte ranges each target piece needs, so any layout loads into
+any other.
 
-A module (or a strategy wrapper) chooses how its state is split by defining
-``sharded_state_dict()``: names to tensors (replicated), ``ShardedTensor`` (flat ranges) or
-``BlockShard`` (blocks); optimizer state shaped like a block-sharded parameter's block is saved
-as the same block.
+Everything here comes from ``shardline.parallel.contract``: the model's
+``sharded_state_dict()`` and ``sharded_optim_state_dict(opt)``. Nothing here knows a strategy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardline.errors import CheckpointError
-from shardline.parallel.ddp import DistributedDataParallel
-from shardline.parallel.zero import ShardedDataParallel, ShardedTensor, groups_by_name
+from shardline import dtypes
+from shardline.errors import CheckpointError, InvalidArgumentError
+from shardline.parallel import contract
+from shardline.parallel.contract import Box, Local, Shard
 
 __all__ = [
     "DTYPES",
-    "BlockShard",
+    "TORCH_DTYPES",
     "Piece",
+    "Target",
     "dtype_name",
+    "local_key",
     "model_pieces",
     "optimizer_pieces",
-    "strategy_of",
+    "targets_of",
 ]
 
-DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+# torch dtype -> safetensors name (``shardline.dtypes`` is the one table).
+DTYPES = dtypes.FILE_DTYPES
+TORCH_DTYPES = {d.file: d.torch for d in dtypes.DTYPES}
+
+# Where a read lands: the tensor to fill, the global shape, the first element or block offsets.
+Target = tuple[torch.Tensor, tuple[int, ...], int | tuple[int, ...]]
 
 
 def dtype_name(dtype: torch.dtype, key: str) -> str:
@@ -64,34 +55,9 @@ def dtype_name(dtype: torch.dtype, key: str) -> str:
         ) from None
 
 
-@dataclass
-class BlockShard:
-    """This rank's rectangular block of a tensor, as tensor parallelism splits weights.
-
-    Return it from a module's ``sharded_state_dict()`` for each such tensor: a checkpoint
-    then stores the block once per rank, and loads it into any layout (the whole tensor in a
-    plain model, flat ZeRO shards, or other blocks).
-
-    Attributes:
-        local: The block's values, shaped like the block.
-        global_shape: The whole tensor's shape.
-        offsets: Where the block starts, per dimension.
-    """
-
-    local: torch.Tensor
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-
-    def check(self, name: str) -> None:
-        """``CheckpointError`` unless the block lies inside the tensor."""
-        shape, offs, sizes = tuple(self.global_shape), tuple(self.offsets), tuple(self.local.shape)
-        if not (len(shape) == len(offs) == len(sizes)) or any(
-            o < 0 or o + n > d for o, n, d in zip(offs, sizes, shape, strict=True)
-        ):
-            raise CheckpointError(
-                f"{name!r}: a block of shape {list(sizes)} at offsets {list(offs)} does not lie "
-                f"inside a tensor of shape {list(shape)}"
-            )
+def local_key(key: str, rank: int) -> str:
+    """Where rank ``rank``'s ``Local`` value of ``key`` is stored."""
+    return f"{key}#rank{rank}"
 
 
 def flat_index(shape: tuple[int, ...], index: tuple[int, ...]) -> int:
@@ -113,14 +79,6 @@ class Piece:
     replicated: bool = True
     box: tuple[int, ...] | None = None  # a block's offsets (``tensor`` is shaped like it)
 
-    @classmethod
-    def block(cls, key: str, b: BlockShard) -> Piece:
-        """The piece of a block."""
-        b.check(key)
-        shape = tuple(b.global_shape)
-        offsets = tuple(b.offsets)
-        return cls(key, b.local.detach(), shape, flat_index(shape, offsets), False, offsets)
-
     @property
     def end(self) -> int:
         """One past the last element's position in the flattened global tensor."""
@@ -137,129 +95,78 @@ class Piece:
         return self.tensor.numel()
 
 
-def strategy_of(model: nn.Module | None) -> dict[str, Any]:
-    """What ``info()`` reports about how the state was laid out when saved."""
-    if isinstance(model, ShardedDataParallel):
-        mp = model.mixed_precision
-        return {
-            "strategy": "fsdp" if model.stage == 3 else f"zero{model.stage}",
-            "zero_stage": model.stage,
-            "sharding": "FULL_SHARD" if model.stage == 3 else "SHARD_GRAD_OP",
-            "shards": model.group.world_size,
-            "precision": {
-                "param_dtype": str(mp.param_dtype) if mp.param_dtype else None,
-                "reduce_dtype": str(mp.reduce_dtype) if mp.reduce_dtype else None,
-                "master_weights": mp.master_weights,
-            },
-            "tp_degree": 1,
-            "tp_axis": None,
-        }
-    name = "ddp" if isinstance(model, DistributedDataParallel) else "replicated"
-    return {"strategy": name, "zero_stage": 0, "sharding": "NO_SHARD", "shards": 1,
-            "precision": None, "tp_degree": 1, "tp_axis": None}  # fmt: skip
+def _checked(key: str, shard: Shard) -> Shard:
+    try:
+        shard.check(key)
+    except InvalidArgumentError as exc:
+        raise CheckpointError(str(exc)) from None
+    return shard
 
 
-def own_sharded_state_dict(module: nn.Module) -> dict[str, Any] | None:
-    """``module.sharded_state_dict()`` when the module defines one (how it splits its state)."""
-    fn: Any = getattr(module, "sharded_state_dict", None)
-    return dict(fn()) if callable(fn) else None
+def pieces_of(key: str, value: Any, rank: int) -> list[Piece] | None:
+    """The pieces of one state value; ``None`` when it is not a tensor value."""
+    if isinstance(value, Shard):
+        shape = _checked(key, value).global_shape
+        out = []
+        for p in value.pieces:
+            t = p.tensor.detach()
+            if isinstance(p, Box):
+                out.append(Piece(key, t, shape, flat_index(shape, p.offsets), False, p.offsets))
+            else:
+                out.append(Piece(key, t, shape, p.start, False))
+        return out
+    if isinstance(value, Local):
+        t = value.tensor.detach()
+        return [Piece(local_key(key, rank), t, tuple(t.shape), 0, False)]
+    if torch.is_tensor(value):
+        t = value.detach()
+        return [Piece(key, t, tuple(t.shape))]
+    return None
 
 
-def _plain(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def model_pieces(model: nn.Module) -> tuple[list[Piece], dict[str, str]]:
+def model_pieces(model: nn.Module, rank: int) -> tuple[list[Piece], dict[str, str]]:
     """This rank's model pieces and the aliases (tied tensors: alias key -> stored key).
 
-    Aliases come from the module structure (one tensor object under two names), so every
-    rank finds the same ones whatever part of the tensor it holds.
+    One value object under two names is one tensor under two names: it is stored once.
     """
-    plain = model.module if isinstance(model, ShardedDataParallel) else _plain(model)
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
-    for name, value in plain.state_dict(keep_vars=True).items():
-        if id(value) in first:
-            aliases[f"model/{name}"] = f"model/{first[id(value)]}"
-        else:
-            first[id(value)] = name
-    items: Iterator[tuple[str, Any]]
-    own = None if isinstance(model, ShardedDataParallel) else own_sharded_state_dict(plain)
-    if isinstance(model, ShardedDataParallel):
-        items = iter(model.sharded_state_dict().items())
-    elif own is not None:
-        items = iter(own.items())
-    else:
-        items = iter(plain.state_dict(keep_vars=True).items())
     pieces: list[Piece] = []
-    for name, value in items:
+    for name, value in contract.sharded_state_dict(model).items():
         key = f"model/{name}"
-        if key in aliases:
+        if id(value) in first:
+            aliases[key] = first[id(value)]
             continue
-        if isinstance(value, ShardedTensor):
-            local = value.local
-            pieces.append(Piece(key, local, tuple(value.global_shape), value.offset, False))
-        elif isinstance(value, BlockShard):
-            pieces.append(Piece.block(key, value))
-        elif torch.is_tensor(value):
-            t = value.detach()
-            pieces.append(Piece(key, t, tuple(t.shape)))
-        else:
+        first[id(value)] = key
+        more = pieces_of(key, value, rank)
+        if more is None:
             raise CheckpointError(f"model state {name!r} is a {type(value).__name__}, not a tensor")
+        pieces += more
     return pieces, aliases
 
 
-def blocks_of(model: nn.Module) -> dict[str, BlockShard]:
-    """The block-sharded tensors of ``model``'s ``sharded_state_dict()``, by name."""
-    own = None if isinstance(model, ShardedDataParallel) else own_sharded_state_dict(_plain(model))
-    return {n: v for n, v in (own or {}).items() if isinstance(v, BlockShard)}
-
-
-def param_names(model: nn.Module) -> dict[int, str]:
-    """``id(parameter) -> name`` for the parameters an optimizer of ``model`` steps."""
-    return {id(p): n for n, p in _plain(model).named_parameters(remove_duplicate=True)}
-
-
 def optimizer_pieces(
-    model: nn.Module, optimizer: torch.optim.Optimizer
+    model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
 ) -> tuple[list[Piece], dict[str, Any]]:
-    """This rank's optimizer pieces, and the JSON part: param groups by name, scalars.
-
-    State tensors shaped like their parameter become pieces (sharded like it under ZeRO);
-    0-d tensors (``step``) become replicated pieces; other values go into the JSON part.
-    """
+    """This rank's optimizer pieces, and the JSON part: param groups by name, other values."""
+    try:
+        sd = contract.sharded_optim_state_dict(model, optimizer)
+    except InvalidArgumentError as exc:
+        raise CheckpointError(str(exc)) from None
     pieces: list[Piece] = []
     values: dict[str, dict[str, Any]] = {}
-    blocks = blocks_of(model)
-    if isinstance(model, ShardedDataParallel):
-        sd = model.sharded_optim_state_dict(optimizer)
-        state, groups = sd["state"], sd["param_groups"]
-    else:
-        names = param_names(model)
-        state = {}
-        for p, entries in optimizer.state.items():
-            if id(p) not in names:
-                raise CheckpointError(
-                    "the optimizer holds state for a tensor that is not a parameter of the model"
-                )
-            state[names[id(p)]] = dict(entries)
-        groups = groups_by_name(optimizer, names)
-    for name, entries in sorted(state.items()):
+    for name, entries in sorted(sd["state"].items()):
         for k, v in entries.items():
-            key = f"optim/{name}/{k}"
-            b = blocks.get(name)
-            if isinstance(v, ShardedTensor):
-                pieces.append(Piece(key, v.local, tuple(v.global_shape), v.offset, False))
-            elif b is not None and torch.is_tensor(v) and v.dim() and v.shape == b.local.shape:
-                pieces.append(Piece.block(key, BlockShard(v, b.global_shape, b.offsets)))
-            elif torch.is_tensor(v):
-                pieces.append(Piece(key, v.detach(), tuple(v.shape)))
-            else:
+            more = pieces_of(f"optim/{name}/{k}", v, rank)
+            if more is None:
                 values.setdefault(name, {})[k] = v
-    return pieces, {"param_groups": _jsonable_groups(groups), "values": values}
+            else:
+                pieces += more
+    return pieces, {"param_groups": jsonable_groups(sd["param_groups"]), "values": values}
 
 
-def _jsonable_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def jsonable_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Param groups with tensors as numbers or lists and tuples as lists."""
     out = []
     for g in groups:
         entry: dict[str, Any] = {}
@@ -272,3 +179,30 @@ def _jsonable_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
             entry[k] = v
         out.append(entry)
     return out
+
+
+def targets_of(key: str, value: Any, rank: int) -> list[tuple[str, Target]]:
+    """Where the checkpoint's ``key`` lands in ``value`` (a state value): ``(stored key, target)``.
+
+    A ``Local`` reads its own rank's value; a ``Shard`` one read per piece.
+    """
+    if isinstance(value, Shard):
+        shape = _checked(key, value).global_shape
+        return [
+            (key, (p.tensor.detach(), shape, p.offsets if isinstance(p, Box) else p.start))
+            for p in value.pieces
+        ]
+    if isinstance(value, Local):
+        t = value.tensor.detach()
+        return [(local_key(key, rank), (t, tuple(t.shape), 0))]
+    t = value.detach()
+    return [(key, (t, tuple(t.shape), 0))]
+
+
+def global_shape(value: Any) -> tuple[int, ...]:
+    """The shape of the whole tensor a state value is part of."""
+    if isinstance(value, Shard):
+        return value.global_shape
+    if isinstance(value, Local):
+        return tuple(value.tensor.shape)
+    return tuple(value.shape)

@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -185,7 +187,13 @@ def is_committed(path: Path) -> bool:
 
 
 class Checkpoint:
-    """A committed checkpoint opened for reading: the index and byte-range reads."""
+    """A committed checkpoint opened for reading: the index and byte-range reads.
+
+    Each shard file is opened once, on its first read, as a ``_native.ShardReader`` (mapped,
+    header validated once) and kept open for the object's life; reads from several threads
+    share it. ``close()`` (or ``with Checkpoint(path) as ck:``) releases the files; a
+    Checkpoint that is garbage collected releases them too.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -207,6 +215,42 @@ class Checkpoint:
             )
         self.tensors: dict[str, dict[str, Any]] = self.index["tensors"]
         self.aliases: dict[str, str] = self.index.get("aliases", {})
+        # [Note: open shard files] One reader per shard file, opened on first use under the
+        # lock (read_many reads from a thread pool); reads run outside it.
+        self._readers: dict[str, _native.ShardReader] = {}
+        self._readers_lock = threading.Lock()
+        self._closed = False
+
+    def reader(self, file: str) -> _native.ShardReader:
+        """The open reader of shard file ``file`` (a name in the index), opened on first use."""
+        with self._readers_lock:
+            if self._closed:
+                raise CheckpointError(f"checkpoint {self.path} was closed; open it again to read")
+            reader = self._readers.get(file)
+            if reader is None:
+                reader = _native.ShardReader(str(self.path / file))
+                self._readers[file] = reader
+            return reader
+
+    def close(self) -> None:
+        """Closes every shard file opened for reading; later reads raise. Idempotent."""
+        with self._readers_lock:
+            readers = list(self._readers.values())
+            self._readers.clear()
+            self._closed = True
+        for reader in readers:
+            reader.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def resolve(self, key: str) -> str:
         """The stored key for ``key`` (tied tensors are stored once)."""
@@ -257,12 +301,8 @@ class Checkpoint:
             if a > covered:
                 break
             dst = flat[a - lo : b - lo]
-            _native.read_tensor_range(
-                str(self.path / c["file"]),
-                c["file_key"],
-                (a - c["start"]) * itemsize,
-                _bytes_view(dst),
-                verify,
+            self.reader(c["file"]).read_range(
+                c["file_key"], (a - c["start"]) * itemsize, _bytes_view(dst), verify
             )
             covered = max(covered, b)
         if covered < hi:
@@ -309,11 +349,11 @@ class Checkpoint:
         for c in entry["chunks"]:
             if c["end"] <= lo or c["start"] >= hi or c["end"] <= c["start"]:
                 continue
-            path = str(self.path / c["file"])
+            reader = self.reader(c["file"])
             if "box" in c:
                 box = c["box"]
                 block = torch.empty(box["shape"], dtype=dtype)
-                _native.read_tensor_range(path, c["file_key"], 0, _bytes_view(block), verify)
+                reader.read_range(c["file_key"], 0, _bytes_view(block), verify)
                 where = tuple(
                     slice(o, o + n) for o, n in zip(box["offsets"], box["shape"], strict=True)
                 )
@@ -321,7 +361,7 @@ class Checkpoint:
                 seen.view(shape)[where] = True
             else:
                 dst = flat[c["start"] : c["end"]]
-                _native.read_tensor_range(path, c["file_key"], 0, _bytes_view(dst), verify)
+                reader.read_range(c["file_key"], 0, _bytes_view(dst), verify)
                 seen[c["start"] : c["end"]] = True
         if isinstance(start, tuple):
             values, got = whole[region], seen.view(shape)[region]

@@ -7,6 +7,7 @@ into M ranks with DDP, into ZeRO-2, or into one process and a plain ``nn.Module`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -14,6 +15,7 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +25,8 @@ from torch import nn
 
 from shardline import _native, config
 from shardline._progress import Progress, wanted
-from shardline.checkpoint._state import (
-    BlockShard,
-    Piece,
-    blocks_of,
-    dtype_name,
-    model_pieces,
-    optimizer_pieces,
-    own_sharded_state_dict,
-    param_names,
-    strategy_of,
-)
+from shardline.checkpoint._load_plan import Read, plan_model, plan_optimizer
+from shardline.checkpoint._state import Piece, dtype_name, model_pieces, optimizer_pieces
 from shardline.checkpoint._store import (
     INDEX,
     Checkpoint,
@@ -44,8 +37,7 @@ from shardline.checkpoint._store import (
 )
 from shardline.comm.group import ProcessGroup
 from shardline.errors import CheckpointError
-from shardline.parallel.ddp import DistributedDataParallel
-from shardline.parallel.zero import ShardedDataParallel
+from shardline.parallel import contract
 
 __all__ = ["SaveHandle", "consolidate", "info", "latest", "load", "save", "verify"]
 
@@ -149,7 +141,8 @@ def save(
 
     Args:
         path: The checkpoint directory (replaced atomically if it exists).
-        model: A plain model, ``DistributedDataParallel`` or ``ShardedDataParallel``.
+        model: A plain model or any strategy's wrapper (what it holds comes from the strategy
+            contract, ``shardline.parallel.contract``).
         optimizer: Its optimizer; state is stored by parameter name.
         extra: JSON-serialisable training state (step, sampler state, your values). RNG
             states of torch, numpy and random are saved per rank as well.
@@ -194,17 +187,17 @@ def save(
     aliases: dict[str, str] = {}
     optim_json: dict[str, Any] | None = None
     if model is not None:
-        pieces, aliases = model_pieces(model)
+        pieces, aliases = model_pieces(model, rank)
     if optimizer is not None:
         if model is None:
             raise CheckpointError("save(optimizer=...) needs model= too (state is keyed by name)")
-        more, optim_json = optimizer_pieces(model, optimizer)
+        more, optim_json = optimizer_pieces(model, optimizer, rank)
         pieces += more
     owner = _owners([p for p in pieces if p.replicated], world)
     mine = [p for p in pieces if (owner.get(p.key) == rank if p.replicated else p.numel > 0)]
     if async_:  # a snapshot in host memory; training may change the originals meanwhile
         on_gpu = any(p.tensor.is_cuda for p in mine)
-        mine = [Piece(p.key, _staged(p), p.shape, p.start, p.replicated) for p in mine]
+        mine = [dataclasses.replace(p, tensor=_staged(p)) for p in mine]
         if on_gpu:
             torch.cuda.synchronize()  # the non-blocking copies into pinned buffers
     rng = _capture_rng()
@@ -216,7 +209,7 @@ def save(
         "world_size": world,
         "created": time.time(),
         "step": user.get("step"),
-        "layout": strategy_of(model),
+        "layout": _layout(model),
         "aliases": aliases,
         "optimizer": optim_json,
         "extra": extra_json,
@@ -350,7 +343,8 @@ def verify(path: str | os.PathLike[str]) -> None:
     for f in ck.files():
         if not f.is_file():
             raise CheckpointError(f"{ck.path}: shard file {f.name} is missing")
-        _native.verify_shard(str(f))
+        with _native.ShardReader(str(f)) as reader:
+            reader.verify()
     for key, entry in ck.tensors.items():
         total = int(np.prod(entry["shape"])) if entry["shape"] else 1
         covered = 0
@@ -395,19 +389,20 @@ def load(
     """
     ck = Checkpoint(path)
     g = _group(group)
-    rank = g.rank if g is not None else 0
+    rank, world = (g.rank, g.world_size) if g is not None else (0, 1)
     if optimizer is not None and model is None:
         raise CheckpointError("load(optimizer=...) needs model= too (state is keyed by name)")
+    same_layout = ck.index.get("world_size") == world and ck.index.get("layout") == _layout(model)
     # Check everything first, then read model and optimizer in one go.
-    reads: list[tuple[str, torch.Tensor, int | tuple[int, ...]]] = []
-    finish: list[Any] = []
+    reads: list[Read] = []
+    finish: list[Callable[[], None]] = []
     if model is not None:
-        reads += _plan_model(ck, model, strict)
-        if isinstance(model, ShardedDataParallel):
-            finish.append(model.refresh)
+        more, apply = plan_model(ck, model, strict, rank, same_layout)
+        reads += more
+        finish.append(apply)
     if optimizer is not None:
         assert model is not None
-        more, apply = _plan_optimizer(ck, model, optimizer, strict)
+        more, apply = plan_optimizer(ck, model, optimizer, strict, rank)
         reads += more
         finish.append(apply)
     show, delay = wanted(progress, rank)
@@ -432,154 +427,9 @@ def load(
     return dict(ck.index.get("extra") or {})
 
 
-Target = tuple[torch.Tensor, tuple[int, ...], int | tuple[int, ...]]
-
-
-def _targets(model: nn.Module) -> dict[str, Target]:
-    """``name -> (tensor to fill, global shape, first element or block offsets)``."""
-    out: dict[str, Target] = {}
-    if isinstance(model, ShardedDataParallel):
-        for name, v in model.sharded_state_dict().items():
-            if torch.is_tensor(v):
-                out[name] = (v, tuple(v.shape), 0)
-            else:
-                out[name] = (v.local, tuple(v.global_shape), v.offset)
-        return out
-    plain = model.module if isinstance(model, DistributedDataParallel) else model
-    own = own_sharded_state_dict(plain)
-    if own is not None:
-        for name, v in own.items():
-            if isinstance(v, BlockShard):
-                v.check(name)
-                out[name] = (v.local.detach(), tuple(v.global_shape), tuple(v.offsets))
-            elif torch.is_tensor(v):
-                out[name] = (v.detach(), tuple(v.shape), 0)
-            else:
-                out[name] = (v.local, tuple(v.global_shape), v.offset)
-        return out
-    for name, v in plain.state_dict(keep_vars=True).items():
-        t = v.detach()
-        out[name] = (t, tuple(t.shape), 0)
-    return out
-
-
-def _plan_model(
-    ck: Checkpoint, model: nn.Module, strict: bool
-) -> list[tuple[str, torch.Tensor, int | tuple[int, ...]]]:
-    """Checks the model against the checkpoint; the reads that load it."""
-    targets = _targets(model)
-    stored = {
-        k[len("model/") :] for k in list(ck.tensors) + list(ck.aliases) if k.startswith("model/")
-    }
-    missing = sorted(n for n in targets if not ck.has(f"model/{n}"))
-    unexpected = sorted(stored - set(targets))
-    bad = [
-        f"{n}: checkpoint {list(ck.shape(f'model/{n}'))} vs model {list(shape)}"
-        for n, (_, shape, _) in sorted(targets.items())
-        if ck.has(f"model/{n}") and ck.shape(f"model/{n}") != shape
-    ]
-    problems = []
-    if bad:
-        problems.append(f"shape mismatches: {'; '.join(bad)}")
-    if strict and missing:
-        problems.append(f"missing keys: {missing}")
-    if strict and unexpected:
-        problems.append(f"unexpected keys: {unexpected}")
-    if problems:
-        raise CheckpointError(
-            f"load({ck.path}) into {type(model).__name__}: " + " | ".join(problems)
-        )
-    return [
-        (f"model/{name}", t, start)
-        for name, (t, _, start) in targets.items()
-        if ck.has(f"model/{name}")
-    ]
-
-
-def _plan_optimizer(
-    ck: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer, strict: bool
-) -> tuple[list[tuple[str, torch.Tensor, int | tuple[int, ...]]], Any]:
-    """Checks the optimizer against the checkpoint.
-
-    Returns the reads of its state into fresh tensors, and a function that hands them to the
-    optimizer once all are read.
-    """
-    saved = ck.index.get("optimizer")
-    if saved is None:
-        raise CheckpointError(f"{ck.path} holds no optimizer state")
-    layout: dict[str, Target]
-    if isinstance(model, ShardedDataParallel):
-        layout = {
-            n: (v.local, tuple(v.global_shape), v.offset)
-            for n, v in model.sharded_state_dict().items()
-            if not torch.is_tensor(v)
-        }
-        params = dict(model.named_parameters())
-    else:
-        plain = model.module if isinstance(model, DistributedDataParallel) else model
-        params = dict(plain.named_parameters(remove_duplicate=True))
-        layout = {n: (p.detach(), tuple(p.shape), 0) for n, p in params.items()}
-        for n, b in blocks_of(model).items():
-            if n in layout:
-                layout[n] = (b.local.detach(), tuple(b.global_shape), tuple(b.offsets))
-    by_param: dict[str, list[str]] = {}
-    for key in ck.tensors:
-        if key.startswith("optim/"):
-            name, _, k = key[len("optim/") :].rpartition("/")
-            by_param.setdefault(name, []).append(k)
-    values = saved.get("values", {})
-    unknown = sorted(set(by_param) - set(params))
-    if strict and unknown:
-        raise CheckpointError(
-            f"load({ck.path}): optimizer state for parameters the model lacks: {unknown}"
-        )
-    reads: list[tuple[str, torch.Tensor, int | tuple[int, ...]]] = []
-    states: dict[torch.Tensor, dict[str, Any]] = {}
-    with torch.no_grad():
-        for name, param in params.items():
-            if name not in by_param and name not in values:
-                continue
-            local, shape, start = layout[name]
-            state: dict[str, Any] = {}
-            for k in by_param.get(name, []):
-                key = f"optim/{name}/{k}"
-                if ck.shape(key) == shape and len(shape) > 0:  # elementwise, sharded like it
-                    t = torch.empty(local.shape, dtype=ck.dtype(key), device=local.device)
-                    reads.append((key, t, start))
-                    state[k] = t
-                else:  # a scalar such as step: whole
-                    t = torch.empty(ck.shape(key), dtype=ck.dtype(key))
-                    reads.append((key, t, 0))
-                    state[k] = t
-            state.update(values.get(name, {}))
-            states[param] = state
-    names = (
-        param_names(model)
-        if not isinstance(model, ShardedDataParallel)
-        else {id(p): n for n, p in params.items()}
-    )
-    groups = saved.get("param_groups", [])
-    if strict and len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(
-            f"load({ck.path}): the checkpoint has {len(groups)} optimizer param groups, "
-            f"the optimizer {len(optimizer.param_groups)}"
-        )
-    for g, sg in zip(optimizer.param_groups, groups, strict=False):
-        mine = [names.get(id(p)) for p in g["params"]]
-        if strict and set(mine) != set(sg.get("params", [])):
-            raise CheckpointError(
-                f"load({ck.path}): optimizer param groups hold different parameters than "
-                "when saved; build the optimizer's groups the same way"
-            )
-
-    def apply() -> None:
-        optimizer.state.update(states)
-        for g, sg in zip(optimizer.param_groups, groups, strict=False):
-            for k, v in sg.items():
-                if k != "params":
-                    g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
-
-    return reads, apply
+def _layout(model: nn.Module | None) -> dict[str, Any]:
+    """The strategy's description of its layout, as JSON gives it back."""
+    return dict(json.loads(json.dumps(contract.layout(model))))
 
 
 # -- consolidate ---------------------------------------------------------------------------------

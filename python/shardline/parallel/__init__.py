@@ -2,30 +2,43 @@
 
 - ``distribute``: one call, strategy by name; ``as_distributed``: strategy chosen by memory.
 - ``estimate_memory``, ``choose_strategy``: the pre-flight memory planner.
-- ``DistributedDataParallel``: replicas with bucketed, overlapped gradient all-reduce.
-- ``ShardedDataParallel``: ZeRO stages 1/2/3 (FSDP) with automatic units; ``MixedPrecision``.
+- ``strategies``: the strategy names, one table (name -> wrapper, stage, planner layout).
+- ``contract``: the four methods every strategy implements for checkpoints, and the values
+  they return (``Shard``, ``Local``, replicated tensors).
+- ``data``: ``DistributedDataParallel`` (replicas, bucketed overlapped all-reduce) and
+  ``ShardedDataParallel`` (ZeRO stages 1/2/3, FSDP, with automatic units); ``MixedPrecision``;
+  ``register_optimizer``: how ZeRO shards an optimizer it does not know.
 - ``comm_hooks``: how a gradient bucket is reduced (``fp16``/``bf16`` compression, your own).
 """
 
 from __future__ import annotations
 
-from shardline.parallel import comm_hooks
-from shardline.parallel.api import STRATEGIES, as_distributed, distribute
-from shardline.parallel.ddp import DistributedDataParallel
+from shardline.parallel import comm_hooks, contract
+from shardline.parallel.api import as_distributed, distribute
+from shardline.parallel.contract import BlockShard, Box, FlatRange, Local, Shard, ShardedTensor
+from shardline.parallel.data import DistributedDataParallel, ShardedDataParallel
+from shardline.parallel.data.zero.optimizers import register_optimizer
 from shardline.parallel.planner import MemoryEstimate, choose_strategy, estimate_memory
 from shardline.parallel.precision import MixedPrecision
-from shardline.parallel.zero import ShardedDataParallel, ShardedTensor
+from shardline.parallel.strategies import STRATEGIES
 
 __all__ = [
     "STRATEGIES",
+    "BlockShard",
+    "Box",
     "DistributedDataParallel",
+    "FlatRange",
+    "Local",
     "MemoryEstimate",
     "MixedPrecision",
+    "Shard",
     "ShardedDataParallel",
     "ShardedTensor",
     "as_distributed",
     "choose_strategy",
     "comm_hooks",
+    "contract",
     "distribute",
     "estimate_memory",
+    "register_optimizer",
 ]

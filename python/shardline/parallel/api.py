@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any
 
@@ -11,17 +10,18 @@ from torch import nn
 
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
+from shardline.parallel import strategies
 from shardline.parallel._common import default_group
-from shardline.parallel.ddp import DistributedDataParallel
+from shardline.parallel.data.ddp import DistributedDataParallel
+from shardline.parallel.data.zero import ShardedDataParallel
+from shardline.parallel.data.zero.optimizers import check_optimizer
 from shardline.parallel.planner import choose_strategy
 from shardline.parallel.precision import MixedPrecision
-from shardline.parallel.zero import ShardedDataParallel
+from shardline.parallel.strategies import BY_MEMORY, STRATEGIES
 
 __all__ = ["STRATEGIES", "as_distributed", "distribute"]
 
 _log = logging.getLogger("shardline")
-
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
 def distribute(
@@ -52,15 +52,13 @@ def distribute(
         InvalidArgumentError: an unknown strategy or option, or an optimizer over other
             parameters.
     """
-    name = strategy.lower()
-    if name not in STRATEGIES:
-        raise InvalidArgumentError(
-            f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}"
-        )
-    _check_options(name, options)
-    if name != "ddp":
-        stage = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[name]
-        sharded = ShardedDataParallel(model, stage=stage, group=group, **options)
+    row = strategies.strategy(strategy)
+    _check_options(row.name, options)
+    if row.stage and optimizer is not None:
+        check_optimizer(optimizer, row.stage)  # before any collective of the wrapper's
+    if row.stage:
+        sharded = row.wrap(model, group=group, **options)
+        assert isinstance(sharded, ShardedDataParallel)
         if optimizer is not None:
             sharded.bind_optimizer(optimizer)
         return sharded, optimizer
@@ -80,11 +78,8 @@ def _check_options(strategy: str, options: dict[str, Any]) -> None:
 
     The error names who takes it instead (a ``TypeError`` from deep inside otherwise).
     """
-    cls = DistributedDataParallel if strategy == "ddp" else ShardedDataParallel
-    params = inspect.signature(cls.__init__).parameters
-    valid = [
-        n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in ("group", "stage")
-    ]
+    cls = strategies.strategy(strategy).wrapper
+    valid = strategies.options_of(cls)
     unknown = sorted(set(options) - set(valid))
     if not unknown:
         return
@@ -100,18 +95,11 @@ def _check_options(strategy: str, options: dict[str, Any]) -> None:
     )
 
 
-_ORDER = ("ddp", "zero1", "zero2", "zero3")
-_ZERO_ONLY = frozenset({"unit_mb", "prefetch", "reorder"})
-_DDP_ONLY = frozenset(
-    {
-        "bucket_cap_mb",
-        "first_bucket_mb",
-        "broadcast_buffers",
-        "comm_hook",
-        "gradient_as_bucket_view",
-        "in_place_mb",
-    }
-)
+# Options only one family takes: as_distributed drops the other family's, errors name the owner.
+_DDP_OPTIONS = frozenset(strategies.options_of(DistributedDataParallel))
+_ZERO_OPTIONS = frozenset(strategies.options_of(ShardedDataParallel))
+_ZERO_ONLY = _ZERO_OPTIONS - _DDP_OPTIONS
+_DDP_ONLY = _DDP_OPTIONS - _ZERO_OPTIONS
 
 
 def as_distributed(
@@ -164,24 +152,17 @@ def as_distributed(
         unit_mb=options.get("unit_mb"),
         device=device,
     )
-    mine = torch.tensor([_ORDER.index(name)], dtype=torch.int64, device=device)
+    mine = torch.tensor([BY_MEMORY.index(name)], dtype=torch.int64, device=device)
     g.all_reduce(mine, op="max")
-    agreed = _ORDER[int(mine.item())]
+    agreed = BY_MEMORY[int(mine.item())]
     if agreed != name:
         reason = f"{agreed}: another rank has less memory ({reason} here)"
-    wrapped: nn.Module
-    if agreed == "ddp":
-        ddp_options = {k: v for k, v in options.items() if k not in _ZERO_ONLY}
-        wrapped = DistributedDataParallel(model, group=g, **ddp_options)
-    else:
-        zero_options = {k: v for k, v in options.items() if k not in _DDP_ONLY}
-        wrapped = ShardedDataParallel(
-            model,
-            stage=_ORDER.index(agreed),
-            group=g,
-            mixed_precision=mixed_precision,
-            **zero_options,
-        )
+    row = strategies.strategy(agreed)
+    mine_only = frozenset(row.options())
+    kept = {k: v for k, v in options.items() if k in mine_only or k not in _DDP_ONLY | _ZERO_ONLY}
+    if row.stage:
+        kept["mixed_precision"] = mixed_precision
+    wrapped = row.wrap(model, group=g, **kept)
     wrapped.strategy = agreed  # type: ignore[assignment]
     wrapped.strategy_reason = reason  # type: ignore[assignment]
     message = f"shardline.as_distributed chose {reason}"

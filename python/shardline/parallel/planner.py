@@ -38,9 +38,9 @@ import torch
 from torch import nn
 
 from shardline.errors import InvalidArgumentError
-from shardline.parallel.grouping import default_unit_mb, plan_units
+from shardline.parallel.data.zero.grouping import default_unit_mb, plan_units
+from shardline.parallel.data.zero.schedule import _MAX_INFLIGHT
 from shardline.parallel.precision import MixedPrecision
-from shardline.parallel.zero import _MAX_INFLIGHT
 
 __all__ = [
     "OPTIMIZERS",

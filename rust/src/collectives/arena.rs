@@ -16,11 +16,9 @@ use std::time::Instant;
 use crate::collectives::lanes::{self, Lanes};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
-use crate::memcpy::{
-    copy_piece_to_shared, reduce_piece_to_shared, reduction_streams_to_shared, streams_to_shared,
-};
-use crate::op::OpSig;
+use crate::memcpy::{copy_piece_to_shared, reduce_piece_to_shared, StreamMode};
 use crate::reduce::{self, ReduceOp};
+use crate::signature::OpSig;
 use std::sync::Arc;
 
 use crate::transport::shm::Arena;
@@ -34,6 +32,8 @@ pub struct ArenaComm {
     phase: u32,
     oneshot_bytes: usize,
     lanes: Lanes,
+    /// Which copies into the slots use streaming stores.
+    stream: StreamMode,
     /// Whether the op in progress may use the lanes (see [`ArenaComm::allow_helpers`]).
     helpers: bool,
 }
@@ -56,15 +56,33 @@ fn piece_bytes(slot: usize, n: usize, es: usize) -> usize {
 }
 
 impl ArenaComm {
-    /// Wraps a mapped arena; large ops split their memory passes over `lanes`.
-    pub fn new(arena: Arc<Arena>, oneshot_bytes: usize, lanes: Lanes) -> Self {
+    /// Wraps a mapped arena: all-reduces up to `oneshot_bytes` are one-shot, large ops split
+    /// their memory passes over `lanes`, and `stream` says which copies into the slots use
+    /// streaming stores.
+    pub fn new(arena: Arc<Arena>, oneshot_bytes: usize, lanes: Lanes, stream: StreamMode) -> Self {
         ArenaComm {
             arena,
             phase: 0,
             oneshot_bytes,
             lanes,
+            stream,
             helpers: true,
         }
+    }
+
+    /// All-reduces up to this many bytes are one-shot.
+    pub fn oneshot_bytes(&self) -> usize {
+        self.oneshot_bytes
+    }
+
+    /// Which copies into the slots use streaming stores.
+    pub fn stream_mode(&self) -> StreamMode {
+        self.stream
+    }
+
+    /// The helper threads.
+    pub fn lanes(&self) -> &Lanes {
+        &self.lanes
     }
 
     /// Whether the next ops may split their passes over the helper threads: yes for ops the
@@ -195,8 +213,8 @@ impl ArenaComm {
             // and back, which 4 threads per rank cannot afford (measured on a 16-core host:
             // 2-rank 64 MiB all_reduce 10.4 ms streamed, 7.1 ms not).
             let (stream_lo, stream_hi) = (
-                ways == 1 && streams_to_shared(lo),
-                ways == 1 && streams_to_shared(len - hi),
+                ways == 1 && self.stream.streams_to_shared(lo),
+                ways == 1 && self.stream.streams_to_shared(len - hi),
             );
             let parity = self.step(sig, first.then_some(0), deadline, |s| {
                 // The two runs around our part, each split over the helpers.
@@ -223,7 +241,7 @@ impl ArenaComm {
                         }
                     })
                     .collect();
-                let stream = ways == 1 && reduction_streams_to_shared(hi - lo);
+                let stream = ways == 1 && self.stream.reduction_streams_to_shared(hi - lo);
                 lanes::reduce(&mut arena.my_slot(next)[lo..hi], &srcs, ways, |d, ss| {
                     reduce_piece_to_shared(d, ss, dtype, op, stream);
                 });

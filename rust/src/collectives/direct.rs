@@ -13,12 +13,12 @@
 
 use std::time::Instant;
 
-use super::p2p::P2p;
 use super::ring::position;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::op::OpSig;
 use crate::reduce::{reduce_into, scale, ReduceOp};
+use crate::signature::OpSig;
+use crate::transport::p2p::P2p;
 
 /// Broadcasts of at least this many bytes use the pipelined chain.
 pub const CHAIN_BYTES: usize = 256 * 1024;

@@ -1,16 +1,16 @@
-//! Collective algorithms.
+//! Collective algorithms, over the transports below them.
 //!
 //! - [`arena`]: every collective on the shared-memory arena (one host): one-shot for small
 //!   messages, chunked two-phase (reduce-scatter then all-gather through shared slots) for
 //!   large ones, double-buffered so no extra barrier is needed.
 //! - [`lanes`]: helper threads that split a rank's large memory passes on the arena when the
 //!   machine has cores to spare.
-//! - [`p2p`]: the [`p2p::P2p`] trait: framed, signature-checked messages between two ranks.
-//! - [`ring`]: ring reduce-scatter / all-gather / all-reduce over any [`p2p::P2p`].
-//! - [`direct`]: rooted ops, all-to-all and barrier over any [`p2p::P2p`].
+//! - [`ring`]: ring reduce-scatter / all-gather / all-reduce over any
+//!   [`P2p`](crate::transport::p2p::P2p).
+//! - [`direct`]: rooted ops, all-to-all and barrier over any
+//!   [`P2p`](crate::transport::p2p::P2p).
 
 pub mod arena;
 pub mod direct;
 pub mod lanes;
-pub mod p2p;
 pub mod ring;

@@ -13,11 +13,11 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use super::p2p::P2p;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::op::OpSig;
 use crate::reduce::{reduce_into, reduce_slices, scale, ReduceOp};
+use crate::signature::OpSig;
+use crate::transport::p2p::P2p;
 
 /// Tuning for the ring algorithms.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -3,19 +3,31 @@
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
-use crate::error::Error;
+use crate::error::{Error, ErrorKind};
 
-/// Converts an engine error into the `shardline.errors` class its kind names.
+/// The one table: the class in `shardline.errors` that each engine error kind becomes.
+pub fn class_name(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::Timeout => "CollectiveTimeoutError",
+        ErrorKind::PeerLost => "PeerLostError",
+        ErrorKind::Mismatch => "CollectiveMismatchError",
+        ErrorKind::InvalidArgument => "InvalidArgumentError",
+        ErrorKind::Auth => "AuthenticationError",
+        ErrorKind::Protocol => "ProtocolError",
+        ErrorKind::Io => "TransportError",
+        ErrorKind::Closed => "CommunicatorClosedError",
+        ErrorKind::Checkpoint => "CheckpointError",
+    }
+}
+
+/// Converts an engine error into the `shardline.errors` class of its kind.
 pub fn to_py(err: Error) -> PyErr {
+    let name = class_name(err.kind);
     Python::attach(|py| {
-        let class = py
-            .import("shardline.errors")
-            .and_then(|m| m.getattr(err.kind.python_class()));
+        let class = py.import("shardline.errors").and_then(|m| m.getattr(name));
         match class.and_then(|c| c.call1((err.message.clone(),))) {
             Ok(exc) => PyErr::from_value(exc),
-            Err(_) => {
-                PyRuntimeError::new_err(format!("{}: {}", err.kind.python_class(), err.message))
-            }
+            Err(_) => PyRuntimeError::new_err(format!("{name}: {}", err.message)),
         }
     })
 }

@@ -9,6 +9,7 @@ use super::buffer::{hold, Held};
 use super::errors::{to_py, IntoPy};
 use crate::engine::{CommConfig, Communicator, Op, Work};
 use crate::error::{Error, ErrorKind};
+use crate::memcpy::StreamMode;
 use crate::transport::{shm, tcp::TcpListenerHandle};
 use crate::{DType, ReduceOp};
 
@@ -123,11 +124,13 @@ fn reduce_op(name: &str) -> PyResult<ReduceOp> {
     ReduceOp::parse(name).py_err()
 }
 
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(default)
+/// `value` as a u64, or an `InvalidArgumentError` naming the argument and its unit.
+fn non_negative(value: i64, what: &str, unit: &str) -> PyResult<u64> {
+    u64::try_from(value).map_err(|_| {
+        to_py(Error::invalid(format!(
+            "{what} must be a number of {unit} >= 0, got {value}"
+        )))
+    })
 }
 
 impl PyGroup {
@@ -166,7 +169,7 @@ impl PyGroup {
 #[pymethods]
 impl PyGroup {
     #[new]
-    #[pyo3(signature = (rank, world_size, *, name, secret, host_ids, addrs, listener, arena_path, timeout, machine_ranks=None, lanes=1, lanes_min_bytes=None))]
+    #[pyo3(signature = (rank, world_size, *, name, secret, host_ids, addrs, listener, arena_path, timeout, machine_ranks=None, lanes=1, lanes_min_bytes=None, spin_us=None, stream_stores=None, oneshot_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -182,7 +185,36 @@ impl PyGroup {
         machine_ranks: Option<usize>,
         lanes: usize,
         lanes_min_bytes: Option<usize>,
+        spin_us: Option<i64>,
+        stream_stores: Option<&str>,
+        oneshot_bytes: Option<i64>,
     ) -> PyResult<Self> {
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(to_py(Error::invalid(format!(
+                "timeout must be a positive number of seconds, got {timeout}"
+            ))));
+        }
+        // Settings left at None keep the engine's defaults (CommConfig::new).
+        let mut cfg = CommConfig::new(rank, world_size, &name);
+        if let Some(us) = spin_us {
+            cfg.spin_us = non_negative(us, "spin_us", "microseconds")?;
+        }
+        if let Some(mode) = stream_stores {
+            cfg.stream_stores = StreamMode::parse(mode).py_err()?;
+        }
+        if let Some(bytes) = oneshot_bytes {
+            cfg.oneshot_bytes = non_negative(bytes, "oneshot_bytes", "bytes")? as usize;
+        }
+        cfg.secret = secret;
+        cfg.host_ids = host_ids;
+        cfg.addrs = addrs;
+        cfg.arena_path = arena_path;
+        cfg.timeout = Duration::from_secs_f64(timeout);
+        cfg.machine_ranks = machine_ranks.unwrap_or(world_size).max(1);
+        cfg.lanes = lanes.max(1);
+        if let Some(bytes) = lanes_min_bytes {
+            cfg.lanes_min_bytes = bytes;
+        }
         let listener = match listener {
             Some(l) => Some(
                 l.inner
@@ -196,29 +228,6 @@ impl PyGroup {
                     })?,
             ),
             None => None,
-        };
-        if !(timeout.is_finite() && timeout > 0.0) {
-            return Err(to_py(Error::invalid(format!(
-                "timeout must be a positive number of seconds, got {timeout}"
-            ))));
-        }
-        let cfg = CommConfig {
-            rank,
-            world: world_size,
-            name,
-            secret,
-            host_ids,
-            addrs,
-            arena_path,
-            timeout: Duration::from_secs_f64(timeout),
-            oneshot_bytes: env_usize(
-                "SHARDLINE_ONESHOT_BYTES",
-                crate::collectives::arena::DEFAULT_ONESHOT_BYTES,
-            ),
-            machine_ranks: machine_ranks.unwrap_or(world_size).max(1),
-            lanes: lanes.max(1),
-            lanes_min_bytes: lanes_min_bytes
-                .unwrap_or(crate::collectives::lanes::DEFAULT_MIN_BYTES),
         };
         let comm = py.detach(|| Communicator::new(cfg, listener)).py_err()?;
         Ok(PyGroup {

@@ -1,4 +1,11 @@
 //! PyO3 bindings: module `shardline._native`. The only code that knows Python.
+//!
+//! - [`errors`]: the one table from engine error kinds to `shardline.errors` classes.
+//! - [`buffer`]: caller memory in, zero copy.
+//! - [`group`]: `Group`, `Work`, `Listener` and the arena helpers over [`crate::engine`].
+//! - [`shard`]: `ShardReader` and the shard-file functions over [`crate::shard`].
+//!
+//! Every setting arrives as an argument: nothing here reads the environment.
 
 mod buffer;
 mod errors;
@@ -17,6 +24,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(group::arena_create, m)?)?;
     m.add_function(wrap_pyfunction!(group::arena_unlink, m)?)?;
     m.add_function(wrap_pyfunction!(group::arena_sweep, m)?)?;
+    m.add_class::<shard::PyShardReader>()?;
     m.add_function(wrap_pyfunction!(shard::write_shard, m)?)?;
     m.add_function(wrap_pyfunction!(shard::read_shard_header, m)?)?;
     m.add_function(wrap_pyfunction!(shard::read_tensor_range, m)?)?;

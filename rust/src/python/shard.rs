@@ -1,15 +1,19 @@
-//! Checkpoint shard files: thin adapters over [`crate::shard`]. Buffers are borrowed zero
-//! copy and every read or write runs with the GIL released.
+//! Checkpoint shard files: thin adapters over [`crate::shard`]. `ShardReader` is one open
+//! file (mapped, its header validated once) serving reads; the module-level functions open
+//! one for a single call. Buffers are borrowed zero copy and every read or write runs with
+//! the GIL released.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::buffer::{hold, Held};
 use super::errors::{to_py, IntoPy};
+use crate::dtype::DType;
 use crate::error::Error;
-use crate::shard::{self, Encoding, ShardReader, StoredDType, TensorData, WriteOptions};
+use crate::shard::{self, Encoding, ShardHeader, ShardReader, TensorData, WriteOptions};
 
 fn invalid(msg: String) -> PyErr {
     to_py(Error::invalid(msg))
@@ -44,7 +48,7 @@ fn non_negative(value: i64, what: &str) -> PyResult<u64> {
 /// One `(name, dtype, shape, data)` item of `write_shard`'s `tensors`.
 struct Spec {
     name: String,
-    dtype: StoredDType,
+    dtype: DType,
     shape: Vec<u64>,
     held: Held,
 }
@@ -57,8 +61,8 @@ fn parse_spec(i: usize, item: &Bound<'_, PyAny>) -> PyResult<Spec> {
                  tuple: {e}"
             ))
         })?;
-    let dtype =
-        StoredDType::parse(&dtype).map_err(|e| to_py(e.context(format!("tensor {name:?}"))))?;
+    let dtype = DType::parse_safetensors(&dtype)
+        .map_err(|e| to_py(e.context(format!("tensor {name:?}"))))?;
     let shape = shape
         .into_iter()
         .map(|d| non_negative(d, &format!("every dimension of tensor {name:?}")))
@@ -145,14 +149,11 @@ pub fn write_shard<'py>(
     Ok(out)
 }
 
-/// Reads and validates a shard's header (see `_native.pyi`).
-#[pyfunction]
-pub fn read_shard_header<'py>(py: Python<'py>, path: &str) -> PyResult<Bound<'py, PyDict>> {
-    let header = py.detach(|| shard::read_header(path)).py_err()?;
+fn header_dict<'py>(py: Python<'py>, header: &ShardHeader) -> PyResult<Bound<'py, PyDict>> {
     let tensors = PyDict::new(py);
     for t in &header.tensors {
         let entry = PyDict::new(py);
-        entry.set_item("dtype", t.dtype.name())?;
+        entry.set_item("dtype", t.dtype.safetensors_name())?;
         entry.set_item("shape", &t.shape)?;
         entry.set_item("offset", header.data_start() + t.begin)?;
         entry.set_item("raw_bytes", t.raw_bytes)?;
@@ -164,6 +165,122 @@ pub fn read_shard_header<'py>(py: Python<'py>, path: &str) -> PyResult<Bound<'py
     out.set_item("metadata", &header.metadata)?;
     out.set_item("tensors", tensors)?;
     Ok(out)
+}
+
+fn open(py: Python<'_>, path: &str) -> PyResult<ShardReader> {
+    py.detach(|| ShardReader::open(path)).py_err()
+}
+
+/// One open shard file (see `_native.pyi`): mapped, its header validated once, serving reads
+/// from any thread until `close`.
+#[pyclass(name = "ShardReader", module = "shardline._native")]
+pub struct PyShardReader {
+    path: String,
+    /// `None` once closed. Reads clone the `Arc`, so a close while another thread reads
+    /// unmaps the file only when that read is done.
+    inner: Mutex<Option<Arc<ShardReader>>>,
+}
+
+impl PyShardReader {
+    fn reader(&self) -> PyResult<Arc<ShardReader>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| {
+                invalid(format!(
+                    "checkpoint shard {}: the ShardReader was closed; open a new one",
+                    self.path
+                ))
+            })
+    }
+}
+
+#[pymethods]
+impl PyShardReader {
+    #[new]
+    fn new(py: Python<'_>, path: &str) -> PyResult<Self> {
+        let reader = open(py, path)?;
+        Ok(PyShardReader {
+            path: path.to_owned(),
+            inner: Mutex::new(Some(Arc::new(reader))),
+        })
+    }
+
+    /// The file's path.
+    #[getter]
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Whether `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+    }
+
+    /// The validated header (see `_native.pyi`).
+    fn header<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        header_dict(py, self.reader()?.header())
+    }
+
+    /// Copies raw bytes of one tensor into `out_buffer` (see `_native.pyi`).
+    #[pyo3(signature = (key, byte_offset, out_buffer, verify = true))]
+    fn read_range(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        byte_offset: i64,
+        out_buffer: &Bound<'_, PyAny>,
+        verify: bool,
+    ) -> PyResult<()> {
+        let reader = self.reader()?;
+        let start = non_negative(byte_offset, "byte_offset")?;
+        let mut held = hold(out_buffer, true, "out_buffer")?;
+        let dst = bytes_of_mut(&mut held);
+        py.detach(|| reader.view().read_range(key, start, dst, verify, 0))
+            .py_err()
+    }
+
+    /// Checks every checksum in the file (see `_native.pyi`).
+    fn verify(&self, py: Python<'_>) -> PyResult<()> {
+        let reader = self.reader()?;
+        py.detach(|| reader.view().verify(0)).py_err()
+    }
+
+    /// Releases the file; later calls raise. Closing twice is allowed.
+    fn close(&self) {
+        let reader = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+        drop(reader);
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        exc_value: Option<&Bound<'_, PyAny>>,
+        traceback: Option<&Bound<'_, PyAny>>,
+    ) {
+        let _ = (exc_type, exc_value, traceback);
+        self.close();
+    }
+
+    fn __repr__(&self) -> String {
+        let state = if self.closed() { "closed" } else { "open" };
+        format!("<shardline._native.ShardReader {:?} ({state})>", self.path)
+    }
+}
+
+/// Reads and validates a shard's header (see `_native.pyi`).
+#[pyfunction]
+pub fn read_shard_header<'py>(py: Python<'py>, path: &str) -> PyResult<Bound<'py, PyDict>> {
+    header_dict(py, open(py, path)?.header())
 }
 
 /// Copies raw bytes `[start, start + len(out))` of one tensor into `out` (see `_native.pyi`).

@@ -9,118 +9,13 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::{chunk_count, corrupt, FORMAT_VERSION, MAX_CHUNK_BYTES, MAX_HEADER_BYTES};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// The `__metadata__` key that holds shardline's own JSON (checksums, frame tables).
 pub const META_KEY: &str = "shardline";
 /// The safetensors dtype of a compressed tensor (unknown to plain readers on purpose).
 pub const COMPRESSED_DTYPE: &str = "SHARDLINE_ZSTD";
-
-/// An element type as safetensors names it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum StoredDType {
-    /// 64-bit IEEE float.
-    F64,
-    /// 32-bit IEEE float.
-    F32,
-    /// 16-bit IEEE float.
-    F16,
-    /// bfloat16.
-    BF16,
-    /// Signed 64-bit integer.
-    I64,
-    /// Signed 32-bit integer.
-    I32,
-    /// Signed 16-bit integer.
-    I16,
-    /// Signed 8-bit integer.
-    I8,
-    /// Unsigned 8-bit integer.
-    U8,
-    /// Boolean, one byte.
-    Bool,
-    /// 8-bit float, 4 exponent bits, finite (torch `float8_e4m3fn`).
-    F8E4M3,
-    /// 8-bit float, 5 exponent bits (torch `float8_e5m2`).
-    F8E5M2,
-}
-
-impl StoredDType {
-    /// Every dtype shard files hold.
-    pub const ALL: [StoredDType; 12] = [
-        StoredDType::F64,
-        StoredDType::F32,
-        StoredDType::F16,
-        StoredDType::BF16,
-        StoredDType::I64,
-        StoredDType::I32,
-        StoredDType::I16,
-        StoredDType::I8,
-        StoredDType::U8,
-        StoredDType::Bool,
-        StoredDType::F8E4M3,
-        StoredDType::F8E5M2,
-    ];
-
-    /// The dtype with safetensors name `name` (`"F32"`, `"BF16"`, ...), if known.
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|d| d.name() == name)
-    }
-
-    /// Parses a safetensors dtype name, or an invalid-argument error listing the known ones.
-    pub fn parse(name: &str) -> Result<Self> {
-        Self::from_name(name).ok_or_else(|| {
-            Error::invalid(format!(
-                "unsupported dtype {name:?}; shard files hold {}",
-                Self::known_names()
-            ))
-        })
-    }
-
-    /// The safetensors name.
-    pub fn name(self) -> &'static str {
-        match self {
-            StoredDType::F64 => "F64",
-            StoredDType::F32 => "F32",
-            StoredDType::F16 => "F16",
-            StoredDType::BF16 => "BF16",
-            StoredDType::I64 => "I64",
-            StoredDType::I32 => "I32",
-            StoredDType::I16 => "I16",
-            StoredDType::I8 => "I8",
-            StoredDType::U8 => "U8",
-            StoredDType::Bool => "BOOL",
-            StoredDType::F8E4M3 => "F8_E4M3",
-            StoredDType::F8E5M2 => "F8_E5M2",
-        }
-    }
-
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            StoredDType::F64 | StoredDType::I64 => 8,
-            StoredDType::F32 | StoredDType::I32 => 4,
-            StoredDType::F16 | StoredDType::BF16 | StoredDType::I16 => 2,
-            StoredDType::I8
-            | StoredDType::U8
-            | StoredDType::Bool
-            | StoredDType::F8E4M3
-            | StoredDType::F8E5M2 => 1,
-        }
-    }
-
-    /// Whether byte-plane shuffling is tried before compression (multi-byte floats).
-    pub fn shuffles(self) -> bool {
-        matches!(
-            self,
-            StoredDType::F64 | StoredDType::F32 | StoredDType::F16 | StoredDType::BF16
-        )
-    }
-
-    fn known_names() -> String {
-        Self::ALL.map(|d| d.name()).join(", ")
-    }
-}
 
 /// Bytes of a tensor of `shape` and element `size`, or `None` on overflow.
 pub fn shape_bytes(shape: &[u64], size: usize) -> Option<u64> {
@@ -168,7 +63,7 @@ pub struct TensorEntry {
     /// Key in the file (a fully qualified name, maybe with a chunk suffix).
     pub name: String,
     /// The real element type.
-    pub dtype: StoredDType,
+    pub dtype: DType,
     /// The real shape.
     pub shape: Vec<u64>,
     /// First stored byte, relative to the data section.
@@ -453,7 +348,7 @@ fn parse_tensor(
         return Err(ctx.err(format!(
             "shape {shape:?} of {} needs {raw_bytes} bytes but data_offsets [{begin}, {end}] \
              hold {stored}",
-            dtype.name()
+            dtype.safetensors_name()
         )));
     }
     let crc32c = match (chunk_bytes, extra) {
@@ -485,11 +380,11 @@ fn parse_tensor(
     })
 }
 
-fn known_dtype(ctx: Ctx<'_>, name: &str, what: &str) -> Result<StoredDType> {
-    StoredDType::from_name(name).ok_or_else(|| {
+fn known_dtype(ctx: Ctx<'_>, name: &str, what: &str) -> Result<DType> {
+    DType::from_safetensors(name).ok_or_else(|| {
         ctx.err(format!(
             "unknown {what} {name:?} (shard files hold {})",
-            StoredDType::known_names()
+            DType::safetensors_names()
         ))
     })
 }
@@ -659,7 +554,11 @@ pub fn encode_json(
                 push_list(&mut ours, crc32c.iter().map(|&c| u64::from(c)));
             }
             Encoding::Zstd { shuffle, frames } => {
-                let _ = write!(ours, ":{{\"dtype\":\"{}\",\"shape\":", t.dtype.name());
+                let _ = write!(
+                    ours,
+                    ":{{\"dtype\":\"{}\",\"shape\":",
+                    t.dtype.safetensors_name()
+                );
                 push_list(&mut ours, t.shape.iter().copied());
                 let _ = write!(ours, ",\"shuffle\":{shuffle},\"frames\":[");
                 for (j, f) in frames.iter().enumerate() {
@@ -687,7 +586,11 @@ pub fn encode_json(
         push_str(&mut out, &t.name);
         match t.encoding {
             Encoding::Plain { .. } => {
-                let _ = write!(out, ":{{\"dtype\":\"{}\",\"shape\":", t.dtype.name());
+                let _ = write!(
+                    out,
+                    ":{{\"dtype\":\"{}\",\"shape\":",
+                    t.dtype.safetensors_name()
+                );
                 push_list(&mut out, t.shape.iter().copied());
             }
             Encoding::Zstd { .. } => {
@@ -754,7 +657,7 @@ mod tests {
         let tensors = vec![
             TensorEntry {
                 name: "w\"\u{e9}".into(),
-                dtype: StoredDType::BF16,
+                dtype: DType::BF16,
                 shape: vec![3, 3],
                 begin: 0,
                 end: 18,
@@ -765,7 +668,7 @@ mod tests {
             },
             TensorEntry {
                 name: "z".into(),
-                dtype: StoredDType::F32,
+                dtype: DType::F32,
                 shape: vec![3],
                 begin: 18,
                 end: 25,

@@ -47,9 +47,7 @@ use std::sync::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
 
-pub use header::{
-    Encoding, Frame, ShardHeader, StoredDType, TensorEntry, COMPRESSED_DTYPE, META_KEY,
-};
+pub use header::{Encoding, Frame, ShardHeader, TensorEntry, COMPRESSED_DTYPE, META_KEY};
 pub use reader::{read_header, ShardReader, ShardView};
 pub use writer::{write_shard, TensorData, WriteOptions, WriteReport, WrittenTensor};
 

@@ -1,13 +1,12 @@
-//! Reads shard files: a validated (and cached) header through a memory map, byte ranges of
-//! one tensor with their frames decoded in parallel, CRC32C checks on every chunk touched.
-//! Large uncompressed pieces are read with `pread` straight into the caller's buffer: a
-//! file evicted from the page cache then comes in as large requests (the disk's speed), where
-//! faulting the mapping in reads it in readahead-sized steps.
+//! Reads shard files: a header validated once per open file, byte ranges of one tensor
+//! through a memory map with their frames decoded in parallel, CRC32C checks on every chunk
+//! touched. Large uncompressed pieces are read with `pread` straight into the caller's
+//! buffer: a file evicted from the page cache then comes in as large requests (the disk's
+//! speed), where faulting the mapping in reads it in readahead-sized steps.
 
-use std::collections::VecDeque;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use memmap2::{Advice, Mmap};
 
@@ -17,10 +16,6 @@ use super::{
 };
 use crate::error::{Error, Result};
 
-/// Headers kept by [`cached_header`]: the most recently used files.
-const CACHE_ENTRIES: usize = 16;
-/// Headers larger than this are parsed on every open instead of cached.
-const CACHE_MAX_HEADER: usize = 16 << 20;
 /// Bytes copied then checksummed at a time (stays in L2 between the two).
 const PIECE_BYTES: usize = 256 << 10;
 /// Reads at least this large are split across threads.
@@ -34,7 +29,8 @@ const POPULATE_BYTES: usize = 256 << 10;
 /// checksum).
 const READ_BYTES: usize = 1 << 20;
 
-/// An open shard file: its mapping and validated header.
+/// An open shard file: its mapping and validated header. Open it once and read from it as
+/// often as needed, from any thread: the header is parsed and checked only here.
 pub struct ShardReader {
     path: String,
     file: File,
@@ -43,8 +39,7 @@ pub struct ShardReader {
 }
 
 impl ShardReader {
-    /// Opens and maps `path` and validates its header (reusing a cached parse when the
-    /// file's header bytes and size are unchanged).
+    /// Opens and maps `path` and validates its header.
     pub fn open(path: &str) -> Result<Self> {
         let file = File::open(path).map_err(|e| io_error(path, "opening", e))?;
         // SAFETY: the mapping is read-only and shard files are written once, then only read
@@ -53,7 +48,7 @@ impl ShardReader {
         // mmap-based reader, safetensors included; modifying it in place would only change
         // bytes, which the checksums catch.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| io_error(path, "mapping", e))?;
-        let header = cached_header(path, &map)?;
+        let header = Arc::new(ShardHeader::parse(path, &map)?);
         Ok(ShardReader {
             path: path.to_owned(),
             file,
@@ -65,6 +60,11 @@ impl ShardReader {
     /// The validated header.
     pub fn header(&self) -> &ShardHeader {
         &self.header
+    }
+
+    /// The path the file was opened at.
+    pub fn path(&self) -> &str {
+        &self.path
     }
 
     /// A borrowed view for reads.
@@ -82,48 +82,6 @@ impl ShardReader {
 /// The header of `path`, validated.
 pub fn read_header(path: &str) -> Result<Arc<ShardHeader>> {
     ShardReader::open(path).map(|r| r.header)
-}
-
-struct Cached {
-    path: String,
-    head: Vec<u8>,
-    header: Arc<ShardHeader>,
-}
-
-static CACHE: Mutex<VecDeque<Cached>> = Mutex::new(VecDeque::new());
-
-/// Parses the header of `bytes` (the file at `path`), or returns the parse cached for the
-/// same path, file size and header bytes. Comparing the bytes (not timestamps) means a file
-/// rewritten in place is never matched to its old header.
-fn cached_header(path: &str, bytes: &[u8]) -> Result<Arc<ShardHeader>> {
-    {
-        let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-        let hit = cache.iter().position(|c| {
-            c.path == path
-                && c.header.file_bytes == bytes.len() as u64
-                && bytes.starts_with(&c.head)
-        });
-        if let Some(i) = hit {
-            let entry = cache
-                .remove(i)
-                .unwrap_or_else(|| unreachable!("index found above"));
-            let header = entry.header.clone();
-            cache.push_front(entry);
-            return Ok(header);
-        }
-    }
-    let header = Arc::new(ShardHeader::parse(path, bytes)?);
-    let head_len = header.data_start() as usize;
-    if head_len <= CACHE_MAX_HEADER {
-        let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-        cache.push_front(Cached {
-            path: path.to_owned(),
-            head: bytes[..head_len].to_vec(),
-            header: header.clone(),
-        });
-        cache.truncate(CACHE_ENTRIES);
-    }
-    Ok(header)
 }
 
 /// A shard's bytes and header, borrowed: what reads and checks run on.

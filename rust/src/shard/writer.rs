@@ -14,13 +14,12 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock};
 
-use super::header::{
-    encode_json, shape_bytes, Encoding, Frame, StoredDType, TensorEntry, META_KEY,
-};
+use super::header::{encode_json, shape_bytes, Encoding, Frame, TensorEntry, META_KEY};
 use super::{
     chunk_count, corrupt, io_error, resolve_threads, shuffle, DATA_ALIGN, DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES, MAX_HEADER_BYTES,
 };
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// Bytes checksummed then written per system call when writing uncompressed tensors.
@@ -38,7 +37,7 @@ pub struct TensorData<'a> {
     /// Key in the file.
     pub name: String,
     /// Element type.
-    pub dtype: StoredDType,
+    pub dtype: DType,
     /// Shape; `prod(shape) * dtype.size()` must equal `data.len()`.
     pub shape: Vec<u64>,
     /// The tensor's bytes, C-contiguous.
@@ -173,7 +172,7 @@ fn validate(
                 "tensor {:?}: shape {:?} of {} needs {} bytes but its buffer has {}",
                 t.name,
                 t.shape,
-                t.dtype.name(),
+                t.dtype.safetensors_name(),
                 want.map_or("more than 2^64".to_owned(), |w| w.to_string()),
                 t.data.len()
             )));

@@ -346,7 +346,11 @@ mod tests {
     fn huge_data_frame_in_handshake_is_rejected_without_allocating() {
         // Found by cargo fuzz: a Data header announcing ~350 GB used to be allocated for.
         let (mut ours, mut theirs) = pair();
-        let sig = crate::op::OpSig::new(crate::op::OpKind::Send, crate::dtype::DType::U8, 1);
+        let sig = crate::signature::OpSig::new(
+            crate::signature::OpKind::Send,
+            crate::dtype::DType::U8,
+            1,
+        );
         let h = Header {
             frame_type: FrameType::Data,
             flags: 0,

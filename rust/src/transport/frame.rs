@@ -18,7 +18,7 @@
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::op::{OpSig, SIG_BYTES};
+use crate::signature::{OpSig, SIG_BYTES};
 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"SHL1";
@@ -209,8 +209,8 @@ pub fn abort_error(payload: &[u8]) -> Error {
 mod tests {
     use super::*;
     use crate::dtype::DType;
-    use crate::op::OpKind;
     use crate::reduce::ReduceOp;
+    use crate::signature::OpKind;
     use proptest::prelude::*;
 
     fn any_sig() -> impl Strategy<Value = OpSig> {

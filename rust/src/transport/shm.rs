@@ -15,10 +15,10 @@
 
 use std::ffi::CString;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::op::{OpSig, SIG_BYTES};
+use crate::signature::{OpSig, SIG_BYTES};
 use crate::wait::{self, Signal, SpinPolicy, Stop};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"SHLARENA");
@@ -245,7 +245,9 @@ unsafe impl Sync for Arena {}
 
 impl Arena {
     /// Maps the arena at `path` as local index `me`; `global[i]` is local index i's global rank.
-    pub fn open(path: &str, me: usize, global: Vec<usize>) -> Result<Self> {
+    /// Waits spin for `spin` before they sleep while every local rank has a core (see
+    /// [`SpinPolicy::for_ranks`]).
+    pub fn open(path: &str, me: usize, global: Vec<usize>, spin: Duration) -> Result<Self> {
         let ranks = global.len();
         let c = cpath(path)?;
         // SAFETY: valid path; opening an existing file read-write.
@@ -296,12 +298,17 @@ impl Arena {
             slot_bytes,
             data_off,
             global,
-            policy: SpinPolicy::for_ranks(ranks),
+            policy: SpinPolicy::for_ranks(ranks, spin),
         };
         let c = arena.ctrl(me);
         c.pid.store(std::process::id(), Ordering::SeqCst);
         c.departed.store(0, Ordering::SeqCst);
         Ok(arena)
+    }
+
+    /// How this rank's waits spin before they sleep.
+    pub fn spin_policy(&self) -> SpinPolicy {
+        self.policy
     }
 
     /// Number of ranks sharing the arena.

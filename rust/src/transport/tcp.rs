@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 use super::connect;
 pub use super::connect::{TcpListenerHandle, SOCKET_BUFFER_BYTES};
 use super::frame::{self, FrameType, Header, HEADER_BYTES};
+use super::p2p::P2p;
 use super::sockio::{self, poll_until, pollfd, read_some, write_some, Fail};
-use crate::collectives::p2p::P2p;
 use crate::error::{Error, ErrorKind, Result};
-use crate::op::OpSig;
+use crate::signature::OpSig;
 
 /// How long [`TcpMesh::abort_all`] spends telling each peer why.
 const ABORT_TIMEOUT: Duration = Duration::from_millis(200);
@@ -126,6 +126,12 @@ impl TcpMesh {
     /// the machine has a core to spin on (`SpinPolicy::for_ranks`).
     pub fn set_spin(&mut self, spin: Duration) {
         self.spin = spin;
+    }
+
+    /// How long a stalled receive retries its socket before it sleeps (see
+    /// [`TcpMesh::set_spin`]).
+    pub fn spin(&self) -> Duration {
+        self.spin
     }
 
     /// The world size the mesh was built for.

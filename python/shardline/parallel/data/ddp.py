@@ -36,6 +36,7 @@ from torch.autograd import Variable
 
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError, ShardlineError
+from shardline.parallel import contract
 from shardline.parallel._common import (
     broadcast_coalesced,
     check_same_model,
@@ -314,6 +315,32 @@ class DistributedDataParallel(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Loads into the wrapped module (keys without a ``module.`` prefix)."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # -- the strategy contract: every rank holds the inner module's state ---------------------
+
+    def layout(self) -> dict[str, Any]:
+        """How this wrapper lays state out (recorded in checkpoints, for people to read)."""
+        inner = contract.layout(self.module)
+        mesh = {"dp": self.group.world_size, **inner.get("mesh", {})}
+        return {**inner, "strategy": "ddp", "mesh": mesh}
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The wrapped module's (replicated unless it splits its own state)."""
+        return contract.sharded_state_dict(self.module)
+
+    def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
+        """Takes ``sharded_state_dict()``'s shape back into the wrapped module."""
+        contract.load_sharded_state_dict(self.module, sd)
+
+    def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state by the wrapped module's parameter names."""
+        return contract.sharded_optim_state_dict(self.module, optimizer)
+
+    def load_sharded_optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
+    ) -> None:
+        """Takes ``sharded_optim_state_dict()``'s shape back into ``optimizer``."""
+        contract.load_sharded_optim_state_dict(self.module, optimizer, sd)
 
     @property
     def bucket_layout(self) -> list[list[str]]:

@@ -10,7 +10,10 @@ sizes, without user wrapping:
   1 MiB); a module at or above the threshold is never merged with another large one (small
   modules that ran just before it, fewer than ``threshold`` bytes, join its unit rather than
   forming a tiny unit of their own: one collective fewer for each LayerNorm);
-- a unit never mixes dtypes (a flat buffer has one dtype).
+- a unit never mixes dtypes (a flat buffer has one dtype);
+- a unit never mixes *whole* modules (whose parameters an optimizer needs whole: see
+  ``optimizers``) with others; each whole unit is given to one rank, largest first to the
+  least loaded rank.
 
 A parameter shared by several modules (tied embeddings) belongs to the unit of the first module
 that owns it; the other modules *use* that unit too, and the sharded wrapper gathers it for
@@ -20,7 +23,7 @@ units without talking.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +42,8 @@ __all__ = [
 
 DEFAULT_UNIT_MB = 1.0
 # On GPUs every unit costs a fixed few tens of microseconds (collective launch, hooks, stream
-# waits) against hundreds of GB/s: measured on 2 H100s (benches/results/zero-cuda-*), 1 MiB
-# units ran 0.92-0.98x FSDP2's tokens/s and 32 MiB units 1.00x, with the same peak memory.
+# waits) against hundreds of GB/s, so small units waste the links: 1 MiB units ran a few percent
+# behind FSDP2 where 32 MiB units kept pace, at the same peak memory.
 CUDA_UNIT_MB = 32.0
 
 
@@ -58,6 +61,7 @@ class UnitSpec:
     params: tuple[str, ...]
     numel: int
     dtype: torch.dtype
+    owner: int | None = None  # the rank holding a whole unit; None: split across all
 
     @property
     def nbytes(self) -> int:
@@ -90,9 +94,10 @@ class UnitPlan:
         for u in self.units:
             first, last = u.modules[0] or "<root>", u.modules[-1] or "<root>"
             span = first if len(u.modules) == 1 else f"{first} .. {last} ({len(u.modules)})"
+            whole = "" if u.owner is None else f"  whole on rank {u.owner}"
             rows.append(
                 f"  unit {u.index:>3}: {u.nbytes / 2**20:8.2f} MiB  "
-                f"{len(u.params):>3} params  {span}"
+                f"{len(u.params):>3} params  {span}{whole}"
             )
         return "\n".join(rows)
 
@@ -119,6 +124,8 @@ def plan_units(
     threshold_bytes: int | None = None,
     order: Sequence[str] | None = None,
     dtypes: Mapping[str, torch.dtype] | None = None,
+    whole: Collection[str] = (),
+    world_size: int = 1,
 ) -> UnitPlan:
     """Groups ``module``'s parameters into units (see the module docstring).
 
@@ -130,6 +137,8 @@ def plan_units(
             registration order.
         dtypes: The dtype of each parameter (by name) when it differs from the tensor's now
             (a sharded model whose parameters are views in a compute dtype).
+        whole: Names of parameters to keep whole; their modules form whole units.
+        world_size: Ranks to give whole units to.
 
     Raises:
         InvalidArgumentError: a module owns parameters of two dtypes, or the model has no
@@ -148,10 +157,15 @@ def plan_units(
     cur_params: list[str] = []
     cur_numel = 0
     cur_dtype: torch.dtype | None = None
+    cur_whole = False
+    kept_whole = frozenset(whole)
+    whole_units: list[int] = []
 
     def close() -> None:
         nonlocal cur_mods, cur_params, cur_numel, cur_dtype
         if cur_mods and cur_dtype is not None:
+            if cur_whole:
+                whole_units.append(len(units))
             units.append(
                 UnitSpec(len(units), tuple(cur_mods), tuple(cur_params), cur_numel, cur_dtype)
             )
@@ -174,8 +188,10 @@ def plan_units(
         numel = sum(p.numel() for _, p in params)
         itemsize = torch.empty(0, dtype=dtype).element_size()
         nbytes = numel * itemsize
-        if cur_dtype is not None and dtype != cur_dtype:
+        is_whole = any(n in kept_whole for n, _ in params)
+        if cur_dtype is not None and (dtype != cur_dtype or is_whole != cur_whole):
             close()
+        cur_whole = is_whole
         if nbytes >= threshold:  # large: its own unit, with the small modules just before it
             cur_mods.append(mname)
             cur_params += [n for n, _ in params]
@@ -190,4 +206,10 @@ def plan_units(
         if cur_numel * itemsize >= threshold:
             close()
     close()
+    load = [0] * max(1, world_size)
+    for i in sorted(whole_units, key=lambda i: (-units[i].nbytes, i)):
+        owner = min(range(len(load)), key=lambda r: (load[r], r))
+        load[owner] += units[i].nbytes
+        spec = units[i]
+        units[i] = UnitSpec(spec.index, spec.modules, spec.params, spec.numel, spec.dtype, owner)
     return UnitPlan(tuple(units), layers=len(names), threshold=threshold)

@@ -6,6 +6,14 @@ flat buffer padded to ``N * S`` elements, ``S = ceil(numel / N)``. Rank ``r`` ow
 parameter that overlaps the shard gets a 1-D *local* ``nn.Parameter`` viewing its part of the
 shard (possibly empty), named like the original; optimizers step those.
 
+A *whole* unit (``owner`` set: parameters of an optimizer that looks at whole parameters) is
+not split: rank ``owner`` holds all of it, unpadded, and its locals have the parameters'
+shapes; the other ranks hold nothing (empty 1-D locals that never get a gradient). It is
+gathered by a broadcast from the owner and its gradients are reduced to the owner, at every
+stage, each backward: only the owner keeps them. (So a ``zero_grad()`` between a ``no_sync``
+backward and the next synchronised one is seen by the owner alone; the others still add what
+they accumulated.)
+
 ``full`` (compute dtype) holds the gathered parameters; the module's own parameters are views
 into it. For ZeRO-3 its storage is released (``resize_(0)``) between uses and re-allocated
 before the next all-gather, so the views (and tensors autograd saved) stay valid objects.
@@ -13,6 +21,7 @@ before the next all-gather, so the views (and tensors autograd saved) stay valid
 
 from __future__ import annotations
 
+import enum
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -22,7 +31,24 @@ from torch import nn
 
 from shardline.comm.work import Work
 
-__all__ = ["Unit"]
+__all__ = ["GradState", "ParamState", "Unit"]
+
+
+class ParamState(enum.Enum):
+    """Where a unit's parameters are (as FSDP2's ``ShardedState``, with the gather in flight)."""
+
+    SHARDED = "sharded"  # only the shards: ``full`` is freed (stage 3) or not yet gathered
+    GATHERING = "gathering"  # an all-gather into ``full`` is in flight (``gather_work``)
+    GATHERED = "gathered"  # ``full`` holds every parameter
+
+
+class GradState(enum.Enum):
+    """Where a unit's gradients are in a backward."""
+
+    IDLE = "idle"  # none yet in this backward
+    ACCUMULATING = "accumulating"  # some arrived: held, or added into ``grad_full``
+    REDUCING = "reducing"  # its reduction was launched: no more may arrive
+    PUBLISHED = "published"  # shown to the optimizer as the locals' ``.grad`` (after backward)
 
 
 @dataclass
@@ -38,6 +64,7 @@ class Unit:
     wdtype: torch.dtype  # master: shard and optimizer
     rdtype: torch.dtype  # reduce: gradients on the wire
     modules: list[str] = field(default_factory=list)
+    owner: int | None = None  # a whole unit's rank (see the module docstring)
     # layout
     offsets: list[int] = field(default_factory=list)
     numel: int = 0
@@ -52,7 +79,8 @@ class Unit:
     grad_filled: list[bool] = field(default_factory=list)
     held_grads: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # not yet in grad_full
     # state
-    gathered: bool = True
+    param_state: ParamState = ParamState.GATHERED  # built with the values in ``full``
+    grad_state: GradState = GradState.IDLE
     gather_work: Work | None = None
     gather_input: torch.Tensor | None = None
     shard_is_view: bool = False
@@ -62,16 +90,11 @@ class Unit:
     expected_uses: int = 0
     uses_seen: int = 0
     grads_pending: int = 0
-    launched: bool = False
-    touched: bool = False  # got a gradient in this backward
-    shown: bool = False  # the locals' .grad were set at the end of the last backward
-    shown_base: weakref.ref[torch.Tensor] | None = None  # what they view (not kept alive)
-    fresh: bool = True  # the reduction overwrites shard_grad instead of adding to it
+    shown_base: weakref.ref[torch.Tensor] | None = None  # what .grad views (not kept alive)
     grad_version: int = 0
     fwd_uses: int = 0  # module calls since the last backward
     packed: int = 0  # tensors saved for backward by its modules (stage 3)
     unpacked: int = 0  # ... and used by backward so far
-    bw_issued: bool = False
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -86,9 +109,11 @@ class Unit:
             self.offsets.append(off)
             off += p.numel()
         self.numel = off
-        n = self.world_size
-        self.shard_numel = max(1, math.ceil(off / n))
-        lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        if self.owner is None:
+            self.shard_numel = max(1, math.ceil(off / self.world_size))
+        else:
+            self.shard_numel = off if self.rank == self.owner else 0
+        lo, hi = self.lo, self.hi
         self.full = torch.zeros(self.padded, dtype=self.cdtype, device=device)
         self.shard_is_view = shard_is_view
         if not shard_is_view:  # the master copy comes from the original values, not the cast
@@ -111,28 +136,44 @@ class Unit:
             p.data = self.full[o : o + p.numel()].view(p.shape)
 
     def _make_locals(self) -> None:
-        lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        lo, hi = self.lo, self.hi
         self.locals, self.local_ranges = [], []
         for p, o in zip(self.params, self.offsets, strict=True):
             a, b = max(o, lo), min(o + p.numel(), hi)
             if b < a:
                 a = b = min(max(o, lo), hi)
             view = self.shard[a - lo : b - lo]
+            if self.owner is not None and b > a:  # a whole parameter keeps its shape
+                view = view.view(p.shape)
             self.locals.append(nn.Parameter(view, requires_grad=p.requires_grad))
             self.local_ranges.append((a - o, b - o) if b > a else (0, 0))
 
     @property
     def padded(self) -> int:
-        """Elements of the full flat buffer (``world_size * shard_numel``)."""
+        """Elements of the full flat buffer (``world_size * shard_numel``; a whole unit's own)."""
+        if self.owner is not None:
+            return max(1, self.numel)
         return self.world_size * self.shard_numel
+
+    @property
+    def lo(self) -> int:
+        """Where this rank's shard starts in the full flat buffer."""
+        if self.owner is not None:
+            return 0 if self.rank == self.owner else self.numel
+        return self.rank * self.shard_numel
+
+    @property
+    def hi(self) -> int:
+        """One past where this rank's shard ends in the full flat buffer."""
+        return self.lo + self.shard_numel
 
     # -- gathered parameters -----------------------------------------------------------------
 
     def free(self) -> None:
         """Releases the gathered parameters' memory (views stay valid objects)."""
-        if self.gathered and self.full.untyped_storage().nbytes() > 0:
+        if self.param_state is ParamState.GATHERED and self.full.untyped_storage().nbytes() > 0:
             self.full.untyped_storage().resize_(0)
-        self.gathered = False
+        self.param_state = ParamState.SHARDED
         self.gather_work = None
         self.gather_input = None
 
@@ -143,7 +184,15 @@ class Unit:
             self.full.untyped_storage().resize_(need)
 
     def gather_source(self) -> torch.Tensor:
-        """This rank's shard in the compute dtype (the all-gather's input)."""
+        """This rank's shard in the compute dtype (the all-gather's input).
+
+        A whole unit is broadcast in place: the owner's values are put into ``full`` (already
+        there when the shard is a view of it) and ``full`` itself is returned.
+        """
+        if self.owner is not None:
+            if self.rank == self.owner and not self.shard_is_view:
+                self.full[: self.numel].copy_(self.shard)
+            return self.full
         if self.shard_is_view:
             return self.shard.clone()  # the input may not alias the output's own slice
         if self.shard.dtype == self.cdtype:
@@ -200,6 +249,9 @@ class Unit:
         """Points each trainable local parameter's ``.grad`` at its part of ``shard_grad``."""
         if self.shard_grad is not None:
             self._show(self.shard_grad)
+        elif self.owner is not None and self.rank != self.owner:
+            for loc in self.locals:  # another rank steps them
+                loc.grad = None
 
     def mark_accumulating(self) -> None:
         """After a ``no_sync`` backward: shows the locals this rank's unreduced slice.
@@ -211,28 +263,31 @@ class Unit:
             self.new_grad_window()
         if self.grad_full is None or not any(self.grad_filled):
             return
-        lo = self.rank * self.shard_numel
-        mine = self.grad_full[lo : lo + self.shard_numel]
+        mine = self.grad_full[self.lo : self.hi]
         if mine.dtype != self.wdtype:  # a .grad must have its parameter's dtype
             mine = mine.to(self.wdtype)
         self._show(mine)
 
     def _show(self, base: torch.Tensor) -> None:
-        lo = self.rank * self.shard_numel
+        lo = self.lo
         for p, loc, (a, b), o in zip(
             self.params, self.locals, self.local_ranges, self.offsets, strict=True
         ):
             if not p.requires_grad:
                 continue
+            if self.owner is not None and b == a:
+                loc.grad = None  # a whole unit on another rank: nothing to step here
+                continue
             start = o + a - lo if b > a else 0
-            loc.grad = base[start : start + (b - a)]
-        self.shown = True
+            loc.grad = base[start : start + (b - a)].view(loc.shape)
+        self.grad_state = GradState.PUBLISHED
         self.shown_base = weakref.ref(base)
         self.grad_version = base._version
 
     def locals_have_grads(self) -> bool:
         """Whether the optimizer side still holds this unit's gradients (not zeroed to None)."""
-        return all(
+        elsewhere = self.owner is not None and self.rank != self.owner  # never has any
+        return elsewhere or all(
             loc.grad is not None
             for loc, p in zip(self.locals, self.params, strict=True)
             if p.requires_grad

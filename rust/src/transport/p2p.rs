@@ -1,9 +1,10 @@
-//! Point-to-point messaging between ranks: the interface ring and direct algorithms use.
+//! Point-to-point messages between two ranks: the interface a transport implements and the
+//! collective algorithms use from above.
 
 use std::time::Instant;
 
 use crate::error::Result;
-use crate::op::OpSig;
+use crate::signature::OpSig;
 
 /// Framed, signature-checked messages between this rank and its peers.
 ///

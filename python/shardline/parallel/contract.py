@@ -1,0 +1,350 @@
+"""The strategy contract: how every strategy says what state this rank holds, and restores it.
+
+Every strategy (DDP, ZeRO, a pipeline stage, a tensor-parallel module, and any composition)
+implements four methods, and the checkpointer uses nothing else (DESIGN decision 7):
+
+- ``sharded_state_dict()``: the model's state on this rank, by the plain model's names;
+- ``load_sharded_state_dict(sd)``: takes such a dict back (its tensors filled with new values);
+- ``sharded_optim_state_dict(opt)``: ``{"state": {param name: {key: value}}, "param_groups":
+  [group with "params" as names]}``;
+- ``load_sharded_optim_state_dict(opt, sd)``: takes such a dict back.
+
+A value is one of:
+
+- a ``torch.Tensor``: replicated, the whole tensor on every rank that holds it;
+- a ``Shard``: one or more pieces of a global tensor held here, each a ``Box`` (a block at
+  offsets, shaped like its tensor) or a ``FlatRange`` (elements ``start ..`` of the tensor
+  flattened in row-major order); a ``Shard`` may hold no piece (this rank holds none of it);
+- a ``Local``: a tensor that differs per rank by design (an error-feedback residual, a local-SGD
+  replica), saved per rank and dropped when the layout changes;
+- in optimizer state only, any JSON value (hyperparameters, flags).
+
+The same value object under two names means one tensor under two names (tied weights): it is
+stored once. A strategy may also define ``layout()``, a JSON-able description of how it lays
+state out (strategy name, mesh), which checkpoints record for people to read; nothing is
+decided by it.
+
+``sharded_state_dict(model)`` and the other functions here call the model's own method when it
+has one, else the default for a plain module: every tensor replicated, optimizer state that has
+its parameter's local shape laid out like the parameter. A module that defines only
+``sharded_state_dict()`` (tensor-parallel blocks, say) gets the defaults for the other three.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardline.errors import InvalidArgumentError
+
+__all__ = [
+    "BlockShard",
+    "Box",
+    "FlatRange",
+    "Local",
+    "Shard",
+    "ShardedTensor",
+    "groups_by_name",
+    "layout",
+    "load_sharded_optim_state_dict",
+    "load_sharded_state_dict",
+    "sharded_optim_state_dict",
+    "sharded_state_dict",
+]
+
+
+@dataclass(frozen=True)
+class Box:
+    """A rectangular block of a global tensor: ``tensor`` placed at ``offsets``."""
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    """Elements ``start .. start + tensor.numel()`` of the global tensor, flattened row-major."""
+
+    tensor: torch.Tensor
+    start: int
+
+
+class Shard:
+    """This rank's pieces of one global tensor (see the module docstring).
+
+    Args:
+        global_shape: The whole tensor's shape.
+        pieces: ``Box`` and ``FlatRange`` pieces; none when this rank holds nothing of it.
+    """
+
+    __slots__ = ("global_shape", "pieces")
+
+    def __init__(self, global_shape: Sequence[int], pieces: Sequence[Box | FlatRange]) -> None:
+        self.global_shape = tuple(int(d) for d in global_shape)
+        self.pieces: tuple[Box | FlatRange, ...] = tuple(pieces)
+
+    def check(self, name: str) -> None:
+        """``InvalidArgumentError`` naming ``name`` unless every piece lies inside the tensor."""
+        for piece in self.pieces:
+            problem = _piece_problem(self.global_shape, piece)
+            if problem is not None:
+                raise InvalidArgumentError(f"{name!r}: {problem}")
+
+    @classmethod
+    def box(
+        cls, tensor: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int]
+    ) -> Shard:
+        """One block at ``offsets``."""
+        return cls(global_shape, [Box(tensor, tuple(int(o) for o in offsets))])
+
+    @classmethod
+    def flat(cls, tensor: torch.Tensor, global_shape: Sequence[int], start: int) -> Shard:
+        """One flat range starting at element ``start``."""
+        return cls(global_shape, [FlatRange(tensor, int(start))])
+
+    def like(self, tensors: Sequence[torch.Tensor]) -> Shard:
+        """The same layout holding ``tensors`` (one per piece, each shaped like it)."""
+        if len(tensors) != len(self.pieces):
+            raise InvalidArgumentError(
+                f"Shard.like: {len(tensors)} tensors for {len(self.pieces)} pieces"
+            )
+        pieces: list[Box | FlatRange] = [
+            Box(t, p.offsets) if isinstance(p, Box) else FlatRange(t, p.start)
+            for t, p in zip(tensors, self.pieces, strict=True)
+        ]
+        return Shard(self.global_shape, pieces)
+
+    @property
+    def numel(self) -> int:
+        """Elements held here, over all pieces."""
+        return sum(p.tensor.numel() for p in self.pieces)
+
+    # One-piece shards, as the ZeRO and tensor-parallel code of earlier versions returned them.
+
+    def _only(self) -> Box | FlatRange:
+        if len(self.pieces) != 1:
+            raise InvalidArgumentError(
+                f"this Shard of {list(self.global_shape)} has {len(self.pieces)} pieces; read "
+                ".pieces"
+            )
+        return self.pieces[0]
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The one piece's values."""
+        return self._only().tensor
+
+    @property
+    def offset(self) -> int:
+        """Where the one flat piece starts in the flattened tensor."""
+        piece = self._only()
+        if not isinstance(piece, FlatRange):
+            raise InvalidArgumentError("this Shard holds a block; read .offsets")
+        return piece.start
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where the one block piece starts, per dimension."""
+        piece = self._only()
+        if not isinstance(piece, Box):
+            raise InvalidArgumentError("this Shard holds a flat range; read .offset")
+        return piece.offsets
+
+    def __repr__(self) -> str:
+        parts = ", ".join(
+            f"box{list(p.offsets)}+{list(p.tensor.shape)}"
+            if isinstance(p, Box)
+            else f"flat[{p.start}:{p.start + p.tensor.numel()}]"
+            for p in self.pieces
+        )
+        return f"Shard(shape={list(self.global_shape)}, pieces=[{parts}])"
+
+
+class BlockShard(Shard):
+    """A one-block ``Shard`` (the tensor-parallel name of earlier versions)."""
+
+    __slots__ = ()
+
+    def __init__(
+        self, local: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int]
+    ) -> None:
+        super().__init__(global_shape, [Box(local, tuple(int(o) for o in offsets))])
+
+
+class ShardedTensor(Shard):
+    """A one-range ``Shard`` (ZeRO's name of earlier versions)."""
+
+    __slots__ = ()
+
+    def __init__(self, local: torch.Tensor, global_shape: Sequence[int], offset: int) -> None:
+        super().__init__(global_shape, [FlatRange(local, int(offset))])
+
+
+@dataclass(frozen=True)
+class Local:
+    """A tensor that differs per rank by design; saved per rank, dropped on a layout change."""
+
+    tensor: torch.Tensor
+
+
+def _piece_problem(shape: tuple[int, ...], piece: Box | FlatRange) -> str | None:
+    t = piece.tensor
+    if isinstance(piece, FlatRange):
+        total = math.prod(shape)
+        if piece.start < 0 or piece.start + t.numel() > total:
+            return (
+                f"a flat range of {t.numel()} elements at {piece.start} does not lie inside a "
+                f"tensor of shape {list(shape)} ({total} elements)"
+            )
+        return None
+    offs, sizes = piece.offsets, tuple(t.shape)
+    if not (len(shape) == len(offs) == len(sizes)) or any(
+        o < 0 or o + n > d for o, n, d in zip(offs, sizes, shape, strict=True)
+    ):
+        return (
+            f"a block of shape {list(sizes)} at offsets {list(offs)} does not lie inside a "
+            f"tensor of shape {list(shape)}"
+        )
+    return None
+
+
+def groups_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
+    """The optimizer's param groups with parameter names (``names[id(p)]``) for parameters."""
+    groups = []
+    for g in optimizer.param_groups:
+        entry = {k: v for k, v in g.items() if k != "params"}
+        entry["params"] = [names[id(p)] for p in g["params"] if id(p) in names]
+        groups.append(entry)
+    return groups
+
+
+def tensors_of(value: torch.Tensor | Shard | Local) -> Iterator[torch.Tensor]:
+    """The tensors a state value holds on this rank."""
+    if isinstance(value, Shard):
+        yield from (p.tensor for p in value.pieces)
+    elif isinstance(value, Local):
+        yield value.tensor
+    else:
+        yield value
+
+
+# -- the four methods, with the defaults of a plain module -----------------------------------------
+
+
+def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
+    """``model.sharded_state_dict()``, or a plain module's state: every tensor replicated."""
+    own: Any = getattr(model, "sharded_state_dict", None)
+    if callable(own):
+        return dict(own())
+    return dict(model.state_dict(keep_vars=True))
+
+
+def load_sharded_state_dict(model: nn.Module, sd: Mapping[str, Any]) -> None:
+    """``model.load_sharded_state_dict(sd)``, or copies ``sd``'s values into the model's own.
+
+    The default takes a dict shaped like ``sharded_state_dict(model)``; values that are the
+    model's own tensors (filled in place) are left as they are.
+    """
+    own: Any = getattr(model, "load_sharded_state_dict", None)
+    if callable(own):
+        own(sd)
+        return
+    mine = sharded_state_dict(model)
+    with torch.no_grad():
+        for name, value in sd.items():
+            if name not in mine:
+                raise InvalidArgumentError(f"load_sharded_state_dict: the model has no {name!r}")
+            for dst, src in zip(tensors_of(mine[name]), tensors_of(value), strict=True):
+                if dst is not src:
+                    dst.copy_(src)
+
+
+def _param_layouts(model: nn.Module) -> dict[str, Any]:
+    """Parameter name -> its value in ``sharded_state_dict(model)`` (tensor or ``Shard``)."""
+    sd = sharded_state_dict(model)
+    return {n: sd[n] for n, _ in model.named_parameters() if n in sd}
+
+
+def sharded_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``model.sharded_optim_state_dict(opt)``, or a plain module's optimizer state by name.
+
+    The default lays out each state tensor that has its parameter's local shape like the
+    parameter (a block-sharded weight's Adam moments are the same block); other tensors
+    (``step``) are replicated; other values are kept as they are.
+    """
+    own: Any = getattr(model, "sharded_optim_state_dict", None)
+    if callable(own):
+        return dict(own(optimizer))
+    params = dict(model.named_parameters())
+    names = {id(p): n for n, p in params.items()}
+    layouts = _param_layouts(model)
+    state: dict[str, dict[str, Any]] = {}
+    for p, entries in optimizer.state.items():
+        if id(p) not in names:
+            raise InvalidArgumentError(
+                "the optimizer holds state for a tensor that is not a parameter of the model"
+            )
+        name = names[id(p)]
+        where = layouts.get(name)
+        out: dict[str, Any] = {}
+        for k, v in entries.items():
+            if (
+                isinstance(where, Shard)
+                and torch.is_tensor(v)
+                and v.dim() > 0
+                and len(where.pieces) == 1
+                and v.shape == where.local.shape
+            ):
+                out[k] = where.like([v])
+            else:
+                out[k] = v
+        state[name] = out
+    return {"state": state, "param_groups": groups_by_name(optimizer, names)}
+
+
+def load_sharded_optim_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, sd: Mapping[str, Any]
+) -> None:
+    """``model.load_sharded_optim_state_dict(opt, sd)``, or a plain module's default.
+
+    The default puts each parameter's state (``Shard`` values as their one piece) into
+    ``optimizer.state`` and the hyperparameters of ``sd["param_groups"]`` into the optimizer's
+    groups, in order.
+    """
+    own: Any = getattr(model, "load_sharded_optim_state_dict", None)
+    if callable(own):
+        own(optimizer, sd)
+        return
+    params = dict(model.named_parameters())
+    for name, entries in sd["state"].items():
+        if name not in params:
+            raise InvalidArgumentError(
+                f"load_sharded_optim_state_dict: the model has no parameter {name!r}"
+            )
+        optimizer.state[params[name]] = {
+            k: (v.local if isinstance(v, Shard) else v) for k, v in entries.items()
+        }
+    apply_param_groups(optimizer, sd.get("param_groups", []))
+
+
+def apply_param_groups(
+    optimizer: torch.optim.Optimizer, groups: Sequence[Mapping[str, Any]]
+) -> None:
+    """Sets each group's hyperparameters (all but ``params``) from ``groups``, in order."""
+    for g, saved in zip(optimizer.param_groups, groups, strict=False):
+        for k, v in saved.items():
+            if k != "params":
+                g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+
+
+def layout(model: nn.Module | None) -> dict[str, Any]:
+    """``model.layout()``: how the strategy lays its state out, for people to read."""
+    own: Any = getattr(model, "layout", None)
+    if callable(own):
+        return dict(own())
+    return {"strategy": "none" if model is None else "plain", "mesh": {}}

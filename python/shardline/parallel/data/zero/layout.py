@@ -1,0 +1,204 @@
+"""The units' layout: built from a plan, and re-formed once in the order modules ran.
+
+``_install`` lays a ``UnitPlan`` out (``units.Unit.build``) and derives the orders every rank
+follows (forward gathers in unit order, backward gathers in reverse order of last use,
+reductions in reverse unit order). ``_reform`` runs once, at the end of the first synchronised
+backward and before any optimizer state exists: when the modules ran in another order than
+they were registered in, the units are re-planned in rank 0's execution order and the values
+and reduced gradients move to the new layout, one old unit at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardline.parallel.data.zero.base import ZeroBase
+from shardline.parallel.data.zero.grouping import UnitPlan, plan_units
+from shardline.parallel.data.zero.units import Unit
+
+__all__ = ["UnitLayout"]
+
+
+class UnitLayout(ZeroBase):
+    """Building and re-forming the units (see the module docstring)."""
+
+    def _install(self, plan: UnitPlan, order: list[str]) -> None:
+        """Builds the units of ``plan`` and everything derived from them.
+
+        The parameters' current values (``.data``) are laid out; ``order`` (module names as
+        they ran) fixes the backward order of units, registration order when empty.
+        """
+        mp = self.mixed_precision
+        self._plan = plan
+        self._order = list(order)
+        self._bw_gathered = set()
+        self._units = []
+        for spec in plan.units:
+            unit = Unit(
+                index=spec.index,
+                names=list(spec.params),
+                params=[self._by_name[n] for n in spec.params],
+                world_size=self.group.world_size,
+                rank=self.group.rank,
+                cdtype=mp.compute_dtype(spec.dtype),
+                wdtype=mp.master_dtype(spec.dtype),
+                rdtype=mp.reduction_dtype(spec.dtype),
+                modules=list(spec.modules),
+                owner=spec.owner,
+            )
+            unit.build(self._device, shard_is_view=self.stage < 3 and unit.cdtype == unit.wdtype)
+            self._units.append(unit)
+        self._unit_of = {id(p): u for u in self._units for p in u.params}
+        self._slot = {id(p): i for u in self._units for i, p in enumerate(u.params)}
+        self._local_ids = {id(loc) for u in self._units for loc in u.locals}
+        position = {name: i for i, name in enumerate(order)}
+        self._module_units = {}
+        last_use: dict[int, float] = {}
+        for pos, (mname, mod) in enumerate(self.module.named_modules(remove_duplicate=False)):
+            units = sorted(
+                {
+                    u.index: u
+                    for p in mod.parameters(recurse=False)
+                    if (u := self._unit_of.get(id(p))) is not None
+                }.values(),
+                key=lambda u: u.index,
+            )
+            if not units:
+                continue
+            where = position.get(mname, len(position) + pos)
+            for u in units:
+                last_use[u.index] = max(last_use.get(u.index, -1), where)
+            if mod not in self._module_units:
+                self._module_units[mod] = units
+                for u in units:
+                    u.expected_uses += 1
+        # Backward gathers units in the reverse order of their last use in forward.
+        self._bw_order = sorted(self._units, key=lambda u: (-last_use[u.index], -u.index))
+        self._bw_pos = {u.index: i for i, u in enumerate(self._bw_order)}
+        self._rs_order = [u for u in reversed(self._units) if u.trainable]
+        if self.stage == 3:
+            for u in self._units:
+                u.free()
+
+    def _gather_master(self, u: Unit) -> torch.Tensor:
+        """Every rank's master shard of ``u``, concatenated (a fresh tensor)."""
+        return self._gather_flat(u, u.shard, u.wdtype)
+
+    def _gather_flat(self, u: Unit, mine: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The full flat buffer of ``u`` from each rank's shard-sized part ``mine`` (a collective).
+
+        ``None`` counts as zeros. A whole unit's comes from its owner.
+        """
+        out = torch.zeros(u.padded, dtype=dtype, device=self._device)
+        if u.owner is not None:
+            if u.rank == u.owner and mine is not None:
+                out[: u.numel].copy_(mine.reshape(-1))
+            self.group.broadcast(out, src=u.owner)
+            return out
+        part = torch.zeros(u.shard_numel, dtype=dtype, device=self._device)
+        if mine is not None:
+            part.copy_(mine.reshape(-1))
+        self.group.all_gather(out, part)
+        return out
+
+    def _optimizer_has_state(self) -> bool:
+        opt = self._optimizer
+        return opt is not None and any(opt.state.values())
+
+    @torch.no_grad()
+    def _reform(self, trace: list[str]) -> None:
+        """Re-forms the units in rank 0's execution order if that changes them.
+
+        Runs at the end of the first synchronised backward, before any optimizer step (no
+        optimizer state exists yet). Local parameter objects are kept, so an optimizer built
+        over them stays valid; parameters and the reduced gradients move to the new layout,
+        one old unit materialised at a time.
+        """
+        names = [self._module_names[m] for m in self._module_units]
+        index = {n: i for i, n in enumerate(names)}
+        mine = [index[n] for n in dict.fromkeys(trace) if n in index]
+        mine += [i for i in range(len(names)) if i not in set(mine)]
+        order_t = torch.tensor(mine, dtype=torch.int64, device=self._device)
+        self.group.broadcast(order_t, src=0)
+        order = [names[i] for i in order_t.tolist()]
+        self._relayout(order, self._whole)
+
+    @torch.no_grad()
+    def _relayout(self, order: list[str], whole: frozenset[str]) -> None:
+        """Re-plans the units for ``order`` and ``whole`` and moves everything to them.
+
+        Values and reduced gradients move one old unit at a time; nothing happens when the
+        plan is the same. A collective: every rank calls it with the same arguments.
+        """
+        plan = plan_units(
+            self.module,
+            self._plan.threshold,
+            order,
+            dtypes=self._dtypes,
+            whole=whole,
+            world_size=self.group.world_size,
+        )
+        self._whole = whole
+        if [(u.params, u.owner) for u in plan.units] == [
+            (u.params, u.owner) for u in self._plan.units
+        ]:
+            return
+        old_units, old_unit_of, old_slot = self._units, self._unit_of, self._slot
+        old_locals = {
+            id(p): loc for u in old_units for p, loc in zip(u.params, u.locals, strict=True)
+        }
+        cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+        def materialise(u: Unit) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if u.index not in cache:
+                cache.clear()
+                cache[u.index] = (self._gather_master(u), self._full_grads(u))
+            return cache[u.index]
+
+        grads: dict[int, torch.Tensor] = {}
+        for spec in plan.units:  # point every parameter at its master values, unit by unit
+            for name in spec.params:
+                p = self._by_name[name]
+                old = old_unit_of[id(p)]
+                o, n = old.offsets[old_slot[id(p)]], p.numel()
+                values, grad = materialise(old)
+                p.data = values[o : o + n].clone().view(p.shape)
+                if grad is not None and p.requires_grad:
+                    grads[id(p)] = grad[o : o + n].clone()
+        cache.clear()
+        self._install(plan, order)
+        for u in self._units:
+            fresh = u.locals
+            u.locals = [old_locals[id(p)] for p in u.params]
+            for loc, new in zip(u.locals, fresh, strict=True):
+                loc.data = new.data
+        self._local_ids = {id(loc) for loc in old_locals.values()}
+        for u in self._units:
+            if not any(id(p) in grads for p in u.params):
+                u.publish_grads()  # drops gradients shown for the old layout, if any
+                continue
+            keep_full = self.stage == 1 and u.owner is None
+            full = torch.zeros(u.padded, dtype=u.rdtype if keep_full else u.wdtype)
+            full = full.to(self._device)
+            for p, o in zip(u.params, u.offsets, strict=True):
+                if id(p) in grads:
+                    full[o : o + p.numel()].copy_(grads[id(p)])
+            if keep_full:
+                u.grad_full = full
+                u.grad_filled = [True] * len(u.params)
+                owned = full[u.lo : u.hi]
+                u.shard_grad = owned if u.rdtype == u.wdtype else owned.to(u.wdtype)
+            else:
+                u.shard_grad = full[u.lo : u.hi].clone() if u.hi > u.lo else None
+            u.publish_grads()
+
+    def _full_grads(self, u: Unit) -> torch.Tensor | None:
+        """``u``'s reduced gradients, full length (stage 1 keeps them; else all-gathered).
+
+        A whole unit's are its owner's, at every stage.
+        """
+        if not u.trainable:
+            return None
+        if self.stage == 1 and u.owner is None:
+            return u.grad_full
+        return self._gather_flat(u, u.shard_grad, u.wdtype)

@@ -1,0 +1,311 @@
+"""ZeRO's state dicts: full tensors (collective) and this rank's shards (the strategy contract).
+
+``state_dict()`` / ``load_state_dict()`` keep PyTorch's meaning: full tensors of the whole plain
+model, under its names (gathering them is a collective). ``optim_state_dict()`` /
+``load_optim_state_dict()`` do the same for the optimizer. The four methods of the strategy
+contract (``shardline.parallel.contract``) describe and restore this rank's shards without
+communication: a parameter is a one-range ``Shard`` of its flattened tensor, and its
+elementwise optimizer state has the same range.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardline.comm.objects import broadcast_object
+from shardline.errors import InvalidArgumentError
+from shardline.parallel.contract import Shard, ShardedTensor, apply_param_groups, groups_by_name
+from shardline.parallel.data.zero.schedule import GatherReduceSchedule
+from shardline.parallel.data.zero.units import ParamState, Unit
+
+__all__ = ["ShardedStateDicts"]
+
+
+class ShardedStateDicts(GatherReduceSchedule):
+    """Full and sharded state dicts (see the module docstring)."""
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Full tensors under the plain model's names (collective: call it on every rank)."""
+        full: dict[int, torch.Tensor] = {}
+        for u in self._units:
+            values = self._gather_master(u)
+            for p, name, o in zip(u.params, u.names, u.offsets, strict=True):
+                full[id(p)] = values[o : o + p.numel()].view(p.shape).to(self._dtypes[name])
+        out: dict[str, Any] = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            out[key] = full[id(value)] if id(value) in full else value.detach()
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Loads full tensors (as from the plain model's ``state_dict``) into the shards."""
+        expected = self.module.state_dict(keep_vars=True)
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        bad = [
+            f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}"
+            for k, v in expected.items()
+            if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
+        ]
+        if bad or (strict and (missing or unexpected)):
+            raise InvalidArgumentError(
+                "load_state_dict: "
+                + "; ".join(
+                    part
+                    for part in (
+                        f"missing keys {missing}" if missing else "",
+                        f"unexpected keys {unexpected}" if unexpected else "",
+                        f"shape mismatches {bad}" if bad else "",
+                    )
+                    if part
+                )
+            )
+        for key, value in expected.items():
+            if key not in state_dict:
+                continue
+            src = state_dict[key]
+            u = self._unit_of.get(id(value))
+            if u is None:
+                value.copy_(src)
+                continue
+            i = next(j for j, p in enumerate(u.params) if p is value)
+            a, b = u.local_ranges[i]
+            flat = src.detach().reshape(-1).to(u.wdtype)
+            u.locals[i].data.view(-1).copy_(flat[a:b])
+            if u.param_state is ParamState.GATHERED and self.stage < 3:
+                o = u.offsets[i]
+                u.full[o : o + value.numel()].copy_(flat)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    # -- the strategy contract -------------------------------------------------------------------
+
+    def layout(self) -> dict[str, Any]:
+        """How this wrapper lays state out (recorded in checkpoints, for people to read)."""
+        mp = self.mixed_precision
+        sharded = ["optimizer_state", "gradients", "parameters"][: self.stage]
+        return {
+            "strategy": f"zero{self.stage}",
+            "mesh": {"dp": self.group.world_size},
+            "sharded": sharded,
+            "whole_parameters": len(self._whole),
+            "precision": {
+                "param_dtype": str(mp.param_dtype) if mp.param_dtype else None,
+                "reduce_dtype": str(mp.reduce_dtype) if mp.reduce_dtype else None,
+                "master_weights": mp.master_weights,
+            },
+        }
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards (one-range ``Shard``s) and buffers, under the plain model's names.
+
+        A parameter of a whole unit is one range covering all of it on its owner and a
+        ``Shard`` without pieces elsewhere. A parameter tied to another (one tensor under two
+        names) gives the same object for both.
+        """
+        out: dict[str, Any] = {}
+        shards: dict[int, Shard] = {}
+        for u in self._units:
+            for p, loc, (a, _b) in zip(u.params, u.locals, u.local_ranges, strict=True):
+                if u.owner is not None and u.owner != u.rank:
+                    shards[id(p)] = Shard(p.shape, [])
+                else:
+                    shards[id(p)] = ShardedTensor(loc.detach(), p.shape, a)
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            out[key] = shards.get(id(value), value)
+        return out
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
+        """Takes ``sharded_state_dict()``'s shape back; parameters are re-gathered before use.
+
+        Values that are this wrapper's own tensors (a checkpoint filled them in place) are not
+        copied.
+        """
+        mine = self.sharded_state_dict()
+        unknown = sorted(set(sd) - set(mine))
+        if unknown:
+            raise InvalidArgumentError(f"load_sharded_state_dict: the model has no {unknown}")
+        for name, value in sd.items():
+            dst, src = mine[name], value
+            if isinstance(dst, Shard):
+                if not isinstance(src, Shard) or len(src.pieces) != len(dst.pieces):
+                    raise InvalidArgumentError(
+                        f"load_sharded_state_dict: {name!r} must be laid out as "
+                        "sharded_state_dict() gives it"
+                    )
+                pairs = [(d.tensor, s.tensor) for d, s in zip(dst.pieces, src.pieces, strict=True)]
+            else:
+                pairs = [(dst, src)]
+            for d, s in pairs:
+                if d.data_ptr() != s.data_ptr() or d.shape != s.shape:
+                    d.copy_(s)
+        self.refresh()
+
+    def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's optimizer state by parameter name, without communication.
+
+        Elementwise state (Adam's moments) comes as ``ShardedTensor`` (the same element range
+        as the parameter's shard); other values (``step``) as they are. State of a whole unit's
+        parameters is only on its owner, so its other tensors (Adafactor's row and column
+        moments, ``step``) are ``Shard``s held by that rank alone. ``param_groups`` list
+        parameter names instead of indices.
+        """
+        state: dict[str, dict[str, Any]] = {}
+        names: dict[int, str] = {}
+        for u in self._units:
+            for p, name, loc, (a, _b) in zip(
+                u.params, u.names, u.locals, u.local_ranges, strict=True
+            ):
+                names[id(loc)] = name
+                entries = optimizer.state.get(loc)
+                if not entries:
+                    continue
+                whole = u.owner is not None
+                out: dict[str, Any] = {}
+                for k, v in entries.items():
+                    if not torch.is_tensor(v):
+                        out[k] = v
+                    elif v.shape == loc.shape and v.dim() == (p.dim() if whole else 1):
+                        out[k] = ShardedTensor(v.detach(), p.shape, a)
+                    elif whole:
+                        out[k] = Shard.flat(v.detach(), v.shape, 0)
+                    else:
+                        out[k] = v
+                state[name] = out
+        return {"state": state, "param_groups": groups_by_name(optimizer, names)}
+
+    def load_sharded_optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
+    ) -> None:
+        """Takes ``sharded_optim_state_dict()``'s shape back into ``optimizer`` (this rank's).
+
+        The unit layout is fixed from here on (no re-forming after the first backward).
+        """
+        self._trace = None
+        local = {
+            name: loc for u in self._units for name, loc in zip(u.names, u.locals, strict=True)
+        }
+        unknown = sorted(set(sd["state"]) - set(local))
+        if unknown:
+            raise InvalidArgumentError(
+                f"load_sharded_optim_state_dict: state for parameters the model lacks: {unknown}"
+            )
+        for name, entries in sd["state"].items():
+            loc = local[name]
+            optimizer.state[loc] = {
+                k: (v.local.view(loc.shape) if isinstance(v, Shard) else v)
+                for k, v in entries.items()
+            }
+        apply_param_groups(optimizer, sd.get("param_groups", []))
+
+    def refresh(self) -> None:
+        """Re-gathers parameters from the shards before the next forward.
+
+        Call it after writing into the local shards directly (a checkpoint loader does);
+        ``load_state_dict`` and optimizer steps do it for you. Stage 3 always gathers.
+        """
+        if self.stage < 3:
+            self._needs_gather = True
+
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state with full tensors, keyed by parameter name (collective)."""
+        local_name = {
+            id(loc): name for u in self._units for name, loc in zip(u.names, u.locals, strict=True)
+        }
+        state: dict[str, dict[str, Any]] = {}
+        for u in self._units:
+            if u.owner is not None:
+                state.update(self._owner_state(u, optimizer))
+                continue
+            keys = sorted(
+                {
+                    k
+                    for loc in u.locals
+                    for k, v in optimizer.state.get(loc, {}).items()
+                    if torch.is_tensor(v) and v.shape == loc.shape and v.dim() == 1
+                }
+            )
+            for k in keys:
+                values = self._gather_state(u, optimizer, k)
+                for p, name, o, loc in zip(u.params, u.names, u.offsets, u.locals, strict=True):
+                    if loc in optimizer.state:
+                        state.setdefault(name, {})[k] = values[o : o + p.numel()].view(p.shape)
+            for name, loc in zip(u.names, u.locals, strict=True):
+                for k, v in optimizer.state.get(loc, {}).items():
+                    if k not in keys:
+                        state.setdefault(name, {})[k] = v.clone() if torch.is_tensor(v) else v
+        return {"state": state, "param_groups": groups_by_name(optimizer, local_name)}
+
+    @torch.no_grad()
+    def load_optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> None:
+        """Loads ``optim_state_dict()`` output (full tensors by name) into this rank's shards.
+
+        The unit layout is fixed from here on (no re-forming after the first backward).
+        """
+        self._trace = None
+        by_name = {name: (u, i) for u in self._units for i, name in enumerate(u.names)}
+        unknown = [n for n in state_dict["state"] if n not in by_name]
+        if unknown:
+            raise InvalidArgumentError(
+                f"load_optim_state_dict: state for parameters the model does not have: {unknown}"
+            )
+        for name, entries in state_dict["state"].items():
+            u, i = by_name[name]
+            loc, (a, b) = u.locals[i], u.local_ranges[i]
+            new: dict[str, Any] = {}
+            if u.owner is not None and u.owner != u.rank:
+                continue  # the owner steps it
+            for k, v in entries.items():
+                if torch.is_tensor(v) and v.shape == u.params[i].shape and v.dim() > 0:
+                    part = v.reshape(-1)[a:b].to(device=loc.device, dtype=loc.dtype)
+                    new[k] = part.clone().view(loc.shape)
+                else:
+                    new[k] = v.clone() if torch.is_tensor(v) else v
+            optimizer.state[loc] = new
+        for g, saved in zip(optimizer.param_groups, state_dict["param_groups"], strict=False):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = v
+
+    def _owner_state(self, u: Unit, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+        """A whole unit's optimizer state, as its owner holds it, on every rank (collective)."""
+        assert u.owner is not None
+        mine: dict[str, dict[str, Any]] | None = None
+        if u.rank == u.owner:
+            mine = {
+                name: {
+                    k: v.detach().cpu() if torch.is_tensor(v) else v
+                    for k, v in optimizer.state.get(loc, {}).items()
+                }
+                for name, loc in zip(u.names, u.locals, strict=True)
+                if optimizer.state.get(loc)
+            }
+        got: dict[str, dict[str, Any]] = broadcast_object(mine, src=u.owner, group=self.group)
+        return {
+            name: {
+                k: v.to(self._device) if torch.is_tensor(v) and v.dim() else v
+                for k, v in entries.items()
+            }
+            for name, entries in got.items()
+        }
+
+    def _gather_state(self, u: Unit, optimizer: torch.optim.Optimizer, key: str) -> torch.Tensor:
+        lo = u.lo
+        flat: torch.Tensor | None = None
+        for loc, o, (a, b) in zip(u.locals, u.offsets, u.local_ranges, strict=True):
+            v = optimizer.state.get(loc, {}).get(key)
+            if v is None or b <= a:
+                continue
+            if flat is None:
+                flat = torch.zeros(u.shard_numel, dtype=v.dtype, device=self._device)
+            flat[o + a - lo : o + b - lo].copy_(v)
+        if flat is None:
+            flat = torch.zeros(u.shard_numel, dtype=u.wdtype, device=self._device)
+        out = torch.empty(u.padded, dtype=flat.dtype, device=self._device)
+        self.group.all_gather(out, flat)
+        return out

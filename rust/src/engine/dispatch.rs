@@ -1,0 +1,389 @@
+//! Routing: which transport and which algorithm run an op, by the group's layout.
+//!
+//! A [`Router`] holds this rank's links (the arena of its host, the TCP mesh to the other
+//! ranks) and sends each op where it belongs: point-to-point ops over TCP; collectives on the
+//! arena inside one host, ring and direct algorithms over TCP across hosts, and, for groups
+//! with several ranks on several hosts, the arena inside each host around a TCP all-reduce
+//! among the hosts' leaders.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::config::CommConfig;
+use super::op::Op;
+use crate::collectives::arena::ArenaComm;
+use crate::collectives::lanes::Lanes;
+use crate::collectives::{direct, ring};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::reduce::{self, ReduceOp};
+use crate::signature::OpSig;
+use crate::transport::p2p::P2p;
+use crate::transport::shm::Arena;
+use crate::transport::tcp::{TcpListenerHandle, TcpMesh};
+use crate::wait::SpinPolicy;
+
+/// How a communicator's ranks are connected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// One rank.
+    Single,
+    /// All ranks on one host: the arena.
+    Shm,
+    /// One rank per host: TCP.
+    Tcp,
+    /// Several hosts with several ranks: arena inside, TCP between local leaders.
+    Hierarchical,
+}
+
+impl Mode {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Single => "single",
+            Mode::Shm => "shm",
+            Mode::Tcp => "tcp",
+            Mode::Hierarchical => "hierarchical",
+        }
+    }
+}
+
+/// This rank's links and the route of every op over them.
+pub(super) struct Router {
+    pub(super) rank: usize,
+    pub(super) world: usize,
+    pub(super) mode: Mode,
+    arena: Option<ArenaComm>,
+    mesh: Option<TcpMesh>,
+    /// This rank's index among the ranks of its host (0 = the host's leader).
+    my_local: usize,
+    /// The lowest rank of every host (hierarchical mode).
+    leaders: Vec<usize>,
+}
+
+impl Router {
+    /// Links this rank as `cfg` describes (a validated config): maps its host's arena when
+    /// the host has several ranks, and connects the TCP mesh through `listener` (needed for
+    /// point-to-point ops and groups across hosts). Also returns the arena, which the
+    /// communicator keeps to abort it while an op holds the router.
+    pub(super) fn connect(
+        cfg: &CommConfig,
+        listener: Option<TcpListenerHandle>,
+    ) -> Result<(Self, Option<Arc<Arena>>)> {
+        let (rank, world) = (cfg.rank, cfg.world);
+        let mut hosts: Vec<(&str, Vec<usize>)> = Vec::new();
+        for (r, h) in cfg.host_ids.iter().enumerate() {
+            match hosts.iter_mut().find(|(id, _)| id == h) {
+                Some((_, v)) => v.push(r),
+                None => hosts.push((h, vec![r])),
+            }
+        }
+        let local = hosts
+            .iter()
+            .find(|(id, _)| *id == cfg.host_ids[rank])
+            .expect("own host")
+            .1
+            .clone();
+        let my_local = local.iter().position(|&r| r == rank).expect("own rank");
+        let leaders: Vec<usize> = hosts.iter().map(|(_, v)| v[0]).collect();
+        let mode = match (world, hosts.len()) {
+            (1, _) => Mode::Single,
+            (_, 1) => Mode::Shm,
+            (w, h) if w == h => Mode::Tcp,
+            _ => Mode::Hierarchical,
+        };
+        let deadline = Instant::now() + cfg.timeout;
+        let arena = if local.len() > 1 {
+            let path = cfg.arena_path.as_deref().ok_or_else(|| {
+                Error::invalid(format!(
+                    "rank {rank} shares its host with ranks {local:?} but got no arena path"
+                ))
+            })?;
+            let a = Arc::new(Arena::open(path, my_local, local.clone(), cfg.spin())?);
+            if a.slot_bytes() < 64 * a.ranks() {
+                return Err(Error::invalid(format!(
+                    "shared-memory slots of {} bytes are too small for {} local ranks; raise SHARDLINE_SHM_SLOT_BYTES",
+                    a.slot_bytes(),
+                    a.ranks()
+                )));
+            }
+            Some(a)
+        } else {
+            None
+        };
+        let mesh = match listener {
+            Some(l) if world > 1 => {
+                let peers: Vec<usize> = (0..world).filter(|&r| r != rank).collect();
+                let mut mesh = TcpMesh::connect(
+                    rank,
+                    world,
+                    &cfg.addrs,
+                    &peers,
+                    l,
+                    &cfg.secret,
+                    &cfg.name,
+                    deadline,
+                )?;
+                mesh.set_spin(SpinPolicy::for_ranks(cfg.machine_ranks, cfg.spin()).spin);
+                Some(mesh)
+            }
+            _ => None,
+        };
+        if matches!(mode, Mode::Tcp | Mode::Hierarchical) && mesh.is_none() {
+            return Err(Error::invalid(format!(
+                "rank {rank}: group {:?} spans several hosts but no TCP listener was given",
+                cfg.name
+            )));
+        }
+        let router = Router {
+            rank,
+            world,
+            mode,
+            arena: arena.clone().map(|a| {
+                let lanes = Lanes::new(cfg.lanes, cfg.lanes_min_bytes, &format!("sl-r{rank}"));
+                ArenaComm::new(a, cfg.oneshot_bytes, lanes, cfg.stream_stores)
+            }),
+            mesh,
+            my_local,
+            leaders,
+        };
+        Ok((router, arena))
+    }
+
+    /// The arena's collectives, if this rank's host has several ranks.
+    #[cfg(test)]
+    pub(super) fn arena(&self) -> Option<&ArenaComm> {
+        self.arena.as_ref()
+    }
+
+    /// The TCP links, if the group was created with a listener.
+    #[cfg(test)]
+    pub(super) fn tcp(&self) -> Option<&TcpMesh> {
+        self.mesh.as_ref()
+    }
+
+    /// Whether the next ops may split their memory passes over the helper threads.
+    pub(super) fn allow_helpers(&mut self, on: bool) {
+        if let Some(a) = self.arena.as_mut() {
+            a.allow_helpers(on);
+        }
+    }
+
+    /// Fails every link with `err`, so that peers waiting on this rank stop at once.
+    pub(super) fn abort(&mut self, err: &Error) {
+        if let Some(a) = &self.arena {
+            a.abort(err);
+        }
+        if let Some(m) = &mut self.mesh {
+            m.abort_all(err);
+        }
+    }
+
+    /// Releases the links.
+    pub(super) fn disconnect(&mut self) {
+        self.mesh = None;
+        self.arena = None;
+    }
+
+    fn mesh(&mut self) -> Result<&mut TcpMesh> {
+        let rank = self.rank;
+        self.mesh.as_mut().ok_or_else(|| {
+            Error::invalid(format!(
+                "rank {rank}: this group has no TCP links (created without a listener)"
+            ))
+        })
+    }
+
+    /// Runs `op` (signed `sig`) on the transport and algorithm its kind and the group's
+    /// mode call for, by `deadline`.
+    pub(super) fn dispatch(&mut self, op: &Op, sig: &OpSig, deadline: Instant) -> Result<()> {
+        match (op, self.mode) {
+            (Op::Send { buf, peer, .. }, _) => self.mesh()?.send(*peer, sig, buf.bytes(), deadline),
+            (Op::Recv { buf, peer, .. }, _) => self.mesh()?.recv(*peer, sig, buf.bytes(), deadline),
+            (_, Mode::Single) => run_single(op),
+            (_, Mode::Shm) => self.run_shm(op, sig, deadline),
+            (Op::AllReduce { buf, dtype, op }, Mode::Hierarchical) => {
+                self.hier_all_reduce(buf.bytes(), *dtype, *op, sig, deadline)
+            }
+            _ => {
+                let members: Vec<usize> = (0..self.world).collect();
+                run_p2p(self.mesh()?, &members, op, sig, deadline)
+            }
+        }
+    }
+
+    fn run_shm(&mut self, op: &Op, sig: &OpSig, deadline: Instant) -> Result<()> {
+        let a = self.arena.as_mut().expect("shm mode has an arena");
+        match op {
+            Op::AllReduce { buf, dtype, op } => {
+                a.all_reduce(buf.bytes(), *dtype, *op, sig, None, deadline)
+            }
+            Op::Reduce {
+                buf,
+                dtype,
+                op,
+                root,
+            } => a.all_reduce(buf.bytes(), *dtype, *op, sig, Some(*root), deadline),
+            Op::ReduceScatter {
+                out,
+                inp,
+                dtype,
+                op,
+            } => a.reduce_scatter(out.bytes(), inp.bytes(), *dtype, *op, sig, deadline),
+            Op::AllGather {
+                out,
+                inp,
+                dtype,
+                counts,
+            } => {
+                let counts: Vec<usize> = match counts {
+                    Some(c) => c.iter().map(|c| c * dtype.size()).collect(),
+                    None => vec![inp.len(); a.n()],
+                };
+                a.all_gather(out.bytes(), inp.bytes(), &counts, sig, None, deadline)
+            }
+            Op::Gather { out, inp, root, .. } => {
+                let counts = vec![inp.len(); a.n()];
+                let out = out.as_ref().map(|o| o.bytes()).unwrap_or(&mut []);
+                a.all_gather(out, inp.bytes(), &counts, sig, Some(*root), deadline)
+            }
+            Op::Broadcast { buf, root, .. } => a.broadcast(buf.bytes(), *root, sig, deadline),
+            Op::Scatter {
+                out,
+                inp,
+                dtype,
+                root,
+            } => {
+                let inp = inp.as_ref().map(|i| &*i.bytes()).unwrap_or(&[]);
+                a.scatter(out.bytes(), inp, *root, dtype.size(), sig, deadline)
+            }
+            Op::AllToAll { out, inp, dtype } => {
+                a.all_to_all(out.bytes(), inp.bytes(), dtype.size(), sig, deadline)
+            }
+            Op::Barrier => a.barrier(sig, deadline),
+            Op::Send { .. } | Op::Recv { .. } => unreachable!("p2p is dispatched before"),
+        }
+    }
+
+    /// Arena reduce to the local leader, TCP all-reduce among leaders, arena broadcast back.
+    fn hier_all_reduce(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        let partial = if op == ReduceOp::Avg {
+            ReduceOp::Sum
+        } else {
+            op
+        };
+        if let Some(a) = self.arena.as_mut() {
+            a.all_reduce(buf, dtype, partial, sig, Some(0), deadline)?;
+        }
+        if self.my_local == 0 {
+            let leaders = self.leaders.clone();
+            let mesh = self.mesh()?;
+            ring::all_reduce(mesh, &leaders, buf, dtype, partial, sig, deadline)?;
+            if op == ReduceOp::Avg {
+                reduce::scale(buf, dtype, self.world);
+            }
+        }
+        if let Some(a) = self.arena.as_mut() {
+            a.broadcast(buf, 0, sig, deadline)?;
+        }
+        Ok(())
+    }
+}
+
+fn run_single(op: &Op) -> Result<()> {
+    match op {
+        Op::ReduceScatter { out, inp, .. }
+        | Op::AllToAll { out, inp, .. }
+        | Op::AllGather { out, inp, .. } => out.bytes().copy_from_slice(inp.bytes()),
+        Op::Gather {
+            out: Some(out),
+            inp,
+            ..
+        }
+        | Op::Scatter {
+            out,
+            inp: Some(inp),
+            ..
+        } => out.bytes().copy_from_slice(inp.bytes()),
+        _ => {}
+    }
+    Ok(())
+}
+
+fn run_p2p<P: P2p>(
+    p: &mut P,
+    members: &[usize],
+    op: &Op,
+    sig: &OpSig,
+    deadline: Instant,
+) -> Result<()> {
+    match op {
+        Op::AllReduce { buf, dtype, op } => {
+            ring::all_reduce(p, members, buf.bytes(), *dtype, *op, sig, deadline)
+        }
+        Op::ReduceScatter {
+            out,
+            inp,
+            dtype,
+            op,
+        } => ring::reduce_scatter(
+            p,
+            members,
+            out.bytes(),
+            inp.bytes(),
+            *dtype,
+            *op,
+            sig,
+            deadline,
+        ),
+        Op::AllGather {
+            out,
+            inp,
+            dtype,
+            counts,
+        } => {
+            let counts = counts
+                .clone()
+                .unwrap_or_else(|| vec![inp.len() / dtype.size(); members.len()]);
+            ring::all_gather(
+                p,
+                members,
+                out.bytes(),
+                inp.bytes(),
+                &counts,
+                *dtype,
+                sig,
+                deadline,
+            )
+        }
+        Op::Broadcast { buf, root, .. } => {
+            direct::broadcast(p, members, buf.bytes(), *root, sig, deadline)
+        }
+        Op::Reduce {
+            buf,
+            dtype,
+            op,
+            root,
+        } => direct::reduce(p, members, buf.bytes(), *dtype, *op, *root, sig, deadline),
+        Op::Gather { out, inp, root, .. } => {
+            let out = out.as_ref().map(|o| o.bytes()).unwrap_or(&mut []);
+            direct::gather(p, members, out, inp.bytes(), *root, sig, deadline)
+        }
+        Op::Scatter { out, inp, root, .. } => {
+            let inp = inp.as_ref().map(|i| &*i.bytes()).unwrap_or(&[]);
+            direct::scatter(p, members, out.bytes(), inp, *root, sig, deadline)
+        }
+        Op::AllToAll { out, inp, .. } => {
+            direct::all_to_all(p, members, out.bytes(), inp.bytes(), sig, deadline)
+        }
+        Op::Barrier => direct::barrier(p, members, sig, deadline),
+        Op::Send { .. } | Op::Recv { .. } => unreachable!("p2p is dispatched before"),
+    }
+}

@@ -1,0 +1,446 @@
+//! The communicator: op queue, worker thread, inline fast path, sequence numbers and deadlines.
+//!
+//! Ops run strictly in issue order. A blocking call with nothing queued runs inline on the
+//! caller's thread (no hand-off, so small ops cost microseconds); anything else goes to the
+//! communicator's one worker thread and returns a [`Work`]. Every op gets a deadline, a
+//! sequence number and a signature; the first failure aborts the transports for every rank
+//! and leaves the communicator closed, so later calls fail fast instead of hanging.
+//!
+//! - [`config`]: [`CommConfig`], what a rank needs to join, every tunable with its default.
+//! - [`op`]: [`Op`], the queued op with the caller's buffers ([`RawBuf`]), its checks and
+//!   its signature.
+//! - [`work`]: [`Work`], an op's completion.
+//! - [`dispatch`]: the route of each op to a transport and an algorithm, by [`Mode`].
+//! - this file: [`Communicator`], the queue and the worker that run ops in order.
+
+pub mod config;
+pub mod dispatch;
+pub mod op;
+pub mod work;
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub use config::CommConfig;
+pub use dispatch::Mode;
+use dispatch::Router;
+use op::{sig_of, validate};
+pub use op::{Op, RawBuf};
+pub use work::Work;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::transport::shm::Arena;
+use crate::transport::tcp::TcpListenerHandle;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct Job {
+    op: Op,
+    work: Work,
+    keepalive: Box<dyn Any + Send>,
+    /// Submitted with `async_op`: it overlaps the caller's compute, so no helper threads.
+    async_op: bool,
+}
+
+#[derive(Default)]
+struct Queue {
+    items: VecDeque<Job>,
+    running: usize,
+    closed: bool,
+}
+
+struct Shared {
+    core: Mutex<Core>,
+    queue: Mutex<Queue>,
+    cv: Condvar,
+    arena: Option<Arc<Arena>>,
+    rank: usize,
+    world: usize,
+    mode: Mode,
+}
+
+/// What runs the ops, one at a time: the links, the sequence numbers, the deadline of every
+/// op, and the first failure, which breaks the communicator for good.
+struct Core {
+    router: Router,
+    seq: u64,
+    broken: Option<Error>,
+    timeout: Duration,
+}
+
+/// A communicator: a group of ranks and the engine that runs their collectives.
+pub struct Communicator {
+    shared: Arc<Shared>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Communicator {
+    /// Joins the communicator described by `cfg`; `listener` is this rank's bound TCP
+    /// listener (needed for point-to-point ops and multi-host groups).
+    pub fn new(cfg: CommConfig, listener: Option<TcpListenerHandle>) -> Result<Self> {
+        cfg.validate()?;
+        let (router, arena) = Router::connect(&cfg, listener)?;
+        let (rank, world, mode) = (router.rank, router.world, router.mode);
+        let core = Core {
+            router,
+            seq: 0,
+            broken: None,
+            timeout: cfg.timeout,
+        };
+        let shared = Arc::new(Shared {
+            core: Mutex::new(core),
+            queue: Mutex::new(Queue::default()),
+            cv: Condvar::new(),
+            arena,
+            rank,
+            world,
+            mode,
+        });
+        let s2 = shared.clone();
+        let worker = std::thread::Builder::new()
+            .name(format!("shardline-{}-r{rank}", cfg.name))
+            .spawn(move || worker_loop(&s2))
+            .map_err(|e| Error::io("starting the communicator's worker thread", e))?;
+        Ok(Communicator {
+            shared,
+            worker: Mutex::new(Some(worker)),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.shared.world
+    }
+
+    /// How the ranks are connected.
+    pub fn mode(&self) -> Mode {
+        self.shared.mode
+    }
+
+    /// Validates `op` and runs it: inline when blocking and nothing is queued, else on the
+    /// worker. `keepalive` is dropped once the op is done.
+    pub fn submit(&self, op: Op, keepalive: Box<dyn Any + Send>, async_op: bool) -> Result<Work> {
+        validate(&op, self.shared.rank, self.shared.world)?;
+        let mut q = lock(&self.shared.queue);
+        if q.closed {
+            return Err(closed_error(self.shared.rank));
+        }
+        if !async_op && q.items.is_empty() && q.running == 0 {
+            q.running += 1;
+            drop(q);
+            let r = run_guarded(&self.shared, &op, true);
+            drop(keepalive);
+            let mut q = lock(&self.shared.queue);
+            q.running -= 1;
+            // Wake the worker only if it has something to do: a needless wake-up costs a
+            // syscall and steals a core from the peers this rank is synchronising with.
+            if !q.items.is_empty() {
+                self.shared.cv.notify_all();
+            }
+            return Ok(Work::finished(r));
+        }
+        let work = Work::pending();
+        q.items.push_back(Job {
+            op,
+            work: work.clone(),
+            keepalive,
+            async_op,
+        });
+        self.shared.cv.notify_all();
+        Ok(work)
+    }
+
+    /// Fails pending and future ops here and on every peer with `reason`.
+    pub fn abort(&self, reason: &str) {
+        let err = Error::new(
+            ErrorKind::Closed,
+            format!("rank {} aborted the group: {reason}", self.shared.rank),
+        );
+        if let Some(a) = &self.shared.arena {
+            a.abort(&err);
+        }
+        if let Ok(mut core) = self.shared.core.try_lock() {
+            core.fail(&err);
+        }
+    }
+
+    /// Runs what is queued, then stops the worker; later submissions fail.
+    pub fn close(&self) {
+        lock(&self.shared.queue).closed = true;
+        self.shared.cv.notify_all();
+        if let Some(h) = lock(&self.worker).take() {
+            let _ = h.join();
+        }
+        lock(&self.shared.core).router.disconnect();
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn closed_error(rank: usize) -> Error {
+    Error::new(
+        ErrorKind::Closed,
+        format!("rank {rank}: the communicator was shut down; create a new group"),
+    )
+}
+
+/// Runs one op; a panic (a bug in the engine) becomes an error on this rank, breaks the
+/// communicator like any failure, and leaves the queue usable for the error to surface.
+///
+/// `helpers`: whether a large shared-memory op may split its passes over the communicator's
+/// helper threads. Only ops the caller waits for do: an async op runs beside the caller's
+/// compute, whose cores the helpers would take.
+fn run_guarded(shared: &Shared, op: &Op, helpers: bool) -> Result<()> {
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        lock(&shared.core).run(op, helpers)
+    }));
+    outcome.unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        let err = Error::new(
+            ErrorKind::Protocol,
+            format!(
+                "rank {}: internal error in the collective engine ({what}); please report it",
+                shared.rank
+            ),
+        );
+        lock(&shared.core).fail(&err);
+        Err(err)
+    })
+}
+
+fn worker_loop(shared: &Shared) {
+    loop {
+        let job = {
+            let mut q = lock(&shared.queue);
+            loop {
+                if q.running == 0 {
+                    if let Some(j) = q.items.pop_front() {
+                        q.running += 1;
+                        break j;
+                    }
+                    if q.closed {
+                        return;
+                    }
+                }
+                q = shared.cv.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        let r = run_guarded(shared, &job.op, !job.async_op);
+        job.work.complete(r);
+        drop(job.keepalive);
+        lock(&shared.queue).running -= 1;
+        shared.cv.notify_all();
+    }
+}
+
+impl Core {
+    fn fail(&mut self, err: &Error) {
+        self.router.abort(err);
+        if self.broken.is_none() {
+            self.broken = Some(err.clone());
+        }
+    }
+
+    /// Numbers `op`, gives it its deadline and runs it; a failure breaks the communicator.
+    fn run(&mut self, op: &Op, helpers: bool) -> Result<()> {
+        if let Some(e) = &self.broken {
+            return Err(Error::new(
+                ErrorKind::Closed,
+                format!(
+                    "rank {}: this group is unusable after an earlier failure ({}); shut it down and \
+                     create a new one (or restart the job)",
+                    self.router.rank, e.message
+                ),
+            ));
+        }
+        let mut sig = sig_of(op, self.router.world);
+        if !matches!(op, Op::Send { .. } | Op::Recv { .. }) {
+            sig.seq = self.seq;
+            self.seq += 1;
+        }
+        let deadline = Instant::now() + self.timeout;
+        self.router.allow_helpers(helpers);
+        let r = self.router.dispatch(op, &sig, deadline);
+        if let Err(e) = &r {
+            self.fail(e);
+        }
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::dtype::DType;
+    use crate::memcpy::StreamMode;
+    use crate::reduce::ReduceOp;
+    use crate::transport::shm;
+    use crate::wait::SpinPolicy;
+
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+    /// Runs `body` on two ranks of one host (a 1 MiB-slot arena), each config first changed
+    /// by `settings`.
+    fn on_one_host<T: Send>(
+        settings: impl Fn(&mut CommConfig) + Sync,
+        body: impl Fn(&Communicator) -> T + Sync,
+    ) -> Vec<T> {
+        let path = format!(
+            "/dev/shm/shardline-{}-engine{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::SeqCst)
+        );
+        shm::create(&path, 2, 1 << 20).unwrap();
+        let out = std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..2)
+                .map(|r| {
+                    let (path, settings, body) = (&path, &settings, &body);
+                    s.spawn(move || {
+                        let mut cfg = CommConfig::new(r, 2, "unit");
+                        cfg.arena_path = Some(path.clone());
+                        cfg.timeout = Duration::from_secs(5);
+                        settings(&mut cfg);
+                        body(&Communicator::new(cfg, None).unwrap())
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        shm::unlink(&path).unwrap();
+        out
+    }
+
+    fn f32_bytes(values: impl Iterator<Item = f32>) -> Vec<u8> {
+        values.flat_map(f32::to_le_bytes).collect()
+    }
+
+    #[test]
+    fn shared_memory_settings_reach_the_engine() {
+        for mode in [StreamMode::Off, StreamMode::All, StreamMode::CopyIn] {
+            let got = on_one_host(
+                |cfg| {
+                    cfg.stream_stores = mode;
+                    cfg.spin_us = 7;
+                    cfg.oneshot_bytes = 4096;
+                    cfg.lanes = 3;
+                    // Never split: streaming applies only to ops on one thread.
+                    cfg.lanes_min_bytes = usize::MAX;
+                },
+                |c| {
+                    let seen = {
+                        let core = lock(&c.shared.core);
+                        let a = core
+                            .router
+                            .arena()
+                            .expect("two ranks of one host share an arena");
+                        let spin = a.arena().spin_policy().spin;
+                        (
+                            a.stream_mode(),
+                            a.oneshot_bytes(),
+                            spin,
+                            a.lanes().threads(),
+                        )
+                    };
+                    // A 1 MiB all_reduce: chunked (above oneshot_bytes), each rank's part
+                    // large enough to stream in every mode that streams.
+                    let n = (1 << 20) / 4;
+                    let mut buf = f32_bytes((0..n).map(|i| (i % 1000) as f32 + c.rank() as f32));
+                    let op = Op::AllReduce {
+                        buf: RawBuf::from_slice(&mut buf),
+                        dtype: DType::F32,
+                        op: ReduceOp::Sum,
+                    };
+                    c.submit(op, Box::new(()), false)
+                        .unwrap()
+                        .wait_for(None)
+                        .unwrap();
+                    (seen, buf)
+                },
+            );
+            // 7 µs unless the ranks outnumber the cores.
+            let spin = SpinPolicy::for_ranks(2, Duration::from_micros(7)).spin;
+            let want = f32_bytes((0..(1 << 18)).map(|i| 2.0 * (i % 1000) as f32 + 1.0));
+            for (seen, buf) in got {
+                assert_eq!(seen, (mode, 4096, spin, 3), "{mode:?}");
+                assert!(buf == want, "{mode:?}: wrong all_reduce result");
+            }
+        }
+    }
+
+    #[test]
+    fn tcp_waits_spin_as_configured() {
+        let listeners: Vec<_> = (0..2)
+            .map(|_| TcpListenerHandle::bind("127.0.0.1").unwrap())
+            .collect();
+        let addrs: Vec<String> = listeners.iter().map(|l| l.address()).collect();
+        let spins: Vec<Duration> = std::thread::scope(|s| {
+            let ranks: Vec<_> = listeners
+                .into_iter()
+                .enumerate()
+                .map(|(r, l)| {
+                    let addrs = addrs.clone();
+                    s.spawn(move || {
+                        let mut cfg = CommConfig::new(r, 2, "unit-tcp");
+                        cfg.host_ids = vec!["a".into(), "b".into()];
+                        cfg.addrs = addrs;
+                        cfg.secret = b"unit test secret".to_vec();
+                        cfg.timeout = Duration::from_secs(5);
+                        // One rank on this machine: it always has a core, so it spins as set.
+                        cfg.machine_ranks = 1;
+                        cfg.spin_us = 7;
+                        let c = Communicator::new(cfg, Some(l)).unwrap();
+                        assert_eq!(c.mode(), Mode::Tcp);
+                        c.submit(Op::Barrier, Box::new(()), false)
+                            .unwrap()
+                            .wait_for(None)
+                            .unwrap();
+                        let core = lock(&c.shared.core);
+                        core.router.tcp().expect("a TCP group has links").spin()
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(spins, [Duration::from_micros(7); 2]);
+    }
+
+    #[test]
+    fn dtypes_only_files_hold_are_refused_before_queueing() {
+        let c = Communicator::new(CommConfig::new(0, 1, "unit-dtype"), None).unwrap();
+        let mut buf = [0u8; 4];
+        let op = Op::Broadcast {
+            buf: RawBuf::from_slice(&mut buf),
+            dtype: DType::I16,
+            root: 0,
+        };
+        let Err(err) = c.submit(op, Box::new(()), false) else {
+            panic!("an int16 broadcast was queued");
+        };
+        assert_eq!(err.kind, ErrorKind::InvalidArgument);
+        assert!(
+            err.message
+                .starts_with("broadcast: collectives do not move int16; use one of float32"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,265 @@
+"""Engine settings arrive as arguments: ``_native.Group`` takes and checks them, the native
+backend passes what ``shardline.config`` read, and no Rust source reads the environment."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from shardline.comm import ProcessGroup
+from shardline.comm.backends import native as native_backend
+from shardline.errors import InvalidArgumentError
+from tests._ranks import run_ranks
+from tests.conftest import need_native
+
+RUST_SRC = Path(__file__).resolve().parents[1] / "rust" / "src"
+
+
+def _n() -> Any:
+    """The engine module, imported late so that a missing build skips instead of erroring."""
+    need_native()
+    import shardline._native as n
+
+    return n
+
+
+def _group(**settings: Any) -> Any:
+    """A one-rank group with ``settings``."""
+    return _n().Group(
+        0,
+        1,
+        name="settings",
+        secret=b"s",
+        host_ids=["h"],
+        addrs=[""],
+        listener=None,
+        arena_path=None,
+        timeout=5.0,
+        **settings,
+    )
+
+
+def test_group_takes_every_setting_and_none_keeps_the_default() -> None:
+    for settings in (
+        {},
+        {"spin_us": None, "stream_stores": None, "oneshot_bytes": None},
+        {"spin_us": 0, "stream_stores": "0", "oneshot_bytes": 0},
+        {"spin_us": 7, "stream_stores": "1", "oneshot_bytes": 4096},
+        {"spin_us": 50, "stream_stores": "2", "oneshot_bytes": 256 << 10},
+    ):
+        g = _group(**settings)
+        t = np.arange(8, dtype=np.float32)
+        g.all_reduce(t.view(np.uint8), "float32")
+        assert np.array_equal(t, np.arange(8, dtype=np.float32)), settings
+        g.close()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"spin_us": -1}, r"spin_us must be a number of microseconds >= 0, got -1"),
+        ({"oneshot_bytes": -4096}, r"oneshot_bytes must be a number of bytes >= 0, got -4096"),
+        ({"stream_stores": "3"}, r"stream_stores must be \"0\".*\"1\".*\"2\".*got \"3\""),
+        ({"stream_stores": ""}, r"stream_stores must be"),
+        ({"stream_stores": "on"}, r"stream_stores must be"),
+    ],
+)
+def test_group_refuses_bad_settings_clearly(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        _group(**settings)
+
+
+def test_group_refuses_settings_of_the_wrong_type() -> None:
+    with pytest.raises(TypeError, match="stream_stores"):
+        _group(stream_stores=2)
+    with pytest.raises(TypeError, match="spin_us"):
+        _group(spin_us="50")
+
+
+def test_a_refused_setting_leaves_the_listener_usable() -> None:
+    n = _n()
+    listener = n.Listener()
+    with pytest.raises(InvalidArgumentError):
+        _n().Group(
+            0,
+            1,
+            name="settings",
+            secret=b"s",
+            host_ids=["h"],
+            addrs=[listener.address],
+            listener=listener,
+            arena_path=None,
+            timeout=5.0,
+            spin_us=-1,
+        )
+    g = n.Group(
+        0,
+        1,
+        name="settings",
+        secret=b"s",
+        host_ids=["h"],
+        addrs=[listener.address],
+        listener=listener,
+        arena_path=None,
+        timeout=5.0,
+    )
+    g.close()
+
+
+@pytest.mark.parametrize("stream_stores", ["0", "1", "2"])
+def test_every_streaming_mode_reduces_correctly_on_shared_memory(stream_stores: str) -> None:
+    """Two ranks (threads) on one arena; 1 MiB all_reduces are chunked, large enough to stream."""
+    n = _n()
+    path = f"/dev/shm/shardline-{os.getpid()}-settings-{stream_stores}"
+    n.arena_create(path, 2, 1 << 20)
+    out: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            g = n.Group(
+                r,
+                2,
+                name="streams",
+                secret=b"s",
+                host_ids=["h", "h"],
+                addrs=["", ""],
+                listener=None,
+                arena_path=path,
+                timeout=10.0,
+                stream_stores=stream_stores,
+                oneshot_bytes=0,
+                spin_us=0,
+            )
+            t = torch.arange(1 << 18, dtype=torch.float32) + r
+            g.all_reduce(t.view(torch.uint8).numpy(), "float32")
+            g.close()
+            out[r] = t
+        except BaseException as exc:  # reported below
+            out[r] = exc
+
+    try:
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+    finally:
+        n.arena_unlink(path)
+    want = 2 * torch.arange(1 << 18, dtype=torch.float32) + 1
+    for r, got in enumerate(out):
+        assert isinstance(got, torch.Tensor), f"rank {r}: {got!r}"
+        assert torch.equal(got, want), f"rank {r}"
+
+
+class _RecordingEngine:
+    """Stands in for ``shardline._native`` and records the Group's keyword arguments."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ports = 41000
+        engine = self
+
+        class Listener:
+            def __init__(self, host: str = "127.0.0.1") -> None:
+                with engine.lock:
+                    engine.ports += 1
+                    self.address = f"{host}:{engine.ports}"
+
+        class Group:
+            def __init__(self, rank: int, world_size: int, **kw: Any) -> None:
+                self.rank, self.world_size, self.kw = rank, world_size, kw
+                self.transport = "fake"
+
+            def close(self) -> None:
+                pass
+
+            def abort(self, reason: str) -> None:
+                pass
+
+        self.Listener, self.Group = Listener, Group
+
+    def arena_sweep(self, directory: str = "/dev/shm") -> int:
+        return 0
+
+    def arena_create(self, path: str, num_ranks: int, slot_bytes: int) -> None:
+        pass
+
+    def arena_unlink(self, path: str) -> None:
+        pass
+
+
+def _group_kwargs(g: ProcessGroup) -> dict[str, Any]:
+    return dict(g._impl._g.kw)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({}, {"spin_us": 50, "stream_stores": "2", "oneshot_bytes": 256 << 10}),
+        (
+            {
+                "SHARDLINE_SPIN_US": "7",
+                "SHARDLINE_STREAM_STORES": "0",
+                "SHARDLINE_ONESHOT_BYTES": "4096",
+            },
+            {"spin_us": 7, "stream_stores": "0", "oneshot_bytes": 4096},
+        ),
+    ],
+)
+def test_the_native_backend_passes_the_settings_it_read(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], want: dict[str, Any]
+) -> None:
+    monkeypatch.setattr(native_backend, "_native_module", _RecordingEngine)
+    monkeypatch.setenv("SHARDLINE_SHM_SLOT_BYTES", "65536")
+    for name in ("SHARDLINE_SPIN_US", "SHARDLINE_STREAM_STORES", "SHARDLINE_ONESHOT_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for kw in run_ranks(2, _group_kwargs):
+        assert {k: kw[k] for k in want} == want
+
+
+def test_the_native_backend_refuses_a_bad_setting_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(native_backend, "_native_module", _RecordingEngine)
+    monkeypatch.setenv("SHARDLINE_STREAM_STORES", "3")
+    with pytest.raises(AssertionError, match=r"SHARDLINE_STREAM_STORES='3'"):
+        run_ranks(1, _group_kwargs)
+
+
+def test_settings_from_the_environment_reach_the_real_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    need_native()
+    monkeypatch.setenv("SHARDLINE_SPIN_US", "0")
+    monkeypatch.setenv("SHARDLINE_STREAM_STORES", "1")
+    monkeypatch.setenv("SHARDLINE_ONESHOT_BYTES", "0")
+
+    def body(g: ProcessGroup) -> torch.Tensor:
+        t = torch.full((1 << 18,), float(g.rank))
+        g.all_reduce(t)
+        return t
+
+    for t in run_ranks(2, body):
+        assert torch.equal(t, torch.full((1 << 18,), 1.0))
+
+
+def test_no_rust_source_reads_the_environment() -> None:
+    """DESIGN decision 9: settings are read in ``shardline.config`` and passed down."""
+    reads = re.compile(r"\benv::var|\benv::vars\b|\bgetenv\b|\bvar_os\b")
+    found = [
+        f"{path.relative_to(RUST_SRC)}:{i}: {line.strip()}"
+        for path in sorted(RUST_SRC.rglob("*.rs"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if reads.search(line)
+    ]
+    assert RUST_SRC.is_dir()
+    assert not found, "Rust reads the environment:\n" + "\n".join(found)
