@@ -260,3 +260,28 @@ def test_the_checkpointer_names_no_strategy() -> None:
             if banned.search(line)
         ]
         assert not hits, hits
+
+
+def test_replicated_values_missing_on_a_rank_fail_every_rank_at_once(tmp_path: Path) -> None:
+    """A replicated value must be on every rank (one rank writes it): a strategy that breaks
+    that is named at commit, and no rank waits out the deadline for the commit."""
+
+    class Uneven(nn.Module):
+        def __init__(self, rank: int) -> None:
+            super().__init__()
+            self.rank = rank
+            self.w = nn.Parameter(torch.ones(4))
+
+        def sharded_state_dict(self) -> dict[str, Any]:
+            extra = {"only_on_rank_1": torch.zeros(2)} if self.rank == 1 else {}
+            return {"w": self.w, **extra}
+
+    def body(g: ProcessGroup) -> str:
+        with pytest.raises(sl.CheckpointError) as err:
+            checkpoint.save(tmp_path / "ck", model=Uneven(g.rank), group=g)
+        return str(err.value)
+
+    # run_ranks fails ranks still running at 60 s; the commit deadline is 300 s
+    messages = run_ranks(2, body, timeout=60)
+    assert all("different replicated state" in m and "only_on_rank_1" in m for m in messages)
+    assert not (tmp_path / "ck").exists()

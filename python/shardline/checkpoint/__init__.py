@@ -12,15 +12,8 @@
 from __future__ import annotations
 
 from shardline.checkpoint import activations
-from shardline.checkpoint.api import (
-    SaveHandle,
-    consolidate,
-    info,
-    latest,
-    load,
-    save,
-    verify,
-)
+from shardline.checkpoint.api import SaveHandle, load, save
+from shardline.checkpoint.maintenance import consolidate, info, latest, verify
 from shardline.parallel.contract import BlockShard
 
 __all__ = [

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
@@ -18,6 +17,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 
 from shardline.comm.group import ProcessGroup
+from shardline.comm.objects import all_gather_object, broadcast_object
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.planner import format_bytes as _format_bytes
 
@@ -587,26 +587,12 @@ class ActivationCheckpointManager:
         ]
 
     def _all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's JSON-able ``obj``: two all-gathers, the sizes, then the bytes."""
-        payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-        dev = self.group.device
-        sizes = torch.empty(self.world_size, dtype=torch.int64, device=dev)
-        self.group.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64).to(dev))
-        outs = [torch.empty(int(n), dtype=torch.uint8, device=dev) for n in sizes.tolist()]
-        self.group.all_gather(outs, payload.to(dev))
-        return [json.loads(o.cpu().numpy().tobytes()) for o in outs]
+        """Every rank's ``obj``, in rank order (``shardline.comm.objects``)."""
+        return all_gather_object(obj, self.group)
 
     def _broadcast_object(self, obj: Any, src: int) -> Any:
-        """Rank ``src``'s JSON-able ``obj`` on every rank: two broadcasts, size then bytes."""
-        dev = self.group.device
-        data = json.dumps(obj).encode() if self.rank == src else b""
-        size = torch.tensor([len(data)], dtype=torch.int64).to(dev)
-        self.group.broadcast(size, src)
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-        if self.rank == src:
-            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self.group.broadcast(buf, src)
-        return json.loads(buf.cpu().numpy().tobytes())
+        """Rank ``src``'s ``obj`` on every rank (``shardline.comm.objects``)."""
+        return broadcast_object(obj, src, self.group)
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from shardline.parallel.contract import Box, Local, Shard
 
 __all__ = [
     "DTYPES",
-    "TORCH_DTYPES",
     "Piece",
     "Target",
     "dtype_name",
@@ -38,7 +37,6 @@ __all__ = [
 
 # torch dtype -> safetensors name (``shardline.dtypes`` is the one table).
 DTYPES = dtypes.FILE_DTYPES
-TORCH_DTYPES = {d.file: d.torch for d in dtypes.DTYPES}
 
 # Where a read lands: the tensor to fill, the global shape, the first element or block offsets.
 Target = tuple[torch.Tensor, tuple[int, ...], int | tuple[int, ...]]

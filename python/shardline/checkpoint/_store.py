@@ -14,6 +14,7 @@ checkpoint or the new one, never a torn one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,17 +28,29 @@ from typing import Any
 
 import torch
 
-from shardline import _native
-from shardline.checkpoint._state import TORCH_DTYPES, Piece, dtype_name, flat_index
+from shardline import _native, dtypes
+from shardline.checkpoint._state import Piece, dtype_name, flat_index
 from shardline.errors import CheckpointError
 
-__all__ = ["COMMIT", "INDEX", "SCHEMA", "Checkpoint", "commit", "shard_name", "write_rank"]
+__all__ = [
+    "COMMIT",
+    "INDEX",
+    "SCHEMA",
+    "Checkpoint",
+    "commit",
+    "failure",
+    "is_committed",
+    "mark_failed",
+    "shard_name",
+    "write_rank",
+]
 
 INDEX = "index.json"
 # Reads at least this large are not pooled: the engine splits each across threads itself.
 PARALLEL_READ_BYTES = 64 << 20
 READ_THREADS = 8
 COMMIT = "COMMIT"
+FAILED = "FAILED"  # a rank's failure marker in a partial checkpoint
 SCHEMA = 1
 
 
@@ -121,6 +134,24 @@ def write_rank(
     tmp.rename(directory / manifest_name(rank))
 
 
+def mark_failed(partial: Path, rank: int, reason: str) -> None:
+    """Leaves this rank's failure in a partial checkpoint, so no other rank waits for it."""
+    # (when the directory is gone the others time out, as they would have)
+    with contextlib.suppress(OSError):
+        (partial / f"{FAILED}.rank{rank:05d}").write_text(reason)
+
+
+def failure(partial: Path) -> str | None:
+    """The first failure a rank left in a partial checkpoint, as ``rank N: reason``."""
+    for marker in sorted(partial.glob(f"{FAILED}.rank*")):
+        try:
+            reason = marker.read_text()
+        except OSError:
+            reason = "(unreadable)"
+        return f"rank {int(marker.name.rsplit('rank', 1)[1])} failed: {reason}"
+    return None
+
+
 def commit(
     partial: Path,
     final: Path,
@@ -134,6 +165,12 @@ def commit(
         missing = [n for n in names if not n.exists()]
         if not missing:
             break
+        failed = failure(partial)
+        if failed is not None:
+            raise CheckpointError(
+                f"checkpoint {final}: {failed}; {final} was not changed (the previous "
+                "checkpoint there, if any, is intact)"
+            )
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"checkpoint {final}: ranks {[int(n.name[4:9]) for n in missing]} did not "
@@ -144,10 +181,25 @@ def commit(
     tensors: dict[str, dict[str, Any]] = {}
     files: dict[str, Any] = {}
     rng: dict[str, Any] = {}
+    values: dict[str, dict[str, Any]] = {}  # optimizer values, from every rank that has some
+    replicated: list[str] | None = None
     for n in names:
         m = json.loads(n.read_text())
         files[m["file"]] = {"rank": m["rank"], "bytes": m["bytes"], "compressed": m["compressed"]}
         rng[str(m["rank"])] = m.get("rng")
+        for name, entries in m.get("optimizer_values", {}).items():
+            for k, v in entries.items():
+                values.setdefault(name, {}).setdefault(k, v)
+        if replicated is None:
+            replicated = m.get("replicated", [])
+        elif m.get("replicated", []) != replicated:
+            theirs = set(m.get("replicated", []))
+            odd = sorted(theirs ^ set(replicated))[:5]
+            raise CheckpointError(
+                f"checkpoint {final}: rank {m['rank']} and rank 0 hold different replicated "
+                f"state (e.g. {odd}); a strategy must give a replicated value on every rank, "
+                f"or a Shard where only some ranks hold it. {final} was not changed"
+            )
         for c in m["chunks"]:
             entry = tensors.setdefault(c["key"], {"dtype": c["dtype"], "shape": c["shape"]})
             if entry["dtype"] != c["dtype"] or entry["shape"] != c["shape"]:
@@ -161,6 +213,8 @@ def commit(
         n.unlink()
     for entry in tensors.values():
         entry["chunks"].sort(key=lambda c: c["start"])
+    if header.get("optimizer") is not None:
+        header = {**header, "optimizer": {**header["optimizer"], "values": values}}
     index = {**header, "schema": SCHEMA, "files": files, "tensors": tensors, "rng": rng}
     with open(partial / INDEX, "w") as f:
         json.dump(index, f)
@@ -266,7 +320,7 @@ class Checkpoint:
 
     def dtype(self, key: str) -> torch.dtype:
         """The stored dtype of ``key``."""
-        return TORCH_DTYPES[self.tensors[self.resolve(key)]["dtype"]]
+        return dtypes.from_file_name(self.tensors[self.resolve(key)]["dtype"])
 
     def read(
         self,
@@ -286,7 +340,7 @@ class Checkpoint:
         if isinstance(start, tuple) or any("box" in c for c in entry["chunks"]):
             self._read_through_whole(key, entry, out, start, verify)
             return
-        dtype = TORCH_DTYPES[entry["dtype"]]
+        dtype = dtypes.from_file_name(entry["dtype"])
         n = out.numel()
         direct = out.device.type == "cpu" and out.is_contiguous() and out.dtype == dtype
         buf = out if direct else torch.empty(n, dtype=dtype)
@@ -327,7 +381,7 @@ class Checkpoint:
         The chunks that overlap the request are placed into the whole tensor (in host
         memory), and the request is cut out of it.
         """
-        dtype = TORCH_DTYPES[entry["dtype"]]
+        dtype = dtypes.from_file_name(entry["dtype"])
         shape = tuple(entry["shape"])
         whole = torch.empty(shape, dtype=dtype)
         flat = whole.reshape(-1)

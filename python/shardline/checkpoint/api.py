@@ -1,4 +1,4 @@
-"""``save``, ``load``, ``latest``, ``info``, ``verify``, ``consolidate``: the checkpoint API.
+"""``save`` and ``load``: the checkpoint API (``maintenance`` finds, checks and exports).
 
 Any strategy saves and any strategy loads: a checkpoint written by N ranks with ZeRO-3 loads
 into M ranks with DDP, into ZeRO-2, or into one process and a plain ``nn.Module``, bit for bit
@@ -23,23 +23,26 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardline import _native, config
+from shardline import config
 from shardline._progress import Progress, wanted
 from shardline.checkpoint._load_plan import Read, plan_model, plan_optimizer
-from shardline.checkpoint._state import Piece, dtype_name, model_pieces, optimizer_pieces
+from shardline.checkpoint._state import Piece, model_pieces, optimizer_pieces
 from shardline.checkpoint._store import (
     INDEX,
     Checkpoint,
     commit,
+    failure,
     is_committed,
+    mark_failed,
     shard_name,
     write_rank,
 )
+from shardline.checkpoint.maintenance import rotate
 from shardline.comm.group import ProcessGroup
 from shardline.errors import CheckpointError
 from shardline.parallel import contract
 
-__all__ = ["SaveHandle", "consolidate", "info", "latest", "load", "save", "verify"]
+__all__ = ["SaveHandle", "load", "save"]
 
 _pending: SaveHandle | None = None
 _pending_lock = threading.Lock()
@@ -221,6 +224,13 @@ def save(
     shard = partial / shard_name(rank, compress is not None)
     what = f"checkpoint save {final}" + (f" (rank {rank}'s shard)" if world > 1 else "")
     nbytes = sum(p.tensor.numel() * p.tensor.element_size() for p in mine)
+    manifest = {
+        "rng": rng,
+        # Rank 0 checks that every rank holds the same replicated keys (one rank writes each),
+        # and merges every rank's optimizer values (a whole parameter's are on its owner).
+        "replicated": sorted(p.key for p in pieces if p.replicated),
+        "optimizer_values": optim_json["values"] if optim_json is not None else {},
+    }
 
     def job() -> None:
         deadline = time.monotonic() + _timeout()
@@ -233,13 +243,18 @@ def save(
             poll=lambda: os.stat(shard).st_size,
         )
         try:
-            write_rank(partial, rank, mine, compress, {"rng": rng})
+            try:
+                write_rank(partial, rank, mine, compress, manifest)
+                if rank == 0:
+                    commit(partial, final, world, header, deadline)
+            except BaseException as exc:  # the other ranks stop waiting, with the reason
+                mark_failed(partial, rank, f"{type(exc).__name__}: {exc}")
+                raise
             if rank == 0:
-                commit(partial, final, world, header, deadline)
                 if keep_last is not None:
-                    _rotate(final, keep_last)
+                    rotate(final, keep_last)
             else:
-                _wait_commit(final, nonce, deadline)
+                _wait_commit(final, partial, nonce, deadline)
         except BaseException:
             bar.close(ok=False)
             raise
@@ -273,7 +288,7 @@ def _staged(p: Piece) -> torch.Tensor:
     return buf
 
 
-def _wait_commit(final: Path, nonce: int, deadline: float) -> None:
+def _wait_commit(final: Path, partial: Path, nonce: int, deadline: float) -> None:
     while True:
         if is_committed(final):
             try:
@@ -281,85 +296,18 @@ def _wait_commit(final: Path, nonce: int, deadline: float) -> None:
                     return
             except (OSError, ValueError):
                 pass
+        failed = failure(partial)
+        if failed is not None:
+            raise CheckpointError(
+                f"checkpoint {final} was not saved: {failed}; the previous checkpoint there, "
+                "if any, is intact"
+            )
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"checkpoint {final}: rank 0 did not commit in time (is it alive?); the "
                 "previous checkpoint there, if any, is intact"
             )
         time.sleep(0.01)
-
-
-def _committed_under(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    return [p for p in root.iterdir() if p.is_dir() and is_committed(p)]
-
-
-def _age_key(path: Path) -> tuple[float, float]:
-    index = json.loads((path / INDEX).read_text())
-    step = index.get("step")
-    return (float(step) if isinstance(step, int | float) else -1.0, float(index["created"]))
-
-
-def _rotate(final: Path, keep: int) -> None:
-    others = sorted(_committed_under(final.parent), key=_age_key)
-    for old in others[: max(0, len(others) - max(keep, 1))]:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def latest(root: str | os.PathLike[str]) -> Path | None:
-    """The newest committed checkpoint under ``root`` (by step, then time), or ``None``."""
-    found = _committed_under(Path(root))
-    return max(found, key=_age_key) if found else None
-
-
-def info(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """What a checkpoint holds and how it was written (strategy, shards, precision, ...)."""
-    ck = Checkpoint(path)
-    idx = ck.index
-    model_keys = [k for k in ck.tensors if k.startswith("model/")]
-    return {
-        "path": str(ck.path),
-        "writer": idx.get("writer"),
-        "world_size": idx["world_size"],
-        "step": idx.get("step"),
-        "created": idx.get("created"),
-        **idx.get("layout", {}),
-        "compressed": any(f["compressed"] for f in idx["files"].values()),
-        "files": len(idx["files"]),
-        "bytes": sum(f["bytes"] for f in idx["files"].values()),
-        "model_tensors": len(model_keys),
-        "model_parameters": sum(int(np.prod(ck.tensors[k]["shape"])) for k in model_keys),
-        "optimizer": idx.get("optimizer") is not None,
-        "aliases": idx.get("aliases", {}),
-        "extra": idx.get("extra", {}),
-    }
-
-
-def verify(path: str | os.PathLike[str]) -> None:
-    """Checks every checksum and that the index covers every tensor completely."""
-    ck = Checkpoint(path)
-    for f in ck.files():
-        if not f.is_file():
-            raise CheckpointError(f"{ck.path}: shard file {f.name} is missing")
-        with _native.ShardReader(str(f)) as reader:
-            reader.verify()
-    for key, entry in ck.tensors.items():
-        total = int(np.prod(entry["shape"])) if entry["shape"] else 1
-        covered = 0
-        if any("box" in c for c in entry["chunks"]):  # blocks do not overlap: count elements
-            covered = sum(
-                int(np.prod(c["box"]["shape"])) if "box" in c else c["end"] - c["start"]
-                for c in entry["chunks"]
-            )
-        else:  # flat ranges, sorted: the covered prefix
-            for c in entry["chunks"]:
-                if c["start"] > covered:
-                    break
-                covered = max(covered, c["end"])
-        if covered < total:
-            raise CheckpointError(f"{ck.path}: {key!r} is covered up to {covered} of {total}")
 
 
 # -- load ----------------------------------------------------------------------------------------
@@ -387,105 +335,48 @@ def load(
     Returns:
         The ``extra`` saved with it.
     """
-    ck = Checkpoint(path)
-    g = _group(group)
-    rank, world = (g.rank, g.world_size) if g is not None else (0, 1)
-    if optimizer is not None and model is None:
-        raise CheckpointError("load(optimizer=...) needs model= too (state is keyed by name)")
-    same_layout = ck.index.get("world_size") == world and ck.index.get("layout") == _layout(model)
-    # Check everything first, then read model and optimizer in one go.
-    reads: list[Read] = []
-    finish: list[Callable[[], None]] = []
-    if model is not None:
-        more, apply = plan_model(ck, model, strict, rank, same_layout)
-        reads += more
-        finish.append(apply)
-    if optimizer is not None:
-        assert model is not None
-        more, apply = plan_optimizer(ck, model, optimizer, strict, rank)
-        reads += more
-        finish.append(apply)
-    show, delay = wanted(progress, rank)
-    bar = Progress(
-        f"checkpoint load {ck.path}",
-        sum(t.numel() * t.element_size() for _, t, _ in reads),
-        enabled=show,
-        delay=delay,
-    )
-    try:
-        with torch.no_grad():
-            ck.read_many(reads, progress=bar.add)
-    except BaseException:
-        bar.close(ok=False)
-        raise
-    bar.close()
-    for f in finish:
-        f()
-    rng = ck.index.get("rng", {}).get(str(rank))
-    if restore_rng and rng:
-        _restore_rng(rng)
-    return dict(ck.index.get("extra") or {})
+    with Checkpoint(path) as ck:
+        g = _group(group)
+        rank, world = (g.rank, g.world_size) if g is not None else (0, 1)
+        if optimizer is not None and model is None:
+            raise CheckpointError("load(optimizer=...) needs model= too (state is keyed by name)")
+        same_layout = ck.index.get("world_size") == world and ck.index.get("layout") == _layout(
+            model
+        )
+        # Check everything first, then read model and optimizer in one go.
+        reads: list[Read] = []
+        finish: list[Callable[[], None]] = []
+        if model is not None:
+            more, apply = plan_model(ck, model, strict, rank, same_layout)
+            reads += more
+            finish.append(apply)
+        if optimizer is not None:
+            assert model is not None
+            more, apply = plan_optimizer(ck, model, optimizer, strict, rank)
+            reads += more
+            finish.append(apply)
+        show, delay = wanted(progress, rank)
+        bar = Progress(
+            f"checkpoint load {ck.path}",
+            sum(t.numel() * t.element_size() for _, t, _ in reads),
+            enabled=show,
+            delay=delay,
+        )
+        try:
+            with torch.no_grad():
+                ck.read_many(reads, progress=bar.add)
+        except BaseException:
+            bar.close(ok=False)
+            raise
+        bar.close()
+        for f in finish:
+            f()
+        rng = ck.index.get("rng", {}).get(str(rank))
+        if restore_rng and rng:
+            _restore_rng(rng)
+        return dict(ck.index.get("extra") or {})
 
 
 def _layout(model: nn.Module | None) -> dict[str, Any]:
     """The strategy's description of its layout, as JSON gives it back."""
     return dict(json.loads(json.dumps(contract.layout(model))))
-
-
-# -- consolidate ---------------------------------------------------------------------------------
-
-
-def consolidate(
-    path: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    max_shard_bytes: int = 5 << 30,
-) -> list[Path]:
-    """Writes the model as Hugging Face-style safetensors (full tensors, plain names).
-
-    One ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files plus
-    ``model.safetensors.index.json`` when larger than ``max_shard_bytes``. Streams: at most
-    one output file's worth of tensors is in memory. Tied tensors are stored once.
-    """
-    ck = Checkpoint(path)
-    dst = Path(out)
-    dst.mkdir(parents=True, exist_ok=True)
-    keys = [k for k in ck.tensors if k.startswith("model/")]
-    groups: list[list[str]] = [[]]
-    size = 0
-    for k in keys:
-        nbytes = int(np.prod(ck.shape(k))) * torch.empty(0, dtype=ck.dtype(k)).element_size()
-        if groups[-1] and size + nbytes > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(k)
-        size += nbytes
-    written: list[Path] = []
-    weight_map: dict[str, str] = {}
-    for i, group_keys in enumerate(groups):
-        name = (
-            "model.safetensors"
-            if len(groups) == 1
-            else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        )
-        tensors = []
-        keep = []
-        for k in group_keys:
-            t = torch.empty(ck.shape(k), dtype=ck.dtype(k))
-            ck.read(k, t)
-            keep.append(t)
-            plain = k[len("model/") :]
-            view = t.reshape(-1)
-            data = view.view(torch.uint8).numpy() if view.numel() else bytearray()
-            tensors.append((plain, dtype_name(t.dtype, k), list(t.shape), data))
-            weight_map[plain] = name
-        _native.write_shard(str(dst / name), tensors, {"format": "pt"})
-        written.append(dst / name)
-        del keep, tensors
-    if len(groups) > 1:
-        index = {
-            "metadata": {"total_size": sum(f.stat().st_size for f in written)},
-            "weight_map": weight_map,
-        }
-        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-        written.append(dst / "model.safetensors.index.json")
-    return written
