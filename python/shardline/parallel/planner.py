@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from shardline.errors import InvalidArgumentError
+from shardline.parallel import strategies
 from shardline.parallel.data.zero.grouping import default_unit_mb, plan_units
 from shardline.parallel.data.zero.schedule import _MAX_INFLIGHT
 from shardline.parallel.precision import MixedPrecision
@@ -54,7 +55,7 @@ __all__ = [
     "optimizer_states",
 ]
 
-PLANNED_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+PLANNED_STRATEGIES = strategies.STRATEGIES
 """Strategies ``estimate_memory`` knows (``fsdp`` is laid out as ``zero3``)."""
 
 OPTIMIZERS: dict[str, int] = {
@@ -370,7 +371,7 @@ def _estimate(
     notes: list[str],
 ) -> MemoryEstimate:
     """The estimate once arguments are checked and activations counted."""
-    layout = "zero3" if name == "fsdp" else name
+    layout = strategies.strategy(name).planned_as
     if unit_mb is None:
         first = next(model.parameters(), None)
         unit_mb = default_unit_mb(first.device if first is not None else torch.device("cpu"))
@@ -437,12 +438,11 @@ def _estimate(
 
 
 def _check_strategy(strategy: str) -> str:
-    name = strategy.lower() if isinstance(strategy, str) else ""
-    if name not in PLANNED_STRATEGIES:
+    if not isinstance(strategy, str):
         raise InvalidArgumentError(
             f"unknown strategy {strategy!r}; use one of {', '.join(PLANNED_STRATEGIES)}"
         )
-    return name
+    return strategies.strategy(strategy).name
 
 
 def _check_world_size(world_size: int) -> None:
@@ -649,7 +649,7 @@ def choose_strategy(
     cache: dict[torch.dtype | None, tuple[int, bool, list[str]]] = {}
     rejected: list[str] = []
     estimate: MemoryEstimate | None = None
-    for name in ("ddp", "zero1", "zero2", "zero3"):
+    for name in strategies.BY_MEMORY:
         notes: list[str] = []
         mp = _effective_precision(name, mixed_precision, notes)
         key = mp.param_dtype if mp is not None else None
