@@ -11,6 +11,7 @@ from torch import nn
 
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import planner
+from shardline.parallel.data.zero.schedule import _MAX_INFLIGHT
 from shardline.parallel.planner import (
     MemoryEstimate,
     available_memory,
@@ -19,7 +20,6 @@ from shardline.parallel.planner import (
     optimizer_states,
 )
 from shardline.parallel.precision import MixedPrecision
-from shardline.parallel.data.zero.schedule import _MAX_INFLIGHT
 
 FLATS = _MAX_INFLIGHT + 1  # full gradient flats in backward: reductions in flight + accumulating
 

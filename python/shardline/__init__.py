@@ -5,11 +5,13 @@ Table of contents:
 - ``init``, ``shutdown``, ``is_initialized``, ``get_rank``, ``get_world_size``: the job.
 - ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``, ``reduce``, ``gather``,
   ``scatter``, ``all_to_all``, ``barrier``, ``send``, ``recv``: collectives on the default
-  group (or ``group=``); ``async_op=True`` returns a ``Work``.
+  group (or ``group=``); ``async_op=True`` returns a ``Work``. ``all_gather_object`` and
+  ``broadcast_object``: any picklable object.
 - ``new_group``, ``ProcessGroup``, ``DeviceMesh``: sub-groups and named axes.
 - ``distribute``, ``DistributedDataParallel``, ``ShardedDataParallel`` (ZeRO 1/2/3, FSDP),
   ``MixedPrecision``: parallel strategies (``shardline.parallel``); ``as_distributed`` picks
-  one by memory, ``estimate_memory`` plans it before anything is allocated.
+  one by memory, ``estimate_memory`` plans it before anything is allocated;
+  ``register_optimizer``: how ZeRO shards an optimizer class it does not know.
 - ``checkpoint``: distributed checkpoints (``save``, ``load``, ``latest``, ...) and activation
   checkpointing across ranks (``checkpoint.activations``).
 - ``DistributedSampler``: each rank's share of a dataset, resumable mid-epoch (``shardline.data``).
@@ -31,17 +33,16 @@ from shardline.comm.collectives import (
     gather,
     get_rank,
     get_world_size,
-    init,
-    is_initialized,
     new_group,
     recv,
     reduce,
     reduce_scatter,
     scatter,
     send,
-    shutdown,
 )
 from shardline.comm.mesh import DeviceMesh
+from shardline.comm.objects import all_gather_object, broadcast_object
+from shardline.comm.world import init, is_initialized, shutdown
 from shardline.data import DistributedSampler
 from shardline.errors import (
     AuthenticationError,
@@ -63,6 +64,7 @@ from shardline.parallel import (
     as_distributed,
     distribute,
     estimate_memory,
+    register_optimizer,
 )
 
 __version__ = "0.1.0"
@@ -88,11 +90,13 @@ __all__ = [
     "Work",
     "__version__",
     "all_gather",
+    "all_gather_object",
     "all_reduce",
     "all_to_all",
     "as_distributed",
     "barrier",
     "broadcast",
+    "broadcast_object",
     "checkpoint",
     "distribute",
     "estimate_memory",
@@ -106,6 +110,7 @@ __all__ = [
     "recv",
     "reduce",
     "reduce_scatter",
+    "register_optimizer",
     "scatter",
     "send",
     "shutdown",

@@ -17,8 +17,10 @@ __all__ = ["build_parser", "main"]
 
 _RUN_EPILOG = """\
 Every worker gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-GROUP_RANK, MASTER_ADDR, MASTER_PORT) plus SHARDLINE_SECRET, SHARDLINE_RESTART_COUNT and
-TORCHELASTIC_RESTART_COUNT, so the same script also runs under torchrun and srun.
+GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT) plus SHARDLINE_SECRET and
+SHARDLINE_RESTART_COUNT, so the same script also runs under torchrun and srun. As torchrun's
+agent does, the launcher of node 0 hosts the rendezvous store at MASTER_ADDR:MASTER_PORT for
+the whole attempt (TORCHELASTIC_USE_AGENT_STORE=True), so it outlives every worker.
 
 examples:
   shardline run --nproc-per-node 4 train.py --lr 0.1
@@ -70,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="master_addr",
         default="127.0.0.1",
         metavar="HOST",
-        help="host of rank 0, reachable from every node (default: 127.0.0.1)",
+        help="host of node 0, reachable from every node (default: 127.0.0.1)",
     )
     run.add_argument(
         "--master-port",
@@ -79,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="PORT",
-        help="port of rank 0's rendezvous store (default: a free port; required with --nnodes > 1)",
+        help="port of the rendezvous store node 0's launcher hosts (default: a free port; "
+        "required with --nnodes > 1)",
     )
     run.add_argument(
         "--max-restarts",

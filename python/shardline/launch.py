@@ -12,6 +12,13 @@ to ``max_restarts`` times. Ctrl-C or SIGTERM to the launcher stops every worker 
 so its process group holds the worker and everything it spawns; the launcher signals whole
 groups and waits until no live member is left. Only a process that leaves its group
 (``setsid``, a double fork into a new session) escapes.
+
+[Note: the launcher hosts the store] The node-0 launcher hosts the job's rendezvous store
+(torch's ``TCPStore``) at ``MASTER_ADDR:MASTER_PORT`` for each attempt, and tells every
+worker so as torchrun does, with ``TORCHELASTIC_USE_AGENT_STORE=True``: every rank, rank 0
+included, then connects as a client. The store outlives every worker, so a rank that still
+creates groups through it after rank 0 has finished keeps working. Each attempt gets a fresh
+store, so no key of a failed attempt is read by the next.
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from types import FrameType
-from typing import IO, TextIO
+from typing import IO, Any, TextIO
 
 from shardline import config as settings
 from shardline.errors import InvalidArgumentError
@@ -52,6 +60,8 @@ _MAX_LINE_BYTES = 64 * 1024
 _READER_JOIN_S = 5.0
 _SETTLE_AFTER_KILL_S = 2.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# The deadline of the store's own client: the launcher makes no store calls of its own.
+_STORE_TIMEOUT = timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -65,8 +75,9 @@ class LaunchConfig:
         nproc_per_node: Workers on this node.
         nnodes: Nodes in the job (one launcher runs on each).
         node_rank: This node's index in ``[0, nnodes)``.
-        master_addr: Host of rank 0 (where its rendezvous store listens).
-        master_port: Port of rank 0's store; ``None`` picks a free one (one node only).
+        master_addr: Host of node 0, where its launcher hosts the rendezvous store (and rank 0
+            runs).
+        master_port: Port of that store; ``None`` picks a free one (one node only).
         max_restarts: How many times a failed group is restarted before giving up.
         prefix_output: Put ``[rank<N>]: `` in front of every line a worker prints.
         grace_period: Seconds between SIGTERM and SIGKILL when stopping workers.
@@ -195,15 +206,17 @@ def worker_env(
     node rank), ``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``, ``SHARDLINE_SECRET`` (unless ``secret`` is ``None``),
     ``SHARDLINE_RESTART_COUNT`` and ``TORCHELASTIC_RESTART_COUNT`` (the attempt number),
-    ``TORCHELASTIC_MAX_RESTARTS`` and ``PYTHONUNBUFFERED=1`` (so lines reach the launcher as
-    they are printed). Like torchrun, which sets ``OMP_NUM_THREADS`` when the user did not,
-    it sets ``OMP_NUM_THREADS`` to ``max(1, cores // nproc_per_node)`` unless ``base`` has
-    one, so the workers of a node do not each start a thread per core.
+    ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_USE_AGENT_STORE=True`` (the node-0 launcher
+    hosts the store at ``MASTER_ADDR:MASTER_PORT``: see [Note: the launcher hosts the store])
+    and ``PYTHONUNBUFFERED=1`` (so lines reach the launcher as they are printed). Like
+    torchrun, which sets ``OMP_NUM_THREADS`` when the user did not, it sets
+    ``OMP_NUM_THREADS`` to ``max(1, cores // nproc_per_node)`` unless ``base`` has one, so
+    the workers of a node do not each start a thread per core.
 
     Args:
         config: The launch.
         local_rank: The worker's rank on this node.
-        master_port: Port of rank 0's rendezvous store.
+        master_port: Port of the rendezvous store (hosted by the node-0 launcher).
         secret: The job's secret (see ``resolve_secret``).
         restart_count: Which attempt this is (0 for the first).
         base: Variables to start from; ``os.environ`` by default.
@@ -227,6 +240,7 @@ def worker_env(
             "SHARDLINE_RESTART_COUNT": str(restart_count),
             "TORCHELASTIC_RESTART_COUNT": str(restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
             "PYTHONUNBUFFERED": "1",
         }
     )
@@ -242,7 +256,9 @@ def launch(config: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
 
     Starts ``config.nproc_per_node`` workers; when one fails, stops the rest, reports the
     failure on stderr and starts them all again (on a fresh master port when the port was
-    picked automatically), at most ``config.max_restarts`` times. SIGINT, SIGTERM or SIGHUP
+    picked automatically), at most ``config.max_restarts`` times. On node 0 the launcher
+    hosts the job's rendezvous store, afresh for each attempt (see [Note: the launcher hosts
+    the store]). SIGINT, SIGTERM or SIGHUP
     to the launcher stops every worker and ends the run without restarting; a second signal
     skips the grace period. Signals are only caught when called from the main thread.
 
@@ -260,7 +276,8 @@ def launch(config: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
         when the launcher was stopped; else the failed worker's exit code (1 for a signal).
 
     Raises:
-        InvalidArgumentError: The job cannot start (no script, no secret for several nodes).
+        InvalidArgumentError: The job cannot start (no script, no secret for several nodes,
+            the master port is taken on node 0).
     """
     base = dict(os.environ if env is None else env)
     if not config.module and not os.path.isfile(config.target):
@@ -276,19 +293,19 @@ def launch(config: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
         for attempt in range(attempts):
             failed = None
             if stop.signum is None:
-                port = config.master_port if config.master_port is not None else free_port()
-                envs = [
-                    worker_env(
-                        config,
-                        local_rank=lr,
-                        master_port=port,
-                        secret=secret,
-                        restart_count=attempt,
-                        base=base,
-                    )
-                    for lr in range(config.nproc_per_node)
-                ]
-                failed = _Attempt(config, envs, stop).run()
+                with _rendezvous_store(config) as port:
+                    envs = [
+                        worker_env(
+                            config,
+                            local_rank=lr,
+                            master_port=port,
+                            secret=secret,
+                            restart_count=attempt,
+                            base=base,
+                        )
+                        for lr in range(config.nproc_per_node)
+                    ]
+                    failed = _Attempt(config, envs, stop).run()
             if stop.signum is not None:
                 name = signal.Signals(stop.signum).name
                 _say(f"stopped by {name}; every worker of this node is stopped")
@@ -307,6 +324,46 @@ def launch(config: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
                 )
                 return failed.exit_code
     raise AssertionError("unreachable: the last attempt returns")  # pragma: no cover
+
+
+# --- the rendezvous store ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _rendezvous_store(config: LaunchConfig) -> Iterator[int]:
+    """The port of the job's store for one attempt; on node 0, the store itself lives here.
+
+    Node 0 hosts it on ``--master-port`` (a free port when none was given) until the attempt
+    ends; the other nodes' workers connect to node 0's on ``--master-port``.
+
+    Raises:
+        InvalidArgumentError: node 0 cannot listen on ``--master-port``.
+    """
+    if config.node_rank != 0:
+        assert config.master_port is not None  # LaunchConfig requires it on several nodes
+        yield config.master_port
+        return
+    store = _host_store(config)
+    try:
+        yield int(store.port)
+    finally:
+        del store  # closes it: the next attempt starts on a fresh store
+
+
+def _host_store(config: LaunchConfig) -> Any:
+    """A TCPStore served by this process on ``config.master_port`` (0: a free port)."""
+    import torch.distributed as dist  # noqa: PLC0415  # only node 0's launcher needs torch
+
+    port = config.master_port if config.master_port is not None else 0
+    try:
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            config.master_addr, port, None, True, _STORE_TIMEOUT, wait_for_workers=False
+        )
+    except (RuntimeError, OSError) as exc:
+        raise InvalidArgumentError(
+            f"--master-port {port}: the launcher cannot host the rendezvous store there "
+            f"({exc}); pick a free port on this node, or stop the process holding it"
+        ) from exc
 
 
 # --- one attempt ---------------------------------------------------------------------------

@@ -1,11 +1,16 @@
 """Communication layer: rendezvous, process groups, device meshes and the public collectives.
 
 - ``rendezvous``: env:// and SLURM variables, the TCPStore, host identity, secret, timeout.
+- ``world``: the job and its default group: ``init``, ``shutdown``, ``default_group``.
 - ``group``: ``ProcessGroup``, the collectives strategies call; ``work``: ``Work``.
 - ``backends``: ``native`` (the Rust engine, CPU), ``nccl`` (torch's, CUDA), ``gloo`` (torch's,
   a reference) and ``mpi`` (mpi4py, optional).
 - ``mesh``: ``DeviceMesh``, a process group per named axis.
-- ``collectives``: ``init`` and the module-level functions on the default group.
+- ``collectives``: the module-level collectives on the default group.
+- ``objects``: ``all_gather_object`` and ``broadcast_object``, pickled objects.
+- ``torch_backend``: the ``torch.distributed`` backend ``"shardline"``.
+
+``init_process_group`` (here) creates a group from a store, with no global state.
 """
 
 from __future__ import annotations

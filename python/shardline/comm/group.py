@@ -21,7 +21,7 @@ from shardline.comm._buffers import (
     parse_op,
 )
 from shardline.comm.work import Handle, Work
-from shardline.errors import CommunicatorClosedError, InvalidArgumentError
+from shardline.errors import CommunicatorClosedError, InvalidArgumentError, PeerLostError
 
 if TYPE_CHECKING:
     from shardline.comm._buffers import TensorLike
@@ -66,6 +66,7 @@ class ProcessGroup:
         self._num_subgroups = 0
         self._closed = False
         self._lock = threading.Lock()
+        self._peer_lost: PeerLostError | None = None
 
     def __repr__(self) -> str:
         return (
@@ -105,11 +106,15 @@ class ProcessGroup:
         if not async_op:
             # Blocking calls run inline on the caller in the native engine (no thread
             # hand-off); the caller's frame keeps the tensors alive meanwhile.
-            start(False).wait()
+            try:
+                start(False).wait()
+            except PeerLostError as exc:
+                self._note_peer_lost(exc)
+                raise
             if finalize is not None:
                 finalize()
             return None
-        work = Work(start(True), keepalive, finalize)
+        work = Work(start(True), keepalive, finalize, self._note_peer_lost)
         with self._lock:
             # Pruned only when the list has doubled: checking every Work on every call would
             # cost O(n^2) completion queries (CUDA event queries for nccl) per burst of ops.
@@ -118,6 +123,16 @@ class ProcessGroup:
                 self._prune_at = max(64, 2 * len(self._pending))
             self._pending.append(work)
         return work
+
+    def _note_peer_lost(self, exc: PeerLostError) -> None:
+        if self._peer_lost is None:
+            self._peer_lost = exc
+
+    def _lost_peer(self) -> PeerLostError | None:
+        """The first ``PeerLostError`` an op of this group, or of a sub-group, raised here."""
+        if self._peer_lost is not None:
+            return self._peer_lost
+        return next((e for c in self._children if (e := c._lost_peer()) is not None), None)
 
     # -- collectives -------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ class DeviceMesh:
             else tuple(f"axis{i}" for i in range(len(dims)))
         )
         if group is None:
-            from shardline.comm.collectives import default_group  # noqa: PLC0415
+            from shardline.comm.world import default_group  # noqa: PLC0415
 
             group = default_group()
         if len(names) != len(dims) or len(set(names)) != len(names):

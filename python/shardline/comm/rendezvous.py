@@ -2,8 +2,16 @@
 
 Reads torchrun's env:// variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) or SLURM's (``SLURM_PROCID``, ``SLURM_NTASKS``,
-``SLURM_LOCALID``), opens torch's ``TCPStore`` (rank 0 hosts it), and resolves the job's host
-identity, shared secret and timeout.
+``SLURM_LOCALID``), opens torch's ``TCPStore``, and resolves the job's host identity, shared
+secret and timeout.
+
+[Note: who hosts the store] The store must outlive every rank that still uses it (sub-groups
+exchange keys through it long after ``init``). A launcher that hosts it for its workers says
+so as torchrun does, with ``TORCHELASTIC_USE_AGENT_STORE=True`` next to the ``MASTER_ADDR``
+and ``MASTER_PORT`` of its store: ``shardline run``'s node-0 launcher and torchrun's agent do.
+Then every rank, rank 0 included, connects as a client. Without such a launcher (plain env://,
+srun) rank 0 hosts the store, and ``shardline.shutdown()`` is collective so that rank 0 leaves
+last (see ``shardline.comm.world``).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from shardline import config
+from shardline.comm.backends._store import StoreClient, store_errors
 from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:
@@ -35,6 +44,7 @@ __all__ = [
     "first_slurm_host",
     "host_identity",
     "job_secret",
+    "launcher_hosts_store",
     "machine_identity",
     "read_env",
     "timeout_seconds",
@@ -49,8 +59,8 @@ class RendezvousInfo:
     """Where this process sits in the job, as the launcher described it.
 
     Attributes:
-        master_addr: Host of rank 0's TCPStore.
-        master_port: Port of rank 0's TCPStore.
+        master_addr: Host of the rendezvous store (rank 0's, or its launcher's).
+        master_port: Port of the rendezvous store.
         rank: Global rank.
         world_size: Number of ranks in the job.
         local_rank: Rank among the processes of this host.
@@ -192,15 +202,39 @@ def timeout_seconds(timeout: timedelta | float | None = None) -> float:
     return seconds
 
 
-def create_store(info: RendezvousInfo, timeout: timedelta | float | None = None) -> TCPStore:
-    """Opens the job's TCPStore: rank 0 hosts it, every other rank connects to it.
+def launcher_hosts_store(info: RendezvousInfo, env: Mapping[str, str] | None = None) -> bool:
+    """Whether a launcher hosts the store at ``info``'s address (see [Note: who hosts the store]).
+
+    torchrun's rule: ``TORCHELASTIC_USE_AGENT_STORE=True``, and the store asked for is the one
+    at the launcher's own ``MASTER_ADDR:MASTER_PORT``.
+    """
+    env = os.environ if env is None else env
+    return (
+        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and env.get("MASTER_ADDR") == info.master_addr
+        and env.get("MASTER_PORT") == str(info.master_port)
+    )
+
+
+def create_store(
+    info: RendezvousInfo,
+    timeout: timedelta | float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> TCPStore:
+    """Opens the job's TCPStore: a client of the launcher's, else rank 0 hosts it.
+
+    Args:
+        info: This process's place in the job.
+        timeout: Deadline of every store wait; ``SHARDLINE_TIMEOUT`` or 300 s by default.
+        env: Variables to read; ``os.environ`` by default.
 
     Raises:
         ShardlineError: rank 0 cannot bind ``MASTER_ADDR:MASTER_PORT`` (message names both),
-            or another rank cannot reach it before the timeout.
+            or a rank cannot reach the store before the timeout.
     """
     seconds = timeout_seconds(timeout)
-    is_master = info.rank == 0
+    hosted = launcher_hosts_store(info, env)
+    is_master = info.rank == 0 and not hosted
     where = f"{info.master_addr}:{info.master_port}"
     try:
         return dist.TCPStore(  # type: ignore[attr-defined]
@@ -222,9 +256,10 @@ def create_store(info: RendezvousInfo, timeout: timedelta | float | None = None)
                 "pick another MASTER_PORT or stop the process holding it"
             ) from exc
         role = "host" if is_master else "reach"
+        host = "the launcher" if hosted else "rank 0"
         raise ShardlineError(
             f"rank {info.rank} cannot {role} the rendezvous store at {where}: {text}; "
-            "check MASTER_ADDR/MASTER_PORT and that rank 0 is running"
+            f"check MASTER_ADDR/MASTER_PORT and that {host} is running"
         ) from exc
 
 
@@ -262,22 +297,23 @@ def _secret_from_env(env: Mapping[str, str] | None) -> bytes | None:
 INSECURE_SECRET = b"shardline-insecure-no-secret"
 
 
-def _fail_together(store: Store, rank: int, world_size: int, *, key: str) -> None:
+def _fail_together(client: StoreClient, world_size: int, *, key: str) -> None:
     """Lets every rank finish its store calls before rank 0 (the store's host) exits.
 
     Ranks other than 0 check in and return; rank 0 waits (up to 10 s) until all did, so the
     others raise the same clear error instead of "connection reset" from a vanished store.
     """
-    if rank != 0:
-        store.add(key, 1)
+    step = "reporting the missing SHARDLINE_SECRET to the other ranks"
+    if client.rank != 0:
+        client.add(key, 1, step)
         return
     deadline = time.monotonic() + 10
-    while store.add(key, 0) < world_size - 1 and time.monotonic() < deadline:
+    while client.add(key, 0, step) < world_size - 1 and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
 def job_secret(
-    store: Store,
+    store: Store | StoreClient,
     rank: int,
     host_ids: list[str],
     *,
@@ -292,26 +328,30 @@ def job_secret(
     without a secret fails unless ``SHARDLINE_INSECURE=1`` opts out (empty secret).
 
     Args:
-        store: The job's store.
+        store: The job's store (or a client of it for the task at hand).
         rank: This rank in the group being formed.
         host_ids: Every rank's host identity.
         key: Store key for a generated secret.
         env: Variables to read; ``os.environ`` by default.
+
+    Raises:
+        ShardlineError: a multi-host job without a secret, or the store failed (the message
+            names the rank and the step).
     """
     from_env = _secret_from_env(env)
     if from_env is not None:
         return from_env
+    client = store_errors(store, rank=rank, task="resolving the job secret")
     if len(set(host_ids)) > 1:
         if config.get("SHARDLINE_INSECURE", env):
             # The handshake still runs (it rejects strays and garbage) but proves nothing.
             return INSECURE_SECRET
-        _fail_together(store, rank, len(host_ids), key=f"{key}/missing")
+        _fail_together(client, len(host_ids), key=f"{key}/missing")
         raise ShardlineError(
             f"rank {rank}: this job spans {len(set(host_ids))} hosts but SHARDLINE_SECRET is "
             "not set; set the same SHARDLINE_SECRET on every rank (`shardline run` does), or "
             "set SHARDLINE_INSECURE=1 to accept unauthenticated connections"
         )
     if rank == 0:
-        store.set(key, secrets.token_bytes(32))  # type: ignore[arg-type]  # bytes work
-    value = store.get(key)
-    return bytes(value)
+        client.set(key, secrets.token_bytes(32), "publishing the job secret it generated")
+    return client.get(key, "reading the job secret rank 0 generated")

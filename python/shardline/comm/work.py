@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import torch
 
-__all__ = ["Backend", "Handle", "Work", "seconds"]
+from shardline.errors import PeerLostError
+
+__all__ = ["Backend", "Counts", "Handle", "Work", "seconds"]
+
+Counts: TypeAlias = Sequence[int] | None
+"""Elements per rank of an unequal all_gather, in rank order; ``None`` when all are equal."""
 
 
 def seconds(timeout: timedelta | float | None) -> float | None:
@@ -46,12 +51,7 @@ class Backend(Protocol):
         self, out: torch.Tensor, inp: torch.Tensor, op: str, *, async_op: bool = True
     ) -> Handle: ...
     def all_gather(
-        self,
-        out: torch.Tensor,
-        inp: torch.Tensor,
-        counts: Sequence[int] | None,
-        *,
-        async_op: bool = True,
+        self, out: torch.Tensor, inp: torch.Tensor, counts: Counts, *, async_op: bool = True
     ) -> Handle: ...
     def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> Handle: ...
     def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> Handle: ...
@@ -87,10 +87,12 @@ class Work:
         handle: Handle,
         keepalive: tuple[object, ...],
         finalize: Callable[[], None] | None = None,
+        on_peer_lost: Callable[[PeerLostError], None] | None = None,
     ) -> None:
         self._handle = handle
         self._keepalive: tuple[object, ...] | None = keepalive
         self._finalize = finalize
+        self._on_peer_lost = on_peer_lost  # the group notes it (see ProcessGroup._lost_peer)
 
     def wait(self, timeout: timedelta | float | None = None) -> None:
         """Blocks until the op is done and its outputs are written.
@@ -103,7 +105,12 @@ class Work:
             CollectiveTimeoutError: ``timeout`` passed first (the op keeps running).
             ShardlineError: the op failed (``PeerLostError``, ``CollectiveMismatchError``, ...).
         """
-        self._handle.wait(seconds(timeout))
+        try:
+            self._handle.wait(seconds(timeout))
+        except PeerLostError as exc:
+            if self._on_peer_lost is not None:
+                self._on_peer_lost(exc)
+            raise
         if self._finalize is not None:
             finalize, self._finalize = self._finalize, None
             finalize()

@@ -6,8 +6,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["BOOL_OPS", "as_bytes", "pad_unequal", "reduce_args", "split"]
+__all__ = [
+    "BOOL_OPS",
+    "as_bytes",
+    "gather_args",
+    "pad_unequal",
+    "reduce_args",
+    "scatter_args",
+    "split",
+]
 
 # [Note: bool] bool is reduced as uint8: sum/max are "or", prod/min are "and".
 BOOL_OPS = {"sum": "max", "max": "max", "prod": "min", "min": "min"}
@@ -22,6 +31,26 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def split(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
     """``parts`` equal views of ``flat``."""
     return list(flat.view(parts, flat.numel() // parts).unbind(0))
+
+
+def gather_args(
+    out: torch.Tensor | None, inp: torch.Tensor, root: int, world_size: int
+) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], Any]:
+    """Torch's ``gather`` arguments: ``inp`` into the flat ``out`` (``None`` off the root)."""
+    opts = dist.GatherOptions()
+    opts.rootRank = root
+    outs = [] if out is None else [split(as_bytes(out), world_size)]
+    return outs, [as_bytes(inp)], opts
+
+
+def scatter_args(
+    out: torch.Tensor, inp: torch.Tensor | None, root: int, world_size: int
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], Any]:
+    """Torch's ``scatter`` arguments: the flat ``inp`` (``None`` off the root) into ``out``."""
+    opts = dist.ScatterOptions()
+    opts.rootRank = root
+    ins = [] if inp is None else [split(as_bytes(inp), world_size)]
+    return [as_bytes(out)], ins, opts
 
 
 def reduce_args(t: torch.Tensor, op: str, ops: Mapping[str, Any]) -> tuple[torch.Tensor, Any]:

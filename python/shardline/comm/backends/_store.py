@@ -1,41 +1,198 @@
-"""Small helpers over torch's Store shared by the backends: namespaced keys and a barrier."""
+"""Every store call of ours goes through ``StoreClient``: torch's errors become ours.
+
+The rendezvous store (torch's ``TCPStore``, often behind ``PrefixStore``s) carries host
+identities, listener addresses, arena paths, a generated secret, the backend choice, barriers
+and shutdown check-outs. A ``StoreClient`` wraps it for one task of one rank ("creating group
+'world.3'"), and every call names its step ("publishing its host identity"), so a failure
+says which rank, doing what, and what to do:
+
+- the store's host is gone (torch's ``DistNetworkError``: broken pipe, connection reset):
+  ``PeerLostError``;
+- a wait passed its deadline (torch's ``DistStoreError``: "wait timeout"):
+  ``CollectiveTimeoutError``;
+- anything else the store raises: ``ShardlineError``.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from shardline.errors import CollectiveTimeoutError
+import torch.distributed as dist
+
+from shardline.errors import CollectiveTimeoutError, PeerLostError, ShardlineError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
-__all__ = ["exchange", "store_barrier"]
+__all__ = ["StoreClient", "exchange", "store_barrier", "store_errors"]
 
 
-def exchange(store: Store, prefix: str, rank: int, world_size: int, value: str) -> list[str]:
-    """Publishes ``value`` under ``prefix/rank`` and returns every rank's value, in rank order."""
-    store.set(f"{prefix}/{rank}", value)
-    return [bytes(store.get(f"{prefix}/{r}")).decode() for r in range(world_size)]
+class _Absent(Exception):
+    """Stands in for a torch error class this torch build lacks (never raised)."""
+
+
+_DIST_ERROR: type[Exception] = getattr(dist, "DistError", _Absent)
+_NETWORK_ERROR: type[Exception] = getattr(dist, "DistNetworkError", _Absent)
+
+
+def store_address(store: object) -> str | None:
+    """``host:port`` of the TCPStore under ``store``'s prefixes, if it is one."""
+    inner = store
+    while True:
+        under = getattr(inner, "underlying_store", None)
+        if under is None:
+            break
+        inner = under
+    host, port = getattr(inner, "host", None), getattr(inner, "port", None)
+    return f"{host}:{port}" if host and port else None
+
+
+class StoreClient:
+    """One rank's store calls for one task; failures name the rank, the task and the step.
+
+    Args:
+        store: A torch ``Store`` (or another client, whose store is reused).
+        rank: This rank, in the group the task is about.
+        task: What the calls are for, e.g. ``"creating group 'world.3'"``.
+    """
+
+    def __init__(self, store: Store | StoreClient, *, rank: int, task: str) -> None:
+        self.store: Any = store.store if isinstance(store, StoreClient) else store
+        self.rank = rank
+        self.task = task
+
+    @property
+    def address(self) -> str | None:
+        """``host:port`` of the store, when it is a TCPStore."""
+        return store_address(self.store)
+
+    @contextlib.contextmanager
+    def step(self, what: str, *, store_only: bool = False) -> Iterator[None]:
+        """Turns a store failure inside the block into a ``ShardlineError`` about ``what``.
+
+        Args:
+            what: The step, e.g. ``"publishing its host identity"``.
+            store_only: Translate only torch's distributed errors (for a block that does more
+                than store calls, such as building a torch process group through the store).
+        """
+        caught = (_DIST_ERROR,) if store_only else (RuntimeError, OSError)
+        try:
+            yield
+        except ShardlineError:
+            raise
+        except caught as exc:
+            raise self.error(what, exc) from exc
+
+    def error(self, what: str, exc: BaseException) -> ShardlineError:
+        """The ``ShardlineError`` for ``exc``, raised by the store during ``what``."""
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        head = f"rank {self.rank}: {self.task}: {what}"
+        where = self.address
+        store = f"the rendezvous store at {where}" if where else "the rendezvous store"
+        if isinstance(exc, (_NETWORK_ERROR, ConnectionError)):
+            return PeerLostError(
+                f"{head} failed: {store} is gone ({text}): rank 0 or the launcher that hosted "
+                "it exited. If rank 0 failed, its own error says why; if it had finished, call "
+                "shardline.shutdown() on every rank (it is collective: rank 0 leaves last), or "
+                "launch with `shardline run`, whose launcher hosts the store for the whole job"
+            )
+        if isinstance(exc, TimeoutError) or "timeout" in text.lower() or "timed out" in text:
+            return CollectiveTimeoutError(
+                f"{head} timed out ({text}); check that every rank reaches this point "
+                "(SHARDLINE_TIMEOUT sets the deadline)"
+            )
+        return ShardlineError(f"{head} failed: {store} raised {type(exc).__name__}: {text}")
+
+    def set(self, key: str, value: str | bytes, what: str) -> None:
+        """``store.set(key, value)``."""
+        with self.step(what):
+            self.store.set(key, value)
+
+    def get(self, key: str, what: str) -> bytes:
+        """``store.get(key)``: waits until ``key`` exists (up to the store's timeout)."""
+        with self.step(what):
+            return bytes(self.store.get(key))
+
+    def add(self, key: str, amount: int, what: str) -> int:
+        """``store.add(key, amount)``: the counter after adding."""
+        with self.step(what):
+            return int(self.store.add(key, amount))
+
+    def check(self, keys: list[str], what: str) -> bool:
+        """Whether every key of ``keys`` exists (no waiting)."""
+        with self.step(what):
+            return bool(self.store.check(keys))
+
+    def wait(self, keys: list[str], timeout: float, what: str) -> None:
+        """Waits until every key of ``keys`` exists, ``timeout`` seconds at most."""
+        with self.step(what):
+            self.store.wait(keys, timedelta(seconds=timeout))
+
+
+def store_errors(store: Store | StoreClient, *, rank: int, task: str) -> StoreClient:
+    """``store`` as a ``StoreClient`` for ``task``; a client keeps its own (the caller's) task."""
+    if isinstance(store, StoreClient):
+        return store
+    return StoreClient(store, rank=rank, task=task)
+
+
+def exchange(client: StoreClient, prefix: str, world_size: int, value: str, what: str) -> list[str]:
+    """Publishes ``value`` under ``prefix/<rank>``; returns every rank's value, in rank order.
+
+    Args:
+        client: The store, for this rank and task.
+        prefix: Key prefix of this round.
+        world_size: Ranks taking part.
+        value: This rank's value.
+        what: What the values are, for messages (``"host identity"``).
+
+    Raises:
+        CollectiveTimeoutError: a rank did not publish in time; names the ranks that did not.
+        PeerLostError: the store is gone.
+    """
+    client.set(f"{prefix}/{client.rank}", value, f"publishing its {what}")
+    values = []
+    for r in range(world_size):
+        try:
+            values.append(client.get(f"{prefix}/{r}", f"reading rank {r}'s {what}").decode())
+        except CollectiveTimeoutError as exc:
+            step = f"looking for every rank's {what}"
+            absent = [q for q in range(world_size) if not client.check([f"{prefix}/{q}"], step)]
+            raise CollectiveTimeoutError(
+                f"{exc}; rank(s) {absent} of {world_size} never published theirs"
+            ) from exc
+    return values
 
 
 def store_barrier(
-    store: Store, key: str, rank: int, world_size: int, timeout: float, what: str
+    client: StoreClient, key: str, world_size: int, timeout: float, what: str
 ) -> None:
     """Returns once ``world_size`` ranks arrived at ``key``.
+
+    Args:
+        client: The store, for this rank and task.
+        key: Key prefix of this barrier.
+        world_size: Ranks taking part.
+        timeout: Seconds to wait at most.
+        what: The step, for messages (``"waiting for every rank to connect"``).
 
     Raises:
         CollectiveTimeoutError: not all ranks arrived within ``timeout`` seconds; the message
             says how many did.
+        PeerLostError: the store is gone.
     """
-    arrived = store.add(f"{key}/count", 1)
+    arrived = client.add(f"{key}/count", 1, what)
     if arrived == world_size:
-        store.set(f"{key}/done", "1")
+        client.set(f"{key}/done", "1", what)
     try:
-        store.wait([f"{key}/done"], timedelta(seconds=timeout))
-    except RuntimeError as exc:  # torch raises DistStoreError (a RuntimeError) on timeout
-        count = store.add(f"{key}/count", 0)
+        client.wait([f"{key}/done"], timeout, what)
+    except CollectiveTimeoutError as exc:
+        count = client.add(f"{key}/count", 0, what)
         raise CollectiveTimeoutError(
-            f"rank {rank}: {what} timed out after {timeout:.1f} s with {count} of {world_size} "
-            "ranks arrived; check that every rank reaches this point (SHARDLINE_TIMEOUT)"
+            f"rank {client.rank}: {client.task}: {what} timed out after {timeout:.1f} s with "
+            f"{count} of {world_size} ranks arrived; check that every rank reaches this point "
+            "(SHARDLINE_TIMEOUT)"
         ) from exc

@@ -15,8 +15,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from shardline.comm.backends._common import as_bytes, pad_unequal, reduce_args, split
-from shardline.comm.work import seconds
+from shardline.comm.backends._common import (
+    as_bytes,
+    gather_args,
+    pad_unequal,
+    reduce_args,
+    scatter_args,
+)
+from shardline.comm.backends._deferred import Deferred
+from shardline.comm.backends._store import StoreClient
+from shardline.comm.work import Counts, seconds
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -30,28 +38,6 @@ _OPS = {
     "min": dist.ReduceOp.MIN,
     "prod": dist.ReduceOp.PRODUCT,
 }
-
-
-class _GlooHandle:
-    """Adapts a torch ``Work`` (or several) to our Handle; runs ``after`` once on success."""
-
-    def __init__(self, works: list[dist.Work], after: Callable[[], None] | None = None) -> None:
-        self._works = works
-        self._after = after
-
-    def wait(self, timeout: float | None = None) -> None:
-        for w in self._works:
-            if timeout is None:
-                w.wait()
-            else:
-                w.wait(timedelta(seconds=timeout))
-        self._works = []  # torch's Works hold their tensors: let them go once waited
-        if self._after is not None:
-            after, self._after = self._after, None
-            after()
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
 
 
 class GlooBackend:
@@ -68,10 +54,12 @@ class GlooBackend:
         self.world_size = world_size
         prefix = f"shardline/{name}/gloo"
         prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
-        # torch's stubs do not list ProcessGroup methods; they exist at runtime.
-        self._pg: Any = dist.ProcessGroupGloo(
-            prefixed, rank, world_size, timedelta(seconds=timeout)
-        )
+        client = StoreClient(store, rank=rank, task=f"creating group {name!r}")
+        with client.step("connecting gloo's pairs through the store", store_only=True):
+            # torch's stubs do not list ProcessGroup methods; they exist at runtime.
+            self._pg: Any = dist.ProcessGroupGloo(
+                prefixed, rank, world_size, timedelta(seconds=timeout)
+            )
 
     def _reduce_args(self, t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
         return reduce_args(t, op, _OPS)
@@ -85,13 +73,13 @@ class GlooBackend:
 
         return divide
 
-    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _GlooHandle:
+    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> Deferred:
         buf, rop = self._reduce_args(t, op)
-        return _GlooHandle([self._pg.allreduce([buf], _opt(rop))], self._avg(t, op))
+        return Deferred([self._pg.allreduce([buf], _opt(rop))], after=self._avg(t, op))
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, op: str, *, async_op: bool = True
-    ) -> _GlooHandle:
+    ) -> Deferred:
         tmp = inp.clone()
         handle = self.all_reduce(tmp, op)
         n = out.numel()
@@ -100,65 +88,54 @@ class GlooBackend:
             handle.wait()
             out.reshape(-1).copy_(tmp.reshape(-1)[self.rank * n : (self.rank + 1) * n])
 
-        return _GlooHandle([], take)
+        return Deferred(after=take)
 
     def all_gather(
-        self,
-        out: torch.Tensor,
-        inp: torch.Tensor,
-        counts: Sequence[int] | None,
-        *,
-        async_op: bool = True,
-    ) -> _GlooHandle:
+        self, out: torch.Tensor, inp: torch.Tensor, counts: Counts, *, async_op: bool = True
+    ) -> Deferred:
         if counts is None:
-            return _GlooHandle([self._pg._allgather_base(as_bytes(out), as_bytes(inp))])
+            return Deferred([self._pg._allgather_base(as_bytes(out), as_bytes(inp))])
         padded, gathered, unpad = pad_unequal(out, inp, counts, self.world_size)
         work = self._pg._allgather_base(as_bytes(gathered), as_bytes(padded))
-        return _GlooHandle([work], unpad)
+        return Deferred([work], after=unpad)
 
-    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> _GlooHandle:
+    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> Deferred:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        return _GlooHandle([self._pg.broadcast([as_bytes(t)], opts)])
+        return Deferred([self._pg.broadcast([as_bytes(t)], opts)])
 
-    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> _GlooHandle:
+    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> Deferred:
         buf, rop = self._reduce_args(t, op)
         opts = dist.ReduceOptions()
         opts.rootRank, opts.reduceOp = root, rop
         after = self._avg(t, op) if self.rank == root else None
-        return _GlooHandle([self._pg.reduce([buf], opts)], after)
+        return Deferred([self._pg.reduce([buf], opts)], after=after)
 
     def gather(
         self, out: torch.Tensor | None, inp: torch.Tensor, root: int, *, async_op: bool = True
-    ) -> _GlooHandle:
-        opts = dist.GatherOptions()
-        opts.rootRank = root
-        outs = [] if out is None else [split(as_bytes(out), self.world_size)]
-        return _GlooHandle([self._pg.gather(outs, [as_bytes(inp)], opts)])
+    ) -> Deferred:
+        return Deferred([self._pg.gather(*gather_args(out, inp, root, self.world_size))])
 
     def scatter(
         self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
-    ) -> _GlooHandle:
-        opts = dist.ScatterOptions()
-        opts.rootRank = root
-        ins = [] if inp is None else [split(as_bytes(inp), self.world_size)]
-        return _GlooHandle([self._pg.scatter([as_bytes(out)], ins, opts)])
+    ) -> Deferred:
+        return Deferred([self._pg.scatter(*scatter_args(out, inp, root, self.world_size))])
 
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
-    ) -> _GlooHandle:
-        return _GlooHandle(
+    ) -> Deferred:
+        return Deferred(
             [self._pg.alltoall_base(as_bytes(out), as_bytes(inp), [], [], dist.AllToAllOptions())]
         )
 
-    def barrier(self, *, async_op: bool = True) -> _GlooHandle:
-        return _GlooHandle([self._pg.barrier()])
+    def barrier(self, *, async_op: bool = True) -> Deferred:
+        return Deferred([self._pg.barrier()])
 
-    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _GlooHandle:
-        return _GlooHandle([self._pg.send([as_bytes(t)], dst, 0)])
+    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> Deferred:
+        return Deferred([self._pg.send([as_bytes(t)], dst, 0)])
 
-    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _GlooHandle:
-        return _GlooHandle([self._pg.recv([as_bytes(t)], src, 0)])
+    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> Deferred:
+        return Deferred([self._pg.recv([as_bytes(t)], src, 0)])
 
     def subgroup(
         self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False

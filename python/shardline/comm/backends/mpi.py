@@ -21,12 +21,14 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
 from shardline.comm.backends._common import BOOL_OPS
-from shardline.comm.work import seconds
+from shardline.comm.backends._deferred import Deferred
+from shardline.comm.work import Counts, seconds
 from shardline.errors import (
     CollectiveTimeoutError,
     CommunicatorClosedError,
@@ -79,59 +81,6 @@ def _bytes(t: torch.Tensor) -> Any:
     return (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)).numpy()
 
 
-class _MpiHandle:
-    """MPI requests in flight; ``after`` runs once they completed, on the first ``wait``."""
-
-    def __init__(
-        self,
-        backend: MpiBackend,
-        what: str,
-        requests: list[Any],
-        after: Callable[[], None] | None = None,
-        keep: tuple[object, ...] = (),
-    ) -> None:
-        self._backend = backend
-        self._what = what
-        self._requests = requests
-        self._after = after
-        # [Note: ownership] numpy views and temporaries stay alive until the op is done.
-        self._keep: tuple[object, ...] | None = keep
-        self._done = False
-        self._lock = threading.Lock()
-
-    def _test(self) -> bool:
-        with self._lock:
-            if not self._done:
-                self._done = bool(self._backend.MPI.Request.Testall(self._requests))
-            return self._done
-
-    def wait(self, timeout: float | None = None) -> None:
-        limit = self._backend.timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        pause = 0.0
-        while not self._test():
-            if self._backend.aborted is not None:
-                raise CommunicatorClosedError(
-                    f"{self._what} on rank {self._backend.rank} (mpi): the group was aborted "
-                    f"({self._backend.aborted}); create a new one"
-                )
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
-                    f"{self._what} on rank {self._backend.rank} (mpi) did not finish within "
-                    f"{limit:.1f} s; check that every rank runs the same collectives in the same "
-                    "order (SHARDLINE_TIMEOUT sets the deadline)"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2 or 1e-5, 1e-3)
-        if self._after is not None:
-            after, self._after = self._after, None
-            after()
-        self._keep = None
-
-    def is_completed(self) -> bool:
-        return self._test()
-
-
 class MpiBackend:
     """Checked CPU tensors in, MPI nonblocking collectives out."""
 
@@ -147,6 +96,7 @@ class MpiBackend:
         self.world_size = int(comm.Get_size())
         self.aborted: str | None = None
         self._closed = False
+        self._test_lock = threading.Lock()
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -156,7 +106,8 @@ class MpiBackend:
         start: Callable[[], list[Any]],
         after: Callable[[], None] | None = None,
         keep: tuple[object, ...] = (),
-    ) -> _MpiHandle:
+    ) -> Deferred:
+        """Starts an op; its handle polls the requests (see [Note: progress])."""
         if self.aborted is not None:
             raise CommunicatorClosedError(
                 f"{what} on rank {self.rank} (mpi): the group was aborted ({self.aborted}); "
@@ -166,7 +117,34 @@ class MpiBackend:
             requests = start()
         except self.MPI.Exception as exc:
             raise ShardlineError(f"{what} on rank {self.rank} (mpi) failed: {exc}") from exc
-        return _MpiHandle(self, what, requests, after, keep)
+        # [Note: ownership] numpy views and temporaries stay alive until the op is done.
+        return Deferred(
+            requests, wait=partial(self._poll, what), test=self._test, after=after, keep=keep
+        )
+
+    def _test(self, requests: Sequence[Any]) -> bool:
+        with self._test_lock:
+            return bool(self.MPI.Request.Testall(requests))
+
+    def _poll(self, what: str, requests: Sequence[Any], timeout: float | None) -> None:
+        """Tests ``requests`` until done, the group is aborted or the deadline passes."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        pause = 0.0
+        while not self._test(requests):
+            if self.aborted is not None:
+                raise CommunicatorClosedError(
+                    f"{what} on rank {self.rank} (mpi): the group was aborted ({self.aborted}); "
+                    "create a new one"
+                )
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"{what} on rank {self.rank} (mpi) did not finish within {limit:.1f} s; "
+                    "check that every rank runs the same collectives in the same order "
+                    "(SHARDLINE_TIMEOUT sets the deadline)"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2 or 1e-5, 1e-3)
 
     def _count(self, what: str, n: int) -> int:
         if n > _INT_MAX:
@@ -218,7 +196,7 @@ class MpiBackend:
 
     # -- collectives -------------------------------------------------------------------------
 
-    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _MpiHandle:
+    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> Deferred:
         buf, typ, mop, back = self._typed("all_reduce", t, op)
         arr = buf.numpy()
         return self._start(
@@ -230,7 +208,7 @@ class MpiBackend:
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, op: str, *, async_op: bool = True
-    ) -> _MpiHandle:
+    ) -> Deferred:
         ibuf, typ, mop, _ = self._typed("reduce_scatter", inp, op)
         obuf, _, _, back = self._typed("reduce_scatter", out, op)
         src, dst = ibuf.numpy(), obuf.numpy()
@@ -242,13 +220,8 @@ class MpiBackend:
         )
 
     def all_gather(
-        self,
-        out: torch.Tensor,
-        inp: torch.Tensor,
-        counts: Sequence[int] | None,
-        *,
-        async_op: bool = True,
-    ) -> _MpiHandle:
+        self, out: torch.Tensor, inp: torch.Tensor, counts: Counts, *, async_op: bool = True
+    ) -> Deferred:
         send = self._raw("all_gather", inp)
         if counts is None:
             recv = self._raw("all_gather", out)
@@ -264,11 +237,11 @@ class MpiBackend:
             "all_gather", lambda: [self._comm.Iallgatherv(send, recvv)], keep=(send, recvv)
         )
 
-    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> _MpiHandle:
+    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> Deferred:
         buf = self._raw("broadcast", t)
         return self._start("broadcast", lambda: [self._comm.Ibcast(buf, root)], keep=(buf,))
 
-    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> _MpiHandle:
+    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> Deferred:
         buf, typ, mop, back = self._typed("reduce", t, op)
         arr = buf.numpy()
         here = self.rank == root
@@ -283,7 +256,7 @@ class MpiBackend:
 
     def gather(
         self, out: torch.Tensor | None, inp: torch.Tensor, root: int, *, async_op: bool = True
-    ) -> _MpiHandle:
+    ) -> Deferred:
         send = self._raw("gather", inp)
         recv = None if out is None else self._raw("gather", out)
         return self._start(
@@ -292,7 +265,7 @@ class MpiBackend:
 
     def scatter(
         self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
-    ) -> _MpiHandle:
+    ) -> Deferred:
         send = None if inp is None else self._raw("scatter", inp)
         recv = self._raw("scatter", out)
         return self._start(
@@ -301,20 +274,20 @@ class MpiBackend:
 
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
-    ) -> _MpiHandle:
+    ) -> Deferred:
         send, recv = self._raw("all_to_all", inp), self._raw("all_to_all", out)
         return self._start(
             "all_to_all", lambda: [self._comm.Ialltoall(send, recv)], keep=(send, recv)
         )
 
-    def barrier(self, *, async_op: bool = True) -> _MpiHandle:
+    def barrier(self, *, async_op: bool = True) -> Deferred:
         return self._start("barrier", lambda: [self._comm.Ibarrier()])
 
-    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _MpiHandle:
+    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> Deferred:
         buf = self._raw("send", t)
         return self._start("send", lambda: [self._comm.Isend(buf, dst, 0)], keep=(buf,))
 
-    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _MpiHandle:
+    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> Deferred:
         buf = self._raw("recv", t)
         return self._start("recv", lambda: [self._comm.Irecv(buf, src, 0)], keep=(buf,))
 

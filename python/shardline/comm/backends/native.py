@@ -24,8 +24,9 @@ import torch
 
 from shardline import config
 from shardline.comm._buffers import dtype_name
-from shardline.comm.backends._store import exchange, store_barrier
+from shardline.comm.backends._store import StoreClient, exchange, store_barrier
 from shardline.comm.rendezvous import job_secret, machine_identity
+from shardline.comm.work import Counts
 from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:
@@ -35,17 +36,16 @@ if TYPE_CHECKING:
 
 __all__ = ["NativeBackend", "bind_address", "create"]
 
-# Bytes per shared-memory slot (two per rank). Measured in benches/results/slot-sweep.txt:
-# with cores to spare, small slots keep chunks in cache; on small or oversubscribed machines
-# every chunk boundary is a sync point that may wait for a descheduled rank, so fewer, larger
-# chunks win.
+# Bytes per shared-memory slot (two per rank). With cores to spare, small slots keep each
+# chunk in cache while the next is copied; on small or oversubscribed machines every chunk
+# boundary is a sync point that may wait for a descheduled rank, so fewer, larger chunks win.
 DEFAULT_SLOT_BYTES = 256 << 10
 FEW_CORES_SLOT_BYTES = 4 << 20
-# With 4 helper threads per rank (below), each phase's passes are split four ways: 256 KiB
-# slots leave pieces too small to pay for the split. With the helpers, 1 MiB slots made 2- and
-# 4-rank ops of 16-64 MiB 1.1-1.6x faster than 256 KiB ones (collectives-16c-lanes4.txt against
-# collectives-16c-lanes5-slot256k.txt). Async ops (DDP's) use them too, on one thread: DDP at
-# 2 ranks ran 4 % slower on average than with 256 KiB (ddp-cpu-16c-lanes-ab.txt).
+# With 4 helper threads per rank (below), each phase's passes are split four ways, and 256 KiB
+# slots leave pieces too small to pay for the split: with the helpers, 1 MiB slots made 2- and
+# 4-rank ops of 16-64 MiB 1.1-1.6x faster than 256 KiB ones on a 16-core host. Async ops
+# (DDP's) use the larger slots too, on one thread, at a small cost: DDP at 2 ranks ran about
+# 4 % slower than with 256 KiB.
 LANES_SLOT_BYTES = 1 << 20
 
 
@@ -103,10 +103,10 @@ def _slot_bytes(local_ranks: int, lanes: int = 1) -> int:
 
 
 # Helper threads per rank for large blocking shared-memory ops, when every rank has at least
-# this many cores. On the 16-core host, 4 threads per rank copied at 78-121 GB/s with 2-4 ranks
-# against 26-47 GB/s with one (B3 and B2 in benches/results/collectives-16c-lanes*.txt) and made
-# 16-64 MiB ops 1.3-3.9x faster. With 2 cores per rank (8 ranks) 2 threads gained little and
-# made 8-rank broadcasts of 16-64 MiB 2.2x slower, so fewer than 4 cores per rank get none.
+# this many cores. On a 16-core host, 4 threads per rank copied at 78-121 GB/s with 2-4 ranks
+# against 26-47 GB/s with one, and made 16-64 MiB ops 1.3-3.9x faster. With 2 cores per rank
+# (8 ranks) 2 threads gained little and made 8-rank broadcasts of 16-64 MiB 2.2x slower, so
+# fewer than 4 cores per rank get none.
 # More than 4 per rank were not measured.
 MAX_COMM_THREADS = 4
 # Ops below these sizes run on one thread: with 1 MiB slots (4 threads) a 1 MiB op is already
@@ -175,12 +175,7 @@ class NativeBackend:
         return self._g.reduce_scatter(out, inp, dtype_name(out), op, async_op)
 
     def all_gather(
-        self,
-        out: torch.Tensor,
-        inp: torch.Tensor,
-        counts: Sequence[int] | None,
-        *,
-        async_op: bool = True,
+        self, out: torch.Tensor, inp: torch.Tensor, counts: Counts, *, async_op: bool = True
     ) -> _native.Work:
         return self._g.all_gather(out, inp, dtype_name(inp), counts, async_op)
 
@@ -261,9 +256,11 @@ def create(
     """
     native = _native_module()
     prefix = f"shardline/{name}"
+    client = StoreClient(store, rank=rank, task=f"creating group {name!r}")
     # One round for both identities: the host id decides shared memory, the machine (the
     # same unless SHARDLINE_HOST_ID overrides it) how many ranks share this machine's cores.
-    idents = exchange(store, f"{prefix}/host", rank, world_size, f"{host_id}\0{machine_identity()}")
+    ident = f"{host_id}\0{machine_identity()}"
+    idents = exchange(client, f"{prefix}/host", world_size, ident, "host identity")
     host_ids = [i.split("\0", 1)[0] for i in idents]
     machines = [i.split("\0", 1)[-1] for i in idents]
     machine_ranks = machines.count(machines[rank])
@@ -271,7 +268,7 @@ def create(
     job_local = _job_ranks_on_node()
     lanes = comm_threads(max(machine_ranks, job_local))
     if secret is None:
-        secret = job_secret(store, rank, host_ids, key=f"{prefix}/secret")
+        secret = job_secret(client, rank, host_ids, key=f"{prefix}/secret")
     listener = None
     addrs = [""] * world_size
     if world_size > 1:
@@ -279,7 +276,7 @@ def create(
         # A single-host job binds loopback only.
         single_host = len(set(host_ids)) == 1
         listener = native.Listener("127.0.0.1" if single_host else bind_address(master_addr))
-        addrs = exchange(store, f"{prefix}/addr", rank, world_size, listener.address)
+        addrs = exchange(client, f"{prefix}/addr", world_size, listener.address, "address")
 
     local = [r for r in range(world_size) if host_ids[r] == host_id]
     arena_path: str | None = None
@@ -291,9 +288,9 @@ def create(
             arena_path = f"/dev/shm/shardline-{os.getpid()}-{secrets.token_hex(8)}"
             native.arena_create(arena_path, len(local), _slot_bytes(len(local), lanes))
             created = True
-            store.set(key, arena_path)
+            client.set(key, arena_path, "publishing its host's shared-memory arena")
         else:
-            arena_path = bytes(store.get(key)).decode()
+            arena_path = client.get(key, "reading its host's shared-memory arena").decode()
     try:
         group = native.Group(
             rank,
@@ -308,9 +305,12 @@ def create(
             machine_ranks=machine_ranks,
             lanes=lanes,
             lanes_min_bytes=lanes_min_bytes(lanes),
+            spin_us=config.get("SHARDLINE_SPIN_US"),
+            stream_stores=config.get("SHARDLINE_STREAM_STORES"),
+            oneshot_bytes=config.get("SHARDLINE_ONESHOT_BYTES"),
         )
         store_barrier(
-            store, f"{prefix}/ready", rank, world_size, timeout, f"creating group {name!r}"
+            client, f"{prefix}/ready", world_size, timeout, "waiting for every rank to connect"
         )
     finally:
         if created and arena_path is not None:

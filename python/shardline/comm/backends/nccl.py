@@ -21,14 +21,23 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from shardline import config
-from shardline.comm.backends._common import as_bytes, pad_unequal, reduce_args, split
-from shardline.comm.work import seconds
+from shardline.comm.backends._common import (
+    as_bytes,
+    gather_args,
+    pad_unequal,
+    reduce_args,
+    scatter_args,
+)
+from shardline.comm.backends._deferred import DONE, Deferred
+from shardline.comm.backends._store import StoreClient
+from shardline.comm.work import Counts, seconds
 from shardline.errors import (
     CollectiveTimeoutError,
     CommunicatorClosedError,
@@ -87,59 +96,6 @@ def _index(raw: str, name: str, spec: str | None) -> int:
     except ValueError:
         shown = spec if spec is not None else raw
         raise ShardlineError(f"{name}={shown!r} does not name a GPU index") from None
-
-
-class _Done:
-    """The handle of a blocking call that already waited in the backend."""
-
-    __slots__ = ()
-
-    def wait(self, timeout: float | None = None) -> None:
-        return None
-
-    def is_completed(self) -> bool:
-        return True
-
-
-_DONE = _Done()
-
-
-class _NcclHandle:
-    """Adapts torch ``Work``s to our Handle; runs ``after`` once, on the first ``wait``."""
-
-    def __init__(
-        self,
-        works: list[dist.Work],
-        what: str,
-        rank: int,
-        after: Callable[[], None] | None = None,
-        keep: tuple[object, ...] = (),
-    ) -> None:
-        self._works = works
-        self._what = what
-        self._rank = rank
-        self._after = after
-        self._keep: tuple[object, ...] | None = keep
-
-    def wait(self, timeout: float | None = None) -> None:
-        for w in self._works:
-            try:
-                if timeout is None:
-                    w.wait()
-                else:
-                    w.wait(timedelta(seconds=timeout))
-            except RuntimeError as exc:
-                raise _translate(exc, self._what, self._rank) from exc
-        # torch's Works hold their tensors: drop them once waited, so a caller that keeps our
-        # Work (the group's pending list does, for a while) does not keep freed memory alive.
-        self._works = []
-        if self._after is not None:
-            after, self._after = self._after, None
-            after()
-        self._keep = None
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
 
 
 def _translate(exc: RuntimeError, what: str, rank: int) -> ShardlineError:
@@ -210,8 +166,10 @@ class NcclBackend:
             # Fewer thread blocks per collective: less of the GPU taken from the compute that
             # collectives overlap with, at some bandwidth (NCCL's config.maxCTAs).
             opts.config.max_ctas = ctas
-        # torch's stubs do not list ProcessGroup methods; they exist at runtime.
-        self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        client = StoreClient(store, rank=rank, task=f"creating group {name!r}")
+        with client.step("setting up NCCL through the store", store_only=True):
+            # torch's stubs do not list ProcessGroup methods; they exist at runtime.
+            self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         # Options are read when an op is queued: one object per reduction serves every call.
         self._allreduce_opts: dict[Any, Any] = {}
         self._reduce_scatter_opts: dict[Any, Any] = {}
@@ -222,7 +180,8 @@ class NcclBackend:
             self._reduce_scatter_opts[rop].reduceOp = rop
         if hasattr(self._pg, "eager_connect_single_device"):
             # Connect now, so a missing peer fails here and not in the first collective.
-            self._pg.eager_connect_single_device(device)
+            with client.step("connecting NCCL through the store", store_only=True):
+                self._pg.eager_connect_single_device(device)
 
     def _handle(
         self,
@@ -232,7 +191,7 @@ class NcclBackend:
         keep: tuple[object, ...] = (),
         *,
         async_op: bool = True,
-    ) -> _NcclHandle | _Done:
+    ) -> Deferred:
         try:
             works = start()
             if not async_op:  # a blocking call: wait here, no handle object to build
@@ -241,15 +200,20 @@ class NcclBackend:
         except RuntimeError as exc:
             raise _translate(exc, what, self.rank) from exc
         if async_op:
-            return _NcclHandle(works, what, self.rank, after, keep)
+            return Deferred(
+                works,
+                after=after,
+                translate=partial(_translate, what=what, rank=self.rank),
+                keep=keep,
+            )
         if after is not None:
             after()
-        return _DONE
+        return DONE
 
     def _reduce_args(self, t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
         return reduce_args(t, op, _OPS)
 
-    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _NcclHandle | _Done:
+    def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> Deferred:
         buf, rop = self._reduce_args(t, op)
         opts = self._allreduce_opts[rop]
         return self._handle(
@@ -258,7 +222,7 @@ class NcclBackend:
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, op: str, *, async_op: bool = True
-    ) -> _NcclHandle | _Done:
+    ) -> Deferred:
         obuf, rop = self._reduce_args(out, op)
         ibuf, _ = self._reduce_args(inp, op)
         opts = self._reduce_scatter_opts[rop]
@@ -269,13 +233,8 @@ class NcclBackend:
         )
 
     def all_gather(
-        self,
-        out: torch.Tensor,
-        inp: torch.Tensor,
-        counts: Sequence[int] | None,
-        *,
-        async_op: bool = True,
-    ) -> _NcclHandle | _Done:
+        self, out: torch.Tensor, inp: torch.Tensor, counts: Counts, *, async_op: bool = True
+    ) -> Deferred:
         if counts is None:
             if out.dtype != torch.bool:  # NCCL moves every other dtype of ours as it is
                 return self._handle(
@@ -296,18 +255,14 @@ class NcclBackend:
             async_op=async_op,
         )
 
-    def broadcast(
-        self, t: torch.Tensor, root: int, *, async_op: bool = True
-    ) -> _NcclHandle | _Done:
+    def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> Deferred:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         return self._handle(
             "broadcast", lambda: [self._pg.broadcast([as_bytes(t)], opts)], async_op=async_op
         )
 
-    def reduce(
-        self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True
-    ) -> _NcclHandle | _Done:
+    def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> Deferred:
         buf, rop = self._reduce_args(t, op)
         opts = dist.ReduceOptions()
         opts.rootRank, opts.reduceOp = root, rop
@@ -315,27 +270,19 @@ class NcclBackend:
 
     def gather(
         self, out: torch.Tensor | None, inp: torch.Tensor, root: int, *, async_op: bool = True
-    ) -> _NcclHandle | _Done:
-        opts = dist.GatherOptions()
-        opts.rootRank = root
-        outs = [] if out is None else [split(as_bytes(out), self.world_size)]
-        return self._handle(
-            "gather", lambda: [self._pg.gather(outs, [as_bytes(inp)], opts)], async_op=async_op
-        )
+    ) -> Deferred:
+        args = gather_args(out, inp, root, self.world_size)
+        return self._handle("gather", lambda: [self._pg.gather(*args)], async_op=async_op)
 
     def scatter(
         self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
-    ) -> _NcclHandle | _Done:
-        opts = dist.ScatterOptions()
-        opts.rootRank = root
-        ins = [] if inp is None else [split(as_bytes(inp), self.world_size)]
-        return self._handle(
-            "scatter", lambda: [self._pg.scatter([as_bytes(out)], ins, opts)], async_op=async_op
-        )
+    ) -> Deferred:
+        args = scatter_args(out, inp, root, self.world_size)
+        return self._handle("scatter", lambda: [self._pg.scatter(*args)], async_op=async_op)
 
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
-    ) -> _NcclHandle | _Done:
+    ) -> Deferred:
         return self._handle(
             "all_to_all",
             lambda: [
@@ -344,7 +291,7 @@ class NcclBackend:
             async_op=async_op,
         )
 
-    def barrier(self, *, async_op: bool = True) -> _NcclHandle | _Done:
+    def barrier(self, *, async_op: bool = True) -> Deferred:
         # What NCCL's own barrier does, on our device (torch's guesses the device and warns).
         token = torch.zeros(1, device=self.device)
         opts = dist.AllreduceOptions()
@@ -356,12 +303,12 @@ class NcclBackend:
             async_op=async_op,
         )
 
-    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _NcclHandle | _Done:
+    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> Deferred:
         return self._handle(
             "send", lambda: [self._pg.send([as_bytes(t)], dst, 0)], async_op=async_op
         )
 
-    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _NcclHandle | _Done:
+    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> Deferred:
         return self._handle(
             "recv", lambda: [self._pg.recv([as_bytes(t)], src, 0)], async_op=async_op
         )

@@ -1,0 +1,99 @@
+"""``Deferred``: the handle of an op that another library runs (torch's gloo or NCCL, MPI).
+
+The native engine returns its own ``Work``; the backends over other libraries return a
+``Deferred`` over what that library hands back (torch ``Work``s, MPI requests), parametrised
+by what each needs: how to wait for those and test them, what to run once the op succeeded
+(divide for avg, copy a padded or widened result out), which library errors to translate,
+and which buffers to keep alive meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from shardline.errors import ShardlineError
+
+__all__ = ["DONE", "Deferred", "torch_works_completed", "wait_torch_works"]
+
+
+def wait_torch_works(works: Sequence[Any], timeout: float | None) -> None:
+    """Waits for each torch ``Work`` of ``works``, ``timeout`` seconds each (``None``: theirs)."""
+    for w in works:
+        if timeout is None:
+            w.wait()
+        else:
+            w.wait(timedelta(seconds=timeout))
+
+
+def torch_works_completed(works: Sequence[Any]) -> bool:
+    """Whether every torch ``Work`` of ``works`` finished."""
+    return all(w.is_completed() for w in works)
+
+
+class Deferred:
+    """An op in flight in another library; a ``Handle`` (see ``shardline.comm.work``).
+
+    ``wait`` waits for ``works``, lets go of them (torch's ``Work``s hold their tensors, so a
+    caller that keeps the handle does not keep freed memory alive), runs ``after`` once, and
+    drops ``keep``. A failed wait raises (through ``translate``) and may be retried.
+
+    Args:
+        works: What the library returned for the op (torch ``Work``s, MPI requests); none for
+            an op that is already done, or that ``after`` finishes itself.
+        wait: ``wait(works, timeout)`` blocks until ``works`` are done, ``timeout`` seconds
+            (``None``: the library's own deadline); torch ``Work.wait`` by default.
+        test: ``test(works)`` says whether they are done, without waiting; torch
+            ``Work.is_completed`` by default.
+        after: Runs once, on the first ``wait`` that succeeds.
+        translate: Turns a ``RuntimeError`` the library raised while waiting into a
+            ``ShardlineError`` (our own errors pass through); ``None`` lets it through.
+        keep: Buffers the library reads or writes, kept alive until the op was waited for.
+    """
+
+    __slots__ = ("_after", "_keep", "_test", "_translate", "_wait", "_works")
+
+    def __init__(
+        self,
+        works: Sequence[Any] = (),
+        *,
+        wait: Callable[[Sequence[Any], float | None], None] = wait_torch_works,
+        test: Callable[[Sequence[Any]], bool] = torch_works_completed,
+        after: Callable[[], None] | None = None,
+        translate: Callable[[RuntimeError], ShardlineError] | None = None,
+        keep: tuple[object, ...] = (),
+    ) -> None:
+        self._works: Sequence[Any] | None = works
+        self._wait = wait
+        self._test = test
+        self._after = after
+        self._translate = translate
+        self._keep: tuple[object, ...] | None = keep
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until the op is done and ``after`` ran; raises the op's error."""
+        works = self._works
+        if works:
+            try:
+                self._wait(works, timeout)
+            except ShardlineError:
+                raise
+            except RuntimeError as exc:
+                if self._translate is None:
+                    raise
+                raise self._translate(exc) from exc
+        self._works = None
+        if self._after is not None:
+            after, self._after = self._after, None
+            after()
+        self._keep = None
+
+    def is_completed(self) -> bool:
+        """Whether the op finished (successfully or not)."""
+        works = self._works
+        return not works or self._test(works)
+
+
+DONE = Deferred()
+"""The handle of an op that a blocking call already waited for."""

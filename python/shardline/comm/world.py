@@ -1,0 +1,321 @@
+"""The job and its default group: ``init``, ``shutdown``, ``is_initialized``, ``default_group``.
+
+``init`` reads the launcher's variables, opens the rendezvous store, agrees on a backend with
+rank 0 and creates the default group; ``shutdown`` leaves. Where rank 0 hosts the store (no
+launcher hosts it: see [Note: who hosts the store] in ``rendezvous``), leaving is collective:
+every rank checks out through the store and rank 0 leaves last, so the store outlives every
+rank that still uses it (sub-groups are created through it long after ``init``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardline import config
+from shardline.comm import BACKENDS, init_process_group
+from shardline.comm.backends._store import StoreClient, store_errors
+from shardline.comm.group import ProcessGroup
+from shardline.comm.rendezvous import (
+    create_store,
+    host_identity,
+    launcher_hosts_store,
+    read_env,
+    timeout_seconds,
+)
+from shardline.errors import CollectiveTimeoutError, PeerLostError, ShardlineError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+__all__ = ["choose_backend", "default_group", "init", "is_initialized", "shutdown"]
+
+_log = logging.getLogger("shardline")
+_JOINING = "joining the job (shardline.init)"
+_LEAVING = "leaving the job (shardline.shutdown)"
+_CHECK_OUT = "shardline/shutdown"
+
+
+@dataclass
+class _Job:
+    """What ``shutdown`` needs of the job ``init`` joined.
+
+    Attributes:
+        store: The rendezvous store (hosted here on rank 0 when ``leave_together``).
+        rank: This rank.
+        world_size: Ranks in the job.
+        leave_together: Rank 0 hosts the store: ``shutdown`` is collective.
+        timeout: How long rank 0 waits for the others to check out, in seconds.
+        checked_out: Whether this rank has checked out (it does so once).
+    """
+
+    store: Store
+    rank: int
+    world_size: int
+    leave_together: bool
+    timeout: float
+    checked_out: bool = False
+
+    def check_out(self, lost: PeerLostError | None = None) -> None:
+        """Says this rank is done with the store; on rank 0, waits for the others to say so.
+
+        A rank other than 0 that cannot reach the store (rank 0 is gone already) has nothing
+        to protect: it logs and returns. Rank 0 waits ``timeout`` seconds at most, then logs
+        which ranks did not check out and returns; it does not wait at all when ``lost``
+        says a rank died already (a dead rank never checks out, and the job is failing).
+        """
+        if not self.leave_together or self.checked_out:
+            return
+        self.checked_out = True
+        client = StoreClient(self.store, rank=self.rank, task=_LEAVING)
+        if self.rank != 0:
+            try:
+                client.set(f"{_CHECK_OUT}/{self.rank}", "1", "checking out")
+            except ShardlineError as exc:
+                _log.warning("%s", exc)
+            return
+        if lost is not None:
+            _log.warning(
+                "rank 0: shutdown: not waiting for the other ranks to check out, since this job "
+                "lost a rank (%s); the rendezvous store hosted here goes now",
+                lost,
+            )
+            return
+        others = [f"{_CHECK_OUT}/{r}" for r in range(1, self.world_size)]
+        step = "waiting for the other ranks to check out, as the store's host"
+        try:
+            client.wait(others, self.timeout, step)
+        except CollectiveTimeoutError:
+            missing = [
+                r for r in range(1, self.world_size) if not client.check([others[r - 1]], step)
+            ]
+            _log.warning(
+                "rank 0: shutdown: rank(s) %s did not check out within %.1f s; leaving without "
+                "them, and the rendezvous store hosted here goes too (a rank that still uses it "
+                "fails); call shardline.shutdown() on every rank (SHARDLINE_TIMEOUT sets the wait)",
+                missing,
+                self.timeout,
+            )
+
+
+_lock = threading.Lock()
+_default: ProcessGroup | None = None
+_job: _Job | None = None
+_atexit_registered = False
+
+
+def choose_backend(
+    backend: str | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    local_world_size: int = 1,
+    cuda_devices: int | None = None,
+) -> str:
+    """The backend ``init`` uses; the same on every rank of a uniform job.
+
+    The rule, first match wins:
+
+    1. ``backend``, if given;
+    2. ``SHARDLINE_BACKEND``, if set;
+    3. ``SHARDLINE_DEVICE``: ``cpu`` gives ``"native"``, ``cuda`` or ``cuda:N`` gives ``"nccl"``;
+    4. ``"nccl"`` if this host has at least one visible GPU per local rank
+       (``torch.cuda.device_count() >= LOCAL_WORLD_SIZE``), else ``"native"``.
+
+    Rule 4 never gives two ranks of one GPU (NCCL refuses that); a GPU host that trains on
+    CPU sets ``SHARDLINE_DEVICE=cpu``. ``"gloo"`` and ``"mpi"`` are only used when named.
+
+    Args:
+        backend: The caller's choice, if any.
+        env: Variables to read; ``os.environ`` by default.
+        local_world_size: Number of ranks on this host.
+        cuda_devices: Visible GPUs; ``torch.cuda.device_count()`` (0 without CUDA) if ``None``.
+
+    Raises:
+        ShardlineError: an unknown backend or ``SHARDLINE_DEVICE``.
+    """
+    if backend:
+        if backend not in BACKENDS:
+            raise ShardlineError(
+                f"backend={backend!r} is not a backend; use one of {', '.join(BACKENDS)}"
+            )
+        return backend
+    named: str | None = config.get("SHARDLINE_BACKEND", env)
+    if named is not None:
+        return named
+    device: str | None = config.get("SHARDLINE_DEVICE", env)
+    if device == "cpu":
+        return "native"
+    if device is not None:
+        return "nccl"
+    if cuda_devices is None:
+        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if cuda_devices >= max(local_world_size, 1) else "native"
+
+
+def init(backend: str | None = None, timeout: timedelta | float | None = None) -> ProcessGroup:
+    """Joins the job described by the environment and creates the default group.
+
+    Reads torchrun's env:// variables or SLURM's (see ``shardline.comm.rendezvous``), opens
+    the TCPStore (a client of the launcher's under ``shardline run`` or torchrun, else hosted
+    by rank 0), and connects every rank. With ``backend="mpi"`` the ranks are MPI's and no
+    store is opened: plain ``mpirun -n 4 python train.py`` works, and where
+    ``RANK``/``WORLD_SIZE`` are set they must match MPI's.
+
+    Args:
+        backend: ``"native"`` (CPU tensors), ``"nccl"`` (CUDA tensors, one GPU per rank,
+            ``cuda:LOCAL_RANK``), ``"gloo"`` or ``"mpi"``. ``None`` takes ``SHARDLINE_BACKEND``,
+            else chooses by device: see ``choose_backend`` (nccl where every local rank has a
+            GPU and ``SHARDLINE_DEVICE`` is not ``cpu``, else native). Every rank must end up
+            with the same backend; ranks that disagree with rank 0 fail here.
+        timeout: Deadline of every blocking wait; ``SHARDLINE_TIMEOUT`` or 300 s by default.
+
+    Returns:
+        The default group.
+
+    Raises:
+        ShardlineError: already initialised, inconsistent environment or backend choice, or
+            setup failure.
+    """
+    global _default, _job  # noqa: PLW0603
+    with _lock:
+        if _default is not None:
+            raise ShardlineError(
+                f"shardline is already initialised on rank {_default.rank}; call "
+                "shardline.shutdown() first"
+            )
+        named = backend.strip().lower() if backend else config.get("SHARDLINE_BACKEND")
+        if named == "mpi":  # MPI has its own rendezvous
+            _default = _init_mpi(timeout)
+            return _default
+        info = read_env()
+        chosen = choose_backend(backend, local_world_size=info.local_world_size)
+        store = create_store(info, timeout)
+        job = _Job(
+            store,
+            info.rank,
+            info.world_size,
+            leave_together=info.world_size > 1 and not launcher_hosts_store(info),
+            timeout=timeout_seconds(timeout),
+        )
+        _check_out_at_exit()
+        _agree_on_backend(store, info.rank, chosen, explicit=bool(named))
+        device = None
+        if chosen == "nccl":
+            from shardline.comm.backends import nccl  # noqa: PLC0415
+
+            device = nccl.default_device(info.local_rank)
+        group = init_process_group(
+            store,
+            info.rank,
+            info.world_size,
+            backend=chosen,
+            host_id=host_identity(),
+            timeout=timeout,
+            master_addr=info.master_addr,
+            device=device,
+        )
+        _default, _job = group, job
+        return group
+
+
+def _agree_on_backend(store: Store, rank: int, chosen: str, *, explicit: bool) -> None:
+    """Fails a rank whose backend differs from rank 0's, instead of hanging in setup."""
+    client = store_errors(store, rank=rank, task=_JOINING)
+    key = "shardline/init/backend"
+    if rank == 0:
+        client.set(key, chosen, "publishing the backend it chose")
+        return
+    theirs = client.get(key, "reading the backend rank 0 chose").decode()
+    if theirs != chosen:
+        how = "was given" if explicit else "chose"
+        raise ShardlineError(
+            f"rank {rank} {how} backend {chosen!r} but rank 0 uses {theirs!r}; every rank needs "
+            "the same backend: pass the same backend= or set SHARDLINE_BACKEND (or "
+            "SHARDLINE_DEVICE) alike on every host"
+        )
+
+
+def _init_mpi(timeout: timedelta | float | None) -> ProcessGroup:
+    """The default group on MPI: ranks from MPI, checked against RANK/WORLD_SIZE if set."""
+    from shardline.comm.backends import mpi  # noqa: PLC0415
+
+    rank, world_size = mpi.mpi_rank_and_size()
+    # A launcher's RANK/WORLD_SIZE, if any, must agree with MPI's (mpi.create checks that).
+    for name in ("RANK", "WORLD_SIZE"):
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ShardlineError(f"{name}={raw!r} is not an integer") from None
+        if name == "RANK":
+            rank = value
+        else:
+            world_size = value
+    return init_process_group(None, rank, world_size, backend="mpi", timeout=timeout)
+
+
+def is_initialized() -> bool:
+    """Whether ``init`` created a default group (and ``shutdown`` has not run)."""
+    return _default is not None
+
+
+def default_group() -> ProcessGroup:
+    """The default group; raises ``ShardlineError`` if ``init`` has not run."""
+    if _default is None:
+        raise ShardlineError("shardline is not initialised; call shardline.init() first")
+    return _default
+
+
+def shutdown() -> None:
+    """Shuts the default group down (waiting for queued ops) and leaves the job.
+
+    Collective where rank 0 hosts the rendezvous store (plain env:// or srun; not under
+    ``shardline run`` or torchrun, whose launcher hosts it): every rank checks out through
+    the store, and rank 0 returns only once the others have, so the store outlives every rank
+    that still creates groups through it. Rank 0 waits the group's timeout at most
+    (``SHARDLINE_TIMEOUT``), then logs which ranks did not check out (logger ``"shardline"``)
+    and returns; it does not wait once an op here raised ``PeerLostError`` (a dead rank
+    never checks out). A rank that exits without ``shutdown`` checks out at exit.
+    """
+    global _default, _job
+    with _lock:
+        group, _default = _default, None
+        job, _job = _job, None
+        if group is None:
+            return
+        try:
+            group.shutdown()
+        finally:
+            if job is not None:
+                job.check_out(group._lost_peer())
+
+
+def _check_out_at_exit() -> None:
+    """Registers, once, a check-out at interpreter exit for ranks that skip ``shutdown``.
+
+    Only ranks other than 0 check out there (a rank that raised, or returned early, then
+    does not keep rank 0 waiting in its ``shutdown``); rank 0 waits only in ``shutdown``.
+    """
+    global _atexit_registered  # noqa: PLW0603
+    if _atexit_registered:
+        return
+    _atexit_registered = True
+
+    def check_out() -> None:
+        job = _job
+        if job is not None and job.rank != 0:
+            with contextlib.suppress(Exception):
+                job.check_out()
+
+    atexit.register(check_out)
