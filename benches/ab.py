@@ -45,7 +45,7 @@ def run(side: str, checkout: Path, bench: str, extra: list[str], i: int, tmp: Pa
     print(f"  {side}{i}: {time.monotonic() - t0:.0f} s", flush=True)
     if bench == "collectives":
         return json.loads((tmp / f"{tag}.json").read_text())
-    found = sorted((checkout / "benches" / "results").glob(f"ddp-*-{tag}.*"))
+    found = sorted((checkout / "benches" / "results").glob(f"ddp*{tag}.*"))
     data = None
     for f in found:  # out of the checkout: these runs are raw material, not results
         if f.suffix == ".json":

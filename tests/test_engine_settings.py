@@ -18,6 +18,7 @@ from shardline.comm.backends import native as native_backend
 from shardline.errors import InvalidArgumentError
 from tests._ranks import run_ranks
 from tests.conftest import need_native
+from tests.test_native_setup import FakeEngine
 
 RUST_SRC = Path(__file__).resolve().parents[1] / "rust" / "src"
 
@@ -86,30 +87,18 @@ def test_group_refuses_settings_of_the_wrong_type() -> None:
 def test_a_refused_setting_leaves_the_listener_usable() -> None:
     n = _n()
     listener = n.Listener()
+    kw: dict[str, Any] = {
+        "name": "settings",
+        "secret": b"s",
+        "host_ids": ["h"],
+        "addrs": [listener.address],
+        "listener": listener,
+        "arena_path": None,
+        "timeout": 5.0,
+    }
     with pytest.raises(InvalidArgumentError):
-        _n().Group(
-            0,
-            1,
-            name="settings",
-            secret=b"s",
-            host_ids=["h"],
-            addrs=[listener.address],
-            listener=listener,
-            arena_path=None,
-            timeout=5.0,
-            spin_us=-1,
-        )
-    g = n.Group(
-        0,
-        1,
-        name="settings",
-        secret=b"s",
-        host_ids=["h"],
-        addrs=[listener.address],
-        listener=listener,
-        arena_path=None,
-        timeout=5.0,
-    )
+        _n().Group(0, 1, **kw, spin_us=-1)
+    g = n.Group(0, 1, **kw)
     g.close()
 
 
@@ -158,43 +147,6 @@ def test_every_streaming_mode_reduces_correctly_on_shared_memory(stream_stores: 
         assert torch.equal(got, want), f"rank {r}"
 
 
-class _RecordingEngine:
-    """Stands in for ``shardline._native`` and records the Group's keyword arguments."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.ports = 41000
-        engine = self
-
-        class Listener:
-            def __init__(self, host: str = "127.0.0.1") -> None:
-                with engine.lock:
-                    engine.ports += 1
-                    self.address = f"{host}:{engine.ports}"
-
-        class Group:
-            def __init__(self, rank: int, world_size: int, **kw: Any) -> None:
-                self.rank, self.world_size, self.kw = rank, world_size, kw
-                self.transport = "fake"
-
-            def close(self) -> None:
-                pass
-
-            def abort(self, reason: str) -> None:
-                pass
-
-        self.Listener, self.Group = Listener, Group
-
-    def arena_sweep(self, directory: str = "/dev/shm") -> int:
-        return 0
-
-    def arena_create(self, path: str, num_ranks: int, slot_bytes: int) -> None:
-        pass
-
-    def arena_unlink(self, path: str) -> None:
-        pass
-
-
 def _group_kwargs(g: ProcessGroup) -> dict[str, Any]:
     return dict(g._impl._g.kw)  # type: ignore[attr-defined]
 
@@ -216,7 +168,8 @@ def _group_kwargs(g: ProcessGroup) -> dict[str, Any]:
 def test_the_native_backend_passes_the_settings_it_read(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], want: dict[str, Any]
 ) -> None:
-    monkeypatch.setattr(native_backend, "_native_module", _RecordingEngine)
+    engine = FakeEngine()  # records each Group's keyword arguments
+    monkeypatch.setattr(native_backend, "_native_module", lambda: engine)
     monkeypatch.setenv("SHARDLINE_SHM_SLOT_BYTES", "65536")
     for name in ("SHARDLINE_SPIN_US", "SHARDLINE_STREAM_STORES", "SHARDLINE_ONESHOT_BYTES"):
         monkeypatch.delenv(name, raising=False)
@@ -229,7 +182,8 @@ def test_the_native_backend_passes_the_settings_it_read(
 def test_the_native_backend_refuses_a_bad_setting_by_name(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(native_backend, "_native_module", _RecordingEngine)
+    engine = FakeEngine()
+    monkeypatch.setattr(native_backend, "_native_module", lambda: engine)
     monkeypatch.setenv("SHARDLINE_STREAM_STORES", "3")
     with pytest.raises(AssertionError, match=r"SHARDLINE_STREAM_STORES='3'"):
         run_ranks(1, _group_kwargs)

@@ -10,15 +10,10 @@ import torch
 from torch import nn
 
 from shardline.errors import InvalidArgumentError
-from shardline.parallel import planner
+from shardline.parallel import fit, planner
 from shardline.parallel.data.zero.schedule import _MAX_INFLIGHT
-from shardline.parallel.planner import (
-    MemoryEstimate,
-    available_memory,
-    choose_strategy,
-    estimate_memory,
-    optimizer_states,
-)
+from shardline.parallel.fit import available_memory, choose_strategy
+from shardline.parallel.planner import MemoryEstimate, estimate_memory, optimizer_states
 from shardline.parallel.precision import MixedPrecision
 
 FLATS = _MAX_INFLIGHT + 1  # full gradient flats in backward: reductions in flight + accumulating
@@ -379,12 +374,12 @@ def test_choose_strategy_counts_activations() -> None:
 def test_available_memory_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")
-    monkeypatch.setattr(planner, "_MEMINFO", str(meminfo))
+    monkeypatch.setattr(fit, "_MEMINFO", str(meminfo))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert available_memory("cpu") == 8_000_000 * 1024
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert available_memory(torch.device("cpu")) == 2_000_000 * 1024
-    monkeypatch.setattr(planner, "_MEMINFO", str(tmp_path / "missing"))
+    monkeypatch.setattr(fit, "_MEMINFO", str(tmp_path / "missing"))
     assert available_memory("cpu") > 0  # os.sysconf
     chosen, reason, _ = choose_strategy(even_model(), world_size=2, device="cpu")
     assert chosen == "ddp" and "available" in reason

@@ -9,6 +9,7 @@ import json
 import struct
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,24 @@ def _n() -> Any:
     import shardline._native as n
 
     return n
+
+
+def in_threads(n: int, body: Callable[[int], None]) -> None:
+    """``body(i)`` on ``n`` threads at once; fails with every thread's error."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            body(i)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
 
 
 def raw(t: torch.Tensor) -> np.ndarray:
@@ -138,22 +157,13 @@ def test_reads_into_a_tensor_and_from_threads(tmp_path: Path) -> None:
     out = torch.empty_like(t)
     _n().read_tensor_range(str(path), "w", 0, out)  # a contiguous CPU tensor as the buffer
     assert torch.equal(out, t)
-    errors: list[BaseException] = []
 
     def body(i: int) -> None:
-        try:
-            part = torch.empty(1000)
-            _n().read_tensor_range(str(path), "w", i * 4000, raw(part))
-            assert torch.equal(part, t[i * 1000 : (i + 1) * 1000])
-        except BaseException as e:
-            errors.append(e)
+        part = torch.empty(1000)
+        _n().read_tensor_range(str(path), "w", i * 4000, raw(part))
+        assert torch.equal(part, t[i * 1000 : (i + 1) * 1000])
 
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors
+    in_threads(8, body)
 
 
 def test_large_plain_reads_check_every_chunk(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ keeps one per shard file."""
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,24 +13,9 @@ import torch
 
 from shardline.checkpoint._store import COMMIT, INDEX, SCHEMA, Checkpoint
 from shardline.errors import CheckpointError, InvalidArgumentError
-from tests.conftest import need_native
+from tests.test_shard_files import _n, in_threads, raw
 
-
-@pytest.fixture(autouse=True)
-def _engine() -> None:
-    need_native()
-
-
-def _n() -> Any:
-    """The engine module, imported late so that a missing build skips instead of erroring."""
-    import shardline._native as n
-
-    return n
-
-
-def raw(t: torch.Tensor) -> np.ndarray:
-    """The tensor's bytes as a uint8 numpy view (zero copy)."""
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+pytestmark = pytest.mark.usefixtures("native")
 
 
 def write(path: Path, tensors: dict[str, torch.Tensor], compress: int | None = None) -> Any:
@@ -82,24 +66,15 @@ def test_reads_from_threads_share_one_reader(tmp_path: Path) -> None:
     path = tmp_path / "big.shard"
     write(path, {"w": t}, compress=1)
     reader = _n().ShardReader(str(path))
-    errors: list[BaseException] = []
 
     def body(i: int) -> None:
-        try:
-            for j in range(20):
-                part = torch.empty(1000)
-                k = (i * 20 + j) * 1000
-                reader.read_range("w", k * 4, raw(part))
-                assert torch.equal(part, t[k : k + 1000])
-        except BaseException as e:
-            errors.append(e)
+        for j in range(20):
+            part = torch.empty(1000)
+            k = (i * 20 + j) * 1000
+            reader.read_range("w", k * 4, raw(part))
+            assert torch.equal(part, t[k : k + 1000])
 
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors
+    in_threads(8, body)
     reader.close()
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "DType",
     "from_file_name",
     "from_name",
+    "name_of",
 ]
 
 
@@ -59,6 +60,7 @@ ENGINE_DTYPES: dict[torch.dtype, str] = {d.torch: d.engine for d in DTYPES if d.
 FILE_DTYPES: dict[torch.dtype, str] = {d.torch: d.file for d in DTYPES}
 _BY_FILE = {d.file: d.torch for d in DTYPES}
 _BY_NAME = {d.name: d.torch for d in DTYPES}
+_NAMES = {d.torch: d.name for d in DTYPES}
 
 
 def from_file_name(name: str) -> torch.dtype:
@@ -69,3 +71,8 @@ def from_file_name(name: str) -> torch.dtype:
 def from_name(name: str) -> torch.dtype:
     """The torch dtype of its own name (``"bfloat16"``); ``KeyError`` for one not in the table."""
     return _BY_NAME[name]
+
+
+def name_of(dtype: torch.dtype) -> str:
+    """Torch's own name of ``dtype`` (``"bfloat16"``); ``KeyError`` for one not in the table."""
+    return _NAMES[dtype]

@@ -38,9 +38,9 @@ __all__ = [
     "SCHEMA",
     "Checkpoint",
     "commit",
-    "failure",
     "is_committed",
     "mark_failed",
+    "raise_if_failed",
     "shard_name",
     "write_rank",
 ]
@@ -141,15 +141,18 @@ def mark_failed(partial: Path, rank: int, reason: str) -> None:
         (partial / f"{FAILED}.rank{rank:05d}").write_text(reason)
 
 
-def failure(partial: Path) -> str | None:
-    """The first failure a rank left in a partial checkpoint, as ``rank N: reason``."""
+def raise_if_failed(partial: Path, final: Path) -> None:
+    """``CheckpointError`` with the first failure a rank left in ``partial``, if any."""
     for marker in sorted(partial.glob(f"{FAILED}.rank*")):
         try:
             reason = marker.read_text()
         except OSError:
             reason = "(unreadable)"
-        return f"rank {int(marker.name.rsplit('rank', 1)[1])} failed: {reason}"
-    return None
+        rank = int(marker.name.rsplit("rank", 1)[1])
+        raise CheckpointError(
+            f"checkpoint {final} was not saved: rank {rank} failed: {reason}; the previous "
+            "checkpoint there, if any, is intact"
+        )
 
 
 def commit(
@@ -165,12 +168,7 @@ def commit(
         missing = [n for n in names if not n.exists()]
         if not missing:
             break
-        failed = failure(partial)
-        if failed is not None:
-            raise CheckpointError(
-                f"checkpoint {final}: {failed}; {final} was not changed (the previous "
-                "checkpoint there, if any, is intact)"
-            )
+        raise_if_failed(partial, final)
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"checkpoint {final}: ranks {[int(n.name[4:9]) for n in missing]} did not "

@@ -31,9 +31,9 @@ from shardline.checkpoint._store import (
     INDEX,
     Checkpoint,
     commit,
-    failure,
     is_committed,
     mark_failed,
+    raise_if_failed,
     shard_name,
     write_rank,
 )
@@ -55,7 +55,7 @@ def _timeout() -> float:
 def _group(group: ProcessGroup | None) -> ProcessGroup | None:
     if group is not None:
         return group
-    from shardline.comm.collectives import default_group, is_initialized  # noqa: PLC0415
+    from shardline.comm.world import default_group, is_initialized  # noqa: PLC0415
 
     return default_group() if is_initialized() else None
 
@@ -296,12 +296,7 @@ def _wait_commit(final: Path, partial: Path, nonce: int, deadline: float) -> Non
                     return
             except (OSError, ValueError):
                 pass
-        failed = failure(partial)
-        if failed is not None:
-            raise CheckpointError(
-                f"checkpoint {final} was not saved: {failed}; the previous checkpoint there, "
-                "if any, is intact"
-            )
+        raise_if_failed(partial, final)
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"checkpoint {final}: rank 0 did not commit in time (is it alive?); the "

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shardline import dtypes
 from shardline.errors import InvalidArgumentError
 
 __all__ = [
@@ -28,17 +29,8 @@ __all__ = [
 
 TensorLike = torch.Tensor | np.ndarray[Any, Any]
 
-SUPPORTED_DTYPES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.bool: "bool",
-}
+# torch dtype -> the engine's name, for the dtypes it moves (``shardline.dtypes``).
+SUPPORTED_DTYPES: dict[torch.dtype, str] = dtypes.ENGINE_DTYPES
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
 _OP_ALIASES = {"mean": "avg", "product": "prod"}

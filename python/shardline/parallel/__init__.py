@@ -1,7 +1,7 @@
 """Parallel strategies: wrappers around a plain model and optimizer.
 
 - ``distribute``: one call, strategy by name; ``as_distributed``: strategy chosen by memory.
-- ``estimate_memory``, ``choose_strategy``: the pre-flight memory planner.
+- ``estimate_memory`` (``planner``), ``choose_strategy`` (``fit``): the pre-flight memory planner.
 - ``strategies``: the strategy names, one table (name -> wrapper, stage, planner layout).
 - ``contract``: the four methods every strategy implements for checkpoints, and the values
   they return (``Shard``, ``Local``, replicated tensors).
@@ -18,7 +18,8 @@ from shardline.parallel.api import as_distributed, distribute
 from shardline.parallel.contract import BlockShard, Box, FlatRange, Local, Shard, ShardedTensor
 from shardline.parallel.data import DistributedDataParallel, ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import register_optimizer
-from shardline.parallel.planner import MemoryEstimate, choose_strategy, estimate_memory
+from shardline.parallel.fit import choose_strategy
+from shardline.parallel.planner import MemoryEstimate, estimate_memory
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.strategies import STRATEGIES
 

@@ -26,7 +26,7 @@ __all__ = [
 
 def default_group() -> ProcessGroup:
     """The group of ``shardline.init()`` (imported late: comm imports parallel users)."""
-    from shardline.comm.collectives import default_group as get  # noqa: PLC0415
+    from shardline.comm.world import default_group as get  # noqa: PLC0415
 
     return get()
 

@@ -15,7 +15,7 @@ from shardline.parallel._common import default_group
 from shardline.parallel.data.ddp import DistributedDataParallel
 from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
-from shardline.parallel.planner import choose_strategy
+from shardline.parallel.fit import choose_strategy
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.strategies import BY_MEMORY, STRATEGIES
 

@@ -364,14 +364,11 @@ class ShardedDataParallel(ShardedStateDicts):
         """
         names = {id(loc): n for u in self._units for n, loc in zip(u.names, u.locals, strict=True)}
         mine = [names[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in names]
-        if mine:
-            rule = rule_for(type(optimizer))
-            if rule.layout is Layout.REFUSED:
-                check_optimizer(optimizer, self.stage)
+        rule = rule_for(type(optimizer))
+        if mine and rule.layout is Layout.REFUSED:
+            check_optimizer(optimizer, self.stage)  # raises, saying what works instead
         self._checked_optimizers.add(optimizer)
-        if not mine:
-            return
-        if rule.layout is not Layout.WHOLE:
+        if not mine or rule.layout is not Layout.WHOLE:
             return
         want = self._whole | frozenset(mine)
         if want == self._whole:

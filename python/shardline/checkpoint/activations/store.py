@@ -1,9 +1,7 @@
-"""The distributed activation store behind ``shardline.checkpoint.activations``.
+"""The distributed activation store: ``ActivationCheckpointManager``.
 
-``ActivationCheckpointManager`` keeps activations by layer id under a placement policy and
-fetches them from their owners; ``ActivationMemoryStats`` aggregates its memory over the group.
-Public names are re-exported by ``activations``, whose docstring says which calls are
-collective.
+It keeps activations by layer id under a placement policy (``policies``), fetches them from
+their owners, and reports memory (``statistics``).
 """
 
 from __future__ import annotations
@@ -12,124 +10,39 @@ import contextlib
 import contextvars
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import Any
 
 import torch
 
+from shardline import dtypes
+from shardline.checkpoint.activations.policies import (
+    POLICIES,
+    REPLICATED,
+    LayerId,
+    Policy,
+    decode_holdings,
+    decode_id,
+    dtype_from_name,
+    encode_id,
+    holds_part,
+    holds_whole,
+    id_order,
+    numel_of,
+    owner_table,
+    part_bounds,
+    part_size,
+)
+from shardline.checkpoint.activations.statistics import ActivationMemoryStats
 from shardline.comm.group import ProcessGroup
 from shardline.comm.objects import all_gather_object, broadcast_object
 from shardline.errors import InvalidArgumentError
-from shardline.parallel.planner import format_bytes as _format_bytes
 
-__all__ = [
-    "ACTIVE",
-    "POLICIES",
-    "ActivationCheckpointManager",
-    "ActivationMemoryStats",
-    "LayerId",
-    "Policy",
-    "format_bytes",
-]
-
-LayerId: TypeAlias = str | int
-Policy: TypeAlias = Literal["local", "first_rank", "partition"]
-POLICIES: tuple[str, ...] = ("local", "first_rank", "partition")
-_REPLICATED = "replicated"  # what register_and_broadcast stores: a full copy on every rank
+__all__ = ["ACTIVE", "ActivationCheckpointManager"]
 
 # The manager whose activate() block is running (checkpoint() records into it).
 ACTIVE: contextvars.ContextVar[ActivationCheckpointManager | None] = contextvars.ContextVar(
     "shardline_activation_manager", default=None
 )
-
-
-# -- statistics ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ActivationMemoryStats:
-    """Activation memory on every rank of a group, from ``memory_stats()``.
-
-    Attributes:
-        per_rank_bytes: Bytes of activations each rank holds now.
-        per_rank_peak_bytes: The most each rank has held at once.
-        per_rank_counts: How many tensors (whole or partition parts) each rank holds.
-        per_rank_recomputed_bytes: Bytes ``checkpoint`` did not keep on each rank (recomputed
-            in backward instead), while this manager was active.
-    """
-
-    per_rank_bytes: tuple[int, ...]
-    per_rank_peak_bytes: tuple[int, ...]
-    per_rank_counts: tuple[int, ...]
-    per_rank_recomputed_bytes: tuple[int, ...]
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks the statistics cover."""
-        return len(self.per_rank_bytes)
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes held now, summed over ranks."""
-        return sum(self.per_rank_bytes)
-
-    @property
-    def total_peak_bytes(self) -> int:
-        """Every rank's peak, summed (an upper bound of the group's simultaneous peak)."""
-        return sum(self.per_rank_peak_bytes)
-
-    @property
-    def min_bytes(self) -> int:
-        """Bytes held by the rank that holds the least."""
-        return min(self.per_rank_bytes)
-
-    @property
-    def max_bytes(self) -> int:
-        """Bytes held by the rank that holds the most."""
-        return max(self.per_rank_bytes)
-
-    @property
-    def average_bytes(self) -> float:
-        """Mean bytes held per rank."""
-        return self.total_bytes / self.world_size
-
-    @property
-    def total_count(self) -> int:
-        """Tensors held, summed over ranks (a partitioned entry counts once per rank)."""
-        return sum(self.per_rank_counts)
-
-    @property
-    def total_recomputed_bytes(self) -> int:
-        """Bytes recomputed instead of kept, summed over ranks."""
-        return sum(self.per_rank_recomputed_bytes)
-
-    def summary(self) -> str:
-        """A readable multi-line report (exact byte counts in parentheses)."""
-
-        def b(n: float) -> str:
-            return f"{format_bytes(n)} ({round(n)} B)"
-
-        per_rank = ", ".join(format_bytes(n) for n in self.per_rank_bytes)
-        return "\n".join(
-            [
-                f"Activation memory over {self.world_size} rank(s):",
-                f"  total held:        {b(self.total_bytes)} in {self.total_count} tensor(s)",
-                f"  total peak:        {b(self.total_peak_bytes)}",
-                f"  per rank:          min {format_bytes(self.min_bytes)}, "
-                f"max {format_bytes(self.max_bytes)}, "
-                f"average {format_bytes(self.average_bytes)}",
-                f"  held by rank:      [{per_rank}]",
-                f"  tensors by rank:   {list(self.per_rank_counts)}",
-                f"  recomputed:        {b(self.total_recomputed_bytes)} not kept by checkpoint",
-            ]
-        )
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes in binary units: ``"512 B"``, ``"1.50 KiB"``, ``"2.00 MiB"``."""
-    return _format_bytes(n, digits=2)
-
-
-# -- the store -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -176,7 +89,7 @@ class ActivationCheckpointManager:
 
     def __init__(self, group: ProcessGroup | None = None, policy: Policy = "local") -> None:
         if group is None:
-            from shardline.comm.collectives import default_group  # noqa: PLC0415
+            from shardline.comm.world import default_group  # noqa: PLC0415
 
             group = default_group()
         self.group = group
@@ -271,7 +184,7 @@ class ActivationCheckpointManager:
         if chosen == "first_rank" and self.rank != 0:
             data = None
         elif chosen == "partition":
-            start, stop = _part_bounds(t.numel(), self.world_size, self.rank)
+            start, stop = part_bounds(t.numel(), self.world_size, self.rank)
             data = t.reshape(-1)[start:stop].clone()  # a copy: the full tensor may be freed
         self._store(layer_id, _Entry(chosen, shape, t.dtype, data))
 
@@ -305,19 +218,19 @@ class ActivationCheckpointManager:
         if self.rank == src:
             if isinstance(tensor, torch.Tensor):
                 data = tensor.detach().contiguous()
-                meta = {"shape": list(data.shape), "dtype": _dtype_name(data.dtype)}
+                meta = {"shape": list(data.shape), "dtype": dtypes.name_of(data.dtype)}
             else:
                 meta = {"error": f"src rank {src} passed {type(tensor).__name__}, not a tensor"}
         meta = self._broadcast_object(meta, src)
         if "error" in meta:
             raise InvalidArgumentError(f"{what}({layer_id!r}) on rank {self.rank}: {meta['error']}")
-        shape, dtype = tuple(int(n) for n in meta["shape"]), _dtype_from_name(meta["dtype"])
+        shape, dtype = tuple(int(n) for n in meta["shape"]), dtype_from_name(meta["dtype"])
         if data is None:
             data = torch.empty(shape, dtype=dtype, device=self.group.device)
         if data.numel():
             self.group.broadcast(_as_bytes(data), src)
         self._check_new(layer_id, what)
-        self._store(layer_id, _Entry(_REPLICATED, shape, dtype, data))
+        self._store(layer_id, _Entry(REPLICATED, shape, dtype, data))
         return data
 
     def keep_boundary(self, stage_id: int, tensor: torch.Tensor, micro_batch: int = 0) -> None:
@@ -399,7 +312,7 @@ class ActivationCheckpointManager:
                 error = str(e)
         everyone = self._all_gather_object(
             {
-                "need": [] if error else [_encode_id(k) for k in wanted],
+                "need": [] if error else [encode_id(k) for k in wanted],
                 "have": self._holdings(),
                 "error": error,
             }
@@ -407,18 +320,18 @@ class ActivationCheckpointManager:
         errors = [p["error"] for p in everyone if p["error"]]
         if errors:
             raise InvalidArgumentError("; ".join(errors))
-        held = [_decode_holdings(p["have"]) for p in everyone]
-        self._owners = _owner_table(held)
+        held = [decode_holdings(p["have"]) for p in everyone]
+        self._owners = owner_table(held)
 
         transfers: list[tuple[LayerId, int, int]] = []  # (id, dst, src)
         gathers: set[LayerId] = set()
         problems: list[str] = []
         for dst, p in enumerate(everyone):
-            for k in map(_decode_id, p["need"]):
-                if _holds_whole(held[dst], k):
+            for k in map(decode_id, p["need"]):
+                if holds_whole(held[dst], k):
                     continue
-                whole = [r for r in range(self.world_size) if _holds_whole(held[r], k)]
-                parts = [r for r in range(self.world_size) if _holds_part(held[r], k)]
+                whole = [r for r in range(self.world_size) if holds_whole(held[r], k)]
+                parts = [r for r in range(self.world_size) if holds_part(held[r], k)]
                 if whole:
                     transfers.append((k, dst, whole[dst % len(whole)]))
                 elif len(parts) == self.world_size:
@@ -435,11 +348,11 @@ class ActivationCheckpointManager:
 
         mine = set(wanted)
         got: dict[LayerId, torch.Tensor] = {}
-        for k in sorted(gathers, key=_id_order):
+        for k in sorted(gathers, key=id_order):
             full = self._gather_partition(self._entries[k])
             if k in mine:
                 got[k] = full
-        for k, dst, src in sorted(transfers, key=lambda t: (_id_order(t[0]), t[1])):
+        for k, dst, src in sorted(transfers, key=lambda t: (id_order(t[0]), t[1])):
             if self.rank == src:
                 data = self._entries[k].data
                 assert data is not None
@@ -464,8 +377,8 @@ class ActivationCheckpointManager:
         A ``"partition"`` entry lists every rank holding a part; a ``"first_rank"`` entry
         lists rank 0 (the others know only its shape). Ids are sorted (ints, then strs).
         """
-        held = [_decode_holdings(p) for p in self._all_gather_object(self._holdings())]
-        self._owners = _owner_table(held)
+        held = [decode_holdings(p) for p in self._all_gather_object(self._holdings())]
+        self._owners = owner_table(held)
         return dict(self._owners)
 
     # -- dropping ----------------------------------------------------------------------------
@@ -557,7 +470,7 @@ class ActivationCheckpointManager:
                 f"{list(owners)}, not this one; call fetch([{layer_id!r}]) on every rank of "
                 "the group (collective)"
             )
-        known = sorted(self._entries, key=_id_order)
+        known = sorted(self._entries, key=id_order)
         shown = ", ".join(repr(k) for k in known[:8]) + (", ..." if len(known) > 8 else "")
         return InvalidArgumentError(
             f"{what} on rank {self.rank}: no activation registered under layer id "
@@ -569,12 +482,12 @@ class ActivationCheckpointManager:
 
     def _gather_partition(self, entry: _Entry) -> torch.Tensor:
         assert entry.data is not None
-        numel = _numel(entry.shape)
+        numel = numel_of(entry.shape)
         out = self._empty_like(entry)
         if numel == 0:
             return out
         size = entry.data.element_size()
-        counts = [_part_size(numel, self.world_size, r) * size for r in range(self.world_size)]
+        counts = [part_size(numel, self.world_size, r) * size for r in range(self.world_size)]
         flat = _as_bytes(out)
         parts = list(torch.split(flat, counts))
         self.group.all_gather(parts, _as_bytes(entry.data))
@@ -582,7 +495,7 @@ class ActivationCheckpointManager:
 
     def _holdings(self) -> list[list[Any]]:
         return [
-            [_encode_id(k), e.policy, list(e.shape), _dtype_name(e.dtype), e.data is not None]
+            [encode_id(k), e.policy, list(e.shape), dtypes.name_of(e.dtype), e.data is not None]
             for k, e in self._entries.items()
         ]
 
@@ -595,73 +508,6 @@ class ActivationCheckpointManager:
         return broadcast_object(obj, src, self.group)
 
 
-# -- helpers ---------------------------------------------------------------------------------
-
-_Holding: TypeAlias = tuple[str, tuple[int, ...], torch.dtype, bool]  # policy, shape, dtype, data
-
-
-def _part_size(numel: int, world_size: int, rank: int) -> int:
-    return numel // world_size + (1 if rank < numel % world_size else 0)
-
-
-def _part_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    start = sum(_part_size(numel, world_size, r) for r in range(rank))
-    return start, start + _part_size(numel, world_size, rank)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (any dtype travels as bytes)."""
     return t.reshape(-1).view(torch.uint8)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise InvalidArgumentError(f"unknown dtype {name!r} received from a peer")
-    return dtype
-
-
-def _encode_id(layer_id: LayerId) -> list[Any]:
-    return [1, layer_id] if isinstance(layer_id, str) else [0, layer_id]
-
-
-def _decode_id(encoded: list[Any]) -> LayerId:
-    tag, value = encoded
-    return str(value) if tag == 1 else int(value)
-
-
-def _id_order(layer_id: LayerId) -> tuple[int, int, str]:
-    return (1, 0, layer_id) if isinstance(layer_id, str) else (0, layer_id, "")
-
-
-def _decode_holdings(rows: list[list[Any]]) -> dict[LayerId, _Holding]:
-    return {
-        _decode_id(k): (str(p), tuple(int(n) for n in shape), _dtype_from_name(d), bool(has))
-        for k, p, shape, d, has in rows
-    }
-
-
-def _holds_whole(held: dict[LayerId, _Holding], k: LayerId) -> bool:
-    h = held.get(k)
-    return h is not None and h[3] and h[0] != "partition"
-
-
-def _holds_part(held: dict[LayerId, _Holding], k: LayerId) -> bool:
-    h = held.get(k)
-    return h is not None and h[3] and h[0] == "partition"
-
-
-def _owner_table(held: list[dict[LayerId, _Holding]]) -> dict[LayerId, tuple[int, ...]]:
-    ids = sorted({k for h in held for k in h}, key=_id_order)
-    return {k: tuple(r for r, h in enumerate(held) if k in h and h[k][3]) for k in ids}

@@ -1,19 +1,4 @@
-"""Activation checkpointing across ranks: recompute in backward, and a distributed store.
-
-- ``checkpoint(fn, *args)``: PyTorch's non-reentrant activation checkpointing
-  (``torch.utils.checkpoint.checkpoint``): ``fn``'s intermediate activations are not kept for
-  backward but recomputed from its inputs, with the RNG state of the forward (dropout matches).
-  Inside ``ActivationCheckpointManager.activate()`` it also records the bytes it did not keep.
-- ``ActivationCheckpointManager``: activations kept by layer id under a placement policy
-  (``"local"``, ``"first_rank"``, ``"partition"``), fetched from their owners on demand, with
-  memory statistics gathered over the group.
-
-Which calls are collective (every rank of the group calls them, in the same order):
-``register_and_broadcast``, ``sync_keys``, ``fetch``, ``clear``, ``memory_stats``, and ``get``
-of a ``"first_rank"`` or ``"partition"`` entry. Everything else is local. A collective that
-loses a peer raises the group's error (``PeerLostError``, ``CollectiveTimeoutError`` after the
-group's deadline) on every survivor; none of them waits forever.
-"""
+"""``checkpoint(fn, *args)``: recompute a region in backward instead of keeping its activations."""
 
 from __future__ import annotations
 
@@ -25,30 +10,11 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from shardline.checkpoint._activation_store import (
-    ACTIVE,
-    POLICIES,
-    ActivationCheckpointManager,
-    ActivationMemoryStats,
-    LayerId,
-    Policy,
-    format_bytes,
-)
+from shardline.checkpoint.activations.store import ACTIVE
 
-__all__ = [
-    "POLICIES",
-    "ActivationCheckpointManager",
-    "ActivationMemoryStats",
-    "LayerId",
-    "Policy",
-    "checkpoint",
-    "format_bytes",
-]
+__all__ = ["checkpoint"]
 
 T = TypeVar("T")
-
-
-# -- recompute in backward -------------------------------------------------------------------
 
 
 def checkpoint(

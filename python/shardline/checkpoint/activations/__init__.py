@@ -1,0 +1,33 @@
+"""Activation checkpointing across ranks: recompute in backward, and a distributed store.
+
+- ``checkpoint(fn, *args)``: PyTorch's non-reentrant activation checkpointing
+  (``torch.utils.checkpoint.checkpoint``): ``fn``'s intermediate activations are not kept for
+  backward but recomputed from its inputs, with the RNG state of the forward (dropout matches).
+  Inside ``ActivationCheckpointManager.activate()`` it also records the bytes it did not keep.
+- ``ActivationCheckpointManager``: activations kept by layer id under a placement policy
+  (``"local"``, ``"first_rank"``, ``"partition"``), fetched from their owners on demand, with
+  memory statistics gathered over the group.
+
+Which calls are collective (every rank of the group calls them, in the same order):
+``register_and_broadcast``, ``sync_keys``, ``fetch``, ``clear``, ``memory_stats``, and ``get``
+of a ``"first_rank"`` or ``"partition"`` entry. Everything else is local. A collective that
+loses a peer raises the group's error (``PeerLostError``, ``CollectiveTimeoutError`` after the
+group's deadline) on every survivor; none of them waits forever.
+"""
+
+from __future__ import annotations
+
+from shardline.checkpoint.activations.policies import POLICIES, LayerId, Policy
+from shardline.checkpoint.activations.recompute import checkpoint
+from shardline.checkpoint.activations.statistics import ActivationMemoryStats, format_bytes
+from shardline.checkpoint.activations.store import ActivationCheckpointManager
+
+__all__ = [
+    "POLICIES",
+    "ActivationCheckpointManager",
+    "ActivationMemoryStats",
+    "LayerId",
+    "Policy",
+    "checkpoint",
+    "format_bytes",
+]
