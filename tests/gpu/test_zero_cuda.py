@@ -19,3 +19,11 @@ def test_zero3_matches_fsdp2_on_nccl_with_no_more_memory() -> None:
     assert code == 0, out
     assert out.count("max |ours - fsdp2|") == 2, out
     print(out)
+
+
+@pytest.mark.timeout(240)
+def test_adafactor_gets_whole_parameters_on_nccl_and_equals_one_process() -> None:
+    code, out = run_worker("_zero_optimizers_worker.py")
+    assert code == 0, out
+    assert out.count("max |ours - one process|") == 6, out
+    print(out)
