@@ -57,6 +57,10 @@ class BreakingStore:
     def wait(self, *args: Any) -> Any:
         return self._call("wait", *args)
 
+    @property
+    def timeout(self) -> Any:
+        return self.inner.timeout
+
 
 def _create(store: Any) -> Any:
     # One rank, so every store call is this thread's; secret=None generates one: more steps.
@@ -169,6 +173,11 @@ def test_rank_0_connects_as_a_client_when_a_launcher_hosts_the_store() -> None:
     }
     store = create_store(_info(launcher.port), timeout=5, env=env)  # no "address in use"
     store.set("from-rank-0", "hello")
-    assert bytes(launcher.get("from-rank-0")) == b"hello"
+    # Keys of this attempt (TORCHELASTIC_RESTART_COUNT, 0 when unset) live apart, as torch's.
+    assert bytes(launcher.get("/worker/attempt_0/from-rank-0")) == b"hello"
+    again = create_store(
+        _info(launcher.port), timeout=5, env={**env, "TORCHELASTIC_RESTART_COUNT": "1"}
+    )
+    assert not again.check(["from-rank-0"])  # the next attempt reads nothing of this one
     with pytest.raises(ShardlineError, match="address already in use"):
         create_store(_info(launcher.port), timeout=5, env={})  # without: rank 0 would host

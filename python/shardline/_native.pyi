@@ -1,7 +1,7 @@
 """Type stubs for shardline._native, the Rust collective engine (PyO3)."""
 
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol, TypeAlias, TypedDict, final, type_check_only
 
@@ -102,6 +102,8 @@ class Group:
         spin_us: int | None = None,
         stream_stores: str | None = None,
         oneshot_bytes: int | None = None,
+        keepalive: float | None = None,
+        cancel: Callable[[], object] | None = None,
     ) -> Group:
         """``machine_ranks``: ranks of the job on this machine whatever their host ids say
         (default ``world_size``); TCP waits spin briefly only while each has a core.
@@ -117,6 +119,13 @@ class Group:
           ``"2"``): which copies into shared memory use streaming stores.
         - ``oneshot_bytes``: all-reduces up to this size run in one shot on shared memory
           (``SHARDLINE_ONESHOT_BYTES``, default 262144).
+        - ``keepalive``: seconds after which a TCP peer whose host stopped acknowledging is
+          lost, whatever the op deadline (``SHARDLINE_KEEPALIVE``, default 30; 0: the
+          kernel's defaults).
+
+        ``cancel``, if given, is called about every 200 ms while the TCP mesh is linked; the
+        exception it raises (another rank failed while joining) ends the setup and is raised
+        here.
 
         Raises:
             InvalidArgumentError: A bad setting (a negative count, an unknown streaming mode,

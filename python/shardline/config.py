@@ -51,6 +51,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _seconds_or_off(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise _Invalid("is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise _Invalid("must be a number of seconds, 0 for off")
+    return value
+
+
 def _choice(choices: tuple[str, ...], noun: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.lower()
@@ -129,6 +139,15 @@ SETTINGS: tuple[Setting, ...] = (
         "Deadline of every blocking wait (collectives, rendezvous, checkpoint commits).",
         _seconds,
         300.0,
+    ),
+    Setting(
+        "SHARDLINE_KEEPALIVE",
+        "seconds, 0: off",
+        "30",
+        "A TCP peer whose host stops answering for this long is lost (PeerLostError), whatever "
+        "the op deadline; a slow but live peer is not.",
+        _seconds_or_off,
+        30.0,
     ),
     Setting(
         "SHARDLINE_HOST_ID",

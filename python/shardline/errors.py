@@ -22,7 +22,14 @@ __all__ = [
 
 
 class ShardlineError(Exception):
-    """Base for every error raised by shardline."""
+    """Base for every error raised by shardline.
+
+    Attributes:
+        failed_rank: The rank whose failure while joining the job this error reports, when it
+            does (every rank still joining raises one, naming that rank); else ``None``.
+    """
+
+    failed_rank: int | None = None
 
 
 class CollectiveTimeoutError(ShardlineError, TimeoutError):

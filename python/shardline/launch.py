@@ -36,6 +36,8 @@ from typing import Any
 
 from shardline import config as settings
 from shardline._workers import Attempt, catch_stop_signals, say
+from shardline.comm.backends._store import linger_after_failure
+from shardline.comm.rendezvous import attempt_store
 from shardline.errors import InvalidArgumentError
 
 __all__ = [
@@ -50,7 +52,7 @@ __all__ = [
 DEFAULT_GRACE_PERIOD_S = 5.0
 """Seconds between SIGTERM and SIGKILL when the launcher stops workers."""
 
-# The deadline of the store's own client: the launcher makes no store calls of its own.
+# The deadline of the store's own client (the launcher only reads failure counters).
 _STORE_TIMEOUT = timedelta(minutes=5)
 
 
@@ -283,12 +285,12 @@ def launch(config: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
         for attempt in range(attempts):
             failed = None
             if stop.signum is None:
-                with _rendezvous_store(config) as port:
+                with _rendezvous_store(config) as hosted:
                     envs = [
                         worker_env(
                             config,
                             local_rank=lr,
-                            master_port=port,
+                            master_port=hosted.port,
                             secret=secret,
                             restart_count=attempt,
                             base=base,
@@ -296,6 +298,8 @@ def launch(config: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
                         for lr in range(config.nproc_per_node)
                     ]
                     failed = Attempt(config, envs, stop).run()
+                    if failed is not None:
+                        hosted.linger_after_failure(config, envs[0])
             if stop.signum is not None:
                 name = signal.Signals(stop.signum).name
                 say(f"stopped by {name}; every worker of this node is stopped")
@@ -319,9 +323,26 @@ def launch(config: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
 # --- the rendezvous store ------------------------------------------------------------------
 
 
+@dataclass
+class _AttemptStore:
+    """The job's store for one attempt: its port, and the store itself on node 0."""
+
+    port: int
+    store: Any = None
+
+    def linger_after_failure(self, config: LaunchConfig, env: Mapping[str, str]) -> None:
+        """On node 0 of several, keeps the store up until the others read why a rank failed.
+
+        5 s at most; see [Note: a rank that fails while joining] in
+        ``shardline.comm.backends._store``.
+        """
+        if self.store is not None and config.nnodes > 1:
+            linger_after_failure(attempt_store(self.store, env), config.world_size)
+
+
 @contextlib.contextmanager
-def _rendezvous_store(config: LaunchConfig) -> Iterator[int]:
-    """The port of the job's store for one attempt; on node 0, the store itself lives here.
+def _rendezvous_store(config: LaunchConfig) -> Iterator[_AttemptStore]:
+    """The job's store for one attempt; on node 0, the store itself lives here.
 
     Node 0 hosts it on ``--master-port`` (a free port when none was given) until the attempt
     ends; the other nodes' workers connect to node 0's on ``--master-port``.
@@ -331,13 +352,15 @@ def _rendezvous_store(config: LaunchConfig) -> Iterator[int]:
     """
     if config.node_rank != 0:
         assert config.master_port is not None  # LaunchConfig requires it on several nodes
-        yield config.master_port
+        yield _AttemptStore(config.master_port)
         return
     store = _host_store(config)
+    hosted = _AttemptStore(int(store.port), store)
     try:
-        yield int(store.port)
+        yield hosted
     finally:
-        del store  # closes it: the next attempt starts on a fresh store
+        hosted.store = None
+        del store  # closes it (no reference is left): the next attempt starts on a fresh one
 
 
 def _host_store(config: LaunchConfig) -> Any:

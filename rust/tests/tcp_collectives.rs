@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use half::bf16;
 use shardline::collectives::ring::{Ring, RingOpts};
 use shardline::collectives::{direct, ring};
-use shardline::transport::tcp::{TcpListenerHandle, TcpMesh};
+use shardline::transport::tcp::{LinkOptions, TcpListenerHandle, TcpMesh};
 use shardline::{DType, Error, ErrorKind, OpKind, OpSig, ReduceOp, Result};
 
 const SECRET: &[u8] = b"correct horse battery staple";
@@ -37,9 +37,10 @@ fn with_world<T: Send>(
                 s.spawn(move || {
                     let peers: Vec<usize> = (0..world).filter(|&p| p != r).collect();
                     let d = Instant::now() + connect_timeout;
+                    let opts = LinkOptions::default();
                     body(
                         r,
-                        TcpMesh::connect(r, world, addrs, &peers, l, secret(r), "test", d),
+                        TcpMesh::connect(r, world, addrs, &peers, l, secret(r), "test", d, &opts),
                     )
                 })
             })

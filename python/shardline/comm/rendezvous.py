@@ -35,11 +35,12 @@ from shardline.comm.backends._store import StoreClient, store_errors
 from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store, TCPStore
+    from torch._C._distributed_c10d import Store
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "RendezvousInfo",
+    "attempt_store",
     "create_store",
     "first_slurm_host",
     "host_identity",
@@ -220,8 +221,10 @@ def create_store(
     info: RendezvousInfo,
     timeout: timedelta | float | None = None,
     env: Mapping[str, str] | None = None,
-) -> TCPStore:
+) -> Store:
     """Opens the job's TCPStore: a client of the launcher's, else rank 0 hosts it.
+
+    A launcher's store is seen through ``attempt_store`` (keys of this attempt only).
 
     Args:
         info: This process's place in the job.
@@ -237,7 +240,7 @@ def create_store(
     is_master = info.rank == 0 and not hosted
     where = f"{info.master_addr}:{info.master_port}"
     try:
-        return dist.TCPStore(  # type: ignore[attr-defined]
+        store = dist.TCPStore(  # type: ignore[attr-defined]
             info.master_addr,
             info.master_port,
             info.world_size,
@@ -261,6 +264,19 @@ def create_store(
             f"rank {info.rank} cannot {role} the rendezvous store at {where}: {text}; "
             f"check MASTER_ADDR/MASTER_PORT and that {host} is running"
         ) from exc
+    return attempt_store(store, env) if hosted else store
+
+
+def attempt_store(store: Store, env: Mapping[str, str] | None = None) -> Store:
+    """A launcher's store, seen by the workers of its current attempt only.
+
+    A launcher's store outlives the workers it restarts (torchrun's does), so, as torch does,
+    each attempt's keys live under ``/worker/attempt_<TORCHELASTIC_RESTART_COUNT>``: nothing a
+    failed attempt left (addresses, a published failure) is read by the next.
+    """
+    env = os.environ if env is None else env
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
+    return dist.PrefixStore(f"/worker/attempt_{attempt}", store)  # type: ignore[attr-defined]
 
 
 def host_identity(env: Mapping[str, str] | None = None) -> str:

@@ -1,10 +1,12 @@
 """The job and its default group: ``init``, ``shutdown``, ``is_initialized``, ``default_group``.
 
 ``init`` reads the launcher's variables, opens the rendezvous store, agrees on a backend with
-rank 0 and creates the default group; ``shutdown`` leaves. Where rank 0 hosts the store (no
-launcher hosts it: see [Note: who hosts the store] in ``rendezvous``), leaving is collective:
-every rank checks out through the store and rank 0 leaves last, so the store outlives every
-rank that still uses it (sub-groups are created through it long after ``init``).
+rank 0 and creates the default group; a rank that fails on the way tells the others through
+the store, so that they stop too instead of waiting out their deadline. ``shutdown`` leaves.
+Where rank 0 hosts the store (no launcher hosts it: see [Note: who hosts the store] in
+``rendezvous``), leaving is collective: every rank checks out through the store and rank 0
+leaves last, so the store outlives every rank that still uses it (sub-groups are created
+through it long after ``init``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ import torch
 
 from shardline import config
 from shardline.comm import BACKENDS, init_process_group
-from shardline.comm.backends._store import StoreClient, store_errors
+from shardline.comm.backends._store import (
+    StoreClient,
+    linger_after_failure,
+    publish_failure,
+    store_errors,
+)
 from shardline.comm.group import ProcessGroup
 from shardline.comm.rendezvous import (
     create_store,
@@ -183,7 +190,10 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
 
     Raises:
         ShardlineError: already initialised, inconsistent environment or backend choice, or
-            setup failure.
+            setup failure. A rank that fails once the store is open publishes its error
+            there; the ranks still joining then raise ``PeerLostError`` (or
+            ``AuthenticationError``, when the failure was a refused secret) within a second,
+            naming that rank and its error.
     """
     global _default, _job  # noqa: PLW0603
     with _lock:
@@ -207,22 +217,29 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
             timeout=timeout_seconds(timeout),
         )
         _check_out_at_exit()
-        _agree_on_backend(store, info.rank, chosen, explicit=bool(named))
-        device = None
-        if chosen == "nccl":
-            from shardline.comm.backends import nccl  # noqa: PLC0415
+        try:
+            _agree_on_backend(store, info.rank, chosen, explicit=bool(named))
+            device = None
+            if chosen == "nccl":
+                from shardline.comm.backends import nccl  # noqa: PLC0415
 
-            device = nccl.default_device(info.local_rank)
-        group = init_process_group(
-            store,
-            info.rank,
-            info.world_size,
-            backend=chosen,
-            host_id=host_identity(),
-            timeout=timeout,
-            master_addr=info.master_addr,
-            device=device,
-        )
+                device = nccl.default_device(info.local_rank)
+            group = init_process_group(
+                store,
+                info.rank,
+                info.world_size,
+                backend=chosen,
+                host_id=host_identity(),
+                timeout=timeout,
+                master_addr=info.master_addr,
+                device=device,
+            )
+        except Exception as exc:
+            # See [Note: a rank that fails while joining] in comm.backends._store.
+            publish_failure(store, info.rank, exc)
+            if job.leave_together and info.rank == 0:
+                linger_after_failure(store, info.world_size)
+            raise
         _default, _job = group, job
         return group
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::collectives::{arena, lanes};
 use crate::error::{Error, Result};
 use crate::memcpy::StreamMode;
+use crate::transport::tcp::Cancel;
 use crate::wait;
 
 /// Everything a rank needs to join a communicator (rendezvous happens in Python).
@@ -45,7 +46,15 @@ pub struct CommConfig {
     pub spin_us: u64,
     /// Which copies into shared memory use streaming stores (`SHARDLINE_STREAM_STORES`).
     pub stream_stores: StreamMode,
+    /// A TCP peer that stops acknowledging for this long is lost, whatever the op's deadline
+    /// (`SHARDLINE_KEEPALIVE`); zero keeps the kernel's defaults.
+    pub keepalive: Duration,
+    /// Asked while the TCP mesh is set up; an error ends the setup (see [`Cancel`]).
+    pub cancel: Option<Cancel>,
 }
+
+/// Default of [`CommConfig::keepalive`].
+pub const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(30);
 
 /// Default of [`CommConfig::spin_us`].
 pub const DEFAULT_SPIN_US: u64 = wait::DEFAULT_SPIN.as_micros() as u64;
@@ -68,6 +77,8 @@ impl CommConfig {
             lanes_min_bytes: lanes::DEFAULT_MIN_BYTES,
             spin_us: DEFAULT_SPIN_US,
             stream_stores: StreamMode::default(),
+            keepalive: DEFAULT_KEEPALIVE,
+            cancel: None,
         }
     }
 
@@ -103,6 +114,7 @@ mod tests {
         assert_eq!(cfg.stream_stores, StreamMode::CopyIn);
         assert_eq!(cfg.oneshot_bytes, 256 << 10);
         assert_eq!(cfg.lanes_min_bytes, lanes::DEFAULT_MIN_BYTES);
+        assert_eq!(cfg.keepalive, Duration::from_secs(30));
         assert!(cfg.validate().is_ok());
     }
 

@@ -20,7 +20,7 @@ use crate::reduce::{self, ReduceOp};
 use crate::signature::OpSig;
 use crate::transport::p2p::P2p;
 use crate::transport::shm::Arena;
-use crate::transport::tcp::{TcpListenerHandle, TcpMesh};
+use crate::transport::tcp::{LinkOptions, TcpListenerHandle, TcpMesh};
 use crate::wait::SpinPolicy;
 
 /// How a communicator's ranks are connected.
@@ -123,6 +123,10 @@ impl Router {
                     &cfg.secret,
                     &cfg.name,
                     deadline,
+                    &LinkOptions {
+                        keepalive: cfg.keepalive,
+                        cancel: cfg.cancel.clone(),
+                    },
                 )?;
                 mesh.set_spin(SpinPolicy::for_ranks(cfg.machine_ranks, cfg.spin()).spin);
                 Some(mesh)

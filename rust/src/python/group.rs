@@ -10,7 +10,8 @@ use super::errors::{to_py, IntoPy};
 use crate::engine::{CommConfig, Communicator, Op, Work};
 use crate::error::{Error, ErrorKind};
 use crate::memcpy::StreamMode;
-use crate::transport::{shm, tcp::TcpListenerHandle};
+use crate::transport::shm;
+use crate::transport::tcp::{Cancel, TcpListenerHandle};
 use crate::{DType, ReduceOp};
 
 /// A bound TCP listener for incoming peer connections of one communicator.
@@ -169,7 +170,7 @@ impl PyGroup {
 #[pymethods]
 impl PyGroup {
     #[new]
-    #[pyo3(signature = (rank, world_size, *, name, secret, host_ids, addrs, listener, arena_path, timeout, machine_ranks=None, lanes=1, lanes_min_bytes=None, spin_us=None, stream_stores=None, oneshot_bytes=None))]
+    #[pyo3(signature = (rank, world_size, *, name, secret, host_ids, addrs, listener, arena_path, timeout, machine_ranks=None, lanes=1, lanes_min_bytes=None, spin_us=None, stream_stores=None, oneshot_bytes=None, keepalive=None, cancel=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -188,6 +189,8 @@ impl PyGroup {
         spin_us: Option<i64>,
         stream_stores: Option<&str>,
         oneshot_bytes: Option<i64>,
+        keepalive: Option<f64>,
+        cancel: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(to_py(Error::invalid(format!(
@@ -215,6 +218,30 @@ impl PyGroup {
         if let Some(bytes) = lanes_min_bytes {
             cfg.lanes_min_bytes = bytes;
         }
+        if let Some(seconds) = keepalive {
+            if !(seconds.is_finite() && seconds >= 0.0) {
+                return Err(to_py(Error::invalid(format!(
+                    "keepalive must be a non-negative number of seconds (0: off), got {seconds}"
+                ))));
+            }
+            cfg.keepalive = Duration::from_secs_f64(seconds);
+        }
+        // `cancel()` is called while linking; the exception it raises ends the setup and is
+        // what this constructor raises (kept here, as the engine's errors hold no Python).
+        let raised: Arc<Mutex<Option<PyErr>>> = Arc::new(Mutex::new(None));
+        if let Some(callable) = cancel {
+            let slot = raised.clone();
+            cfg.cancel = Some(Cancel(Arc::new(move || {
+                Python::attach(|py| match callable.call0(py) {
+                    Ok(_) => None,
+                    Err(e) => {
+                        let message = e.to_string();
+                        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                        Some(Error::new(ErrorKind::Closed, message))
+                    }
+                })
+            })));
+        }
         let listener = match listener {
             Some(l) => Some(
                 l.inner
@@ -229,7 +256,13 @@ impl PyGroup {
             ),
             None => None,
         };
-        let comm = py.detach(|| Communicator::new(cfg, listener)).py_err()?;
+        let comm = match py.detach(|| Communicator::new(cfg, listener)) {
+            Ok(comm) => comm,
+            Err(e) => {
+                let cancelled = raised.lock().unwrap_or_else(|p| p.into_inner()).take();
+                return Err(cancelled.unwrap_or_else(|| to_py(e)));
+            }
+        };
         Ok(PyGroup {
             transport: comm.mode().name(),
             rank,

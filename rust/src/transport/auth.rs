@@ -45,6 +45,10 @@ pub(crate) fn handshake_io_error(f: Fail, step: &str) -> Error {
             ErrorKind::Timeout,
             format!("handshake timed out ({step}); the peer is silent or overloaded"),
         ),
+        Fail::Unanswered(why) => Error::new(
+            ErrorKind::PeerLost,
+            format!("the peer stopped answering during the handshake ({step}): {why}"),
+        ),
         Fail::Os(e) => Error::io(format!("handshake ({step})"), e),
     }
 }

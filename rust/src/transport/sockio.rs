@@ -14,6 +14,10 @@ pub(crate) enum Fail {
     Closed(String),
     /// The deadline passed first.
     Timeout,
+    /// The kernel gave up on the peer: no acknowledgement within the keep-alive bound
+    /// (`ETIMEDOUT`), or its host became unreachable. The peer's host is down or the network
+    /// to it is cut.
+    Unanswered(String),
     /// Any other operating-system error.
     Os(io::Error),
 }
@@ -28,6 +32,13 @@ pub(crate) fn classify(e: io::Error) -> Option<Fail> {
         K::WouldBlock | K::Interrupted => None,
         K::ConnectionReset | K::BrokenPipe | K::ConnectionAborted | K::UnexpectedEof => {
             Some(Fail::Closed(e.to_string()))
+        }
+        _ if matches!(
+            e.raw_os_error(),
+            Some(libc::ETIMEDOUT | libc::EHOSTUNREACH | libc::ENETUNREACH | libc::EHOSTDOWN)
+        ) =>
+        {
+            Some(Fail::Unanswered(e.to_string()))
         }
         _ => Some(Fail::Os(e)),
     }
@@ -144,4 +155,20 @@ pub(crate) fn write_full<S: Write + AsRawFd>(
         sent += n;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_the_kernel_gave_up_on_is_unanswered_not_closed() {
+        for errno in [libc::ETIMEDOUT, libc::EHOSTUNREACH, libc::ENETUNREACH] {
+            let f = classify(io::Error::from_raw_os_error(errno));
+            assert!(matches!(f, Some(Fail::Unanswered(_))), "{errno}: {f:?}");
+        }
+        let reset = classify(io::Error::from_raw_os_error(libc::ECONNRESET));
+        assert!(matches!(reset, Some(Fail::Closed(_))), "{reset:?}");
+        assert!(classify(io::Error::from_raw_os_error(libc::EAGAIN)).is_none());
+    }
 }

@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
 use super::connect;
-pub use super::connect::{TcpListenerHandle, SOCKET_BUFFER_BYTES};
+pub use super::connect::{Cancel, LinkOptions, TcpListenerHandle, SOCKET_BUFFER_BYTES};
 use super::frame::{self, FrameType, Header, HEADER_BYTES};
 use super::p2p::P2p;
 use super::sockio::{self, poll_until, pollfd, read_some, write_some, Fail};
@@ -41,6 +41,8 @@ pub struct TcpMesh {
     broken: Option<Error>,
     /// How long a stalled receive retries its socket before sleeping in poll(2).
     spin: Duration,
+    /// The keep-alive bound the links were set up with (for messages).
+    keepalive: Duration,
 }
 
 /// A shared reference to a stream usable where the helpers want `Read + Write + AsRawFd`.
@@ -73,7 +75,7 @@ impl AsRawFd for Shared<'_> {
 impl TcpMesh {
     /// Links this rank to every rank in `peers` (authenticated with `secret`, for process group
     /// `group`), accepting on `listener`, before `deadline`. `addrs[r]` is rank r's listener
-    /// address.
+    /// address; `opts` sets the keep-alive and what may cancel the setup.
     #[allow(clippy::too_many_arguments)]
     pub fn connect(
         rank: usize,
@@ -84,6 +86,7 @@ impl TcpMesh {
         secret: &[u8],
         group: &str,
         deadline: Instant,
+        opts: &LinkOptions,
     ) -> Result<TcpMesh> {
         if rank >= world || addrs.len() != world {
             return Err(Error::invalid(format!(
@@ -103,7 +106,8 @@ impl TcpMesh {
         }
         let tag = frame::group_tag(group);
         let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
-        let streams = connect::link_all(rank, addrs, peers, &listener, secret, tag, deadline)?;
+        let streams =
+            connect::link_all(rank, addrs, peers, &listener, secret, tag, deadline, opts)?;
         for (p, stream) in streams {
             links[p] = Some(Link {
                 stream,
@@ -118,6 +122,7 @@ impl TcpMesh {
             links,
             broken: None,
             spin: Duration::ZERO,
+            keepalive: opts.keepalive,
         })
     }
 
@@ -189,6 +194,25 @@ impl TcpMesh {
                      be stuck in another op or hung — check its log, or raise SHARDLINE_TIMEOUT"
                 ),
             ),
+            Fail::Unanswered(why) => {
+                let bound = if self.keepalive.is_zero() {
+                    "the kernel's TCP keep-alive (SHARDLINE_KEEPALIVE is 0)".to_string()
+                } else {
+                    format!(
+                        "the keep-alive bound of {:.1} s (SHARDLINE_KEEPALIVE)",
+                        self.keepalive.as_secs_f64()
+                    )
+                };
+                Error::new(
+                    ErrorKind::PeerLost,
+                    format!(
+                        "rank {peer} ({addr}) stopped answering during {sig}: rank {me} got no \
+                         acknowledgement from its host within {bound} ({why}); that host is \
+                         down or the network between them is cut — check the link, then \
+                         restart the job"
+                    ),
+                )
+            }
             Fail::Os(e) => Error::io(
                 format!("rank {me} {doing} rank {peer} ({addr}) during {sig}"),
                 e,

@@ -11,23 +11,58 @@ says which rank, doing what, and what to do:
 - a wait passed its deadline (torch's ``DistStoreError``: "wait timeout"):
   ``CollectiveTimeoutError``;
 - anything else the store raises: ``ShardlineError``.
+
+[Note: a rank that fails while joining] A rank whose ``shardline.init`` fails once the store is
+open (no GPU for it, another backend, the handshake refused its secret) publishes its error in
+the job's store (``publish_failure``). Every wait of a ``StoreClient`` looks for such a record
+every ``WATCH_EVERY`` seconds, and so does the native engine while it links its TCP mesh
+(``StoreClient.raise_if_failed``): the ranks still in rendezvous raise within a second, naming
+the failed rank and its error, instead of waiting out ``SHARDLINE_TIMEOUT`` for a peer that
+will never come. A rank that saw a record says so (``FAILURES_SEEN``), so that whoever hosts
+the store keeps it up until the others have read why (``linger_after_failure``, 5 s at most).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from shardline.errors import CollectiveTimeoutError, PeerLostError, ShardlineError
+from shardline.errors import (
+    AuthenticationError,
+    CollectiveTimeoutError,
+    PeerLostError,
+    ShardlineError,
+)
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
-__all__ = ["StoreClient", "exchange", "store_barrier", "store_errors"]
+__all__ = [
+    "FAILURES",
+    "FAILURES_SEEN",
+    "WATCH_EVERY",
+    "StoreClient",
+    "exchange",
+    "linger_after_failure",
+    "publish_failure",
+    "store_barrier",
+    "store_errors",
+]
+
+FAILURES = "shardline/failures"
+"""Counter of published join failures; record ``i`` (from 1) is at ``FAILURES/<i>``."""
+FAILURES_SEEN = "shardline/failures/seen"
+"""Counter of ranks that read a join failure and stopped."""
+WATCH_EVERY = 0.5
+"""Seconds between two looks for a join failure while waiting in the store."""
+_POLL_MAX = 0.05  # the longest sleep between two checks of the keys a wait is for
+_LINGER_S = 5.0
 
 
 class _Absent(Exception):
@@ -112,7 +147,14 @@ class StoreClient:
             self.store.set(key, value)
 
     def get(self, key: str, what: str) -> bytes:
-        """``store.get(key)``: waits until ``key`` exists (up to the store's timeout)."""
+        """``store.get(key)``: waits until ``key`` exists (up to the store's timeout).
+
+        Raises ``PeerLostError`` (``AuthenticationError`` for a refused secret) within
+        ``WATCH_EVERY`` seconds once a rank published a join failure.
+        """
+        with self.step(what):
+            timeout = self.store.timeout.total_seconds()
+        self._await([key], timeout, what)
         with self.step(what):
             return bytes(self.store.get(key))
 
@@ -127,9 +169,93 @@ class StoreClient:
             return bool(self.store.check(keys))
 
     def wait(self, keys: list[str], timeout: float, what: str) -> None:
-        """Waits until every key of ``keys`` exists, ``timeout`` seconds at most."""
+        """Waits until every key of ``keys`` exists, ``timeout`` seconds at most.
+
+        Raises ``PeerLostError`` (``AuthenticationError`` for a refused secret) within
+        ``WATCH_EVERY`` seconds once a rank published a join failure.
+        """
+        self._await(keys, timeout, what)
+
+    def _await(self, keys: list[str], timeout: float, what: str) -> None:
+        # Polls with ``check`` (torch's timed ``wait`` would log a warning at each slice),
+        # from 1 ms up to 50 ms between checks, looking for join failures every WATCH_EVERY.
+        start = time.monotonic()
+        deadline, watch = start + timeout, start + WATCH_EVERY
+        pause = 0.001
+        while True:
+            with self.step(what):
+                if self.store.check(keys):
+                    return
+            now = time.monotonic()
+            if now >= watch:
+                self.raise_if_failed(what)
+                watch = now + WATCH_EVERY
+            if now >= deadline:
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: {self.task}: {what} timed out after {timeout:.1f} s "
+                    f"waiting for {', '.join(keys)}; check that every rank reaches this point "
+                    "(SHARDLINE_TIMEOUT sets the deadline)"
+                )
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, _POLL_MAX)
+
+    def raise_if_failed(self, what: str) -> None:
+        """Raises if a rank published a join failure.
+
+        ``AuthenticationError`` when the handshake refused a secret, else ``PeerLostError``;
+        both name the failed rank and its error. See [Note: a rank that fails while joining].
+        """
         with self.step(what):
-            self.store.wait(keys, timedelta(seconds=timeout))
+            if int(self.store.add(FAILURES, 0)) == 0:
+                return
+            self.store.wait([f"{FAILURES}/1"], timedelta(seconds=5))
+            record = json.loads(bytes(self.store.get(f"{FAILURES}/1")))
+            with contextlib.suppress(*_STORE_ERRORS):
+                self.store.add(FAILURES_SEEN, 1)
+        kind = AuthenticationError if record["kind"] == "AuthenticationError" else PeerLostError
+        advice = (
+            "give every rank the same SHARDLINE_SECRET"
+            if kind is AuthenticationError
+            else "fix the failed rank (its error above), then start the job again"
+        )
+        error = kind(
+            f"rank {self.rank}: {self.task}: {what}: stopped, since rank {record['rank']} "
+            f"failed while joining the job with {record['kind']}: {record['message']} "
+            f"({advice})"
+        )
+        error.failed_rank = int(record["rank"])
+        raise error
+
+
+_STORE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError)
+
+
+def publish_failure(store: Store, rank: int, exc: BaseException) -> None:
+    """Tells the job that ``rank`` failed while joining, with ``exc``.
+
+    Best effort: the store may be gone too. See [Note: a rank that fails while joining].
+    """
+    if getattr(exc, "failed_rank", None) is not None:
+        return  # this rank stopped because of another's record: that one says why
+    record = json.dumps({"rank": rank, "kind": type(exc).__name__, "message": str(exc)})
+    with contextlib.suppress(*_STORE_ERRORS):
+        index = int(store.add(FAILURES, 1))
+        store.set(f"{FAILURES}/{index}", record)
+
+
+def linger_after_failure(store: Store, world_size: int, limit: float = _LINGER_S) -> None:
+    """Keeps the caller's store up until every rank read a published join failure.
+
+    Returns once every rank either failed or read the failure, ``limit`` seconds at most (at
+    once where no failure was published): the others then raise the failed rank's error, not
+    "the store is gone".
+    """
+    deadline = time.monotonic() + limit
+    with contextlib.suppress(*_STORE_ERRORS):
+        while int(store.add(FAILURES, 0)) > 0 and time.monotonic() < deadline:
+            if int(store.add(FAILURES, 0)) + int(store.add(FAILURES_SEEN, 0)) >= world_size:
+                return
+            time.sleep(0.05)
 
 
 def store_errors(store: Store | StoreClient, *, rank: int, task: str) -> StoreClient:

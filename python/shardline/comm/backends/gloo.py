@@ -23,7 +23,7 @@ from shardline.comm.backends._common import (
     scatter_args,
 )
 from shardline.comm.backends._deferred import Deferred
-from shardline.comm.backends._store import StoreClient
+from shardline.comm.backends._store import StoreClient, store_barrier
 from shardline.comm.work import Counts, seconds
 
 if TYPE_CHECKING:
@@ -55,6 +55,9 @@ class GlooBackend:
         prefix = f"shardline/{name}/gloo"
         prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         client = StoreClient(store, rank=rank, task=f"creating group {name!r}")
+        # gloo's own setup blocks where nothing can stop it: meet here first, so a rank that
+        # failed before stops the others within a second, not at the deadline.
+        store_barrier(client, f"{prefix}-ready", world_size, timeout, "meeting before gloo setup")
         with client.step("connecting gloo's pairs through the store", store_only=True):
             # torch's stubs do not list ProcessGroup methods; they exist at runtime.
             self._pg: Any = dist.ProcessGroupGloo(

@@ -8,8 +8,10 @@ Setup, for a group named ``name`` (all store keys live under ``shardline/<name>/
    address that routes to the master) and publishes its address;
 4. the lowest rank of each host with two or more ranks sweeps stale arenas, creates the
    shared-memory arena ``/dev/shm/shardline-<pid>-<hex>`` and publishes its path;
-5. every rank constructs its ``Group``; after a store barrier the creator unlinks the arena's
-   name, so nothing is left in ``/dev/shm`` even if a rank is killed with ``kill -9``.
+5. every rank constructs its ``Group`` (linking stops at once if a rank published a join
+   failure: see [Note: a rank that fails while joining] in ``_store``); after a store barrier
+   the creator unlinks the arena's name, so nothing is left in ``/dev/shm`` even if a rank is
+   killed with ``kill -9``.
 """
 
 from __future__ import annotations
@@ -308,6 +310,9 @@ def create(
             spin_us=config.get("SHARDLINE_SPIN_US"),
             stream_stores=config.get("SHARDLINE_STREAM_STORES"),
             oneshot_bytes=config.get("SHARDLINE_ONESHOT_BYTES"),
+            keepalive=config.get("SHARDLINE_KEEPALIVE"),
+            # A rank that failed while joining ends the linking at once (it never connects).
+            cancel=lambda: client.raise_if_failed("linking with every rank"),
         )
         store_barrier(
             client, f"{prefix}/ready", world_size, timeout, "waiting for every rank to connect"

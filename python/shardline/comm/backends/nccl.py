@@ -36,7 +36,7 @@ from shardline.comm.backends._common import (
     scatter_args,
 )
 from shardline.comm.backends._deferred import DONE, Deferred
-from shardline.comm.backends._store import StoreClient
+from shardline.comm.backends._store import StoreClient, store_barrier
 from shardline.comm.work import Counts, seconds
 from shardline.errors import (
     CollectiveTimeoutError,
@@ -167,6 +167,11 @@ class NcclBackend:
             # collectives overlap with, at some bandwidth (NCCL's config.maxCTAs).
             opts.config.max_ctas = ctas
         client = StoreClient(store, rank=rank, task=f"creating group {name!r}")
+        # NCCL's own setup blocks where nothing can stop it: meet here first, so a rank that
+        # failed before (no GPU for it) stops the others within a second, not at the deadline.
+        store_barrier(
+            client, f"shardline/{name}/nccl-ready", world_size, timeout, "meeting before NCCL setup"
+        )
         with client.step("setting up NCCL through the store", store_only=True):
             # torch's stubs do not list ProcessGroup methods; they exist at runtime.
             self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
