@@ -53,6 +53,7 @@ def test_a_rank_failing_to_join_stops_the_others_within_5_s() -> None:
         assert kind == "PeerLostError", text
         assert re.search(r"rank [23] failed while joining the job", message), text
         assert "backend 'gloo' but rank 0 uses 'native'" in message, text
+        print(f"rank {r}: {kind} {when - first:.2f} s after the first failure")
         assert when - first < BOUND_S, f"rank {r} stopped {when - first:.1f} s late\n{text}"
 
 
@@ -79,6 +80,7 @@ def test_a_wrong_secret_fails_both_sides_within_5_s() -> None:
         assert got[r][1] == "AuthenticationError", text
         assert "SHARDLINE_SECRET" in got[r][2], text
     assert "rank 0 failed while joining the job" in got[1][2], text
+    print(f"both sides failed {abs(got[1][0] - got[0][0]):.3f} s apart")
     assert abs(got[1][0] - got[0][0]) < BOUND_S, text
 
 

@@ -143,6 +143,7 @@ def test_wrong_secret_on_one_host_fails_both_within_5_s(hosts: Hosts) -> None:
     for p in procs:
         said = p.out + p.err
         assert "AuthenticationError" in said and "SHARDLINE_SECRET" in said, text
+    print(f"launchers ended {abs(ended['node0'] - ended['node1']):.2f} s apart")
     assert abs(ended["node0"] - ended["node1"]) < 5.0, (ended, text)
 
 
