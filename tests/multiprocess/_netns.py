@@ -28,7 +28,14 @@ def _ip(*args: str) -> None:
 
 
 def _shm_entries() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("shardline-*")}
+    """Our ``/dev/shm`` entries whose creator (``shardline-<pid>-...``) is gone: what a test
+    may have left behind (a live creator, another test's, still owns its entry)."""
+    left = set()
+    for path in Path("/dev/shm").glob("shardline-*"):
+        pid = path.name.split("-")[1]
+        if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+            left.add(path.name)
+    return left
 
 
 @dataclass
