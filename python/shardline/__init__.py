@@ -64,6 +64,7 @@ from shardline.parallel import (
     as_distributed,
     distribute,
     estimate_memory,
+    pipeline,
     register_optimizer,
 )
 
@@ -107,6 +108,7 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "new_group",
+    "pipeline",
     "recv",
     "reduce",
     "reduce_scatter",

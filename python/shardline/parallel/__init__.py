@@ -8,6 +8,8 @@
 - ``data``: ``DistributedDataParallel`` (replicas, bucketed overlapped all-reduce) and
   ``ShardedDataParallel`` (ZeRO stages 1/2/3, FSDP, with automatic units); ``MixedPrecision``;
   ``register_optimizer``: how ZeRO shards an optimizer it does not know.
+- ``pipeline``: a model split into stages over ranks, run by a schedule (GPipe, 1F1B,
+  interleaved, zero-bubble).
 - ``comm_hooks``: how a gradient bucket is reduced (``fp16``/``bf16`` compression, your own).
 """
 
@@ -19,6 +21,7 @@ from shardline.parallel.contract import BlockShard, Box, FlatRange, Local, Shard
 from shardline.parallel.data import DistributedDataParallel, ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import register_optimizer
 from shardline.parallel.fit import choose_strategy
+from shardline.parallel.pipeline import PipelineModule, pipeline
 from shardline.parallel.planner import MemoryEstimate, estimate_memory
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.strategies import STRATEGIES
@@ -32,6 +35,7 @@ __all__ = [
     "Local",
     "MemoryEstimate",
     "MixedPrecision",
+    "PipelineModule",
     "Shard",
     "ShardedDataParallel",
     "ShardedTensor",
@@ -41,5 +45,6 @@ __all__ = [
     "contract",
     "distribute",
     "estimate_memory",
+    "pipeline",
     "register_optimizer",
 ]

@@ -1,0 +1,89 @@
+"""Pipeline parallelism: a model split into stages, one (or ``virtual_stages``) per rank.
+
+``pipeline(model, group, schedule=..., microbatches=m, split=..., loss_fn=...)`` returns the
+``PipelineModule`` this rank runs; ``model.step(inputs, target=...)`` then runs forward and
+backward of every micro-batch under the schedule (``schedules``: GPipe, 1F1B, interleaved
+1F1B, zero-bubble ZB-H1, each a list of actions per rank), and ``model(x)`` runs inference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardline.comm.group import ProcessGroup
+from shardline.comm.world import default_group
+from shardline.errors import InvalidArgumentError
+from shardline.parallel.pipeline.runtime import PipelineModule
+from shardline.parallel.pipeline.schedules import SCHEDULES, Action, build
+from shardline.parallel.pipeline.split import (
+    balanced_parts,
+    chain_children,
+    keep_only,
+    named_parts,
+)
+
+__all__ = ["SCHEDULES", "Action", "PipelineModule", "build", "pipeline"]
+
+
+def pipeline(
+    model: nn.Module,
+    group: ProcessGroup | None = None,
+    *,
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    split: str | Sequence[str] = "auto",
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+    virtual_stages: int = 1,
+) -> PipelineModule:
+    """Splits ``model`` into ``group.world_size * virtual_stages`` stages; returns this rank's.
+
+    Build the optimizer afterwards from the returned module's ``parameters()`` (this rank's,
+    under the model's names). The children of ``model`` that other ranks hold are removed from
+    it, so their memory is freed once nothing else refers to them.
+
+    Args:
+        model: An ``nn.Sequential`` (its forward chains its children), built the same way on
+            every rank.
+        group: The pipeline's ranks, in stage order; ``None``: the default group.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (``virtual_stages >= 2``) or
+            ``"zero_bubble"`` (ZB-H1: backward split into input and weight passes).
+        microbatches: Micro-batches per ``step``; the batch must divide evenly.
+        split: ``"auto"`` (contiguous stages balanced by parameter count) or the names of the
+            children that start stages 1, 2, ... (one fewer than the stages).
+        loss_fn: ``loss_fn(output, target)`` for each micro-batch, a mean over its samples;
+            needed by ``step``.
+        virtual_stages: Stages per rank (model chunks for ``"interleaved"``).
+
+    Raises:
+        InvalidArgumentError: a model that is not an ``nn.Sequential``, more stages than
+            children, an unknown split point or schedule, or sizes a schedule does not support;
+            raised on every rank before any communication.
+    """
+    g = group if group is not None else default_group()
+    stages = g.world_size * virtual_stages
+    build(schedule, g.world_size, microbatches, virtual_stages)  # fails early, on every rank
+    children = chain_children(model)
+    if isinstance(split, str):
+        if split != "auto":
+            raise InvalidArgumentError(
+                f"split={split!r}: use 'auto' or a list of the children that start each stage"
+            )
+        parts = balanced_parts(children, stages)
+    else:
+        parts = named_parts(children, list(split), stages)
+    mine = {name for c in range(virtual_stages) for name in parts[c * g.world_size + g.rank]}
+    by_name = dict(children)
+    keep_only(model, mine)
+    return PipelineModule(
+        parts,
+        {name: by_name[name] for name in mine},
+        g,
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual_stages=virtual_stages,
+        loss_fn=loss_fn,
+    )

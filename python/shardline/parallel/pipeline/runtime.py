@@ -1,0 +1,392 @@
+"""The pipeline runtime: one rank's stages, running any schedule of ``schedules``.
+
+[Note: messages between stages] Activations go forward and gradients backward as
+point-to-point messages on two communicators of their own (four with virtual stages: the
+wrap-around from the last rank to the first gets its own pair), so that a send forward and a
+send backward never wait behind each other, and each communicator carries one direction
+between any two ranks. Sends are asynchronous. Which message is the next one from a peer
+follows from the peer's schedule (it sends right after the action that produced it), so a
+rank that needs a message receives, in the peer's order, everything before it, keeping what
+it does not need yet. The first activation across each stage boundary in a step is preceded
+by its shape and dtype (``_META`` int64s); gradients have the shape of the activation they
+belong to, which the receiver produced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardline.comm.group import ProcessGroup
+from shardline.dtypes import DTYPES
+from shardline.errors import InvalidArgumentError
+from shardline.parallel.pipeline.schedules import Action, build, stage_rank
+
+__all__ = ["PipelineModule"]
+
+_MAX_DIMS = 8
+_META = 2 + _MAX_DIMS
+_DTYPE_CODES = {d.torch: i for i, d in enumerate(DTYPES)}
+
+Key = tuple[str, int, int]  # ("meta" | "act" | "grad", stage boundary, micro-batch)
+
+
+@dataclass
+class _Inbox:
+    """Messages from one peer on one communicator: their order, and those taken early."""
+
+    order: list[Key]
+    next: int = 0
+    early: dict[Key, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _Step:
+    """What one step keeps between actions."""
+
+    train: bool
+    inputs: list[torch.Tensor] | None
+    targets: list[Any] | None
+    inbox: dict[tuple[str, int], _Inbox]
+    shapes: dict[int, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
+    saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = field(
+        default_factory=dict
+    )
+    grads_out: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
+    local: dict[Key, torch.Tensor] = field(default_factory=dict)
+    loss_sum: torch.Tensor | None = None
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    live: dict[int, int] = field(default_factory=dict)
+    peak: dict[int, int] = field(default_factory=dict)
+
+
+class PipelineModule(nn.Module):
+    """This rank's stages of a pipelined model (see ``shardline.pipeline``).
+
+    Its children are the model's children this rank holds, under their original names, so
+    ``parameters()`` and ``named_parameters()`` are this rank's share of the model's.
+
+    Attributes:
+        stages: The stage indices this rank runs (``rank, rank + p, ...``).
+        num_stages: Stages in the whole pipeline (``p * virtual_stages``).
+        peak_activations: For the last ``step``, the most micro-batches whose activations a
+            stage held at once, by stage (the runtime's own count).
+    """
+
+    def __init__(
+        self,
+        parts: list[list[str]],
+        children: dict[str, nn.Module],
+        group: ProcessGroup,
+        *,
+        schedule: str,
+        microbatches: int,
+        virtual_stages: int,
+        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None,
+    ) -> None:
+        super().__init__()
+        p, r = group.world_size, group.rank
+        self._group = group
+        self._p = p
+        self.num_stages = len(parts)
+        self.stages = [c * p + r for c in range(virtual_stages)]
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self.loss_fn = loss_fn
+        self.peak_activations: dict[int, int] = {}
+        for s in self.stages:
+            for name in parts[s]:
+                if hasattr(self, name) and name not in self._modules:
+                    raise InvalidArgumentError(
+                        f"the model's child {name!r} clashes with an attribute of the pipeline "
+                        "stage; rename that child"
+                    )
+                self.add_module(name, children[name])
+        self._stage_modules = {
+            s: nn.Sequential(*(children[n] for n in parts[s])) for s in self.stages
+        }
+        self._actions = build(schedule, p, microbatches, virtual_stages)
+        # One communicator per direction, and per direction for the wrap-around (Note).
+        ranks = list(range(p))
+        self._comms: dict[str, ProcessGroup | None] = {"fwd": None, "bwd": None}
+        if p > 1:
+            self._comms = {"fwd": group.new_group(ranks), "bwd": group.new_group(ranks)}
+            if virtual_stages > 1:
+                self._comms["fwd_wrap"] = group.new_group(ranks)
+                self._comms["bwd_wrap"] = group.new_group(ranks)
+
+    # -- routing -----------------------------------------------------------------------------
+
+    def _route(self, key: Key) -> tuple[str, int, int]:
+        """(communicator, sender, receiver) of message ``key``."""
+        kind, boundary, _ = key
+        p = self._p
+        if kind == "grad":  # for stage `boundary`'s output, from stage boundary + 1
+            src, dst = stage_rank(boundary + 1, p), stage_rank(boundary, p)
+            return ("bwd_wrap" if src == 0 and p > 1 and dst == p - 1 else "bwd"), src, dst
+        src, dst = stage_rank(boundary - 1, p), stage_rank(boundary, p)  # into stage boundary
+        return ("fwd_wrap" if src == p - 1 and dst == 0 and p > 1 else "fwd"), src, dst
+
+    def _sent_by(self, action: Action, first: set[int], train: bool) -> list[Key]:
+        """The messages ``action`` sends, in order.
+
+        ``first`` holds the boundaries whose shape was announced already in this step.
+        """
+        out: list[Key] = []
+        if action.kind == "F" and action.stage < self.num_stages - 1:
+            boundary = action.stage + 1
+            if boundary not in first:
+                first.add(boundary)
+                out.append(("meta", boundary, 0))
+            out.append(("act", boundary, action.mb))
+        if train and action.kind in ("B", "I") and action.stage > 0:
+            out.append(("grad", action.stage - 1, action.mb))
+        return out
+
+    def _inboxes(self, actions: list[list[Action]], train: bool) -> dict[tuple[str, int], _Inbox]:
+        mine = self._group.rank
+        boxes: dict[tuple[str, int], _Inbox] = {}
+        for src, acts in enumerate(actions):
+            first: set[int] = set()
+            for a in acts:
+                for key in self._sent_by(a, first, train):
+                    comm, sender, dst = self._route(key)
+                    assert sender == src
+                    if dst == mine and src != mine:
+                        boxes.setdefault((comm, src), _Inbox([])).order.append(key)
+        return boxes
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def _send(self, st: _Step, key: Key, tensor: torch.Tensor) -> None:
+        comm, src, dst = self._route(key)
+        if dst == src:
+            st.local[key] = tensor
+            return
+        group = self._comms[comm]
+        assert group is not None
+        t = tensor.detach().contiguous()
+        st.sends.append((group.send(t, dst, async_op=True), t))
+
+    def _recv(self, st: _Step, key: Key) -> torch.Tensor:
+        comm, src, dst = self._route(key)
+        if src == dst:
+            return st.local.pop(key)
+        box = st.inbox[(comm, src)]
+        group = self._comms[comm]
+        assert group is not None
+        while key not in box.early:
+            if box.next >= len(box.order):
+                raise InvalidArgumentError(f"pipeline: {key} never comes from rank {src}")
+            nxt = box.order[box.next]
+            box.next += 1
+            if nxt[0] == "meta":
+                meta = torch.empty(_META, dtype=torch.int64)
+                group.recv(meta, src)
+                ndim = int(meta[1])
+                shape = torch.Size(int(d) for d in meta[2 : 2 + ndim])
+                st.shapes[nxt[1]] = (shape, DTYPES[int(meta[0])].torch)
+                continue
+            if nxt[0] == "act":
+                shape, dtype = st.shapes[nxt[1]]
+            else:  # the gradient of an activation this rank produced
+                _, out = st.saved[(nxt[1], nxt[2])]
+                shape, dtype = out.shape, out.dtype
+            buf = torch.empty(shape, dtype=dtype)
+            group.recv(buf, src)
+            box.early[nxt] = buf
+        return box.early.pop(key)
+
+    def _meta(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() > _MAX_DIMS:
+            raise InvalidArgumentError(
+                f"pipeline: an activation of {t.dim()} dimensions crosses a stage boundary; at "
+                f"most {_MAX_DIMS} are supported"
+            )
+        meta = torch.zeros(_META, dtype=torch.int64)
+        meta[0], meta[1] = _DTYPE_CODES[t.dtype], t.dim()
+        meta[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        return meta
+
+    # -- actions -----------------------------------------------------------------------------
+
+    def _forward(self, st: _Step, a: Action) -> None:
+        s, i = a.stage, a.mb
+        if s == 0:
+            assert st.inputs is not None
+            inp: torch.Tensor | None = st.inputs[i]
+            x = inp
+        else:
+            x = self._recv(st, ("act", s, i))  # takes the boundary's shape first (Note)
+            if st.train and x.is_floating_point():
+                x = x.detach().requires_grad_(True)
+            inp = x
+        with torch.set_grad_enabled(st.train):
+            out = self._stage_modules[s](x)
+        if not isinstance(out, torch.Tensor):
+            raise InvalidArgumentError(
+                f"pipeline stage {s} returned {type(out).__name__}; a stage must return one "
+                "tensor (its output is the next stage's input)"
+            )
+        last = s == self.num_stages - 1
+        if last:
+            if st.train:
+                assert st.targets is not None and self.loss_fn is not None
+                loss = self.loss_fn(out, st.targets[i])
+                st.loss_sum = loss.detach() if st.loss_sum is None else st.loss_sum + loss.detach()
+                out = loss / self.microbatches
+            else:
+                st.outputs[i] = out.detach()
+        else:
+            meta = ("meta", s + 1, 0)
+            if s + 1 not in st.shapes:
+                st.shapes[s + 1] = (out.shape, out.dtype)
+                self._send(st, meta, self._meta(out))
+            elif (out.shape, out.dtype) != st.shapes[s + 1]:
+                raise InvalidArgumentError(
+                    f"pipeline stage {s}: micro-batch {i} gives an output of shape "
+                    f"{tuple(out.shape)} ({out.dtype}), micro-batch 0 gave "
+                    f"{tuple(st.shapes[s + 1][0])}; every micro-batch must have the same shape"
+                )
+            self._send(st, ("act", s + 1, i), out)
+        if st.train:
+            st.saved[(s, i)] = (inp if s > 0 else None, out)
+            st.live[s] = st.live.get(s, 0) + 1
+            st.peak[s] = max(st.peak.get(s, 0), st.live[s])
+
+    def _grad_out(self, st: _Step, s: int, i: int) -> torch.Tensor | None:
+        if s == self.num_stages - 1:
+            return None  # the saved output is the loss
+        return self._recv(st, ("grad", s, i))
+
+    def _backward(self, st: _Step, a: Action) -> None:
+        s, i = a.stage, a.mb
+        grad = self._grad_out(st, s, i)
+        inp, out = st.saved.pop((s, i))
+        torch.autograd.backward(out, grad)
+        if s > 0:
+            assert inp is not None
+            self._send(st, ("grad", s - 1, i), _grad_of(inp))
+        st.live[s] -= 1
+
+    def _input_grad(self, st: _Step, a: Action) -> None:
+        s, i = a.stage, a.mb
+        grad = self._grad_out(st, s, i)
+        inp, out = st.saved[(s, i)]
+        st.grads_out[(s, i)] = grad
+        if s > 0:
+            assert inp is not None
+            (g,) = torch.autograd.grad(out, [inp], grad, retain_graph=True)
+            self._send(st, ("grad", s - 1, i), g)
+
+    def _weight_grad(self, st: _Step, a: Action) -> None:
+        s, i = a.stage, a.mb
+        _, out = st.saved.pop((s, i))
+        grad = st.grads_out.pop((s, i))
+        params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
+        if params and out.grad_fn is not None:
+            torch.autograd.backward(out, grad, inputs=params)
+        st.live[s] -= 1
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def _split(self, value: Any, what: str) -> list[Any]:
+        m = self.microbatches
+        if not isinstance(value, torch.Tensor):
+            raise InvalidArgumentError(
+                f"pipeline: {what} must be a tensor (split into {m} micro-batches along dim 0); "
+                f"got {type(value).__name__}"
+            )
+        if value.dim() == 0 or value.shape[0] % m:
+            raise InvalidArgumentError(
+                f"pipeline: {what} has a batch of {value.shape[0] if value.dim() else 0} along "
+                f"dim 0, not divisible into microbatches={m}; use a batch that is a multiple "
+                f"of {m}, or other microbatches"
+            )
+        return list(value.chunk(m))
+
+    def _guarded(self, actions: list[list[Action]], train: bool, inputs: Any, target: Any) -> _Step:
+        # A rank that fails mid-step aborts the pipeline's communicators, so the ranks
+        # waiting for its messages raise at once (with its reason) instead of timing out.
+        try:
+            return self._run(actions, train, inputs, target)
+        except Exception as exc:
+            reason = f"pipeline stage(s) {self.stages} on rank {self._group.rank} failed: {exc}"
+            for comm in self._comms.values():
+                if comm is not None:
+                    with contextlib.suppress(Exception):
+                        comm.abort(reason)
+            raise
+
+    def _run(self, actions: list[list[Action]], train: bool, inputs: Any, target: Any) -> _Step:
+        holds_first = 0 in self.stages
+        holds_last = self.num_stages - 1 in self.stages
+        st = _Step(
+            train=train,
+            inputs=self._split(inputs, "inputs") if holds_first else None,
+            targets=self._split(target, "target") if (holds_last and train) else None,
+            inbox=self._inboxes(actions, train),
+        )
+        run = {"F": self._forward, "B": self._backward, "I": self._input_grad,
+               "W": self._weight_grad}  # fmt: skip
+        for a in actions[self._group.rank]:
+            run[a.kind](st, a)
+        for work, _ in st.sends:
+            work.wait()
+        st.sends.clear()
+        return st
+
+    def step(self, inputs: Any = None, target: Any = None) -> torch.Tensor:
+        """Runs forward and backward of every micro-batch of one batch through the pipeline.
+
+        Every rank of the pipeline calls it with the same arguments: the rank holding the
+        first stage reads ``inputs``, the one holding the last reads ``target``; the others
+        may pass ``None``. Gradients accumulate into this rank's parameters (call
+        ``opt.zero_grad()`` before, ``opt.step()`` after).
+
+        Returns:
+            The mean of ``loss_fn`` over the micro-batches, on every rank.
+
+        Raises:
+            InvalidArgumentError: no ``loss_fn``, or a batch not divisible into micro-batches
+                (before any work).
+        """
+        if self.loss_fn is None:
+            raise InvalidArgumentError("pipeline: step() needs loss_fn=; pass it to sl.pipeline")
+        st = self._guarded(self._actions, True, inputs, target)
+        self.peak_activations = dict(st.peak)
+        loss = torch.zeros((), dtype=torch.float32)
+        if st.loss_sum is not None:
+            loss = (st.loss_sum / self.microbatches).to(torch.float32)
+        if self._p > 1:
+            self._group.broadcast(loss, src=stage_rank(self.num_stages - 1, self._p))
+        return loss
+
+    def forward(self, inputs: Any = None) -> torch.Tensor | None:
+        """Inference through the pipeline (no autograd).
+
+        Every rank calls it with the same arguments; the rank holding the last stage gets the
+        output, the others ``None``.
+        """
+        v, p = len(self.stages), self._p
+        m = self.microbatches
+        actions = [
+            [Action("F", c * p + r, i) for i in range(m) for c in range(v)] for r in range(p)
+        ]
+        with torch.no_grad():
+            st = self._guarded(actions, False, inputs, None)
+        if self.num_stages - 1 not in self.stages:
+            return None
+        return torch.cat([st.outputs[i] for i in range(m)])
+
+
+def _grad_of(t: torch.Tensor) -> torch.Tensor:
+    if t.grad is None:  # the input did not influence the output
+        return torch.zeros_like(t)
+    return t.grad

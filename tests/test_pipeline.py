@@ -1,0 +1,155 @@
+"""Pipeline parallelism against one process: every schedule, 2 and 4 stages, 1..2p micro-batches.
+
+The reference trains a copy of the same model in one process on the same global batch,
+accumulating the same micro-batches (each loss divided by their number), with AdamW; after 3
+steps every parameter a rank holds must equal the reference's (``assert_close`` defaults).
+Ranks are threads (``tests/_ranks.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardline as sl
+from shardline.comm import ProcessGroup
+from shardline.errors import InvalidArgumentError
+from shardline.parallel.pipeline import build
+from tests._ranks import run_ranks
+
+STEPS = 3
+
+
+_RNG = threading.Lock()  # ranks are threads: one at a time through the global generator
+
+
+def make_model(norm: bool = False) -> nn.Sequential:
+    """Ten children, each with parameters (so 8 stages at p=4, v=2 all train something)."""
+    with _RNG:
+        return _make_model(norm)
+
+
+def _make_model(norm: bool) -> nn.Sequential:
+    torch.manual_seed(0)
+    widths = [6, 16, 16, 24, 16, 16, 12, 12, 16, 8, 3]
+    children: list[nn.Module] = []
+    for k, (a, b) in enumerate(itertools.pairwise(widths)):
+        act: nn.Module = nn.BatchNorm1d(b) if norm and k == 4 else nn.Tanh()
+        children.append(nn.Sequential(nn.Linear(a, b), act) if k < 9 else nn.Linear(a, b))
+    return nn.Sequential(*children)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(16, 6, generator=gen), torch.randn(16, 3, generator=gen)
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+def reference(m: int, norm: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = make_model(norm)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        total = 0.0
+        for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True):
+            loss = loss_fn(model(xi), yi)
+            (loss / m).backward()
+            total += float(loss.detach())
+        opt.step()
+        losses.append(total / m)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def train(
+    g: ProcessGroup, schedule: str, m: int, v: int, norm: bool = False, **kw: Any
+) -> tuple[dict[str, torch.Tensor], list[float], dict[int, int]]:
+    model = sl.pipeline(
+        make_model(norm), g, schedule=schedule, microbatches=m, loss_fn=loss_fn,
+        virtual_stages=v, **kw,
+    )  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        losses.append(float(model.step(x, target=y)))
+        opt.step()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return state, losses, model.peak_activations
+
+
+CASES = [
+    (schedule, p, m, v)
+    for p in (2, 4)
+    for m in (1, p, 2 * p)
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2))
+    if not (schedule == "interleaved" and m % p)
+]
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), CASES, ids=str)
+def test_every_schedule_equals_one_process(schedule: str, p: int, m: int, v: int) -> None:
+    want, want_losses = reference(m)
+    results = run_ranks(p, lambda g: train(g, schedule, m, v), timeout=120)
+    held: set[str] = set()
+    for state, losses, _ in results:
+        for key, value in state.items():
+            torch.testing.assert_close(value, want[key], msg=key)
+        held |= state.keys()
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert held == set(want), "every parameter lives on exactly one rank"
+
+
+def test_batchnorm_uneven_named_stages_and_gpipe_memory() -> None:
+    """BatchNorm statistics per micro-batch; stages cut at named children, of uneven size."""
+    want, _ = reference(4, norm=True)
+    results = run_ranks(2, lambda g: train(g, "gpipe", 4, 1, norm=True, split=["5"]), timeout=60)
+    for state, _, peak in results:
+        for key, value in state.items():
+            torch.testing.assert_close(value, want[key], msg=key)
+        assert max(peak.values()) == 4  # GPipe holds every micro-batch
+    assert set(results[0][0]) | set(results[1][0]) == set(want)
+
+
+def test_1f1b_first_stage_holds_at_most_p_microbatches() -> None:
+    results = run_ranks(4, lambda g: train(g, "1f1b", 8, 1), timeout=60)
+    peaks = [peak for _, _, peak in results]
+    assert peaks[0] == {0: 4} and peaks[3] == {3: 1}, peaks
+
+
+def test_inference_through_the_pipeline() -> None:
+    x, _ = batch(0)
+    want = make_model()(x)
+    outs = run_ranks(2, lambda g: sl.pipeline(make_model(), g, microbatches=4)(x))
+    assert outs[0] is None
+    torch.testing.assert_close(outs[1], want)
+
+
+def test_bad_input_fails_on_every_rank_with_what_to_do() -> None:
+    """Errors found by one rank (a batch its stage cannot split) reach the others at once
+    (the pipeline's communicators are aborted), and bad arguments fail before any work."""
+    with pytest.raises(AssertionError, match="4 of 4 ranks failed") as info:
+        run_ranks(4, lambda g: train(g, "1f1b", 3, 1), timeout=60)
+    text = str(info.value)
+    assert "not divisible into microbatches=3" in text, text
+    # The middle stages never see the batch: they stop with the first stage's reason.
+    assert text.count("pipeline stage(s) [0] on rank 0 failed") >= 2, text
+    with pytest.raises(AssertionError, match="'nope' is not a child"):
+        run_ranks(2, lambda g: sl.pipeline(make_model(), g, split=["nope"]))
+    with pytest.raises(AssertionError, match="10 children to split but the pipeline has 12"):
+        run_ranks(2, lambda g: sl.pipeline(make_model(), g, virtual_stages=6,
+                                           schedule="gpipe"))  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match="multiple of the pipeline's 2 ranks"):
+        build("interleaved", 2, 3, 2)
+    with pytest.raises(AssertionError, match=r"splits an nn\.Sequential"):
+        run_ranks(1, lambda g: sl.pipeline(nn.Linear(2, 2), g))
