@@ -25,6 +25,7 @@ from shardline.parallel.pipeline.split import (
     keep_only,
     named_parts,
 )
+from shardline.parallel.pipeline.state import find_tied, tensor_infos
 
 __all__ = ["SCHEDULES", "Action", "PipelineModule", "build", "pipeline"]
 
@@ -43,7 +44,9 @@ def pipeline(
 
     Build the optimizer afterwards from the returned module's ``parameters()`` (this rank's,
     under the model's names). The children of ``model`` that other ranks hold are removed from
-    it, so their memory is freed once nothing else refers to them.
+    it, so their memory is freed once nothing else refers to them. A parameter used by
+    several stages (an embedding tied to the head) stays tied: the gradients of its copies are
+    summed over their ranks after each step.
 
     Args:
         model: An ``nn.Sequential`` (its forward chains its children), built the same way on
@@ -77,6 +80,8 @@ def pipeline(
         parts = named_parts(children, list(split), stages)
     mine = {name for c in range(virtual_stages) for name in parts[c * g.world_size + g.rank]}
     by_name = dict(children)
+    infos = tensor_infos(model, parts)
+    tied = find_tied(model, parts, g.world_size)
     keep_only(model, mine)
     return PipelineModule(
         parts,
@@ -86,4 +91,6 @@ def pipeline(
         microbatches=microbatches,
         virtual_stages=virtual_stages,
         loss_fn=loss_fn,
+        infos=infos,
+        tied=tied,
     )

@@ -26,6 +26,16 @@ from shardline.comm.group import ProcessGroup
 from shardline.dtypes import DTYPES
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.pipeline.schedules import Action, build, stage_rank
+from shardline.parallel.pipeline.state import (
+    TensorInfo,
+    Tied,
+    broadcast_tied,
+    full_state_dict,
+    load_sharded_state,
+    sharded_optim_state,
+    sharded_state,
+    sum_tied_grads,
+)
 
 __all__ = ["PipelineModule"]
 
@@ -89,6 +99,8 @@ class PipelineModule(nn.Module):
         microbatches: int,
         virtual_stages: int,
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None,
+        infos: dict[str, TensorInfo],
+        tied: list[Tied],
     ) -> None:
         super().__init__()
         p, r = group.world_size, group.rank
@@ -112,6 +124,10 @@ class PipelineModule(nn.Module):
             s: nn.Sequential(*(children[n] for n in parts[s])) for s in self.stages
         }
         self._actions = build(schedule, p, microbatches, virtual_stages)
+        self._infos = infos
+        self._tied = tied
+        for t in tied:  # every rank, in the same order: new_group is collective
+            t.group = group.new_group(t.ranks) if len(t.ranks) > 1 else None
         # One communicator per direction, and per direction for the wrap-around (Note).
         ranks = list(range(p))
         self._comms: dict[str, ProcessGroup | None] = {"fwd": None, "bwd": None}
@@ -361,6 +377,7 @@ class PipelineModule(nn.Module):
             raise InvalidArgumentError("pipeline: step() needs loss_fn=; pass it to sl.pipeline")
         st = self._guarded(self._actions, True, inputs, target)
         self.peak_activations = dict(st.peak)
+        sum_tied_grads(self, self._tied, self._group.rank)
         loss = torch.zeros((), dtype=torch.float32)
         if st.loss_sum is not None:
             loss = (st.loss_sum / self.microbatches).to(torch.float32)
@@ -384,6 +401,57 @@ class PipelineModule(nn.Module):
         if self.num_stages - 1 not in self.stages:
             return None
         return torch.cat([st.outputs[i] for i in range(m)])
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The whole model's state dict, on every rank (a collective over the pipeline).
+
+        With torch's arguments (``destination``, ``prefix``, ...): this rank's tensors only.
+        """
+        if args or kwargs:
+            return super().state_dict(*args, **kwargs)
+        return full_state_dict(self, self._group)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Takes a whole model's state dict, as ``state_dict()`` gives.
+
+        Each rank loads the tensors of its stages.
+        """
+        mine = super().state_dict()
+        return super().load_state_dict(
+            {k: v for k, v in state_dict.items() if k in mine}, strict=strict, assign=assign
+        )
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The strategy contract: every tensor of the model, as a ``Shard``.
+
+        A whole-tensor one where this rank writes it, an empty one elsewhere (see
+        ``pipeline.state``).
+        """
+        return sharded_state(self, self._infos, self.stages)
+
+    def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
+        """The strategy contract: takes this rank's tensors back; tied copies follow."""
+        load_sharded_state(self, sd)
+        broadcast_tied(self, self._tied, self._group.rank)
+
+    def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The strategy contract: this rank's optimizer state by parameter name.
+
+        Every tensor is a ``Shard`` this rank alone holds (tied weights: the writing rank's).
+        """
+        return sharded_optim_state(self, optimizer, self._tied, self._group)
+
+    def layout(self) -> dict[str, Any]:
+        """How this pipeline lays state out, for people reading a checkpoint's index."""
+        return {
+            "strategy": "pipeline",
+            "schedule": self.schedule,
+            "mesh": {"pp": self._p},
+            "virtual_stages": len(self.stages),
+            "microbatches": self.microbatches,
+        }
 
 
 def _grad_of(t: torch.Tensor) -> torch.Tensor:

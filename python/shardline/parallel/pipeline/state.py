@@ -1,0 +1,210 @@
+"""A pipeline's state: tied weights across stages, full state dicts, the strategy contract.
+
+- **Tied weights.** A parameter used by children in different stages (an embedding tied to the
+  output head) is found before the model is cut. Every rank that holds one of those stages
+  keeps its own copy; after each step their gradients are summed over the owning ranks, as
+  Megatron does, so the copies take the same update and stay equal.
+- **Full state dicts.** ``state_dict()`` gathers every rank's tensors: the whole model's, on
+  every rank (a collective over the pipeline's ranks).
+- **The strategy contract** (``parallel.contract``). Every rank names every tensor of the model:
+  a ``Shard`` holding the whole tensor (one box at zero offsets) where this rank holds it (for
+  a tied weight, its first owning stage only), an empty one elsewhere. The checkpointer then
+  saves and reshards a pipeline like any other layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardline.comm.group import ProcessGroup
+from shardline.comm.objects import all_gather_object
+from shardline.errors import InvalidArgumentError
+from shardline.parallel.contract import Shard, groups_by_name
+
+__all__ = [
+    "TensorInfo",
+    "Tied",
+    "broadcast_tied",
+    "find_tied",
+    "full_state_dict",
+    "load_sharded_state",
+    "sharded_optim_state",
+    "sharded_state",
+    "sum_tied_grads",
+    "tensor_infos",
+]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor of the whole model: its shape, dtype and the stage that writes it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stage: int
+
+
+@dataclass
+class Tied:
+    """One parameter shared by several stages.
+
+    Its names, the stages and ranks that hold it, the rank whose copy checkpoints save (the
+    first stage's), and their group.
+    """
+
+    names: list[str]
+    stages: list[int]
+    ranks: list[int]
+    writer: int = 0
+    group: ProcessGroup | None = None
+
+
+def _stage_of(parts: list[list[str]]) -> dict[str, int]:
+    return {child: s for s, names in enumerate(parts) for child in names}
+
+
+def tensor_infos(model: nn.Module, parts: list[list[str]]) -> dict[str, TensorInfo]:
+    """Every state tensor of the whole (uncut) model.
+
+    Its shape, dtype, and the first stage that holds it (the writer of a tied weight).
+    """
+    stage = _stage_of(parts)
+    infos: dict[str, TensorInfo] = {}
+    first: dict[int, int] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        s = stage[name.split(".", 1)[0]]
+        first[id(t)] = min(first.get(id(t), s), s)
+    for name, t in model.state_dict(keep_vars=True).items():
+        infos[name] = TensorInfo(tuple(t.shape), t.dtype, first[id(t)])
+    return infos
+
+
+def find_tied(model: nn.Module, parts: list[list[str]], p: int) -> list[Tied]:
+    """Parameters of the uncut model used by children of different stages, in model order."""
+    stage = _stage_of(parts)
+    seen: dict[int, Tied] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        s = stage[name.split(".", 1)[0]]
+        tied = seen.setdefault(id(param), Tied([], [], []))
+        tied.names.append(name)
+        if s not in tied.stages:
+            tied.stages.append(s)
+    out = []
+    for tied in seen.values():
+        if len(tied.stages) > 1:
+            tied.ranks = sorted({s % p for s in tied.stages})
+            tied.writer = min(tied.stages) % p
+            out.append(tied)
+    return out
+
+
+def sum_tied_grads(module: nn.Module, tied: list[Tied], rank: int) -> None:
+    """Sums each tied parameter's gradient over the ranks that hold it (after a step)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for t in tied:
+        if t.group is None or rank not in t.ranks:
+            continue
+        param = next(params[n] for n in t.names if n in params)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        t.group.all_reduce(param.grad)
+
+
+def broadcast_tied(module: nn.Module, tied: list[Tied], rank: int) -> None:
+    """Copies each tied weight from its first owning rank to the others that hold it."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for t in tied:
+        if t.group is None or rank not in t.ranks:
+            continue
+        param = next(params[n] for n in t.names if n in params)
+        with torch.no_grad():
+            t.group.broadcast(param, src=t.ranks.index(t.writer))
+
+
+def full_state_dict(module: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, gathered from every rank of the pipeline (collective)."""
+    mine = {k: v.detach().clone() for k, v in nn.Module.state_dict(module).items()}
+    merged: dict[str, torch.Tensor] = {}
+    for part in all_gather_object(mine, group):
+        for k, v in part.items():
+            merged.setdefault(k, v)
+    return merged
+
+
+def sharded_state(
+    module: nn.Module, infos: Mapping[str, TensorInfo], stages: list[int]
+) -> dict[str, Any]:
+    """The contract's ``sharded_state_dict``: see the module docstring."""
+    mine = nn.Module.state_dict(module, keep_vars=True)
+    out: dict[str, Any] = {}
+    for name, info in infos.items():
+        if name in mine and info.stage in stages:
+            out[name] = Shard.box(mine[name], info.shape, (0,) * len(info.shape))
+        else:
+            out[name] = Shard(info.shape, [])
+    return out
+
+
+def load_sharded_state(module: nn.Module, sd: Mapping[str, Any]) -> None:
+    """The contract's ``load_sharded_state_dict``: this rank's tensors from ``sd``.
+
+    A tied weight's other copies are not in ``sd``; ``broadcast_tied`` gives them its value.
+    """
+    mine = nn.Module.state_dict(module, keep_vars=True)
+    with torch.no_grad():
+        for name, value in sd.items():
+            if isinstance(value, Shard) and value.pieces and name in mine:
+                src = value.local
+                if src is not mine[name]:
+                    mine[name].copy_(src)
+
+
+def sharded_optim_state(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tied: list[Tied],
+    group: ProcessGroup,
+) -> dict[str, Any]:
+    """The contract's ``sharded_optim_state_dict``: each parameter's state, by name.
+
+    Its tensors are ``Shard``s held by this rank alone: a whole-tensor box where shaped like
+    the parameter, else a flat range (``step``); only on the rank that writes the parameter.
+    Each param group lists the parameters of that group on every rank of the pipeline (a
+    collective), so that the checkpoint describes the whole model's optimizer.
+    """
+    rank = group.rank
+    names = {id(p): n for n, p in module.named_parameters()}
+    skip = {n for t in tied if t.writer != rank for n in t.names}
+    state: dict[str, dict[str, Any]] = {}
+    for param, entries in optimizer.state.items():
+        name = names.get(id(param))
+        if name is None or name in skip:
+            continue
+        out: dict[str, Any] = {}
+        for k, v in entries.items():
+            if not torch.is_tensor(v):
+                out[k] = v
+            elif v.shape == param.shape and v.dim() > 0:
+                out[k] = Shard.box(v.detach(), v.shape, (0,) * v.dim())
+            else:
+                out[k] = Shard.flat(v.detach(), v.shape, 0)
+        state[name] = out
+    groups = groups_by_name(optimizer, names)
+    everyone = all_gather_object([g["params"] for g in groups], group)
+    if any(len(theirs) != len(groups) for theirs in everyone):
+        counts = [len(theirs) for theirs in everyone]
+        raise InvalidArgumentError(
+            f"pipeline: the ranks' optimizers have {counts} param groups; build every stage's "
+            "optimizer with the same groups (empty ones included)"
+        )
+    for i, g in enumerate(groups):
+        merged: list[str] = []
+        for theirs in everyone:
+            merged += [n for n in theirs[i] if n not in merged]
+        g["params"] = merged
+    return {"state": state, "param_groups": groups}
