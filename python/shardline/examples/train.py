@@ -4,6 +4,9 @@ Run it on two processes (the README's first command)::
 
     shardline run --nproc-per-node 2 -m shardline.examples.train
 
+``--strategy zero1|zero2|zero3|fsdp|auto`` shards it instead; ``--strategy pp`` splits it into
+a pipeline of one stage per process (``--schedule``, ``--microbatches``).
+
 or alone (``python -m shardline.examples.train``: one process, no launcher). The corpus is
 built in: English-like sentences from a small probabilistic grammar (deterministic for a seed),
 tokenised as bytes. Rank 0 shows a progress bar with loss and throughput and ends with a
@@ -19,6 +22,7 @@ import os
 import random
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +31,7 @@ from torch import nn
 import shardline as sl
 from shardline.data import DistributedSampler
 
-__all__ = ["Config", "TinyGPT", "corpus", "main"]
+__all__ = ["Config", "TinyGPT", "as_sequential", "corpus", "lm_loss", "main"]
 
 _SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird", "we"]
 _VERBS = ["sees", "likes", "follows", "paints", "finds", "remembers", "builds"]
@@ -114,6 +118,49 @@ class TinyGPT(nn.Module):
         x = self.blocks(self.tok(idx) + self.pos(pos))
         logits = self.head(self.ln(x))
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class Embeddings(nn.Module):
+    """TinyGPT's token and position embeddings: the first stage of its pipeline."""
+
+    def __init__(self, tok: nn.Embedding, pos: nn.Embedding) -> None:
+        super().__init__()
+        self.tok, self.pos = tok, pos
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return out
+
+
+class Head(nn.Module):
+    """TinyGPT's final norm and output layer (its weight is the token embedding's)."""
+
+    def __init__(self, ln: nn.LayerNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.ln, self.head = ln, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.ln(x))
+        return out
+
+
+def as_sequential(model: TinyGPT) -> nn.Sequential:
+    """The same model (the same parameter objects) as a chain of children, for a pipeline."""
+    blocks = [(f"block{i}", b) for i, b in enumerate(model.blocks)]
+    return nn.Sequential(
+        OrderedDict(
+            [
+                ("embed", Embeddings(model.tok, model.pos)),
+                *blocks,
+                ("head", Head(model.ln, model.head)),
+            ]
+        )
+    )
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy of ``logits`` against ``targets``."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def build_model(cfg: Config) -> TinyGPT:
@@ -203,9 +250,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument(
         "--strategy",
         default="ddp",
-        choices=["ddp", "zero1", "zero2", "zero3", "fsdp", "auto"],
-        help="data parallel strategy (auto: sl.as_distributed picks by memory)",
+        choices=["ddp", "zero1", "zero2", "zero3", "fsdp", "auto", "pp"],
+        help="data parallel strategy (auto: sl.as_distributed picks by memory), or pp: a "
+        "pipeline, one stage per process",
     )
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule (pp): gpipe, 1f1b, "
+                   "interleaved, zero_bubble")  # fmt: skip
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (pp)")
     p.add_argument("--comm-hook", default=None, help="gradient compression: fp16 or bf16 (ddp)")
     p.add_argument(
         "--no-verify",
@@ -240,20 +291,31 @@ def main(argv: list[str] | None = None) -> int:
     num_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     strategy = args.strategy if group is not None else "none"
-    if strategy == "auto":  # the one-line way: the strategy that fits, then a plain optimizer
+    pp = strategy == "pp"
+    if pp:  # every rank trains the same batches, each through its own stage
+        model = sl.pipeline(
+            as_sequential(model),  # type: ignore[arg-type]
+            schedule=args.schedule,
+            microbatches=args.microbatches,
+            loss_fn=lm_loss,
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        strategy = f"a {world_size}-stage {args.schedule} pipeline"
+    elif strategy == "auto":  # the one-line way: the strategy that fits, then a plain optimizer
         model = sl.as_distributed(model)
         strategy = str(model.strategy)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     elif group is not None:
         hook = {"comm_hook": args.comm_hook} if strategy == "ddp" else {}
         model, _ = sl.distribute(model, opt, strategy=strategy, **hook)
-    batches = rank_batches(n, rank, world_size, cfg)
+    replicas, replica = (1, 0) if pp else (world_size, rank)
+    batches = rank_batches(n, replica, replicas, cfg)
     if rank == 0:
         print(
             f"shardline: training TinyGPT ({num_params:,} parameters) with {strategy} on "
             f"{world_size} process(es), backend "
             f"{group.backend if group else 'none'}, {cfg.steps} steps of "
-            f"{world_size} x {cfg.batch_size} x {cfg.seq_len} tokens",
+            f"{replicas} x {cfg.batch_size} x {cfg.seq_len} tokens",
             flush=True,
         )
     progress = Progress(cfg.steps, enabled=rank == 0)
@@ -265,21 +327,32 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
         x, y = get_batch(tokens, indices, cfg)
         opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
+        if pp:
+            loss = model.step(x, target=y)  # type: ignore[operator]
+        else:
+            loss = model(x, y)
+            loss.backward()
         opt.step()
         elapsed = time.perf_counter() - started
         timed = step - warmup if step > warmup else step
         progress.update(
             step,
             float(loss.detach()),
-            timed * world_size * cfg.batch_size * cfg.seq_len / max(elapsed, 1e-9),
+            timed * replicas * cfg.batch_size * cfg.seq_len / max(elapsed, 1e-9),
         )
     elapsed = time.perf_counter() - started
-    tokens_per_s = (cfg.steps - warmup) * world_size * cfg.batch_size * cfg.seq_len / elapsed
+    tokens_per_s = (cfg.steps - warmup) * replicas * cfg.batch_size * cfg.seq_len / elapsed
 
     with torch.no_grad():
-        final = float(model(*probe))
+        if pp:  # the logits come out of the last stage; its loss goes to every rank
+            logits = model(probe[0])
+            held = torch.zeros(())
+            if logits is not None:
+                held = lm_loss(logits, probe[1]).reshape(())
+            sl.broadcast(held, src=world_size - 1)
+            final = float(held)
+        else:
+            final = float(model(*probe))
     status = 0
     if rank == 0:
         print(
@@ -289,11 +362,11 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         if args.verify and world_size > 1:
-            reference, _ = single_process_loss(tokens, cfg, world_size, probe)
+            reference, _ = single_process_loss(tokens, cfg, replicas, probe)
             diff = abs(reference - final)
             ok = diff <= 1e-3 * max(1.0, abs(reference))
             print(
-                f"verify: single-process run on the same {world_size * cfg.batch_size}-sequence "
+                f"verify: single-process run on the same {replicas * cfg.batch_size}-sequence "
                 f"global batches: held-out loss {reference:.4f} (difference {diff:.1e}) -> "
                 f"{'same model' if ok else 'MISMATCH'}",
                 flush=True,

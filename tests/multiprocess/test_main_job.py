@@ -1,0 +1,33 @@
+"""The main job (``shardline.examples.train``) as a pipeline, under ``shardline run``.
+
+Its verify step replays the same batches in one process (TinyGPT, whose output layer shares
+the token embedding: the first and last stages hold copies of one tied weight) and must find
+the same model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.multiprocess._launch import PYTHONPATH
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("native")]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_the_main_job_trains_as_a_pipeline_and_matches_one_process(schedule: str) -> None:
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "SHARDLINE_TIMEOUT": "60"}
+    cmd = [sys.executable, "-m", "shardline", "run", "--nproc-per-node", "2", "-m",
+           "shardline.examples.train", "--strategy", "pp", "--schedule", schedule,
+           "--steps", "20"]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
+    text = f"rc={done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    assert done.returncode == 0, text
+    assert f"2-stage {schedule} pipeline" in done.stdout, text
+    verify = re.search(r"verify: .* \(difference ([0-9.e+-]+)\) -> (.*)", done.stdout)
+    assert verify and verify.group(2).strip() == "same model", text
