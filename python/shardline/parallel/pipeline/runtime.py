@@ -29,7 +29,6 @@ from shardline.parallel.pipeline.schedules import Action, build, stage_rank
 from shardline.parallel.pipeline.state import (
     TensorInfo,
     Tied,
-    broadcast_tied,
     full_state_dict,
     load_sharded_state,
     sharded_optim_state,
@@ -426,22 +425,21 @@ class PipelineModule(nn.Module):
     def sharded_state_dict(self) -> dict[str, Any]:
         """The strategy contract: every tensor of the model, as a ``Shard``.
 
-        A whole-tensor one where this rank writes it, an empty one elsewhere (see
+        A whole-tensor one where this rank holds it, an empty one elsewhere (see
         ``pipeline.state``).
         """
-        return sharded_state(self, self._infos, self.stages)
+        return sharded_state(self, self._infos)
 
     def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
-        """The strategy contract: takes this rank's tensors back; tied copies follow."""
+        """The strategy contract: takes this rank's tensors back."""
         load_sharded_state(self, sd)
-        broadcast_tied(self, self._tied, self._group.rank)
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The strategy contract: this rank's optimizer state by parameter name.
 
-        Every tensor is a ``Shard`` this rank alone holds (tied weights: the writing rank's).
+        Every tensor is a ``Shard`` of the whole tensor (see ``pipeline.state``).
         """
-        return sharded_optim_state(self, optimizer, self._tied, self._group)
+        return sharded_optim_state(self, optimizer, self._group)
 
     def layout(self) -> dict[str, Any]:
         """How this pipeline lays state out, for people reading a checkpoint's index."""

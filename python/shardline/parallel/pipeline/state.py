@@ -7,9 +7,10 @@
 - **Full state dicts.** ``state_dict()`` gathers every rank's tensors: the whole model's, on
   every rank (a collective over the pipeline's ranks).
 - **The strategy contract** (``parallel.contract``). Every rank names every tensor of the model:
-  a ``Shard`` holding the whole tensor (one box at zero offsets) where this rank holds it (for
-  a tied weight, its first owning stage only), an empty one elsewhere. The checkpointer then
-  saves and reshards a pipeline like any other layout.
+  a ``Shard`` holding the whole tensor (one box at zero offsets) where this rank holds it, an
+  empty one elsewhere. Copies of one tensor on several ranks (a tied weight's, data-parallel
+  replicas') are equal, so each lists the same piece: saved more than once, loaded into
+  every copy. The checkpointer then saves and reshards a pipeline like any other layout.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from shardline.parallel.contract import Shard, groups_by_name
 __all__ = [
     "TensorInfo",
     "Tied",
-    "broadcast_tied",
     "find_tied",
     "full_state_dict",
     "load_sharded_state",
@@ -51,16 +51,11 @@ class TensorInfo:
 
 @dataclass
 class Tied:
-    """One parameter shared by several stages.
-
-    Its names, the stages and ranks that hold it, the rank whose copy checkpoints save (the
-    first stage's), and their group.
-    """
+    """One parameter shared by several stages: names, stages, ranks, and their group."""
 
     names: list[str]
     stages: list[int]
     ranks: list[int]
-    writer: int = 0
     group: ProcessGroup | None = None
 
 
@@ -69,10 +64,7 @@ def _stage_of(parts: list[list[str]]) -> dict[str, int]:
 
 
 def tensor_infos(model: nn.Module, parts: list[list[str]]) -> dict[str, TensorInfo]:
-    """Every state tensor of the whole (uncut) model.
-
-    Its shape, dtype, and the first stage that holds it (the writer of a tied weight).
-    """
+    """Every state tensor of the whole (uncut) model: its shape, dtype and first stage."""
     stage = _stage_of(parts)
     infos: dict[str, TensorInfo] = {}
     first: dict[int, int] = {}
@@ -98,7 +90,6 @@ def find_tied(model: nn.Module, parts: list[list[str]], p: int) -> list[Tied]:
     for tied in seen.values():
         if len(tied.stages) > 1:
             tied.ranks = sorted({s % p for s in tied.stages})
-            tied.writer = min(tied.stages) % p
             out.append(tied)
     return out
 
@@ -115,17 +106,6 @@ def sum_tied_grads(module: nn.Module, tied: list[Tied], rank: int) -> None:
         t.group.all_reduce(param.grad)
 
 
-def broadcast_tied(module: nn.Module, tied: list[Tied], rank: int) -> None:
-    """Copies each tied weight from its first owning rank to the others that hold it."""
-    params = dict(module.named_parameters(remove_duplicate=False))
-    for t in tied:
-        if t.group is None or rank not in t.ranks:
-            continue
-        param = next(params[n] for n in t.names if n in params)
-        with torch.no_grad():
-            t.group.broadcast(param, src=t.ranks.index(t.writer))
-
-
 def full_state_dict(module: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
     """The whole model's state dict, gathered from every rank of the pipeline (collective)."""
     mine = {k: v.detach().clone() for k, v in nn.Module.state_dict(module).items()}
@@ -136,14 +116,12 @@ def full_state_dict(module: nn.Module, group: ProcessGroup) -> dict[str, torch.T
     return merged
 
 
-def sharded_state(
-    module: nn.Module, infos: Mapping[str, TensorInfo], stages: list[int]
-) -> dict[str, Any]:
+def sharded_state(module: nn.Module, infos: Mapping[str, TensorInfo]) -> dict[str, Any]:
     """The contract's ``sharded_state_dict``: see the module docstring."""
     mine = nn.Module.state_dict(module, keep_vars=True)
     out: dict[str, Any] = {}
     for name, info in infos.items():
-        if name in mine and info.stage in stages:
+        if name in mine:
             out[name] = Shard.box(mine[name], info.shape, (0,) * len(info.shape))
         else:
             out[name] = Shard(info.shape, [])
@@ -151,10 +129,7 @@ def sharded_state(
 
 
 def load_sharded_state(module: nn.Module, sd: Mapping[str, Any]) -> None:
-    """The contract's ``load_sharded_state_dict``: this rank's tensors from ``sd``.
-
-    A tied weight's other copies are not in ``sd``; ``broadcast_tied`` gives them its value.
-    """
+    """The contract's ``load_sharded_state_dict``: this rank's tensors from ``sd``."""
     mine = nn.Module.state_dict(module, keep_vars=True)
     with torch.no_grad():
         for name, value in sd.items():
@@ -165,25 +140,19 @@ def load_sharded_state(module: nn.Module, sd: Mapping[str, Any]) -> None:
 
 
 def sharded_optim_state(
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    tied: list[Tied],
-    group: ProcessGroup,
+    module: nn.Module, optimizer: torch.optim.Optimizer, group: ProcessGroup
 ) -> dict[str, Any]:
     """The contract's ``sharded_optim_state_dict``: each parameter's state, by name.
 
-    Its tensors are ``Shard``s held by this rank alone: a whole-tensor box where shaped like
-    the parameter, else a flat range (``step``); only on the rank that writes the parameter.
-    Each param group lists the parameters of that group on every rank of the pipeline (a
-    collective), so that the checkpoint describes the whole model's optimizer.
+    Its tensors are ``Shard``s of whole tensors: a box where shaped like the parameter, else a
+    flat range (``step``). Each param group lists the parameters of that group on every rank
+    of the pipeline (a collective), so that the checkpoint describes the whole optimizer.
     """
-    rank = group.rank
     names = {id(p): n for n, p in module.named_parameters()}
-    skip = {n for t in tied if t.writer != rank for n in t.names}
     state: dict[str, dict[str, Any]] = {}
     for param, entries in optimizer.state.items():
         name = names.get(id(param))
-        if name is None or name in skip:
+        if name is None:
             continue
         out: dict[str, Any] = {}
         for k, v in entries.items():
