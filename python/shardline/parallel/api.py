@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from shardline.comm.group import ProcessGroup
+from shardline.comm.mesh import DeviceMesh
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
 from shardline.parallel._common import default_group
@@ -28,8 +29,9 @@ def distribute(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
-    strategy: str = "ddp",
+    strategy: str | dict[str, str] = "ddp",
     group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
     **options: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Wraps ``model`` (and ``optimizer``) for data-parallel training on ``group``.
@@ -38,8 +40,12 @@ def distribute(
         model: A plain ``nn.Module``, already on its device.
         optimizer: A plain optimizer over ``model``'s parameters, or ``None``.
         strategy: ``"ddp"``; ``"zero1"``, ``"zero2"``, ``"zero3"`` (``"fsdp"`` is zero3): see
-            ``ShardedDataParallel``.
+            ``ShardedDataParallel``. With ``mesh``, a strategy per axis:
+            ``{"dp": "ddp", "pp": "1f1b"}`` (a pipeline schedule on ``pp``, replicated with
+            DDP on ``dp``); ``options`` then go to ``sl.pipeline`` (``microbatches``,
+            ``loss_fn``, ``split``, ``virtual_stages``).
         group: The ranks to train on; the default group when ``None``.
+        mesh: A ``DeviceMesh`` with axes ``"pp"`` and optionally ``"dp"``, for composition.
         **options: Passed to the strategy (for DDP: ``bucket_cap_mb``, ``broadcast_buffers``,
             ``comm_hook``, ...; for ZeRO: ``unit_mb``, ``prefetch``, ``mixed_precision``).
 
@@ -52,6 +58,8 @@ def distribute(
         InvalidArgumentError: an unknown strategy or option, or an optimizer over other
             parameters.
     """
+    if mesh is not None or isinstance(strategy, dict):
+        return _compose(model, optimizer, strategy, mesh, options)
     row = strategies.strategy(strategy)
     _check_options(row.name, options)
     if row.stage and optimizer is not None:
@@ -71,6 +79,55 @@ def distribute(
                 "parameters of the model; build the optimizer from model.parameters()"
             )
     return DistributedDataParallel(model, group=group, **options), optimizer
+
+
+def _compose(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strategy: str | dict[str, str],
+    mesh: DeviceMesh | None,
+    options: dict[str, Any],
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Strategies per mesh axis: a pipeline on ``pp``, DDP replicas of it on ``dp``."""
+    if mesh is None or not isinstance(strategy, dict):
+        raise InvalidArgumentError(
+            "distribute(): composing strategies takes mesh=sl.DeviceMesh({'dp': d, 'pp': p}) "
+            "and strategy={'dp': 'ddp', 'pp': '1f1b'}, both"
+        )
+    unknown = sorted(set(strategy) - {"dp", "pp"})
+    if unknown or "pp" not in strategy:
+        raise InvalidArgumentError(
+            f"distribute(strategy={strategy}): the axes that compose today are 'pp' (a "
+            "pipeline schedule) and 'dp' ('ddp'); tensor parallelism ('tp') is not built yet"
+        )
+    dp = strategy.get("dp")
+    if dp not in (None, "ddp"):
+        raise InvalidArgumentError(
+            f"distribute(strategy={strategy}): a pipeline composes with dp='ddp' today; "
+            f"'{dp}' (ZeRO) over pipeline stages is not built yet"
+        )
+    axes = set(mesh.axis_names)
+    if "pp" not in axes or (dp is not None and "dp" not in axes) or axes - {"dp", "pp"}:
+        raise InvalidArgumentError(
+            f"distribute(): the mesh's axes {sorted(axes)} must be 'pp' and, with a dp "
+            "strategy, 'dp'"
+        )
+    from shardline.parallel.pipeline import pipeline  # noqa: PLC0415
+
+    stage = pipeline(
+        model,
+        mesh.group("pp"),
+        schedule=strategy["pp"],
+        dp_group=mesh.group("dp") if dp is not None else None,
+        **options,
+    )
+    if optimizer is not None:  # keep this rank's parameters, in their groups
+        kept = {id(p) for p in stage.parameters()}
+        for g in optimizer.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) in kept]
+        for p in [p for p in optimizer.state if id(p) not in kept]:
+            del optimizer.state[p]
+    return stage, optimizer
 
 
 def _check_options(strategy: str, options: dict[str, Any]) -> None:

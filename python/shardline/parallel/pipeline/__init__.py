@@ -39,6 +39,7 @@ def pipeline(
     split: str | Sequence[str] = "auto",
     loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
     virtual_stages: int = 1,
+    dp_group: ProcessGroup | None = None,
 ) -> PipelineModule:
     """Splits ``model`` into ``group.world_size * virtual_stages`` stages; returns this rank's.
 
@@ -60,6 +61,9 @@ def pipeline(
         loss_fn: ``loss_fn(output, target)`` for each micro-batch, a mean over its samples;
             needed by ``step``.
         virtual_stages: Stages per rank (model chunks for ``"interleaved"``).
+        dp_group: The ranks holding replicas of this rank's stages (the data-parallel axis of
+            a mesh; ``sl.distribute(..., mesh=...)`` passes it): after each step their
+            gradients are averaged over it (DDP).
 
     Raises:
         InvalidArgumentError: a model that is not an ``nn.Sequential``, more stages than
@@ -93,4 +97,5 @@ def pipeline(
         loss_fn=loss_fn,
         infos=infos,
         tied=tied,
+        dp_group=dp_group,
     )

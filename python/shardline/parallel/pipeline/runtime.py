@@ -29,6 +29,7 @@ from shardline.parallel.pipeline.schedules import Action, build, stage_rank
 from shardline.parallel.pipeline.state import (
     TensorInfo,
     Tied,
+    average_replicas,
     full_state_dict,
     load_sharded_state,
     sharded_optim_state,
@@ -100,6 +101,7 @@ class PipelineModule(nn.Module):
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None,
         infos: dict[str, TensorInfo],
         tied: list[Tied],
+        dp_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         p, r = group.world_size, group.rank
@@ -125,6 +127,7 @@ class PipelineModule(nn.Module):
         self._actions = build(schedule, p, microbatches, virtual_stages)
         self._infos = infos
         self._tied = tied
+        self._dp = dp_group if dp_group is not None and dp_group.world_size > 1 else None
         for t in tied:  # every rank, in the same order: new_group is collective
             t.group = group.new_group(t.ranks) if len(t.ranks) > 1 else None
         # One communicator per direction, and per direction for the wrap-around (Note).
@@ -365,8 +368,12 @@ class PipelineModule(nn.Module):
         may pass ``None``. Gradients accumulate into this rank's parameters (call
         ``opt.zero_grad()`` before, ``opt.step()`` after).
 
+        With a data-parallel group (``dp_group``), every replica's gradients are then averaged
+        over it, once per step.
+
         Returns:
-            The mean of ``loss_fn`` over the micro-batches, on every rank.
+            The mean of ``loss_fn`` over this replica's micro-batches, on every rank of the
+            pipeline.
 
         Raises:
             InvalidArgumentError: no ``loss_fn``, or a batch not divisible into micro-batches
@@ -377,6 +384,8 @@ class PipelineModule(nn.Module):
         st = self._guarded(self._actions, True, inputs, target)
         self.peak_activations = dict(st.peak)
         sum_tied_grads(self, self._tied, self._group.rank)
+        if self._dp is not None:
+            average_replicas(self, self._dp)
         loss = torch.zeros((), dtype=torch.float32)
         if st.loss_sum is not None:
             loss = (st.loss_sum / self.microbatches).to(torch.float32)
@@ -443,10 +452,13 @@ class PipelineModule(nn.Module):
 
     def layout(self) -> dict[str, Any]:
         """How this pipeline lays state out, for people reading a checkpoint's index."""
+        mesh = {"pp": self._p}
+        if self._dp is not None:
+            mesh = {"dp": self._dp.world_size, **mesh}
         return {
-            "strategy": "pipeline",
+            "strategy": "pipeline" if self._dp is None else "ddp x pipeline",
             "schedule": self.schedule,
-            "mesh": {"pp": self._p},
+            "mesh": mesh,
             "virtual_stages": len(self.stages),
             "microbatches": self.microbatches,
         }

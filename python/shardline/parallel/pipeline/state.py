@@ -30,6 +30,7 @@ from shardline.parallel.contract import Shard, groups_by_name
 __all__ = [
     "TensorInfo",
     "Tied",
+    "average_replicas",
     "find_tied",
     "full_state_dict",
     "load_sharded_state",
@@ -104,6 +105,26 @@ def sum_tied_grads(module: nn.Module, tied: list[Tied], rank: int) -> None:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         t.group.all_reduce(param.grad)
+
+
+def average_replicas(module: nn.Module, dp: ProcessGroup) -> None:
+    """Averages this rank's gradients over the data-parallel replicas of its stages.
+
+    One all-reduce per dtype, once per step, after the last micro-batch.
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in module.parameters():
+        if param.requires_grad:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dp.all_reduce(flat, op="avg")
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def full_state_dict(module: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
