@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -124,11 +125,31 @@ def strategies_vs_single() -> None:
     print("OK", flush=True)
 
 
+def pipeline_kill() -> None:
+    """A 2-stage 1F1B pipeline; the last rank kills itself (SIGKILL) in step 5."""
+    sl.init()
+    r, w = sl.get_rank(), sl.get_world_size()
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(4)]
+    model = sl.pipeline(
+        torch.nn.Sequential(*layers),
+        microbatches=4,
+        loss_fn=torch.nn.functional.mse_loss,
+    )
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    for step in range(1000):
+        if r == w - 1 and step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        model.step(x, target=y)
+        print(f"STEP {step}", flush=True)
+
+
 SCENARIOS = {
     "join": join,
     "slow_peer": slow_peer,
     "all_reduce_loop": all_reduce_loop,
     "strategies_vs_single": strategies_vs_single,
+    "pipeline_kill": pipeline_kill,
 }
 
 if __name__ == "__main__":

@@ -104,3 +104,16 @@ def test_a_slow_peer_is_not_lost() -> None:
     )
     text = report(ranks)
     assert all(r.rc == 0 and "OK" in r.out for r in ranks), text
+
+
+def test_a_killed_pipeline_stage_is_peer_lost_on_the_others() -> None:
+    """The last stage of a 2-stage pipeline is SIGKILLed mid-training: the first stage raises
+    PeerLostError naming it, long before the deadline."""
+    ranks = finish(start(2, "pipeline_kill", env=SLOW_DEADLINE, worker=WORKER), timeout=90)
+    text = report(ranks)
+    got = failures(ranks)
+    assert ranks[1].rc == -9 and 0 in got, text
+    _, kind, message = got[0]
+    assert kind == "PeerLostError" and "rank 1" in message, text
+    last = max(int(s) for s in re.findall(r"STEP (\d+)", ranks[0].out))
+    assert last >= 3, text

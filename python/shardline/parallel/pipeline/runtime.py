@@ -127,6 +127,9 @@ class PipelineModule(nn.Module):
         self._actions = build(schedule, p, microbatches, virtual_stages)
         self._infos = infos
         self._tied = tied
+        # Where received activations and gradients go: the device of this rank's stages.
+        first = next(iter(self.parameters()), None)
+        self._device = first.device if first is not None else torch.device("cpu")
         self._dp = dp_group if dp_group is not None and dp_group.world_size > 1 else None
         for t in tied:  # every rank, in the same order: new_group is collective
             t.group = group.new_group(t.ranks) if len(t.ranks) > 1 else None
@@ -205,18 +208,17 @@ class PipelineModule(nn.Module):
             nxt = box.order[box.next]
             box.next += 1
             if nxt[0] == "meta":
-                meta = torch.empty(_META, dtype=torch.int64)
+                meta = torch.empty(_META, dtype=torch.int64, device=self._device)
                 group.recv(meta, src)
-                ndim = int(meta[1])
-                shape = torch.Size(int(d) for d in meta[2 : 2 + ndim])
-                st.shapes[nxt[1]] = (shape, DTYPES[int(meta[0])].torch)
+                code, ndim, *dims = meta.tolist()
+                st.shapes[nxt[1]] = (torch.Size(dims[:ndim]), DTYPES[code].torch)
                 continue
             if nxt[0] == "act":
                 shape, dtype = st.shapes[nxt[1]]
             else:  # the gradient of an activation this rank produced
                 _, out = st.saved[(nxt[1], nxt[2])]
                 shape, dtype = out.shape, out.dtype
-            buf = torch.empty(shape, dtype=dtype)
+            buf = torch.empty(shape, dtype=dtype, device=self._device)
             group.recv(buf, src)
             box.early[nxt] = buf
         return box.early.pop(key)
@@ -227,10 +229,9 @@ class PipelineModule(nn.Module):
                 f"pipeline: an activation of {t.dim()} dimensions crosses a stage boundary; at "
                 f"most {_MAX_DIMS} are supported"
             )
-        meta = torch.zeros(_META, dtype=torch.int64)
-        meta[0], meta[1] = _DTYPE_CODES[t.dtype], t.dim()
-        meta[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        return meta
+        values = [_DTYPE_CODES[t.dtype], t.dim(), *t.shape]
+        values += [0] * (_META - len(values))
+        return torch.tensor(values, dtype=torch.int64, device=t.device)
 
     # -- actions -----------------------------------------------------------------------------
 
@@ -386,9 +387,9 @@ class PipelineModule(nn.Module):
         sum_tied_grads(self, self._tied, self._group.rank)
         if self._dp is not None:
             average_replicas(self, self._dp)
-        loss = torch.zeros((), dtype=torch.float32)
+        loss = torch.zeros((), dtype=torch.float32, device=self._device)
         if st.loss_sum is not None:
-            loss = (st.loss_sum / self.microbatches).to(torch.float32)
+            loss = (st.loss_sum / self.microbatches).to(torch.float32).reshape(())
         if self._p > 1:
             self._group.broadcast(loss, src=stage_rank(self.num_stages - 1, self._p))
         return loss
