@@ -15,6 +15,7 @@ belong to, which the receiver produced.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,8 @@ class _Step:
     sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     live: dict[int, int] = field(default_factory=dict)
     peak: dict[int, int] = field(default_factory=dict)
+    waited: float = 0.0  # seconds spent waiting for messages, so far
+    timeline: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 class PipelineModule(nn.Module):
@@ -87,6 +90,9 @@ class PipelineModule(nn.Module):
         num_stages: Stages in the whole pipeline (``p * virtual_stages``).
         peak_activations: For the last ``step``, the most micro-batches whose activations a
             stage held at once, by stage (the runtime's own count).
+        last_step: For the last ``step``: ``seconds`` it took on this rank, ``busy`` seconds
+            of them computing (the rest waited for messages: the bubble), and the
+            ``timeline`` of actions (kind, start, end in seconds from the step's start).
     """
 
     def __init__(
@@ -113,6 +119,7 @@ class PipelineModule(nn.Module):
         self.microbatches = microbatches
         self.loss_fn = loss_fn
         self.peak_activations: dict[int, int] = {}
+        self.last_step: dict[str, Any] = {}
         for s in self.stages:
             for name in parts[s]:
                 if hasattr(self, name) and name not in self._modules:
@@ -202,6 +209,15 @@ class PipelineModule(nn.Module):
         box = st.inbox[(comm, src)]
         group = self._comms[comm]
         assert group is not None
+        t0 = time.perf_counter()
+        try:
+            return self._take(st, box, group, key, src)
+        finally:
+            st.waited += time.perf_counter() - t0
+
+    def _take(
+        self, st: _Step, box: _Inbox, group: ProcessGroup, key: Key, src: int
+    ) -> torch.Tensor:
         while key not in box.early:
             if box.next >= len(box.order):
                 raise InvalidArgumentError(f"pipeline: {key} never comes from rank {src}")
@@ -355,7 +371,10 @@ class PipelineModule(nn.Module):
         run = {"F": self._forward, "B": self._backward, "I": self._input_grad,
                "W": self._weight_grad}  # fmt: skip
         for a in actions[self._group.rank]:
+            t0, waited = time.perf_counter(), st.waited
             run[a.kind](st, a)
+            # What the action computed: its time less its waits for messages (a bubble).
+            st.timeline.append((a.kind, t0 + st.waited - waited, time.perf_counter()))
         for work, _ in st.sends:
             work.wait()
         st.sends.clear()
@@ -382,8 +401,14 @@ class PipelineModule(nn.Module):
         """
         if self.loss_fn is None:
             raise InvalidArgumentError("pipeline: step() needs loss_fn=; pass it to sl.pipeline")
+        start = time.perf_counter()
         st = self._guarded(self._actions, True, inputs, target)
         self.peak_activations = dict(st.peak)
+        self.last_step = {
+            "seconds": time.perf_counter() - start,
+            "busy": sum(t1 - t0 for _, t0, t1 in st.timeline),
+            "timeline": [(k, t0 - start, t1 - start) for k, t0, t1 in st.timeline],
+        }
         sum_tied_grads(self, self._tied, self._group.rank)
         if self._dp is not None:
             average_replicas(self, self._dp)

@@ -1,0 +1,228 @@
+"""Our pipeline against ``torch.distributed.pipelining``: same model, stages, micro-batches.
+
+Each world size starts ``--ranks`` processes, one stage per rank. The model is a chain of
+``--layers`` transformer blocks (the main job's ``Block``) between an embedding and a head,
+split the same way for both: ``sl.pipeline`` on our group (native engine on CPU, NCCL on
+CUDA) and torch's ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` on torch's group
+(Gloo on CPU, NCCL on CUDA). Timed blocks of ``--steps`` steps alternate between the two.
+
+Prints step time, tokens/s and their ratio, and our measured bubble (the share of a step a
+rank spends waiting for messages, from the runtime's own timeline, mean over ranks) next to
+the theory ((p - 1) / (m + p - 1) for GPipe and 1F1B). Writes ``.txt``, ``.json`` and a plot
+of one step's timeline per rank to ``benches/results/``.
+
+    python benches/bench_pipeline.py --ranks 2                       # CPU, here
+    python benches/bench_pipeline.py --ranks 4 8 --microbatches 16   # the many-core host
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import _harness
+import _report
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def build(args: argparse.Namespace, device: Any) -> Any:
+    """The model as an ``nn.Sequential`` (embedding, blocks, head), the same on every rank."""
+    import torch  # noqa: PLC0415
+    from torch import nn  # noqa: PLC0415
+
+    from shardline.examples.train import Block, Config  # noqa: PLC0415
+
+    cfg = Config(d_model=args.width, num_heads=max(1, args.width // 64), seq_len=args.seq)
+    torch.manual_seed(0)
+    children: list[tuple[str, nn.Module]] = [("embed", nn.Embedding(cfg.vocab, cfg.d_model))]
+    children += [(f"block{i}", Block(cfg)) for i in range(args.layers)]
+    children += [("head", nn.Linear(cfg.d_model, cfg.vocab))]
+    return nn.Sequential(OrderedDict(children)).to(device), cfg
+
+
+def parts(names: list[str], p: int) -> list[list[str]]:
+    """Embedding with the first blocks, head with the last: blocks shared out evenly."""
+    blocks = names[1:-1]
+    per, extra = divmod(len(blocks), p)
+    out, k = [], 0
+    for s in range(p):
+        n = per + (1 if s < extra else 0)
+        out.append(blocks[k : k + n])
+        k += n
+    out[0].insert(0, names[0])
+    out[-1].append(names[-1])
+    return out
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415
+
+    rank, world, device, ours_group = _harness.join_job(args.device)
+    torch.set_num_threads(max(1, args.threads))
+    results = {s: one_schedule(args, s, rank, world, device, ours_group) for s in args.schedules}
+    return _harness.leave_job(rank, results, args.out)
+
+
+def one_schedule(
+    args: argparse.Namespace, schedule: str, rank: int, world: int, device: Any, group: Any
+) -> dict[str, Any]:
+    """Both pipelines, built afresh, timed in alternating blocks; rank 0's row of the table."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch import nn  # noqa: PLC0415
+    from torch.distributed import pipelining  # noqa: PLC0415
+
+    import shardline as sl  # noqa: PLC0415
+
+    m = args.microbatches
+
+    def loss_fn(out: Any, target: Any) -> Any:
+        return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    model, cfg = build(args, device)
+    cut = parts([n for n, _ in model.named_children()], world)
+    ours = sl.pipeline(model, group, schedule=schedule, microbatches=m,
+                       split=[p[0] for p in cut[1:]], loss_fn=loss_fn)  # fmt: skip
+    theirs_model, _ = build(args, device)
+    sub = nn.Sequential(OrderedDict((n, getattr(theirs_model, n)) for n in cut[rank]))
+    stage = pipelining.PipelineStage(sub, rank, world, device)
+    sched = getattr(pipelining, SCHEDULES[schedule])(stage, m, loss_fn=loss_fn)
+    opts = {
+        "shardline": torch.optim.SGD(ours.parameters(), lr=1e-4),
+        "torch": torch.optim.SGD(sub.parameters(), lr=1e-4),
+    }
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, cfg.vocab, (args.batch, cfg.seq_len + 1), generator=gen)
+    x, y = rows[:, :-1].to(device), rows[:, 1:].to(device)
+
+    def ours_step() -> None:
+        opts["shardline"].zero_grad()
+        ours.step(x, target=y)
+        opts["shardline"].step()
+
+    def torch_step() -> None:
+        opts["torch"].zero_grad()
+        if rank == 0:
+            sched.step(x)
+        elif rank == world - 1:
+            sched.step(target=y)
+        else:
+            sched.step()
+        opts["torch"].step()
+
+    steps = {"shardline": ours_step, "torch": torch_step}
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for fn in steps.values():
+        for _ in range(args.warmup):
+            fn()
+    busy: list[float] = []
+    for _ in range(args.repeats):
+        for name, fn in steps.items():
+            dist.barrier()
+            _harness.sync(device)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                fn()
+                if name == "shardline":
+                    busy.append(ours.last_step["busy"] / ours.last_step["seconds"])
+            _harness.sync(device)
+            times[name].append((time.perf_counter() - t0) / args.steps)
+    # The slowest rank's median step; the bubble is the mean over ranks of the waiting share.
+    med = torch.tensor([statistics.median(times[k]) for k in steps], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    bubble = torch.tensor([1.0 - statistics.median(busy)], dtype=torch.float64)
+    dist.all_reduce(bubble)
+    timeline: list[Any] = [None] * world
+    dist.all_gather_object(timeline, ours.last_step["timeline"])
+    tokens = args.batch * cfg.seq_len
+    row: dict[str, Any] = {
+        "tokens_per_step": tokens,
+        "bubble_measured": float(bubble) / world,
+        "bubble_theory": (world - 1) / (m + world - 1),
+        "timeline": timeline,
+    }
+    for name, t in zip(steps, med.tolist(), strict=True):
+        row[f"{name}_step_ms"] = t * 1e3
+        row[f"{name}_tokens_per_s"] = tokens / t
+    row["ratio"] = row["shardline_tokens_per_s"] / row["torch_tokens_per_s"]
+    return row
+
+
+# -- parent --------------------------------------------------------------------------------------
+
+
+def table(results: dict[int, dict[str, Any]], m: int) -> str:
+    lines = [
+        f"{'schedule':9} {'stages':>6} {'m':>3} {'ours tok/s':>11} {'torch tok/s':>12} "
+        f"{'ratio':>6} {'ours ms':>8} {'torch ms':>9} {'bubble':>7} {'theory':>7}"
+    ]
+    for world, res in results.items():
+        for schedule, row in res.items():
+            lines.append(
+                f"{schedule:9} {world:6d} {m:3d} {row['shardline_tokens_per_s']:11,.0f} "
+                f"{row['torch_tokens_per_s']:12,.0f} {row['ratio']:5.2f}x "
+                f"{row['shardline_step_ms']:8.1f} {row['torch_step_ms']:9.1f} "
+                f"{row['bubble_measured']:7.1%} {row['bubble_theory']:7.1%}"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: dict[int, dict[str, Any]], path: Path) -> str:
+    colors = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
+
+    def draw(plt: Any) -> Any:
+        world = max(results)
+        res = results[world]
+        fig, axes = plt.subplots(len(res), 1, figsize=(10, 1.2 + 0.5 * world * len(res)))
+        axes = axes if len(res) > 1 else [axes]
+        for ax, (schedule, row) in zip(axes, res.items(), strict=True):
+            for r, events in enumerate(row["timeline"]):
+                for kind, t0, t1 in events:
+                    ax.barh(r, (t1 - t0) * 1e3, left=t0 * 1e3, color=colors[kind], height=0.8)
+            ax.set_yticks(range(world), [f"rank {r}" for r in range(world)])
+            ax.invert_yaxis()
+            ax.set_title(f"{schedule}: one step (blue forward, orange backward; gaps: waiting)")
+            ax.set_xlabel("ms")
+        fig.tight_layout()
+        return fig
+
+    return _report.plot(path, draw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2])
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32, help="sequences per step")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    _harness.add_blocks(p, steps=5, repeats=3, warmup=2, repeats_help="timed blocks per side")
+    _harness.add_launch(p, timeout=900.0)
+    args, results = _harness.run_bench(
+        p, argv, __file__, worker, lambda a, w, r, _s: table({w: r}, a.microbatches)
+    )
+    cores = os.cpu_count()
+    tag = args.tag or f"{args.device}-{cores}c"
+    _report.publish(
+        _report.RESULTS / f"pipeline-{tag}",
+        _report.header(Path(__file__).name, _report.machine(args.device)),
+        table(results, args.microbatches),
+        {"args": vars(args), "cores": cores, "results": results},
+        lambda path: plot(results, path),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
