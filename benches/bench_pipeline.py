@@ -100,7 +100,7 @@ def one_schedule(
     }
     gen = torch.Generator().manual_seed(1)
     rows = torch.randint(0, cfg.vocab, (args.batch, cfg.seq_len + 1), generator=gen)
-    x, y = rows[:, :-1].to(device), rows[:, 1:].to(device)
+    x, y = rows[:, :-1].contiguous().to(device), rows[:, 1:].contiguous().to(device)
 
     def ours_step() -> None:
         opts["shardline"].zero_grad()
