@@ -121,6 +121,33 @@ def test_batchnorm_uneven_named_stages_and_gpipe_memory() -> None:
     assert set(results[0][0]) | set(results[1][0]) == set(want)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_recompute_per_stage_equals_one_process_and_reruns_each_forward(schedule: str) -> None:
+    """With recompute=True each stage runs its forward again in backward (counted by a hook),
+    and training still equals one process."""
+    want, _ = reference(4)
+
+    def body(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], int]:
+        model = make_model()
+        calls = [0]
+        model[0].register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        pipe = sl.pipeline(model, g, schedule=schedule, microbatches=4, loss_fn=loss_fn,
+                           recompute=True)  # fmt: skip
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        for step in range(STEPS):
+            x, y = batch(step)
+            opt.zero_grad()
+            pipe.step(x, target=y)
+            opt.step()
+        return pipe.state_dict(), calls[0]
+
+    results = run_ranks(2, body, timeout=60)
+    for state, _ in results:
+        for key, value in state.items():
+            torch.testing.assert_close(value, want[key], msg=key)
+    assert results[0][1] >= 2 * STEPS * 4  # child 0 lives on rank 0: forward + recompute
+
+
 def test_1f1b_first_stage_holds_at_most_p_microbatches() -> None:
     results = run_ranks(4, lambda g: train(g, "1f1b", 8, 1), timeout=60)
     peaks = [peak for _, _, peak in results]

@@ -40,6 +40,7 @@ def pipeline(
     loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
     virtual_stages: int = 1,
     dp_group: ProcessGroup | None = None,
+    recompute: bool = False,
 ) -> PipelineModule:
     """Splits ``model`` into ``group.world_size * virtual_stages`` stages; returns this rank's.
 
@@ -64,6 +65,10 @@ def pipeline(
         dp_group: The ranks holding replicas of this rank's stages (the data-parallel axis of
             a mesh; ``sl.distribute(..., mesh=...)`` passes it): after each step their
             gradients are averaged over it (DDP).
+        recompute: Activation checkpointing per stage: between a micro-batch's forward and
+            backward a stage keeps only its input (the boundary activation); backward
+            recomputes the rest (``shardline.checkpoint.activations.checkpoint``: the same
+            RNG, so dropout matches).
 
     Raises:
         InvalidArgumentError: a model that is not an ``nn.Sequential``, more stages than
@@ -98,4 +103,5 @@ def pipeline(
         infos=infos,
         tied=tied,
         dp_group=dp_group,
+        recompute=recompute,
     )

@@ -87,6 +87,8 @@ class PipelineModule(nn.Module):
 
     Attributes:
         stages: The stage indices this rank runs (``rank, rank + p, ...``).
+        recompute: Activation checkpointing per stage: a micro-batch keeps only each stage's
+            input between its forward and backward; backward recomputes the rest.
         num_stages: Stages in the whole pipeline (``p * virtual_stages``).
         peak_activations: For the last ``step``, the most micro-batches whose activations a
             stage held at once, by stage (the runtime's own count).
@@ -108,6 +110,7 @@ class PipelineModule(nn.Module):
         infos: dict[str, TensorInfo],
         tied: list[Tied],
         dp_group: ProcessGroup | None = None,
+        recompute: bool = False,
     ) -> None:
         super().__init__()
         p, r = group.world_size, group.rank
@@ -118,6 +121,7 @@ class PipelineModule(nn.Module):
         self.schedule = schedule
         self.microbatches = microbatches
         self.loss_fn = loss_fn
+        self.recompute = recompute
         self.peak_activations: dict[int, int] = {}
         self.last_step: dict[str, Any] = {}
         for s in self.stages:
@@ -263,7 +267,13 @@ class PipelineModule(nn.Module):
                 x = x.detach().requires_grad_(True)
             inp = x
         with torch.set_grad_enabled(st.train):
-            out = self._stage_modules[s](x)
+            if st.train and self.recompute:
+                # Only the stage's input is kept; backward recomputes the rest (same RNG).
+                from shardline.checkpoint.activations import checkpoint  # noqa: PLC0415
+
+                out = checkpoint(self._stage_modules[s], x)
+            else:
+                out = self._stage_modules[s](x)
         if not isinstance(out, torch.Tensor):
             raise InvalidArgumentError(
                 f"pipeline stage {s} returned {type(out).__name__}; a stage must return one "
