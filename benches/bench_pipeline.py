@@ -8,7 +8,8 @@ CUDA) and torch's ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` on
 
 Prints step time, tokens/s and their ratio, and our measured bubble (the share of a step a
 rank spends waiting for messages, from the runtime's own timeline, mean over ranks) next to
-the theory ((p - 1) / (m + p - 1) for GPipe and 1F1B). Writes ``.txt``, ``.json`` and a plot
+the theory ((p - 1) / (m + p - 1) for GPipe and 1F1B; zero-bubble ZB-H1, ours alone, is
+shown with 1F1B's theory, which it should beat). Writes ``.txt``, ``.json`` and a plot
 of one step's timeline per rank to ``benches/results/``.
 
     python benches/bench_pipeline.py --ranks 2                       # CPU, here
@@ -29,7 +30,9 @@ from typing import Any
 import _harness
 import _report
 
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+# Our schedule -> torch's class of the same name; zero-bubble ZB-H1 (one stage per rank) has
+# none in torch (its zero-bubble schedules run two stages per rank), so it runs alone.
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zero_bubble": None}
 
 
 def build(args: argparse.Namespace, device: Any) -> Any:
@@ -92,8 +95,9 @@ def one_schedule(
                        split=[p[0] for p in cut[1:]], loss_fn=loss_fn)  # fmt: skip
     theirs_model, _ = build(args, device)
     sub = nn.Sequential(OrderedDict((n, getattr(theirs_model, n)) for n in cut[rank]))
+    peer = SCHEDULES[schedule]
     stage = pipelining.PipelineStage(sub, rank, world, device)
-    sched = getattr(pipelining, SCHEDULES[schedule])(stage, m, loss_fn=loss_fn)
+    sched = getattr(pipelining, peer)(stage, m, loss_fn=loss_fn) if peer else None
     opts = {
         "shardline": torch.optim.SGD(ours.parameters(), lr=1e-4),
         "torch": torch.optim.SGD(sub.parameters(), lr=1e-4),
@@ -108,6 +112,7 @@ def one_schedule(
         opts["shardline"].step()
 
     def torch_step() -> None:
+        assert sched is not None
         opts["torch"].zero_grad()
         if rank == 0:
             sched.step(x)
@@ -117,7 +122,7 @@ def one_schedule(
             sched.step()
         opts["torch"].step()
 
-    steps = {"shardline": ours_step, "torch": torch_step}
+    steps = {"shardline": ours_step, "torch": torch_step} if peer else {"shardline": ours_step}
     times: dict[str, list[float]] = {k: [] for k in steps}
     for fn in steps.values():
         for _ in range(args.warmup):
@@ -151,7 +156,8 @@ def one_schedule(
     for name, t in zip(steps, med.tolist(), strict=True):
         row[f"{name}_step_ms"] = t * 1e3
         row[f"{name}_tokens_per_s"] = tokens / t
-    row["ratio"] = row["shardline_tokens_per_s"] / row["torch_tokens_per_s"]
+    if peer:
+        row["ratio"] = row["shardline_tokens_per_s"] / row["torch_tokens_per_s"]
     return row
 
 
@@ -160,16 +166,18 @@ def one_schedule(
 
 def table(results: dict[int, dict[str, Any]], m: int) -> str:
     lines = [
-        f"{'schedule':9} {'stages':>6} {'m':>3} {'ours tok/s':>11} {'torch tok/s':>12} "
+        f"{'schedule':11} {'stages':>6} {'m':>3} {'ours tok/s':>11} {'torch tok/s':>12} "
         f"{'ratio':>6} {'ours ms':>8} {'torch ms':>9} {'bubble':>7} {'theory':>7}"
     ]
     for world, res in results.items():
         for schedule, row in res.items():
+            theirs = row.get("torch_tokens_per_s")
             lines.append(
-                f"{schedule:9} {world:6d} {m:3d} {row['shardline_tokens_per_s']:11,.0f} "
-                f"{row['torch_tokens_per_s']:12,.0f} {row['ratio']:5.2f}x "
-                f"{row['shardline_step_ms']:8.1f} {row['torch_step_ms']:9.1f} "
-                f"{row['bubble_measured']:7.1%} {row['bubble_theory']:7.1%}"
+                f"{schedule:11} {world:6d} {m:3d} {row['shardline_tokens_per_s']:11,.0f} "
+                + (f"{theirs:12,.0f} {row['ratio']:5.2f}x " if theirs else f"{'-':>12} {'-':>6} ")
+                + f"{row['shardline_step_ms']:8.1f} "
+                + (f"{row['torch_step_ms']:9.1f} " if theirs else f"{'-':>9} ")
+                + f"{row['bubble_measured']:7.1%} {row['bubble_theory']:7.1%}"
             )
     return "\n".join(lines)
 

@@ -27,6 +27,7 @@ from shardline.comm.group import ProcessGroup
 from shardline.dtypes import DTYPES
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.pipeline.schedules import Action, build, stage_rank
+from shardline.parallel.pipeline.split_backward import InputPass, input_pass, weight_pass
 from shardline.parallel.pipeline.state import (
     TensorInfo,
     Tied,
@@ -69,6 +70,7 @@ class _Step:
         default_factory=dict
     )
     grads_out: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
+    split: dict[tuple[int, int], InputPass] = field(default_factory=dict)
     local: dict[Key, torch.Tensor] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -321,22 +323,28 @@ class PipelineModule(nn.Module):
         st.live[s] -= 1
 
     def _input_grad(self, st: _Step, a: Action) -> None:
+        # Zero-bubble: the input's gradient now, the weights' in _weight_grad (split_backward).
         s, i = a.stage, a.mb
         grad = self._grad_out(st, s, i)
         inp, out = st.saved[(s, i)]
         st.grads_out[(s, i)] = grad
         if s > 0:
             assert inp is not None
-            (g,) = torch.autograd.grad(out, [inp], grad, retain_graph=True)
+            params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
+            g, st.split[(s, i)] = input_pass(out, grad, inp, params)
             self._send(st, ("grad", s - 1, i), g)
 
     def _weight_grad(self, st: _Step, a: Action) -> None:
         s, i = a.stage, a.mb
         _, out = st.saved.pop((s, i))
         grad = st.grads_out.pop((s, i))
-        params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
-        if params and out.grad_fn is not None:
-            torch.autograd.backward(out, grad, inputs=params)
+        state = st.split.pop((s, i), None)
+        if state is not None:
+            weight_pass(out, grad, state)
+        elif out.grad_fn is not None:  # the first stage: no input pass ran, one whole backward
+            params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
+            if params:
+                torch.autograd.backward(out, grad, inputs=params)
         st.live[s] -= 1
 
     # -- the step ----------------------------------------------------------------------------
