@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -70,6 +71,22 @@ def reference(m: int, norm: bool = False) -> tuple[dict[str, torch.Tensor], list
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
+def run_steps(
+    model: Any,
+    opt: torch.optim.Optimizer,
+    data: Callable[[int], tuple[torch.Tensor, torch.Tensor]] = batch,
+    steps: range = range(STEPS),
+) -> list[float]:
+    """``model.step`` then ``opt.step`` on ``data(step)`` for each step; the losses."""
+    losses = []
+    for step in steps:
+        x, y = data(step)
+        opt.zero_grad()
+        losses.append(float(model.step(x, target=y)))
+        opt.step()
+    return losses
+
+
 def train(
     g: ProcessGroup, schedule: str, m: int, v: int, norm: bool = False, **kw: Any
 ) -> tuple[dict[str, torch.Tensor], list[float], dict[int, int]]:
@@ -78,12 +95,7 @@ def train(
         virtual_stages=v, **kw,
     )  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        opt.zero_grad()
-        losses.append(float(model.step(x, target=y)))
-        opt.step()
+    losses = run_steps(model, opt)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return state, losses, model.peak_activations
 
@@ -133,12 +145,7 @@ def test_recompute_per_stage_equals_one_process_and_reruns_each_forward(schedule
         model[0].register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
         pipe = sl.pipeline(model, g, schedule=schedule, microbatches=4, loss_fn=loss_fn,
                            recompute=True)  # fmt: skip
-        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-        for step in range(STEPS):
-            x, y = batch(step)
-            opt.zero_grad()
-            pipe.step(x, target=y)
-            opt.step()
+        run_steps(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2))
         return pipe.state_dict(), calls[0]
 
     results = run_ranks(2, body, timeout=60)

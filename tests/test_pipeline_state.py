@@ -17,7 +17,7 @@ import shardline as sl
 from shardline import checkpoint
 from shardline.comm import ProcessGroup
 from tests._ranks import run_ranks
-from tests.test_pipeline import _RNG, batch, loss_fn, make_model
+from tests.test_pipeline import _RNG, batch, loss_fn, make_model, run_steps
 
 VOCAB, DIM = 11, 8
 
@@ -66,12 +66,7 @@ def test_a_tied_embedding_and_head_stay_tied_and_equal_one_process(
     def body(g: ProcessGroup) -> dict[str, torch.Tensor]:
         model = sl.pipeline(tied_model(), g, schedule=schedule, microbatches=m,
                             loss_fn=lm_loss, virtual_stages=v)  # fmt: skip
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for step in range(steps):
-            x, y = tokens(step)
-            opt.zero_grad()
-            model.step(x, target=y)
-            opt.step()
+        run_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), tokens, range(steps))
         return model.state_dict()  # the whole model, on every rank
 
     for full in run_ranks(p, body, timeout=90):
@@ -85,11 +80,7 @@ def test_a_tied_embedding_and_head_stay_tied_and_equal_one_process(
 def _train_pipeline(g: ProcessGroup, steps: int, path: Path | None = None) -> Any:
     model = sl.pipeline(make_model(), g, schedule="1f1b", microbatches=2, loss_fn=loss_fn)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        x, y = batch(step)
-        opt.zero_grad()
-        model.step(x, target=y)
-        opt.step()
+    run_steps(model, opt, batch, range(steps))
     if path is not None:
         checkpoint.save(path, model=model, optimizer=opt, group=g)
     return model.state_dict()
@@ -147,11 +138,7 @@ def test_a_tied_weight_and_its_optimizer_state_reshard(tmp_path: Path) -> None:
         steps = range(2, 3) if load else range(3 if not save else 2)
         if load:
             checkpoint.load(tmp_path / "tied", model=model, optimizer=opt, group=g)
-        for step in steps:
-            x, y = tokens(step)
-            opt.zero_grad()
-            model.step(x, target=y)
-            opt.step()
+        run_steps(model, opt, tokens, steps)
         if save:
             checkpoint.save(tmp_path / "tied", model=model, optimizer=opt, group=g)
         return model.state_dict()
