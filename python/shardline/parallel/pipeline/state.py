@@ -128,12 +128,15 @@ def average_replicas(module: nn.Module, dp: ProcessGroup) -> None:
 
 
 def full_state_dict(module: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
-    """The whole model's state dict, gathered from every rank of the pipeline (collective)."""
-    mine = {k: v.detach().clone() for k, v in nn.Module.state_dict(module).items()}
+    """The whole model's state dict on this rank's device, from every rank (a collective)."""
+    local = nn.Module.state_dict(module)
+    device = next(iter(local.values())).device if local else torch.device("cpu")
+    # Through the host: a GPU rank's tensors would otherwise arrive on that rank's device.
+    mine = {k: v.detach().cpu() for k, v in local.items()}
     merged: dict[str, torch.Tensor] = {}
     for part in all_gather_object(mine, group):
         for k, v in part.items():
-            merged.setdefault(k, v)
+            merged.setdefault(k, v.to(device))
     return merged
 
 
