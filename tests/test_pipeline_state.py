@@ -148,3 +148,38 @@ def test_a_tied_weight_and_its_optimizer_state_reshard(tmp_path: Path) -> None:
     for resumed in run_ranks(4, lambda g: run(g, False, True), timeout=60):
         for key, value in straight.items():
             torch.testing.assert_close(resumed[key], value, msg=key)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_spans_every_stage_and_counts_a_tied_weight_once(norm_type: float) -> None:
+    """``model.clip_grad_norm_`` between ``step`` and ``opt.step()`` equals torch's
+    ``clip_grad_norm_`` on the whole model in one process (the tied weight counted once)."""
+    m, steps, max_norm = 2, 3, 0.05
+    model = tied_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    norms = []
+    for step in range(steps):
+        x, y = tokens(step)
+        opt.zero_grad()
+        for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True):
+            (lm_loss(model(xi), yi) / m).backward()
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)))
+        opt.step()
+    want = model.state_dict()
+
+    def body(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], list[float]]:
+        pipe = sl.pipeline(tied_model(), g, microbatches=m, loss_fn=lm_loss)
+        popt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        seen = []
+        for step in range(steps):
+            x, y = tokens(step)
+            popt.zero_grad()
+            pipe.step(x, target=y)
+            seen.append(float(pipe.clip_grad_norm_(max_norm, norm_type)))
+            popt.step()
+        return pipe.state_dict(), seen
+
+    for full, seen in run_ranks(2, body, timeout=60):
+        assert seen == pytest.approx(norms, rel=1e-5)
+        for key, value in want.items():
+            torch.testing.assert_close(full[key], value, msg=key)

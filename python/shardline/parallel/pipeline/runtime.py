@@ -32,6 +32,7 @@ from shardline.parallel.pipeline.state import (
     TensorInfo,
     Tied,
     average_replicas,
+    clip_grad_norm,
     full_state_dict,
     load_sharded_state,
     sharded_optim_state,
@@ -453,6 +454,14 @@ class PipelineModule(nn.Module):
         if self.num_stages - 1 not in self.stages:
             return None
         return torch.cat([st.outputs[i] for i in range(m)])
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients to the whole model's gradient norm; returns that norm.
+
+        A collective over the pipeline's stages (data-parallel replicas agree already). Call it
+        between ``step`` and ``opt.step()``, as ``torch.nn.utils.clip_grad_norm_``.
+        """
+        return clip_grad_norm(self, self._tied, self._group, max_norm, norm_type)
 
     # -- state -------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ __all__ = [
     "TensorInfo",
     "Tied",
     "average_replicas",
+    "clip_grad_norm",
     "find_tied",
     "full_state_dict",
     "load_sharded_state",
@@ -125,6 +126,47 @@ def average_replicas(module: nn.Module, dp: ProcessGroup) -> None:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def clip_grad_norm(
+    module: nn.Module,
+    tied: list[Tied],
+    group: ProcessGroup,
+    max_norm: float,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """Clips every rank's gradients to the norm of the whole model's gradient; returns it.
+
+    Each tensor counts once: a tied weight on the lowest of its ranks only. Data-parallel
+    replicas hold equal gradients after a step, so the pipeline's ranks suffice.
+    """
+    skip = {n for t in tied if group.rank != min(t.ranks) for n in t.names}
+    params = [p for p in module.parameters() if p.grad is not None]
+    counted = [p.grad for n, p in module.named_parameters() if p.grad is not None and n not in skip]
+    device = params[0].grad.device if params and params[0].grad is not None else None
+    norm_type = float(norm_type)
+    if norm_type == float("inf"):
+        local = [g.detach().abs().max().float() for g in counted]
+        total = torch.stack(local).max().reshape(1) if local else torch.zeros(1, device=device)
+        group.all_reduce(total, op="max")
+    else:
+        local = [
+            torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in counted
+        ]
+        total = (
+            torch.stack(local).pow(norm_type).sum().reshape(1)
+            if local
+            else torch.zeros(1, device=device)
+        )
+        group.all_reduce(total, op="sum")
+        total = total.pow(1.0 / norm_type)
+    norm = total[0]
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for p in params:
+            assert p.grad is not None
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return norm
 
 
 def full_state_dict(module: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
