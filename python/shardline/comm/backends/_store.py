@@ -62,6 +62,7 @@ FAILURES_SEEN = "shardline/failures/seen"
 WATCH_EVERY = 0.5
 """Seconds between two looks for a join failure while waiting in the store."""
 _POLL_MAX = 0.05  # the longest sleep between two checks of the keys a wait is for
+_STORE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError)
 _LINGER_S = 5.0
 
 
@@ -225,9 +226,6 @@ class StoreClient:
         )
         error.failed_rank = int(record["rank"])
         raise error
-
-
-_STORE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError)
 
 
 def publish_failure(store: Store, rank: int, exc: BaseException) -> None:

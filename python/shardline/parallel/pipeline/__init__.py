@@ -77,7 +77,8 @@ def pipeline(
     """
     g = group if group is not None else default_group()
     stages = g.world_size * virtual_stages
-    build(schedule, g.world_size, microbatches, virtual_stages)  # fails early, on every rank
+    # Checked before the model is cut (and before any communication), on every rank.
+    actions = build(schedule, g.world_size, microbatches, virtual_stages)
     children = chain_children(model)
     if isinstance(split, str):
         if split != "auto":
@@ -89,7 +90,7 @@ def pipeline(
         parts = named_parts(children, list(split), stages)
     mine = {name for c in range(virtual_stages) for name in parts[c * g.world_size + g.rank]}
     by_name = dict(children)
-    infos = tensor_infos(model, parts)
+    infos = tensor_infos(model)
     tied = find_tied(model, parts, g.world_size)
     keep_only(model, mine)
     return PipelineModule(
@@ -97,6 +98,7 @@ def pipeline(
         {name: by_name[name] for name in mine},
         g,
         schedule=schedule,
+        actions=actions,
         microbatches=microbatches,
         virtual_stages=virtual_stages,
         loss_fn=loss_fn,

@@ -26,7 +26,7 @@ from torch import nn
 from shardline.comm.group import ProcessGroup
 from shardline.dtypes import DTYPES
 from shardline.errors import InvalidArgumentError
-from shardline.parallel.pipeline.schedules import Action, build, stage_rank
+from shardline.parallel.pipeline.schedules import Action, stage_rank
 from shardline.parallel.pipeline.split_backward import InputPass, input_pass, weight_pass
 from shardline.parallel.pipeline.state import (
     TensorInfo,
@@ -107,6 +107,7 @@ class PipelineModule(nn.Module):
         group: ProcessGroup,
         *,
         schedule: str,
+        actions: list[list[Action]],
         microbatches: int,
         virtual_stages: int,
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None,
@@ -138,7 +139,9 @@ class PipelineModule(nn.Module):
         self._stage_modules = {
             s: nn.Sequential(*(children[n] for n in parts[s])) for s in self.stages
         }
-        self._actions = build(schedule, p, microbatches, virtual_stages)
+        self._actions = actions  # schedules.build(schedule, p, microbatches, virtual_stages)
+        # Which message comes next from whom follows from the schedule: derived once (Note).
+        self._orders: dict[bool, dict[tuple[str, int], list[Key]]] = {}
         self._infos = infos
         self._tied = tied
         # Where received activations and gradients go: the device of this rank's stages.
@@ -185,8 +188,19 @@ class PipelineModule(nn.Module):
         return out
 
     def _inboxes(self, actions: list[list[Action]], train: bool) -> dict[tuple[str, int], _Inbox]:
+        """This step's inboxes: for each (communicator, peer), its messages in send order."""
+        orders = self._orders.get(train) if actions is self._actions else None
+        if orders is None:
+            orders = self._message_orders(actions, train)
+            if actions is self._actions:
+                self._orders[train] = orders
+        return {where: _Inbox(order) for where, order in orders.items()}
+
+    def _message_orders(
+        self, actions: list[list[Action]], train: bool
+    ) -> dict[tuple[str, int], list[Key]]:
         mine = self._group.rank
-        boxes: dict[tuple[str, int], _Inbox] = {}
+        orders: dict[tuple[str, int], list[Key]] = {}
         for src, acts in enumerate(actions):
             first: set[int] = set()
             for a in acts:
@@ -194,15 +208,16 @@ class PipelineModule(nn.Module):
                     comm, sender, dst = self._route(key)
                     assert sender == src
                     if dst == mine and src != mine:
-                        boxes.setdefault((comm, src), _Inbox([])).order.append(key)
-        return boxes
+                        orders.setdefault((comm, src), []).append(key)
+        return orders
 
     # -- messages ----------------------------------------------------------------------------
 
     def _send(self, st: _Step, key: Key, tensor: torch.Tensor) -> None:
         comm, src, dst = self._route(key)
-        if dst == src:
-            st.local[key] = tensor
+        if dst == src:  # a stage of this rank: handed over in memory (shapes are shared)
+            if key[0] != "meta":
+                st.local[key] = tensor
             return
         group = self._comms[comm]
         assert group is not None

@@ -44,11 +44,10 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """A tensor of the whole model: its shape, dtype and the stage that writes it."""
+    """A tensor of the whole model: its shape and dtype."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    stage: int
 
 
 @dataclass
@@ -65,17 +64,12 @@ def _stage_of(parts: list[list[str]]) -> dict[str, int]:
     return {child: s for s, names in enumerate(parts) for child in names}
 
 
-def tensor_infos(model: nn.Module, parts: list[list[str]]) -> dict[str, TensorInfo]:
-    """Every state tensor of the whole (uncut) model: its shape, dtype and first stage."""
-    stage = _stage_of(parts)
-    infos: dict[str, TensorInfo] = {}
-    first: dict[int, int] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        s = stage[name.split(".", 1)[0]]
-        first[id(t)] = min(first.get(id(t), s), s)
-    for name, t in model.state_dict(keep_vars=True).items():
-        infos[name] = TensorInfo(tuple(t.shape), t.dtype, first[id(t)])
-    return infos
+def tensor_infos(model: nn.Module) -> dict[str, TensorInfo]:
+    """Every state tensor of the whole (uncut) model: its shape and dtype."""
+    return {
+        name: TensorInfo(tuple(t.shape), t.dtype)
+        for name, t in model.state_dict(keep_vars=True).items()
+    }
 
 
 def find_tied(model: nn.Module, parts: list[list[str]], p: int) -> list[Tied]:
@@ -143,7 +137,7 @@ def clip_grad_norm(
     skip = {n for t in tied if group.rank != min(t.ranks) for n in t.names}
     params = [p for p in module.parameters() if p.grad is not None]
     counted = [p.grad for n, p in module.named_parameters() if p.grad is not None and n not in skip]
-    device = params[0].grad.device if params and params[0].grad is not None else None
+    device = params[0].device if params else None
     norm_type = float(norm_type)
     if norm_type == float("inf"):
         local = [g.detach().abs().max().float() for g in counted]
