@@ -38,7 +38,9 @@
 //! Files without a `"shardline"` key (foreign safetensors files) are readable; they have no
 //! checksums, so reading them with `verify` fails and asks for `verify=False`.
 
+mod encode;
 pub mod header;
+mod pool;
 pub mod reader;
 pub mod writer;
 
