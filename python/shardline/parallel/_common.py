@@ -18,10 +18,49 @@ from shardline.errors import InvalidArgumentError
 __all__ = [
     "broadcast_coalesced",
     "check_same_model",
+    "clip_to_global_norm_",
     "default_group",
     "remove_hooks_when_collected",
     "weak_method",
 ]
+
+
+def clip_to_global_norm_(
+    counted: Sequence[torch.Tensor],
+    scaled: Sequence[torch.Tensor],
+    group: ProcessGroup,
+    max_norm: float,
+    norm_type: float,
+    device: torch.device | None,
+) -> torch.Tensor:
+    """Scales ``scaled`` in place so that the global gradient norm is at most ``max_norm``.
+
+    The global norm is that of ``counted`` (this rank's share, each element once in the whole
+    group) over every rank of ``group``, as ``torch.nn.utils.clip_grad_norm_`` computes it on
+    one process (``coef = max_norm / (norm + 1e-6)``, at most 1). Returns the norm.
+    """
+    norm_type = float(norm_type)
+    if norm_type == float("inf"):
+        maxima = [g.detach().abs().max().float() for g in counted]
+        total = torch.stack(maxima).max().reshape(1) if maxima else torch.zeros(1, device=device)
+        group.all_reduce(total, op="max")
+    else:
+        parts = [
+            torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in counted
+        ]
+        total = (
+            torch.stack(parts).pow(norm_type).sum().reshape(1)
+            if parts
+            else torch.zeros(1, device=device)
+        )
+        group.all_reduce(total, op="sum")
+        total = total.pow(1.0 / norm_type)
+    norm = total[0]
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in scaled:
+            g.mul_(coef.to(g.dtype))
+    return norm
 
 
 def default_group() -> ProcessGroup:

@@ -25,6 +25,7 @@ from torch import nn
 from shardline.comm.group import ProcessGroup
 from shardline.comm.objects import all_gather_object
 from shardline.errors import InvalidArgumentError
+from shardline.parallel._common import clip_to_global_norm_
 from shardline.parallel.contract import Shard, groups_by_name
 
 __all__ = [
@@ -135,32 +136,11 @@ def clip_grad_norm(
     replicas hold equal gradients after a step, so the pipeline's ranks suffice.
     """
     skip = {n for t in tied if group.rank != min(t.ranks) for n in t.names}
-    params = [p for p in module.parameters() if p.grad is not None]
-    counted = [p.grad for n, p in module.named_parameters() if p.grad is not None and n not in skip]
-    device = params[0].device if params else None
-    norm_type = float(norm_type)
-    if norm_type == float("inf"):
-        local = [g.detach().abs().max().float() for g in counted]
-        total = torch.stack(local).max().reshape(1) if local else torch.zeros(1, device=device)
-        group.all_reduce(total, op="max")
-    else:
-        local = [
-            torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in counted
-        ]
-        total = (
-            torch.stack(local).pow(norm_type).sum().reshape(1)
-            if local
-            else torch.zeros(1, device=device)
-        )
-        group.all_reduce(total, op="sum")
-        total = total.pow(1.0 / norm_type)
-    norm = total[0]
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    with torch.no_grad():
-        for p in params:
-            assert p.grad is not None
-            p.grad.mul_(coef.to(p.grad.dtype))
-    return norm
+    named = [(n, p) for n, p in module.named_parameters() if p.grad is not None]
+    grads = [p.grad for _, p in named if p.grad is not None]
+    counted = [p.grad for n, p in named if p.grad is not None and n not in skip]
+    device = named[0][1].device if named else None
+    return clip_to_global_norm_(counted, grads, group, max_norm, norm_type, device)
 
 
 def full_state_dict(module: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:

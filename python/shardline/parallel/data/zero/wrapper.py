@@ -58,6 +58,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import (
     broadcast_coalesced,
     check_same_model,
+    clip_to_global_norm_,
     default_group,
     remove_hooks_when_collected,
     weak_method,
@@ -270,26 +271,7 @@ class ShardedDataParallel(ShardedStateDicts):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients to a global norm across all ranks; returns that norm."""
         grads = [u.shard_grad for u in self._units if u.shard_grad is not None]
-        norm_type = float(norm_type)
-        dev = self._device
-        if norm_type == float("inf"):
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else None
-            total = (local if local is not None else torch.zeros((), device=dev)).float()
-            total = total.reshape(1).clone()
-            self.group.all_reduce(total, op="max")
-        else:
-            parts = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
-            local = (
-                torch.stack(parts).pow(norm_type).sum() if parts else torch.zeros((), device=dev)
-            )
-            total = local.reshape(1).clone()
-            self.group.all_reduce(total, op="sum")
-            total = total.pow(1.0 / norm_type)
-        norm = total[0]
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return norm
+        return clip_to_global_norm_(grads, grads, self.group, max_norm, norm_type, self._device)
 
     def plan(self) -> str:
         """The units: ``N layers -> U units, G all-gathers per step``, then one row per unit.
