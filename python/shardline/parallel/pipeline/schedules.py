@@ -118,8 +118,7 @@ def _zero_bubble(p: int, m: int, v: int) -> list[list[Action]]:
     for r in range(p):
         warm = min(p - r - 1, m)
         acts = [Action("F", r, i) for i in range(warm)]
-        f = b = w = 0
-        f = warm
+        f, b, w = warm, 0, 0
         while f < m:
             acts += [Action("F", r, f), Action("I", r, b)]
             f, b = f + 1, b + 1
