@@ -174,9 +174,11 @@ def test_missing_rank_times_out_naming_it(transport: str) -> None:
         finally:
             done.set()
 
-    elapsed = run_ranks(2, body, transport=transport, op_timeout=1.0, timeout=30)[0]
+    # 3 s, not less: the same deadline covers the group's set-up, which a loaded 2-core CI
+    # machine has been seen to take over 1 s for.
+    elapsed = run_ranks(2, body, transport=transport, op_timeout=3.0, timeout=40)[0]
     assert elapsed is not None
-    assert 0.5 < elapsed < 5
+    assert 2.5 < elapsed < 10
 
 
 @pytest.mark.usefixtures("native")
