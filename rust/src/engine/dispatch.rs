@@ -1,8 +1,8 @@
 //! Routing: which transport and which algorithm run an op, by the group's layout.
 //!
 //! A [`Router`] holds this rank's links (the arena of its host, the TCP mesh to the other
-//! ranks) and sends each op where it belongs: point-to-point ops over TCP; collectives on the
-//! arena inside one host, ring and direct algorithms over TCP across hosts, and, for groups
+//! ranks) and sends each op where it belongs: point-to-point ops through the arena's channels
+//! to ranks of this host and over TCP to the others; collectives on the arena inside one host, ring and direct algorithms over TCP across hosts, and, for groups
 //! with several ranks on several hosts, the arena inside each host around a TCP all-reduce
 //! among the hosts' leaders.
 
@@ -183,10 +183,22 @@ impl Router {
         }
     }
 
+    /// The error the arena was aborted with, by this rank or a peer, if any.
+    pub(super) fn aborted(&self) -> Option<Error> {
+        self.arena.as_ref().and_then(|a| a.arena().aborted())
+    }
+
     /// Releases the links.
     pub(super) fn disconnect(&mut self) {
         self.mesh = None;
         self.arena = None;
+    }
+
+    /// The arena and `peer`'s index in it, when `peer` shares this rank's host: messages to
+    /// and from it go through the arena's channels instead of TCP.
+    fn local_peer(&self, peer: usize) -> Option<(&Arena, usize)> {
+        let a = self.arena.as_ref()?.arena();
+        a.local_of(peer).map(|local| (a, local))
     }
 
     fn mesh(&mut self) -> Result<&mut TcpMesh> {
@@ -202,8 +214,14 @@ impl Router {
     /// mode call for, by `deadline`.
     pub(super) fn dispatch(&mut self, op: &Op, sig: &OpSig, deadline: Instant) -> Result<()> {
         match (op, self.mode) {
-            (Op::Send { buf, peer, .. }, _) => self.mesh()?.send(*peer, sig, buf.bytes(), deadline),
-            (Op::Recv { buf, peer, .. }, _) => self.mesh()?.recv(*peer, sig, buf.bytes(), deadline),
+            (Op::Send { buf, peer, .. }, _) => match self.local_peer(*peer) {
+                Some((a, local)) => a.send_to(local, sig, buf.bytes(), deadline),
+                None => self.mesh()?.send(*peer, sig, buf.bytes(), deadline),
+            },
+            (Op::Recv { buf, peer, .. }, _) => match self.local_peer(*peer) {
+                Some((a, local)) => a.recv_from(local, sig, buf.bytes(), deadline),
+                None => self.mesh()?.recv(*peer, sig, buf.bytes(), deadline),
+            },
             (_, Mode::Single) => run_single(op),
             (_, Mode::Shm) => self.run_shm(op, sig, deadline),
             (Op::AllReduce { buf, dtype, op }, Mode::Hierarchical) => {

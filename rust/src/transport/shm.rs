@@ -6,6 +6,7 @@
 //! [ control line per rank: publish counter + sleepers, pid, departed,   ]  256 bytes each
 //! [   the signature of the rank's current op, an extra word             ]
 //! [ data: per rank two slots of `slot_bytes` (double buffering)         ]
+//! [ point-to-point: one channel per ordered pair of ranks (`channel`)     ]
 //! ```
 //! A rank writes only its own control line and its own slots; it reads everybody's. The
 //! protocol that makes this race-free lives in [`crate::collectives::arena`]. The file is
@@ -21,8 +22,10 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::signature::{OpSig, SIG_BYTES};
 use crate::wait::{self, Signal, SpinPolicy, Stop};
 
+mod channel;
+
 const MAGIC: u64 = u64::from_le_bytes(*b"SHLARENA");
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const PAGE: usize = 4096;
 const CTRL_BYTES: usize = 256;
 const ABORT_MSG_BYTES: usize = 2048;
@@ -59,9 +62,14 @@ fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
 
-fn layout(ranks: usize, slot_bytes: usize) -> (usize, usize) {
+/// Offsets of the slots and of the channels, and the file's size. The channels take
+/// `ranks * (ranks - 1)` MiB of address space, but only the pages of pairs that exchange
+/// messages are ever touched (and so allocated).
+fn layout(ranks: usize, slot_bytes: usize) -> (usize, usize, usize) {
     let data_off = PAGE + round_up(ranks * CTRL_BYTES, PAGE);
-    (data_off, data_off + ranks * 2 * slot_bytes)
+    let chan_off = data_off + ranks * 2 * slot_bytes;
+    let total = chan_off + ranks * ranks.saturating_sub(1) * channel::CHANNEL_BYTES;
+    (data_off, chan_off, total)
 }
 
 fn cpath(path: &str) -> Result<CString> {
@@ -77,7 +85,7 @@ pub fn create(path: &str, ranks: usize, slot_bytes: usize) -> Result<()> {
              bytes (got {ranks} ranks, {slot_bytes} bytes); check SHARDLINE_SHM_SLOT_BYTES"
         )));
     }
-    let (_, total) = layout(ranks, slot_bytes);
+    let (_, _, total) = layout(ranks, slot_bytes);
     let c = cpath(path)?;
     // SAFETY: `c` is a valid NUL-terminated path; the flags create a new file only.
     let fd = unsafe {
@@ -229,6 +237,8 @@ pub struct Arena {
     ranks: usize,
     slot_bytes: usize,
     data_off: usize,
+    /// Offset of the point-to-point channels.
+    chan_off: usize,
     /// Global rank of each local index, for messages.
     global: Vec<usize>,
     policy: SpinPolicy,
@@ -284,7 +294,7 @@ impl Arena {
             )));
         }
         let slot_bytes = h.slot_bytes as usize;
-        let (data_off, total) = layout(h.ranks as usize, slot_bytes);
+        let (data_off, chan_off, total) = layout(h.ranks as usize, slot_bytes);
         if h.ranks as usize != ranks || me >= ranks || total != size || slot_bytes % PAGE != 0 {
             return Err(Error::protocol(format!(
                 "shared-memory arena {path} was made for {} ranks ({size} bytes) but this group has {ranks} local ranks",
@@ -297,6 +307,7 @@ impl Arena {
             ranks,
             slot_bytes,
             data_off,
+            chan_off,
             global,
             policy: SpinPolicy::for_ranks(ranks, spin),
         };
