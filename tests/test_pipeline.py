@@ -180,7 +180,7 @@ def test_bad_input_fails_on_every_rank_with_what_to_do() -> None:
     # last stage, whichever aborted the shared-memory links first (both find the batch bad).
     reasons = [f"pipeline stage(s) [{s}] on rank {s} failed" for s in (0, 3)]
     for r in (1, 2):
-        block = text.split(f"--- rank {r} ---")[1].split("--- rank")[0]
+        block = text.split(f"--- rank {r} ---")[1].split("--- rank", maxsplit=1)[0]
         assert any(why in block for why in reasons), block
     with pytest.raises(AssertionError, match="'nope' is not a child"):
         run_ranks(2, lambda g: sl.pipeline(make_model(), g, split=["nope"]))

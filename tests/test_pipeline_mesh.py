@@ -1,13 +1,16 @@
 """Pipelines composed with data parallelism on a mesh: ``sl.distribute(..., mesh=...)``.
 
 ``dp=2 x pp=2``: each replica trains its half of the global batch through a 2-stage pipeline,
-gradients averaged over the replicas once per step (DDP). The reference is one process on the
-whole batch, accumulating the same micro-batches. Ranks are threads (``tests/_ranks.py``).
+gradients averaged over the replicas once per step (DDP, or ZeRO-1/2/3 sharding the optimizer
+state, the gradients and the parameters between steps over the replicas). The reference is
+one process on the whole batch, accumulating the same micro-batches. Ranks are threads
+(``tests/_ranks.py``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,39 +26,66 @@ M = 2  # micro-batches per replica
 
 
 def train_on_mesh(
-    g: ProcessGroup, schedule: str, path: Path | None = None
+    g: ProcessGroup, schedule: str, path: Path | None = None, dp: str = "ddp"
 ) -> dict[str, torch.Tensor]:
     mesh = sl.DeviceMesh({"dp": 2, "pp": 2}, group=g)
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = sl.distribute(
-        model, opt, mesh=mesh, strategy={"dp": "ddp", "pp": schedule}, microbatches=M,
+        model, opt, mesh=mesh, strategy={"dp": dp, "pp": schedule}, microbatches=M,
         loss_fn=loss_fn,
     )  # fmt: skip
     assert opt is not None
     replica = mesh.local_rank("dp")
+    whole = sum(p.numel() for p in model.state_dict().values()) if dp != "ddp" else 0
     for step in range(STEPS):
         x, y = batch(step)
         rows = slice(8 * replica, 8 * replica + 8)
         opt.zero_grad()
         model.step(x[rows], target=y[rows])  # type: ignore[operator]
         opt.step()
+        if dp != "ddp":
+            check_sharded(model, opt, dp, whole)
     if path is not None:
         checkpoint.save(path, model=model, optimizer=opt, group=g)
     return model.state_dict()
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_ddp_over_pipeline_stages_equals_one_process(schedule: str) -> None:
+def check_sharded(model: Any, opt: torch.optim.Optimizer, dp: str, whole: int) -> None:
+    """ZeRO on the replicas: the optimizer steps 1-D parts, about half of this rank's stage
+    (two replicas); gradients are parts only after ZeRO-2/3's step, and ZeRO-3 holds no whole
+    parameters between steps."""
+    parts = list(model.parameters())
+    assert all(p.dim() == 1 for p in parts)
+    stats = model.memory_stats()
+    stage = stats["master"] // 4  # float32 elements of this rank's parts (padding included)
+    held = sum(p.numel() for p in parts)
+    assert held <= stage <= held + 1 and 0 < stage < whole // 2, (held, stage, whole)
+    moments = sum(v.numel() for st in opt.state.values() for k, v in st.items() if k != "step")
+    assert moments == 2 * held  # AdamW's two moments, for the parts only
+    if dp != "zero1":
+        assert stats["grads"] == 4 * held, stats
+    assert (stats["params"] == 0) == (dp == "zero3"), stats
+
+
+@pytest.mark.parametrize(
+    ("dp", "schedule"),
+    [("ddp", "1f1b"), ("ddp", "zero_bubble"), ("zero1", "1f1b"), ("zero2", "gpipe"),
+     ("zero3", "1f1b"), ("zero3", "zero_bubble")],
+)  # fmt: skip
+def test_data_parallel_over_pipeline_stages_equals_one_process(dp: str, schedule: str) -> None:
     want, _ = reference(2 * M)  # the whole batch, in the replicas' micro-batches, in order
-    for full in run_ranks(4, lambda g: train_on_mesh(g, schedule), timeout=90):
+    for full in run_ranks(4, lambda g: train_on_mesh(g, schedule, dp=dp), timeout=90):
         assert set(full) == set(want)
         for key, value in want.items():
             torch.testing.assert_close(full[key], value, msg=key)
 
 
-def test_a_dp_x_pp_checkpoint_loads_into_one_process_and_at_pp4(tmp_path: Path) -> None:
-    saved = run_ranks(4, lambda g: train_on_mesh(g, "1f1b", tmp_path / "ck"), timeout=90)[0]
+@pytest.mark.parametrize("dp", ["ddp", "zero3"])
+def test_a_dp_x_pp_checkpoint_loads_into_one_process_at_pp4_and_at_dp4_zero3(
+    tmp_path: Path, dp: str
+) -> None:
+    saved = run_ranks(4, lambda g: train_on_mesh(g, "1f1b", tmp_path / "ck", dp=dp), timeout=90)[0]
     plain = make_model()
     checkpoint.load(tmp_path / "ck", model=plain)
     for key, value in saved.items():
@@ -68,16 +98,26 @@ def test_a_dp_x_pp_checkpoint_loads_into_one_process_and_at_pp4(tmp_path: Path) 
         loaded = model.state_dict()
         return all(torch.equal(loaded[k], v) for k, v in saved.items())
 
+    def at_dp4_zero3(g: ProcessGroup) -> bool:
+        model = make_model()
+        wrapped, opt = sl.distribute(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-2), strategy="zero3", group=g
+        )
+        checkpoint.load(tmp_path / "ck", model=wrapped, optimizer=opt, group=g)
+        loaded = wrapped.state_dict()
+        return all(torch.equal(loaded[k], v) for k, v in saved.items())
+
     assert all(run_ranks(4, at_pp4, timeout=90))
+    assert all(run_ranks(4, at_dp4_zero3, timeout=90))
     info = str(checkpoint.info(tmp_path / "ck"))
-    assert "ddp x pipeline" in info, info
+    assert f"{dp} x pipeline" in info, info
 
 
 def test_compositions_not_built_yet_say_so() -> None:
     def body(g: ProcessGroup) -> None:
         mesh = sl.DeviceMesh({"dp": 2, "pp": 1}, group=g)
-        with pytest.raises(InvalidArgumentError, match=r"over pipeline stages is not built yet"):
-            sl.distribute(make_model(), mesh=mesh, strategy={"dp": "zero2", "pp": "1f1b"})
+        with pytest.raises(InvalidArgumentError, match=r"on the dp axis of a pipeline use"):
+            sl.distribute(make_model(), mesh=mesh, strategy={"dp": "zero4", "pp": "1f1b"})
         with pytest.raises(InvalidArgumentError, match="tensor parallelism"):
             sl.distribute(make_model(), mesh=mesh, strategy={"tp": "auto", "pp": "1f1b"})
 

@@ -150,10 +150,17 @@ def test_a_tied_weight_and_its_optimizer_state_reshard(tmp_path: Path) -> None:
             torch.testing.assert_close(resumed[key], value, msg=key)
 
 
-@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
-def test_clip_grad_norm_spans_every_stage_and_counts_a_tied_weight_once(norm_type: float) -> None:
+@pytest.mark.parametrize(
+    ("norm_type", "dp"),
+    [(2.0, None), (float("inf"), None), (2.0, "zero2"), (float("inf"), "zero3")],
+)
+def test_clip_grad_norm_spans_every_stage_and_counts_a_tied_weight_once(
+    norm_type: float, dp: str | None
+) -> None:
     """``model.clip_grad_norm_`` between ``step`` and ``opt.step()`` equals torch's
-    ``clip_grad_norm_`` on the whole model in one process (the tied weight counted once)."""
+    ``clip_grad_norm_`` on the whole model in one process (the tied weight counted once);
+    with ZeRO on two replicas too, each training half of the batch (its parts' norms summed
+    over the stages and the replicas)."""
     m, steps, max_norm = 2, 3, 0.05
     model = tied_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -168,18 +175,29 @@ def test_clip_grad_norm_spans_every_stage_and_counts_a_tied_weight_once(norm_typ
     want = model.state_dict()
 
     def body(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], list[float]]:
-        pipe = sl.pipeline(tied_model(), g, microbatches=m, loss_fn=lm_loss)
-        popt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        if dp is None:
+            pipe = sl.pipeline(tied_model(), g, microbatches=m, loss_fn=lm_loss)
+            popt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+            rows = slice(None)
+        else:
+            mesh = sl.DeviceMesh({"dp": 2, "pp": 2}, group=g)
+            plain = tied_model()
+            pipe, popt = sl.distribute(  # type: ignore[assignment]
+                plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), mesh=mesh,
+                strategy={"dp": dp, "pp": "1f1b"}, microbatches=m // 2, loss_fn=lm_loss,
+            )  # fmt: skip
+            half = 8 // 2
+            rows = slice(half * mesh.local_rank("dp"), half * mesh.local_rank("dp") + half)
         seen = []
         for step in range(steps):
             x, y = tokens(step)
             popt.zero_grad()
-            pipe.step(x, target=y)
+            pipe.step(x[rows], target=y[rows])
             seen.append(float(pipe.clip_grad_norm_(max_norm, norm_type)))
             popt.step()
         return pipe.state_dict(), seen
 
-    for full, seen in run_ranks(2, body, timeout=60):
+    for full, seen in run_ranks(2 if dp is None else 4, body, timeout=60):
         assert seen == pytest.approx(norms, rel=1e-5)
         for key, value in want.items():
             torch.testing.assert_close(full[key], value, msg=key)

@@ -1,4 +1,5 @@
-"""The main job (``shardline.examples.train``) as a pipeline, under ``shardline run``.
+"""The main job (``shardline.examples.train``) as a pipeline, and as ZeRO-3 replicas of one
+(``--pp 2`` on 4 processes), under ``shardline run``.
 
 Its verify step replays the same batches in one process (TinyGPT, whose output layer shares
 the token embedding: the first and last stages hold copies of one tied weight) and must find
@@ -19,15 +20,23 @@ from tests.multiprocess._launch import PYTHONPATH
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("native")]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_the_main_job_trains_as_a_pipeline_and_matches_one_process(schedule: str) -> None:
+@pytest.mark.parametrize(
+    ("nproc", "args", "says"),
+    [
+        (2, ["--strategy", "pp", "--schedule", "1f1b"], "2-stage 1f1b pipeline"),
+        (2, ["--strategy", "pp", "--schedule", "zero_bubble"], "2-stage zero_bubble pipeline"),
+        (4, ["--strategy", "zero3", "--pp", "2"], "2 zero3 replicas of a 2-stage 1f1b pipeline"),
+    ],
+)
+def test_the_main_job_trains_as_a_pipeline_and_matches_one_process(
+    nproc: int, args: list[str], says: str
+) -> None:
     env = {**os.environ, "PYTHONPATH": PYTHONPATH, "SHARDLINE_TIMEOUT": "60"}
-    cmd = [sys.executable, "-m", "shardline", "run", "--nproc-per-node", "2", "-m",
-           "shardline.examples.train", "--strategy", "pp", "--schedule", schedule,
-           "--steps", "20"]  # fmt: skip
+    cmd = [sys.executable, "-m", "shardline", "run", "--nproc-per-node", str(nproc), "-m",
+           "shardline.examples.train", *args, "--steps", "20"]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
     text = f"rc={done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     assert done.returncode == 0, text
-    assert f"2-stage {schedule} pipeline" in done.stdout, text
+    assert says in done.stdout, text
     verify = re.search(r"verify: .* \(difference ([0-9.e+-]+)\) -> (.*)", done.stdout)
     assert verify and verify.group(2).strip() == "same model", text

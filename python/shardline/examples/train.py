@@ -5,7 +5,9 @@ Run it on two processes (the README's first command)::
     shardline run --nproc-per-node 2 -m shardline.examples.train
 
 ``--strategy zero1|zero2|zero3|fsdp|auto`` shards it instead; ``--strategy pp`` splits it into
-a pipeline of one stage per process (``--schedule``, ``--microbatches``).
+a pipeline of one stage per process (``--schedule``, ``--microbatches``); ``--pp P`` with
+``--strategy ddp|zero1|zero2|zero3`` trains a P-stage pipeline whose replicas on the other ranks
+are kept by that strategy (a ``dp x pp`` mesh).
 
 or alone (``python -m shardline.examples.train``: one process, no launcher). The corpus is
 built in: English-like sentences from a small probabilistic grammar (deterministic for a seed),
@@ -257,6 +259,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule (pp): gpipe, 1f1b, "
                    "interleaved, zero_bubble")  # fmt: skip
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (pp)")
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages; the ranks beyond them are data-parallel replicas kept by "
+        "--strategy (ddp, zero1, zero2, zero3) on a dp x pp mesh",
+    )
     p.add_argument("--comm-hook", default=None, help="gradient compression: fp16 or bf16 (ddp)")
     p.add_argument(
         "--no-verify",
@@ -291,8 +300,23 @@ def main(argv: list[str] | None = None) -> int:
     num_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     strategy = args.strategy if group is not None else "none"
-    pp = strategy == "pp"
-    if pp:  # every rank trains the same batches, each through its own stage
+    stages = world_size if strategy == "pp" else args.pp if group is not None else 1
+    if stages < 1 or world_size % stages:
+        print(f"--pp {stages} does not divide {world_size} processes", file=sys.stderr)
+        return 2
+    pp = stages > 1 or strategy == "pp"
+    replicas, replica = world_size // stages, rank // stages  # the mesh is row-major
+    if pp and strategy != "pp":  # a dp x pp mesh: replicas of a pipeline
+        dp = "zero3" if strategy == "fsdp" else strategy
+        mesh = sl.DeviceMesh({"dp": replicas, "pp": stages})
+        model, opt = sl.distribute(  # type: ignore[assignment]
+            as_sequential(model), opt, mesh=mesh,  # type: ignore[arg-type]
+            strategy={"dp": dp, "pp": args.schedule}, microbatches=args.microbatches,
+            loss_fn=lm_loss,
+        )  # fmt: skip
+        assert opt is not None
+        strategy = f"{replicas} {dp} replicas of a {stages}-stage {args.schedule} pipeline"
+    elif pp:  # every rank trains the same batches, each through its own stage
         model = sl.pipeline(
             as_sequential(model),  # type: ignore[arg-type]
             schedule=args.schedule,
@@ -308,7 +332,6 @@ def main(argv: list[str] | None = None) -> int:
     elif group is not None:
         hook = {"comm_hook": args.comm_hook} if strategy == "ddp" else {}
         model, _ = sl.distribute(model, opt, strategy=strategy, **hook)
-    replicas, replica = (1, 0) if pp else (world_size, rank)
     batches = rank_batches(n, replica, replicas, cfg)
     if rank == 0:
         print(
@@ -349,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             held = torch.zeros(())
             if logits is not None:
                 held = lm_loss(logits, probe[1]).reshape(())
-            sl.broadcast(held, src=world_size - 1)
+            sl.broadcast(held, src=stages - 1)  # the last stage of the first replica
             final = float(held)
         else:
             final = float(model(*probe))

@@ -28,7 +28,7 @@ __all__ = [
 def clip_to_global_norm_(
     counted: Sequence[torch.Tensor],
     scaled: Sequence[torch.Tensor],
-    group: ProcessGroup,
+    group: ProcessGroup | Sequence[ProcessGroup],
     max_norm: float,
     norm_type: float,
     device: torch.device | None,
@@ -36,14 +36,18 @@ def clip_to_global_norm_(
     """Scales ``scaled`` in place so that the global gradient norm is at most ``max_norm``.
 
     The global norm is that of ``counted`` (this rank's share, each element once in the whole
-    group) over every rank of ``group``, as ``torch.nn.utils.clip_grad_norm_`` computes it on
-    one process (``coef = max_norm / (norm + 1e-6)``, at most 1). Returns the norm.
+    group) over every rank of ``group`` (or of several groups that together span the ranks
+    holding the model: a pipeline's stages, then their replicas), as
+    ``torch.nn.utils.clip_grad_norm_`` computes it on one process
+    (``coef = max_norm / (norm + 1e-6)``, at most 1). Returns the norm.
     """
     norm_type = float(norm_type)
+    groups = [group] if isinstance(group, ProcessGroup) else list(group)
     if norm_type == float("inf"):
         maxima = [g.detach().abs().max().float() for g in counted]
         total = torch.stack(maxima).max().reshape(1) if maxima else torch.zeros(1, device=device)
-        group.all_reduce(total, op="max")
+        for grp in groups:
+            grp.all_reduce(total, op="max")
     else:
         parts = [
             torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in counted
@@ -53,7 +57,8 @@ def clip_to_global_norm_(
             if parts
             else torch.zeros(1, device=device)
         )
-        group.all_reduce(total, op="sum")
+        for grp in groups:
+            grp.all_reduce(total, op="sum")
         total = total.pow(1.0 / norm_type)
     norm = total[0]
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

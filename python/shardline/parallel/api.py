@@ -42,7 +42,8 @@ def distribute(
         strategy: ``"ddp"``; ``"zero1"``, ``"zero2"``, ``"zero3"`` (``"fsdp"`` is zero3): see
             ``ShardedDataParallel``. With ``mesh``, a strategy per axis:
             ``{"dp": "ddp", "pp": "1f1b"}`` (a pipeline schedule on ``pp``, replicated with
-            DDP on ``dp``); ``options`` then go to ``sl.pipeline`` (``microbatches``,
+            DDP or sharded by ZeRO on ``dp``: ``{"dp": "zero2", "pp": "1f1b"}``); ``options``
+            then go to ``sl.pipeline`` (``microbatches``,
             ``loss_fn``, ``split``, ``virtual_stages``).
         group: The ranks to train on; the default group when ``None``.
         mesh: A ``DeviceMesh`` with axes ``"pp"`` and optionally ``"dp"``, for composition.
@@ -88,7 +89,7 @@ def _compose(
     mesh: DeviceMesh | None,
     options: dict[str, Any],
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """Strategies per mesh axis: a pipeline on ``pp``, DDP replicas of it on ``dp``."""
+    """Strategies per mesh axis: a pipeline on ``pp``, DDP or ZeRO replicas of it on ``dp``."""
     if mesh is None or not isinstance(strategy, dict):
         raise InvalidArgumentError(
             "distribute(): composing strategies takes mesh=sl.DeviceMesh({'dp': d, 'pp': p}) "
@@ -98,13 +99,15 @@ def _compose(
     if unknown or "pp" not in strategy:
         raise InvalidArgumentError(
             f"distribute(strategy={strategy}): the axes that compose today are 'pp' (a "
-            "pipeline schedule) and 'dp' ('ddp'); tensor parallelism ('tp') is not built yet"
+            "pipeline schedule) and 'dp' ('ddp' or ZeRO); tensor parallelism ('tp') is not "
+            "built yet"
         )
     dp = strategy.get("dp")
-    if dp not in (None, "ddp"):
+    dp = "zero3" if dp == "fsdp" else dp
+    if dp not in (None, "ddp", "zero1", "zero2", "zero3"):
         raise InvalidArgumentError(
-            f"distribute(strategy={strategy}): a pipeline composes with dp='ddp' today; "
-            f"'{dp}' (ZeRO) over pipeline stages is not built yet"
+            f"distribute(strategy={strategy}): on the dp axis of a pipeline use 'ddp', "
+            "'zero1', 'zero2' or 'zero3' ('fsdp')"
         )
     axes = set(mesh.axis_names)
     if "pp" not in axes or (dp is not None and "dp" not in axes) or axes - {"dp", "pp"}:
@@ -119,14 +122,11 @@ def _compose(
         mesh.group("pp"),
         schedule=strategy["pp"],
         dp_group=mesh.group("dp") if dp is not None else None,
+        dp_strategy=dp or "ddp",
         **options,
     )
-    if optimizer is not None:  # keep this rank's parameters, in their groups
-        kept = {id(p) for p in stage.parameters()}
-        for g in optimizer.param_groups:
-            g["params"] = [p for p in g["params"] if id(p) in kept]
-        for p in [p for p in optimizer.state if id(p) not in kept]:
-            del optimizer.state[p]
+    if optimizer is not None:  # this rank's parameters (ZeRO: their parts), in their groups
+        stage.bind_optimizer(optimizer)
     return stage, optimizer
 
 

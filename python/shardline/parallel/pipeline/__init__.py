@@ -26,6 +26,7 @@ from shardline.parallel.pipeline.split import (
     named_parts,
 )
 from shardline.parallel.pipeline.state import find_tied, tensor_infos
+from shardline.parallel.pipeline.zero import ZERO_STAGES
 
 __all__ = ["SCHEDULES", "Action", "PipelineModule", "build", "pipeline"]
 
@@ -40,6 +41,7 @@ def pipeline(
     loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
     virtual_stages: int = 1,
     dp_group: ProcessGroup | None = None,
+    dp_strategy: str = "ddp",
     recompute: bool = False,
 ) -> PipelineModule:
     """Splits ``model`` into ``group.world_size * virtual_stages`` stages; returns this rank's.
@@ -64,7 +66,11 @@ def pipeline(
         virtual_stages: Stages per rank (model chunks for ``"interleaved"``).
         dp_group: The ranks holding replicas of this rank's stages (the data-parallel axis of
             a mesh; ``sl.distribute(..., mesh=...)`` passes it): after each step their
-            gradients are averaged over it (DDP).
+            gradients are averaged over it.
+        dp_strategy: What the replicas share: ``"ddp"`` (everything replicated), or
+            ``"zero1"``, ``"zero2"``, ``"zero3"``: the optimizer state, also the gradients,
+            also the parameters between steps, sharded over ``dp_group``
+            (``pipeline.zero``).
         recompute: Activation checkpointing per stage: between a micro-batch's forward and
             backward a stage keeps only its input (the boundary activation); backward
             recomputes the rest (``shardline.checkpoint.activations.checkpoint``: the same
@@ -76,6 +82,10 @@ def pipeline(
             raised on every rank before any communication.
     """
     g = group if group is not None else default_group()
+    if dp_strategy not in ("ddp", *ZERO_STAGES):
+        raise InvalidArgumentError(
+            f"pipeline: dp_strategy={dp_strategy!r}; use 'ddp', 'zero1', 'zero2' or 'zero3'"
+        )
     stages = g.world_size * virtual_stages
     # Checked before the model is cut (and before any communication), on every rank.
     actions = build(schedule, g.world_size, microbatches, virtual_stages)
@@ -105,5 +115,6 @@ def pipeline(
         infos=infos,
         tied=tied,
         dp_group=dp_group,
+        dp_strategy=dp_strategy,
         recompute=recompute,
     )

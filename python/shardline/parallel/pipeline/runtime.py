@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ from shardline.parallel.pipeline.state import (
     sharded_state,
     sum_tied_grads,
 )
+from shardline.parallel.pipeline.zero import ZERO_STAGES, StageShards
 
 __all__ = ["PipelineModule"]
 
@@ -114,6 +115,7 @@ class PipelineModule(nn.Module):
         infos: dict[str, TensorInfo],
         tied: list[Tied],
         dp_group: ProcessGroup | None = None,
+        dp_strategy: str = "ddp",
         recompute: bool = False,
     ) -> None:
         super().__init__()
@@ -145,9 +147,14 @@ class PipelineModule(nn.Module):
         self._infos = infos
         self._tied = tied
         # Where received activations and gradients go: the device of this rank's stages.
+        self._shards: StageShards | None = None
         first = next(iter(self.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")
         self._dp = dp_group if dp_group is not None and dp_group.world_size > 1 else None
+        self.dp_strategy = dp_strategy if self._dp is not None else None
+        # ZeRO over the replicas (pipeline.zero): the optimizer steps this rank's parts.
+        if self._dp is not None and dp_strategy != "ddp":
+            self._shards = StageShards(self, self._dp, ZERO_STAGES[dp_strategy])
         for t in tied:  # every rank, in the same order: new_group is collective
             t.group = group.new_group(t.ranks) if len(t.ranks) > 1 else None
         # One communicator per direction, and per direction for the wrap-around (Note).
@@ -402,6 +409,8 @@ class PipelineModule(nn.Module):
             targets=self._split(target, "target") if (holds_last and train) else None,
             inbox=self._inboxes(actions, train),
         )
+        if self._shards is not None:  # after an optimizer step, or ZeRO-3 between steps
+            self._shards.gather()
         run = {"F": self._forward, "B": self._backward, "I": self._input_grad,
                "W": self._weight_grad}  # fmt: skip
         for a in actions[self._group.rank]:
@@ -444,7 +453,9 @@ class PipelineModule(nn.Module):
             "timeline": [(k, t0 - start, t1 - start) for k, t0, t1 in st.timeline],
         }
         sum_tied_grads(self, self._tied, self._group.rank)
-        if self._dp is not None:
+        if self._shards is not None:
+            self._shards.reduce()
+        elif self._dp is not None:
             average_replicas(self, self._dp)
         loss = torch.zeros((), dtype=torch.float32, device=self._device)
         if st.loss_sum is not None:
@@ -476,7 +487,52 @@ class PipelineModule(nn.Module):
         A collective over the pipeline's stages (data-parallel replicas agree already). Call it
         between ``step`` and ``opt.step()``, as ``torch.nn.utils.clip_grad_norm_``.
         """
+        if self._shards is not None:
+            skip = {n for t in self._tied if self._group.rank != min(t.ranks) for n in t.names}
+            return self._shards.clip_grad_norm_(self._group, skip, max_norm, norm_type)
         return clip_grad_norm(self, self._tied, self._group, max_norm, norm_type)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the model's names.
+
+        With ZeRO on the replicas: the 1-D parts this rank's optimizer steps (``pipeline.zero``).
+        """
+        if self._shards is None:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+        else:
+            yield from self._shards.named_locals(prefix)
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds now, by kind.
+
+        Whole parameters (``params``), optimizer-side copies (``master``: ZeRO's parts, else 0)
+        and gradients (``grads``).
+        """
+        if self._shards is not None:
+            return self._shards.memory_stats()
+        params = list(super().parameters())
+        return {
+            "params": sum(p.numel() * p.element_size() for p in params),
+            "master": 0,
+            "grads": sum(g.numel() * g.element_size() for p in params if (g := p.grad) is not None),
+        }
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Keeps this rank's parameters of an optimizer built over the whole model.
+
+        With ZeRO, their parts; groups and hyperparameters stay. Returns the same optimizer.
+        """
+        if self._shards is not None:
+            self._shards.bind(optimizer)
+            return optimizer
+        kept = {id(p) for p in self.parameters()}
+        for g in optimizer.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) in kept]
+        for p in [p for p in optimizer.state if id(p) not in kept]:
+            del optimizer.state[p]
+        return optimizer
 
     # -- state -------------------------------------------------------------------------------
 
@@ -487,17 +543,25 @@ class PipelineModule(nn.Module):
         """
         if args or kwargs:
             return super().state_dict(*args, **kwargs)
-        return full_state_dict(self, self._group)
+        with self._whole():
+            return full_state_dict(self, self._group)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Takes a whole model's state dict, as ``state_dict()`` gives.
 
         Each rank loads the tensors of its stages.
         """
-        mine = super().state_dict()
-        return super().load_state_dict(
-            {k: v for k, v in state_dict.items() if k in mine}, strict=strict, assign=assign
-        )
+        with self._whole():
+            mine = super().state_dict()
+            out = super().load_state_dict(
+                {k: v for k, v in state_dict.items() if k in mine}, strict=strict, assign=assign
+            )
+            if self._shards is not None:
+                self._shards.refresh_parts()
+        return out
+
+    def _whole(self) -> contextlib.AbstractContextManager[None]:
+        return self._shards.whole() if self._shards is not None else contextlib.nullcontext()
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """The strategy contract: every tensor of the model, as a ``Shard``.
@@ -505,18 +569,32 @@ class PipelineModule(nn.Module):
         A whole-tensor one where this rank holds it, an empty one elsewhere (see
         ``pipeline.state``).
         """
-        return sharded_state(self, self._infos)
+        out = sharded_state(self, self._infos)
+        if self._shards is not None:
+            out.update(self._shards.sharded_params(self._shapes()))
+        return out
 
     def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
         """The strategy contract: takes this rank's tensors back."""
-        load_sharded_state(self, sd)
+        if self._shards is None:
+            load_sharded_state(self, sd)
+            return
+        parts = {n for n, _ in self._shards.named_locals()}
+        load_sharded_state(self, {k: v for k, v in sd.items() if k not in parts})
+        self._shards.load_params({k: v for k, v in sd.items() if k in parts})
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: info.shape for name, info in self._infos.items()}
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The strategy contract: this rank's optimizer state by parameter name.
 
         Every tensor is a ``Shard`` of the whole tensor (see ``pipeline.state``).
         """
-        return sharded_optim_state(self, optimizer, self._group)
+        state = None
+        if self._shards is not None:
+            state = self._shards.sharded_optim_state(optimizer, self._shapes())
+        return sharded_optim_state(self, optimizer, self._group, state)
 
     def layout(self) -> dict[str, Any]:
         """How this pipeline lays state out, for people reading a checkpoint's index."""
@@ -524,7 +602,7 @@ class PipelineModule(nn.Module):
         if self._dp is not None:
             mesh = {"dp": self._dp.world_size, **mesh}
         return {
-            "strategy": "pipeline" if self._dp is None else "ddp x pipeline",
+            "strategy": "pipeline" if self._dp is None else f"{self.dp_strategy} x pipeline",
             "schedule": self.schedule,
             "mesh": mesh,
             "virtual_stages": len(self.stages),

@@ -93,7 +93,8 @@ def find_tied(model: nn.Module, parts: list[list[str]], p: int) -> list[Tied]:
 
 def sum_tied_grads(module: nn.Module, tied: list[Tied], rank: int) -> None:
     """Sums each tied parameter's gradient over the ranks that hold it (after a step)."""
-    params = dict(module.named_parameters(remove_duplicate=False))
+    # The stages' own parameters (a pipeline with ZeRO lists its parts as its parameters).
+    params = dict(nn.Module.named_parameters(module, remove_duplicate=False))
     for t in tied:
         if t.group is None or rank not in t.ranks:
             continue
@@ -180,29 +181,21 @@ def load_sharded_state(module: nn.Module, sd: Mapping[str, Any]) -> None:
 
 
 def sharded_optim_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, group: ProcessGroup
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    group: ProcessGroup,
+    state: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The contract's ``sharded_optim_state_dict``: each parameter's state, by name.
 
     Its tensors are ``Shard``s of whole tensors: a box where shaped like the parameter, else a
-    flat range (``step``). Each param group lists the parameters of that group on every rank
-    of the pipeline (a collective), so that the checkpoint describes the whole optimizer.
+    flat range (``step``); ``state`` replaces that part when given (ZeRO's parts). Each param
+    group lists the parameters of that group on every rank of the pipeline (a collective), so
+    that the checkpoint describes the whole optimizer.
     """
     names = {id(p): n for n, p in module.named_parameters()}
-    state: dict[str, dict[str, Any]] = {}
-    for param, entries in optimizer.state.items():
-        name = names.get(id(param))
-        if name is None:
-            continue
-        out: dict[str, Any] = {}
-        for k, v in entries.items():
-            if not torch.is_tensor(v):
-                out[k] = v
-            elif v.shape == param.shape and v.dim() > 0:
-                out[k] = Shard.box(v.detach(), v.shape, (0,) * v.dim())
-            else:
-                out[k] = Shard.flat(v.detach(), v.shape, 0)
-        state[name] = out
+    if state is None:
+        state = _whole_optim_state(optimizer, names)
     groups = groups_by_name(optimizer, names)
     everyone = all_gather_object([g["params"] for g in groups], group)
     if any(len(theirs) != len(groups) for theirs in everyone):
@@ -217,3 +210,23 @@ def sharded_optim_state(
             merged += [n for n in theirs[i] if n not in merged]
         g["params"] = merged
     return {"state": state, "param_groups": groups}
+
+
+def _whole_optim_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> dict[str, dict[str, Any]]:
+    state: dict[str, dict[str, Any]] = {}
+    for param, entries in optimizer.state.items():
+        name = names.get(id(param))
+        if name is None:
+            continue
+        out: dict[str, Any] = {}
+        for k, v in entries.items():
+            if not torch.is_tensor(v):
+                out[k] = v
+            elif v.shape == param.shape and v.dim() > 0:
+                out[k] = Shard.box(v.detach(), v.shape, (0,) * v.dim())
+            else:
+                out[k] = Shard.flat(v.detach(), v.shape, 0)
+        state[name] = out
+    return state

@@ -1,0 +1,292 @@
+"""ZeRO-1, -2 and -3 of a pipeline rank's stages over its data-parallel replicas.
+
+The pipeline runs its stages on whole parameters and accumulates whole gradients over the
+micro-batches of a step, as with DDP; what ZeRO shards is everything around that. This rank's
+parameters are laid end to end in one flat buffer per dtype (a *bucket*), padded to a multiple
+of the replicas ``d``; replica ``r`` owns elements ``[r c, (r+1) c)`` (``c`` = padded / d).
+
+- **The optimizer** steps this rank's part only: ``parameters()`` yields one 1-D local
+  parameter per original one (the elements of it this replica owns, possibly none), named like
+  it, so ``AdamW(model.parameters())`` keeps 1/d of the optimizer state. After its step the
+  parameters are all-gathered from the parts before they are used again.
+- **Gradients**, once per step after the last micro-batch (tied weights summed first): ZeRO-1
+  all-reduces the bucket and keeps this rank's part; ZeRO-2 and -3 reduce-scatter it. Whole
+  gradients are dropped then, so between steps each rank holds 1/d of them.
+- **Parameters**: ZeRO-1 and -2 keep them whole. ZeRO-3 frees the whole bucket after the step's
+  reduction and all-gathers it when the next step (or ``forward``) starts: whole for the
+  step's micro-batches, sharded between steps (what torchtitan does for FSDP under a pipeline,
+  ``reshard_after_forward=False``, to avoid one all-gather per micro-batch).
+
+For the strategy contract, each parameter is a ``Shard`` holding one ``FlatRange``: the
+elements this replica owns; Adam's moments follow it. Buffers (BatchNorm statistics) stay
+whole, as in the plain pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from shardline.comm.group import ProcessGroup
+from shardline.errors import InvalidArgumentError
+from shardline.parallel._common import (
+    clip_to_global_norm_,
+    remove_hooks_when_collected,
+    weak_method,
+)
+from shardline.parallel.contract import Shard
+
+__all__ = ["ZERO_STAGES", "StageShards"]
+
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+
+
+class _Bucket:
+    """Parameters of one dtype, end to end in one flat buffer, and this replica's part."""
+
+    def __init__(
+        self, named: list[tuple[str, nn.Parameter]], d: int, r: int, device: torch.device
+    ) -> None:
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.dtype = self.params[0].dtype
+        self.offsets: list[int] = []
+        total = 0
+        for p in self.params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.chunk = -(-total // d)
+        self.lo, self.hi = r * self.chunk, (r + 1) * self.chunk
+        self.full = torch.zeros(self.chunk * d, dtype=self.dtype, device=device)
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets, strict=True):
+                self.full[off : off + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = self.full[off : off + p.numel()].view(p.shape)
+        # This replica's part: the master copy the optimizer steps.
+        self.part = self.full[self.lo : self.hi].clone()
+        self.ranges: list[tuple[int, int]] = []  # per parameter, in its flattened coordinates
+        self.locals: list[nn.Parameter] = []
+        for p, off in zip(self.params, self.offsets, strict=True):
+            a = min(max(self.lo - off, 0), p.numel())
+            b = max(min(self.hi - off, p.numel()), a)
+            self.ranges.append((a, b))
+            view = self.part[off + a - self.lo : off + b - self.lo]
+            self.locals.append(nn.Parameter(view, requires_grad=p.requires_grad))
+
+    def free(self) -> None:
+        """Drops the whole parameters' memory (they keep their shapes; ZeRO-3)."""
+        self.full.untyped_storage().resize_(0)
+
+    def gather(self, dp: ProcessGroup) -> None:
+        """Whole parameters again, from every replica's part."""
+        storage = self.full.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.full.numel() * self.full.element_size())
+        dp.all_gather(self.full, self.part)
+
+    def reduce(self, dp: ProcessGroup, stage: int) -> None:
+        """Averages the step's whole gradients over the replicas into this replica's part."""
+        flat = torch.zeros_like(self.full) if self.full.numel() else self.full.new_zeros(0)
+        for p, off in zip(self.params, self.offsets, strict=True):
+            if p.grad is not None:
+                flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+        if stage == 1:
+            dp.all_reduce(flat, op="avg")
+            part = flat[self.lo : self.hi].clone()
+        else:
+            part = torch.empty(self.chunk, dtype=self.dtype, device=flat.device)
+            dp.reduce_scatter(part, flat, op="avg")
+        del flat
+        for loc, off, (a, b) in zip(self.locals, self.offsets, self.ranges, strict=True):
+            if not loc.requires_grad:
+                continue
+            g = part[off + a - self.lo : off + b - self.lo]
+            if loc.grad is None:
+                loc.grad = g
+            else:  # accumulation over steps without zero_grad, as with plain gradients
+                loc.grad.add_(g)
+
+
+class StageShards:
+    """ZeRO ``stage`` (1, 2 or 3) of ``module``'s parameters over ``dp``.
+
+    ``module`` holds this rank's stages; its parameters become views into the buckets (see the
+    module docstring). The pipeline calls ``gather()`` before a step or an inference,
+    ``reduce()`` after a step's micro-batches.
+    """
+
+    def __init__(self, module: nn.Module, dp: ProcessGroup, stage: int) -> None:
+        self.dp, self.stage = dp, stage
+        named = list(nn.Module.named_parameters(module))
+        if not named:
+            raise InvalidArgumentError(
+                f"pipeline: rank {dp.rank}'s stages have no parameters to shard with "
+                f"ZeRO-{stage}; use dp='ddp' or put parameters in every stage"
+            )
+        device = named[0][1].device
+        by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+        for name, p in named:
+            by_dtype.setdefault(p.dtype, []).append((name, p))
+        self.buckets = [_Bucket(ps, dp.world_size, dp.rank, device) for ps in by_dtype.values()]
+        self._stale = stage == 3  # ZeRO-3: the whole parameters are freed until a step starts
+        if stage == 3:
+            for b in self.buckets:
+                b.free()
+        self._local_ids = {id(loc) for b in self.buckets for loc in b.locals}
+        hook = weak_method(self, "_after_optimizer_step")
+        handles = [register_optimizer_step_post_hook(hook)]
+        remove_hooks_when_collected(self, handles)
+
+    # -- what the pipeline calls -------------------------------------------------------------
+
+    def named_locals(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
+        """This replica's parts, under the parameters' names."""
+        for b in self.buckets:
+            for name, loc in zip(b.names, b.locals, strict=True):
+                yield (f"{prefix}.{name}" if prefix else name), loc
+
+    def gather(self) -> None:
+        """Makes the whole parameters current: a collective over the replicas when stale.
+
+        They are after an optimizer step, a load, and while ZeRO-3 has released them.
+        """
+        if self._stale:
+            for b in self.buckets:
+                b.gather(self.dp)
+            self._stale = False
+
+    def reduce(self) -> None:
+        """After a step's micro-batches: gradients averaged into this replica's parts.
+
+        ZeRO-3 then frees the whole parameters.
+        """
+        for b in self.buckets:
+            b.reduce(self.dp, self.stage)
+        if self.stage == 3:
+            for b in self.buckets:
+                b.free()
+            self._stale = True
+
+    @contextmanager
+    def whole(self) -> Iterator[None]:
+        """Whole parameters inside (a state dict's); ZeRO-3 frees them again after."""
+        freed = self.stage == 3 and self._stale
+        self.gather()
+        try:
+            yield
+        finally:
+            if freed:
+                for b in self.buckets:
+                    b.free()
+                self._stale = True
+
+    def refresh_parts(self) -> None:
+        """After whole parameters were loaded: this replica's parts from them."""
+        with torch.no_grad():
+            for b in self.buckets:
+                b.part.copy_(b.full[b.lo : b.hi])
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes held now, by kind.
+
+        Whole parameters (``params``, 0 while ZeRO-3 has freed them), this replica's parts
+        (``master``) and gradients, whole and parts (``grads``).
+        """
+        out = {"params": 0, "master": 0, "grads": 0}
+        for b in self.buckets:
+            out["params"] += b.full.untyped_storage().nbytes()
+            out["master"] += b.part.untyped_storage().nbytes()
+            for p, loc in zip(b.params, b.locals, strict=True):
+                for g in (p.grad, loc.grad):
+                    out["grads"] += 0 if g is None else g.numel() * g.element_size()
+        return out
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if any(id(p) in self._local_ids for g in optimizer.param_groups for p in g["params"]):
+            self._stale = True
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """Points an optimizer built over the whole model's parameters at this rank's parts.
+
+        Parameters of other stages are dropped from it (their groups kept).
+        """
+        local_of = {
+            id(p): loc for b in self.buckets for p, loc in zip(b.params, b.locals, strict=True)
+        }
+        if any(optimizer.state.values()):
+            raise InvalidArgumentError(
+                "distribute(): the optimizer has stepped already; build it fresh (from "
+                "model.parameters()) and pass it before its first step"
+            )
+        for g in optimizer.param_groups:
+            g["params"] = [local_of[id(p)] for p in g["params"] if id(p) in local_of]
+        optimizer.state.clear()
+
+    def clip_grad_norm_(
+        self, pp: ProcessGroup, skip: set[str], max_norm: float, norm_type: float
+    ) -> torch.Tensor:
+        """Clips the parts' gradients to the whole model's norm (over ``pp`` and the replicas).
+
+        Parameters named in ``skip`` (tied copies counted on another rank) are not counted.
+        """
+        named = [(n, g) for n, loc in self.named_locals() if (g := loc.grad) is not None]
+        grads = [g for _, g in named if g.numel()]
+        counted = [g for n, g in named if g.numel() and n not in skip]
+        device = self.buckets[0].part.device
+        return clip_to_global_norm_(counted, grads, [pp, self.dp], max_norm, norm_type, device)
+
+    # -- the strategy contract -----------------------------------------------------------------
+
+    def sharded_params(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Shard]:
+        """Each parameter as a ``Shard`` with this replica's ``FlatRange`` (none if empty)."""
+        out: dict[str, Shard] = {}
+        for b in self.buckets:
+            for name, loc, (a, _) in zip(b.names, b.locals, b.ranges, strict=True):
+                out[name] = (
+                    Shard.flat(loc.detach(), shapes[name], a)
+                    if loc.numel()
+                    else Shard(shapes[name], [])
+                )
+        return out
+
+    def load_params(self, sd: Mapping[str, Any]) -> None:
+        """Takes this replica's parts from ``sd`` (as ``sharded_params`` gives them)."""
+        locs = dict(self.named_locals())
+        with torch.no_grad():
+            for name, value in sd.items():
+                mine = locs.get(name)
+                held = isinstance(value, Shard) and bool(value.pieces)
+                if mine is not None and held and value.local is not mine:
+                    mine.copy_(value.local.reshape(-1))
+        self._stale = True
+
+    def sharded_optim_state(
+        self, optimizer: torch.optim.Optimizer, shapes: Mapping[str, tuple[int, ...]]
+    ) -> dict[str, dict[str, Any]]:
+        """Each part's optimizer state by parameter name.
+
+        Elementwise tensors as the part's ``FlatRange`` of the whole tensor, scalars (``step``)
+        whole.
+        """
+        state: dict[str, dict[str, Any]] = {}
+        for b in self.buckets:
+            for name, loc, (a, _) in zip(b.names, b.locals, b.ranges, strict=True):
+                entries = optimizer.state.get(loc)
+                if not entries or not loc.numel():
+                    continue
+                out: dict[str, Any] = {}
+                for k, v in entries.items():
+                    if torch.is_tensor(v) and v.dim() > 0 and v.shape == loc.shape:
+                        out[k] = Shard.flat(v.detach(), shapes[name], a)
+                    elif torch.is_tensor(v):
+                        out[k] = Shard.flat(v.detach(), v.shape, 0)
+                    else:
+                        out[k] = v
+                state[name] = out
+        return state
