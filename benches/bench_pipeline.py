@@ -128,10 +128,13 @@ def one_schedule(
         for _ in range(args.warmup):
             fn()
     busy: list[float] = []
+    peak = dict.fromkeys(steps, 0)  # CUDA: the most bytes allocated during a side's blocks
     for _ in range(args.repeats):
         for name, fn in steps.items():
             dist.barrier()
             _harness.sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 fn()
@@ -139,13 +142,20 @@ def one_schedule(
                     busy.append(ours.last_step["busy"] / ours.last_step["seconds"])
             _harness.sync(device)
             times[name].append((time.perf_counter() - t0) / args.steps)
+            if device.type == "cuda":
+                peak[name] = max(peak[name], torch.cuda.max_memory_allocated(device))
     # The slowest rank's median step; the bubble is the mean over ranks of the waiting share.
-    med = torch.tensor([statistics.median(times[k]) for k in steps], dtype=torch.float64)
+    # On the rank's device: torch's group is NCCL on CUDA.
+    med = torch.tensor(
+        [statistics.median(times[k]) for k in steps], dtype=torch.float64, device=device
+    )
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    bubble = torch.tensor([1.0 - statistics.median(busy)], dtype=torch.float64)
+    bubble = torch.tensor([1.0 - statistics.median(busy)], dtype=torch.float64, device=device)
     dist.all_reduce(bubble)
     timeline: list[Any] = [None] * world
     dist.all_gather_object(timeline, ours.last_step["timeline"])
+    peaks: list[Any] = [None] * world
+    dist.all_gather_object(peaks, peak)
     tokens = args.batch * cfg.seq_len
     row: dict[str, Any] = {
         "tokens_per_step": tokens,
@@ -156,6 +166,7 @@ def one_schedule(
     for name, t in zip(steps, med.tolist(), strict=True):
         row[f"{name}_step_ms"] = t * 1e3
         row[f"{name}_tokens_per_s"] = tokens / t
+        row[f"{name}_peak_bytes_per_stage"] = [pk[name] for pk in peaks]
     if peer:
         row["ratio"] = row["shardline_tokens_per_s"] / row["torch_tokens_per_s"]
     return row
@@ -172,12 +183,21 @@ def table(results: dict[int, dict[str, Any]], m: int) -> str:
     for world, res in results.items():
         for schedule, row in res.items():
             theirs = row.get("torch_tokens_per_s")
+            ours_peak, torch_peak = (
+                max(row.get(f"{k}_peak_bytes_per_stage") or [0]) for k in ("shardline", "torch")
+            )
+            memory = (
+                f"  peak GiB/stage {ours_peak / 2**30:.2f} vs {torch_peak / 2**30:.2f}"
+                if ours_peak
+                else ""
+            )
             lines.append(
                 f"{schedule:11} {world:6d} {m:3d} {row['shardline_tokens_per_s']:11,.0f} "
                 + (f"{theirs:12,.0f} {row['ratio']:5.2f}x " if theirs else f"{'-':>12} {'-':>6} ")
                 + f"{row['shardline_step_ms']:8.1f} "
                 + (f"{row['torch_step_ms']:9.1f} " if theirs else f"{'-':>9} ")
                 + f"{row['bubble_measured']:7.1%} {row['bubble_theory']:7.1%}"
+                + memory
             )
     return "\n".join(lines)
 
