@@ -17,6 +17,7 @@ from torch import nn
 from shardline.comm.group import ProcessGroup
 from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
+from shardline.parallel.pipeline.materialize import is_meta, materialize
 from shardline.parallel.pipeline.runtime import PipelineModule
 from shardline.parallel.pipeline.schedules import SCHEDULES, Action, build
 from shardline.parallel.pipeline.split import (
@@ -43,6 +44,8 @@ def pipeline(
     dp_group: ProcessGroup | None = None,
     dp_strategy: str = "ddp",
     recompute: bool = False,
+    init_fn: Callable[[nn.Module], None] | None = None,
+    device: torch.device | str | None = None,
 ) -> PipelineModule:
     """Splits ``model`` into ``group.world_size * virtual_stages`` stages; returns this rank's.
 
@@ -75,6 +78,12 @@ def pipeline(
             backward a stage keeps only its input (the boundary activation); backward
             recomputes the rest (``shardline.checkpoint.activations.checkpoint``: the same
             RNG, so dropout matches).
+        init_fn: For a model built on the meta device (``pipeline.materialize``): called on
+            each of this rank's children once it has storage; ``None`` calls
+            ``reset_parameters()`` on every module that has one. Only this rank's stages are
+            ever materialised; tied copies and replicas are then made equal.
+        device: Where a meta model's stages are materialised: ``None`` is this rank's GPU on
+            the nccl backend, else the CPU.
 
     Raises:
         InvalidArgumentError: a model that is not an ``nn.Sequential``, more stages than
@@ -103,6 +112,10 @@ def pipeline(
     infos = tensor_infos(model)
     tied = find_tied(model, parts, g.world_size)
     keep_only(model, mine)
+    meta = is_meta(model)
+    if meta:
+        where = torch.device(device) if device is not None else _default_device(g)
+        materialize(((n, by_name[n]) for n in sorted(mine)), where, init_fn)
     return PipelineModule(
         parts,
         {name: by_name[name] for name in mine},
@@ -117,4 +130,11 @@ def pipeline(
         dp_group=dp_group,
         dp_strategy=dp_strategy,
         recompute=recompute,
+        synchronize=meta,
     )
+
+
+def _default_device(group: ProcessGroup) -> torch.device:
+    if group.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -38,6 +38,7 @@ from shardline.parallel.pipeline.state import (
     sharded_optim_state,
     sharded_state,
     sum_tied_grads,
+    sync_copies,
 )
 from shardline.parallel.pipeline.zero import ZERO_STAGES, StageShards
 
@@ -117,6 +118,7 @@ class PipelineModule(nn.Module):
         dp_group: ProcessGroup | None = None,
         dp_strategy: str = "ddp",
         recompute: bool = False,
+        synchronize: bool = False,
     ) -> None:
         super().__init__()
         p, r = group.world_size, group.rank
@@ -152,11 +154,13 @@ class PipelineModule(nn.Module):
         self._device = first.device if first is not None else torch.device("cpu")
         self._dp = dp_group if dp_group is not None and dp_group.world_size > 1 else None
         self.dp_strategy = dp_strategy if self._dp is not None else None
+        for t in tied:  # every rank, in the same order: new_group is collective
+            t.group = group.new_group(t.ranks) if len(t.ranks) > 1 else None
+        if synchronize:  # initialised per rank (a meta model): make the copies equal
+            sync_copies(self, tied, r, self._dp)
         # ZeRO over the replicas (pipeline.zero): the optimizer steps this rank's parts.
         if self._dp is not None and dp_strategy != "ddp":
             self._shards = StageShards(self, self._dp, ZERO_STAGES[dp_strategy])
-        for t in tied:  # every rank, in the same order: new_group is collective
-            t.group = group.new_group(t.ranks) if len(t.ranks) > 1 else None
         # One communicator per direction, and per direction for the wrap-around (Note).
         ranks = list(range(p))
         self._comms: dict[str, ProcessGroup | None] = {"fwd": None, "bwd": None}

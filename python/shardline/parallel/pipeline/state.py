@@ -25,7 +25,7 @@ from torch import nn
 from shardline.comm.group import ProcessGroup
 from shardline.comm.objects import all_gather_object
 from shardline.errors import InvalidArgumentError
-from shardline.parallel._common import clip_to_global_norm_
+from shardline.parallel._common import broadcast_coalesced, clip_to_global_norm_
 from shardline.parallel.contract import Shard, groups_by_name
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "sharded_optim_state",
     "sharded_state",
     "sum_tied_grads",
+    "sync_copies",
     "tensor_infos",
 ]
 
@@ -102,6 +103,24 @@ def sum_tied_grads(module: nn.Module, tied: list[Tied], rank: int) -> None:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         t.group.all_reduce(param.grad)
+
+
+def sync_copies(module: nn.Module, tied: list[Tied], rank: int, dp: ProcessGroup | None) -> None:
+    """Makes copies equal after each rank initialised its own stages.
+
+    A weight tied across stages takes the value of its lowest rank; data-parallel replicas
+    take replica 0's parameters and buffers.
+    """
+    params = dict(nn.Module.named_parameters(module, remove_duplicate=False))
+    with torch.no_grad():
+        for t in tied:
+            if t.group is not None and rank in t.ranks:
+                param = next(params[n] for n in t.names if n in params)
+                t.group.broadcast(param.data, src=0)  # the group's rank 0: the lowest rank
+        if dp is not None:
+            tensors = [p.data for p in nn.Module.parameters(module)]
+            tensors += [b for b in module.buffers() if b.numel() > 0]
+            broadcast_coalesced(dp, tensors, 0, 25 << 20)
 
 
 def average_replicas(module: nn.Module, dp: ProcessGroup) -> None:
