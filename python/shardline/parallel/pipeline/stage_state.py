@@ -1,0 +1,177 @@
+"""A pipeline rank's parameters and state, for optimizers, state dicts and the contract.
+
+``PipelineState`` is the half of ``PipelineModule`` that is not running schedules
+(``runtime``): its parameters (with ZeRO on the replicas, the 1-D parts the optimizer steps),
+gradient clipping across stages and replicas, whole-model state dicts, and the four contract
+methods with ``layout()`` (DESIGN decision 7). The functions it calls are in ``state`` (tied
+weights, whole-tensor ``Shard``s) and ``zero`` (ZeRO's parts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardline.comm.group import ProcessGroup
+from shardline.parallel.pipeline.state import (
+    TensorInfo,
+    Tied,
+    clip_grad_norm,
+    full_state_dict,
+    load_sharded_state,
+    sharded_optim_state,
+    sharded_state,
+)
+from shardline.parallel.pipeline.zero import StageShards
+
+__all__ = ["PipelineState"]
+
+
+class PipelineState(nn.Module):
+    """Parameters, clipping, state dicts and the strategy contract of a pipeline rank.
+
+    ``PipelineModule`` sets the attributes below when it is built.
+    """
+
+    _group: ProcessGroup
+    _p: int
+    _dp: ProcessGroup | None
+    _shards: StageShards | None
+    _tied: list[Tied]
+    _infos: dict[str, TensorInfo]
+    dp_strategy: str | None
+    schedule: str
+    stages: list[int]
+    microbatches: int
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients to the whole model's gradient norm; returns that norm.
+
+        A collective over the pipeline's stages (data-parallel replicas agree already). Call it
+        between ``step`` and ``opt.step()``, as ``torch.nn.utils.clip_grad_norm_``.
+        """
+        if self._shards is not None:
+            skip = {n for t in self._tied if self._group.rank != min(t.ranks) for n in t.names}
+            return self._shards.clip_grad_norm_(self._group, skip, max_norm, norm_type)
+        return clip_grad_norm(self, self._tied, self._group, max_norm, norm_type)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the model's names.
+
+        With ZeRO on the replicas: the 1-D parts this rank's optimizer steps (``pipeline.zero``).
+        """
+        if self._shards is None:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+        else:
+            yield from self._shards.named_locals(prefix)
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds now, by kind.
+
+        Whole parameters (``params``), optimizer-side copies (``master``: ZeRO's parts, else 0)
+        and gradients (``grads``).
+        """
+        if self._shards is not None:
+            return self._shards.memory_stats()
+        params = list(super().parameters())
+        return {
+            "params": sum(p.numel() * p.element_size() for p in params),
+            "master": 0,
+            "grads": sum(g.numel() * g.element_size() for p in params if (g := p.grad) is not None),
+        }
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Keeps this rank's parameters of an optimizer built over the whole model.
+
+        With ZeRO, their parts; groups and hyperparameters stay. Returns the same optimizer.
+        """
+        if self._shards is not None:
+            self._shards.bind(optimizer)
+            return optimizer
+        kept = {id(p) for p in self.parameters()}
+        for g in optimizer.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) in kept]
+        for p in [p for p in optimizer.state if id(p) not in kept]:
+            del optimizer.state[p]
+        return optimizer
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The whole model's state dict, on every rank (a collective over the pipeline).
+
+        With torch's arguments (``destination``, ``prefix``, ...): this rank's tensors only.
+        """
+        if args or kwargs:
+            return super().state_dict(*args, **kwargs)
+        with self._whole():
+            return full_state_dict(self, self._group)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Takes a whole model's state dict, as ``state_dict()`` gives.
+
+        Each rank loads the tensors of its stages.
+        """
+        with self._whole():
+            mine = super().state_dict()
+            out = super().load_state_dict(
+                {k: v for k, v in state_dict.items() if k in mine}, strict=strict, assign=assign
+            )
+            if self._shards is not None:
+                self._shards.refresh_parts()
+        return out
+
+    def _whole(self) -> contextlib.AbstractContextManager[None]:
+        return self._shards.whole() if self._shards is not None else contextlib.nullcontext()
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The strategy contract: every tensor of the model, as a ``Shard``.
+
+        A whole-tensor one where this rank holds it, an empty one elsewhere (see
+        ``pipeline.state``).
+        """
+        out = sharded_state(self, self._infos)
+        if self._shards is not None:
+            out.update(self._shards.sharded_params(self._shapes()))
+        return out
+
+    def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
+        """The strategy contract: takes this rank's tensors back."""
+        if self._shards is None:
+            load_sharded_state(self, sd)
+            return
+        parts = {n for n, _ in self._shards.named_locals()}
+        load_sharded_state(self, {k: v for k, v in sd.items() if k not in parts})
+        self._shards.load_params({k: v for k, v in sd.items() if k in parts})
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: info.shape for name, info in self._infos.items()}
+
+    def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The strategy contract: this rank's optimizer state by parameter name.
+
+        Every tensor is a ``Shard`` of the whole tensor (see ``pipeline.state``).
+        """
+        state = None
+        if self._shards is not None:
+            state = self._shards.sharded_optim_state(optimizer, self._shapes())
+        return sharded_optim_state(self, optimizer, self._group, state)
+
+    def layout(self) -> dict[str, Any]:
+        """How this pipeline lays state out, for people reading a checkpoint's index."""
+        mesh = {"pp": self._p}
+        if self._dp is not None:
+            mesh = {"dp": self._dp.world_size, **mesh}
+        return {
+            "strategy": "pipeline" if self._dp is None else f"{self.dp_strategy} x pipeline",
+            "schedule": self.schedule,
+            "mesh": mesh,
+            "virtual_stages": len(self.stages),
+            "microbatches": self.microbatches,
+        }
