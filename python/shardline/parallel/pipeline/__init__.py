@@ -27,6 +27,7 @@ from shardline.parallel.pipeline.split import (
     named_parts,
 )
 from shardline.parallel.pipeline.state import find_tied, tensor_infos
+from shardline.parallel.pipeline.trace import strip, trace_split
 from shardline.parallel.pipeline.zero import ZERO_STAGES
 
 __all__ = ["SCHEDULES", "Action", "PipelineModule", "build", "pipeline"]
@@ -46,6 +47,7 @@ def pipeline(
     recompute: bool = False,
     init_fn: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
+    example: Any = None,
 ) -> PipelineModule:
     """Splits ``model`` into ``group.world_size * virtual_stages`` stages; returns this rank's.
 
@@ -56,8 +58,9 @@ def pipeline(
     summed over their ranks after each step.
 
     Args:
-        model: An ``nn.Sequential`` (its forward chains its children), built the same way on
-            every rank.
+        model: An ``nn.Sequential`` (its forward chains its children), or any other model
+            with ``split`` naming submodules and ``example`` (split by tracing); built the
+            same way on every rank, possibly on the meta device.
         group: The pipeline's ranks, in stage order; ``None``: the default group.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (``virtual_stages >= 2``) or
             ``"zero_bubble"`` (ZB-H1: backward split into input and weight passes).
@@ -84,6 +87,10 @@ def pipeline(
             ever materialised; tied copies and replicas are then made equal.
         device: Where a meta model's stages are materialised: ``None`` is this rank's GPU on
             the nccl backend, else the CPU.
+        example: For a model that is not an ``nn.Sequential``: one micro-batch of its input,
+            to trace it with (``pipeline.trace``, torch's splitter); ``split`` then names the
+            submodules that start stages 1, 2, ... One stage per rank; one tensor crosses
+            each boundary.
 
     Raises:
         InvalidArgumentError: a model that is not an ``nn.Sequential``, more stages than
@@ -98,6 +105,11 @@ def pipeline(
     stages = g.world_size * virtual_stages
     # Checked before the model is cut (and before any communication), on every rank.
     actions = build(schedule, g.world_size, microbatches, virtual_stages)
+    if not isinstance(model, nn.Sequential):
+        return _traced(model, g, split, example, virtual_stages, init_fn, device,
+                       schedule=schedule, actions=actions, microbatches=microbatches,
+                       loss_fn=loss_fn, dp_group=dp_group, dp_strategy=dp_strategy,
+                       recompute=recompute)  # fmt: skip
     children = chain_children(model)
     if isinstance(split, str):
         if split != "auto":
@@ -131,6 +143,49 @@ def pipeline(
         dp_strategy=dp_strategy,
         recompute=recompute,
         synchronize=meta,
+    )
+
+
+def _traced(
+    model: nn.Module,
+    g: ProcessGroup,
+    split: str | Sequence[str],
+    example: Any,
+    virtual_stages: int,
+    init_fn: Callable[[nn.Module], None] | None,
+    device: torch.device | str | None,
+    **options: Any,
+) -> PipelineModule:
+    """A model that is not a chain of children, split by tracing (``pipeline.trace``)."""
+    if isinstance(split, str) or example is None:
+        raise InvalidArgumentError(
+            f"sl.pipeline splits {type(model).__name__} (not an nn.Sequential) by tracing: pass "
+            "split=[the submodules that start stages 1, 2, ...] (e.g. ['layers.4']) and "
+            "example= one micro-batch of input"
+        )
+    if virtual_stages != 1:
+        raise InvalidArgumentError(
+            "pipeline: a traced model runs one stage per rank; virtual_stages > 1 needs an "
+            "nn.Sequential"
+        )
+    infos = tensor_infos(model)
+    traced = trace_split(model, list(split), example, g.world_size)
+    strip(model)
+    stage = traced.stages[g.rank]
+    meta = is_meta(stage)
+    if meta:
+        where = torch.device(device) if device is not None else _default_device(g)
+        materialize([(f"stage {g.rank}", stage)], where, init_fn)
+    return PipelineModule(
+        traced.parts,
+        dict(stage.named_children()),
+        g,
+        virtual_stages=1,
+        infos=infos,
+        tied=traced.tied,
+        synchronize=meta,
+        stage_modules={g.rank: stage},
+        **options,
     )
 
 

@@ -115,6 +115,7 @@ class PipelineModule(PipelineState):
         dp_strategy: str = "ddp",
         recompute: bool = False,
         synchronize: bool = False,
+        stage_modules: dict[int, nn.Module] | None = None,
     ) -> None:
         super().__init__()
         p, r = group.world_size, group.rank
@@ -136,9 +137,19 @@ class PipelineModule(PipelineState):
                         "stage; rename that child"
                     )
                 self.add_module(name, children[name])
-        self._stage_modules = {
-            s: nn.Sequential(*(children[n] for n in parts[s])) for s in self.stages
-        }
+        self._stage_modules: dict[int, nn.Module]
+        if stage_modules is None:
+            self._stage_modules = {
+                s: nn.Sequential(*(children[n] for n in parts[s])) for s in self.stages
+            }
+        else:  # traced stages (pipeline.trace): tensors of the graph's root are ours too
+            self._stage_modules = stage_modules
+            for m in stage_modules.values():
+                for name, param in m._parameters.items():
+                    self.register_parameter(name, param)
+                for name, buf in m._buffers.items():
+                    persistent = name not in m._non_persistent_buffers_set
+                    self.register_buffer(name, buf, persistent=persistent)
         self._actions = actions  # schedules.build(schedule, p, microbatches, virtual_stages)
         # Which message comes next from whom follows from the schedule: derived once (Note).
         self._orders: dict[bool, dict[tuple[str, int], list[Key]]] = {}

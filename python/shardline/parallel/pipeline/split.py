@@ -90,14 +90,14 @@ def chain_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The children of a model whose forward chains them in order (``nn.Sequential``).
 
     Raises:
-        InvalidArgumentError: the model is not an ``nn.Sequential``; other models are split
-            by tracing, which is not built yet.
+        InvalidArgumentError: the model is not an ``nn.Sequential`` (other models are split
+            by tracing: ``pipeline.trace``).
     """
     if not isinstance(model, nn.Sequential):
         raise InvalidArgumentError(
             f"sl.pipeline splits an nn.Sequential (its forward chains its children); got "
             f"{type(model).__name__}. Write the model as nn.Sequential(embedding, *blocks, "
-            "head), or wait for splitting by tracing"
+            "head), or split it by tracing (sl.pipeline(..., split=[...], example=...))"
         )
     children = list(model.named_children())
     if not children:

@@ -1,0 +1,151 @@
+"""Pipelines of models that are not an ``nn.Sequential``, split by tracing (torch's splitter).
+
+The model is written as users write them: an embedding, a ``ModuleList`` of blocks looped over
+in ``forward``, a final norm and a head tied to the embedding, plus a buffer. Split at a named
+block, it trains exactly as one process accumulating the same micro-batches, its checkpoints
+load into the plain model, and cuts the runtime cannot run are refused up front. Ranks are
+threads (``tests/_ranks.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import shardline as sl
+from shardline import checkpoint
+from shardline.comm import ProcessGroup
+from tests._ranks import run_ranks
+from tests.test_pipeline import _RNG
+from tests.test_pipeline_state import VOCAB, lm_loss, tokens
+
+DIM, M, STEPS = 8, 2, 3
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, residual: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.full((1,), 0.5))
+        self.residual = residual  # keeps the embedding to the end: two tensors cross a cut
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = e = self.embed(x) * self.scale
+        for block in self.blocks:
+            h = block(h) + (e if self.residual else 0)
+        return self.head(self.norm(h))
+
+
+def tiny_lm(residual: bool = False) -> TinyLM:
+    with _RNG:
+        torch.manual_seed(0)
+        return TinyLM(residual)
+
+
+def reference() -> dict[str, torch.Tensor]:
+    model = tiny_lm()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = tokens(step)
+        opt.zero_grad()
+        for xi, yi in zip(x.chunk(M), y.chunk(M), strict=True):
+            (lm_loss(model(xi), yi) / M).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def train(g: ProcessGroup, schedule: str, path: Path | None = None) -> dict[str, torch.Tensor]:
+    x0, _ = tokens(0)
+    model = sl.pipeline(tiny_lm(), g, schedule=schedule, microbatches=M, loss_fn=lm_loss,
+                        split=["blocks.2"], example=x0.chunk(M)[0])  # fmt: skip
+    assert {n.split(".")[0] for n, _ in model.named_parameters()} == (
+        {"embed", "blocks"} if g.rank == 0 else {"blocks", "norm", "head"}
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = tokens(step)
+        opt.zero_grad()
+        model.step(x, target=y)
+        opt.step()
+    if path is not None:
+        checkpoint.save(path, model=model, group=g)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_a_traced_model_trains_as_one_process(schedule: str) -> None:
+    want = reference()
+    for full in run_ranks(2, lambda g: train(g, schedule), timeout=120):
+        assert set(full) == set(want)
+        for key, value in want.items():
+            torch.testing.assert_close(full[key], value, msg=key)
+        assert torch.equal(full["embed.weight"], full["head.weight"])  # still tied
+
+
+def test_a_traced_pipelines_checkpoint_loads_into_the_plain_model(tmp_path: Path) -> None:
+    saved = run_ranks(2, lambda g: train(g, "1f1b", tmp_path / "ck"), timeout=120)[0]
+    plain = TinyLM()
+    checkpoint.load(tmp_path / "ck", model=plain)
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+
+
+def test_cuts_the_runtime_cannot_run_are_refused_before_any_work() -> None:
+    x0 = tokens(0)[0][:4]
+
+    def cut(residual: bool, split: list[str], example: object) -> None:
+        run_ranks(2, lambda g: sl.pipeline(tiny_lm(residual), g, split=split, example=example))
+
+    # The embedding is kept to the end: it crosses the cut beside the hidden state.
+    with pytest.raises(AssertionError, match=r"stage 0 gives 2 tensors \(.*\) to stage 1"):
+        cut(True, ["blocks.2"], x0)
+    with pytest.raises(AssertionError, match=r"'blocks\.9' is not a submodule of TinyLM"):
+        cut(False, ["blocks.9"], x0)
+    with pytest.raises(AssertionError, match=r"pass split=\[the submodules"):
+        cut(False, ["blocks.2"], None)
+
+
+def test_a_traced_meta_model_materialises_its_stage_and_loads_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Traced on the meta device (model and example): no rank ever holds real weights of
+    another stage; loaded from a checkpoint, it trains as the model that was saved."""
+    checkpoint.save(tmp_path / "ck", model=tiny_lm())
+    want = reference()
+
+    def body(g: ProcessGroup) -> dict[str, torch.Tensor]:
+        with torch.device("meta"):
+            model = TinyLM()
+            example = torch.zeros(4, 5, dtype=torch.long)
+        pipe = sl.pipeline(model, g, microbatches=M, loss_fn=lm_loss, split=["blocks.2"],
+                           example=example)  # fmt: skip
+        assert not any(p.is_meta for p in pipe.parameters())
+        checkpoint.load(tmp_path / "ck", model=pipe, group=g)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        for step in range(STEPS):
+            x, y = tokens(step)
+            opt.zero_grad()
+            pipe.step(x, target=y)
+            opt.step()
+        return pipe.state_dict()
+
+    for full in run_ranks(2, body, timeout=120):
+        for key, value in want.items():
+            torch.testing.assert_close(full[key], value, msg=key)
