@@ -54,7 +54,9 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
-def reference(m: int, norm: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(
+    m: int, norm: bool = False, autocast: torch.dtype | None = None
+) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = make_model(norm)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -63,7 +65,8 @@ def reference(m: int, norm: bool = False) -> tuple[dict[str, torch.Tensor], list
         opt.zero_grad()
         total = 0.0
         for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True):
-            loss = loss_fn(model(xi), yi)
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=bool(autocast)):
+                loss = loss_fn(model(xi), yi)
             (loss / m).backward()
             total += float(loss.detach())
         opt.step()
@@ -120,6 +123,27 @@ def test_every_schedule_equals_one_process(schedule: str, p: int, m: int, v: int
         held |= state.keys()
         assert losses == pytest.approx(want_losses, rel=1e-5)
     assert held == set(want), "every parameter lives on exactly one rank"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_bf16_mixed_precision_equals_one_process_under_autocast(schedule: str) -> None:
+    """``mixed_precision=MixedPrecision(param_dtype=bf16)``: each stage's forward and the loss
+    under autocast, as one process accumulating the same micro-batches under autocast; fp32
+    weights, bf16 activations across the boundary."""
+    want, want_losses = reference(4, autocast=torch.bfloat16)
+    plain, _ = reference(4)
+    mp = sl.MixedPrecision(param_dtype=torch.bfloat16)
+    results = run_ranks(2, lambda g: train(g, schedule, 4, 1, mixed_precision=mp), timeout=60)
+    for state, losses, _ in results:
+        for key, value in state.items():
+            assert value.dtype == torch.float32
+            torch.testing.assert_close(value, want[key], msg=key)
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+    # ... and bf16 really ran: the fp32 run ends elsewhere.
+    assert any(not torch.equal(plain[k], want[k]) for k in want)
+    bad = sl.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="reduce_dtype is not supported"):
+        run_ranks(2, lambda g: train(g, "1f1b", 2, 1, mixed_precision=bad), timeout=60)
 
 
 def test_batchnorm_uneven_named_stages_and_gpipe_memory() -> None:

@@ -29,6 +29,7 @@ from shardline.parallel.pipeline.split import (
 from shardline.parallel.pipeline.state import find_tied, tensor_infos
 from shardline.parallel.pipeline.trace import strip, trace_split
 from shardline.parallel.pipeline.zero import ZERO_STAGES
+from shardline.parallel.precision import MixedPrecision
 
 __all__ = ["SCHEDULES", "Action", "PipelineModule", "build", "pipeline"]
 
@@ -48,6 +49,7 @@ def pipeline(
     init_fn: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
     example: Any = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> PipelineModule:
     """Splits ``model`` into ``group.world_size * virtual_stages`` stages; returns this rank's.
 
@@ -91,6 +93,12 @@ def pipeline(
             to trace it with (``pipeline.trace``, torch's splitter); ``split`` then names the
             submodules that start stages 1, 2, ... One stage per rank; one tensor crosses
             each boundary.
+        mixed_precision: ``sl.MixedPrecision(param_dtype=torch.bfloat16)`` runs every stage's
+            forward (and ``loss_fn``) under ``torch.autocast`` in that dtype: weights,
+            gradients and optimizer state stay in the model's dtype (fp32), matrix products
+            run in bf16, and activations cross stage boundaries in the dtype autocast gives
+            them (bf16 out of a linear layer: half the bytes). ``reduce_dtype`` is not
+            supported here (gradients are reduced in their own dtype).
 
     Raises:
         InvalidArgumentError: a model that is not an ``nn.Sequential``, more stages than
@@ -109,7 +117,7 @@ def pipeline(
         return _traced(model, g, split, example, virtual_stages, init_fn, device,
                        schedule=schedule, actions=actions, microbatches=microbatches,
                        loss_fn=loss_fn, dp_group=dp_group, dp_strategy=dp_strategy,
-                       recompute=recompute)  # fmt: skip
+                       recompute=recompute, mixed_precision=mixed_precision)  # fmt: skip
     children = chain_children(model)
     if isinstance(split, str):
         if split != "auto":
@@ -143,6 +151,7 @@ def pipeline(
         dp_strategy=dp_strategy,
         recompute=recompute,
         synchronize=meta,
+        mixed_precision=mixed_precision,
     )
 
 

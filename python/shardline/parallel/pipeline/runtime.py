@@ -37,6 +37,7 @@ from shardline.parallel.pipeline.state import (
     sync_copies,
 )
 from shardline.parallel.pipeline.zero import ZERO_STAGES, StageShards
+from shardline.parallel.precision import MixedPrecision
 
 __all__ = ["PipelineModule"]
 
@@ -116,6 +117,7 @@ class PipelineModule(PipelineState):
         recompute: bool = False,
         synchronize: bool = False,
         stage_modules: dict[int, nn.Module] | None = None,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         super().__init__()
         p, r = group.world_size, group.rank
@@ -127,6 +129,13 @@ class PipelineModule(PipelineState):
         self.microbatches = microbatches
         self.loss_fn = loss_fn
         self.recompute = recompute
+        mp = mixed_precision or MixedPrecision()
+        if mp.reduce_dtype is not None:
+            raise InvalidArgumentError(
+                "pipeline: mixed_precision.reduce_dtype is not supported; gradients are "
+                "reduced in their own dtype (leave reduce_dtype=None)"
+            )
+        self._autocast = mp.param_dtype
         self.peak_activations: dict[int, int] = {}
         self.last_step: dict[str, Any] = {}
         for s in self.stages:
@@ -291,6 +300,12 @@ class PipelineModule(PipelineState):
 
     # -- actions -----------------------------------------------------------------------------
 
+    def _amp(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast to ``mixed_precision.param_dtype`` (forward and loss), or nothing."""
+        if self._autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device.type, dtype=self._autocast)
+
     def _forward(self, st: _Step, a: Action) -> None:
         s, i = a.stage, a.mb
         if s == 0:
@@ -302,7 +317,7 @@ class PipelineModule(PipelineState):
             if st.train and x.is_floating_point():
                 x = x.detach().requires_grad_(True)
             inp = x
-        with torch.set_grad_enabled(st.train):
+        with torch.set_grad_enabled(st.train), self._amp():
             if st.train and self.recompute:
                 # Only the stage's input is kept; backward recomputes the rest (same RNG).
                 from shardline.checkpoint.activations import checkpoint  # noqa: PLC0415
@@ -319,7 +334,8 @@ class PipelineModule(PipelineState):
         if last:
             if st.train:
                 assert st.targets is not None and self.loss_fn is not None
-                loss = self.loss_fn(out, st.targets[i])
+                with self._amp():
+                    loss = self.loss_fn(out, st.targets[i])
                 st.loss_sum = loss.detach() if st.loss_sum is None else st.loss_sum + loss.detach()
                 out = loss / self.microbatches
             else:
