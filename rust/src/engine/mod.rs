@@ -231,11 +231,7 @@ fn run_guarded(shared: &Shared, op: &Op, helpers: bool) -> Result<()> {
         lock(&shared.core).run(op, helpers)
     }));
     outcome.unwrap_or_else(|panic| {
-        let what = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".into());
+        let what = panic_message(panic.as_ref());
         let err = Error::new(
             ErrorKind::Protocol,
             format!(
@@ -246,6 +242,15 @@ fn run_guarded(shared: &Shared, op: &Op, helpers: bool) -> Result<()> {
         lock(&shared.core).fail(&err);
         Err(err)
     })
+}
+
+/// What a caught panic says (its `&str` or `String` payload).
+fn panic_message(panic: &(dyn Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 fn worker_loop(shared: &Shared) {

@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::op::{sig_of, Op};
-use super::{lock, Work};
+use super::{lock, panic_message, Work};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::shm::Arena;
 
@@ -160,8 +160,25 @@ impl Lane {
         }
     }
 
-    /// Moves one message; a failure aborts the arena for every rank.
+    /// Moves one message; a failure (or a panic: a bug in the engine) aborts the arena for
+    /// every rank, so the caller's wait ends with the error instead of never.
     fn send(&self, op: &Op) -> Result<()> {
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.move_one(op)));
+        outcome.unwrap_or_else(|panic| {
+            let what = panic_message(panic.as_ref());
+            let err = Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "rank {}: internal error in the send lane ({what}); please report it",
+                    self.rank
+                ),
+            );
+            self.arena.abort(&err);
+            Err(err)
+        })
+    }
+
+    fn move_one(&self, op: &Op) -> Result<()> {
         let Op::Send { buf, peer, .. } = op else {
             unreachable!("the send lane only takes sends");
         };
