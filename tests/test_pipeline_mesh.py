@@ -122,3 +122,39 @@ def test_compositions_not_built_yet_say_so() -> None:
             sl.distribute(make_model(), mesh=mesh, strategy={"tp": "auto", "pp": "1f1b"})
 
     run_ranks(2, body, timeout=60)
+
+
+def test_zero_cuts_the_state_an_optimizer_already_holds_to_its_parts() -> None:
+    """Adagrad builds its state at construction: bound by ``distribute``, each rank keeps the
+    parts of it for its own parameters, and training equals one process with Adagrad."""
+    model = make_model()
+    ref = torch.optim.Adagrad(model.parameters(), lr=1e-2, initial_accumulator_value=0.1)
+    for step in range(STEPS):
+        x, y = batch(step)
+        ref.zero_grad()
+        for xi, yi in zip(x.chunk(2 * M), y.chunk(2 * M), strict=True):
+            (loss_fn(model(xi), yi) / (2 * M)).backward()
+        ref.step()
+    want = model.state_dict()
+
+    def body(g: ProcessGroup) -> dict[str, torch.Tensor]:
+        mesh = sl.DeviceMesh({"dp": 2, "pp": 2}, group=g)
+        plain = make_model()
+        opt = torch.optim.Adagrad(plain.parameters(), lr=1e-2, initial_accumulator_value=0.1)
+        pipe, opt = sl.distribute(plain, opt, mesh=mesh, strategy={"dp": "zero2", "pp": "1f1b"},
+                                  microbatches=M, loss_fn=loss_fn)  # fmt: skip
+        assert opt is not None
+        for part, st in opt.state.items():
+            assert st["sum"].shape == part.shape  # the accumulator, cut to the part
+        replica = mesh.local_rank("dp")
+        for step in range(STEPS):
+            x, y = batch(step)
+            rows = slice(8 * replica, 8 * replica + 8)
+            opt.zero_grad()
+            pipe.step(x[rows], target=y[rows])  # type: ignore[operator]
+            opt.step()
+        return pipe.state_dict()
+
+    for full in run_ranks(4, body, timeout=90):
+        for key, value in want.items():
+            torch.testing.assert_close(full[key], value, msg=key)

@@ -502,7 +502,7 @@ class PipelineModule(PipelineState):
         actions = [
             [Action("F", c * p + r, i) for i in range(m) for c in range(v)] for r in range(p)
         ]
-        with torch.no_grad():
+        with torch.no_grad(), self._whole():  # ZeRO-3: whole only while it runs
             st = self._guarded(actions, False, inputs, None)
         if self.num_stages - 1 not in self.stages:
             return None

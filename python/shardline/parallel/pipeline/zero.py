@@ -214,19 +214,28 @@ class StageShards:
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Points an optimizer built over the whole model's parameters at this rank's parts.
 
-        Parameters of other stages are dropped from it (their groups kept).
+        Parameters of other stages are dropped from it (their groups kept). State it holds
+        already (Adagrad's from construction, or a step's) is cut to the parts: elementwise
+        tensors shaped like their parameter are sliced, other values kept.
         """
+        built = {id(p): dict(entries) for p, entries in optimizer.state.items() if entries}
         local_of = {
             id(p): loc for b in self.buckets for p, loc in zip(b.params, b.locals, strict=True)
         }
-        if any(optimizer.state.values()):
-            raise InvalidArgumentError(
-                "distribute(): the optimizer has stepped already; build it fresh (from "
-                "model.parameters()) and pass it before its first step"
-            )
         for g in optimizer.param_groups:
             g["params"] = [local_of[id(p)] for p in g["params"] if id(p) in local_of]
         optimizer.state.clear()
+        for b in self.buckets:
+            for p, loc, (lo, hi) in zip(b.params, b.locals, b.ranges, strict=True):
+                entries = built.get(id(p))
+                if entries is None:
+                    continue
+                optimizer.state[loc] = {
+                    k: v.detach().reshape(-1)[lo:hi].clone()
+                    if torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape
+                    else v
+                    for k, v in entries.items()
+                }
 
     def clip_grad_norm_(
         self, pp: ProcessGroup, skip: set[str], max_norm: float, norm_type: float
