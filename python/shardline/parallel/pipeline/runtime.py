@@ -479,11 +479,16 @@ class PipelineModule(PipelineState):
             "busy": sum(t1 - t0 for _, t0, t1 in st.timeline),
             "timeline": [(k, t0 - start, t1 - start) for k, t0, t1 in st.timeline],
         }
-        sum_tied_grads(self, self._tied, self._group.rank)
-        if self._shards is not None:
+        if self._shards is not None:  # tied copies summed first: their parts differ by stage
+            sum_tied_grads(self, self._tied, self._group.rank)
             self._shards.reduce()
-        elif self._dp is not None:
-            average_replicas(self, self._dp)
+        else:
+            # DDP: each rank averages over its replicas as soon as its own last backward is
+            # done, while earlier stages are still in their cool-down; the tied sum waits for
+            # the first stage. Both are linear, so the order does not change the result.
+            if self._dp is not None:
+                average_replicas(self, self._dp)
+            sum_tied_grads(self, self._tied, self._group.rank)
         loss = torch.zeros((), dtype=torch.float32, device=self._device)
         if st.loss_sum is not None:
             loss = (st.loss_sum / self.microbatches).to(torch.float32).reshape(())
