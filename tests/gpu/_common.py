@@ -18,8 +18,9 @@ from tests.multiprocess._launch import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_worker(script: str, timeout: float = 200) -> tuple[int, str]:
-    """Runs ``tests/gpu/<script>`` on 2 ranks via ``shardline run``: (exit code, output)."""
+def run_worker(script: str, timeout: float = 200, nproc: int = 2) -> tuple[int, str]:
+    """Runs ``tests/gpu/<script>`` on ``nproc`` ranks via ``shardline run``: (exit code,
+    output)."""
     env = {
         **os.environ,
         "TORCH_PORT": str(free_port()),
@@ -28,7 +29,7 @@ def run_worker(script: str, timeout: float = 200) -> tuple[int, str]:
         ),
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "shardline", "run", "--nproc-per-node", "2",
+        [sys.executable, "-m", "shardline", "run", "--nproc-per-node", str(nproc),
          str(Path(__file__).with_name(script))],
         env=env,
         capture_output=True,

@@ -1,4 +1,5 @@
-"""A pipeline on 2 GPUs over NCCL equals one process (TinyGPT, tied embedding and head)."""
+"""A pipeline on 2 GPUs over NCCL equals one process (TinyGPT, tied embedding and head); on 4,
+so do ZeRO-3 replicas of a 2-stage pipeline (dp=2 x pp=2)."""
 
 from __future__ import annotations
 
@@ -18,4 +19,13 @@ def test_a_two_gpu_pipeline_equals_one_process() -> None:
     code, out = run_worker("_pipeline_worker.py")
     assert code == 0, out
     assert out.count("max |pipeline - one process|") == 6, out
+    print(out)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs (the 4-GPU host)")
+def test_zero3_replicas_of_a_pipeline_on_four_gpus_equal_one_process() -> None:
+    code, out = run_worker("_pipeline_mesh_worker.py", nproc=4)
+    assert code == 0, out
+    assert out.count("max |dp x pp - one process|") == 4, out
     print(out)
