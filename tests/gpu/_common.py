@@ -1,4 +1,5 @@
-"""What the 2-GPU tests share: launching a worker script, and a worker's two groups."""
+"""What the GPU tests share: launching a worker script, a worker's two groups, and the
+pipeline workers' TinyGPT job."""
 
 from __future__ import annotations
 
@@ -51,3 +52,23 @@ def init_both() -> tuple[ProcessGroup, int, int, torch.device]:
     )
     dist.init_process_group("nccl", store=store, rank=rank, world_size=world)
     return group, rank, world, torch.device("cuda", local)
+
+
+def tiny_gpt_job() -> tuple[torch.device, torch.nn.Module, list[torch.Tensor]]:
+    """In a pipeline worker: this rank's GPU and our nccl default group, a TinyGPT (tied
+    embedding and head; seed 0) on it, and three batches of 8 sequences; TF32 off, so that a
+    pipeline and one process agree to fp32 rounding."""
+    from shardline.examples.train import Config, TinyGPT
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    sl.init(backend="nccl")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cfg = Config(d_model=256, num_layers=4, num_heads=4, seq_len=128)
+    torch.manual_seed(0)
+    base = TinyGPT(cfg).to(device)
+    gen = torch.Generator().manual_seed(7)
+    data = [torch.randint(0, cfg.vocab, (8, cfg.seq_len + 1), generator=gen) for _ in range(3)]
+    return device, base, data

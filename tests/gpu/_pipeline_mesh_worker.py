@@ -7,27 +7,17 @@ parameter difference; exits non-zero if it is off.
 from __future__ import annotations
 
 import copy
-import os
 import sys
 
 import torch
 
 import shardline as sl
-from shardline.examples.train import Config, TinyGPT, as_sequential, lm_loss
+from shardline.examples.train import as_sequential, lm_loss
+from tests.gpu._common import tiny_gpt_job
 
 
 def main() -> int:
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    sl.init(backend="nccl")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    cfg = Config(d_model=256, num_layers=4, num_heads=4, seq_len=128)
-    torch.manual_seed(0)
-    base = TinyGPT(cfg).to(device)
-    gen = torch.Generator().manual_seed(7)
-    data = [torch.randint(0, cfg.vocab, (8, cfg.seq_len + 1), generator=gen) for _ in range(3)]
+    device, base, data = tiny_gpt_job()
     m = 2  # micro-batches per replica: 4 over the whole batch
     one = copy.deepcopy(base)
     opt1 = torch.optim.AdamW(one.parameters(), lr=1e-3)

@@ -164,8 +164,8 @@ class PipelineModule(PipelineState):
         self._orders: dict[bool, dict[tuple[str, int], list[Key]]] = {}
         self._infos = infos
         self._tied = tied
+        self._shards: StageShards | None = None  # ZeRO's, set below
         # Where received activations and gradients go: the device of this rank's stages.
-        self._shards: StageShards | None = None
         first = next(iter(self.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")
         self._dp = dp_group if dp_group is not None and dp_group.world_size > 1 else None

@@ -51,8 +51,9 @@ class PipelineState(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients to the whole model's gradient norm; returns that norm.
 
-        A collective over the pipeline's stages (data-parallel replicas agree already). Call it
-        between ``step`` and ``opt.step()``, as ``torch.nn.utils.clip_grad_norm_``.
+        A collective over the pipeline's stages (DDP replicas agree already; with ZeRO, also
+        over the replicas, each holding its parts). Call it between ``step`` and
+        ``opt.step()``, as ``torch.nn.utils.clip_grad_norm_``.
         """
         if self._shards is not None:
             skip = {n for t in self._tied if self._group.rank != min(t.ranks) for n in t.names}
