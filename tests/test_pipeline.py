@@ -215,3 +215,53 @@ def test_bad_input_fails_on_every_rank_with_what_to_do() -> None:
         build("interleaved", 2, 3, 2)
     with pytest.raises(AssertionError, match=r"by tracing: pass split="):
         run_ranks(1, lambda g: sl.pipeline(nn.Linear(2, 2), g))
+
+
+class _Pair(nn.Module):
+    """Returns its input and a scaled copy: a tuple crosses the boundary after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), 2 * x
+
+
+class _Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, skip = pair
+        return self.lin(torch.tanh(h) + skip)
+
+
+def test_a_tuple_crosses_a_boundary_of_an_nn_sequential() -> None:
+    """A child that returns a tuple at the end of a stage: the next stage's first child gets
+    the tuple, as in one process (both tensors move in one message, gradients back)."""
+
+    def build() -> nn.Sequential:
+        with _RNG:
+            torch.manual_seed(0)
+            return nn.Sequential(_Pair(), _Join())
+
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        for xi, yi in zip(x.chunk(2), y.chunk(2), strict=True):
+            (loss_fn(model(xi), yi) / 2).backward()
+        opt.step()
+    want = model.state_dict()
+
+    def body(g: ProcessGroup) -> dict[str, torch.Tensor]:
+        pipe = sl.pipeline(build(), g, microbatches=2, loss_fn=loss_fn)
+        run_steps(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2))
+        return pipe.state_dict()
+
+    for full in run_ranks(2, body, timeout=60):
+        for key, value in want.items():
+            torch.testing.assert_close(full[key], value, msg=key)

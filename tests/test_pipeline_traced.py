@@ -3,7 +3,8 @@
 The model is written as users write them: an embedding, a ``ModuleList`` of blocks looped over
 in ``forward``, a final norm and a head tied to the embedding, plus a buffer. Split at a named
 block, it trains exactly as one process accumulating the same micro-batches, its checkpoints
-load into the plain model, and cuts the runtime cannot run are refused up front. Ranks are
+load into the plain model, several tensors may cross a cut, and cuts the runtime cannot run
+are refused up front. Ranks are
 threads (``tests/_ranks.py``).
 """
 
@@ -59,8 +60,8 @@ def tiny_lm(residual: bool = False) -> TinyLM:
         return TinyLM(residual)
 
 
-def reference() -> dict[str, torch.Tensor]:
-    model = tiny_lm()
+def reference(residual: bool = False) -> dict[str, torch.Tensor]:
+    model = tiny_lm(residual)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS):
         x, y = tokens(step)
@@ -71,13 +72,20 @@ def reference() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def train(g: ProcessGroup, schedule: str, path: Path | None = None) -> dict[str, torch.Tensor]:
+def train(
+    g: ProcessGroup,
+    schedule: str,
+    path: Path | None = None,
+    residual: bool = False,
+    split: tuple[str, ...] = ("blocks.2",),
+) -> dict[str, torch.Tensor]:
     x0, _ = tokens(0)
-    model = sl.pipeline(tiny_lm(), g, schedule=schedule, microbatches=M, loss_fn=lm_loss,
-                        split=["blocks.2"], example=x0.chunk(M)[0])  # fmt: skip
-    assert {n.split(".")[0] for n, _ in model.named_parameters()} == (
-        {"embed", "blocks"} if g.rank == 0 else {"blocks", "norm", "head"}
-    )
+    model = sl.pipeline(tiny_lm(residual), g, schedule=schedule, microbatches=M,
+                        loss_fn=lm_loss, split=list(split), example=x0.chunk(M)[0])  # fmt: skip
+    if len(split) == 1:
+        assert {n.split(".")[0] for n, _ in model.named_parameters()} == (
+            {"embed", "blocks"} if g.rank == 0 else {"blocks", "norm", "head"}
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS):
         x, y = tokens(step)
@@ -107,15 +115,35 @@ def test_a_traced_pipelines_checkpoint_loads_into_the_plain_model(tmp_path: Path
         assert torch.equal(value, saved[key]), key
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_several_tensors_cross_a_cut_and_train_as_one_process(schedule: str) -> None:
+    """The residual model keeps the embedding to the end: two tensors cross every cut (the
+    hidden state and the embedding), and the middle stage passes the embedding through."""
+    want = reference(residual=True)
+    split = ("blocks.1", "blocks.3")
+    for full in run_ranks(3, lambda g: train(g, schedule, residual=True, split=split),
+                          timeout=120):  # fmt: skip
+        for key, value in want.items():
+            torch.testing.assert_close(full[key], value, msg=key)
+
+
 def test_cuts_the_runtime_cannot_run_are_refused_before_any_work() -> None:
     x0 = tokens(0)[0][:4]
 
     def cut(residual: bool, split: list[str], example: object) -> None:
         run_ranks(2, lambda g: sl.pipeline(tiny_lm(residual), g, split=split, example=example))
 
-    # The embedding is kept to the end: it crosses the cut beside the hidden state.
-    with pytest.raises(AssertionError, match=r"stage 0 gives 2 tensors \(.*\) to stage 1"):
-        cut(True, ["blocks.2"], x0)
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.second(self.first(a) + b)
+
+    pair = (torch.zeros(1, 2), torch.zeros(1, 2))
+    with pytest.raises(AssertionError, match=r"the first stage takes 2 inputs \(a, b\)"):
+        run_ranks(2, lambda g: sl.pipeline(TwoInputs(), g, split=["second"], example=pair))
     with pytest.raises(AssertionError, match=r"'blocks\.9' is not a submodule of TinyLM"):
         cut(False, ["blocks.9"], x0)
     with pytest.raises(AssertionError, match=r"pass split=\[the submodules"):

@@ -27,13 +27,13 @@ def test_input_then_weight_pass_equals_one_backward() -> None:
     xm = x.clone().requires_grad_(True)
     out = mine(xm)
     params = list(mine.parameters())
-    g_in, state = input_pass(out, grad, xm, params)
+    (g_in,), state = input_pass([out], [grad], [xm], params)
     assert all(p.grad is None for p in params)  # the input pass computed no weight gradient
     torch.testing.assert_close(g_in, xr.grad)
     # Every parameter hangs off a node on the input's path: the weight pass needs no backward
     # from the output again.
     assert not state.rest and state.nodes
-    weight_pass(out, grad, state)
+    weight_pass([out], [grad], state)
     for (name, p), q in zip(mine.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
@@ -43,8 +43,31 @@ def test_a_parameter_off_the_input_path_still_gets_its_gradient() -> None:
     scale = nn.Parameter(torch.randn(3))
     x = torch.randn(2, 3, requires_grad=True)
     out = x * 2 + (scale * bias).tanh()  # scale and bias never meet x
-    g_in, state = input_pass(out, torch.ones(2, 3), x, [scale, bias])
+    (g_in,), state = input_pass([out], [torch.ones(2, 3)], [x], [scale, bias])
     torch.testing.assert_close(g_in, torch.full((2, 3), 2.0))
-    weight_pass(out, torch.ones(2, 3), state)
+    weight_pass([out], [torch.ones(2, 3)], state)
     expect_scale = 2 * (1 - (scale * bias).tanh() ** 2) * bias
     torch.testing.assert_close(scale.grad, expect_scale.detach())
+
+
+def test_several_inputs_and_outputs_one_passed_through() -> None:
+    """A stage that takes (h, e) and gives (h', e): the residual e passes through unchanged
+    and also feeds h'. Both passes together equal one backward from both outputs."""
+    torch.manual_seed(1)
+    lin = nn.Linear(4, 4)
+    h, e = torch.randn(3, 4), torch.randn(3, 4)
+    gh, ge = torch.randn(3, 4), torch.randn(3, 4)
+
+    hr, er = h.clone().requires_grad_(True), e.clone().requires_grad_(True)
+    torch.autograd.backward([lin(hr).tanh() + er, er], [gh, ge])
+    want = [p.grad.clone() for p in lin.parameters() if p.grad is not None]
+    lin.zero_grad(set_to_none=True)
+
+    hm, em = h.clone().requires_grad_(True), e.clone().requires_grad_(True)
+    outs = [lin(hm).tanh() + em, em]
+    got, state = input_pass(outs, [gh, ge], [hm, em], list(lin.parameters()))
+    torch.testing.assert_close(got[0], hr.grad)
+    torch.testing.assert_close(got[1], er.grad)  # ge through the pass-through, gh through h'
+    weight_pass(outs, [gh, ge], state)
+    for p, w in zip(lin.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, w)

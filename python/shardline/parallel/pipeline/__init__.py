@@ -91,8 +91,8 @@ def pipeline(
             the nccl backend, else the CPU.
         example: For a model that is not an ``nn.Sequential``: one micro-batch of its input,
             to trace it with (``pipeline.trace``, torch's splitter); ``split`` then names the
-            submodules that start stages 1, 2, ... One stage per rank; one tensor crosses
-            each boundary.
+            submodules that start stages 1, 2, ... One stage per rank, one model input;
+            several tensors may cross a cut (``pipeline.trace``).
         mixed_precision: ``sl.MixedPrecision(param_dtype=torch.bfloat16)`` runs every stage's
             forward (and ``loss_fn``) under ``torch.autocast`` in that dtype: weights,
             gradients and optimizer state stay in the model's dtype (fp32), matrix products
@@ -184,7 +184,8 @@ def _traced(
     meta = is_meta(stage)
     if meta:
         where = torch.device(device) if device is not None else _default_device(g)
-        materialize([(f"stage {g.rank}", stage)], where, init_fn)
+        materialize([(f"stage {g.rank}", stage.graph_module)], where, init_fn)
+        stage.adopt()  # the graph module's tensors, materialised
     return PipelineModule(
         traced.parts,
         dict(stage.named_children()),

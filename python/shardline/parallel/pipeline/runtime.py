@@ -8,8 +8,9 @@ between any two ranks. Sends are asynchronous. Which message is the next one fro
 follows from the peer's schedule (it sends right after the action that produced it), so a
 rank that needs a message receives, in the peer's order, everything before it, keeping what
 it does not need yet. The first activation across each stage boundary in a step is preceded
-by its shape and dtype (``_META`` int64s); gradients have the shape of the activation they
-belong to, which the receiver produced.
+by the specs of the tensors that cross it (``boundary``: one message per micro-batch however
+many tensors); gradients have the specs of the activations they belong to, which the
+receiver produced.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import torch
 from torch import nn
 
 from shardline.comm.group import ProcessGroup
-from shardline.dtypes import DTYPES
 from shardline.errors import InvalidArgumentError
+from shardline.parallel.pipeline import boundary
+from shardline.parallel.pipeline.boundary import Spec
 from shardline.parallel.pipeline.schedules import Action, stage_rank
 from shardline.parallel.pipeline.split_backward import InputPass, input_pass, weight_pass
 from shardline.parallel.pipeline.stage_state import PipelineState
@@ -41,10 +43,6 @@ from shardline.parallel.precision import MixedPrecision
 
 __all__ = ["PipelineModule"]
 
-_MAX_DIMS = 8
-_META = 2 + _MAX_DIMS
-_DTYPE_CODES = {d.torch: i for i, d in enumerate(DTYPES)}
-
 Key = tuple[str, int, int]  # ("meta" | "act" | "grad", stage boundary, micro-batch)
 
 
@@ -54,7 +52,7 @@ class _Inbox:
 
     order: list[Key]
     next: int = 0
-    early: dict[Key, torch.Tensor] = field(default_factory=dict)
+    early: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,13 +63,14 @@ class _Step:
     inputs: list[torch.Tensor] | None
     targets: list[Any] | None
     inbox: dict[tuple[str, int], _Inbox]
-    shapes: dict[int, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
-    saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = field(
+    shapes: dict[int, list[Spec]] = field(default_factory=dict)  # per boundary (its specs)
+    # (stage, micro-batch) -> (its inputs, None on the first stage; its outputs)
+    saved: dict[tuple[int, int], tuple[list[torch.Tensor] | None, list[torch.Tensor]]] = field(
         default_factory=dict
     )
-    grads_out: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
+    grads_out: dict[tuple[int, int], list[torch.Tensor] | None] = field(default_factory=dict)
     split: dict[tuple[int, int], InputPass] = field(default_factory=dict)
-    local: dict[Key, torch.Tensor] = field(default_factory=dict)
+    local: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
@@ -147,6 +146,7 @@ class PipelineModule(PipelineState):
                     )
                 self.add_module(name, children[name])
         self._stage_modules: dict[int, nn.Module]
+        self._spread = stage_modules is not None  # traced stages take several arguments
         if stage_modules is None:
             self._stage_modules = {
                 s: nn.Sequential(*(children[n] for n in parts[s])) for s in self.stages
@@ -240,18 +240,20 @@ class PipelineModule(PipelineState):
 
     # -- messages ----------------------------------------------------------------------------
 
-    def _send(self, st: _Step, key: Key, tensor: torch.Tensor) -> None:
+    def _send(self, st: _Step, key: Key, value: list[torch.Tensor] | torch.Tensor) -> None:
+        """Sends a boundary's tensors (one message: ``boundary.pack``) or a meta message."""
         comm, src, dst = self._route(key)
         if dst == src:  # a stage of this rank: handed over in memory (shapes are shared)
             if key[0] != "meta":
-                st.local[key] = tensor
+                assert isinstance(value, list)
+                st.local[key] = value
             return
         group = self._comms[comm]
         assert group is not None
-        t = tensor.detach().contiguous()
+        t = boundary.pack(value) if isinstance(value, list) else value.detach().contiguous()
         st.sends.append((group.send(t, dst, async_op=True), t))
 
-    def _recv(self, st: _Step, key: Key) -> torch.Tensor:
+    def _recv(self, st: _Step, key: Key) -> list[torch.Tensor]:
         comm, src, dst = self._route(key)
         if src == dst:
             return st.local.pop(key)
@@ -266,37 +268,26 @@ class PipelineModule(PipelineState):
 
     def _take(
         self, st: _Step, box: _Inbox, group: ProcessGroup, key: Key, src: int
-    ) -> torch.Tensor:
+    ) -> list[torch.Tensor]:
         while key not in box.early:
             if box.next >= len(box.order):
                 raise InvalidArgumentError(f"pipeline: {key} never comes from rank {src}")
             nxt = box.order[box.next]
             box.next += 1
             if nxt[0] == "meta":
-                meta = torch.empty(_META, dtype=torch.int64, device=self._device)
+                meta = torch.empty(boundary.META_LEN, dtype=torch.int64, device=self._device)
                 group.recv(meta, src)
-                code, ndim, *dims = meta.tolist()
-                st.shapes[nxt[1]] = (torch.Size(dims[:ndim]), DTYPES[code].torch)
+                st.shapes[nxt[1]] = boundary.decode(meta)
                 continue
             if nxt[0] == "act":
-                shape, dtype = st.shapes[nxt[1]]
-            else:  # the gradient of an activation this rank produced
-                _, out = st.saved[(nxt[1], nxt[2])]
-                shape, dtype = out.shape, out.dtype
-            buf = torch.empty(shape, dtype=dtype, device=self._device)
+                specs = st.shapes[nxt[1]]
+            else:  # the gradient of activations this rank produced
+                _, outs = st.saved[(nxt[1], nxt[2])]
+                specs = boundary.grad_specs(boundary.specs_of(outs))
+            buf, views = boundary.empty(specs, self._device)
             group.recv(buf, src)
-            box.early[nxt] = buf
+            box.early[nxt] = views
         return box.early.pop(key)
-
-    def _meta(self, t: torch.Tensor) -> torch.Tensor:
-        if t.dim() > _MAX_DIMS:
-            raise InvalidArgumentError(
-                f"pipeline: an activation of {t.dim()} dimensions crosses a stage boundary; at "
-                f"most {_MAX_DIMS} are supported"
-            )
-        values = [_DTYPE_CODES[t.dtype], t.dim(), *t.shape]
-        values += [0] * (_META - len(values))
-        return torch.tensor(values, dtype=torch.int64, device=t.device)
 
     # -- actions -----------------------------------------------------------------------------
 
@@ -308,93 +299,107 @@ class PipelineModule(PipelineState):
 
     def _forward(self, st: _Step, a: Action) -> None:
         s, i = a.stage, a.mb
+        inps: list[torch.Tensor] | None = None
         if s == 0:
             assert st.inputs is not None
-            inp: torch.Tensor | None = st.inputs[i]
-            x = inp
+            xs = [st.inputs[i]]
         else:
-            x = self._recv(st, ("act", s, i))  # takes the boundary's shape first (Note)
-            if st.train and x.is_floating_point():
-                x = x.detach().requires_grad_(True)
-            inp = x
+            xs = self._recv(st, ("act", s, i))  # takes the boundary's specs first (Note)
+            if st.train:
+                xs = [x.detach().requires_grad_(True) if x.is_floating_point() else x for x in xs]
+            inps = xs
+        # A traced stage takes the boundary's tensors as its arguments; an nn.Sequential's
+        # stage takes one argument, a tuple where its previous child returned one.
+        args = xs if self._spread or len(xs) == 1 else [tuple(xs)]
         with torch.set_grad_enabled(st.train), self._amp():
             if st.train and self.recompute:
                 # Only the stage's input is kept; backward recomputes the rest (same RNG).
                 from shardline.checkpoint.activations import checkpoint  # noqa: PLC0415
 
-                out = checkpoint(self._stage_modules[s], x)
+                out = checkpoint(self._stage_modules[s], *args)
             else:
-                out = self._stage_modules[s](x)
-        if not isinstance(out, torch.Tensor):
-            raise InvalidArgumentError(
-                f"pipeline stage {s} returned {type(out).__name__}; a stage must return one "
-                "tensor (its output is the next stage's input)"
-            )
-        last = s == self.num_stages - 1
-        if last:
-            if st.train:
-                assert st.targets is not None and self.loss_fn is not None
-                with self._amp():
-                    loss = self.loss_fn(out, st.targets[i])
-                st.loss_sum = loss.detach() if st.loss_sum is None else st.loss_sum + loss.detach()
-                out = loss / self.microbatches
-            else:
+                out = self._stage_modules[s](*args)
+        if s == self.num_stages - 1:
+            if not st.train:
                 st.outputs[i] = out.detach()
+                return
+            assert st.targets is not None and self.loss_fn is not None
+            with self._amp():
+                loss = self.loss_fn(out, st.targets[i])
+            st.loss_sum = loss.detach() if st.loss_sum is None else st.loss_sum + loss.detach()
+            outs = [loss / self.microbatches]
         else:
-            meta = ("meta", s + 1, 0)
-            if s + 1 not in st.shapes:
-                st.shapes[s + 1] = (out.shape, out.dtype)
-                self._send(st, meta, self._meta(out))
-            elif (out.shape, out.dtype) != st.shapes[s + 1]:
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
                 raise InvalidArgumentError(
-                    f"pipeline stage {s}: micro-batch {i} gives an output of shape "
-                    f"{tuple(out.shape)} ({out.dtype}), micro-batch 0 gave "
-                    f"{tuple(st.shapes[s + 1][0])}; every micro-batch must have the same shape"
+                    f"pipeline stage {s} returned {type(out).__name__}; a stage must return a "
+                    "tensor or a tuple of tensors (the next stage's inputs)"
                 )
-            self._send(st, ("act", s + 1, i), out)
+            specs = boundary.specs_of(outs)
+            if s + 1 not in st.shapes:
+                st.shapes[s + 1] = specs
+                where = f"the boundary into stage {s + 1}"
+                self._send(st, ("meta", s + 1, 0), boundary.encode(specs, self._device, where))
+            elif specs != st.shapes[s + 1]:
+                raise InvalidArgumentError(
+                    f"pipeline stage {s}: micro-batch {i} gives outputs "
+                    f"{boundary.describe(specs)}, micro-batch 0 gave "
+                    f"{boundary.describe(st.shapes[s + 1])}; every micro-batch must have the "
+                    "same shapes"
+                )
+            self._send(st, ("act", s + 1, i), outs)
         if st.train:
-            st.saved[(s, i)] = (inp if s > 0 else None, out)
+            st.saved[(s, i)] = (inps, outs)
             st.live[s] = st.live.get(s, 0) + 1
             st.peak[s] = max(st.peak.get(s, 0), st.live[s])
 
-    def _grad_out(self, st: _Step, s: int, i: int) -> torch.Tensor | None:
+    def _grad_out(self, st: _Step, s: int, i: int) -> list[torch.Tensor] | None:
         if s == self.num_stages - 1:
             return None  # the saved output is the loss
         return self._recv(st, ("grad", s, i))
 
+    def _input_grads(self, inps: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The gradient message for a stage's inputs: its floating-point ones' gradients."""
+        assert inps is not None
+        grads = [_grad_of(x) for x in inps if x.is_floating_point()]
+        return grads or [torch.zeros(1, device=self._device)]
+
     def _backward(self, st: _Step, a: Action) -> None:
         s, i = a.stage, a.mb
-        grad = self._grad_out(st, s, i)
-        inp, out = st.saved.pop((s, i))
-        torch.autograd.backward(out, grad)
+        grads = self._grad_out(st, s, i)
+        inps, outs = st.saved.pop((s, i))
+        roots, seeds = _roots(outs, grads)
+        if roots:
+            torch.autograd.backward(roots, seeds)
         if s > 0:
-            assert inp is not None
-            self._send(st, ("grad", s - 1, i), _grad_of(inp))
+            self._send(st, ("grad", s - 1, i), self._input_grads(inps))
         st.live[s] -= 1
 
     def _input_grad(self, st: _Step, a: Action) -> None:
-        # Zero-bubble: the input's gradient now, the weights' in _weight_grad (split_backward).
+        # Zero-bubble: the inputs' gradients now, the weights' in _weight_grad (split_backward).
         s, i = a.stage, a.mb
-        grad = self._grad_out(st, s, i)
-        inp, out = st.saved[(s, i)]
-        st.grads_out[(s, i)] = grad
+        grads = self._grad_out(st, s, i)
+        inps, outs = st.saved[(s, i)]
+        st.grads_out[(s, i)] = grads
         if s > 0:
-            assert inp is not None
+            assert inps is not None
+            wanted = [x for x in inps if x.is_floating_point()]
             params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
-            g, st.split[(s, i)] = input_pass(out, grad, inp, params)
-            self._send(st, ("grad", s - 1, i), g)
+            roots, seeds = _roots(outs, grads)
+            got, st.split[(s, i)] = input_pass(roots, seeds, wanted, params)
+            self._send(st, ("grad", s - 1, i), got or [torch.zeros(1, device=self._device)])
 
     def _weight_grad(self, st: _Step, a: Action) -> None:
         s, i = a.stage, a.mb
-        _, out = st.saved.pop((s, i))
-        grad = st.grads_out.pop((s, i))
+        _, outs = st.saved.pop((s, i))
+        roots, seeds = _roots(outs, st.grads_out.pop((s, i)))
         state = st.split.pop((s, i), None)
         if state is not None:
-            weight_pass(out, grad, state)
-        elif out.grad_fn is not None:  # the first stage: no input pass ran, one whole backward
+            weight_pass(roots, seeds, state)
+        elif roots:  # the first stage: no input pass ran, one whole backward
             params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
             if params:
-                torch.autograd.backward(out, grad, inputs=params)
+                torch.autograd.backward(roots, seeds, inputs=params)
         st.live[s] -= 1
 
     # -- the step ----------------------------------------------------------------------------
@@ -512,6 +517,21 @@ class PipelineModule(PipelineState):
         if self.num_stages - 1 not in self.stages:
             return None
         return torch.cat([st.outputs[i] for i in range(m)])
+
+
+def _roots(
+    outs: list[torch.Tensor], grads: list[torch.Tensor] | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Where a stage's backward starts, and the gradients it starts with.
+
+    The outputs that need a gradient, with the gradients that came back for them (for the
+    floating-point outputs, in order); on the last stage, the loss, seeded with None.
+    """
+    if grads is None:
+        return [o for o in outs if o.requires_grad], [None] * sum(o.requires_grad for o in outs)
+    floats = [o for o in outs if o.is_floating_point()]
+    pairs = [(o, g) for o, g in zip(floats, grads, strict=False) if o.requires_grad]
+    return [o for o, _ in pairs], [g for _, g in pairs]
 
 
 def _grad_of(t: torch.Tensor) -> torch.Tensor:

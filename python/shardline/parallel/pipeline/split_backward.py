@@ -1,14 +1,14 @@
-"""Backward in two passes, for zero-bubble schedules: to the stage's input now, weights later.
+"""Backward in two passes, for zero-bubble schedules: to the stage's inputs now, weights later.
 
-The input pass (``I``) runs autograd from the stage's output to its input only, so the next
-stage back gets its gradient as early as it can. On the way it records, at each *weight node*
-(a node on the path to the input that also leads to parameters: a matmul, a bias add, a norm),
+The input pass (``I``) runs autograd from the stage's outputs to its inputs only, so the next
+stage back gets its gradients as early as it can. On the way it records, at each *weight node*
+(a node on the path to an input that also leads to parameters: a matmul, a bias add, a norm),
 the gradient that arrived there. The weight pass (``W``) then starts from those nodes with the
 recorded gradients and computes only the parameters' gradients: nothing before the weight
 nodes is computed twice. Parameters whose nodes the input pass never reached (no path from
-the output through the input's ancestors) get a plain backward to them in ``W``.
+the outputs through the inputs' ancestors) get a plain backward to them in ``W``.
 
-The graph is kept between the passes (the input pass retains it) and freed with the output.
+The graph is kept between the passes (the input pass retains it) and freed with the outputs.
 """
 
 from __future__ import annotations
@@ -33,17 +33,18 @@ class InputPass:
 
 
 def _graph(
-    root: Node, inp: torch.Tensor, params: Sequence[torch.Tensor]
+    roots: Sequence[Node], inps: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
 ) -> tuple[list[tuple[Node, list[torch.Tensor]]], list[torch.Tensor]]:
-    """Weight nodes under ``root``, and the parameters under none.
+    """Weight nodes under ``roots``, and the parameters under none.
 
-    A weight node is on the path to ``inp`` and has children off it that lead to parameters;
-    each comes with those parameters.
+    A weight node is on the path to one of ``inps`` and has children off it that lead to
+    parameters; each comes with those parameters.
     """
     ids = {id(p): p for p in params}
+    inp_ids = {id(x) for x in inps}
     order: list[Node] = []  # post-order: every node after all of its children
     seen: set[int] = set()
-    stack: list[tuple[Node, bool]] = [(root, False)]
+    stack: list[tuple[Node, bool]] = [(root, False) for root in reversed(roots)]
     while stack:  # iterative: graphs of deep stages would overflow Python's recursion
         node, expanded = stack.pop()
         if expanded:
@@ -58,7 +59,7 @@ def _graph(
     leaves: dict[int, list[torch.Tensor]] = {}  # node -> parameters reachable from it
     for node in order:  # children first
         var = getattr(node, "variable", None)
-        here = var is inp
+        here = var is not None and id(var) in inp_ids
         found = [ids[id(var)]] if var is not None and id(var) in ids else []
         for child, _ in node.next_functions:
             if child is None:
@@ -85,12 +86,22 @@ def _graph(
 
 
 def input_pass(
-    out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor, params: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor, InputPass]:
-    """The gradient of ``inp``, and what ``weight_pass`` needs to finish the backward."""
+    outs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    inps: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor], InputPass]:
+    """The gradients of ``inps``, and what ``weight_pass`` needs to finish the backward.
+
+    The backward starts from ``outs`` seeded with ``grads``; an input that did not matter gets
+    zeros.
+    """
     state = InputPass()
-    if out.grad_fn is not None:
-        state.nodes, state.rest = _graph(out.grad_fn, inp, params)
+    roots = [o.grad_fn for o in outs if o.grad_fn is not None]
+    if roots:
+        state.nodes, state.rest = _graph(roots, inps, params)
+    else:
+        state.rest = list(params)
     handles = []
     for node, _ in state.nodes:
 
@@ -98,15 +109,23 @@ def input_pass(
             state.grads[id(node)] = grad_outputs
 
         handles.append(node.register_prehook(record))
+    found: Sequence[torch.Tensor | None] = [None] * len(inps)
     try:
-        (g,) = torch.autograd.grad(out, [inp], grad, retain_graph=True)
+        if outs and inps:  # outs need a gradient; some may be inputs passed through
+            found = torch.autograd.grad(
+                list(outs), list(inps), list(grads), retain_graph=True, allow_unused=True
+            )
     finally:
         for h in handles:
             h.remove()
-    return g, state
+    return [
+        torch.zeros_like(x) if g is None else g for x, g in zip(inps, found, strict=True)
+    ], state
 
 
-def weight_pass(out: torch.Tensor, grad: torch.Tensor | None, state: InputPass) -> None:
+def weight_pass(
+    outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], state: InputPass
+) -> None:
     """Accumulates the parameters' gradients from the recorded weight nodes."""
     pending: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]] = []
     missed: list[torch.Tensor] = list(state.rest)
@@ -116,15 +135,19 @@ def weight_pass(out: torch.Tensor, grad: torch.Tensor | None, state: InputPass) 
             missed += params
             continue
         edges = [GradientEdge(node, k) for k, g in enumerate(recorded) if g is not None]
-        grads = [g for g in recorded if g is not None]
+        seeds = [g for g in recorded if g is not None]
         if edges:
-            pending.append((edges, grads, params))
-    for edges, grads, params in pending:
-        found = torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True)
+            pending.append((edges, seeds, params))
+    for edges, seeds, params in pending:
+        found = torch.autograd.grad(edges, params, seeds, retain_graph=True, allow_unused=True)
         _accumulate(params, found)
     missed = list({id(p): p for p in missed}.values())
-    if missed and out.grad_fn is not None:
-        found = torch.autograd.grad(out, missed, grad, retain_graph=True, allow_unused=True)
+    live = [(o, g) for o, g in zip(outs, grads, strict=True) if o.grad_fn is not None]
+    if missed and live:
+        found = torch.autograd.grad(
+            [o for o, _ in live], missed, [g for _, g in live], retain_graph=True,
+            allow_unused=True,
+        )  # fmt: skip
         _accumulate(missed, found)
 
 

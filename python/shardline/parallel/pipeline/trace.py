@@ -11,13 +11,16 @@ It is used as it is, with three additions:
 - weights torch reports as used by several stages (``Pipe.replicated_params``: an embedding
   tied to the head) become ``Tied`` groups, whose gradients are summed after each step, as for
   an ``nn.Sequential``;
-- the runtime moves one tensor across each stage boundary, and a stage's first input is the
-  batch: a cut where several values cross (a residual kept from an earlier block) is refused
-  before any work, naming them.
+- several values may cross a cut (the hidden state and a residual kept from an early layer):
+  the runtime moves them as one message (``boundary``), and their gradients back. torch's split
+  graph lets a stage read any earlier stage's outputs; each stage is wrapped (``_Threaded``)
+  to carry the values later stages need through it, so only neighbours talk. The first stage
+  takes the one input ``step`` splits into micro-batches.
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ import torch
 from torch import fx, nn
 
 from shardline.errors import InvalidArgumentError
+from shardline.parallel.pipeline import boundary
 from shardline.parallel.pipeline.state import Tied
 
 __all__ = ["TracedSplit", "strip", "trace_split"]
@@ -40,7 +44,7 @@ _TRACING = threading.Lock()
 class TracedSplit:
     """The stages of a traced model, the top-level names in each, and its tied weights."""
 
-    stages: list[nn.Module]
+    stages: list[_Threaded]
     parts: list[list[str]]
     tied: list[Tied]
 
@@ -69,35 +73,14 @@ def _drop_unused(gm: fx.GraphModule) -> None:
             module._buffers.pop(leaf, None)
 
 
-def _check_boundaries(gm: fx.GraphModule, s: int, last: int, inputs: int) -> None:
-    """Refuses a stage that takes or gives more than one tensor across a boundary.
-
-    A stage that returns a 1-tuple is made to return the tensor.
-    """
+def _check_first(gm: fx.GraphModule, s: int) -> None:
+    """Refuses, before any work, a first stage that takes other than ``step``'s one input."""
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    want = inputs if s == 0 else 1
-    if len(placeholders) != want:
+    if s == 0 and len(placeholders) != 1:
         raise InvalidArgumentError(
-            f"pipeline: after tracing, stage {s} takes {len(placeholders)} tensors "
-            f"({', '.join(placeholders)}) from stage {s - 1}; the pipeline moves one tensor "
-            "between stages. Cut where only the hidden state crosses (before a block whose "
-            "input is the previous block's output alone)"
-            if s > 0
-            else f"pipeline: the first stage takes {len(placeholders)} inputs; pass the "
-            "model's input as one tensor (example=)"
+            f"pipeline: the first stage takes {len(placeholders)} inputs "
+            f"({', '.join(placeholders)}); pass the model's input as one tensor (example=)"
         )
-    node = next(n for n in gm.graph.nodes if n.op == "output")
-    out = node.args[0]
-    if s < last and isinstance(out, (tuple, list)):
-        if len(out) != 1:
-            names = ", ".join(str(v) for v in out)
-            raise InvalidArgumentError(
-                f"pipeline: after tracing, stage {s} gives {len(out)} tensors ({names}) to "
-                f"stage {s + 1}; the pipeline moves one tensor between stages. Cut where "
-                "only the hidden state crosses"
-            )
-        node.args = (out[0],)
-        gm.recompile()
 
 
 def _tied(replicated: Sequence[dict[str, str]], p: int) -> list[Tied]:
@@ -110,12 +93,108 @@ def _tied(replicated: Sequence[dict[str, str]], p: int) -> list[Tied]:
     return out
 
 
+Value = tuple[int, int | None]  # (producing stage, -1 for the model's input; output index)
+
+
+def _routes(split_gm: fx.GraphModule, p: int) -> list[list[Value]]:
+    """For each stage, the values its graph takes, in order.
+
+    Each is which stage made it (and which of its outputs), or the model's input. torch's split
+    graph lets a stage read any earlier stage's outputs; the runtime moves values between
+    neighbours only.
+    """
+    made: dict[fx.Node, Value] = {}
+    needs: list[list[Value]] = [[] for _ in range(p)]
+    inputs = 0
+    for node in split_gm.graph.nodes:
+        if node.op == "placeholder":
+            made[node] = (-1, inputs)
+            inputs += 1
+        elif node.op == "call_module":
+            k = int(str(node.target).rsplit("_", 1)[1])
+            if not all(isinstance(a, fx.Node) for a in node.args) or node.kwargs:
+                raise InvalidArgumentError(
+                    f"pipeline: after tracing, stage {k} takes constants or keyword arguments "
+                    "across a cut; cut elsewhere"
+                )
+            needs[k] = [made[a] for a in node.args]
+            made[node] = (k, None)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            src, idx = node.args
+            assert isinstance(src, fx.Node) and isinstance(idx, int)
+            made[node] = (made[src][0], idx)
+    return needs
+
+
+class _Threaded(nn.Module):
+    """A traced stage that also carries the values later stages read from earlier ones.
+
+    What crosses each boundary is then everything still needed after it. Its children,
+    parameters and buffers are the graph module's own (same objects), so its names are the
+    model's; the graph module is kept outside the module tree.
+    """
+
+    def __init__(
+        self, gm: fx.GraphModule, takes: list[int], gives: list[tuple[str, int | None]] | None
+    ) -> None:
+        super().__init__()
+        self.graph_module: fx.GraphModule
+        object.__setattr__(self, "graph_module", gm)
+        self.takes = takes  # for each of the graph's inputs: which of this stage's inputs
+        self.gives = gives  # ("out", index | None) or ("in", index); None: the last stage
+        self.adopt()
+
+    def adopt(self) -> None:
+        """(Re)registers the graph module's tensors and children as this module's own."""
+        gm = self.graph_module
+        for name, child in gm.named_children():
+            self._modules[name] = child
+        for name, param in gm._parameters.items():
+            self._parameters[name] = param
+        for name, buf in gm._buffers.items():
+            self._buffers[name] = buf
+            if name in gm._non_persistent_buffers_set:
+                self._non_persistent_buffers_set.add(name)
+
+    def forward(self, *xs: torch.Tensor) -> Any:
+        out = self.graph_module(*[xs[t] for t in self.takes])
+        if self.gives is None:
+            return out
+        return tuple(
+            xs[i] if kind == "in" else (out if i is None else out[i])  # type: ignore[index]
+            for kind, i in self.gives
+        )
+
+
+def _thread(gms: list[fx.GraphModule], needs: list[list[Value]]) -> list[_Threaded]:
+    """Wraps each stage so that only neighbours exchange values (see ``_Threaded``)."""
+    p = len(gms)
+    live: list[list[Value]] = [[(-1, 0)]]  # what crosses into each stage, in order
+    for j in range(1, p):
+        later = [v for k in range(j, p) for v in needs[k] if v[0] < j]
+        live.append(list(dict.fromkeys(later)))
+        if len(live[j]) > boundary.MAX_TENSORS:
+            raise InvalidArgumentError(
+                f"pipeline: after tracing, {len(live[j])} values cross into stage {j}; at most "
+                f"{boundary.MAX_TENSORS} can. Cut where fewer values are live"
+            )
+    out = []
+    for j, gm in enumerate(gms):
+        takes = [live[j].index(v) for v in needs[j]]
+        gives: list[tuple[str, int | None]] | None = None
+        if j < p - 1:
+            gives = [("out", v[1]) if v[0] == j else ("in", live[j].index(v)) for v in live[j + 1]]
+        out.append(_Threaded(gm, takes, gives))
+    return out
+
+
 def trace_split(model: nn.Module, starts: Sequence[str], example: Any, p: int) -> TracedSplit:
     """Traces ``model`` on ``example`` (one micro-batch) and cuts it before each of ``starts``.
 
     Raises:
         InvalidArgumentError: a split point that is not a submodule, points that do not give
-            ``p`` stages, or a boundary that several tensors cross.
+            ``p`` stages, a model of several inputs, or more than ``boundary.MAX_TENSORS``
+            values live at a cut.
     """
     from torch.distributed.pipelining import SplitPoint, pipeline  # noqa: PLC0415
 
@@ -142,15 +221,15 @@ def trace_split(model: nn.Module, starts: Sequence[str], example: Any, p: int) -
             f"split={list(starts)} gave {pipe.num_stages} stages after tracing, not {p}: name "
             "points in the order the forward runs them, each once"
         )
-    stages: list[nn.Module] = []
-    parts: list[list[str]] = []
+    gms: list[fx.GraphModule] = []
     for s in range(p):
         gm = pipe.get_stage_module(s)
         assert isinstance(gm, fx.GraphModule)
         _drop_unused(gm)
-        _check_boundaries(gm, s, p - 1, len(args))
-        stages.append(gm)
-        parts.append([n for n, _ in gm.named_children()])
+        _check_first(gm, s)
+        gms.append(gm)
+    stages = _thread(gms, _routes(pipe.split_gm, p))
+    parts = [[n for n, _ in gm.named_children()] for gm in gms]
     return TracedSplit(stages, parts, _tied(pipe.replicated_params, p))
 
 
