@@ -317,6 +317,34 @@ def test_pipeline_boundaries_stay_local_and_fetch_across_stages() -> None:
     run_ranks(3, body, timeout=30)
 
 
+def test_stage_calls_list_a_stage_the_next_stages_boundaries_and_clear_a_stage() -> None:
+    """The seed's stage calls: a stage's checkpoints, the next stage's boundaries (known from
+    sync_keys, held by another rank), and clearing a stage frees its bytes only."""
+
+    def body(g: ProcessGroup) -> None:
+        m = ActivationCheckpointManager(g)
+        for mb in range(2):
+            m.keep_boundary(g.rank, make_tensor(mb, (4, 8), torch.float32), mb)
+        m.register(f"stage{g.rank}.attn", make_tensor(9, (2, 2), torch.float32))
+        m.register("unstaged", make_tensor(9, (2, 2), torch.float32))
+        assert m.stage_checkpoints(g.rank) == [
+            f"stage{g.rank}.attn",
+            m.boundary_id(g.rank, 0),
+            m.boundary_id(g.rank, 1),
+        ]
+        m.sync_keys()  # now this rank knows what the others hold
+        nxt = m.next_stage_boundaries(g.rank)
+        assert nxt == ([m.boundary_id(1, 0), m.boundary_id(1, 1)] if g.rank == 0 else [])
+        before = m.stored_bytes
+        assert m.clear_stage(g.rank) == 3
+        assert m.stored_bytes == before - 2 * 4 * 8 * 4 - 2 * 2 * 4
+        assert m.stage_checkpoints(g.rank) == [] and "unstaged" in m
+        with pytest.raises(InvalidArgumentError, match=r"stage_id=-1 must be an int >= 0"):
+            m.clear_stage(-1)
+
+    run_ranks(2, body, timeout=30)
+
+
 # -- statistics and clearing ------------------------------------------------------------------
 
 

@@ -179,6 +179,35 @@ def test_recompute_per_stage_equals_one_process_and_reruns_each_forward(schedule
     assert results[0][1] >= 2 * STEPS * 4  # child 0 lives on rank 0: forward + recompute
 
 
+def test_recompute_keeps_stage_boundaries_in_the_activation_manager() -> None:
+    """Inside an ActivationCheckpointManager's activate(), recompute registers each stage's
+    input as that stage's boundary while its micro-batch is in flight: the manager's stage
+    calls list them (seen from a hook during the step), its peak counts at most p of them on
+    the first stage under 1F1B, and the stage is clear again after the step."""
+    from shardline.checkpoint.activations import ActivationCheckpointManager
+
+    p, m = 2, 4
+
+    def body(g: ProcessGroup) -> tuple[int, int, int, list[str], int]:
+        model = make_model()
+        manager = ActivationCheckpointManager(g)
+        seen: list[str] = []
+        last = model[-1]  # on rank 1: while it runs, stage 1's boundaries are registered
+        last.register_forward_hook(lambda *_: seen.extend(map(str, manager.stage_checkpoints(1))))
+        pipe = sl.pipeline(model, g, schedule="1f1b", microbatches=m, loss_fn=loss_fn,
+                           recompute=True)  # fmt: skip
+        with manager.activate():
+            run_steps(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2), steps=range(1))
+        left = len(manager.stage_checkpoints(g.rank))
+        return manager.peak_bytes, manager.recomputed_bytes, left, seen, manager.clear_stage(9)
+
+    (peak0, recomputed0, left0, _, none), (_, _, left1, seen1, _) = run_ranks(p, body, timeout=60)
+    one_input = 16 // m * 6 * 4  # a micro-batch of the model's input: 4 rows x 6 float32
+    assert peak0 == p * one_input  # 1F1B: at most p micro-batches in flight on stage 0
+    assert recomputed0 > 0 and left0 == left1 == 0 and none == 0
+    assert "stage1.mb0.boundary" in seen1 and all(k.startswith("stage1.mb") for k in seen1)
+
+
 def test_1f1b_first_stage_holds_at_most_p_microbatches() -> None:
     results = run_ranks(4, lambda g: train(g, "1f1b", 8, 1), timeout=60)
     peaks = [peak for _, _, peak in results]

@@ -251,7 +251,44 @@ class ActivationCheckpointManager:
                 raise InvalidArgumentError(
                     f"keep_boundary on rank {self.rank}: {name}={v!r} must be an int >= 0"
                 )
-        return f"stage{stage_id}.mb{micro_batch}.boundary"
+        return f"{self._stage_prefix(stage_id)}mb{micro_batch}.boundary"
+
+    def stage_checkpoints(self, stage_id: int) -> list[LayerId]:
+        """Ids this rank knows for pipeline stage ``stage_id``, in id order.
+
+        Its boundary activations (``keep_boundary``) and anything registered under an id
+        that starts ``stage<stage_id>.``. Local.
+        """
+        prefix = self._stage_prefix(stage_id)
+        ids = [k for k in self._entries if isinstance(k, str) and k.startswith(prefix)]
+        return sorted(ids, key=id_order)
+
+    def next_stage_boundaries(self, stage_id: int) -> list[LayerId]:
+        """Ids of the boundary activations of stage ``stage_id + 1`` this rank knows.
+
+        Those are the inputs the next stage keeps, i.e. what stage ``stage_id`` produced;
+        after ``sync_keys`` (or a ``fetch``) other ranks' count too, and ``fetch`` brings
+        them here (collective). Local.
+        """
+        ids = [k for k in self.stage_checkpoints(stage_id + 1) if ".boundary" in str(k)]
+        known = {k for k in self._owners if isinstance(k, str) and ".boundary" in k}
+        prefix = self._stage_prefix(stage_id + 1)
+        ids += [k for k in known if k.startswith(prefix) and k not in self._entries]
+        return sorted(ids, key=id_order)
+
+    def clear_stage(self, stage_id: int) -> int:
+        """Drops this rank's entries of pipeline stage ``stage_id``; returns how many. Local."""
+        ids = self.stage_checkpoints(stage_id)
+        for k in ids:
+            self.remove(k)
+        return len(ids)
+
+    def _stage_prefix(self, stage_id: int) -> str:
+        if isinstance(stage_id, bool) or not isinstance(stage_id, int) or stage_id < 0:
+            raise InvalidArgumentError(
+                f"activation manager on rank {self.rank}: stage_id={stage_id!r} must be an int >= 0"
+            )
+        return f"stage{stage_id}."
 
     # -- reading -----------------------------------------------------------------------------
 

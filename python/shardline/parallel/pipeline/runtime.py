@@ -77,6 +77,8 @@ class _Step:
     live: dict[int, int] = field(default_factory=dict)
     peak: dict[int, int] = field(default_factory=dict)
     waited: float = 0.0  # seconds spent waiting for messages, so far
+    # recompute under an active activation manager: the ids it keeps per (stage, micro-batch)
+    kept: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
     timeline: list[tuple[str, float, float]] = field(default_factory=list)
 
 
@@ -308,6 +310,8 @@ class PipelineModule(PipelineState):
             if st.train:
                 xs = [x.detach().requires_grad_(True) if x.is_floating_point() else x for x in xs]
             inps = xs
+        if st.train and self.recompute:
+            self._keep_boundary(st, s, i, xs)
         # A traced stage takes the boundary's tensors as its arguments; an nn.Sequential's
         # stage takes one argument, a tuple where its previous child returned one.
         args = xs if self._spread or len(xs) == 1 else [tuple(xs)]
@@ -353,6 +357,31 @@ class PipelineModule(PipelineState):
             st.live[s] = st.live.get(s, 0) + 1
             st.peak[s] = max(st.peak.get(s, 0), st.live[s])
 
+    def _keep_boundary(self, st: _Step, s: int, i: int, xs: list[torch.Tensor]) -> None:
+        """Registers a recomputed stage's input as its boundary in the active manager.
+
+        With ``recompute`` inside an activation manager's ``activate()``, the stage's input
+        (what recompute keeps) is stage ``s``'s boundary there until the micro-batch's
+        backward, so the manager's stage calls and memory counts see it.
+        """
+        from shardline.checkpoint.activations.store import ACTIVE  # noqa: PLC0415
+
+        manager = ACTIVE.get()
+        if manager is None:
+            return
+        first = manager.boundary_id(s, i)
+        ids = [first] + [f"{first}.{j}" for j in range(1, len(xs))]
+        for layer_id, x in zip(ids, xs, strict=True):
+            manager.register(layer_id, x, policy="local")
+        st.kept[(s, i)] = [manager, *ids]
+
+    def _drop_boundary(self, st: _Step, s: int, i: int) -> None:
+        kept = st.kept.pop((s, i), None)
+        if kept is not None:
+            manager, *ids = kept
+            for layer_id in ids:
+                manager.remove(layer_id)
+
     def _grad_out(self, st: _Step, s: int, i: int) -> list[torch.Tensor] | None:
         if s == self.num_stages - 1:
             return None  # the saved output is the loss
@@ -373,6 +402,7 @@ class PipelineModule(PipelineState):
             torch.autograd.backward(roots, seeds)
         if s > 0:
             self._send(st, ("grad", s - 1, i), self._input_grads(inps))
+        self._drop_boundary(st, s, i)
         st.live[s] -= 1
 
     def _input_grad(self, st: _Step, a: Action) -> None:
@@ -400,6 +430,7 @@ class PipelineModule(PipelineState):
             params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
             if params:
                 torch.autograd.backward(roots, seeds, inputs=params)
+        self._drop_boundary(st, s, i)
         st.live[s] -= 1
 
     # -- the step ----------------------------------------------------------------------------
