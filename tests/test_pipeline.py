@@ -208,6 +208,21 @@ def test_recompute_keeps_stage_boundaries_in_the_activation_manager() -> None:
     assert "stage1.mb0.boundary" in seen1 and all(k.startswith("stage1.mb") for k in seen1)
 
 
+def test_compiled_stages_equal_one_process() -> None:
+    """``compile=`` runs each stage through ``torch.compile`` (the aot_eager backend here: no
+    C compiler needed, the same graph capture and AOT autograd as inductor); parameters
+    keep their names and training equals one process. Zero-bubble cannot split a compiled
+    stage's fused backward, and says so before any work."""
+    want, _ = reference(2)
+    compiled = {"backend": "aot_eager"}
+    results = run_ranks(2, lambda g: train(g, "1f1b", 2, 1, compile=compiled), timeout=120)
+    for state, _, _ in results:
+        for key, value in state.items():
+            torch.testing.assert_close(value, want[key], msg=key)
+    with pytest.raises(AssertionError, match="compile= with schedule='zero_bubble'"):
+        run_ranks(2, lambda g: train(g, "zero_bubble", 2, 1, compile=True), timeout=60)
+
+
 def test_1f1b_first_stage_holds_at_most_p_microbatches() -> None:
     results = run_ranks(4, lambda g: train(g, "1f1b", 8, 1), timeout=60)
     peaks = [peak for _, _, peak in results]

@@ -50,6 +50,7 @@ def pipeline(
     device: torch.device | str | None = None,
     example: Any = None,
     mixed_precision: MixedPrecision | None = None,
+    compile: bool | dict[str, Any] = False,
 ) -> PipelineModule:
     """Splits ``model`` into ``group.world_size * virtual_stages`` stages; returns this rank's.
 
@@ -99,6 +100,9 @@ def pipeline(
             run in bf16, and activations cross stage boundaries in the dtype autocast gives
             them (bf16 out of a linear layer: half the bytes). ``reduce_dtype`` is not
             supported here (gradients are reduced in their own dtype).
+        compile: ``True`` (or ``torch.compile``'s keyword arguments, e.g.
+            ``{"backend": "inductor", "mode": "max-autotune"}``) compiles each of this rank's
+            stages with ``torch.compile``; parameters and their names are unchanged.
 
     Raises:
         InvalidArgumentError: a model that is not an ``nn.Sequential``, more stages than
@@ -117,7 +121,8 @@ def pipeline(
         return _traced(model, g, split, example, virtual_stages, init_fn, device,
                        schedule=schedule, actions=actions, microbatches=microbatches,
                        loss_fn=loss_fn, dp_group=dp_group, dp_strategy=dp_strategy,
-                       recompute=recompute, mixed_precision=mixed_precision)  # fmt: skip
+                       recompute=recompute, mixed_precision=mixed_precision,
+                       compile=compile)  # fmt: skip
     children = chain_children(model)
     if isinstance(split, str):
         if split != "auto":
@@ -152,6 +157,7 @@ def pipeline(
         recompute=recompute,
         synchronize=meta,
         mixed_precision=mixed_precision,
+        compile=compile,
     )
 
 

@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -119,6 +119,7 @@ class PipelineModule(PipelineState):
         synchronize: bool = False,
         stage_modules: dict[int, nn.Module] | None = None,
         mixed_precision: MixedPrecision | None = None,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__()
         p, r = group.world_size, group.rank
@@ -161,6 +162,18 @@ class PipelineModule(PipelineState):
                 for name, buf in m._buffers.items():
                     persistent = name not in m._non_persistent_buffers_set
                     self.register_buffer(name, buf, persistent=persistent)
+        if compile and schedule == "zero_bubble":
+            raise InvalidArgumentError(
+                "pipeline: compile= with schedule='zero_bubble' is not supported: a compiled "
+                "stage's backward is one fused node, which cannot be split into input and "
+                "weight passes; use '1f1b', 'gpipe' or 'interleaved' with compile="
+            )
+        if compile:  # the same parameters and names: only what runs them changes
+            options = compile if isinstance(compile, dict) else {}
+            self._stage_modules = {
+                s: cast(nn.Module, torch.compile(m, **options))
+                for s, m in self._stage_modules.items()
+            }
         self._actions = actions  # schedules.build(schedule, p, microbatches, virtual_stages)
         # Which message comes next from whom follows from the schedule: derived once (Note).
         self._orders: dict[bool, dict[tuple[str, int], list[Key]]] = {}
