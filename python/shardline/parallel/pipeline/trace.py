@@ -16,6 +16,10 @@ It is used as it is, with three additions:
   graph lets a stage read any earlier stage's outputs; each stage is wrapped (``_Threaded``)
   to carry the values later stages need through it, so only neighbours talk. The first stage
   takes the one input ``step`` splits into micro-batches.
+
+Every rank traces the whole model; torch's stages are copies, so a model built with its
+weights is briefly held twice (the model is emptied once its stages are out). A model built
+on the meta device traces without memory and materialises only this rank's stage.
 """
 
 from __future__ import annotations
