@@ -36,19 +36,25 @@ def train_on_mesh(
         loss_fn=loss_fn,
     )  # fmt: skip
     assert opt is not None
-    replica = mesh.local_rank("dp")
     whole = sum(p.numel() for p in model.state_dict().values()) if dp != "ddp" else 0
+    after = (lambda: check_sharded(model, opt, dp, whole)) if dp != "ddp" else None
+    train_replica(model, opt, mesh.local_rank("dp"), after)
+    if path is not None:
+        checkpoint.save(path, model=model, optimizer=opt, group=g)
+    return model.state_dict()
+
+
+def train_replica(model: Any, opt: torch.optim.Optimizer, replica: int, after: Any = None) -> None:
+    """STEPS steps of replica ``replica`` (of 2) on its half of each batch; ``after()`` after
+    each optimizer step."""
     for step in range(STEPS):
         x, y = batch(step)
         rows = slice(8 * replica, 8 * replica + 8)
         opt.zero_grad()
-        model.step(x[rows], target=y[rows])  # type: ignore[operator]
+        model.step(x[rows], target=y[rows])
         opt.step()
-        if dp != "ddp":
-            check_sharded(model, opt, dp, whole)
-    if path is not None:
-        checkpoint.save(path, model=model, optimizer=opt, group=g)
-    return model.state_dict()
+        if after is not None:
+            after()
 
 
 def check_sharded(model: Any, opt: torch.optim.Optimizer, dp: str, whole: int) -> None:
@@ -146,13 +152,7 @@ def test_zero_cuts_the_state_an_optimizer_already_holds_to_its_parts() -> None:
         assert opt is not None
         for part, st in opt.state.items():
             assert st["sum"].shape == part.shape  # the accumulator, cut to the part
-        replica = mesh.local_rank("dp")
-        for step in range(STEPS):
-            x, y = batch(step)
-            rows = slice(8 * replica, 8 * replica + 8)
-            opt.zero_grad()
-            pipe.step(x[rows], target=y[rows])  # type: ignore[operator]
-            opt.step()
+        train_replica(pipe, opt, mesh.local_rank("dp"))
         return pipe.state_dict()
 
     for full in run_ranks(4, body, timeout=90):

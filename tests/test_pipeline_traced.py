@@ -20,7 +20,7 @@ import shardline as sl
 from shardline import checkpoint
 from shardline.comm import ProcessGroup
 from tests._ranks import run_ranks
-from tests.test_pipeline import _RNG
+from tests.test_pipeline import _RNG, run_steps
 from tests.test_pipeline_state import VOCAB, lm_loss, tokens
 
 DIM, M, STEPS = 8, 2, 3
@@ -86,12 +86,7 @@ def train(
         assert {n.split(".")[0] for n, _ in model.named_parameters()} == (
             {"embed", "blocks"} if g.rank == 0 else {"blocks", "norm", "head"}
         )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        x, y = tokens(step)
-        opt.zero_grad()
-        model.step(x, target=y)
-        opt.step()
+    run_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), tokens)
     if path is not None:
         checkpoint.save(path, model=model, group=g)
     return model.state_dict()
@@ -166,12 +161,7 @@ def test_a_traced_meta_model_materialises_its_stage_and_loads_a_checkpoint(
                            example=example)  # fmt: skip
         assert not any(p.is_meta for p in pipe.parameters())
         checkpoint.load(tmp_path / "ck", model=pipe, group=g)
-        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-        for step in range(STEPS):
-            x, y = tokens(step)
-            opt.zero_grad()
-            pipe.step(x, target=y)
-            opt.step()
+        run_steps(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2), tokens)
         return pipe.state_dict()
 
     for full in run_ranks(2, body, timeout=120):

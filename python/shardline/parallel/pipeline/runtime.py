@@ -78,7 +78,7 @@ class _Step:
     peak: dict[int, int] = field(default_factory=dict)
     waited: float = 0.0  # seconds spent waiting for messages, so far
     # recompute under an active activation manager: the ids it keeps per (stage, micro-batch)
-    kept: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
+    kept: dict[tuple[int, int], tuple[Any, list[str]]] = field(default_factory=dict)
     timeline: list[tuple[str, float, float]] = field(default_factory=list)
 
 
@@ -386,12 +386,12 @@ class PipelineModule(PipelineState):
         ids = [first] + [f"{first}.{j}" for j in range(1, len(xs))]
         for layer_id, x in zip(ids, xs, strict=True):
             manager.register(layer_id, x, policy="local")
-        st.kept[(s, i)] = [manager, *ids]
+        st.kept[(s, i)] = (manager, ids)
 
     def _drop_boundary(self, st: _Step, s: int, i: int) -> None:
         kept = st.kept.pop((s, i), None)
         if kept is not None:
-            manager, *ids = kept
+            manager, ids = kept
             for layer_id in ids:
                 manager.remove(layer_id)
 

@@ -77,10 +77,10 @@ def _drop_unused(gm: fx.GraphModule) -> None:
             module._buffers.pop(leaf, None)
 
 
-def _check_first(gm: fx.GraphModule, s: int) -> None:
+def _check_first(gm: fx.GraphModule) -> None:
     """Refuses, before any work, a first stage that takes other than ``step``'s one input."""
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    if s == 0 and len(placeholders) != 1:
+    if len(placeholders) != 1:
         raise InvalidArgumentError(
             f"pipeline: the first stage takes {len(placeholders)} inputs "
             f"({', '.join(placeholders)}); pass the model's input as one tensor (example=)"
@@ -230,8 +230,8 @@ def trace_split(model: nn.Module, starts: Sequence[str], example: Any, p: int) -
         gm = pipe.get_stage_module(s)
         assert isinstance(gm, fx.GraphModule)
         _drop_unused(gm)
-        _check_first(gm, s)
         gms.append(gm)
+    _check_first(gms[0])
     stages = _thread(gms, _routes(pipe.split_gm, p))
     parts = [[n for n, _ in gm.named_children()] for gm in gms]
     return TracedSplit(stages, parts, _tied(pipe.replicated_params, p))

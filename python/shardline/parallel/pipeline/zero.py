@@ -91,7 +91,7 @@ class _Bucket:
 
     def reduce(self, dp: ProcessGroup, stage: int) -> None:
         """Averages the step's whole gradients over the replicas into this replica's part."""
-        flat = torch.zeros_like(self.full) if self.full.numel() else self.full.new_zeros(0)
+        flat = torch.zeros_like(self.full)  # its shape only: ZeRO-3's may be freed
         for p, off in zip(self.params, self.offsets, strict=True):
             if p.grad is not None:
                 flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
@@ -271,7 +271,8 @@ class StageShards:
             for name, value in sd.items():
                 mine = locs.get(name)
                 held = isinstance(value, Shard) and bool(value.pieces)
-                if mine is not None and held and value.local is not mine:
+                # Our own pieces (sharded_params') share the part's memory: nothing to copy.
+                if mine is not None and held and value.local.data_ptr() != mine.data_ptr():
                     mine.copy_(value.local.reshape(-1))
         self._stale = True
 
