@@ -8,9 +8,9 @@ CUDA) and torch's ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` on
 
 Prints step time, tokens/s and their ratio, and our measured bubble (the share of a step a
 rank spends waiting for messages, from the runtime's own timeline, mean over ranks) next to
-the theory ((p - 1) / (m + p - 1) for GPipe and 1F1B; zero-bubble ZB-H1, ours alone, is
-shown with 1F1B's theory, which it should beat). Writes ``.txt``, ``.json`` and a plot
-of one step's timeline per rank to ``benches/results/``.
+the theory (the schedule simulated with unit costs, forward 1 and backward 2: (p - 1) /
+(m + p - 1) for GPipe and 1F1B; zero-bubble ZB-H1 runs ours alone). Writes ``.txt``,
+``.json`` and a plot of one step's timeline per rank to ``benches/results/``.
 
     python benches/bench_pipeline.py --ranks 2                       # CPU, here
     python benches/bench_pipeline.py --ranks 4 8 --microbatches 16   # the many-core host
@@ -83,6 +83,8 @@ def one_schedule(
     from torch.distributed import pipelining  # noqa: PLC0415
 
     import shardline as sl  # noqa: PLC0415
+    from shardline.parallel.pipeline.schedules import build as build_schedule  # noqa: PLC0415
+    from shardline.parallel.pipeline.simulate import simulate  # noqa: PLC0415
 
     m = args.microbatches
 
@@ -160,7 +162,7 @@ def one_schedule(
     row: dict[str, Any] = {
         "tokens_per_step": tokens,
         "bubble_measured": float(bubble) / world,
-        "bubble_theory": (world - 1) / (m + world - 1),
+        "bubble_theory": simulate(build_schedule(schedule, world, m), world).bubble,
         "timeline": timeline,
     }
     for name, t in zip(steps, med.tolist(), strict=True):

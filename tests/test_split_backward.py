@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -16,9 +17,12 @@ def _stage() -> nn.Module:
     )  # fmt: skip
 
 
-def test_input_then_weight_pass_equals_one_backward() -> None:
-    x = torch.randn(4, 6)
-    grad = torch.randn(4, 5)
+@pytest.mark.parametrize("batch", [(4,), (2, 3)], ids=["2d", "3d"])
+def test_input_then_weight_pass_equals_one_backward(
+    batch: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = torch.randn(*batch, 6)
+    grad = torch.randn(*batch, 5)
     ref = _stage()
     xr = x.clone().requires_grad_(True)
     ref(xr).backward(grad)
@@ -33,7 +37,13 @@ def test_input_then_weight_pass_equals_one_backward() -> None:
     # Every parameter hangs off a node on the input's path: the weight pass needs no backward
     # from the output again.
     assert not state.rest and state.nodes
+    calls = []
+    grad_fn = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or grad_fn(*a, **k))
     weight_pass([out], [grad], state)
+    # The two linears with a bias take the direct path (no autograd call); the norm and the
+    # linear without a bias take autograd's.
+    assert len(calls) == 2
     for (name, p), q in zip(mine.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 

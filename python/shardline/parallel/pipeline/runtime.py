@@ -27,8 +27,8 @@ from torch import nn
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.pipeline import boundary
+from shardline.parallel.pipeline.actions import Action, stage_rank
 from shardline.parallel.pipeline.boundary import Spec
-from shardline.parallel.pipeline.schedules import Action, stage_rank
 from shardline.parallel.pipeline.split_backward import InputPass, input_pass, weight_pass
 from shardline.parallel.pipeline.stage_state import PipelineState
 from shardline.parallel.pipeline.state import (

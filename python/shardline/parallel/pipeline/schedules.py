@@ -16,31 +16,11 @@ What the runtime derives from a schedule, and ``check`` verifies by simulation:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 from shardline.errors import InvalidArgumentError
+from shardline.parallel.pipeline.actions import Action, stage_rank
+from shardline.parallel.pipeline.simulate import zero_bubble
 
 __all__ = ["SCHEDULES", "Action", "build", "check", "stage_rank"]
-
-Kind = Literal["F", "B", "I", "W"]
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of a rank's schedule: ``kind`` on micro-batch ``mb`` through ``stage``."""
-
-    kind: Kind
-    stage: int
-    mb: int
-
-    def __repr__(self) -> str:
-        return f"{self.kind}{self.stage}.{self.mb}"
-
-
-def stage_rank(stage: int, p: int) -> int:
-    """The rank that holds ``stage`` in a pipeline of ``p`` ranks."""
-    return stage % p
 
 
 def _gpipe(p: int, m: int, v: int) -> list[list[Action]]:
@@ -110,30 +90,11 @@ def _interleaved(p: int, m: int, v: int) -> list[list[Action]]:
 
 
 def _zero_bubble(p: int, m: int, v: int) -> list[list[Action]]:
-    # ZB-H1 (Qi et al., 2023): 1F1B's order with each backward split into I (to the input, on
-    # the critical path) and W (weights, deferred). Rank r keeps up to p - r - 1 W passes
-    # back and runs them where 1F1B would idle: in the cool-down, between the I passes.
+    # ZB-H1 (Qi et al., 2023): each backward split into I (to the input, on the critical path)
+    # and W (weights, deferred into what would be bubbles), ordered by list scheduling under
+    # the memory 1F1B peaks at (simulate.py says how).
     assert v == 1
-    out = []
-    for r in range(p):
-        warm = min(p - r - 1, m)
-        acts = [Action("F", r, i) for i in range(warm)]
-        f, b, w = warm, 0, 0
-        while f < m:
-            acts += [Action("F", r, f), Action("I", r, b)]
-            f, b = f + 1, b + 1
-            if b - w > p - r - 1:  # keep at most p - r - 1 weight passes pending
-                acts.append(Action("W", r, w))
-                w += 1
-        while b < m:
-            acts.append(Action("I", r, b))
-            b += 1
-            if w < b:
-                acts.append(Action("W", r, w))
-                w += 1
-        acts += [Action("W", r, i) for i in range(w, m)]
-        out.append(acts)
-    return out
+    return zero_bubble(p, m)
 
 
 SCHEDULES = {

@@ -134,6 +134,10 @@ def weight_pass(
         if recorded is None:  # the input pass did not run through it
             missed += params
             continue
+        direct = _linear_grads(node, recorded, params)
+        if direct is not None:  # a linear layer's weight and bias: two kernels, no graph walk
+            _accumulate(*direct)
+            continue
         edges = [GradientEdge(node, k) for k, g in enumerate(recorded) if g is not None]
         seeds = [g for g in recorded if g is not None]
         if edges:
@@ -149,6 +153,36 @@ def weight_pass(
             allow_unused=True,
         )  # fmt: skip
         _accumulate(missed, found)
+
+
+def _linear_grads(
+    node: Node, recorded: tuple[Any, ...], params: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]] | None:
+    """A linear layer's parameter gradients computed directly, or None for any other node.
+
+    ``F.linear`` records ``addmm(bias, x, weight.t())``: with the gradient ``g`` of its output,
+    the weight's is ``g.T @ x`` and the bias's ``g.sum(0)``, which is what its backward node
+    computes for them. Anything else (a cast in between under autocast, scaled terms, other
+    parents) takes the general path.
+    """
+    if type(node).__name__ != "AddmmBackward0" or len(recorded) != 1 or recorded[0] is None:
+        return None
+    if node._saved_alpha != 1 or node._saved_beta != 1:  # type: ignore[attr-defined]
+        return None
+    bias_edge, _, weight_edge = node.next_functions
+    if weight_edge[0] is None or type(weight_edge[0]).__name__ != "TBackward0":
+        return None
+    ((acc, _),) = weight_edge[0].next_functions
+    weight = getattr(acc, "variable", None)
+    bias = getattr(bias_edge[0], "variable", None) if bias_edge[0] is not None else None
+    if weight is None or (bias_edge[0] is not None and bias is None):
+        return None
+    owned = [weight] + ([bias] if bias is not None else [])
+    if {id(p) for p in owned} != {id(p) for p in params}:
+        return None
+    g = recorded[0]
+    grads = (g.t() @ node._saved_mat1,) + ((g.sum(0),) if bias is not None else ())  # type: ignore[attr-defined]
+    return owned, grads
 
 
 def _accumulate(params: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> None:
