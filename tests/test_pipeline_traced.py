@@ -3,8 +3,8 @@
 The model is written as users write them: an embedding, a ``ModuleList`` of blocks looped over
 in ``forward``, a final norm and a head tied to the embedding, plus a buffer. Split at a named
 block, it trains exactly as one process accumulating the same micro-batches, its checkpoints
-load into the plain model, several tensors may cross a cut, and cuts the runtime cannot run
-are refused up front. Ranks are
+load into the plain model, several tensors may cross a cut, a model may take several inputs
+(a mask every block reads), and cuts the runtime cannot run are refused up front. Ranks are
 threads (``tests/_ranks.py``).
 """
 
@@ -122,23 +122,58 @@ def test_several_tensors_cross_a_cut_and_train_as_one_process(schedule: str) -> 
             torch.testing.assert_close(full[key], value, msg=key)
 
 
+class MaskedLM(TinyLM):
+    """Two inputs: token ids and a boolean mask that every block reads (as attention masks
+    are), so the mask crosses every cut."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        h = self.embed(x) * self.scale
+        for block in self.blocks:
+            h = torch.where(keep, block(h), h)
+        return self.head(self.norm(h))
+
+
+def masked(step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    x, y = tokens(step)
+    keep = (torch.arange(x.shape[1]) % 3 != step % 3).expand(x.shape).unsqueeze(-1)
+    return (x, keep.contiguous()), y
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
+def test_a_model_of_two_inputs_trains_as_one_process(schedule: str) -> None:
+    def fresh() -> MaskedLM:
+        with _RNG:
+            torch.manual_seed(0)
+            return MaskedLM()
+
+    model = fresh()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        (x, keep), y = masked(step)
+        opt.zero_grad()
+        for xi, ki, yi in zip(x.chunk(M), keep.chunk(M), y.chunk(M), strict=True):
+            (lm_loss(model(xi, ki), yi) / M).backward()
+        opt.step()
+    want = model.state_dict()
+
+    def body(g: ProcessGroup) -> dict[str, torch.Tensor]:
+        (x, keep), _ = masked(0)
+        pipe = sl.pipeline(fresh(), g, schedule=schedule, microbatches=M, loss_fn=lm_loss,
+                           split=["blocks.1", "blocks.3"], example=(x[:2], keep[:2]))  # fmt: skip
+        run_steps(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2), masked)
+        return pipe.state_dict()
+
+    for full in run_ranks(3, body, timeout=120):
+        for key, value in want.items():
+            torch.testing.assert_close(full[key], value, msg=key)
+
+
 def test_cuts_the_runtime_cannot_run_are_refused_before_any_work() -> None:
     x0 = tokens(0)[0][:4]
 
     def cut(residual: bool, split: list[str], example: object) -> None:
         run_ranks(2, lambda g: sl.pipeline(tiny_lm(residual), g, split=split, example=example))
 
-    class TwoInputs(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.first, self.second = nn.Linear(2, 2), nn.Linear(2, 2)
-
-        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            return self.second(self.first(a) + b)
-
-    pair = (torch.zeros(1, 2), torch.zeros(1, 2))
-    with pytest.raises(AssertionError, match=r"the first stage takes 2 inputs \(a, b\)"):
-        run_ranks(2, lambda g: sl.pipeline(TwoInputs(), g, split=["second"], example=pair))
     with pytest.raises(AssertionError, match=r"'blocks\.9' is not a submodule of TinyLM"):
         cut(False, ["blocks.9"], x0)
     with pytest.raises(AssertionError, match=r"pass split=\[the submodules"):

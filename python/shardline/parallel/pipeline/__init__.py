@@ -90,10 +90,11 @@ def pipeline(
             ever materialised; tied copies and replicas are then made equal.
         device: Where a meta model's stages are materialised: ``None`` is this rank's GPU on
             the nccl backend, else the CPU.
-        example: For a model that is not an ``nn.Sequential``: one micro-batch of its input,
-            to trace it with (``pipeline.trace``, torch's splitter); ``split`` then names the
-            submodules that start stages 1, 2, ... One stage per rank, one model input;
-            several tensors may cross a cut (``pipeline.trace``).
+        example: For a model that is not an ``nn.Sequential``: one micro-batch of its input
+            (a tensor, or a tuple of the positional inputs, such as ids and a mask), to trace
+            it with (``pipeline.trace``, torch's splitter); ``split`` then names the
+            submodules that start stages 1, 2, ... One stage per rank; several tensors may
+            cross a cut, and inputs that later stages read are carried to them.
         mixed_precision: ``sl.MixedPrecision(param_dtype=torch.bfloat16)`` runs every stage's
             forward (and ``loss_fn``) under ``torch.autocast`` in that dtype: weights,
             gradients and optimizer state stay in the model's dtype (fp32), matrix products

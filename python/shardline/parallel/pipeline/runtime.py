@@ -60,7 +60,7 @@ class _Step:
     """What one step keeps between actions."""
 
     train: bool
-    inputs: list[torch.Tensor] | None
+    inputs: list[tuple[torch.Tensor, ...]] | None  # per micro-batch, the model's inputs
     targets: list[Any] | None
     inbox: dict[tuple[str, int], _Inbox]
     shapes: dict[int, list[Spec]] = field(default_factory=dict)  # per boundary (its specs)
@@ -317,7 +317,7 @@ class PipelineModule(PipelineState):
         inps: list[torch.Tensor] | None = None
         if s == 0:
             assert st.inputs is not None
-            xs = [st.inputs[i]]
+            xs = list(st.inputs[i])
         else:
             xs = self._recv(st, ("act", s, i))  # takes the boundary's specs first (Note)
             if st.train:
@@ -448,6 +448,13 @@ class PipelineModule(PipelineState):
 
     # -- the step ----------------------------------------------------------------------------
 
+    def _split_inputs(self, inputs: Any) -> list[tuple[torch.Tensor, ...]]:
+        """The model's inputs (a tensor, or a tuple of them) per micro-batch."""
+        if isinstance(inputs, (tuple, list)) and inputs:
+            parts = [self._split(x, f"inputs[{k}]") for k, x in enumerate(inputs)]
+            return list(zip(*parts, strict=True))
+        return [(x,) for x in self._split(inputs, "inputs")]
+
     def _split(self, value: Any, what: str) -> list[Any]:
         m = self.microbatches
         if not isinstance(value, torch.Tensor):
@@ -481,7 +488,7 @@ class PipelineModule(PipelineState):
         holds_last = self.num_stages - 1 in self.stages
         st = _Step(
             train=train,
-            inputs=self._split(inputs, "inputs") if holds_first else None,
+            inputs=self._split_inputs(inputs) if holds_first else None,
             targets=self._split(target, "target") if (holds_last and train) else None,
             inbox=self._inboxes(actions, train),
         )
@@ -503,8 +510,9 @@ class PipelineModule(PipelineState):
         """Runs forward and backward of every micro-batch of one batch through the pipeline.
 
         Every rank of the pipeline calls it with the same arguments: the rank holding the
-        first stage reads ``inputs``, the one holding the last reads ``target``; the others
-        may pass ``None``. Gradients accumulate into this rank's parameters (call
+        first stage reads ``inputs`` (a tensor, or a tuple of tensors for a model of several
+        inputs; each is split along dim 0), the one holding the last reads ``target``; the
+        others may pass ``None``. Gradients accumulate into this rank's parameters (call
         ``opt.zero_grad()`` before, ``opt.step()`` after).
 
         With a data-parallel group (``dp_group``), every replica's gradients are then averaged

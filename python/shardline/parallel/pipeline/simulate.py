@@ -2,9 +2,10 @@
 
 ``simulate`` runs a schedule (``schedules.Action`` lists, one per rank) on a model of the
 machine: each action takes its kind's cost (``cost_of``), messages arrive the moment they
-are sent, and a rank starts its next action as soon as what it needs has run. What comes out (the step's
-length, each rank's busy time, its bubble) is the theory a measured step is compared with;
-for GPipe and 1F1B with ``B = 2 F`` it is the textbook ``(p - 1) / (m + p - 1)``.
+are sent, and a rank starts its next action as soon as what it needs has run. What comes
+out (the step's length, each rank's busy time, its bubble) is the theory a measured step is
+compared with; for GPipe and 1F1B with ``B = 2 F`` it is the textbook
+``(p - 1) / (m + p - 1)``.
 
 ``zero_bubble`` builds ZB-H1 (Qi et al., 2023, "Zero Bubble Pipeline Parallelism") the way
 the paper's own scheduler does: by simulation. Each rank, when free, runs the input-gradient
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from shardline.parallel.pipeline.actions import Action, stage_rank
+from shardline.parallel.pipeline.actions import Action
 
 __all__ = ["UNIT", "Timing", "cost_of", "simulate", "zero_bubble"]
 
@@ -31,8 +32,11 @@ UNIT: Mapping[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
 def cost_of(a: Action, cost: Mapping[str, float] = UNIT) -> float:
-    """What ``a`` costs. The first stage has no input gradient to compute: its ``I`` is
-    free and its ``W`` is the whole backward."""
+    """What ``a`` costs under ``cost``.
+
+    The first stage has no input gradient to compute: its ``I`` is free and its ``W`` is the
+    whole backward.
+    """
     if a.stage == 0 and a.kind in ("I", "W"):
         return 0.0 if a.kind == "I" else cost["I"] + cost["W"]
     return cost[a.kind]
@@ -153,16 +157,15 @@ def zero_bubble(p: int, m: int, cost: Mapping[str, float] = UNIT) -> list[list[A
         lambda r: m,  # defer as long as memory allows
         lambda r: r + 1,
         lambda r: 2,
-        lambda r: p - r - 1,
+        lambda r: max(1, p - r - 1),
         lambda r: 1,
     ]
     best: tuple[float, list[list[Action]]] | None = None
     for rule in rules:
         for feed in (False, True):
-            actions = _list_schedule(p, m, lambda r, rule=rule: max(1, rule(r)), feed, cost)
+            actions = _list_schedule(p, m, rule, feed, cost)
             took = simulate(actions, p, cost=cost).makespan
             if best is None or took < best[0]:
                 best = (took, actions)
     assert best is not None
-    assert all(stage_rank(a.stage, p) == r for r, acts in enumerate(best[1]) for a in acts)
     return best[1]

@@ -15,7 +15,8 @@ It is used as it is, with three additions:
   the runtime moves them as one message (``boundary``), and their gradients back. torch's split
   graph lets a stage read any earlier stage's outputs; each stage is wrapped (``_Threaded``)
   to carry the values later stages need through it, so only neighbours talk. The first stage
-  takes the one input ``step`` splits into micro-batches.
+  takes the model's inputs (``step`` splits each into micro-batches); one that later layers
+  read (an attention mask) is carried to them the same way.
 
 Every rank traces the whole model; torch's stages are copies, so a model built with its
 weights is briefly held twice (the model is emptied once its stages are out). A model built
@@ -77,16 +78,6 @@ def _drop_unused(gm: fx.GraphModule) -> None:
             module._buffers.pop(leaf, None)
 
 
-def _check_first(gm: fx.GraphModule) -> None:
-    """Refuses, before any work, a first stage that takes other than ``step``'s one input."""
-    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != 1:
-        raise InvalidArgumentError(
-            f"pipeline: the first stage takes {len(placeholders)} inputs "
-            f"({', '.join(placeholders)}); pass the model's input as one tensor (example=)"
-        )
-
-
 def _tied(replicated: Sequence[dict[str, str]], p: int) -> list[Tied]:
     out = []
     for group in replicated:
@@ -100,8 +91,8 @@ def _tied(replicated: Sequence[dict[str, str]], p: int) -> list[Tied]:
 Value = tuple[int, int | None]  # (producing stage, -1 for the model's input; output index)
 
 
-def _routes(split_gm: fx.GraphModule, p: int) -> list[list[Value]]:
-    """For each stage, the values its graph takes, in order.
+def _routes(split_gm: fx.GraphModule, p: int) -> tuple[list[list[Value]], int]:
+    """For each stage, the values its graph takes, in order; and how many inputs the model has.
 
     Each is which stage made it (and which of its outputs), or the model's input. torch's split
     graph lets a stage read any earlier stage's outputs; the runtime moves values between
@@ -127,7 +118,7 @@ def _routes(split_gm: fx.GraphModule, p: int) -> list[list[Value]]:
             src, idx = node.args
             assert isinstance(src, fx.Node) and isinstance(idx, int)
             made[node] = (made[src][0], idx)
-    return needs
+    return needs, inputs
 
 
 class _Threaded(nn.Module):
@@ -170,10 +161,10 @@ class _Threaded(nn.Module):
         )
 
 
-def _thread(gms: list[fx.GraphModule], needs: list[list[Value]]) -> list[_Threaded]:
+def _thread(gms: list[fx.GraphModule], needs: list[list[Value]], inputs: int) -> list[_Threaded]:
     """Wraps each stage so that only neighbours exchange values (see ``_Threaded``)."""
     p = len(gms)
-    live: list[list[Value]] = [[(-1, 0)]]  # what crosses into each stage, in order
+    live: list[list[Value]] = [[(-1, k) for k in range(inputs)]]  # into each stage, in order
     for j in range(1, p):
         later = [v for k in range(j, p) for v in needs[k] if v[0] < j]
         live.append(list(dict.fromkeys(later)))
@@ -197,8 +188,7 @@ def trace_split(model: nn.Module, starts: Sequence[str], example: Any, p: int) -
 
     Raises:
         InvalidArgumentError: a split point that is not a submodule, points that do not give
-            ``p`` stages, a model of several inputs, or more than ``boundary.MAX_TENSORS``
-            values live at a cut.
+            ``p`` stages, or more than ``boundary.MAX_TENSORS`` values live at a cut.
     """
     from torch.distributed.pipelining import SplitPoint, pipeline  # noqa: PLC0415
 
@@ -231,8 +221,7 @@ def trace_split(model: nn.Module, starts: Sequence[str], example: Any, p: int) -
         assert isinstance(gm, fx.GraphModule)
         _drop_unused(gm)
         gms.append(gm)
-    _check_first(gms[0])
-    stages = _thread(gms, _routes(pipe.split_gm, p))
+    stages = _thread(gms, *_routes(pipe.split_gm, p))
     parts = [[n for n, _ in gm.named_children()] for gm in gms]
     return TracedSplit(stages, parts, _tied(pipe.replicated_params, p))
 
