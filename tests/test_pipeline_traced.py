@@ -168,6 +168,53 @@ def test_a_model_of_two_inputs_trains_as_one_process(schedule: str) -> None:
             torch.testing.assert_close(full[key], value, msg=key)
 
 
+class ReusingLM(TinyLM):
+    """Block 0 runs twice, in stages 0 and 2, and the buffer ``scale`` is read in both: with
+    two stages per rank both copies land on rank 0 and must be one tensor there."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](self.embed(x) * self.scale)
+        h = self.blocks[1](h)
+        h = self.blocks[0](self.blocks[2](h)) * self.scale
+        return self.head(self.norm(self.blocks[3](h)))
+
+
+@pytest.mark.parametrize("kind", [TinyLM, ReusingLM])
+def test_a_traced_model_runs_interleaved_virtual_stages(kind: type[TinyLM]) -> None:
+    def fresh() -> TinyLM:
+        with _RNG:
+            torch.manual_seed(0)
+            return kind()
+
+    model = fresh()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = tokens(step)
+        opt.zero_grad()
+        for xi, yi in zip(x.chunk(M), y.chunk(M), strict=True):
+            (lm_loss(model(xi), yi) / M).backward()
+        opt.step()
+    want = model.state_dict()
+
+    def body(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], list[str]]:
+        pipe = sl.pipeline(fresh(), g, schedule="interleaved", virtual_stages=2,
+                           microbatches=M, loss_fn=lm_loss, example=tokens(0)[0][:2],
+                           split=["blocks.1", "blocks.2", "blocks.3"])  # fmt: skip
+        names = [n for n, _ in pipe.named_parameters()]
+        run_steps(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2), tokens)
+        return pipe.state_dict(), names
+
+    results = run_ranks(2, body, timeout=120)
+    for full, _ in results:
+        for key, value in want.items():
+            torch.testing.assert_close(full[key], value, msg=key)
+    # Rank 0 runs stages 0 and 2 (the embedding, blocks 0 and 2), rank 1 stages 1 and 3; a
+    # tensor two stages of one rank read is held once.
+    mine = sorted({n.split(".")[0] + "." + n.split(".")[1] for n in results[0][1]})
+    assert mine == ["blocks.0", "blocks.2", "embed.weight"]
+    assert len(results[0][1]) == len(set(results[0][1]))
+
+
 def test_cuts_the_runtime_cannot_run_are_refused_before_any_work() -> None:
     x0 = tokens(0)[0][:4]
 
@@ -180,8 +227,9 @@ def test_cuts_the_runtime_cannot_run_are_refused_before_any_work() -> None:
         cut(False, ["blocks.2"], None)
 
 
+@pytest.mark.parametrize("v", [1, 2])
 def test_a_traced_meta_model_materialises_its_stage_and_loads_a_checkpoint(
-    tmp_path: Path,
+    tmp_path: Path, v: int
 ) -> None:
     """Traced on the meta device (model and example): no rank ever holds real weights of
     another stage; loaded from a checkpoint, it trains as the model that was saved."""
@@ -192,8 +240,10 @@ def test_a_traced_meta_model_materialises_its_stage_and_loads_a_checkpoint(
         with torch.device("meta"):
             model = TinyLM()
             example = torch.zeros(4, 5, dtype=torch.long)
-        pipe = sl.pipeline(model, g, microbatches=M, loss_fn=lm_loss, split=["blocks.2"],
-                           example=example)  # fmt: skip
+        split = ["blocks.2"] if v == 1 else ["blocks.1", "blocks.2", "blocks.3"]
+        pipe = sl.pipeline(model, g, microbatches=M, loss_fn=lm_loss, split=split,
+                           example=example, virtual_stages=v,
+                           schedule="1f1b" if v == 1 else "interleaved")  # fmt: skip
         assert not any(p.is_meta for p in pipe.parameters())
         checkpoint.load(tmp_path / "ck", model=pipe, group=g)
         run_steps(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2), tokens)

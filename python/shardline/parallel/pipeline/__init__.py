@@ -27,7 +27,7 @@ from shardline.parallel.pipeline.split import (
     named_parts,
 )
 from shardline.parallel.pipeline.state import find_tied, tensor_infos
-from shardline.parallel.pipeline.trace import strip, trace_split
+from shardline.parallel.pipeline.trace import rank_stages, strip, trace_split
 from shardline.parallel.pipeline.zero import ZERO_STAGES
 from shardline.parallel.precision import MixedPrecision
 
@@ -119,7 +119,7 @@ def pipeline(
     # Checked before the model is cut (and before any communication), on every rank.
     actions = build(schedule, g.world_size, microbatches, virtual_stages)
     if not isinstance(model, nn.Sequential):
-        return _traced(model, g, split, example, virtual_stages, init_fn, device,
+        return _traced(model, g, split, example, virtual_stages, stages, init_fn, device,
                        schedule=schedule, actions=actions, microbatches=microbatches,
                        loss_fn=loss_fn, dp_group=dp_group, dp_strategy=dp_strategy,
                        recompute=recompute, mixed_precision=mixed_precision,
@@ -168,6 +168,7 @@ def _traced(
     split: str | Sequence[str],
     example: Any,
     virtual_stages: int,
+    stages: int,
     init_fn: Callable[[nn.Module], None] | None,
     device: torch.device | str | None,
     **options: Any,
@@ -179,29 +180,25 @@ def _traced(
             "split=[the submodules that start stages 1, 2, ...] (e.g. ['layers.4']) and "
             "example= one micro-batch of input"
         )
-    if virtual_stages != 1:
-        raise InvalidArgumentError(
-            "pipeline: a traced model runs one stage per rank; virtual_stages > 1 needs an "
-            "nn.Sequential"
-        )
     infos = tensor_infos(model)
-    traced = trace_split(model, list(split), example, g.world_size)
+    traced = trace_split(model, list(split), example, stages, g.world_size)
     strip(model)
-    stage = traced.stages[g.rank]
-    meta = is_meta(stage)
+    mine, children = rank_stages(traced, g.rank, g.world_size)
+    meta = any(is_meta(stage) for stage in mine.values())
     if meta:
         where = torch.device(device) if device is not None else _default_device(g)
-        materialize([(f"stage {g.rank}", stage.graph_module)], where, init_fn)
-        stage.adopt()  # the graph module's tensors, materialised
+        materialize([(f"stage {s}", st.graph_module) for s, st in mine.items()], where, init_fn)
+        for stage in mine.values():
+            stage.adopt()  # the graph module's tensors, materialised
     return PipelineModule(
         traced.parts,
-        dict(stage.named_children()),
+        children,
         g,
-        virtual_stages=1,
+        virtual_stages=virtual_stages,
         infos=infos,
         tied=traced.tied,
         synchronize=meta,
-        stage_modules={g.rank: stage},
+        stage_modules=dict(mine),
         **options,
     )
 

@@ -38,7 +38,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel.pipeline import boundary
 from shardline.parallel.pipeline.state import Tied
 
-__all__ = ["TracedSplit", "strip", "trace_split"]
+__all__ = ["TracedSplit", "rank_stages", "strip", "trace_split"]
 
 # torch.export keeps global state while it traces: ranks that are threads of one process
 # (tests, notebooks) trace one at a time.
@@ -54,16 +54,22 @@ class TracedSplit:
     tied: list[Tied]
 
 
-def _used(gm: fx.GraphModule) -> set[str]:
-    """Names of the parameters and buffers ``gm``'s graph reads."""
+def _used(gm: nn.Module, prefix: str = "") -> set[str]:
+    """Names of the parameters and buffers ``gm``'s graph reads.
+
+    A submodule that has a graph of its own (torch.export's unflattened modules) counts what
+    its graph reads: a module called twice keeps stale copies beside the ones it runs.
+    """
     used: set[str] = set()
-    for node in gm.graph.nodes:
+    graph = getattr(gm, "graph", None)
+    if not isinstance(graph, fx.Graph):  # a plain module: everything it holds
+        used |= {f"{prefix}{n}" for n, _ in gm.named_parameters()}
+        return used | {f"{prefix}{n}" for n, _ in gm.named_buffers()}
+    for node in graph.nodes:
         if node.op == "call_module":
-            sub = gm.get_submodule(node.target)
-            used |= {f"{node.target}.{n}" for n, _ in sub.named_parameters()}
-            used |= {f"{node.target}.{n}" for n, _ in sub.named_buffers()}
+            used |= _used(gm.get_submodule(node.target), f"{prefix}{node.target}.")
         elif node.op == "get_attr":
-            used.add(str(node.target))
+            used.add(f"{prefix}{node.target}")
     return used
 
 
@@ -183,18 +189,23 @@ def _thread(gms: list[fx.GraphModule], needs: list[list[Value]], inputs: int) ->
     return out
 
 
-def trace_split(model: nn.Module, starts: Sequence[str], example: Any, p: int) -> TracedSplit:
+def trace_split(
+    model: nn.Module, starts: Sequence[str], example: Any, stages: int, p: int
+) -> TracedSplit:
     """Traces ``model`` on ``example`` (one micro-batch) and cuts it before each of ``starts``.
+
+    ``stages`` stages for ``p`` ranks; stage ``s`` runs on rank ``s % p``.
 
     Raises:
         InvalidArgumentError: a split point that is not a submodule, points that do not give
-            ``p`` stages, or more than ``boundary.MAX_TENSORS`` values live at a cut.
+            ``stages`` stages, or more than ``boundary.MAX_TENSORS`` values live at a cut.
     """
     from torch.distributed.pipelining import SplitPoint, pipeline  # noqa: PLC0415
 
-    if len(starts) != p - 1:
+    if len(starts) != stages - 1:
         raise InvalidArgumentError(
-            f"split={list(starts)} names {len(starts)} points but {p} stages need {p - 1}: name "
+            f"split={list(starts)} names {len(starts)} points but {stages} stages need "
+            f"{stages - 1}: name "
             "the submodule that starts every stage after the first"
         )
     names = {n for n, _ in model.named_modules() if n}
@@ -210,20 +221,76 @@ def trace_split(model: nn.Module, starts: Sequence[str], example: Any, p: int) -
         raise InvalidArgumentError("pipeline: example= must be a tensor (or a tuple of tensors)")
     with _TRACING:
         pipe = pipeline(model, mb_args=args, split_spec=dict.fromkeys(starts, SplitPoint.BEGINNING))
-    if pipe.num_stages != p:
+    if pipe.num_stages != stages:
         raise InvalidArgumentError(
-            f"split={list(starts)} gave {pipe.num_stages} stages after tracing, not {p}: name "
+            f"split={list(starts)} gave {pipe.num_stages} stages after tracing, not {stages}: "
+            "name "
             "points in the order the forward runs them, each once"
         )
     gms: list[fx.GraphModule] = []
-    for s in range(p):
+    for s in range(stages):
         gm = pipe.get_stage_module(s)
         assert isinstance(gm, fx.GraphModule)
         _drop_unused(gm)
         gms.append(gm)
-    stages = _thread(gms, *_routes(pipe.split_gm, p))
+    threaded = _thread(gms, *_routes(pipe.split_gm, stages))
     parts = [[n for n, _ in gm.named_children()] for gm in gms]
-    return TracedSplit(stages, parts, _tied(pipe.replicated_params, p))
+    return TracedSplit(threaded, parts, _tied(pipe.replicated_params, p))
+
+
+def rank_stages(
+    traced: TracedSplit, rank: int, p: int
+) -> tuple[dict[int, _Threaded], dict[str, nn.Module]]:
+    """This rank's stages (``rank, rank + p, ...``) and their top-level children by name.
+
+    torch's stages hold copies: a tensor two of them read (a weight tied between them, a
+    buffer) is made one object again here, so one rank holds it once and its gradient
+    accumulates there. Children of one name in several stages (``blocks``, holding blocks 0-1
+    in one stage and 4-5 in another) are merged into one container for naming; the stages
+    keep running their own.
+    """
+    mine = {s: traced.stages[s] for s in range(rank, len(traced.stages), p)}
+    first: dict[str, torch.Tensor] = {}  # a tensor's name -> the object this rank keeps
+    for stage in mine.values():
+        gm = stage.graph_module
+        for name, t in [*gm.named_parameters(), *gm.named_buffers()]:
+            _replace(gm, name, first.setdefault(name, t))
+    for tied in traced.tied:  # one weight under several names (an embedding and a head)
+        here = [(s, n) for s, n in zip(tied.stages, tied.names, strict=True) if s in mine]
+        for s, name in here[1:]:
+            s0, name0 = here[0]
+            _replace(mine[s].graph_module, name, mine[s0].graph_module.get_parameter(name0))
+    for stage in mine.values():
+        stage.adopt()
+    named: dict[str, list[nn.Module]] = {}
+    for stage in mine.values():
+        for name, child in stage.named_children():
+            named.setdefault(name, []).append(child)
+    return mine, {name: _merged(mods) for name, mods in named.items()}
+
+
+def _replace(gm: fx.GraphModule, name: str, t: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    module = gm.get_submodule(owner) if owner else gm
+    table = module._parameters if leaf in module._parameters else module._buffers
+    table[leaf] = t  # type: ignore[assignment]
+
+
+def _merged(modules: list[nn.Module]) -> nn.Module:
+    """One module holding the tensors and children of ``modules`` (children merged too)."""
+    unique = list({id(m): m for m in modules}.values())
+    if len(unique) == 1:
+        return unique[0]
+    out = nn.Module()
+    children: dict[str, list[nn.Module]] = {}
+    for m in unique:
+        out._parameters.update(m._parameters)
+        out._buffers.update(m._buffers)
+        for name, child in m.named_children():
+            children.setdefault(name, []).append(child)
+    for name, group in children.items():
+        out.add_module(name, _merged(group))
+    return out
 
 
 def strip(model: nn.Module) -> None:
