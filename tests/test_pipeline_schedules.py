@@ -1,11 +1,19 @@
-"""Schedules as data, timed by simulation: the textbook bubbles, and zero-bubble's."""
+"""Schedules as data, timed by simulation (the textbook bubbles, and zero-bubble's), and
+stages balanced by FLOPs."""
 
 from __future__ import annotations
 
-import pytest
+from collections import OrderedDict
 
+import pytest
+import torch
+from torch import nn
+
+import shardline as sl
 from shardline.parallel.pipeline.schedules import Action, build
 from shardline.parallel.pipeline.simulate import UNIT, simulate
+from shardline.parallel.pipeline.split import balanced_parts, child_costs
+from tests._ranks import run_ranks
 
 SIZES = [(p, m) for p in range(2, 9) for m in range(1, 4 * p + 1)]
 
@@ -46,3 +54,28 @@ def test_zero_bubble_halves_1f1b_bubble_at_1f1b_memory() -> None:
 def test_zero_bubble_is_deterministic() -> None:
     """Every rank builds the schedule itself: the same arguments give the same actions."""
     assert build("zero_bubble", 4, 8) == build("zero_bubble", 4, 8)
+
+
+def test_auto_split_balances_by_flops_given_an_example() -> None:
+    """An embedding holds most parameters and computes almost nothing: by parameter count it
+    would be a stage alone; by FLOPs on an example it shares a stage with two linears. The
+    pipeline cuts there on every rank (FLOPs come from shapes, the same everywhere)."""
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        layers = [("embed", nn.Embedding(10_000, 16))]
+        layers += [(f"l{i}", nn.Linear(16, 16)) for i in range(1, 5)]
+        return nn.Sequential(OrderedDict(layers))
+
+    ids = torch.randint(0, 10_000, (64, 32))
+    children = list(model().named_children())
+    assert balanced_parts(children, 2) == [["embed"], ["l1", "l2", "l3", "l4"]]
+    costs = child_costs(children, ids)
+    assert balanced_parts(children, 2, costs) == [["embed", "l1", "l2"], ["l3", "l4"]]
+    with torch.device("meta"):  # a meta model is costed from shapes alone
+        assert child_costs(list(model().named_children()), ids) == costs
+
+    held = run_ranks(
+        2, lambda g: sorted(dict(sl.pipeline(model(), g, example=ids[:16]).named_children()))
+    )
+    assert held == [["embed", "l1", "l2"], ["l3", "l4"]]

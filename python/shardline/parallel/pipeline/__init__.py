@@ -23,6 +23,7 @@ from shardline.parallel.pipeline.schedules import SCHEDULES, Action, build
 from shardline.parallel.pipeline.split import (
     balanced_parts,
     chain_children,
+    child_costs,
     keep_only,
     named_parts,
 )
@@ -68,8 +69,9 @@ def pipeline(
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (``virtual_stages >= 2``) or
             ``"zero_bubble"`` (ZB-H1: backward split into input and weight passes).
         microbatches: Micro-batches per ``step``; the batch must divide evenly.
-        split: ``"auto"`` (contiguous stages balanced by parameter count) or the names of the
-            children that start stages 1, 2, ... (one fewer than the stages).
+        split: ``"auto"`` (contiguous stages balanced by compute: each child's FLOPs on
+            ``example`` when given, else its parameter count) or the names of the children
+            that start stages 1, 2, ... (one fewer than the stages).
         loss_fn: ``loss_fn(output, target)`` for each micro-batch, a mean over its samples;
             needed by ``step``.
         virtual_stages: Stages per rank (model chunks for ``"interleaved"``).
@@ -90,11 +92,12 @@ def pipeline(
             ever materialised; tied copies and replicas are then made equal.
         device: Where a meta model's stages are materialised: ``None`` is this rank's GPU on
             the nccl backend, else the CPU.
-        example: For a model that is not an ``nn.Sequential``: one micro-batch of its input
-            (a tensor, or a tuple of the positional inputs, such as ids and a mask), to trace
-            it with (``pipeline.trace``, torch's splitter); ``split`` then names the
-            submodules that start stages 1, 2, ... One stage per rank; several tensors may
-            cross a cut, and inputs that later stages read are carried to them.
+        example: One micro-batch of the model's input. For an ``nn.Sequential`` it is
+            optional: ``split="auto"`` then balances the stages by FLOPs on it. Any other
+            model needs it (a tensor, or a tuple of the positional inputs, such as ids and a
+            mask) to be traced (``pipeline.trace``, torch's splitter); ``split`` then names
+            the submodules that start stages 1, 2, ...; several tensors may cross a cut, and
+            inputs that later stages read are carried to them.
         mixed_precision: ``sl.MixedPrecision(param_dtype=torch.bfloat16)`` runs every stage's
             forward (and ``loss_fn``) under ``torch.autocast`` in that dtype: weights,
             gradients and optimizer state stay in the model's dtype (fp32), matrix products
@@ -130,7 +133,7 @@ def pipeline(
             raise InvalidArgumentError(
                 f"split={split!r}: use 'auto' or a list of the children that start each stage"
             )
-        parts = balanced_parts(children, stages)
+        parts = balanced_parts(children, stages, child_costs(children, example))
     else:
         parts = named_parts(children, list(split), stages)
     mine = {name for c in range(virtual_stages) for name in parts[c * g.world_size + g.rank]}

@@ -1,31 +1,59 @@
 """Splitting a model into contiguous pipeline stages.
 
 A model whose forward is a chain of its children, ``nn.Sequential``, is cut between children:
-balanced by parameter count (``split="auto"``) or where the caller names the first child of
-each stage after the first. Stage ``s`` of ``S`` holds the children of its part under their
-original names, so a stage's ``named_parameters()`` are the whole model's names.
+balanced (``split="auto"``) or where the caller names the first child of each stage after the
+first. Balanced means by compute when an example micro-batch is given (each child's forward
+FLOPs on it, counted by ``torch.utils.flop_counter``: a vocabulary head weighs what it
+computes, an embedding little), else by parameter count. Stage ``s`` of ``S`` holds the
+children of its part under their original names, so a stage's ``named_parameters()`` are
+the whole model's names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from shardline.errors import InvalidArgumentError
 
-__all__ = ["balanced_parts", "chain_children", "keep_only", "named_parts"]
+__all__ = ["balanced_parts", "chain_children", "child_costs", "keep_only", "named_parts"]
 
 
-def _sizes(children: list[tuple[str, nn.Module]]) -> list[int]:
-    return [sum(p.numel() for p in child.parameters()) for _, child in children]
+def child_costs(children: list[tuple[str, nn.Module]], example: Any = None) -> list[int]:
+    """What each child costs: forward FLOPs on ``example`` plus parameters, or parameters.
+
+    With no example, the cost is the parameter count. The FLOPs are counted from shapes, the
+    same on every rank (no timing, no agreement needed). The parameter term stands for the
+    work per weight that FLOPs miss (reading it, writing its gradient) and decides between
+    children that compute nothing.
+    """
+    sizes = [sum(p.numel() for p in child.parameters()) for _, child in children]
+    if example is None:
+        return sizes
+    first = next((p for _, c in children for p in c.parameters()), None)
+    x = example
+    if first is not None and first.is_meta and isinstance(x, torch.Tensor):
+        x = x.to("meta")  # a model built on the meta device: shapes are all it needs
+    flops = []
+    with torch.no_grad():
+        for _, child in children:
+            with FlopCounterMode(display=False) as counter:
+                x = child(x)
+            flops.append(counter.get_total_flops())
+    return [f + n for f, n in zip(flops, sizes, strict=True)]
 
 
-def balanced_parts(children: list[tuple[str, nn.Module]], stages: int) -> list[list[str]]:
+def balanced_parts(
+    children: list[tuple[str, nn.Module]], stages: int, costs: Sequence[int] | None = None
+) -> list[list[str]]:
     """Cuts ``children`` into ``stages`` contiguous, non-empty parts, balanced.
 
-    The largest part's parameter count is as small as it can be (a linear-partition DP; ties
-    go to earlier cuts).
+    The largest part's cost (``costs``, one per child; parameter counts if None) is as small
+    as it can be (a linear-partition DP; ties go to earlier cuts).
     """
     n = len(children)
     if stages > n:
@@ -33,7 +61,7 @@ def balanced_parts(children: list[tuple[str, nn.Module]], stages: int) -> list[l
             f"the model has {n} children to split but the pipeline has {stages} stages; use "
             f"at most {n} stages (ranks x virtual_stages), or a model with more layers"
         )
-    sizes = _sizes(children)
+    sizes = list(costs) if costs is not None else child_costs(children)
     prefix = [0]
     for s in sizes:
         prefix.append(prefix[-1] + s)

@@ -134,8 +134,8 @@ def weight_pass(
         if recorded is None:  # the input pass did not run through it
             missed += params
             continue
-        direct = _linear_grads(node, recorded, params)
-        if direct is not None:  # a linear layer's weight and bias: two kernels, no graph walk
+        direct = _linear_grads(node, recorded, params) or _norm_grads(node, recorded, params)
+        if direct is not None:  # a linear layer's or a norm's weight and bias: no graph walk
             _accumulate(*direct)
             continue
         edges = [GradientEdge(node, k) for k, g in enumerate(recorded) if g is not None]
@@ -160,16 +160,23 @@ def _linear_grads(
 ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]] | None:
     """A linear layer's parameter gradients computed directly, or None for any other node.
 
-    ``F.linear`` records ``addmm(bias, x, weight.t())``: with the gradient ``g`` of its output,
-    the weight's is ``g.T @ x`` and the bias's ``g.sum(0)``, which is what its backward node
-    computes for them. Anything else (a cast in between under autocast, scaled terms, other
-    parents) takes the general path.
+    ``F.linear`` records ``addmm(bias, x, weight.t())`` (``mm(x, weight.t())`` without a
+    bias): with the gradient ``g`` of its output, the weight's is ``g.T @ x`` and the bias's
+    ``g.sum(0)``, what its backward node computes for them. Anything else (a cast in between
+    under autocast, scaled terms, other parents) takes the general path.
     """
-    if type(node).__name__ != "AddmmBackward0" or len(recorded) != 1 or recorded[0] is None:
+    kind = type(node).__name__
+    if kind not in ("AddmmBackward0", "MmBackward0") or len(recorded) != 1:
         return None
-    if node._saved_alpha != 1 or node._saved_beta != 1:  # type: ignore[attr-defined]
+    n = node  # type: Any
+    if recorded[0] is None or (
+        kind == "AddmmBackward0" and (n._saved_alpha, n._saved_beta) != (1, 1)
+    ):
         return None
-    bias_edge, _, weight_edge = node.next_functions
+    edges = node.next_functions
+    bias_edge, weight_edge = (
+        (edges[0], edges[2]) if kind == "AddmmBackward0" else ((None, 0), edges[1])
+    )
     if weight_edge[0] is None or type(weight_edge[0]).__name__ != "TBackward0":
         return None
     ((acc, _),) = weight_edge[0].next_functions
@@ -181,7 +188,37 @@ def _linear_grads(
     if {id(p) for p in owned} != {id(p) for p in params}:
         return None
     g = recorded[0]
-    grads = (g.t() @ node._saved_mat1,) + ((g.sum(0),) if bias is not None else ())  # type: ignore[attr-defined]
+    x = n._saved_mat1 if kind == "AddmmBackward0" else n._saved_self
+    return owned, (g.t() @ x,) + ((g.sum(0),) if bias is not None else ())
+
+
+def _norm_grads(
+    node: Node, recorded: tuple[Any, ...], params: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]] | None:
+    """A layer norm's weight and bias gradients from its saved statistics, or None.
+
+    The node's own kernel, asked for those two outputs only (the input's gradient was the
+    input pass's).
+    """
+    if type(node).__name__ != "NativeLayerNormBackward0" or len(recorded) != 1:
+        return None
+    if recorded[0] is None:
+        return None
+    _, (w_acc, _), (b_acc, _) = node.next_functions
+    weight = getattr(w_acc, "variable", None) if w_acc is not None else None
+    bias = getattr(b_acc, "variable", None) if b_acc is not None else None
+    if (w_acc is not None and weight is None) or (b_acc is not None and bias is None):
+        return None  # a weight computed from parameters, not one itself
+    owned = [t for t in (weight, bias) if t is not None]
+    if not owned or {id(p) for p in owned} != {id(p) for p in params}:
+        return None
+    n = node  # type: Any
+    _, gw, gb = torch.ops.aten.native_layer_norm_backward(
+        recorded[0], n._saved_input, n._saved_normalized_shape, n._saved_result1,
+        n._saved_result2, n._saved_weight, n._saved_bias,
+        [False, weight is not None, bias is not None],
+    )  # fmt: skip
+    grads = tuple(g for g, t in ((gw, weight), (gb, bias)) if t is not None)
     return owned, grads
 
 
