@@ -9,7 +9,8 @@ CUDA) and torch's ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` on
 Prints step time, tokens/s and their ratio, and our measured bubble (the share of a step a
 rank spends waiting for messages, from the runtime's own timeline, mean over ranks) next to
 the theory (the schedule simulated with unit costs, forward 1 and backward 2: (p - 1) /
-(m + p - 1) for GPipe and 1F1B; zero-bubble ZB-H1 runs ours alone). Writes ``.txt``,
+(m + p - 1) for GPipe and 1F1B). Zero-bubble ZB-H1 has no torch peer with one stage per rank:
+it alternates with our own 1F1B instead, and its row says how it compares. Writes ``.txt``,
 ``.json`` and a plot of one step's timeline per rank to ``benches/results/``.
 
     python benches/bench_pipeline.py --ranks 2                       # CPU, here
@@ -125,6 +126,18 @@ def one_schedule(
         opts["torch"].step()
 
     steps = {"shardline": ours_step, "torch": torch_step} if peer else {"shardline": ours_step}
+    if not peer:  # zero-bubble: torch has none; our 1F1B, timed alternately, is its baseline
+        base_model, _ = build(args, device)
+        base = sl.pipeline(base_model, group, schedule="1f1b", microbatches=m,
+                           split=[p[0] for p in cut[1:]], loss_fn=loss_fn)  # fmt: skip
+        opts["shardline_1f1b"] = torch.optim.SGD(base.parameters(), lr=1e-4)
+
+        def base_step() -> None:
+            opts["shardline_1f1b"].zero_grad()
+            base.step(x, target=y)
+            opts["shardline_1f1b"].step()
+
+        steps["shardline_1f1b"] = base_step
     times: dict[str, list[float]] = {k: [] for k in steps}
     for fn in steps.values():
         for _ in range(args.warmup):
@@ -171,6 +184,8 @@ def one_schedule(
         row[f"{name}_peak_bytes_per_stage"] = [pk[name] for pk in peaks]
     if peer:
         row["ratio"] = row["shardline_tokens_per_s"] / row["torch_tokens_per_s"]
+    else:
+        row["ratio_vs_1f1b"] = row["shardline_tokens_per_s"] / row["shardline_1f1b_tokens_per_s"]
     return row
 
 
@@ -200,6 +215,12 @@ def table(results: dict[int, dict[str, Any]], m: int) -> str:
                 + (f"{row['torch_step_ms']:9.1f} " if theirs else f"{'-':>9} ")
                 + f"{row['bubble_measured']:7.1%} {row['bubble_theory']:7.1%}"
                 + memory
+                + (
+                    f"  {row['ratio_vs_1f1b']:.2f}x our 1f1b "
+                    f"({row['shardline_1f1b_tokens_per_s']:,.0f} tok/s, same blocks)"
+                    if "ratio_vs_1f1b" in row
+                    else ""
+                )
             )
     return "\n".join(lines)
 

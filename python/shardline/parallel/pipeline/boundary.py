@@ -71,7 +71,12 @@ def encode(specs: Sequence[Spec], device: torch.device, where: str) -> torch.Ten
         row = [_CODES[dtype], len(shape), *shape]
         values += row + [0] * (_PER - len(row))
     values += [0] * (META_LEN - len(values))
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    # From pinned memory without waiting: a plain copy from a list synchronises the stream,
+    # which would stall this rank's CPU until the forward it just queued has run.
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def decode(meta: torch.Tensor) -> list[Spec]:

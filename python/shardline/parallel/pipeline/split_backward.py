@@ -56,18 +56,20 @@ def _graph(
         stack.append((node, True))
         stack.extend((c, False) for c, _ in node.next_functions if c is not None)
     to_input: dict[int, bool] = {}
-    leaves: dict[int, list[torch.Tensor]] = {}  # node -> parameters reachable from it
+    # Parameters under each node off the input's path (those on it lead to every parameter
+    # below them: that union is never needed, and merging it per node would cost nodes x
+    # parameters). A node off the path has only children off it.
+    leaves: dict[int, list[torch.Tensor]] = {}
     for node in order:  # children first
         var = getattr(node, "variable", None)
-        here = var is not None and id(var) in inp_ids
-        found = [ids[id(var)]] if var is not None and id(var) in ids else []
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            here = here or to_input.get(id(child), False)
-            found += leaves.get(id(child), [])
+        children = [c for c, _ in node.next_functions if c is not None]
+        here = (var is not None and id(var) in inp_ids) or any(to_input[id(c)] for c in children)
         to_input[id(node)] = here
-        leaves[id(node)] = list({id(p): p for p in found}.values())
+        if not here:
+            found = [ids[id(var)]] if var is not None and id(var) in ids else []
+            for child in children:
+                found += leaves[id(child)]
+            leaves[id(node)] = list({id(p): p for p in found}.values()) if len(found) > 1 else found
     nodes, covered = [], set()
     for node in order:
         if not to_input[id(node)]:
