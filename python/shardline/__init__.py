@@ -66,6 +66,7 @@ from shardline.parallel import (
     estimate_memory,
     pipeline,
     register_optimizer,
+    tensor_parallel,
 )
 
 __version__ = "0.1.0"
@@ -116,4 +117,5 @@ __all__ = [
     "scatter",
     "send",
     "shutdown",
+    "tensor_parallel",
 ]

@@ -87,14 +87,16 @@ class Block(nn.Module):
             nn.Linear(4 * cfg.d_model, cfg.d_model),
         )
         self.num_heads = cfg.num_heads
+        self.head_dim = cfg.d_model // cfg.num_heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        shape = (b, t, self.num_heads, c // self.num_heads)
-        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        # Heads and sequence length come from q, not from x: under tensor parallelism a rank
+        # computes its heads only, and with sequence parallelism x is its part of the sequence.
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        b, n = q.shape[:2]
+        q, k, v = (z.view(b, n, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, n, -1))
         out: torch.Tensor = x + self.mlp(self.ln2(x))
         return out
 

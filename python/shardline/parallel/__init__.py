@@ -10,6 +10,8 @@
   ``register_optimizer``: how ZeRO shards an optimizer it does not know.
 - ``pipeline``: a model split into stages over ranks, run by a schedule (GPipe, 1F1B,
   interleaved, zero-bubble).
+- ``tensor``: tensor parallelism (column/row-parallel linears, vocabulary-parallel embedding
+  and loss, sequence parallelism) and ``tensor_parallel``, which rewrites a model's layers.
 - ``comm_hooks``: how a gradient bucket is reduced (``fp16``/``bf16`` compression, your own).
 """
 
@@ -25,6 +27,7 @@ from shardline.parallel.pipeline import PipelineModule, pipeline
 from shardline.parallel.planner import MemoryEstimate, estimate_memory
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.strategies import STRATEGIES
+from shardline.parallel.tensor import tensor_parallel
 
 __all__ = [
     "STRATEGIES",
@@ -47,4 +50,5 @@ __all__ = [
     "estimate_memory",
     "pipeline",
     "register_optimizer",
+    "tensor_parallel",
 ]

@@ -1,0 +1,369 @@
+"""Tensor-parallel layers: each holds its rank's slice of a dense layer's weights.
+
+Built from the dense layer (``from_dense``), so every layout starts from the numbers one
+process would have. Each rank holds about 1/t of every split weight:
+
+- ``ColumnParallelLinear``: the output features (weight rows, bias) split; the input comes in
+  whole (``copy_to``) or, under sequence parallelism, as sequence parts gathered here
+  (``gather_seq``). A fused weight of ``pieces`` equal blocks (q, k and v in one matrix) is
+  split block by block, so each rank holds its heads of each.
+- ``RowParallelLinear``: the input features (weight columns) split; the partial products are
+  summed (``reduce_from``) or reduce-scattered along the sequence (``scatter_seq``), and the
+  bias, whole on every rank, is added once after the sum.
+- ``VocabParallelEmbedding``: the vocabulary (rows) split; ids outside this rank's range give
+  zeros, and the sum over ranks is the dense lookup.
+- ``SequenceParallelNorm``: a norm whose input is split along the sequence; its weights are
+  whole on every rank and their gradients summed over the ranks (``copy_to``).
+
+``state_dict()`` of each holds the full tensors (gathered: a collective over the group) and
+``load_state_dict()`` takes full tensors and keeps this rank's slice, so a model holding them
+saves and loads as the dense model does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from shardline.comm.group import ProcessGroup
+from shardline.errors import InvalidArgumentError
+from shardline.parallel.tensor.regions import (
+    copy_to,
+    gather_from,
+    gather_seq,
+    reduce_from,
+    scatter_seq,
+    split_to,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "SequenceParallelNorm",
+    "VocabParallelEmbedding",
+]
+
+
+def _check_divisible(n: int, t: int, what: str) -> None:
+    if n % t:
+        raise InvalidArgumentError(
+            f"tensor parallel: {what} is {n}, not divisible by the {t} ranks of the group; "
+            f"use a tp size that divides it"
+        )
+
+
+def _rows(full: torch.Tensor, group: ProcessGroup, pieces: int) -> torch.Tensor:
+    """This rank's rows of ``full``: of each of its ``pieces`` equal blocks, the rank's part."""
+    t, r = group.world_size, group.rank
+    blocks = full.chunk(pieces, dim=0)
+    return torch.cat([b.chunk(t, dim=0)[r] for b in blocks], dim=0)
+
+
+def _all_rows(local: torch.Tensor, group: ProcessGroup, pieces: int) -> torch.Tensor:
+    """The full tensor from every rank's ``_rows`` (a collective)."""
+    t = group.world_size
+    parts = torch.empty((t, *local.shape), dtype=local.dtype, device=local.device)
+    group.all_gather(parts, local.detach().contiguous())
+    per_rank = [p.chunk(pieces, dim=0) for p in parts.unbind(0)]
+    return torch.cat([per_rank[r][k] for k in range(pieces) for r in range(t)], dim=0)
+
+
+class _Sliced(nn.Module):
+    """Saves full tensors and loads from full tensors (see the module docstring)."""
+
+    group: ProcessGroup
+
+    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _mine(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        for name, param in self._parameters.items():
+            if param is not None:
+                destination[prefix + name] = self._full(name, param.detach())
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Any,
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        for name, param in self._parameters.items():
+            key = prefix + name
+            if param is None:
+                continue
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            full = state_dict[key]
+            try:
+                mine = self._mine(name, full)
+            except (RuntimeError, InvalidArgumentError, IndexError) as exc:
+                error_msgs.append(
+                    f"{key}: cannot take this rank's slice of {tuple(full.shape)}: {exc}"
+                )
+                continue
+            if mine.shape != param.shape:
+                error_msgs.append(
+                    f"{key}: this rank's slice of {tuple(full.shape)} is {tuple(mine.shape)}, "
+                    f"the parameter is {tuple(param.shape)}"
+                )
+                continue
+            with torch.no_grad():
+                param.copy_(mine)
+
+
+class ColumnParallelLinear(_Sliced):
+    """A linear layer with its output features split across ``group`` (see the module doc).
+
+    Attributes:
+        in_features, out_features: The dense layer's sizes.
+        pieces: Equal blocks of the output the weight fuses (3 for q, k, v in one matrix).
+        gather_output: Return the whole output (all-gathered) instead of this rank's part.
+        sequence_parallel: The input is split along dim 1 (the sequence): gathered here.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: ProcessGroup,
+        *,
+        bias: bool = True,
+        pieces: int = 1,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__()
+        t = group.world_size
+        _check_divisible(out_features, pieces * t, f"out_features / pieces x tp ({pieces})")
+        if gather_output and pieces != 1:
+            raise InvalidArgumentError(
+                "ColumnParallelLinear: gather_output with a fused weight (pieces > 1) would "
+                "give the pieces out of order; gather each piece's output instead"
+            )
+        self.group, self.in_features, self.out_features = group, in_features, out_features
+        self.pieces, self.gather_output = pieces, gather_output
+        self.sequence_parallel = sequence_parallel
+        local = out_features // t
+        self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype)) if bias else None
+
+    @classmethod
+    def from_dense(
+        cls, linear: nn.Linear, group: ProcessGroup, **options: Any
+    ) -> ColumnParallelLinear:
+        """This rank's slice of ``linear``'s weights (its output features)."""
+        w = linear.weight
+        out = cls(w.shape[1], w.shape[0], group, bias=linear.bias is not None,
+                  device=w.device, dtype=w.dtype, **options)  # fmt: skip
+        with torch.no_grad():
+            out.weight.copy_(_rows(w, group, out.pieces))
+            if out.bias is not None and linear.bias is not None:
+                out.bias.copy_(_rows(linear.bias, group, out.pieces))
+        return out
+
+    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        return _all_rows(local, self.group, self.pieces)
+
+    def _mine(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return _rows(full, self.group, self.pieces)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's output features (all of them with ``gather_output``)."""
+        x = gather_seq(x, self.group) if self.sequence_parallel else copy_to(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(this rank: {self.weight.shape[0]}), pieces={self.pieces}, "
+            f"tp={self.group.world_size}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class RowParallelLinear(_Sliced):
+    """A linear layer with its input features split across ``group`` (see the module doc).
+
+    Attributes:
+        in_features, out_features: The dense layer's sizes.
+        input_is_parallel: The input arrives as this rank's slice of the features (from a
+            ``ColumnParallelLinear``); otherwise the whole input is sliced here.
+        sequence_parallel: The output leaves split along dim 1 (the sequence).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: ProcessGroup,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__()
+        t = group.world_size
+        _check_divisible(in_features, t, "in_features")
+        self.group, self.in_features, self.out_features = group, in_features, out_features
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features // t, device=device, dtype=dtype)
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        )
+
+    @classmethod
+    def from_dense(
+        cls, linear: nn.Linear, group: ProcessGroup, **options: Any
+    ) -> RowParallelLinear:
+        """This rank's slice of ``linear``'s weight (its input features); the whole bias."""
+        w = linear.weight
+        out = cls(w.shape[1], w.shape[0], group, bias=linear.bias is not None,
+                  device=w.device, dtype=w.dtype, **options)  # fmt: skip
+        with torch.no_grad():
+            out.weight.copy_(out._mine("weight", w))
+            if out.bias is not None and linear.bias is not None:
+                out.bias.copy_(linear.bias)
+        return out
+
+    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        if name == "bias":
+            return local.clone()
+        return _all_rows(local.t().contiguous(), self.group, 1).t().contiguous()
+
+    def _mine(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        if name == "bias":
+            return full
+        return _rows(full.t(), self.group, 1).t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense layer's output: whole, or this rank's part of the sequence."""
+        if not self.input_is_parallel:
+            x = split_to(x, self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = scatter_seq(y, self.group)
+            # Each rank adds the bias to its part of the sequence: its gradient is summed.
+            return y if self.bias is None else y + copy_to(self.bias, self.group)
+        y = reduce_from(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return (
+            f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
+            f"out_features={self.out_features}, tp={self.group.world_size}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class VocabParallelEmbedding(_Sliced):
+    """An embedding with its rows (the vocabulary) split across ``group``.
+
+    Attributes:
+        num_embeddings, embedding_dim: The dense table's sizes.
+        start: The first id this rank holds.
+        sequence_parallel: The output leaves split along dim 1 (the sequence).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        group: ProcessGroup,
+        *,
+        sequence_parallel: bool = False,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__()
+        t = group.world_size
+        _check_divisible(num_embeddings, t, "the vocabulary (num_embeddings)")
+        self.group, self.num_embeddings, self.embedding_dim = group, num_embeddings, embedding_dim
+        self.sequence_parallel = sequence_parallel
+        rows = num_embeddings // t
+        self.start = group.rank * rows
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype))
+
+    @classmethod
+    def from_dense(
+        cls, embedding: nn.Embedding, group: ProcessGroup, **options: Any
+    ) -> VocabParallelEmbedding:
+        """This rank's rows of ``embedding``'s table."""
+        if embedding.padding_idx is not None or embedding.max_norm is not None:
+            raise InvalidArgumentError(
+                "VocabParallelEmbedding: padding_idx and max_norm are not supported; leave "
+                "this embedding replicated (out of the plan)"
+            )
+        w = embedding.weight
+        out = cls(w.shape[0], w.shape[1], group, device=w.device, dtype=w.dtype, **options)
+        with torch.no_grad():
+            out.weight.copy_(_rows(w, group, 1))
+        return out
+
+    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        return _all_rows(local, self.group, 1)
+
+    def _mine(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return _rows(full, self.group, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dense lookup of ``ids`` (summed over the ranks' rows)."""
+        rows = self.weight.shape[0]
+        outside = (ids < self.start) | (ids >= self.start + rows)
+        local = torch.where(outside, 0, ids - self.start)
+        out = F.embedding(local, self.weight) * (~outside).unsqueeze(-1).to(self.weight.dtype)
+        if self.sequence_parallel:
+            return scatter_seq(out, self.group)
+        return reduce_from(out, self.group)
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim} (this rank: ids {self.start}.."
+            f"{self.start + self.weight.shape[0] - 1}), tp={self.group.world_size}"
+        )
+
+
+class SequenceParallelNorm(nn.Module):
+    """A ``LayerNorm`` or ``RMSNorm`` on a sequence part: weights whole, gradients summed.
+
+    It takes over the norm's own parameters under the same names, so the model's state dict
+    does not change.
+    """
+
+    def __init__(self, norm: nn.Module, group: ProcessGroup) -> None:
+        super().__init__()
+        if not isinstance(norm, nn.LayerNorm | nn.RMSNorm):
+            raise InvalidArgumentError(
+                f"SequenceParallelNorm takes an nn.LayerNorm or nn.RMSNorm, not "
+                f"{type(norm).__name__}"
+            )
+        self.group = group
+        self.rms = isinstance(norm, nn.RMSNorm)
+        self.normalized_shape = tuple(norm.normalized_shape)
+        self.eps = norm.eps
+        self.weight = norm.weight
+        self.bias = getattr(norm, "bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of this rank's part of the sequence."""
+        weight = copy_to(self.weight, self.group) if self.weight is not None else None
+        if self.rms:
+            return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+        bias = copy_to(self.bias, self.group) if self.bias is not None else None
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps or 1e-5)

@@ -1,0 +1,85 @@
+"""Cross-entropy over logits split along the vocabulary, never gathering them (Megatron's).
+
+Each rank holds ``logits[..., start : start + V/t]``. The loss needs three sums over the whole
+vocabulary, each an all-reduce of one number per token: the maximum (for a stable softmax),
+the sum of exponentials, and the target's logit (on the rank that holds it, zero elsewhere).
+The gradient is this rank's part of ``softmax - one_hot(target)``, with no communication.
+Computed in float32 whatever the logits' dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardline.comm.group import ProcessGroup
+from shardline.errors import InvalidArgumentError
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup, ignore: int
+    ) -> torch.Tensor:
+        z = logits.float()
+        rows = z.shape[-1]
+        start = group.rank * rows
+        top = z.max(dim=-1).values
+        group.all_reduce(top, op="max")
+        z = z - top.unsqueeze(-1)
+        here = (target >= start) & (target < start + rows)
+        local = torch.where(here, target - start, 0)
+        picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * here
+        group.all_reduce(picked)
+        exp = z.exp()
+        total = exp.sum(dim=-1)
+        group.all_reduce(total)
+        keep = target != ignore
+        loss = (total.log() - picked) * keep
+        exp /= total.unsqueeze(-1)  # the softmax, this rank's part
+        ctx.save_for_backward(exp, local, here & keep, keep)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, local, hit, keep = ctx.saved_tensors
+        out = softmax * keep.unsqueeze(-1)
+        out.scatter_add_(-1, local.unsqueeze(-1), -hit.to(out.dtype).unsqueeze(-1))
+        out *= grad.unsqueeze(-1)
+        return out.to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group: ProcessGroup,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``F.cross_entropy`` of the whole logits, from this rank's vocabulary slice of them.
+
+    Args:
+        logits: ``(..., V / t)``: this rank's slice (rank ``r`` holds ids ``r V/t ..``).
+        target: ``(...)``: ids into the whole vocabulary.
+        group: The tensor-parallel group the vocabulary is split over.
+        ignore_index: A target id that counts for nothing (as in ``F.cross_entropy``).
+        reduction: ``"mean"`` (over the targets not ignored), ``"sum"`` or ``"none"``.
+    """
+    if logits.shape[:-1] != target.shape:
+        raise InvalidArgumentError(
+            f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and target "
+            f"{tuple(target.shape)} disagree; target must be logits' shape without the last dim"
+        )
+    if reduction not in ("mean", "sum", "none"):
+        raise InvalidArgumentError(f"reduction={reduction!r}: use 'mean', 'sum' or 'none'")
+    loss: torch.Tensor = _VocabCrossEntropy.apply(logits, target, group, ignore_index)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum().clamp(min=1)

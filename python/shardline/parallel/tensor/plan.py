@@ -1,0 +1,245 @@
+"""``tensor_parallel``: a model's layers rewritten in place into tensor-parallel ones.
+
+A plan maps module names to styles:
+
+- ``"colwise"`` (``Colwise(pieces=k)`` for a fused weight of k blocks, q/k/v): an
+  ``nn.Linear`` becomes a ``ColumnParallelLinear``;
+- ``"rowwise"``: an ``nn.Linear`` becomes a ``RowParallelLinear`` (it takes a column layer's
+  output slice);
+- ``"vocab"``: an ``nn.Embedding`` becomes a ``VocabParallelEmbedding``;
+- ``"sequence"``: a norm on the sequence-split residual stream becomes a
+  ``SequenceParallelNorm``;
+- ``"sequence_region"``: any module whose input and output are the residual stream (the
+  chain of blocks) takes it split along the sequence and gives it back whole.
+
+``plan="auto"`` recognises blocks shaped like the built-in GPT's (``qkv``, ``proj``, an
+``mlp`` of linear, activation, linear; ``num_heads``): attention heads and the MLP's hidden
+features are split; with ``sequence_parallel=True`` the blocks' norms and the chain holding
+them too. Everything else stays replicated and is listed by ``model.plan()``.
+
+Before any layer is cut, the group's rank 0 broadcasts the model's tensors, so every layout
+starts from the numbers one process would have (DESIGN decision 7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from shardline.comm.group import ProcessGroup
+from shardline.comm.world import default_group
+from shardline.errors import InvalidArgumentError
+from shardline.parallel._common import broadcast_coalesced
+from shardline.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelNorm,
+    VocabParallelEmbedding,
+)
+from shardline.parallel.tensor.regions import gather_from, split_to
+
+__all__ = ["Colwise", "Rowwise", "tensor_parallel"]
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """``nn.Linear`` -> ``ColumnParallelLinear`` (output features split)."""
+
+    pieces: int = 1
+    gather_output: bool = False
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """``nn.Linear`` -> ``RowParallelLinear`` (input features split)."""
+
+    input_is_parallel: bool = True
+
+
+def _sequence_region(module: nn.Module, group: ProcessGroup) -> nn.Module:
+    """Hooks on ``module``: its input split along the sequence (dim 1), its output whole.
+
+    Hooks, not a wrapper, so the module keeps its place and its parameters their names.
+    """
+    module.register_forward_pre_hook(lambda _, args: (split_to(args[0], group, dim=1), *args[1:]))
+    module.register_forward_hook(lambda _, __, out: gather_from(out, group, dim=1))
+    return module
+
+
+_STYLES: dict[str, Any] = {
+    "colwise": Colwise(),
+    "rowwise": Rowwise(),
+    "vocab": "vocab",
+    "sequence": "sequence",
+    "sequence_region": "sequence_region",
+}
+
+
+def _style(name: str, style: Any) -> Any:
+    if isinstance(style, Colwise | Rowwise):
+        return style
+    if isinstance(style, str) and style in _STYLES:
+        return _STYLES[style]
+    raise InvalidArgumentError(
+        f"tensor_parallel: plan[{name!r}] = {style!r} is not a style; use one of "
+        f"{', '.join(map(repr, _STYLES))}, or Colwise(pieces=...) / Rowwise(...)"
+    )
+
+
+def _auto(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, Any]:
+    """The plan for blocks shaped like the built-in GPT's (see the module docstring)."""
+    plan: dict[str, Any] = {}
+    parents: set[str] = set()
+    for name, m in model.named_modules():
+        qkv, proj, mlp = (getattr(m, a, None) for a in ("qkv", "proj", "mlp"))
+        if not (isinstance(qkv, nn.Linear) and isinstance(proj, nn.Linear)):
+            continue
+        if not (isinstance(mlp, nn.Sequential) and len(mlp) == 3):
+            continue
+        if not (isinstance(mlp[0], nn.Linear) and isinstance(mlp[2], nn.Linear)):
+            continue
+        heads = getattr(m, "num_heads", None)
+        if not isinstance(heads, int) or heads % t:
+            raise InvalidArgumentError(
+                f"tensor_parallel: {name or type(m).__name__} has num_heads={heads}, not "
+                f"divisible by tp={t}; use a tp size that divides the heads"
+            )
+        p = f"{name}." if name else ""
+        plan |= {f"{p}qkv": Colwise(pieces=3), f"{p}proj": Rowwise(),
+                 f"{p}mlp.0": Colwise(), f"{p}mlp.2": Rowwise()}  # fmt: skip
+        if sequence_parallel:
+            plan |= {f"{p}{a}": "sequence" for a in ("ln1", "ln2") if hasattr(m, a)}
+            parents.add(name.rpartition(".")[0])
+    if sequence_parallel:
+        if len(parents) != 1 or not isinstance(model.get_submodule(next(iter(parents))),
+                                               nn.Sequential):  # fmt: skip
+            raise InvalidArgumentError(
+                "tensor_parallel: plan='auto' with sequence_parallel=True needs the blocks in "
+                "one nn.Sequential (the residual stream is split along the sequence around "
+                "it); give a plan with 'sequence_region' on the module that chains them"
+            )
+        plan[next(iter(parents))] = "sequence_region"
+    if not plan:
+        raise InvalidArgumentError(
+            f"tensor_parallel: plan='auto' recognises no block in {type(model).__name__}; "
+            "pass a plan {module name: 'colwise' | 'rowwise' | 'vocab' | 'sequence' | "
+            "'sequence_region'}"
+        )
+    return plan
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+_NEEDS: dict[str, type | tuple[type, ...]] = {
+    "colwise": nn.Linear,
+    "rowwise": nn.Linear,
+    "vocab": nn.Embedding,
+    "sequence": (nn.LayerNorm, nn.RMSNorm),
+    "sequence_region": nn.Module,
+}
+
+
+def _kind(style: Any) -> str:
+    if isinstance(style, Colwise):
+        return "colwise"
+    if isinstance(style, Rowwise):
+        return "rowwise"
+    return str(style)
+
+
+def _check(module: nn.Module, style: Any, name: str) -> None:
+    need = _NEEDS[_kind(style)]
+    if not isinstance(module, need):
+        kinds = " or ".join(
+            f"nn.{k.__name__}" for k in (need if isinstance(need, tuple) else (need,))
+        )
+        raise InvalidArgumentError(
+            f"tensor_parallel: plan[{name!r}] = {style!r} needs an {kinds}; {name} is a "
+            f"{type(module).__name__}"
+        )
+
+
+def _rewrite(module: Any, style: Any, group: ProcessGroup, sp: bool) -> nn.Module:
+    kind = _kind(style)
+    if kind == "colwise":
+        return ColumnParallelLinear.from_dense(module, group, pieces=style.pieces,
+                                               gather_output=style.gather_output,
+                                               sequence_parallel=sp)  # fmt: skip
+    if kind == "rowwise":
+        return RowParallelLinear.from_dense(module, group, sequence_parallel=sp,
+                                            input_is_parallel=style.input_is_parallel)  # fmt: skip
+    if kind == "vocab":
+        return VocabParallelEmbedding.from_dense(module, group)
+    if kind == "sequence":
+        return SequenceParallelNorm(module, group)
+    return _sequence_region(module, group)
+
+
+def tensor_parallel(
+    model: nn.Module,
+    group: ProcessGroup | None = None,
+    plan: str | Mapping[str, Any] = "auto",
+    *,
+    sequence_parallel: bool = False,
+) -> nn.Module:
+    """Rewrites ``model``'s layers into tensor-parallel ones over ``group``; returns it.
+
+    Build the optimizer after it, from ``model.parameters()`` (this rank's slices). Every
+    rank of ``group`` calls it with the same plan.
+
+    Args:
+        model: The dense model, built normally on every rank (rank 0's weights are used).
+        group: The tensor-parallel group (``None``: the default group).
+        plan: ``"auto"`` or ``{module name: style}`` (see the module docstring).
+        sequence_parallel: Split the residual stream along the sequence between the
+            column/row pairs (norms included): the all-reduces become reduce-scatters and
+            all-gathers, and activations there take 1/t of the memory.
+
+    Raises:
+        InvalidArgumentError: a name the model lacks, a style that does not fit the module,
+            or sizes (heads, features, vocabulary) not divisible by the group's size; before
+            anything changes.
+    """
+    g = group if group is not None else default_group()
+    t = g.world_size
+    chosen = _auto(model, t, sequence_parallel) if plan == "auto" else dict(plan)  # type: ignore[arg-type]
+    modules = dict(model.named_modules())
+    missing = [n for n in chosen if n not in modules]
+    if missing:
+        some = sorted((n for n in modules if n), key=len)[:12]
+        raise InvalidArgumentError(
+            f"tensor_parallel: the plan names {missing}, which {type(model).__name__} does not "
+            f"have; some of its modules: {some}"
+        )
+    styles = {n: _style(n, s) for n, s in chosen.items()}
+    for name, style in styles.items():
+        _check(model.get_submodule(name), style, name)
+    tensors = [*model.parameters(), *(b for b in model.buffers() if b.numel())]
+    broadcast_coalesced(g, [x.data for x in tensors], 0, 25 << 20)
+    for name, style in styles.items():
+        new = _rewrite(model.get_submodule(name), style, g, sequence_parallel)
+        if new is not model.get_submodule(name):
+            _replace(model, name, new)
+    report = _report(model, styles, t)
+    object.__setattr__(model, "plan", lambda: report)
+    return model
+
+
+def _report(model: nn.Module, styles: Mapping[str, Any], t: int) -> str:
+    lines = [f"tensor parallel over {t} ranks:"]
+    lines += [f"  {name or '(the model)'}: {styles[name]}" for name in sorted(styles)]
+    split = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    whole = [
+        f"{name}.{p}" if name else p
+        for name, m in model.named_modules()
+        for p, _ in m.named_parameters(recurse=False)
+        if not isinstance(m, split) or (isinstance(m, RowParallelLinear) and p == "bias")
+    ]
+    lines.append(f"  replicated on every rank: {', '.join(whole) or 'nothing'}")
+    return "\n".join(lines)

@@ -1,0 +1,244 @@
+"""Tensor parallelism against the dense layers and one process (ranks are threads).
+
+Each parallel layer, built from a dense one, gives the dense output and, for its slice of the
+weights, the dense gradients; the vocabulary-parallel loss equals ``F.cross_entropy`` on the
+whole logits; ``state_dict`` holds the full tensors. The built-in GPT under
+``tensor_parallel(plan="auto")`` at t = 2 and 4, with and without sequence parallelism, trains
+as one process does.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import shardline as sl
+from shardline.comm import ProcessGroup
+from shardline.examples.train import Config, TinyGPT
+from shardline.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelNorm,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from tests._ranks import run_ranks
+
+TIMEOUT = 120
+
+
+def _part(t: torch.Tensor, g: ProcessGroup, dim: int) -> torch.Tensor:
+    return t.chunk(g.world_size, dim=dim)[g.rank]
+
+
+@functools.cache
+def _pristine_mlp() -> tuple[nn.LayerNorm, nn.Linear, nn.Linear]:
+    torch.manual_seed(0)
+    return nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+
+def _mlp() -> tuple[nn.LayerNorm, nn.Linear, nn.Linear]:
+    """Fresh copies of one set of layers (ranks are threads: no seeding in them)."""
+    return copy.deepcopy(_pristine_mlp())
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_column_then_row_equals_the_dense_mlp(t: int, sp: bool) -> None:
+    """norm -> column -> GELU -> row: the output, the input's gradient and each rank's slice
+    of the weights' gradients are the dense ones; with sequence parallelism the input and
+    output are this rank's part of the sequence and the norm's gradients are summed."""
+    x = torch.randn(2, 8, 8)
+    ln, up, down = _mlp()
+    xd = x.clone().requires_grad_(True)
+    want = down(F.gelu(up(ln(xd))))
+    (want * torch.arange(8.0)).sum().backward()
+
+    def body(g: ProcessGroup) -> None:
+        ln2, up2, down2 = _mlp()
+        norm = SequenceParallelNorm(ln2, g) if sp else ln2
+        col = ColumnParallelLinear.from_dense(up2, g, sequence_parallel=sp)
+        row = RowParallelLinear.from_dense(down2, g, sequence_parallel=sp)
+        xs = (_part(x, g, 1) if sp else x).clone().requires_grad_(True)
+        out = row(F.gelu(col(norm(xs))))
+        torch.testing.assert_close(out, _part(want, g, 1) if sp else want)
+        (out * torch.arange(8.0)).sum().backward()
+        assert xs.grad is not None and xd.grad is not None
+        torch.testing.assert_close(xs.grad, _part(xd.grad, g, 1) if sp else xd.grad)
+        torch.testing.assert_close(col.weight.grad, _part(up.weight.grad, g, 0))
+        torch.testing.assert_close(col.bias.grad, _part(up.bias.grad, g, 0))
+        torch.testing.assert_close(row.weight.grad, _part(down.weight.grad, g, 1))
+        torch.testing.assert_close(row.bias.grad, down.bias.grad)
+        torch.testing.assert_close(ln2.weight.grad, ln.weight.grad)
+        torch.testing.assert_close(ln2.bias.grad, ln.bias.grad)
+
+    run_ranks(t, body, timeout=TIMEOUT)
+
+
+def test_a_fused_weight_is_split_piece_by_piece() -> None:
+    """q, k and v in one matrix (pieces=3): each rank holds its part of each, and its output
+    is [its q, its k, its v]; the state dict gives the fused matrix back in dense order."""
+    torch.manual_seed(0)
+    qkv = nn.Linear(4, 12)
+    x = torch.randn(3, 4)
+    q, k, v = qkv(x).detach().chunk(3, dim=-1)
+
+    def body(g: ProcessGroup) -> None:
+        col = ColumnParallelLinear.from_dense(qkv, g, pieces=3)
+        mine = col(x).detach()
+        torch.testing.assert_close(mine, torch.cat([_part(z, g, 1) for z in (q, k, v)], dim=-1))
+        full = col.state_dict()
+        assert torch.equal(full["weight"], qkv.weight) and torch.equal(full["bias"], qkv.bias)
+
+    run_ranks(2, body, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_vocab_parallel_embedding_equals_the_dense_lookup(sp: bool) -> None:
+    torch.manual_seed(0)
+    emb = nn.Embedding(12, 4)
+    ids = torch.randint(0, 12, (2, 6))
+    want = emb(ids)
+    (want * torch.arange(4.0)).sum().backward()
+
+    def body(g: ProcessGroup) -> None:
+        mine = VocabParallelEmbedding.from_dense(emb, g, sequence_parallel=sp)
+        out = mine(ids)
+        torch.testing.assert_close(out, _part(want, g, 1) if sp else want)
+        (out * torch.arange(4.0)).sum().backward()
+        torch.testing.assert_close(mine.weight.grad, _part(emb.weight.grad, g, 0))
+
+    run_ranks(3, body, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_vocab_parallel_cross_entropy_equals_the_dense_loss(t: int) -> None:
+    """Value and gradient, from vocabulary slices; ignored targets count for nothing."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 16) * 4
+    target = torch.randint(0, 16, (3, 5))
+    target[0, 0] = target[2, 4] = -100
+    ld = logits.clone().requires_grad_(True)
+    want = F.cross_entropy(ld.flatten(0, 1), target.flatten())
+    want.backward()
+    assert ld.grad is not None
+
+    def body(g: ProcessGroup) -> None:
+        mine = _part(logits, g, -1).clone().requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(mine, target, g)
+        torch.testing.assert_close(loss, want)
+        loss.backward()
+        torch.testing.assert_close(mine.grad, _part(ld.grad, g, -1))
+        each = vocab_parallel_cross_entropy(mine.detach(), target, g, reduction="none")
+        ref = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none")
+        torch.testing.assert_close(each.flatten(), ref)
+
+    run_ranks(t, body, timeout=TIMEOUT)
+
+
+@functools.cache
+def _pristine_gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(Config(d_model=32, num_heads=4, num_layers=2, seq_len=16))
+
+
+def _gpt() -> TinyGPT:
+    return copy.deepcopy(_pristine_gpt())
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 256, (4, 17), generator=gen) for _ in range(3)]
+    return [(r[:, :-1], r[:, 1:]) for r in rows]
+
+
+def _train(model: nn.Module) -> list[float]:
+    # The key bias's gradient is zero in exact arithmetic (softmax does not see a shift shared
+    # by all keys), so it is rounding noise, which Adam with a tiny eps turns into full-size
+    # steps of either sign. A larger eps keeps that noise at the noise's size.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    losses = []
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_the_builtin_gpt_trains_as_one_process(t: int, sp: bool) -> None:
+    """plan='auto': heads and MLP features split, the embedding tied to the head and the
+    norms replicated (or, with sequence parallelism, the norms on sequence parts). Three
+    AdamW steps: losses and the full state dict equal one process's."""
+    dense = _gpt()
+    want_losses = _train(dense)
+    want = dense.state_dict()
+
+    def body(g: ProcessGroup) -> tuple[list[float], dict[str, torch.Tensor], int, int, str]:
+        model = sl.tensor_parallel(_gpt(), g, sequence_parallel=sp)
+        qkv = model.blocks[0].qkv
+        held, total = qkv.weight.numel(), 3 * 32 * 32
+        losses = _train(model)
+        return losses, model.state_dict(), held, total, model.plan()
+
+    for losses, state, held, total, plan in run_ranks(t, body, timeout=TIMEOUT):
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        assert set(state) == set(want)
+        for key, value in want.items():
+            torch.testing.assert_close(state[key], value, msg=key)
+        assert held * t == total  # each rank holds 1/t of a split weight
+        assert "blocks.0.qkv: Colwise(pieces=3" in plan and "tok.weight" in plan
+
+
+def test_a_state_dict_loads_back_into_the_slices() -> None:
+    """load_state_dict takes full tensors (a dense model's) and keeps this rank's slices."""
+    other = _gpt()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    want = other.state_dict()
+
+    def body(g: ProcessGroup) -> dict[str, torch.Tensor]:
+        model = sl.tensor_parallel(_gpt(), g)
+        model.load_state_dict(want)
+        return model.state_dict()
+
+    for state in run_ranks(2, body, timeout=TIMEOUT):
+        for key, value in want.items():
+            assert torch.equal(state[key], value), key
+
+
+def test_plans_that_cannot_work_are_refused_before_any_change() -> None:
+    def attempt(plan: Any, t: int = 2, heads: int = 4) -> None:
+        torch.manual_seed(0)
+        pristine = TinyGPT(Config(d_model=24, num_heads=heads, num_layers=1, seq_len=8))
+
+        def body(g: ProcessGroup) -> None:
+            model = copy.deepcopy(pristine)
+            before = [p.clone() for p in model.parameters()]
+            try:
+                sl.tensor_parallel(model, g, plan)
+            finally:
+                assert all(
+                    torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+                )
+
+        run_ranks(t, body, timeout=TIMEOUT)
+
+    with pytest.raises(AssertionError, match=r"num_heads=3, not divisible by tp=2"):
+        attempt("auto", heads=3)
+    with pytest.raises(AssertionError, match=r"names \['blocks\.9\.qkv'\], which TinyGPT"):
+        attempt({"blocks.9.qkv": "colwise"})
+    with pytest.raises(AssertionError, match=r"needs an nn\.Linear; blocks\.0\.ln1 is a LayerNorm"):
+        attempt({"blocks.0.ln1": "colwise"})
+    with pytest.raises(AssertionError, match=r"'diagonal' is not a style"):
+        attempt({"blocks.0.qkv": "diagonal"})
