@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import shardline as sl
+from shardline import checkpoint
 from shardline.comm import ProcessGroup
 from shardline.examples.train import Config, TinyGPT
 from shardline.parallel.tensor import (
@@ -242,3 +244,54 @@ def test_plans_that_cannot_work_are_refused_before_any_change() -> None:
         attempt({"blocks.0.ln1": "colwise"})
     with pytest.raises(AssertionError, match=r"'diagonal' is not a style"):
         attempt({"blocks.0.qkv": "diagonal"})
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, ...]) -> float:
+    opt.zero_grad()
+    loss = model(*batch)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def test_checkpoints_reshard_between_tp_layouts_and_one_process(tmp_path: Path) -> None:
+    """Saved at tp=2 (model and AdamW state) after two steps: loaded into one process and at
+    tp=4, the model is the saved one bit for bit, and the third step gives the loss and
+    parameters the tp=2 run got (the optimizer state came along, fused q/k/v pieces too)."""
+    batches = _batches()
+    path = tmp_path / "ck"
+
+    def saver(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], float, dict[str, torch.Tensor]]:
+        model = sl.tensor_parallel(_gpt(), g)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+        for batch in batches[:2]:
+            _step(model, opt, batch)
+        checkpoint.save(path, model=model, optimizer=opt, group=g)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        loss = _step(model, opt, batches[2])
+        return saved, loss, model.state_dict()
+
+    saved, want_loss, want_after = run_ranks(2, saver, timeout=TIMEOUT)[0]
+
+    def check(state: dict[str, torch.Tensor], loss: float, after: dict[str, torch.Tensor]) -> None:
+        for key, value in saved.items():
+            assert torch.equal(state[key], value), key
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        for key, value in want_after.items():
+            torch.testing.assert_close(after[key], value, msg=key)
+
+    plain = _gpt()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=1e-4)
+    checkpoint.load(path, model=plain, optimizer=opt)
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    check(state, _step(plain, opt, batches[2]), plain.state_dict())
+
+    def loader(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], float, dict[str, torch.Tensor]]:
+        model = sl.tensor_parallel(_gpt(), g)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+        checkpoint.load(path, model=model, optimizer=opt, group=g)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        return state, _step(model, opt, batches[2]), model.state_dict()
+
+    for result in run_ranks(4, loader, timeout=TIMEOUT):
+        check(*result)

@@ -237,11 +237,55 @@ def tensors_of(value: torch.Tensor | Shard | Local) -> Iterator[torch.Tensor]:
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
-    """``model.sharded_state_dict()``, or a plain module's state: every tensor replicated."""
+    """``model.sharded_state_dict()``, or a plain module's state (``_composed``)."""
     own: Any = getattr(model, "sharded_state_dict", None)
     if callable(own):
         return dict(own())
-    return dict(model.state_dict(keep_vars=True))
+    return _composed(model)
+
+
+def _composed(model: nn.Module) -> dict[str, Any]:
+    """A plain module's state: its tensors replicated, or a submodule's own values.
+
+    Where a submodule has its own ``sharded_state_dict()`` (a tensor-parallel layer), its
+    values stand under its name. Read from the modules' tensors directly: ``state_dict()`` of
+    such a submodule may be a collective (full tensors gathered), which this must not start.
+    """
+    contracted: dict[str, nn.Module] = {}  # the outermost submodules with their own
+    for name, m in model.named_modules(remove_duplicate=False):
+        inside = any(name.startswith(f"{p}.") for p in contracted)
+        if name and not inside and callable(getattr(m, "sharded_state_dict", None)):
+            contracted[name] = m
+    if not contracted:
+        return dict(model.state_dict(keep_vars=True))
+    out: dict[str, Any] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        pre = f"{name}." if name else ""
+        if name in contracted:
+            out.update({pre + k: v for k, v in m.sharded_state_dict().items()})
+            continue
+        if any(name.startswith(f"{p}.") for p in contracted):
+            continue
+        out.update({pre + k: p for k, p in m._parameters.items() if p is not None})
+        out.update({
+            pre + k: b for k, b in m._buffers.items()
+            if b is not None and k not in m._non_persistent_buffers_set
+        })  # fmt: skip
+    return out
+
+
+def _view_like(
+    value: torch.Tensor, piece: torch.Tensor, param: torch.Tensor
+) -> torch.Tensor | None:
+    """The view of ``value`` (shaped like ``param``) where ``piece`` lies in ``param``."""
+    if piece is param:
+        return value
+    if value.shape != param.shape or value.stride() != param.stride():
+        return None
+    if piece.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+        return None
+    at = value.storage_offset() + piece.storage_offset() - param.storage_offset()
+    return value.as_strided(piece.shape, piece.stride(), at)
 
 
 def load_sharded_state_dict(model: nn.Module, sd: Mapping[str, Any]) -> None:
@@ -293,16 +337,17 @@ def sharded_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
         where = layouts.get(name)
         out: dict[str, Any] = {}
         for k, v in entries.items():
-            if (
-                isinstance(where, Shard)
-                and torch.is_tensor(v)
-                and v.dim() > 0
-                and len(where.pieces) == 1
-                and v.shape == where.local.shape
-            ):
+            out[k] = v
+            if not (isinstance(where, Shard) and torch.is_tensor(v) and v.dim() > 0):
+                continue
+            if len(where.pieces) == 1 and v.shape == where.local.shape:
                 out[k] = where.like([v])
-            else:
-                out[k] = v
+                continue
+            # Several pieces, each a view of the parameter (a fused weight's blocks): the
+            # same views of the state tensor shaped like it.
+            views = [_view_like(v, piece.tensor, params[name]) for piece in where.pieces]
+            if where.pieces and all(x is not None for x in views):
+                out[k] = where.like(views)  # type: ignore[arg-type]
         state[name] = out
     return {"state": state, "param_groups": groups_by_name(optimizer, names)}
 
@@ -321,15 +366,35 @@ def load_sharded_optim_state_dict(
         own(optimizer, sd)
         return
     params = dict(model.named_parameters())
+    layouts = _param_layouts(model)
     for name, entries in sd["state"].items():
         if name not in params:
             raise InvalidArgumentError(
                 f"load_sharded_optim_state_dict: the model has no parameter {name!r}"
             )
         optimizer.state[params[name]] = {
-            k: (v.local if isinstance(v, Shard) else v) for k, v in entries.items()
+            k: _assembled(v, layouts.get(name), params[name]) for k, v in entries.items()
         }
     apply_param_groups(optimizer, sd.get("param_groups", []))
+
+
+def _assembled(value: Any, where: Any, param: torch.Tensor) -> Any:
+    """Optimizer state as the optimizer keeps it.
+
+    A one-piece ``Shard``'s tensor, or a tensor shaped like ``param`` filled from several
+    pieces laid out as ``where``'s.
+    """
+    if not isinstance(value, Shard):
+        return value
+    if len(value.pieces) == 1:
+        return value.local
+    out = torch.empty_like(param, dtype=value.pieces[0].tensor.dtype)
+    assert isinstance(where, Shard) and len(where.pieces) == len(value.pieces)
+    for mine, got in zip(where.pieces, value.pieces, strict=True):
+        view = _view_like(out, mine.tensor, param)
+        assert view is not None, "a piece that is not a view of its parameter"
+        view.copy_(got.tensor)
+    return out
 
 
 def apply_param_groups(

@@ -17,7 +17,10 @@ process would have. Each rank holds about 1/t of every split weight:
 
 ``state_dict()`` of each holds the full tensors (gathered: a collective over the group) and
 ``load_state_dict()`` takes full tensors and keeps this rank's slice, so a model holding them
-saves and loads as the dense model does.
+saves and loads as the dense model does. For checkpoints each implements the strategy
+contract's ``sharded_state_dict()`` (``parallel.contract``): its slices as ``Shard`` boxes of
+the dense tensors (a fused weight: one box per piece), no communication; a plain model holding
+them composes them, so it checkpoints and reshards into any layout.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch.nn import functional as F
 
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
+from shardline.parallel.contract import Box, Shard
 from shardline.parallel.tensor.regions import (
     copy_to,
     gather_from,
@@ -75,6 +79,19 @@ class _Sliced(nn.Module):
     """Saves full tensors and loads from full tensors (see the module docstring)."""
 
     group: ProcessGroup
+
+    def _boxes(self, name: str, local: torch.Tensor) -> tuple[tuple[int, ...], list[Box]]:
+        """The dense tensor's shape, and where this rank's ``local`` lies in it."""
+        raise NotImplementedError
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The strategy contract: this rank's slices as ``Shard`` boxes of the dense tensors."""
+        out: dict[str, Any] = {}
+        for name, param in self._parameters.items():
+            if param is not None:
+                shape, boxes = self._boxes(name, param)
+                out[name] = param if not boxes else Shard(shape, boxes)
+        return out
 
     def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -180,6 +197,17 @@ class ColumnParallelLinear(_Sliced):
     def _mine(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return _rows(full, self.group, self.pieces)
 
+    def _boxes(self, name: str, local: torch.Tensor) -> tuple[tuple[int, ...], list[Box]]:
+        rows = local.shape[0] // self.pieces  # of each piece, on this rank
+        shape = (self.out_features, *local.shape[1:])
+        per_piece = self.out_features // self.pieces
+        boxes = [
+            Box(local[k * rows : (k + 1) * rows],
+                (k * per_piece + self.group.rank * rows,) + (0,) * (local.dim() - 1))
+            for k in range(self.pieces)
+        ]  # fmt: skip
+        return shape, boxes
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output features (all of them with ``gather_output``)."""
         x = gather_seq(x, self.group) if self.sequence_parallel else copy_to(x, self.group)
@@ -252,6 +280,12 @@ class RowParallelLinear(_Sliced):
             return full
         return _rows(full.t(), self.group, 1).t()
 
+    def _boxes(self, name: str, local: torch.Tensor) -> tuple[tuple[int, ...], list[Box]]:
+        if name == "bias":  # whole on every rank: replicated
+            return tuple(local.shape), []
+        cols = local.shape[1]
+        return (self.out_features, self.in_features), [Box(local, (0, self.group.rank * cols))]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The dense layer's output: whole, or this rank's part of the sequence."""
         if not self.input_is_parallel:
@@ -321,6 +355,9 @@ class VocabParallelEmbedding(_Sliced):
 
     def _mine(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return _rows(full, self.group, 1)
+
+    def _boxes(self, name: str, local: torch.Tensor) -> tuple[tuple[int, ...], list[Box]]:
+        return (self.num_embeddings, self.embedding_dim), [Box(local, (self.start, 0))]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The dense lookup of ``ids`` (summed over the ranks' rows)."""
