@@ -178,27 +178,30 @@ def _train(model: nn.Module) -> list[float]:
 @pytest.mark.parametrize("t", [2, 4])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_the_builtin_gpt_trains_as_one_process(t: int, sp: bool) -> None:
-    """plan='auto': heads and MLP features split, the embedding tied to the head and the
-    norms replicated (or, with sequence parallelism, the norms on sequence parts). Three
-    AdamW steps: losses and the full state dict equal one process's."""
+    """plan='auto': heads and MLP features split; the embedding and the head tied to it split
+    by vocabulary, with the vocabulary-parallel loss; norms replicated (or, with sequence
+    parallelism, on sequence parts). Three AdamW steps: losses and the full state dict equal
+    one process's."""
     dense = _gpt()
     want_losses = _train(dense)
     want = dense.state_dict()
 
     def body(g: ProcessGroup) -> tuple[list[float], dict[str, torch.Tensor], int, int, str]:
         model = sl.tensor_parallel(_gpt(), g, sequence_parallel=sp)
-        qkv = model.blocks[0].qkv
-        held, total = qkv.weight.numel(), 3 * 32 * 32
+        held = [model.blocks[0].qkv.weight.numel(), model.tok.weight.numel()]
+        assert model.head.weight is model.tok.weight  # still tied: the same rows
         losses = _train(model)
-        return losses, model.state_dict(), held, total, model.plan()
+        return losses, model.state_dict(), held, model.plan()
 
-    for losses, state, held, total, plan in run_ranks(t, body, timeout=TIMEOUT):
+    for losses, state, held, plan in run_ranks(t, body, timeout=TIMEOUT):
         assert losses == pytest.approx(want_losses, rel=1e-5)
         assert set(state) == set(want)
         for key, value in want.items():
             torch.testing.assert_close(state[key], value, msg=key)
-        assert held * t == total  # each rank holds 1/t of a split weight
-        assert "blocks.0.qkv: Colwise(pieces=3" in plan and "tok.weight" in plan
+        # Each rank holds 1/t of a split weight: q/k/v, and the vocabulary.
+        assert [h * t for h in held] == [3 * 32 * 32, 256 * 32]
+        assert "blocks.0.qkv: Colwise(pieces=3" in plan and "tok: vocab" in plan
+        assert "pos.weight" in plan.split("replicated")[1]
 
 
 def test_a_state_dict_loads_back_into_the_slices() -> None:

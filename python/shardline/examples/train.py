@@ -25,6 +25,7 @@ import random
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,8 @@ class TinyGPT(nn.Module):
         self.ln = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.head.weight = self.tok.weight
+        # The loss of the logits: tensor parallelism swaps in the vocabulary-parallel one.
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
         for m in self.modules():
             if isinstance(m, nn.Linear | nn.Embedding):
                 nn.init.normal_(m.weight, std=0.02)
@@ -120,8 +123,7 @@ class TinyGPT(nn.Module):
         """Mean next-byte cross-entropy of ``idx`` against ``targets``."""
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.blocks(self.tok(idx) + self.pos(pos))
-        logits = self.head(self.ln(x))
-        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return self.loss_fn(self.head(self.ln(x)), targets)
 
 
 class Embeddings(nn.Module):

@@ -16,7 +16,7 @@ import torch
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_loss"]
 
 
 class _VocabCrossEntropy(torch.autograd.Function):
@@ -83,3 +83,10 @@ def vocab_parallel_cross_entropy(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / (target != ignore_index).sum().clamp(min=1)
+
+
+def vocab_parallel_loss(
+    logits: torch.Tensor, targets: torch.Tensor, *, group: ProcessGroup
+) -> torch.Tensor:
+    """A language model's mean loss (``(batch, seq, V / t)`` logits), for a ``loss_fn``."""
+    return vocab_parallel_cross_entropy(logits, targets, group)

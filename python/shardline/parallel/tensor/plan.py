@@ -6,7 +6,11 @@ A plan maps module names to styles:
   ``nn.Linear`` becomes a ``ColumnParallelLinear``;
 - ``"rowwise"``: an ``nn.Linear`` becomes a ``RowParallelLinear`` (it takes a column layer's
   output slice);
-- ``"vocab"``: an ``nn.Embedding`` becomes a ``VocabParallelEmbedding``;
+- ``"vocab"``: an ``nn.Embedding`` becomes a ``VocabParallelEmbedding``, an output
+  ``nn.Linear`` a ``ColumnParallelLinear`` whose logits stay split by vocabulary (a head
+  tied to the embedding stays tied: both hold the same rows). A model with a ``loss_fn``
+  attribute (the built-in GPT) then gets the vocabulary-parallel cross-entropy there, so its
+  loss is the dense one and the full logits are never gathered;
 - ``"sequence"``: a norm on the sequence-split residual stream becomes a
   ``SequenceParallelNorm``;
 - ``"sequence_region"``: any module whose input and output are the residual stream (the
@@ -15,7 +19,8 @@ A plan maps module names to styles:
 ``plan="auto"`` recognises blocks shaped like the built-in GPT's (``qkv``, ``proj``, an
 ``mlp`` of linear, activation, linear; ``num_heads``): attention heads and the MLP's hidden
 features are split; with ``sequence_parallel=True`` the blocks' norms and the chain holding
-them too. Everything else stays replicated and is listed by ``model.plan()``.
+them too. An embedding tied to an output head on a model with ``loss_fn`` is split by
+vocabulary. Everything else stays replicated and is listed by ``model.plan()``.
 
 Before any layer is cut, the group's rank 0 broadcasts the model's tensors, so every layout
 starts from the numbers one process would have (DESIGN decision 7).
@@ -23,6 +28,7 @@ starts from the numbers one process would have (DESIGN decision 7).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +45,7 @@ from shardline.parallel.tensor.layers import (
     SequenceParallelNorm,
     VocabParallelEmbedding,
 )
+from shardline.parallel.tensor.loss import vocab_parallel_loss
 from shardline.parallel.tensor.regions import gather_from, split_to
 
 __all__ = ["Colwise", "Rowwise", "tensor_parallel"]
@@ -122,6 +129,9 @@ def _auto(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, Any]:
                 "it); give a plan with 'sequence_region' on the module that chains them"
             )
         plan[next(iter(parents))] = "sequence_region"
+    if callable(getattr(model, "loss_fn", None)):
+        for emb, head in _tied_heads(model):
+            plan |= {emb: "vocab", head: "vocab"}
     if not plan:
         raise InvalidArgumentError(
             f"tensor_parallel: plan='auto' recognises no block in {type(model).__name__}; "
@@ -129,6 +139,24 @@ def _auto(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, Any]:
             "'sequence_region'}"
         )
     return plan
+
+
+def _tied_heads(model: nn.Module) -> list[tuple[str, str]]:
+    """(embedding, output linear) names whose weights are one tensor."""
+    embeddings = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    return [
+        (embeddings[id(m.weight)], n)
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and id(m.weight) in embeddings
+    ]
+
+
+def _retie(model: nn.Module, ties: list[tuple[str, str]]) -> None:
+    """Makes a tied head hold its embedding's rows again (both were split the same way)."""
+    for emb, head in ties:
+        e, h = model.get_submodule(emb), model.get_submodule(head)
+        if isinstance(e, VocabParallelEmbedding) and isinstance(h, ColumnParallelLinear):
+            h.weight = e.weight
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -139,7 +167,7 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 _NEEDS: dict[str, type | tuple[type, ...]] = {
     "colwise": nn.Linear,
     "rowwise": nn.Linear,
-    "vocab": nn.Embedding,
+    "vocab": (nn.Embedding, nn.Linear),
     "sequence": (nn.LayerNorm, nn.RMSNorm),
     "sequence_region": nn.Module,
 }
@@ -174,8 +202,10 @@ def _rewrite(module: Any, style: Any, group: ProcessGroup, sp: bool) -> nn.Modul
     if kind == "rowwise":
         return RowParallelLinear.from_dense(module, group, sequence_parallel=sp,
                                             input_is_parallel=style.input_is_parallel)  # fmt: skip
-    if kind == "vocab":
+    if kind == "vocab" and isinstance(module, nn.Embedding):
         return VocabParallelEmbedding.from_dense(module, group)
+    if kind == "vocab":  # an output head: logits split by vocabulary
+        return ColumnParallelLinear.from_dense(module, group)
     if kind == "sequence":
         return SequenceParallelNorm(module, group)
     return _sequence_region(module, group)
@@ -220,12 +250,17 @@ def tensor_parallel(
     styles = {n: _style(n, s) for n, s in chosen.items()}
     for name, style in styles.items():
         _check(model.get_submodule(name), style, name)
+    ties = _tied_heads(model)
     tensors = [*model.parameters(), *(b for b in model.buffers() if b.numel())]
     broadcast_coalesced(g, [x.data for x in tensors], 0, 25 << 20)
     for name, style in styles.items():
         new = _rewrite(model.get_submodule(name), style, g, sequence_parallel)
         if new is not model.get_submodule(name):
             _replace(model, name, new)
+    _retie(model, ties)
+    heads = [n for n, s in styles.items() if s == "vocab" and isinstance(modules[n], nn.Linear)]
+    if heads and callable(getattr(model, "loss_fn", None)):
+        setattr(model, "loss_fn", functools.partial(vocab_parallel_loss, group=g))  # noqa: B010
     report = _report(model, styles, t)
     object.__setattr__(model, "plan", lambda: report)
     return model
