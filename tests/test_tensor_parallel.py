@@ -298,3 +298,53 @@ def test_checkpoints_reshard_between_tp_layouts_and_one_process(tmp_path: Path) 
 
     for result in run_ranks(4, loader, timeout=TIMEOUT):
         check(*result)
+
+
+@functools.cache
+def _pristine_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32,
+        attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def _train_hf(model: nn.Module) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    losses = []
+    for x, _ in _batches():
+        ids = x % 128
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_a_llama_from_transformers_trains_as_one_process(t: int) -> None:
+    """A Hugging Face Llama (grouped-query attention: 8 heads, 4 key/value heads) under
+    plan='auto': q/k/v/o and gate/up/down split, embeddings and the output head split by
+    vocabulary with the vocabulary-parallel loss inside, so ``.loss`` is the dense one. Three
+    AdamW steps equal one process."""
+    dense = copy.deepcopy(_pristine_llama())
+    want_losses = _train_hf(dense)
+    want = dense.state_dict()
+
+    def body(g: ProcessGroup) -> tuple[list[float], dict[str, torch.Tensor], str, int]:
+        model = sl.tensor_parallel(copy.deepcopy(_pristine_llama()), g)
+        logits = model(input_ids=_batches()[0][0][:, :4] % 128).logits
+        return _train_hf(model), model.state_dict(), model.plan(), logits.shape[-1]
+
+    for losses, state, plan, vocab in run_ranks(t, body, timeout=TIMEOUT):
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        for key, value in want.items():
+            torch.testing.assert_close(state[key], value, msg=key)
+        assert vocab == 128 // t  # .logits: this rank's vocabulary slice
+        assert "model.layers.0.self_attn.k_proj: Colwise" in plan
+        assert "model.embed_tokens: vocab" in plan and "lm_head: vocab" in plan

@@ -312,6 +312,7 @@ class VocabParallelEmbedding(_Sliced):
     Attributes:
         num_embeddings, embedding_dim: The dense table's sizes.
         start: The first id this rank holds.
+        padding_idx: As in ``nn.Embedding``: that row gets no gradient (on its rank).
         sequence_parallel: The output leaves split along dim 1 (the sequence).
     """
 
@@ -321,6 +322,7 @@ class VocabParallelEmbedding(_Sliced):
         embedding_dim: int,
         group: ProcessGroup,
         *,
+        padding_idx: int | None = None,
         sequence_parallel: bool = False,
         device: Any = None,
         dtype: Any = None,
@@ -332,6 +334,9 @@ class VocabParallelEmbedding(_Sliced):
         self.sequence_parallel = sequence_parallel
         rows = num_embeddings // t
         self.start = group.rank * rows
+        self.padding_idx = padding_idx
+        here = padding_idx is not None and self.start <= padding_idx < self.start + rows
+        self._local_pad = padding_idx - self.start if here else None  # type: ignore[operator]
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype))
 
     @classmethod
@@ -339,13 +344,14 @@ class VocabParallelEmbedding(_Sliced):
         cls, embedding: nn.Embedding, group: ProcessGroup, **options: Any
     ) -> VocabParallelEmbedding:
         """This rank's rows of ``embedding``'s table."""
-        if embedding.padding_idx is not None or embedding.max_norm is not None:
+        if embedding.max_norm is not None or embedding.sparse:
             raise InvalidArgumentError(
-                "VocabParallelEmbedding: padding_idx and max_norm are not supported; leave "
-                "this embedding replicated (out of the plan)"
+                "VocabParallelEmbedding: max_norm and sparse are not supported; leave this "
+                "embedding replicated (out of the plan)"
             )
         w = embedding.weight
-        out = cls(w.shape[0], w.shape[1], group, device=w.device, dtype=w.dtype, **options)
+        out = cls(w.shape[0], w.shape[1], group, padding_idx=embedding.padding_idx,
+                  device=w.device, dtype=w.dtype, **options)  # fmt: skip
         with torch.no_grad():
             out.weight.copy_(_rows(w, group, 1))
         return out
@@ -364,7 +370,8 @@ class VocabParallelEmbedding(_Sliced):
         rows = self.weight.shape[0]
         outside = (ids < self.start) | (ids >= self.start + rows)
         local = torch.where(outside, 0, ids - self.start)
-        out = F.embedding(local, self.weight) * (~outside).unsqueeze(-1).to(self.weight.dtype)
+        out = F.embedding(local, self.weight, self._local_pad)
+        out = out * (~outside).unsqueeze(-1).to(out.dtype)
         if self.sequence_parallel:
             return scatter_seq(out, self.group)
         return reduce_from(out, self.group)

@@ -16,7 +16,7 @@ import torch
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
 
-__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_loss"]
+__all__ = ["causal_lm_loss", "vocab_parallel_cross_entropy", "vocab_parallel_loss"]
 
 
 class _VocabCrossEntropy(torch.autograd.Function):
@@ -90,3 +90,33 @@ def vocab_parallel_loss(
 ) -> torch.Tensor:
     """A language model's mean loss (``(batch, seq, V / t)`` logits), for a ``loss_fn``."""
     return vocab_parallel_cross_entropy(logits, targets, group)
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    *,
+    group: ProcessGroup,
+    **_: Any,
+) -> torch.Tensor:
+    """Hugging Face's causal-LM loss (``ForCausalLMLoss``) from vocabulary-split logits.
+
+    The same arguments and the same result: labels shifted left (each token predicts the
+    next), ``ignore_index`` skipped, the mean, or the sum over ``num_items_in_batch``.
+    """
+    if shift_labels is None:
+        padded = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = padded[..., 1:]
+    target = shift_labels.to(logits.device)
+    if num_items_in_batch is None:
+        return vocab_parallel_cross_entropy(logits, target, group, ignore_index=ignore_index)
+    total = vocab_parallel_cross_entropy(
+        logits, target, group, ignore_index=ignore_index, reduction="sum"
+    )
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch

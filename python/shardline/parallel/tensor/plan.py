@@ -16,11 +16,8 @@ A plan maps module names to styles:
 - ``"sequence_region"``: any module whose input and output are the residual stream (the
   chain of blocks) takes it split along the sequence and gives it back whole.
 
-``plan="auto"`` recognises blocks shaped like the built-in GPT's (``qkv``, ``proj``, an
-``mlp`` of linear, activation, linear; ``num_heads``): attention heads and the MLP's hidden
-features are split; with ``sequence_parallel=True`` the blocks' norms and the chain holding
-them too. An embedding tied to an output head on a model with ``loss_fn`` is split by
-vocabulary. Everything else stays replicated and is listed by ``model.plan()``.
+``plan="auto"`` recognises the models ``tensor.auto`` lists (the built-in GPT, Llama-style
+Hugging Face models); everything else stays replicated, and ``model.plan()`` lists it.
 
 Before any layer is cut, the group's rank 0 broadcasts the model's tensors, so every layout
 starts from the numbers one process would have (DESIGN decision 7).
@@ -30,7 +27,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -39,31 +35,18 @@ from shardline.comm.group import ProcessGroup
 from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import broadcast_coalesced
+from shardline.parallel.tensor.auto import auto_plan, is_hf_causal_lm, tied_heads
 from shardline.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     SequenceParallelNorm,
     VocabParallelEmbedding,
 )
-from shardline.parallel.tensor.loss import vocab_parallel_loss
+from shardline.parallel.tensor.loss import causal_lm_loss, vocab_parallel_loss
 from shardline.parallel.tensor.regions import gather_from, split_to
+from shardline.parallel.tensor.styles import Colwise, Rowwise
 
 __all__ = ["Colwise", "Rowwise", "tensor_parallel"]
-
-
-@dataclass(frozen=True)
-class Colwise:
-    """``nn.Linear`` -> ``ColumnParallelLinear`` (output features split)."""
-
-    pieces: int = 1
-    gather_output: bool = False
-
-
-@dataclass(frozen=True)
-class Rowwise:
-    """``nn.Linear`` -> ``RowParallelLinear`` (input features split)."""
-
-    input_is_parallel: bool = True
 
 
 def _sequence_region(module: nn.Module, group: ProcessGroup) -> nn.Module:
@@ -94,61 +77,6 @@ def _style(name: str, style: Any) -> Any:
         f"tensor_parallel: plan[{name!r}] = {style!r} is not a style; use one of "
         f"{', '.join(map(repr, _STYLES))}, or Colwise(pieces=...) / Rowwise(...)"
     )
-
-
-def _auto(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, Any]:
-    """The plan for blocks shaped like the built-in GPT's (see the module docstring)."""
-    plan: dict[str, Any] = {}
-    parents: set[str] = set()
-    for name, m in model.named_modules():
-        qkv, proj, mlp = (getattr(m, a, None) for a in ("qkv", "proj", "mlp"))
-        if not (isinstance(qkv, nn.Linear) and isinstance(proj, nn.Linear)):
-            continue
-        if not (isinstance(mlp, nn.Sequential) and len(mlp) == 3):
-            continue
-        if not (isinstance(mlp[0], nn.Linear) and isinstance(mlp[2], nn.Linear)):
-            continue
-        heads = getattr(m, "num_heads", None)
-        if not isinstance(heads, int) or heads % t:
-            raise InvalidArgumentError(
-                f"tensor_parallel: {name or type(m).__name__} has num_heads={heads}, not "
-                f"divisible by tp={t}; use a tp size that divides the heads"
-            )
-        p = f"{name}." if name else ""
-        plan |= {f"{p}qkv": Colwise(pieces=3), f"{p}proj": Rowwise(),
-                 f"{p}mlp.0": Colwise(), f"{p}mlp.2": Rowwise()}  # fmt: skip
-        if sequence_parallel:
-            plan |= {f"{p}{a}": "sequence" for a in ("ln1", "ln2") if hasattr(m, a)}
-            parents.add(name.rpartition(".")[0])
-    if sequence_parallel:
-        if len(parents) != 1 or not isinstance(model.get_submodule(next(iter(parents))),
-                                               nn.Sequential):  # fmt: skip
-            raise InvalidArgumentError(
-                "tensor_parallel: plan='auto' with sequence_parallel=True needs the blocks in "
-                "one nn.Sequential (the residual stream is split along the sequence around "
-                "it); give a plan with 'sequence_region' on the module that chains them"
-            )
-        plan[next(iter(parents))] = "sequence_region"
-    if callable(getattr(model, "loss_fn", None)):
-        for emb, head in _tied_heads(model):
-            plan |= {emb: "vocab", head: "vocab"}
-    if not plan:
-        raise InvalidArgumentError(
-            f"tensor_parallel: plan='auto' recognises no block in {type(model).__name__}; "
-            "pass a plan {module name: 'colwise' | 'rowwise' | 'vocab' | 'sequence' | "
-            "'sequence_region'}"
-        )
-    return plan
-
-
-def _tied_heads(model: nn.Module) -> list[tuple[str, str]]:
-    """(embedding, output linear) names whose weights are one tensor."""
-    embeddings = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
-    return [
-        (embeddings[id(m.weight)], n)
-        for n, m in model.named_modules()
-        if isinstance(m, nn.Linear) and id(m.weight) in embeddings
-    ]
 
 
 def _retie(model: nn.Module, ties: list[tuple[str, str]]) -> None:
@@ -238,7 +166,7 @@ def tensor_parallel(
     """
     g = group if group is not None else default_group()
     t = g.world_size
-    chosen = _auto(model, t, sequence_parallel) if plan == "auto" else dict(plan)  # type: ignore[arg-type]
+    chosen = auto_plan(model, t, sequence_parallel) if plan == "auto" else dict(plan)  # type: ignore[arg-type]
     modules = dict(model.named_modules())
     missing = [n for n in chosen if n not in modules]
     if missing:
@@ -250,7 +178,7 @@ def tensor_parallel(
     styles = {n: _style(n, s) for n, s in chosen.items()}
     for name, style in styles.items():
         _check(model.get_submodule(name), style, name)
-    ties = _tied_heads(model)
+    ties = tied_heads(model)
     tensors = [*model.parameters(), *(b for b in model.buffers() if b.numel())]
     broadcast_coalesced(g, [x.data for x in tensors], 0, 25 << 20)
     for name, style in styles.items():
@@ -261,6 +189,8 @@ def tensor_parallel(
     heads = [n for n, s in styles.items() if s == "vocab" and isinstance(modules[n], nn.Linear)]
     if heads and callable(getattr(model, "loss_fn", None)):
         setattr(model, "loss_fn", functools.partial(vocab_parallel_loss, group=g))  # noqa: B010
+    elif heads and is_hf_causal_lm(model):  # transformers: its .loss, from split logits
+        setattr(model, "loss_function", functools.partial(causal_lm_loss, group=g))  # noqa: B010
     report = _report(model, styles, t)
     object.__setattr__(model, "plan", lambda: report)
     return model

@@ -1,0 +1,138 @@
+"""``plan="auto"``: tensor-parallel plans for the model shapes we recognise.
+
+- **The built-in GPT's blocks** (``qkv``, ``proj``, an ``mlp`` of linear, activation,
+  linear; ``num_heads``): q/k/v (one fused matrix: ``Colwise(pieces=3)``) and the MLP's first
+  linear split by output, ``proj`` and the MLP's second by input. With
+  ``sequence_parallel=True`` the blocks' norms too, and the ``nn.Sequential`` chaining them
+  becomes the sequence-parallel region.
+- **Llama-style attention and MLP** (Hugging Face ``q_proj``, ``k_proj``, ``v_proj``,
+  ``o_proj``, ``head_dim``; ``gate_proj``, ``up_proj``, ``down_proj``): heads and key/value
+  heads split (grouped-query attention keeps its groups), ``o_proj`` and ``down_proj`` by
+  input.
+- **The vocabulary**: an embedding tied to an output head on a model with ``loss_fn`` (the
+  built-in GPT), or a Hugging Face causal LM's input and output embeddings (tied or not),
+  split by vocabulary; the model's loss becomes the vocabulary-parallel one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from shardline.errors import InvalidArgumentError
+from shardline.parallel.tensor.styles import Colwise, Rowwise
+
+__all__ = ["auto_plan", "is_hf_causal_lm", "tied_heads"]
+
+
+def _gpt_blocks(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, Any]:
+    plan: dict[str, Any] = {}
+    parents: set[str] = set()
+    for name, m in model.named_modules():
+        qkv, proj, mlp = (getattr(m, a, None) for a in ("qkv", "proj", "mlp"))
+        if not (isinstance(qkv, nn.Linear) and isinstance(proj, nn.Linear)):
+            continue
+        if not (isinstance(mlp, nn.Sequential) and len(mlp) == 3):
+            continue
+        if not (isinstance(mlp[0], nn.Linear) and isinstance(mlp[2], nn.Linear)):
+            continue
+        heads = getattr(m, "num_heads", None)
+        if not isinstance(heads, int) or heads % t:
+            raise InvalidArgumentError(
+                f"tensor_parallel: {name or type(m).__name__} has num_heads={heads}, not "
+                f"divisible by tp={t}; use a tp size that divides the heads"
+            )
+        p = f"{name}." if name else ""
+        plan |= {f"{p}qkv": Colwise(pieces=3), f"{p}proj": Rowwise(),
+                 f"{p}mlp.0": Colwise(), f"{p}mlp.2": Rowwise()}  # fmt: skip
+        if sequence_parallel:
+            plan |= {f"{p}{a}": "sequence" for a in ("ln1", "ln2") if hasattr(m, a)}
+            parents.add(name.rpartition(".")[0])
+    if sequence_parallel and plan:
+        chain = next(iter(parents)) if len(parents) == 1 else None
+        if chain is None or not isinstance(model.get_submodule(chain), nn.Sequential):
+            raise InvalidArgumentError(
+                "tensor_parallel: plan='auto' with sequence_parallel=True needs the blocks in "
+                "one nn.Sequential (the residual stream is split along the sequence around "
+                "it); give a plan with 'sequence_region' on the module that chains them"
+            )
+        plan[chain] = "sequence_region"
+    return plan
+
+
+def _llama_layers(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, Any]:
+    plan: dict[str, Any] = {}
+    for name, m in model.named_modules():
+        p = f"{name}." if name else ""
+        projs = [getattr(m, a, None) for a in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if all(isinstance(x, nn.Linear) for x in projs):
+            head_dim = getattr(m, "head_dim", None)
+            if not isinstance(head_dim, int):
+                continue
+            heads, kv = projs[0].out_features // head_dim, projs[1].out_features // head_dim  # type: ignore[union-attr]
+            if heads % t or kv % t:
+                raise InvalidArgumentError(
+                    f"tensor_parallel: {name} has {heads} attention heads and {kv} key/value "
+                    f"heads; tp={t} must divide both (key/value heads fewer than tp are not "
+                    "supported yet: use a tp size that divides them)"
+                )
+            plan |= {f"{p}q_proj": Colwise(), f"{p}k_proj": Colwise(),
+                     f"{p}v_proj": Colwise(), f"{p}o_proj": Rowwise()}  # fmt: skip
+        mlp = [getattr(m, a, None) for a in ("gate_proj", "up_proj", "down_proj")]
+        if all(isinstance(x, nn.Linear) for x in mlp):
+            plan |= {f"{p}gate_proj": Colwise(), f"{p}up_proj": Colwise(),
+                     f"{p}down_proj": Rowwise()}  # fmt: skip
+    if plan and sequence_parallel:
+        raise InvalidArgumentError(
+            "tensor_parallel: sequence_parallel=True is not supported yet for Llama-style "
+            "models; use sequence_parallel=False"
+        )
+    return plan
+
+
+def tied_heads(model: nn.Module) -> list[tuple[str, str]]:
+    """(embedding, output linear) names whose weights are one tensor."""
+    embeddings = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    return [
+        (embeddings[id(m.weight)], n)
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and id(m.weight) in embeddings
+    ]
+
+
+def is_hf_causal_lm(model: nn.Module) -> bool:
+    """A Hugging Face model with embeddings in and out and a settable ``loss_function``."""
+    return all(hasattr(model, a) for a in ("get_input_embeddings", "get_output_embeddings")) and (
+        isinstance(getattr(type(model), "loss_function", None), property)
+    )
+
+
+def _vocab(model: nn.Module) -> dict[str, Any]:
+    if callable(getattr(model, "loss_fn", None)):
+        return {n: "vocab" for pair in tied_heads(model) for n in pair}
+    if not is_hf_causal_lm(model):
+        return {}
+    names = {id(m): n for n, m in model.named_modules()}
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
+    if not (isinstance(emb, nn.Embedding) and isinstance(head, nn.Linear)):
+        return {}
+    return {names[id(emb)]: "vocab", names[id(head)]: "vocab"}
+
+
+def auto_plan(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, Any]:
+    """The plan for ``model`` (see the module docstring).
+
+    Raises:
+        InvalidArgumentError: nothing recognised, or sizes ``t`` does not divide.
+    """
+    plan = _gpt_blocks(model, t, sequence_parallel) | _llama_layers(model, t, sequence_parallel)
+    if plan:
+        plan |= _vocab(model)
+    if not plan:
+        raise InvalidArgumentError(
+            f"tensor_parallel: plan='auto' recognises no block in {type(model).__name__}; "
+            "pass a plan {module name: 'colwise' | 'rowwise' | 'vocab' | 'sequence' | "
+            "'sequence_region'}"
+        )
+    return plan

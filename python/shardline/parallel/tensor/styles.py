@@ -1,0 +1,22 @@
+"""The styles of a tensor-parallel plan that take options (``"colwise"`` is ``Colwise()``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Colwise", "Rowwise"]
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """``nn.Linear`` -> ``ColumnParallelLinear`` (output features split)."""
+
+    pieces: int = 1
+    gather_output: bool = False
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """``nn.Linear`` -> ``RowParallelLinear`` (input features split)."""
+
+    input_is_parallel: bool = True
