@@ -122,7 +122,7 @@ def test_a_dp_x_pp_checkpoint_loads_into_one_process_at_pp4_and_at_dp4_zero3(
 def test_compositions_not_built_yet_say_so() -> None:
     def body(g: ProcessGroup) -> None:
         mesh = sl.DeviceMesh({"dp": 2, "pp": 1}, group=g)
-        with pytest.raises(InvalidArgumentError, match=r"on the dp axis of a pipeline use"):
+        with pytest.raises(InvalidArgumentError, match=r"on the dp axis use"):
             sl.distribute(make_model(), mesh=mesh, strategy={"dp": "zero4", "pp": "1f1b"})
         with pytest.raises(InvalidArgumentError, match="tensor parallelism"):
             sl.distribute(make_model(), mesh=mesh, strategy={"tp": "auto", "pp": "1f1b"})

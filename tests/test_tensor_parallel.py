@@ -348,3 +348,44 @@ def test_a_llama_from_transformers_trains_as_one_process(t: int) -> None:
         assert vocab == 128 // t  # .logits: this rank's vocabulary slice
         assert "model.layers.0.self_attn.k_proj: Colwise" in plan
         assert "model.embed_tokens: vocab" in plan and "lm_head: vocab" in plan
+
+
+def test_dp_by_tp_on_one_mesh_trains_as_one_process_and_checkpoints(tmp_path: Path) -> None:
+    """sl.distribute(mesh={dp: 2, tp: 2}, strategy={dp: ddp, tp: auto}) on 4 ranks: each
+    replica takes half of the global batch, the optimizer built from the dense model is
+    rebound to the slices, and three AdamW steps equal one process on the whole batch. A
+    checkpoint saved there loads into one process bit for bit."""
+    dense = _gpt()
+    _train(dense)  # the whole batch each step
+    want = dense.state_dict()
+    path = tmp_path / "ck"
+
+    def body(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        mesh = sl.DeviceMesh({"dp": 2, "tp": 2}, group=g)
+        model = _gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+        wrapped, opt = sl.distribute(model, opt, mesh=mesh, strategy={"dp": "ddp", "tp": "auto"})
+        assert opt is not None
+        half = slice(2 * mesh.local_rank("dp"), 2 * mesh.local_rank("dp") + 2)
+        for x, y in _batches():
+            opt.zero_grad()
+            wrapped(x[half], y[half]).backward()
+            opt.step()
+        checkpoint.save(path, model=wrapped, optimizer=opt, group=g)
+        return wrapped.state_dict(), model.state_dict()
+
+    results = run_ranks(4, body, timeout=TIMEOUT)
+    for state, _ in results:
+        for key, value in want.items():
+            torch.testing.assert_close(state[key], value, msg=key)
+    plain = _gpt()
+    checkpoint.load(path, model=plain)
+    for key, value in results[0][1].items():
+        assert torch.equal(plain.state_dict()[key], value), key
+
+    def refused(g: ProcessGroup) -> None:
+        mesh = sl.DeviceMesh({"dp": 2, "tp": 2}, group=g)
+        with pytest.raises(sl.InvalidArgumentError, match="not built yet"):
+            sl.distribute(_gpt(), mesh=mesh, strategy={"dp": "zero2", "tp": "auto"})
+
+    run_ranks(4, refused, timeout=TIMEOUT)

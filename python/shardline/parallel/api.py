@@ -13,6 +13,7 @@ from shardline.comm.mesh import DeviceMesh
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
 from shardline.parallel._common import default_group
+from shardline.parallel.compose import compose
 from shardline.parallel.data.ddp import DistributedDataParallel
 from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
@@ -60,7 +61,7 @@ def distribute(
             parameters.
     """
     if mesh is not None or isinstance(strategy, dict):
-        return _compose(model, optimizer, strategy, mesh, options)
+        return compose(model, optimizer, strategy, mesh, options)
     row = strategies.strategy(strategy)
     _check_options(row.name, options)
     if row.stage and optimizer is not None:
@@ -80,54 +81,6 @@ def distribute(
                 "parameters of the model; build the optimizer from model.parameters()"
             )
     return DistributedDataParallel(model, group=group, **options), optimizer
-
-
-def _compose(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    strategy: str | dict[str, str],
-    mesh: DeviceMesh | None,
-    options: dict[str, Any],
-) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """Strategies per mesh axis: a pipeline on ``pp``, DDP or ZeRO replicas of it on ``dp``."""
-    if mesh is None or not isinstance(strategy, dict):
-        raise InvalidArgumentError(
-            "distribute(): composing strategies takes mesh=sl.DeviceMesh({'dp': d, 'pp': p}) "
-            "and strategy={'dp': 'ddp', 'pp': '1f1b'}, both"
-        )
-    unknown = sorted(set(strategy) - {"dp", "pp"})
-    if unknown or "pp" not in strategy:
-        raise InvalidArgumentError(
-            f"distribute(strategy={strategy}): the axes that compose today are 'pp' (a "
-            "pipeline schedule) and 'dp' ('ddp' or ZeRO); tensor parallelism ('tp') is not "
-            "built yet"
-        )
-    dp = strategy.get("dp")
-    dp = "zero3" if dp == "fsdp" else dp
-    if dp not in (None, "ddp", "zero1", "zero2", "zero3"):
-        raise InvalidArgumentError(
-            f"distribute(strategy={strategy}): on the dp axis of a pipeline use 'ddp', "
-            "'zero1', 'zero2' or 'zero3' ('fsdp')"
-        )
-    axes = set(mesh.axis_names)
-    if "pp" not in axes or (dp is not None and "dp" not in axes) or axes - {"dp", "pp"}:
-        raise InvalidArgumentError(
-            f"distribute(): the mesh's axes {sorted(axes)} must be 'pp' and, with a dp "
-            "strategy, 'dp'"
-        )
-    from shardline.parallel.pipeline import pipeline  # noqa: PLC0415
-
-    stage = pipeline(
-        model,
-        mesh.group("pp"),
-        schedule=strategy["pp"],
-        dp_group=mesh.group("dp") if dp is not None else None,
-        dp_strategy=dp or "ddp",
-        **options,
-    )
-    if optimizer is not None:  # this rank's parameters (ZeRO: their parts), in their groups
-        stage.bind_optimizer(optimizer)
-    return stage, optimizer
 
 
 def _check_options(strategy: str, options: dict[str, Any]) -> None:

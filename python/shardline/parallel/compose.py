@@ -1,0 +1,123 @@
+"""Strategies composed on one ``DeviceMesh`` (DESIGN decision 8), for ``distribute(mesh=)``.
+
+- ``{"dp": ..., "pp": schedule}``: the pipeline splits the model on ``pp``; its replicas on
+  ``dp`` are kept by DDP or sharded by ZeRO (``pipeline/zero.py``).
+- ``{"dp": "ddp", "tp": plan}``: tensor parallelism on ``tp`` (``sl.tensor_parallel``), DDP
+  over the replicas on ``dp``: each tp slice is averaged with the same slice of the others.
+
+The optimizer passed in is rebound to what this rank now holds, under the same names, so it
+may be built from the dense model before the call. Tensor parallelism with a pipeline or with
+ZeRO on one mesh is not built yet, and is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardline.comm.mesh import DeviceMesh
+from shardline.errors import InvalidArgumentError
+
+__all__ = ["compose"]
+
+_AXES = {"dp", "pp", "tp"}
+
+
+def compose(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strategy: str | dict[str, str],
+    mesh: DeviceMesh | None,
+    options: dict[str, Any],
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """``distribute()`` on a mesh: a strategy per axis (see the module docstring)."""
+    if mesh is None or not isinstance(strategy, dict):
+        raise InvalidArgumentError(
+            "distribute(): composing strategies takes mesh=sl.DeviceMesh({'dp': d, 'pp': p}) "
+            "and strategy={'dp': 'ddp', 'pp': '1f1b'}, both"
+        )
+    unknown = sorted(set(strategy) - _AXES)
+    if unknown or not {"pp", "tp"} & set(strategy):
+        raise InvalidArgumentError(
+            f"distribute(strategy={strategy}): compose 'pp' (a pipeline schedule) or 'tp' "
+            "(a tensor-parallel plan, 'auto') with 'dp' ('ddp', or ZeRO with a pipeline)"
+        )
+    dp = strategy.get("dp")
+    dp = "zero3" if dp == "fsdp" else dp
+    if dp not in (None, "ddp", "zero1", "zero2", "zero3"):
+        raise InvalidArgumentError(
+            f"distribute(strategy={strategy}): on the dp axis use 'ddp', 'zero1', 'zero2' or "
+            "'zero3' ('fsdp')"
+        )
+    if "tp" in strategy and ("pp" in strategy or dp not in (None, "ddp")):
+        raise InvalidArgumentError(
+            f"distribute(strategy={strategy}): tensor parallelism composes with 'ddp' on dp "
+            "today; with a pipeline or ZeRO on the same mesh it is not built yet"
+        )
+    axes = set(mesh.axis_names)
+    if axes != set(strategy):
+        raise InvalidArgumentError(
+            f"distribute(): the mesh's axes {sorted(axes)} and the strategy's "
+            f"{sorted(strategy)} must be the same"
+        )
+    if "tp" in strategy:
+        return _tensor(model, optimizer, strategy, mesh, dp, options)
+    return _pipeline(model, optimizer, strategy, mesh, dp, options)
+
+
+def _pipeline(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strategy: dict[str, str],
+    mesh: DeviceMesh,
+    dp: str | None,
+    options: dict[str, Any],
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    from shardline.parallel.pipeline import pipeline  # noqa: PLC0415
+
+    stage = pipeline(
+        model,
+        mesh.group("pp"),
+        schedule=strategy["pp"],
+        dp_group=mesh.group("dp") if dp is not None else None,
+        dp_strategy=dp or "ddp",
+        **options,
+    )
+    if optimizer is not None:  # this rank's parameters (ZeRO: their parts), in their groups
+        stage.bind_optimizer(optimizer)
+    return stage, optimizer
+
+
+def _tensor(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strategy: dict[str, str],
+    mesh: DeviceMesh,
+    dp: str | None,
+    options: dict[str, Any],
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    from shardline.parallel.data.ddp import DistributedDataParallel  # noqa: PLC0415
+    from shardline.parallel.tensor import tensor_parallel  # noqa: PLC0415
+
+    if optimizer is not None and optimizer.state:
+        raise InvalidArgumentError(
+            "distribute(): the optimizer already has state; with tensor parallelism build it "
+            "(or wrap the model) before the first optimizer step"
+        )
+    before = {id(p): n for n, p in model.named_parameters()}
+    groups = optimizer.param_groups if optimizer is not None else []
+    if any(id(p) not in before for g in groups for p in g["params"]):
+        raise InvalidArgumentError(
+            "distribute(): the optimizer holds a tensor that is not a parameter of the model; "
+            "build it from model.parameters()"
+        )
+    sp = bool(options.pop("sequence_parallel", False))
+    model = tensor_parallel(model, mesh.group("tp"), strategy["tp"], sequence_parallel=sp)
+    now = dict(model.named_parameters(remove_duplicate=False))
+    for group in groups:  # the same names, now this rank's slices
+        group["params"] = [now[before[id(p)]] for p in group["params"]]
+    if dp is None:
+        return model, optimizer
+    return DistributedDataParallel(model, group=mesh.group("dp"), **options), optimizer
