@@ -7,7 +7,8 @@ the head split by vocabulary, the vocabulary-parallel loss; native engine on CPU
 CUDA), torch's through ``parallelize_module`` with the equivalent plan (``ColwiseParallel`` /
 ``RowwiseParallel`` on q/k/v/o and gate/up/down, the embedding ``RowwiseParallel``, the head
 ``ColwiseParallel`` with ``loss_parallel``; Gloo on CPU, NCCL on CUDA). Timed blocks of
-``--steps`` steps (forward, backward, AdamW) alternate between the two.
+``--steps`` steps (forward, backward, AdamW one parameter at a time on both sides) alternate
+between the two.
 
 Prints step time, tokens/s and their ratio, peak memory (CUDA) and parameter bytes per rank
 against 1/t of the split weights plus the replicated ones. Writes ``.txt`` and ``.json`` to
@@ -36,7 +37,8 @@ def build(args: argparse.Namespace, device: Any) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
     cfg = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+        vocab_size=args.vocab, hidden_size=args.hidden,
+        intermediate_size=(args.hidden * 8 // 3 + 255) // 256 * 256,  # Llama's rounding
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
         attn_implementation="sdpa",
@@ -84,9 +86,11 @@ def worker(args: argparse.Namespace) -> int:
     parallelize_module(theirs, mesh, dtensor_plan(theirs))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
+    # One parameter at a time on both sides: torch's multi-tensor AdamW cannot mix DTensor
+    # weights with the plain tensors of the layers its plan leaves whole (the norms).
     opts = {
-        "shardline": torch.optim.AdamW(ours.parameters(), lr=1e-5),
-        "torch": torch.optim.AdamW(theirs.parameters(), lr=1e-5),
+        "shardline": torch.optim.AdamW(ours.parameters(), lr=1e-5, foreach=False),
+        "torch": torch.optim.AdamW(theirs.parameters(), lr=1e-5, foreach=False),
     }
 
     def ours_step() -> float:

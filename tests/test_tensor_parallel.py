@@ -25,6 +25,7 @@ from shardline.comm import ProcessGroup
 from shardline.examples.train import Config, TinyGPT
 from shardline.parallel.tensor import (
     ColumnParallelLinear,
+    Colwise,
     RowParallelLinear,
     SequenceParallelNorm,
     VocabParallelEmbedding,
@@ -247,6 +248,10 @@ def test_plans_that_cannot_work_are_refused_before_any_change() -> None:
         attempt({"blocks.0.ln1": "colwise"})
     with pytest.raises(AssertionError, match=r"'diagonal' is not a style"):
         attempt({"blocks.0.qkv": "diagonal"})
+    with pytest.raises(AssertionError, match=r"blocks\.0\.mlp\.0 has 96 output features, which"):
+        attempt({"blocks.0.mlp.0": "colwise"}, t=5)
+    with pytest.raises(AssertionError, match=r"72 output features \(3 pieces of them\)"):
+        attempt({"blocks.0.qkv": Colwise(pieces=3)}, t=5)
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, ...]) -> float:

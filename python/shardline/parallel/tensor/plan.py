@@ -109,8 +109,10 @@ def _kind(style: Any) -> str:
     return str(style)
 
 
-def _check(module: nn.Module, style: Any, name: str) -> None:
-    need = _NEEDS[_kind(style)]
+def _check(module: nn.Module, style: Any, name: str, t: int) -> None:
+    """Refuses a style that does not fit the module, or sizes ``t`` does not split."""
+    kind = _kind(style)
+    need = _NEEDS[kind]
     if not isinstance(module, need):
         kinds = " or ".join(
             f"nn.{k.__name__}" for k in (need if isinstance(need, tuple) else (need,))
@@ -118,6 +120,21 @@ def _check(module: nn.Module, style: Any, name: str) -> None:
         raise InvalidArgumentError(
             f"tensor_parallel: plan[{name!r}] = {style!r} needs an {kinds}; {name} is a "
             f"{type(module).__name__}"
+        )
+    size, what, by = 0, "", t
+    if isinstance(module, nn.Linear) and kind in ("colwise", "vocab"):
+        pieces = style.pieces if isinstance(style, Colwise) else 1
+        size, by = module.out_features, pieces * t
+        what = "output features" + (f" ({pieces} pieces of them)" if pieces > 1 else "")
+    elif isinstance(module, nn.Linear) and kind == "rowwise":
+        size, what = module.in_features, "input features"
+    elif isinstance(module, nn.Embedding):
+        size, what = module.num_embeddings, "rows (the vocabulary)"
+    if size % by:
+        raise InvalidArgumentError(
+            f"tensor_parallel: {name} has {size} {what}, which do not split evenly over "
+            f"tp={t} ranks; use a tp size that divides them (or pad the layer), or leave "
+            f"{name} out of the plan"
         )
 
 
@@ -177,7 +194,7 @@ def tensor_parallel(
         )
     styles = {n: _style(n, s) for n, s in chosen.items()}
     for name, style in styles.items():
-        _check(model.get_submodule(name), style, name)
+        _check(model.get_submodule(name), style, name, t)
     ties = tied_heads(model)
     tensors = [*model.parameters(), *(b for b in model.buffers() if b.numel())]
     broadcast_coalesced(g, [x.data for x in tensors], 0, 25 << 20)
