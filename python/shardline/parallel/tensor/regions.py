@@ -21,11 +21,15 @@ whole, the partial sums come out reduced). Sequence parallelism replaces them wi
 dropout working on them) are split along the sequence, and the all-reduce becomes a
 reduce-scatter plus an all-gather of the same bytes. Slices are equal: the size along
 ``dim`` must divide by the group's size.
+
+Under ``torch.compile`` each of them runs eagerly (a graph break): the collectives are our
+engine's calls, which the compiler does not trace; the layers' math between them compiles.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -33,6 +37,10 @@ from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
 
 __all__ = ["copy_to", "gather_from", "gather_seq", "reduce_from", "scatter_seq", "split_to"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+# Run under torch.compile as a graph break (see the module docstring); typed for mypy.
+_eager = cast(Callable[[_F], _F], torch.compiler.disable)
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -133,36 +141,42 @@ class _ScatterSeq(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
+@_eager
 def copy_to(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Enters a tensor-parallel region with the whole input (gradients all-reduced back)."""
     out: torch.Tensor = _CopyTo.apply(x, group)
     return out
 
 
+@_eager
 def reduce_from(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Leaves a region by summing the ranks' partial results."""
     out: torch.Tensor = _ReduceFrom.apply(x, group)
     return out
 
 
+@_eager
 def gather_from(x: torch.Tensor, group: ProcessGroup, dim: int = -1) -> torch.Tensor:
     """Leaves a region by concatenating the ranks' slices along ``dim``."""
     out: torch.Tensor = _GatherFrom.apply(x, group, dim % x.dim())
     return out
 
 
+@_eager
 def split_to(x: torch.Tensor, group: ProcessGroup, dim: int = -1) -> torch.Tensor:
     """Enters a region with this rank's slice of ``x`` along ``dim``."""
     out: torch.Tensor = _SplitTo.apply(x, group, dim % x.dim())
     return out
 
 
+@_eager
 def gather_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel: the whole sequence from the ranks' parts (reduce-scatter back)."""
     out: torch.Tensor = _GatherSeq.apply(x, group, dim % x.dim())
     return out
 
 
+@_eager
 def scatter_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel: partial sums reduced, each rank keeping its part of the sequence."""
     out: torch.Tensor = _ScatterSeq.apply(x, group, dim % x.dim())
