@@ -431,3 +431,45 @@ def test_bf16_autocast_and_torch_compile_of_a_tp_model() -> None:
             torch.testing.assert_close(p.grad, want_grad)
 
     run_ranks(2, body, timeout=TIMEOUT)
+
+
+@functools.cache
+def _pristine_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_gpt2_with_conv1d_layers_trains_as_one_process(t: int, tmp_path: Path) -> None:
+    """GPT-2 (transformers' Conv1D layers, weights stored (in, out); q/k/v fused in c_attn;
+    its head tied to the token embedding) under plan='auto': three AdamW steps equal one
+    process, the state dict keeps the Conv1D layout, and a checkpoint loads into the dense
+    model bit for bit."""
+    dense = copy.deepcopy(_pristine_gpt2())
+    want_losses = _train_hf(dense)
+    want = dense.state_dict()
+
+    def body(g: ProcessGroup) -> tuple[list[float], dict[str, torch.Tensor], str]:
+        model = sl.tensor_parallel(copy.deepcopy(_pristine_gpt2()), g)
+        assert model.lm_head.weight is model.transformer.wte.weight
+        losses = _train_hf(model)
+        checkpoint.save(tmp_path / "ck", model=model, group=g)
+        return losses, model.state_dict(), model.plan()
+
+    results = run_ranks(t, body, timeout=TIMEOUT)
+    for losses, state, plan in results:
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        for key, value in want.items():
+            assert state[key].shape == value.shape, key
+            torch.testing.assert_close(state[key], value, msg=key)
+        assert "transformer.h.0.attn.c_attn: Colwise(pieces=3" in plan
+    plain = copy.deepcopy(_pristine_gpt2())
+    checkpoint.load(tmp_path / "ck", model=plain)
+    for key, value in results[0][1].items():
+        assert torch.equal(plain.state_dict()[key], value), key

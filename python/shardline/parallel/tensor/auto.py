@@ -9,6 +9,9 @@
   ``o_proj``, ``head_dim``; ``gate_proj``, ``up_proj``, ``down_proj``): heads and key/value
   heads split (grouped-query attention keeps its groups), ``o_proj`` and ``down_proj`` by
   input.
+- **GPT-2** (Hugging Face, ``Conv1D`` layers, weights stored ``(in, out)``): ``c_attn`` (q, k
+  and v fused: ``Colwise(pieces=3)``) and ``c_fc`` split by output, the ``c_proj`` after each
+  by input; the attention's ``split_size`` becomes this rank's (``fix_attention``).
 - **The vocabulary**: an embedding tied to an output head on a model with ``loss_fn`` (the
   built-in GPT), or a Hugging Face causal LM's input and output embeddings (tied or not),
   split by vocabulary; the model's loss becomes the vocabulary-parallel one.
@@ -21,9 +24,10 @@ from typing import Any
 from torch import nn
 
 from shardline.errors import InvalidArgumentError
+from shardline.parallel.tensor.layers import ColumnParallelLinear, is_conv1d
 from shardline.parallel.tensor.styles import Colwise, Rowwise
 
-__all__ = ["auto_plan", "is_hf_causal_lm", "tied_heads"]
+__all__ = ["auto_plan", "fix_attention", "is_hf_causal_lm", "tied_heads"]
 
 
 def _gpt_blocks(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, Any]:
@@ -91,6 +95,42 @@ def _llama_layers(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str
     return plan
 
 
+def _gpt2_blocks(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, Any]:
+    plan: dict[str, Any] = {}
+    for name, m in model.named_modules():
+        p = f"{name}." if name else ""
+        c_attn, c_proj, c_fc = (getattr(m, a, None) for a in ("c_attn", "c_proj", "c_fc"))
+        if (
+            is_conv1d(c_attn)
+            and is_conv1d(c_proj)
+            and isinstance(getattr(m, "split_size", None), int)
+        ):
+            heads = getattr(m, "num_heads", 0)
+            if getattr(m, "is_cross_attention", False) or heads % t:
+                raise InvalidArgumentError(
+                    f"tensor_parallel: {name} has {heads} heads (cross-attention: "
+                    f"{getattr(m, 'is_cross_attention', False)}); tp={t} must divide the heads "
+                    "of a self-attention"
+                )
+            plan |= {f"{p}c_attn": Colwise(pieces=3), f"{p}c_proj": Rowwise()}
+        elif is_conv1d(c_fc) and is_conv1d(c_proj):
+            plan |= {f"{p}c_fc": Colwise(), f"{p}c_proj": Rowwise()}
+    if plan and sequence_parallel:
+        raise InvalidArgumentError(
+            "tensor_parallel: sequence_parallel=True is not supported yet for GPT-2; use "
+            "sequence_parallel=False"
+        )
+    return plan
+
+
+def fix_attention(model: nn.Module, t: int) -> None:
+    """After the rewrite: a GPT-2 attention splits ``c_attn``'s output by its own share."""
+    for m in model.modules():
+        c_attn = getattr(m, "c_attn", None)
+        if isinstance(c_attn, ColumnParallelLinear) and hasattr(m, "split_size"):
+            setattr(m, "split_size", c_attn.out_features // (3 * t))  # noqa: B010
+
+
 def tied_heads(model: nn.Module) -> list[tuple[str, str]]:
     """(embedding, output linear) names whose weights are one tensor."""
     embeddings = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
@@ -126,7 +166,11 @@ def auto_plan(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, An
     Raises:
         InvalidArgumentError: nothing recognised, or sizes ``t`` does not divide.
     """
-    plan = _gpt_blocks(model, t, sequence_parallel) | _llama_layers(model, t, sequence_parallel)
+    plan = (
+        _gpt_blocks(model, t, sequence_parallel)
+        | _llama_layers(model, t, sequence_parallel)
+        | _gpt2_blocks(model, t, sequence_parallel)
+    )
     if plan:
         plan |= _vocab(model)
     if not plan:

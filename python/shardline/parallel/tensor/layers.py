@@ -48,6 +48,7 @@ __all__ = [
     "RowParallelLinear",
     "SequenceParallelNorm",
     "VocabParallelEmbedding",
+    "is_conv1d",
 ]
 
 
@@ -75,10 +76,36 @@ def _all_rows(local: torch.Tensor, group: ProcessGroup, pieces: int) -> torch.Te
     return torch.cat([per_rank[r][k] for k in range(pieces) for r in range(t)], dim=0)
 
 
+def is_conv1d(module: object) -> bool:
+    """A transformers ``Conv1D`` (GPT-2's linear layers: weight stored ``(in, out)``)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _dense_weight(module: nn.Module) -> torch.Tensor:
+    """``module``'s weight as ``(out, in)``, whether an ``nn.Linear`` or a ``Conv1D``."""
+    w: torch.Tensor = module.weight  # type: ignore[assignment]
+    return w.t() if is_conv1d(module) else w
+
+
 class _Sliced(nn.Module):
-    """Saves full tensors and loads from full tensors (see the module docstring)."""
+    """Saves full tensors and loads from full tensors (see the module docstring).
+
+    Subclasses slice and gather a weight as ``(out, in)``; with ``transposed`` (a ``Conv1D``'s
+    layout, ``(in, out)``) it is stored, saved and loaded the other way round.
+    """
 
     group: ProcessGroup
+    transposed: bool = False
+
+    def _canon(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as ``(out, in)`` (or back): transposed for a ``transposed`` weight."""
+        return t.t() if self.transposed and name == "weight" else t
+
+    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _mine(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def _boxes(self, name: str, local: torch.Tensor) -> tuple[tuple[int, ...], list[Box]]:
         """The dense tensor's shape, and where this rank's ``local`` lies in it."""
@@ -88,21 +115,20 @@ class _Sliced(nn.Module):
         """The strategy contract: this rank's slices as ``Shard`` boxes of the dense tensors."""
         out: dict[str, Any] = {}
         for name, param in self._parameters.items():
-            if param is not None:
-                shape, boxes = self._boxes(name, param)
-                out[name] = param if not boxes else Shard(shape, boxes)
+            if param is None:
+                continue
+            shape, boxes = self._boxes(name, self._canon(name, param))
+            if boxes and self.transposed and name == "weight":
+                shape = shape[::-1]
+                boxes = [Box(b.tensor.t(), b.offsets[::-1]) for b in boxes]
+            out[name] = param if not boxes else Shard(shape, boxes)
         return out
-
-    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _mine(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         for name, param in self._parameters.items():
             if param is not None:
-                destination[prefix + name] = self._full(name, param.detach())
+                full = self._full(name, self._canon(name, param.detach()))
+                destination[prefix + name] = self._canon(name, full).contiguous()
 
     def _load_from_state_dict(
         self,
@@ -123,7 +149,7 @@ class _Sliced(nn.Module):
                 continue
             full = state_dict[key]
             try:
-                mine = self._mine(name, full)
+                mine = self._canon(name, self._mine(name, self._canon(name, full)))
             except (RuntimeError, InvalidArgumentError, IndexError) as exc:
                 error_msgs.append(
                     f"{key}: cannot take this rank's slice of {tuple(full.shape)}: {exc}"
@@ -159,6 +185,7 @@ class ColumnParallelLinear(_Sliced):
         pieces: int = 1,
         gather_output: bool = False,
         sequence_parallel: bool = False,
+        transposed: bool = False,
         device: Any = None,
         dtype: Any = None,
     ) -> None:
@@ -172,23 +199,26 @@ class ColumnParallelLinear(_Sliced):
             )
         self.group, self.in_features, self.out_features = group, in_features, out_features
         self.pieces, self.gather_output = pieces, gather_output
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.transposed = sequence_parallel, transposed
         local = out_features // t
-        self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
+        shape = (in_features, local) if transposed else (local, in_features)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype)) if bias else None
 
     @classmethod
     def from_dense(
-        cls, linear: nn.Linear, group: ProcessGroup, **options: Any
+        cls, linear: nn.Module, group: ProcessGroup, **options: Any
     ) -> ColumnParallelLinear:
-        """This rank's slice of ``linear``'s weights (its output features)."""
-        w = linear.weight
-        out = cls(w.shape[1], w.shape[0], group, bias=linear.bias is not None,
-                  device=w.device, dtype=w.dtype, **options)  # fmt: skip
+        """This rank's slice of ``linear``'s weights (an ``nn.Linear`` or a ``Conv1D``)."""
+        w = _dense_weight(linear)
+        bias: torch.Tensor | None = linear.bias  # type: ignore[assignment]
+        out = cls(w.shape[1], w.shape[0], group, bias=bias is not None,
+                  transposed=is_conv1d(linear), device=w.device, dtype=w.dtype,
+                  **options)  # fmt: skip
         with torch.no_grad():
-            out.weight.copy_(_rows(w, group, out.pieces))
-            if out.bias is not None and linear.bias is not None:
-                out.bias.copy_(_rows(linear.bias, group, out.pieces))
+            out.weight.copy_(out._canon("weight", _rows(w, group, out.pieces)))
+            if out.bias is not None and bias is not None:
+                out.bias.copy_(_rows(bias, group, out.pieces))
         return out
 
     def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
@@ -211,7 +241,7 @@ class ColumnParallelLinear(_Sliced):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output features (all of them with ``gather_output``)."""
         x = gather_seq(x, self.group) if self.sequence_parallel else copy_to(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self._canon("weight", self.weight), self.bias)
         return gather_from(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:  # noqa: D102
@@ -241,6 +271,7 @@ class RowParallelLinear(_Sliced):
         bias: bool = True,
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
+        transposed: bool = False,
         device: Any = None,
         dtype: Any = None,
     ) -> None:
@@ -249,25 +280,27 @@ class RowParallelLinear(_Sliced):
         _check_divisible(in_features, t, "in_features")
         self.group, self.in_features, self.out_features = group, in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features // t, device=device, dtype=dtype)
-        )
+        self.transposed = transposed
+        shape = (in_features // t, out_features) if transposed else (out_features, in_features // t)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = (
             nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         )
 
     @classmethod
     def from_dense(
-        cls, linear: nn.Linear, group: ProcessGroup, **options: Any
+        cls, linear: nn.Module, group: ProcessGroup, **options: Any
     ) -> RowParallelLinear:
         """This rank's slice of ``linear``'s weight (its input features); the whole bias."""
-        w = linear.weight
-        out = cls(w.shape[1], w.shape[0], group, bias=linear.bias is not None,
-                  device=w.device, dtype=w.dtype, **options)  # fmt: skip
+        w = _dense_weight(linear)
+        bias: torch.Tensor | None = linear.bias  # type: ignore[assignment]
+        out = cls(w.shape[1], w.shape[0], group, bias=bias is not None,
+                  transposed=is_conv1d(linear), device=w.device, dtype=w.dtype,
+                  **options)  # fmt: skip
         with torch.no_grad():
-            out.weight.copy_(out._mine("weight", w))
-            if out.bias is not None and linear.bias is not None:
-                out.bias.copy_(linear.bias)
+            out.weight.copy_(out._canon("weight", out._mine("weight", w)))
+            if out.bias is not None and bias is not None:
+                out.bias.copy_(bias)
         return out
 
     def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
@@ -290,7 +323,7 @@ class RowParallelLinear(_Sliced):
         """The dense layer's output: whole, or this rank's part of the sequence."""
         if not self.input_is_parallel:
             x = split_to(x, self.group)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self._canon("weight", self.weight))
         if self.sequence_parallel:
             y = scatter_seq(y, self.group)
             # Each rank adds the bias to its part of the sequence: its gradient is summed.

@@ -29,18 +29,20 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from shardline.comm.group import ProcessGroup
 from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import broadcast_coalesced
-from shardline.parallel.tensor.auto import auto_plan, is_hf_causal_lm, tied_heads
+from shardline.parallel.tensor.auto import auto_plan, fix_attention, is_hf_causal_lm, tied_heads
 from shardline.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     SequenceParallelNorm,
     VocabParallelEmbedding,
+    is_conv1d,
 )
 from shardline.parallel.tensor.loss import causal_lm_loss, vocab_parallel_loss
 from shardline.parallel.tensor.regions import gather_from, split_to
@@ -113,7 +115,11 @@ def _check(module: nn.Module, style: Any, name: str, t: int) -> None:
     """Refuses a style that does not fit the module, or sizes ``t`` does not split."""
     kind = _kind(style)
     need = _NEEDS[kind]
-    if not isinstance(module, need):
+    linear = isinstance(module, nn.Linear) or is_conv1d(module)
+    fits = linear if kind in ("colwise", "rowwise") else isinstance(module, need)
+    if kind == "vocab":
+        fits = isinstance(module, nn.Embedding) or linear
+    if not fits:
         kinds = " or ".join(
             f"nn.{k.__name__}" for k in (need if isinstance(need, tuple) else (need,))
         )
@@ -122,12 +128,16 @@ def _check(module: nn.Module, style: Any, name: str, t: int) -> None:
             f"{type(module).__name__}"
         )
     size, what, by = 0, "", t
-    if isinstance(module, nn.Linear) and kind in ("colwise", "vocab"):
+    out_f = in_f = 0
+    if linear:
+        w: torch.Tensor = module.weight  # type: ignore[assignment]
+        out_f, in_f = (w.shape[1], w.shape[0]) if is_conv1d(module) else (w.shape[0], w.shape[1])
+    if linear and kind in ("colwise", "vocab"):
         pieces = style.pieces if isinstance(style, Colwise) else 1
-        size, by = module.out_features, pieces * t
+        size, by = out_f, pieces * t
         what = "output features" + (f" ({pieces} pieces of them)" if pieces > 1 else "")
-    elif isinstance(module, nn.Linear) and kind == "rowwise":
-        size, what = module.in_features, "input features"
+    elif linear and kind == "rowwise":
+        size, what = in_f, "input features"
     elif isinstance(module, nn.Embedding):
         size, what = module.num_embeddings, "rows (the vocabulary)"
     if size % by:
@@ -203,6 +213,7 @@ def tensor_parallel(
         if new is not model.get_submodule(name):
             _replace(model, name, new)
     _retie(model, ties)
+    fix_attention(model, t)
     heads = [n for n, s in styles.items() if s == "vocab" and isinstance(modules[n], nn.Linear)]
     if heads and callable(getattr(model, "loss_fn", None)):
         setattr(model, "loss_fn", functools.partial(vocab_parallel_loss, group=g))  # noqa: B010
