@@ -7,7 +7,9 @@ Run it on two processes (the README's first command)::
 ``--strategy zero1|zero2|zero3|fsdp|auto`` shards it instead; ``--strategy pp`` splits it into
 a pipeline of one stage per process (``--schedule``, ``--microbatches``); ``--pp P`` with
 ``--strategy ddp|zero1|zero2|zero3`` trains a P-stage pipeline whose replicas on the other ranks
-are kept by that strategy (a ``dp x pp`` mesh).
+are kept by that strategy (a ``dp x pp`` mesh). ``--tp T`` splits every layer over T processes
+(tensor parallelism, ``sl.tensor_parallel``'s automatic plan), with DDP replicas on the rest
+(a ``dp x tp`` mesh).
 
 or alone (``python -m shardline.examples.train``: one process, no launcher). The corpus is
 built in: English-like sentences from a small probabilistic grammar (deterministic for a seed),
@@ -270,6 +272,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         help="pipeline stages; the ranks beyond them are data-parallel replicas kept by "
         "--strategy (ddp, zero1, zero2, zero3) on a dp x pp mesh",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per replica (heads, MLP and vocabulary split); the ranks "
+        "beyond them are DDP replicas on a dp x tp mesh",
+    )
     p.add_argument("--comm-hook", default=None, help="gradient compression: fp16 or bf16 (ddp)")
     p.add_argument(
         "--no-verify",
@@ -309,8 +318,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--pp {stages} does not divide {world_size} processes", file=sys.stderr)
         return 2
     pp = stages > 1 or strategy == "pp"
-    replicas, replica = world_size // stages, rank // stages  # the mesh is row-major
-    if pp and strategy != "pp":  # a dp x pp mesh: replicas of a pipeline
+    tp = args.tp if group is not None else 1
+    if tp > 1 and (pp or strategy != "ddp" or world_size % tp):
+        print(f"--tp {tp} takes --strategy ddp, no pipeline, and divides {world_size} "
+              "processes", file=sys.stderr)  # fmt: skip
+        return 2
+    width = stages if pp else tp  # ranks that train one batch together
+    replicas, replica = world_size // width, rank // width  # the mesh is row-major
+    if tp > 1:  # every layer split over tp ranks, DDP replicas on the rest
+        mesh = sl.DeviceMesh({"dp": replicas, "tp": tp})
+        model, opt = sl.distribute(  # type: ignore[assignment]
+            model, opt, mesh=mesh, strategy={"dp": "ddp", "tp": "auto"}
+        )
+        strategy = f"{replicas} ddp replica(s) of {tp}-way tensor parallelism"
+    elif pp and strategy != "pp":  # a dp x pp mesh: replicas of a pipeline
         dp = "zero3" if strategy == "fsdp" else strategy
         mesh = sl.DeviceMesh({"dp": replicas, "pp": stages})
         model, opt = sl.distribute(  # type: ignore[assignment]
