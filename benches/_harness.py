@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
@@ -344,3 +344,43 @@ def sync(device: Any) -> None:
         import torch  # noqa: PLC0415
 
         torch.cuda.synchronize()
+
+
+def alternate(
+    steps: Mapping[str, Callable[[], Any]],
+    args: argparse.Namespace,
+    device: Any,
+    after: Callable[[str], None] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """In a worker: times the sides of a comparison in alternating blocks.
+
+    Each side runs ``args.warmup`` steps first; then ``args.repeats`` rounds, each a block of
+    ``args.steps`` steps per side, sides in turn, with a barrier and a device sync around every
+    block (so drift in the machine's speed hits every side alike). ``after(name)`` runs after
+    each timed step. Returns each side's seconds per step, one value per block, and on CUDA
+    the most bytes allocated during its blocks (0 on the CPU).
+    """
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    for fn in steps.values():
+        for _ in range(args.warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    peak = dict.fromkeys(steps, 0)
+    for _ in range(args.repeats):
+        for name, fn in steps.items():
+            dist.barrier()
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                fn()
+                if after is not None:
+                    after(name)
+            sync(device)
+            times[name].append((time.perf_counter() - t0) / args.steps)
+            if device.type == "cuda":
+                peak[name] = max(peak[name], torch.cuda.max_memory_allocated(device))
+    return times, peak

@@ -23,7 +23,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -138,27 +137,13 @@ def one_schedule(
             opts["shardline_1f1b"].step()
 
         steps["shardline_1f1b"] = base_step
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for fn in steps.values():
-        for _ in range(args.warmup):
-            fn()
     busy: list[float] = []
-    peak = dict.fromkeys(steps, 0)  # CUDA: the most bytes allocated during a side's blocks
-    for _ in range(args.repeats):
-        for name, fn in steps.items():
-            dist.barrier()
-            _harness.sync(device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                fn()
-                if name == "shardline":
-                    busy.append(ours.last_step["busy"] / ours.last_step["seconds"])
-            _harness.sync(device)
-            times[name].append((time.perf_counter() - t0) / args.steps)
-            if device.type == "cuda":
-                peak[name] = max(peak[name], torch.cuda.max_memory_allocated(device))
+
+    def after(name: str) -> None:
+        if name == "shardline":
+            busy.append(ours.last_step["busy"] / ours.last_step["seconds"])
+
+    times, peak = _harness.alternate(steps, args, device, after)
     # The slowest rank's median step; the bubble is the mean over ranks of the waiting share.
     # On the rank's device: torch's group is NCCL on CUDA.
     med = torch.tensor(

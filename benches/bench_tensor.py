@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -112,24 +111,7 @@ def worker(args: argparse.Namespace) -> int:
 
     steps = {"shardline": ours_step, "torch": torch_step}
     first = {name: fn() for name, fn in steps.items()}  # the same model: the same first loss
-    for fn in steps.values():
-        for _ in range(args.warmup):
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    peak = dict.fromkeys(steps, 0)
-    for _ in range(args.repeats):
-        for name, fn in steps.items():
-            dist.barrier()
-            _harness.sync(device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                fn()
-            _harness.sync(device)
-            times[name].append((time.perf_counter() - t0) / args.steps)
-            if device.type == "cuda":
-                peak[name] = max(peak[name], torch.cuda.max_memory_allocated(device))
+    times, peak = _harness.alternate(steps, args, device)
     med = torch.tensor([statistics.median(times[k]) for k in steps], dtype=torch.float64,
                        device=device)  # fmt: skip
     dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank's median

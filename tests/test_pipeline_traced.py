@@ -10,7 +10,9 @@ threads (``tests/_ranks.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,16 +62,24 @@ def tiny_lm(residual: bool = False) -> TinyLM:
         return TinyLM(residual)
 
 
-def reference(residual: bool = False) -> dict[str, torch.Tensor]:
-    model = tiny_lm(residual)
+def one_process(
+    model: nn.Module, data: Callable[[int], tuple[Any, torch.Tensor]] = tokens
+) -> dict[str, torch.Tensor]:
+    """``model`` after STEPS AdamW steps in one process, accumulating M micro-batches each;
+    ``data(step)`` gives the inputs (a tensor or a tuple of them) and the target."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS):
-        x, y = tokens(step)
+        x, y = data(step)
+        xs = x if isinstance(x, tuple) else (x,)
         opt.zero_grad()
-        for xi, yi in zip(x.chunk(M), y.chunk(M), strict=True):
-            (lm_loss(model(xi), yi) / M).backward()
+        for *parts, yi in zip(*(t.chunk(M) for t in xs), y.chunk(M), strict=True):
+            (lm_loss(model(*parts), yi) / M).backward()
         opt.step()
     return model.state_dict()
+
+
+def reference(residual: bool = False) -> dict[str, torch.Tensor]:
+    return one_process(tiny_lm(residual))
 
 
 def train(
@@ -146,15 +156,7 @@ def test_a_model_of_two_inputs_trains_as_one_process(schedule: str) -> None:
             torch.manual_seed(0)
             return MaskedLM()
 
-    model = fresh()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        (x, keep), y = masked(step)
-        opt.zero_grad()
-        for xi, ki, yi in zip(x.chunk(M), keep.chunk(M), y.chunk(M), strict=True):
-            (lm_loss(model(xi, ki), yi) / M).backward()
-        opt.step()
-    want = model.state_dict()
+    want = one_process(fresh(), masked)
 
     def body(g: ProcessGroup) -> dict[str, torch.Tensor]:
         (x, keep), _ = masked(0)
@@ -186,15 +188,7 @@ def test_a_traced_model_runs_interleaved_virtual_stages(kind: type[TinyLM]) -> N
             torch.manual_seed(0)
             return kind()
 
-    model = fresh()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        x, y = tokens(step)
-        opt.zero_grad()
-        for xi, yi in zip(x.chunk(M), y.chunk(M), strict=True):
-            (lm_loss(model(xi), yi) / M).backward()
-        opt.step()
-    want = model.state_dict()
+    want = one_process(fresh())
 
     def body(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], list[str]]:
         pipe = sl.pipeline(fresh(), g, schedule="interleaved", virtual_stages=2,

@@ -25,7 +25,7 @@ them composes them, so it checkpoints and reshards into any layout.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -87,6 +87,9 @@ def _dense_weight(module: nn.Module) -> torch.Tensor:
     return w.t() if is_conv1d(module) else w
 
 
+_L = TypeVar("_L", bound="_Sliced")
+
+
 class _Sliced(nn.Module):
     """Saves full tensors and loads from full tensors (see the module docstring).
 
@@ -96,6 +99,18 @@ class _Sliced(nn.Module):
 
     group: ProcessGroup
     transposed: bool = False
+
+    @classmethod
+    def _like(
+        cls: type[_L], linear: nn.Module, group: ProcessGroup, options: dict[str, Any]
+    ) -> tuple[_L, torch.Tensor, torch.Tensor | None]:
+        """An empty layer shaped for ``linear``, its weight as ``(out, in)``, and its bias."""
+        w = _dense_weight(linear)
+        bias: torch.Tensor | None = linear.bias  # type: ignore[assignment]
+        out = cls(w.shape[1], w.shape[0], group, bias=bias is not None,
+                  transposed=is_conv1d(linear), device=w.device, dtype=w.dtype,
+                  **options)  # fmt: skip
+        return out, w, bias
 
     def _canon(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """``t`` as ``(out, in)`` (or back): transposed for a ``transposed`` weight."""
@@ -210,11 +225,7 @@ class ColumnParallelLinear(_Sliced):
         cls, linear: nn.Module, group: ProcessGroup, **options: Any
     ) -> ColumnParallelLinear:
         """This rank's slice of ``linear``'s weights (an ``nn.Linear`` or a ``Conv1D``)."""
-        w = _dense_weight(linear)
-        bias: torch.Tensor | None = linear.bias  # type: ignore[assignment]
-        out = cls(w.shape[1], w.shape[0], group, bias=bias is not None,
-                  transposed=is_conv1d(linear), device=w.device, dtype=w.dtype,
-                  **options)  # fmt: skip
+        out, w, bias = cls._like(linear, group, options)
         with torch.no_grad():
             out.weight.copy_(out._canon("weight", _rows(w, group, out.pieces)))
             if out.bias is not None and bias is not None:
@@ -292,11 +303,7 @@ class RowParallelLinear(_Sliced):
         cls, linear: nn.Module, group: ProcessGroup, **options: Any
     ) -> RowParallelLinear:
         """This rank's slice of ``linear``'s weight (its input features); the whole bias."""
-        w = _dense_weight(linear)
-        bias: torch.Tensor | None = linear.bias  # type: ignore[assignment]
-        out = cls(w.shape[1], w.shape[0], group, bias=bias is not None,
-                  transposed=is_conv1d(linear), device=w.device, dtype=w.dtype,
-                  **options)  # fmt: skip
+        out, w, bias = cls._like(linear, group, options)
         with torch.no_grad():
             out.weight.copy_(out._canon("weight", out._mine("weight", w)))
             if out.bias is not None and bias is not None:
