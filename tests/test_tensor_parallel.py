@@ -306,12 +306,12 @@ def test_checkpoints_reshard_between_tp_layouts_and_one_process(tmp_path: Path) 
 
 
 @functools.cache
-def _pristine_llama() -> nn.Module:
+def _pristine_llama(kv: int = 4) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32,
+        num_attention_heads=8, num_key_value_heads=kv, max_position_embeddings=32,
         attn_implementation="eager",
     )  # fmt: skip
     torch.manual_seed(0)
@@ -331,28 +331,37 @@ def _train_hf(model: nn.Module) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("t", [2, 4])
-def test_a_llama_from_transformers_trains_as_one_process(t: int) -> None:
-    """A Hugging Face Llama (grouped-query attention: 8 heads, 4 key/value heads) under
-    plan='auto': q/k/v/o and gate/up/down split, embeddings and the output head split by
-    vocabulary with the vocabulary-parallel loss inside, so ``.loss`` is the dense one. Three
-    AdamW steps equal one process."""
-    dense = copy.deepcopy(_pristine_llama())
+@pytest.mark.parametrize(("t", "kv"), [(2, 4), (4, 4), (4, 2), (2, 1)])
+def test_a_llama_from_transformers_trains_as_one_process(t: int, kv: int, tmp_path: Path) -> None:
+    """A Hugging Face Llama with grouped-query attention (8 heads, ``kv`` key/value heads)
+    under plan='auto': q/k/v/o and gate/up/down split, embeddings and the output head split
+    by vocabulary with the vocabulary-parallel loss inside, so ``.loss`` is the dense one.
+    With fewer key/value heads than ranks, each is held by the t / kv ranks whose query heads
+    use it. Three AdamW steps equal one process; the checkpoint loads into the dense model."""
+    dense = copy.deepcopy(_pristine_llama(kv))
     want_losses = _train_hf(dense)
     want = dense.state_dict()
 
     def body(g: ProcessGroup) -> tuple[list[float], dict[str, torch.Tensor], str, int]:
-        model = sl.tensor_parallel(copy.deepcopy(_pristine_llama()), g)
+        model = sl.tensor_parallel(copy.deepcopy(_pristine_llama(kv)), g)
         logits = model(input_ids=_batches()[0][0][:, :4] % 128).logits
-        return _train_hf(model), model.state_dict(), model.plan(), logits.shape[-1]
+        losses = _train_hf(model)
+        checkpoint.save(tmp_path / "ck", model=model, group=g)
+        return losses, model.state_dict(), model.plan(), logits.shape[-1]
 
-    for losses, state, plan, vocab in run_ranks(t, body, timeout=TIMEOUT):
+    results = run_ranks(t, body, timeout=TIMEOUT)
+    for losses, state, plan, vocab in results:
         assert losses == pytest.approx(want_losses, rel=1e-5)
         for key, value in want.items():
             torch.testing.assert_close(state[key], value, msg=key)
         assert vocab == 128 // t  # .logits: this rank's vocabulary slice
-        assert "model.layers.0.self_attn.k_proj: Colwise" in plan
+        k_proj = "model.layers.0.self_attn.k_proj: Colwise(pieces=1, gather_output=False"
+        assert f"{k_proj}, replicas={max(1, t // kv)})" in plan
         assert "model.embed_tokens: vocab" in plan and "lm_head: vocab" in plan
+    plain = copy.deepcopy(_pristine_llama(kv))
+    checkpoint.load(tmp_path / "ck", model=plain)
+    for key, value in results[0][1].items():
+        assert torch.equal(plain.state_dict()[key], value), key
 
 
 def test_dp_by_tp_on_one_mesh_trains_as_one_process_and_checkpoints(tmp_path: Path) -> None:

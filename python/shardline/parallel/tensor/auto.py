@@ -7,8 +7,9 @@
   becomes the sequence-parallel region.
 - **Llama-style attention and MLP** (Hugging Face ``q_proj``, ``k_proj``, ``v_proj``,
   ``o_proj``, ``head_dim``; ``gate_proj``, ``up_proj``, ``down_proj``): heads and key/value
-  heads split (grouped-query attention keeps its groups), ``o_proj`` and ``down_proj`` by
-  input.
+  heads split (grouped-query attention keeps its groups; with fewer key/value heads than
+  ranks, each rank holds the one its query heads use, shared by t / kv ranks, their
+  gradients summed), ``o_proj`` and ``down_proj`` by input.
 - **GPT-2** (Hugging Face, ``Conv1D`` layers, weights stored ``(in, out)``): ``c_attn`` (q, k
   and v fused: ``Colwise(pieces=3)``) and ``c_fc`` split by output, the ``c_proj`` after each
   by input; the attention's ``split_size`` becomes this rank's (``fix_attention``).
@@ -75,14 +76,18 @@ def _llama_layers(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str
             if not isinstance(head_dim, int):
                 continue
             heads, kv = projs[0].out_features // head_dim, projs[1].out_features // head_dim  # type: ignore[union-attr]
-            if heads % t or kv % t:
+            # Key/value heads fewer than t: each rank holds the one its query heads use,
+            # shared by t / kv consecutive ranks (Megatron's replication).
+            replicas = t // kv if kv < t and t % kv == 0 else 1
+            if heads % t or (kv * replicas) % t:
                 raise InvalidArgumentError(
                     f"tensor_parallel: {name} has {heads} attention heads and {kv} key/value "
-                    f"heads; tp={t} must divide both (key/value heads fewer than tp are not "
-                    "supported yet: use a tp size that divides them)"
+                    f"heads; tp={t} must divide the heads, and divide or be a multiple of the "
+                    "key/value heads"
                 )
-            plan |= {f"{p}q_proj": Colwise(), f"{p}k_proj": Colwise(),
-                     f"{p}v_proj": Colwise(), f"{p}o_proj": Rowwise()}  # fmt: skip
+            kv_style = Colwise(replicas=replicas)
+            plan |= {f"{p}q_proj": Colwise(), f"{p}k_proj": kv_style,
+                     f"{p}v_proj": kv_style, f"{p}o_proj": Rowwise()}  # fmt: skip
         mlp = [getattr(m, a, None) for a in ("gate_proj", "up_proj", "down_proj")]
         if all(isinstance(x, nn.Linear) for x in mlp):
             plan |= {f"{p}gate_proj": Colwise(), f"{p}up_proj": Colwise(),
@@ -124,11 +129,22 @@ def _gpt2_blocks(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str,
 
 
 def fix_attention(model: nn.Module, t: int) -> None:
-    """After the rewrite: a GPT-2 attention splits ``c_attn``'s output by its own share."""
+    """After the rewrite, attention modules count this rank's heads.
+
+    A GPT-2 attention splits ``c_attn``'s output by its own share (``split_size``); a
+    Llama-style one repeats its key/value heads for its query heads
+    (``num_key_value_groups``: several when key/value heads are split too, all of its query
+    heads when one is shared by several ranks).
+    """
     for m in model.modules():
         c_attn = getattr(m, "c_attn", None)
         if isinstance(c_attn, ColumnParallelLinear) and hasattr(m, "split_size"):
             setattr(m, "split_size", c_attn.out_features // (3 * t))  # noqa: B010
+        q, k = getattr(m, "q_proj", None), getattr(m, "k_proj", None)
+        split = isinstance(q, ColumnParallelLinear) and isinstance(k, ColumnParallelLinear)
+        if split and hasattr(m, "num_key_value_groups"):
+            groups = q.weight.shape[0] // k.weight.shape[0]  # type: ignore[union-attr]
+            setattr(m, "num_key_value_groups", groups)  # noqa: B010
 
 
 def tied_heads(model: nn.Module) -> list[tuple[str, str]]:

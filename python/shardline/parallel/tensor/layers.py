@@ -60,20 +60,25 @@ def _check_divisible(n: int, t: int, what: str) -> None:
         )
 
 
-def _rows(full: torch.Tensor, group: ProcessGroup, pieces: int) -> torch.Tensor:
-    """This rank's rows of ``full``: of each of its ``pieces`` equal blocks, the rank's part."""
-    t, r = group.world_size, group.rank
+def _rows(full: torch.Tensor, group: ProcessGroup, pieces: int, replicas: int = 1) -> torch.Tensor:
+    """This rank's rows of ``full``: of each of its ``pieces`` equal blocks, the rank's part.
+
+    With ``replicas``, that many consecutive ranks hold the same part.
+    """
+    parts, r = group.world_size // replicas, group.rank // replicas
     blocks = full.chunk(pieces, dim=0)
-    return torch.cat([b.chunk(t, dim=0)[r] for b in blocks], dim=0)
+    return torch.cat([b.chunk(parts, dim=0)[r] for b in blocks], dim=0)
 
 
-def _all_rows(local: torch.Tensor, group: ProcessGroup, pieces: int) -> torch.Tensor:
+def _all_rows(
+    local: torch.Tensor, group: ProcessGroup, pieces: int, replicas: int = 1
+) -> torch.Tensor:
     """The full tensor from every rank's ``_rows`` (a collective)."""
     t = group.world_size
-    parts = torch.empty((t, *local.shape), dtype=local.dtype, device=local.device)
-    group.all_gather(parts, local.detach().contiguous())
-    per_rank = [p.chunk(pieces, dim=0) for p in parts.unbind(0)]
-    return torch.cat([per_rank[r][k] for k in range(pieces) for r in range(t)], dim=0)
+    gathered = torch.empty((t, *local.shape), dtype=local.dtype, device=local.device)
+    group.all_gather(gathered, local.detach().contiguous())
+    per_rank = [p.chunk(pieces, dim=0) for p in gathered.unbind(0)[::replicas]]
+    return torch.cat([part[k] for k in range(pieces) for part in per_rank], dim=0)
 
 
 def is_conv1d(module: object) -> bool:
@@ -186,6 +191,9 @@ class ColumnParallelLinear(_Sliced):
     Attributes:
         in_features, out_features: The dense layer's sizes.
         pieces: Equal blocks of the output the weight fuses (3 for q, k, v in one matrix).
+        replicas: Consecutive ranks holding the same slice (key/value heads fewer than the
+            ranks: each rank holds the head its query heads use); their weight gradients
+            are summed over ``share``, the group of those ranks.
         gather_output: Return the whole output (all-gathered) instead of this rank's part.
         sequence_parallel: The input is split along dim 1 (the sequence): gathered here.
     """
@@ -201,12 +209,19 @@ class ColumnParallelLinear(_Sliced):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         transposed: bool = False,
+        replicas: int = 1,
+        share: ProcessGroup | None = None,
         device: Any = None,
         dtype: Any = None,
     ) -> None:
         super().__init__()
         t = group.world_size
-        _check_divisible(out_features, pieces * t, f"out_features / pieces x tp ({pieces})")
+        if t % replicas or (replicas > 1 and (share is None or share.world_size != replicas)):
+            raise InvalidArgumentError(
+                f"ColumnParallelLinear: replicas={replicas} must divide tp={t} and come with "
+                "share, the group of the ranks holding the same slice"
+            )
+        _check_divisible(out_features, pieces * t // replicas, "out_features / pieces")
         if gather_output and pieces != 1:
             raise InvalidArgumentError(
                 "ColumnParallelLinear: gather_output with a fused weight (pieces > 1) would "
@@ -215,7 +230,8 @@ class ColumnParallelLinear(_Sliced):
         self.group, self.in_features, self.out_features = group, in_features, out_features
         self.pieces, self.gather_output = pieces, gather_output
         self.sequence_parallel, self.transposed = sequence_parallel, transposed
-        local = out_features // t
+        self.replicas, self.share = replicas, share
+        local = out_features // (t // replicas)
         shape = (in_features, local) if transposed else (local, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype)) if bias else None
@@ -227,24 +243,25 @@ class ColumnParallelLinear(_Sliced):
         """This rank's slice of ``linear``'s weights (an ``nn.Linear`` or a ``Conv1D``)."""
         out, w, bias = cls._like(linear, group, options)
         with torch.no_grad():
-            out.weight.copy_(out._canon("weight", _rows(w, group, out.pieces)))
+            out.weight.copy_(out._canon("weight", out._mine("weight", w)))
             if out.bias is not None and bias is not None:
-                out.bias.copy_(_rows(bias, group, out.pieces))
+                out.bias.copy_(out._mine("bias", bias))
         return out
 
     def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        return _all_rows(local, self.group, self.pieces)
+        return _all_rows(local, self.group, self.pieces, self.replicas)
 
     def _mine(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return _rows(full, self.group, self.pieces)
+        return _rows(full, self.group, self.pieces, self.replicas)
 
     def _boxes(self, name: str, local: torch.Tensor) -> tuple[tuple[int, ...], list[Box]]:
         rows = local.shape[0] // self.pieces  # of each piece, on this rank
         shape = (self.out_features, *local.shape[1:])
         per_piece = self.out_features // self.pieces
+        part = self.group.rank // self.replicas  # replicas list the same piece (equal copies)
         boxes = [
             Box(local[k * rows : (k + 1) * rows],
-                (k * per_piece + self.group.rank * rows,) + (0,) * (local.dim() - 1))
+                (k * per_piece + part * rows,) + (0,) * (local.dim() - 1))
             for k in range(self.pieces)
         ]  # fmt: skip
         return shape, boxes
@@ -252,7 +269,12 @@ class ColumnParallelLinear(_Sliced):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output features (all of them with ``gather_output``)."""
         x = gather_seq(x, self.group) if self.sequence_parallel else copy_to(x, self.group)
-        y = F.linear(x, self._canon("weight", self.weight), self.bias)
+        w = self._canon("weight", self.weight)
+        b: torch.Tensor | None = self.bias
+        if self.share is not None:  # a slice several ranks hold: gradients summed over them
+            w = copy_to(w, self.share)
+            b = copy_to(b, self.share) if b is not None else None
+        y = F.linear(x, w, b)
         return gather_from(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:  # noqa: D102

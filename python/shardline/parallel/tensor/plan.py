@@ -134,7 +134,12 @@ def _check(module: nn.Module, style: Any, name: str, t: int) -> None:
         out_f, in_f = (w.shape[1], w.shape[0]) if is_conv1d(module) else (w.shape[0], w.shape[1])
     if linear and kind in ("colwise", "vocab"):
         pieces = style.pieces if isinstance(style, Colwise) else 1
-        size, by = out_f, pieces * t
+        replicas = style.replicas if isinstance(style, Colwise) else 1
+        if t % replicas:
+            raise InvalidArgumentError(
+                f"tensor_parallel: {name}: Colwise(replicas={replicas}) must divide tp={t}"
+            )
+        size, by = out_f, pieces * t // replicas
         what = "output features" + (f" ({pieces} pieces of them)" if pieces > 1 else "")
     elif linear and kind == "rowwise":
         size, what = in_f, "input features"
@@ -148,12 +153,15 @@ def _check(module: nn.Module, style: Any, name: str, t: int) -> None:
         )
 
 
-def _rewrite(module: Any, style: Any, group: ProcessGroup, sp: bool) -> nn.Module:
+def _rewrite(
+    module: Any, style: Any, group: ProcessGroup, sp: bool, shares: dict[int, ProcessGroup]
+) -> nn.Module:
     kind = _kind(style)
     if kind == "colwise":
         return ColumnParallelLinear.from_dense(module, group, pieces=style.pieces,
                                                gather_output=style.gather_output,
-                                               sequence_parallel=sp)  # fmt: skip
+                                               sequence_parallel=sp, replicas=style.replicas,
+                                               share=shares.get(style.replicas))  # fmt: skip
     if kind == "rowwise":
         return RowParallelLinear.from_dense(module, group, sequence_parallel=sp,
                                             input_is_parallel=style.input_is_parallel)  # fmt: skip
@@ -208,8 +216,16 @@ def tensor_parallel(
     ties = tied_heads(model)
     tensors = [*model.parameters(), *(b for b in model.buffers() if b.numel())]
     broadcast_coalesced(g, [x.data for x in tensors], 0, 25 << 20)
+    # Ranks that hold the same slice (key/value heads fewer than t): one group each, made by
+    # every rank in the same order.
+    shares: dict[int, ProcessGroup] = {}
+    for r in sorted({s.replicas for s in styles.values() if isinstance(s, Colwise)} - {1}):
+        for k in range(t // r):
+            sub = g.new_group(list(range(k * r, (k + 1) * r)))
+            if sub is not None:
+                shares[r] = sub
     for name, style in styles.items():
-        new = _rewrite(model.get_submodule(name), style, g, sequence_parallel)
+        new = _rewrite(model.get_submodule(name), style, g, sequence_parallel, shares)
         if new is not model.get_submodule(name):
             _replace(model, name, new)
     _retie(model, ties)

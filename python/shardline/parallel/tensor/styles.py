@@ -13,6 +13,7 @@ class Colwise:
 
     pieces: int = 1
     gather_output: bool = False
+    replicas: int = 1  # consecutive ranks holding the same slice (key/value heads < tp)
 
 
 @dataclass(frozen=True)
