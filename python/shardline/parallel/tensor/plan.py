@@ -2,10 +2,11 @@
 
 A plan maps module names to styles:
 
-- ``"colwise"`` (``Colwise(pieces=k)`` for a fused weight of k blocks, q/k/v): an
-  ``nn.Linear`` becomes a ``ColumnParallelLinear``;
-- ``"rowwise"``: an ``nn.Linear`` becomes a ``RowParallelLinear`` (it takes a column layer's
-  output slice);
+- ``"colwise"`` (``Colwise(pieces=k)`` for a fused weight of k blocks, q/k/v;
+  ``Colwise(replicas=r)`` for a slice r consecutive ranks share): an ``nn.Linear`` (or a
+  transformers ``Conv1D``) becomes a ``ColumnParallelLinear``;
+- ``"rowwise"``: an ``nn.Linear`` (or ``Conv1D``) becomes a ``RowParallelLinear`` (it takes
+  a column layer's output slice);
 - ``"vocab"``: an ``nn.Embedding`` becomes a ``VocabParallelEmbedding``, an output
   ``nn.Linear`` a ``ColumnParallelLinear`` whose logits stay split by vocabulary (a head
   tied to the embedding stays tied: both hold the same rows). A model with a ``loss_fn``
@@ -16,8 +17,9 @@ A plan maps module names to styles:
 - ``"sequence_region"``: any module whose input and output are the residual stream (the
   chain of blocks) takes it split along the sequence and gives it back whole.
 
-``plan="auto"`` recognises the models ``tensor.auto`` lists (the built-in GPT, Llama-style
-Hugging Face models); everything else stays replicated, and ``model.plan()`` lists it.
+``plan="auto"`` recognises the models ``tensor.auto`` lists (the built-in GPT; Llama-style
+and GPT-2 Hugging Face models); everything else stays replicated, and ``model.plan()`` lists
+it.
 
 Before any layer is cut, the group's rank 0 broadcasts the model's tensors, so every layout
 starts from the numbers one process would have (DESIGN decision 7).
