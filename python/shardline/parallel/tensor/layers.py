@@ -92,7 +92,7 @@ def _dense_weight(module: nn.Module) -> torch.Tensor:
     return w.t() if is_conv1d(module) else w
 
 
-_L = TypeVar("_L", bound="_Sliced")
+_L = TypeVar("_L", bound="_ParallelLinear")
 
 
 class _Sliced(nn.Module):
@@ -104,18 +104,6 @@ class _Sliced(nn.Module):
 
     group: ProcessGroup
     transposed: bool = False
-
-    @classmethod
-    def _like(
-        cls: type[_L], linear: nn.Module, group: ProcessGroup, options: dict[str, Any]
-    ) -> tuple[_L, torch.Tensor, torch.Tensor | None]:
-        """An empty layer shaped for ``linear``, its weight as ``(out, in)``, and its bias."""
-        w = _dense_weight(linear)
-        bias: torch.Tensor | None = linear.bias  # type: ignore[assignment]
-        out = cls(w.shape[1], w.shape[0], group, bias=bias is not None,
-                  transposed=is_conv1d(linear), device=w.device, dtype=w.dtype,
-                  **options)  # fmt: skip
-        return out, w, bias
 
     def _canon(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """``t`` as ``(out, in)`` (or back): transposed for a ``transposed`` weight."""
@@ -185,7 +173,28 @@ class _Sliced(nn.Module):
                 param.copy_(mine)
 
 
-class ColumnParallelLinear(_Sliced):
+class _ParallelLinear(_Sliced):
+    """What the column- and row-parallel linears share: being built from a dense one."""
+
+    @classmethod
+    def from_dense(cls: type[_L], linear: nn.Module, group: ProcessGroup, **options: Any) -> _L:
+        """This rank's slice of a linear layer's weights (an ``nn.Linear`` or a ``Conv1D``).
+
+        ``options`` go to the constructor.
+        """
+        w = _dense_weight(linear)
+        bias: torch.Tensor | None = linear.bias  # type: ignore[assignment]
+        out = cls(w.shape[1], w.shape[0], group, bias=bias is not None,
+                  transposed=is_conv1d(linear), device=w.device, dtype=w.dtype,
+                  **options)  # fmt: skip
+        with torch.no_grad():
+            out.weight.copy_(out._canon("weight", out._mine("weight", w)))  # type: ignore[operator]
+            if out.bias is not None and bias is not None:
+                out.bias.copy_(out._mine("bias", bias))  # type: ignore[operator]
+        return out
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """A linear layer with its output features split across ``group`` (see the module doc).
 
     Attributes:
@@ -236,18 +245,6 @@ class ColumnParallelLinear(_Sliced):
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype)) if bias else None
 
-    @classmethod
-    def from_dense(
-        cls, linear: nn.Module, group: ProcessGroup, **options: Any
-    ) -> ColumnParallelLinear:
-        """This rank's slice of ``linear``'s weights (an ``nn.Linear`` or a ``Conv1D``)."""
-        out, w, bias = cls._like(linear, group, options)
-        with torch.no_grad():
-            out.weight.copy_(out._canon("weight", out._mine("weight", w)))
-            if out.bias is not None and bias is not None:
-                out.bias.copy_(out._mine("bias", bias))
-        return out
-
     def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         return _all_rows(local, self.group, self.pieces, self.replicas)
 
@@ -285,7 +282,7 @@ class ColumnParallelLinear(_Sliced):
         )
 
 
-class RowParallelLinear(_Sliced):
+class RowParallelLinear(_ParallelLinear):
     """A linear layer with its input features split across ``group`` (see the module doc).
 
     Attributes:
@@ -319,18 +316,6 @@ class RowParallelLinear(_Sliced):
         self.bias = (
             nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         )
-
-    @classmethod
-    def from_dense(
-        cls, linear: nn.Module, group: ProcessGroup, **options: Any
-    ) -> RowParallelLinear:
-        """This rank's slice of ``linear``'s weight (its input features); the whole bias."""
-        out, w, bias = cls._like(linear, group, options)
-        with torch.no_grad():
-            out.weight.copy_(out._canon("weight", out._mine("weight", w)))
-            if out.bias is not None and bias is not None:
-                out.bias.copy_(bias)
-        return out
 
     def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         if name == "bias":
