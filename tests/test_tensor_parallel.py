@@ -401,6 +401,9 @@ def test_dp_by_tp_on_one_mesh_trains_as_one_process_and_checkpoints(tmp_path: Pa
         mesh = sl.DeviceMesh({"dp": 2, "tp": 2}, group=g)
         with pytest.raises(sl.InvalidArgumentError, match="not built yet"):
             sl.distribute(_gpt(), mesh=mesh, strategy={"dp": "zero2", "tp": "auto"})
+        only_tp = sl.DeviceMesh({"tp": 4}, group=g)
+        with pytest.raises(sl.InvalidArgumentError, match=r"\['bucket_cap_mb'\] are DDP's"):
+            sl.distribute(_gpt(), mesh=only_tp, strategy={"tp": "auto"}, bucket_cap_mb=1)
 
     run_ranks(4, refused, timeout=TIMEOUT)
 

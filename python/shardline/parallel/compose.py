@@ -114,6 +114,11 @@ def _tensor(
             "build it from model.parameters()"
         )
     sp = bool(options.pop("sequence_parallel", False))
+    if dp is None and options:
+        raise InvalidArgumentError(
+            f"distribute(): {sorted(options)} are DDP's options; with no 'dp' axis only "
+            "sequence_parallel applies"
+        )
     model = tensor_parallel(model, mesh.group("tp"), strategy["tp"], sequence_parallel=sp)
     now = dict(model.named_parameters(remove_duplicate=False))
     for group in groups:  # the same names, now this rank's slices
