@@ -115,9 +115,12 @@ def worker(args: argparse.Namespace) -> int:
     med = torch.tensor([statistics.median(times[k]) for k in steps], dtype=torch.float64,
                        device=device)  # fmt: skip
     dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank's median
-    split = sum(p.numel() * p.element_size() for n, p in build(args, "meta").named_parameters()
-                if any(k in n for k in ("proj", "embed_tokens", "lm_head")))  # fmt: skip
-    dense = sum(p.numel() * p.element_size() for p in build(args, "meta").parameters())
+    with torch.device("meta"):  # the dense model's sizes, without its memory
+        sizes = {n: p.numel() * p.element_size() for n, p in build(args, "meta").named_parameters()}
+    split = sum(
+        b for n, b in sizes.items() if any(k in n for k in ("proj", "embed_tokens", "lm_head"))
+    )
+    dense = sum(sizes.values())
     mine = sum(p.numel() * p.element_size() for p in ours.parameters())
     tokens = args.batch * args.seq
     row: dict[str, Any] = {

@@ -161,19 +161,20 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(r[:, :-1], r[:, 1:]) for r in rows]
 
 
+def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, ...]) -> float:
+    opt.zero_grad()
+    loss = model(*batch)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
 def _train(model: nn.Module) -> list[float]:
     # The key bias's gradient is zero in exact arithmetic (softmax does not see a shift shared
     # by all keys), so it is rounding noise, which Adam with a tiny eps turns into full-size
     # steps of either sign. A larger eps keeps that noise at the noise's size.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
-    losses = []
-    for x, y in _batches():
-        opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
+    return [_step(model, opt, batch) for batch in _batches()]
 
 
 @pytest.mark.parametrize("t", [2, 4])
@@ -252,14 +253,6 @@ def test_plans_that_cannot_work_are_refused_before_any_change() -> None:
         attempt({"blocks.0.mlp.0": "colwise"}, t=5)
     with pytest.raises(AssertionError, match=r"72 output features \(3 pieces of them\)"):
         attempt({"blocks.0.qkv": Colwise(pieces=3)}, t=5)
-
-
-def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, ...]) -> float:
-    opt.zero_grad()
-    loss = model(*batch)
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
 
 
 def test_checkpoints_reshard_between_tp_layouts_and_one_process(tmp_path: Path) -> None:
