@@ -1,6 +1,7 @@
 """Parallel strategies: wrappers around a plain model and optimizer.
 
 - ``distribute``: one call, strategy by name; ``as_distributed``: strategy chosen by memory.
+- ``clip_grad_norm_``: clipping by the global norm, whatever the layout.
 - ``estimate_memory`` (``planner``), ``choose_strategy`` (``fit``): the pre-flight memory planner.
 - ``strategies``: the strategy names, one table (name -> wrapper, stage, planner layout).
 - ``contract``: the four methods every strategy implements for checkpoints, and the values
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from shardline.parallel import comm_hooks, contract
 from shardline.parallel.api import as_distributed, distribute
+from shardline.parallel.clip import clip_grad_norm_
 from shardline.parallel.contract import BlockShard, Box, FlatRange, Local, Shard, ShardedTensor
 from shardline.parallel.data import DistributedDataParallel, ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import register_optimizer
@@ -44,6 +46,7 @@ __all__ = [
     "ShardedTensor",
     "as_distributed",
     "choose_strategy",
+    "clip_grad_norm_",
     "comm_hooks",
     "contract",
     "distribute",

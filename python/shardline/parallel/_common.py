@@ -1,24 +1,30 @@
 """Pieces every data-parallel wrapper needs.
 
-The same-model check, coalesced broadcasts, and hooks that do not keep the wrapper alive.
+The same-model check, coalesced broadcasts, the global gradient norm, and hooks that do not
+keep the wrapper alive.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
+from shardline.parallel.contract import Shard, param_layouts
 
 __all__ = [
+    "ModelParallel",
     "broadcast_coalesced",
     "check_same_model",
     "clip_to_global_norm_",
+    "copies_over",
     "default_group",
     "remove_hooks_when_collected",
     "weak_method",
@@ -32,6 +38,7 @@ def clip_to_global_norm_(
     max_norm: float,
     norm_type: float,
     device: torch.device | None,
+    copies: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Scales ``scaled`` in place so that the global gradient norm is at most ``max_norm``.
 
@@ -39,7 +46,9 @@ def clip_to_global_norm_(
     group) over every rank of ``group`` (or of several groups that together span the ranks
     holding the model: a pipeline's stages, then their replicas), as
     ``torch.nn.utils.clip_grad_norm_`` computes it on one process
-    (``coef = max_norm / (norm + 1e-6)``, at most 1). Returns the norm.
+    (``coef = max_norm / (norm + 1e-6)``, at most 1). Where ``copies[i]`` ranks hold equal
+    copies of ``counted[i]`` (a weight tensor parallelism keeps whole), each counts
+    ``1 / copies[i]``. Returns the norm.
     """
     norm_type = float(norm_type)
     groups = [group] if isinstance(group, ProcessGroup) else list(group)
@@ -52,6 +61,10 @@ def clip_to_global_norm_(
         parts = [
             torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in counted
         ]
+        if copies is not None:
+            parts = [
+                x * (1.0 / c) ** (1.0 / norm_type) for x, c in zip(parts, copies, strict=True)
+            ]
         total = (
             torch.stack(parts).pow(norm_type).sum().reshape(1)
             if parts
@@ -175,3 +188,56 @@ def remove_hooks_when_collected(obj: object, handles: list[Any]) -> None:
     The plain model that ``obj`` wrapped then carries no dead hooks.
     """
     weakref.finalize(obj, _remove, handles).atexit = False
+
+
+def copies_over(group: ProcessGroup, module: nn.Module) -> dict[str, int]:
+    """How many ranks of ``group`` hold each element of each of ``module``'s parameters.
+
+    ``module`` is split over ``group`` (tensor parallelism): a split weight's elements are
+    each on one rank (1; ``Colwise(replicas=r)``: r), a weight every rank keeps whole is on
+    all of them. Read from the strategy contract (``contract.param_layouts``); a collective.
+    """
+    layouts = param_layouts(module)
+    names = sorted(n for n, _ in module.named_parameters())
+    held, whole = [], []
+    for n in names:
+        value = layouts[n]
+        if isinstance(value, Shard):
+            held.append(float(value.numel))
+            whole.append(math.prod(value.global_shape))
+        else:
+            held.append(float(value.numel()))
+            whole.append(value.numel())
+    total = torch.tensor(held, dtype=torch.float64, device=next(module.parameters()).device)
+    group.all_reduce(total, op="sum")
+    return {
+        n: max(1, round(got / max(1, w)))
+        for n, got, w in zip(names, total.tolist(), whole, strict=True)
+    }
+
+
+class ModelParallel:
+    """For a data-parallel wrapper whose module is itself split (tensor parallelism inside).
+
+    ``set_model_parallel(group, copies)`` names the group the module is split over and how
+    many of its ranks hold each parameter's elements (``copies_over``, measured before
+    wrapping); the wrapper's ``clip_grad_norm_`` then sums over that group too, each element
+    once, as ``torch.nn.utils.clip_grad_norm_`` does on the dense model.
+    """
+
+    _model_group: ProcessGroup | None = None
+    _copies: dict[str, int] | None = None
+
+    def set_model_parallel(self, group: ProcessGroup, copies: dict[str, int]) -> None:
+        """The group the wrapped module is split over, and each parameter's copies on it."""
+        self._model_group = group
+        self._copies = dict(copies)
+
+    def _norm_groups(self, own: ProcessGroup | None) -> list[ProcessGroup]:
+        """The groups a gradient norm is summed over: ``own`` (if any), then the model's."""
+        return [g for g in (own, self._model_group) if g is not None]
+
+    def _copies_of(self, names: Sequence[str]) -> list[int] | None:
+        if self._copies is None:
+            return None
+        return [self._copies.get(n, 1) for n in names]

@@ -2,12 +2,15 @@
 
 - ``{"dp": ..., "pp": schedule}``: the pipeline splits the model on ``pp``; its replicas on
   ``dp`` are kept by DDP or sharded by ZeRO (``pipeline/zero.py``).
-- ``{"dp": "ddp", "tp": plan}``: tensor parallelism on ``tp`` (``sl.tensor_parallel``), DDP
-  over the replicas on ``dp``: each tp slice is averaged with the same slice of the others.
+- ``{"dp": "ddp" | "zero1" | "zero2" | "zero3", "tp": plan}``: tensor parallelism on ``tp``
+  (``sl.tensor_parallel``), then DDP or ZeRO over the replicas on ``dp``: each tp slice is
+  averaged with (ZeRO: sharded over) the same slice of the others. ``clip_grad_norm_`` of
+  the result sums over both axes, each element once; checkpoints place ZeRO's flat parts of
+  a slice in the dense tensor (``parallel.placement``).
 
 The optimizer passed in is rebound to what this rank now holds, under the same names, so it
-may be built from the dense model before the call. Tensor parallelism with a pipeline or with
-ZeRO on one mesh is not built yet, and is refused by name.
+may be built from the dense model before the call. Tensor parallelism with a pipeline on one
+mesh is not built yet, and is refused by name.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import nn
 
 from shardline.comm.mesh import DeviceMesh
 from shardline.errors import InvalidArgumentError
+from shardline.parallel._common import ModelParallel, copies_over
 
 __all__ = ["compose"]
 
@@ -51,10 +55,10 @@ def compose(
             f"distribute(strategy={strategy}): on the dp axis use 'ddp', 'zero1', 'zero2' or "
             "'zero3' ('fsdp')"
         )
-    if "tp" in strategy and ("pp" in strategy or dp not in (None, "ddp")):
+    if "tp" in strategy and "pp" in strategy:
         raise InvalidArgumentError(
-            f"distribute(strategy={strategy}): tensor parallelism composes with 'ddp' on dp "
-            "today; with a pipeline or ZeRO on the same mesh it is not built yet"
+            f"distribute(strategy={strategy}): tensor parallelism with a pipeline on the same "
+            "mesh is not built yet"
         )
     axes = set(mesh.axis_names)
     if axes != set(strategy):
@@ -98,7 +102,8 @@ def _tensor(
     dp: str | None,
     options: dict[str, Any],
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    from shardline.parallel.data.ddp import DistributedDataParallel  # noqa: PLC0415
+    from shardline.parallel import strategies  # noqa: PLC0415
+    from shardline.parallel.data.zero.optimizers import check_optimizer  # noqa: PLC0415
     from shardline.parallel.tensor import tensor_parallel  # noqa: PLC0415
 
     if optimizer is not None and optimizer.state:
@@ -116,13 +121,31 @@ def _tensor(
     sp = bool(options.pop("sequence_parallel", False))
     if dp is None and options:
         raise InvalidArgumentError(
-            f"distribute(): {sorted(options)} are DDP's options; with no 'dp' axis only "
-            "sequence_parallel applies"
+            f"distribute(): {sorted(options)} are data parallelism's options; with no 'dp' "
+            "axis only sequence_parallel applies"
         )
-    model = tensor_parallel(model, mesh.group("tp"), strategy["tp"], sequence_parallel=sp)
+    row = strategies.strategy(dp) if dp is not None else None
+    if row is not None:
+        unknown = sorted(set(options) - set(row.options()))
+        if unknown:
+            raise InvalidArgumentError(
+                f"distribute(strategy={strategy}): {dp} does not take {unknown}; it takes "
+                f"{row.options()}"
+            )
+        if row.stage and optimizer is not None:
+            check_optimizer(optimizer, row.stage)  # before any collective
+    tp = mesh.group("tp")
+    model = tensor_parallel(model, tp, strategy["tp"], sequence_parallel=sp)
     now = dict(model.named_parameters(remove_duplicate=False))
     for group in groups:  # the same names, now this rank's slices
         group["params"] = [now[before[id(p)]] for p in group["params"]]
-    if dp is None:
+    if row is None:
         return model, optimizer
-    return DistributedDataParallel(model, group=mesh.group("dp"), **options), optimizer
+    copies = copies_over(tp, model)  # before ZeRO takes the parameters' memory over
+    wrapped = row.wrap(model, group=mesh.group("dp"), **options)
+    assert isinstance(wrapped, ModelParallel)
+    wrapped.set_model_parallel(tp, copies)
+    bind = getattr(wrapped, "bind_optimizer", None)
+    if optimizer is not None and row.stage and callable(bind):
+        bind(optimizer)  # ZeRO: this rank's parts of the slices, in their groups
+    return wrapped, optimizer

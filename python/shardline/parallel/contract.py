@@ -53,6 +53,8 @@ __all__ = [
     "layout",
     "load_sharded_optim_state_dict",
     "load_sharded_state_dict",
+    "named_tensors",
+    "param_layouts",
     "sharded_optim_state_dict",
     "sharded_state_dict",
 ]
@@ -266,11 +268,29 @@ def _composed(model: nn.Module) -> dict[str, Any]:
             continue
         if any(name.startswith(f"{p}.") for p in contracted):
             continue
-        out.update({pre + k: p for k, p in m._parameters.items() if p is not None})
-        out.update({
-            pre + k: b for k, b in m._buffers.items()
-            if b is not None and k not in m._non_persistent_buffers_set
-        })  # fmt: skip
+        out.update(_own_tensors(m, pre))
+    return out
+
+
+def _own_tensors(m: nn.Module, pre: str) -> dict[str, torch.Tensor]:
+    """``m``'s own parameters and persistent buffers, under ``pre``."""
+    out: dict[str, torch.Tensor] = {pre + k: p for k, p in m._parameters.items() if p is not None}
+    out.update({
+        pre + k: b for k, b in m._buffers.items()
+        if b is not None and k not in m._non_persistent_buffers_set
+    })  # fmt: skip
+    return out
+
+
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors ``state_dict(keep_vars=True)`` holds, by name, read without calling it.
+
+    (A tensor-parallel layer's ``state_dict()`` gathers full tensors: a collective.) A tensor
+    under two names (tied weights) is listed under both.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        out.update(_own_tensors(m, f"{name}." if name else ""))
     return out
 
 
@@ -308,7 +328,7 @@ def load_sharded_state_dict(model: nn.Module, sd: Mapping[str, Any]) -> None:
                     dst.copy_(src)
 
 
-def _param_layouts(model: nn.Module) -> dict[str, Any]:
+def param_layouts(model: nn.Module) -> dict[str, Any]:
     """Parameter name -> its value in ``sharded_state_dict(model)`` (tensor or ``Shard``)."""
     sd = sharded_state_dict(model)
     return {n: sd[n] for n, _ in model.named_parameters() if n in sd}
@@ -326,7 +346,7 @@ def sharded_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
         return dict(own(optimizer))
     params = dict(model.named_parameters())
     names = {id(p): n for n, p in params.items()}
-    layouts = _param_layouts(model)
+    layouts = param_layouts(model)
     state: dict[str, dict[str, Any]] = {}
     for p, entries in optimizer.state.items():
         if id(p) not in names:
@@ -366,7 +386,7 @@ def load_sharded_optim_state_dict(
         own(optimizer, sd)
         return
     params = dict(model.named_parameters())
-    layouts = _param_layouts(model)
+    layouts = param_layouts(model)
     for name, entries in sd["state"].items():
         if name not in params:
             raise InvalidArgumentError(

@@ -38,13 +38,16 @@ from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError, ShardlineError
 from shardline.parallel import contract
 from shardline.parallel._common import (
+    ModelParallel,
     broadcast_coalesced,
     check_same_model,
+    clip_to_global_norm_,
     default_group,
     remove_hooks_when_collected,
     weak_method,
 )
 from shardline.parallel.comm_hooks import CommHook, allreduce_hook, resolve_hook
+from shardline.parallel.data.ddp_join import JoinUneven
 
 __all__ = ["DistributedDataParallel"]
 
@@ -96,7 +99,7 @@ class _StepState:
     next_bucket: int = 0
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
     """Replicates ``module`` on every rank of ``group`` and averages gradients in backward.
 
     Args:
@@ -256,57 +259,23 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._require_sync = previous
 
-    @contextlib.contextmanager
-    def join(self) -> Iterator[None]:
-        """Lets ranks run different numbers of batches without deadlocking each other.
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the averaged gradients; returns the norm.
 
-        Wrap the training loop: ``with model.join(): for batch in my_batches: ...``. When a
-        rank leaves the loop it keeps answering the other ranks' collectives with zero
-        gradients until every rank has left; then every rank takes the parameters and buffers
-        of the last rank that was still training. If the loop raises, the group is aborted so
-        that the other ranks raise too instead of waiting.
+        Every replica holds the same gradients, so nothing is communicated unless the module
+        is split by tensor parallelism (then the norm is summed over its group).
         """
-        if self._join_active:
-            raise InvalidArgumentError("DistributedDataParallel.join() is already active")
-        self._join_active = True
-        self._join_src = None
-        self._awaiting_backward = False
-        try:
-            try:
-                yield
-            except BaseException as e:
-                self.group.abort(
-                    f"rank {self.group.rank} raised {type(e).__name__} inside "
-                    "DistributedDataParallel.join()"
-                )
-                raise
-            try:
-                self._shadow_until_all_joined()
-            except BaseException as e:
-                self.group.abort(
-                    f"rank {self.group.rank} failed while shadowing the other ranks in "
-                    f"DistributedDataParallel.join(): {type(e).__name__}: {e}"
-                )
-                raise
-        finally:
-            self._join_active = False
-            self._join_src = None
-            self._awaiting_backward = False
-
-    def _shadow_until_all_joined(self) -> None:
-        """Joined rank: mirror each round of the active ranks, then take the final model."""
-        while True:
-            src = self._join_round(active=False, sync=False)
-            if src is None:
-                break
-            self._join_src, sync = src
-            if self._buffers_due and self.broadcast_buffers and self._buffers_list:
-                self._broadcast_tensors(self._buffers_list, src=self._join_src)
-            self._buffers_due = sync
-            if sync:
-                self._shadow_backward()
-        if self._join_src is not None:
-            self._broadcast_tensors(self._params_data() + self._buffers_list, src=self._join_src)
+        named = [
+            (n, p.grad)
+            for n, p in zip(self._names, self._params, strict=True)
+            if p.grad is not None
+        ]
+        grads = [g for _, g in named]
+        return clip_to_global_norm_(
+            grads, grads, self._norm_groups(None), max_norm, norm_type, self._device,
+            copies=self._copies_of([n for n, _ in named]),
+        )  # fmt: skip
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's ``state_dict`` (keys without a ``module.`` prefix)."""
@@ -554,44 +523,6 @@ class DistributedDataParallel(nn.Module):
         self.group.broadcast(t, src=self._src())
         self._build_buckets(t.tolist())
         self._rebuilt = True
-
-    # -- uneven inputs ---------------------------------------------------------------------------
-
-    def _join_round(self, *, active: bool, sync: bool) -> Any:
-        """One round of the join protocol: who is still training, and will they sync?
-
-        Active ranks call it from ``forward`` and get the rank to take buffers from; joined
-        ranks call it in their shadow loop and get ``(src, sync)`` or ``None`` once all left.
-        """
-        flag = torch.tensor(
-            [self.group.rank if active else -1, 1 if (active and sync) else 0],
-            dtype=torch.int64,
-            device=self._device,
-        )
-        self.group.all_reduce(flag, "max")
-        src, any_sync = int(flag[0]), bool(flag[1])
-        if active:
-            return src
-        return None if src < 0 else (src, any_sync)
-
-    def _shadow_backward(self) -> None:
-        """Mirrors one synchronised backward of the active ranks with zero gradients."""
-        finishes = []
-        for b in self._buckets:
-            if b.in_place:
-                p = self._params[b.params[0]]
-                b.flat = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-            else:
-                b.flat.zero_()
-            finishes.append(self._start(b))
-        used = torch.zeros(len(self._params), dtype=torch.uint8, device=self._device)
-        mask_work = self.group.all_reduce(used, "max", async_op=True)
-        for f in finishes:
-            f()
-        assert mask_work is not None
-        mask_work.wait()
-        if not self._rebuilt:
-            self._rebuild([])
 
     # -- broadcast -------------------------------------------------------------------------------
 

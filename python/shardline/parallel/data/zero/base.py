@@ -21,6 +21,7 @@ from shardline.comm.group import ProcessGroup
 from shardline.comm.work import Work
 from shardline.parallel.data.zero.grouping import UnitPlan
 from shardline.parallel.data.zero.units import Unit
+from shardline.parallel.placement import Placement
 from shardline.parallel.precision import MixedPrecision
 
 __all__ = ["TrainingState", "ZeroBase"]
@@ -48,6 +49,7 @@ class ZeroBase(nn.Module):
     _reduce_group: ProcessGroup  # gradient reductions, in their own order
     _by_name: dict[str, nn.Parameter]  # the plain model's parameters
     _dtypes: dict[str, torch.dtype]  # their original dtypes
+    _placements: dict[str, Placement]  # parameters that are slices of bigger tensors
     _module_names: dict[nn.Module, str]
     _handles: list[Any]  # hooks to remove with the wrapper
     _reorder: bool

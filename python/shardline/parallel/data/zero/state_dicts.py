@@ -17,9 +17,16 @@ from torch import nn
 
 from shardline.comm.objects import broadcast_object
 from shardline.errors import InvalidArgumentError
-from shardline.parallel.contract import Shard, ShardedTensor, apply_param_groups, groups_by_name
+from shardline.parallel.contract import (
+    Box,
+    Shard,
+    apply_param_groups,
+    groups_by_name,
+    named_tensors,
+)
 from shardline.parallel.data.zero.schedule import GatherReduceSchedule
 from shardline.parallel.data.zero.units import ParamState, Unit
+from shardline.parallel.placement import Placement, place
 
 __all__ = ["ShardedStateDicts"]
 
@@ -29,26 +36,37 @@ class ShardedStateDicts(GatherReduceSchedule):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """Full tensors under the plain model's names (collective: call it on every rank)."""
-        full: dict[int, torch.Tensor] = {}
+        full: dict[nn.Parameter, torch.Tensor] = {}
         for u in self._units:
             values = self._gather_master(u)
             for p, name, o in zip(u.params, u.names, u.offsets, strict=True):
-                full[id(p)] = values[o : o + p.numel()].view(p.shape).to(self._dtypes[name])
-        out: dict[str, Any] = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            out[key] = full[id(value)] if id(value) in full else value.detach()
-        return out
+                full[p] = values[o : o + p.numel()].view(p.shape).to(self._dtypes[name])
+        # The module's own state_dict() over the gathered values: a tensor-parallel layer in it
+        # then gathers its slices into the global tensors, as it does unwrapped.
+        shown = {p: p.data for p in full}
+        try:
+            for p, value in full.items():
+                p.data = value
+            return self.module.state_dict(*args, **kwargs)
+        finally:
+            for p, data in shown.items():
+                p.data = data
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Loads full tensors (as from the plain model's ``state_dict``) into the shards."""
-        expected = self.module.state_dict(keep_vars=True)
+        expected = named_tensors(self.module)
+        names = {id(p): n for u in self._units for p, n in zip(u.params, u.names, strict=True)}
+        shapes = {
+            k: self._global_shape(names[id(v)], v) if id(v) in names else tuple(v.shape)
+            for k, v in expected.items()
+        }
         missing = [k for k in expected if k not in state_dict]
         unexpected = [k for k in state_dict if k not in expected]
         bad = [
-            f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}"
-            for k, v in expected.items()
-            if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
+            f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {shapes[k]}"
+            for k in expected
+            if k in state_dict and tuple(state_dict[k].shape) != shapes[k]
         ]
         if bad or (strict and (missing or unexpected)):
             raise InvalidArgumentError(
@@ -72,12 +90,12 @@ class ShardedStateDicts(GatherReduceSchedule):
                 value.copy_(src)
                 continue
             i = next(j for j, p in enumerate(u.params) if p is value)
-            a, b = u.local_ranges[i]
-            flat = src.detach().reshape(-1).to(u.wdtype)
-            u.locals[i].data.view(-1).copy_(flat[a:b])
+            name, (a, _b) = u.names[i], u.local_ranges[i]
+            _fill(self._placed(name, u.locals[i].data, a, value), src.detach().to(u.wdtype))
             if u.param_state is ParamState.GATHERED and self.stage < 3:
                 o = u.offsets[i]
-                u.full[o : o + value.numel()].copy_(flat)
+                mine = self._placed(name, u.full[o : o + value.numel()], 0, value)
+                _fill(mine, src.detach().to(u.cdtype))
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     # -- the strategy contract -------------------------------------------------------------------
@@ -108,14 +126,28 @@ class ShardedStateDicts(GatherReduceSchedule):
         out: dict[str, Any] = {}
         shards: dict[int, Shard] = {}
         for u in self._units:
-            for p, loc, (a, _b) in zip(u.params, u.locals, u.local_ranges, strict=True):
+            for p, name, loc, (a, _b) in zip(
+                u.params, u.names, u.locals, u.local_ranges, strict=True
+            ):
                 if u.owner is not None and u.owner != u.rank:
-                    shards[id(p)] = Shard(p.shape, [])
+                    shards[id(p)] = Shard(self._global_shape(name, p), [])
                 else:
-                    shards[id(p)] = ShardedTensor(loc.detach(), p.shape, a)
-        for key, value in self.module.state_dict(keep_vars=True).items():
+                    shards[id(p)] = self._placed(name, loc.detach(), a, p)
+        for key, value in named_tensors(self.module).items():
             out[key] = shards.get(id(value), value)
         return out
+
+    def _global_shape(self, name: str, p: torch.Tensor) -> tuple[int, ...]:
+        placement: Placement | None = self._placements.get(name)
+        return placement.global_shape if placement is not None else tuple(p.shape)
+
+    def _placed(self, name: str, local: torch.Tensor, start: int, p: torch.Tensor) -> Shard:
+        """Elements ``start ..`` of parameter ``p`` (``local``) as a ``Shard`` of its tensor.
+
+        Of the plain model's tensor; where ``p`` is itself a slice (a tensor-parallel weight),
+        of the global one, through its placement (``parallel.placement``).
+        """
+        return place(self._placements.get(name), local, start, p.shape)
 
     @torch.no_grad()
     def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
@@ -147,8 +179,8 @@ class ShardedStateDicts(GatherReduceSchedule):
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This rank's optimizer state by parameter name, without communication.
 
-        Elementwise state (Adam's moments) comes as ``ShardedTensor`` (the same element range
-        as the parameter's shard); other values (``step``) as they are. State of a whole unit's
+        Elementwise state (Adam's moments) comes as a ``Shard`` laid out as the parameter's
+        shard; other values (``step``) as they are. State of a whole unit's
         parameters is only on its owner, so its other tensors (Adafactor's row and column
         moments, ``step``) are ``Shard``s held by that rank alone. ``param_groups`` list
         parameter names instead of indices.
@@ -169,7 +201,7 @@ class ShardedStateDicts(GatherReduceSchedule):
                     if not torch.is_tensor(v):
                         out[k] = v
                     elif v.shape == loc.shape and v.dim() == (p.dim() if whole else 1):
-                        out[k] = ShardedTensor(v.detach(), p.shape, a)
+                        out[k] = self._placed(name, v.detach(), a, p)
                     elif whole:
                         out[k] = Shard.flat(v.detach(), v.shape, 0)
                     else:
@@ -196,10 +228,24 @@ class ShardedStateDicts(GatherReduceSchedule):
         for name, entries in sd["state"].items():
             loc = local[name]
             optimizer.state[loc] = {
-                k: (v.local.view(loc.shape) if isinstance(v, Shard) else v)
+                k: self._unplaced(name, v, loc) if isinstance(v, Shard) else v
                 for k, v in entries.items()
             }
         apply_param_groups(optimizer, sd.get("param_groups", []))
+
+    def _unplaced(self, name: str, value: Shard, loc: torch.Tensor) -> torch.Tensor:
+        """A state tensor shaped like ``loc`` from ``_placed``'s pieces."""
+        if len(value.pieces) == 1:
+            return value.local.view(loc.shape)
+        u, i = self._where(name)
+        out = torch.empty(loc.numel(), dtype=value.pieces[0].tensor.dtype, device=loc.device)
+        mine = self._placed(name, out, u.local_ranges[i][0], u.params[i])
+        for dst, src in zip(mine.pieces, value.pieces, strict=True):
+            dst.tensor.copy_(src.tensor)
+        return out.view(loc.shape)
+
+    def _where(self, name: str) -> tuple[Unit, int]:
+        return next((u, i) for u in self._units for i, n in enumerate(u.names) if n == name)
 
     def refresh(self) -> None:
         """Re-gathers parameters from the shards before the next forward.
@@ -309,3 +355,16 @@ class ShardedStateDicts(GatherReduceSchedule):
         out = torch.empty(u.padded, dtype=flat.dtype, device=self._device)
         self.group.all_gather(out, flat)
         return out
+
+
+def _fill(dst: Shard, src: torch.Tensor) -> None:
+    """Copies into ``dst``'s pieces their parts of the global tensor ``src``."""
+    for piece in dst.pieces:
+        if isinstance(piece, Box):
+            region = tuple(
+                slice(o, o + n) for o, n in zip(piece.offsets, piece.tensor.shape, strict=True)
+            )
+            piece.tensor.copy_(src[region])
+        else:
+            n = piece.tensor.numel()
+            piece.tensor.view(-1).copy_(src.reshape(-1)[piece.start : piece.start + n])

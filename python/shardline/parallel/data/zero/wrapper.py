@@ -56,6 +56,7 @@ from torch.optim.optimizer import (
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import (
+    ModelParallel,
     broadcast_coalesced,
     check_same_model,
     clip_to_global_norm_,
@@ -68,6 +69,7 @@ from shardline.parallel.data.zero.grouping import default_unit_mb, owned_paramet
 from shardline.parallel.data.zero.optimizers import Layout, check_optimizer, rule_for
 from shardline.parallel.data.zero.state_dicts import ShardedStateDicts
 from shardline.parallel.data.zero.units import Unit
+from shardline.parallel.placement import placements_of
 from shardline.parallel.precision import MixedPrecision
 
 __all__ = ["ShardedDataParallel"]
@@ -77,7 +79,7 @@ _log = logging.getLogger("shardline")
 _MIB = 1 << 20
 
 
-class ShardedDataParallel(ShardedStateDicts):
+class ShardedDataParallel(ShardedStateDicts, ModelParallel):
     """ZeRO stage 1, 2 or 3 around ``module`` (see the module docstring).
 
     Args:
@@ -149,6 +151,9 @@ class ShardedDataParallel(ShardedStateDicts):
         self._gather_group: ProcessGroup = gather_group
         self._reduce_group: ProcessGroup = reduce_group
 
+        # Parameters that are slices of bigger tensors (tensor parallelism inside): where they
+        # lie, for checkpoints and full state dicts (read now, while they hold values).
+        self._placements = placements_of(module)
         self._by_name = dict(named)
         self._dtypes = {n: p.dtype for n, p in named}
         self._module_names = {
@@ -271,7 +276,19 @@ class ShardedDataParallel(ShardedStateDicts):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients to a global norm across all ranks; returns that norm."""
         grads = [u.shard_grad for u in self._units if u.shard_grad is not None]
-        return clip_to_global_norm_(grads, grads, self.group, max_norm, norm_type, self._device)
+        if self._model_group is None:
+            return clip_to_global_norm_(grads, grads, self.group, max_norm, norm_type, self._device)
+        # Tensor parallelism inside: each parameter's part, counted once over the mesh.
+        named = [
+            (name, loc.grad)
+            for u in self._units
+            for name, loc in zip(u.names, u.locals, strict=True)
+            if loc.grad is not None and loc.grad.numel()
+        ]
+        return clip_to_global_norm_(
+            [g for _, g in named], grads, self._norm_groups(self.group), max_norm, norm_type,
+            self._device, copies=self._copies_of([n for n, _ in named]),
+        )  # fmt: skip
 
     def plan(self) -> str:
         """The units: ``N layers -> U units, G all-gathers per step``, then one row per unit.

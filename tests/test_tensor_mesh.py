@@ -1,0 +1,230 @@
+"""Tensor parallelism composed with data parallelism on one mesh (ranks are threads).
+
+``sl.distribute(mesh={dp, tp}, strategy={"dp": ddp | zero1 | zero2 | zero3, "tp": "auto"})``
+on the built-in GPT trains as one process on the whole batch (clipped gradients included:
+the norm is summed over both axes, each element once), and its checkpoints load into one
+process and into other layouts bit for bit, optimizer state included.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import shardline as sl
+from shardline import checkpoint
+from shardline.comm import ProcessGroup
+from shardline.examples.train import Config, TinyGPT
+from tests._ranks import run_ranks
+
+TIMEOUT = 120
+CLIP = 0.5  # below the norms these steps see, so clipping changes every step
+
+
+@functools.cache
+def _pristine_gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(Config(d_model=32, num_heads=4, num_layers=2, seq_len=16))
+
+
+def _gpt() -> TinyGPT:
+    """A fresh copy of one model (ranks are threads: no seeding in them)."""
+    return copy.deepcopy(_pristine_gpt())
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 256, (4, 17), generator=gen) for _ in range(3)]
+    return [(r[:, :-1], r[:, 1:]) for r in rows]
+
+
+def _adamw(params: object) -> torch.optim.Optimizer:
+    # A larger eps than the default: the key bias's gradient is rounding noise (see
+    # test_tensor_parallel), which Adam with a tiny eps turns into full-size steps.
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-4)  # type: ignore[arg-type]
+
+
+def _dense_run(steps: int) -> tuple[TinyGPT, torch.optim.Optimizer, list[float]]:
+    """One process on the whole batch, torch's own clipping: the reference."""
+    model = _gpt()
+    opt = _adamw(model.parameters())
+    norms = []
+    for x, y in _batches()[:steps]:
+        opt.zero_grad()
+        model(x, y).backward()
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+    return model, opt, norms
+
+
+def _mesh_run(
+    g: ProcessGroup, dp: str, steps: int
+) -> tuple[sl.DeviceMesh, nn.Module, torch.optim.Optimizer, list[float]]:
+    """dp2 x tp2: each replica takes half of every batch; the optimizer built dense."""
+    mesh = sl.DeviceMesh({"dp": 2, "tp": 2}, group=g)
+    model = _gpt()
+    wrapped, opt = sl.distribute(
+        model, _adamw(model.parameters()), mesh=mesh, strategy={"dp": dp, "tp": "auto"}
+    )
+    assert opt is not None
+    half = slice(2 * mesh.local_rank("dp"), 2 * mesh.local_rank("dp") + 2)
+    norms = []
+    for x, y in _batches()[:steps]:
+        opt.zero_grad()
+        wrapped(x[half], y[half]).backward()
+        norms.append(float(wrapped.clip_grad_norm_(CLIP)))  # type: ignore[operator]
+        opt.step()
+    return mesh, wrapped, opt, norms
+
+
+@pytest.mark.parametrize("dp", ["ddp", "zero1", "zero2", "zero3"])
+def test_dp_by_tp_trains_as_one_process_with_clipping(dp: str) -> None:
+    """Three clipped AdamW steps at dp2 x tp2: the norms and the full state dict (gathered
+    over both axes) equal one process's on the whole batch."""
+    dense, _, want_norms = _dense_run(3)
+    want = dense.state_dict()
+
+    def body(g: ProcessGroup) -> tuple[list[float], dict[str, torch.Tensor]]:
+        _, wrapped, _, norms = _mesh_run(g, dp, 3)
+        return norms, wrapped.state_dict()
+
+    for norms, state in run_ranks(4, body, timeout=TIMEOUT):
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        assert set(state) == set(want)
+        for key, value in want.items():
+            torch.testing.assert_close(state[key], value, msg=key)
+
+
+def test_zero3_by_tp_checkpoints_load_into_one_process_and_into_tp4(tmp_path: Path) -> None:
+    """Saved at zero3 dp2 x tp2 after two steps (ZeRO's flat parts of tensor-parallel slices,
+    fused q/k/v included): one process and a tp=4 model load the saved parameters bit for
+    bit, and their third step gives the loss and parameters the mesh run got (the AdamW
+    state came along). The zero3 x tp run also loads a dense checkpoint back."""
+    path = tmp_path / "ck"
+    batches = _batches()
+
+    def saver(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], float, dict[str, torch.Tensor]]:
+        mesh, wrapped, opt, _ = _mesh_run(g, "zero3", 2)
+        checkpoint.save(path, model=wrapped, optimizer=opt, group=g)
+        saved = {k: v.clone() for k, v in wrapped.state_dict().items()}
+        x, y = batches[2]
+        half = slice(2 * mesh.local_rank("dp"), 2 * mesh.local_rank("dp") + 2)
+        opt.zero_grad()
+        loss = wrapped(x[half], y[half])
+        loss.backward()
+        wrapped.clip_grad_norm_(CLIP)  # type: ignore[operator]
+        opt.step()
+        total = loss.detach().clone()
+        mesh.group("dp").all_reduce(total, op="avg")
+        return saved, float(total), wrapped.state_dict()
+
+    saved, want_loss, want_after = run_ranks(4, saver, timeout=TIMEOUT)[0]
+
+    def third(model: nn.Module, opt: torch.optim.Optimizer) -> float:
+        x, y = batches[2]
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        clip = getattr(model, "clip_grad_norm_", None)
+        if callable(clip):
+            clip(CLIP)
+        else:
+            nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        return float(loss.detach())
+
+    def check(state: dict[str, torch.Tensor], loss: float, after: dict[str, torch.Tensor]) -> None:
+        for key, value in saved.items():
+            assert torch.equal(state[key], value), key
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        for key, value in want_after.items():
+            torch.testing.assert_close(after[key], value, msg=key)
+
+    plain = _gpt()
+    opt = _adamw(plain.parameters())
+    checkpoint.load(path, model=plain, optimizer=opt)
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    check(state, third(plain, opt), plain.state_dict())
+
+    def tp4(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], float, dict[str, torch.Tensor]]:
+        mesh = sl.DeviceMesh({"tp": 4}, group=g)
+        model = _gpt()
+        wrapped, opt = sl.distribute(
+            model, _adamw(model.parameters()), mesh=mesh, strategy={"tp": "auto"}
+        )
+        assert opt is not None
+        checkpoint.load(path, model=wrapped, optimizer=opt, group=g)
+        state = {k: v.clone() for k, v in wrapped.state_dict().items()}
+        x, y = batches[2]
+        opt.zero_grad()
+        loss = wrapped(x, y)
+        loss.backward()
+        sl.clip_grad_norm_(wrapped, CLIP, group=mesh.group("tp"))
+        opt.step()
+        return state, float(loss.detach()), wrapped.state_dict()
+
+    for result in run_ranks(4, tp4, timeout=TIMEOUT):
+        check(*result)
+
+    dense_path = tmp_path / "dense"
+    checkpoint.save(dense_path, model=plain)
+
+    def reload(g: ProcessGroup) -> dict[str, torch.Tensor]:
+        _, wrapped, _, _ = _mesh_run(g, "zero3", 1)
+        checkpoint.load(dense_path, model=wrapped, group=g)
+        return wrapped.state_dict()
+
+    for state in run_ranks(4, reload, timeout=TIMEOUT):
+        for key, value in plain.state_dict().items():
+            assert torch.equal(state[key], value), key
+
+
+def test_a_llama_with_replicated_kv_heads_under_zero2_by_tp_trains_as_one_process() -> None:
+    """A Hugging Face Llama whose one key/value head is replicated on both tp ranks
+    (``Colwise(replicas=2)``), at zero2 dp2 x tp2: three clipped AdamW steps give one
+    process's losses and parameters (the replicated heads' gradients are counted once in
+    the norm)."""
+    from tests.test_tensor_parallel import _pristine_llama  # noqa: PLC0415
+
+    def run(model: nn.Module, mesh: sl.DeviceMesh | None) -> tuple[list[float], nn.Module]:
+        opt: torch.optim.Optimizer | None = _adamw(model.parameters())
+        if mesh is not None:
+            model, opt = sl.distribute(
+                model, opt, mesh=mesh, strategy={"dp": "zero2", "tp": "auto"}
+            )
+        assert opt is not None
+        rows = slice(None) if mesh is None else slice(mesh.local_rank("dp"), None, 2)
+        losses = []
+        for x, _ in _batches():
+            ids = (x % 128)[rows]
+            opt.zero_grad()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if mesh is None:
+                nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # the reference: torch's
+            else:
+                sl.clip_grad_norm_(model, CLIP)
+            opt.step()
+            total = loss.detach().clone()
+            if mesh is not None:
+                mesh.group("dp").all_reduce(total, op="avg")
+            losses.append(float(total))
+        return losses, model
+
+    want_losses, dense = run(copy.deepcopy(_pristine_llama(1)), None)
+    want = dense.state_dict()
+
+    def body(g: ProcessGroup) -> tuple[list[float], dict[str, torch.Tensor]]:
+        mesh = sl.DeviceMesh({"dp": 2, "tp": 2}, group=g)
+        losses, model = run(copy.deepcopy(_pristine_llama(1)), mesh)
+        return losses, model.state_dict()
+
+    for losses, state in run_ranks(4, body, timeout=TIMEOUT):
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        for key, value in want.items():
+            torch.testing.assert_close(state[key], value, msg=key)
