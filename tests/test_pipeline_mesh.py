@@ -119,13 +119,17 @@ def test_a_dp_x_pp_checkpoint_loads_into_one_process_at_pp4_and_at_dp4_zero3(
     assert f"{dp} x pipeline" in info, info
 
 
-def test_compositions_not_built_yet_say_so() -> None:
+def test_compositions_that_cannot_work_say_so() -> None:
     def body(g: ProcessGroup) -> None:
         mesh = sl.DeviceMesh({"dp": 2, "pp": 1}, group=g)
         with pytest.raises(InvalidArgumentError, match=r"on the dp axis use"):
             sl.distribute(make_model(), mesh=mesh, strategy={"dp": "zero4", "pp": "1f1b"})
-        with pytest.raises(InvalidArgumentError, match="tensor parallelism"):
+        with pytest.raises(InvalidArgumentError, match=r"axes \['dp', 'pp'\] .* must be"):
             sl.distribute(make_model(), mesh=mesh, strategy={"tp": "auto", "pp": "1f1b"})
+        cube = sl.DeviceMesh({"pp": 1, "tp": 2}, group=g)
+        with pytest.raises(InvalidArgumentError, match="sequence parallelism inside pipeline"):
+            sl.distribute(make_model(), mesh=cube, strategy={"tp": "auto", "pp": "1f1b"},
+                          sequence_parallel=True)  # fmt: skip
 
     run_ranks(2, body, timeout=60)
 

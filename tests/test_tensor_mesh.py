@@ -19,7 +19,8 @@ from torch import nn
 import shardline as sl
 from shardline import checkpoint
 from shardline.comm import ProcessGroup
-from shardline.examples.train import Config, TinyGPT
+from shardline.examples.train import Config, TinyGPT, as_sequential, lm_loss
+from shardline.parallel.tensor import ColumnParallelLinear
 from tests._ranks import run_ranks
 
 TIMEOUT = 120
@@ -189,7 +190,7 @@ def test_a_llama_with_replicated_kv_heads_under_zero2_by_tp_trains_as_one_proces
     (``Colwise(replicas=2)``), at zero2 dp2 x tp2: three clipped AdamW steps give one
     process's losses and parameters (the replicated heads' gradients are counted once in
     the norm)."""
-    from tests.test_tensor_parallel import _pristine_llama  # noqa: PLC0415
+    from tests.test_tensor_parallel import _pristine_llama
 
     def run(model: nn.Module, mesh: sl.DeviceMesh | None) -> tuple[list[float], nn.Module]:
         opt: torch.optim.Optimizer | None = _adamw(model.parameters())
@@ -228,3 +229,141 @@ def test_a_llama_with_replicated_kv_heads_under_zero2_by_tp_trains_as_one_proces
         assert losses == pytest.approx(want_losses, rel=1e-5)
         for key, value in want.items():
             torch.testing.assert_close(state[key], value, msg=key)
+
+
+# -- pipelines with tensor parallelism inside (3-D) ------------------------------------------------
+
+M = 2  # micro-batches per replica
+
+
+def _mesh_pipeline(
+    g: ProcessGroup, axes: dict[str, int], strategy: dict[str, str], steps: int
+) -> tuple[sl.DeviceMesh, nn.Module, torch.optim.Optimizer, list[float], list[float]]:
+    """The built-in GPT as a chain of children on ``axes``: each dp replica steps its share of
+    every batch (M micro-batches) through the pipeline, stages split over tp; clipped."""
+    mesh = sl.DeviceMesh(axes, group=g)
+    model = _gpt()
+    stage, opt = sl.distribute(
+        as_sequential(model), _adamw(model.parameters()), mesh=mesh, strategy=strategy,
+        microbatches=M, loss_fn=lm_loss,
+    )  # fmt: skip
+    assert opt is not None
+    d = axes.get("dp", 1)
+    rows = slice(mesh.local_rank("dp"), None, d) if d > 1 else slice(None)
+    losses, norms = [], []
+    for x, y in _batches()[:steps]:
+        opt.zero_grad()
+        loss = stage.step(x[rows], target=y[rows])  # type: ignore[operator]
+        norms.append(float(stage.clip_grad_norm_(CLIP)))  # type: ignore[operator]
+        opt.step()
+        if d > 1:
+            loss = loss.clone()
+            mesh.group("dp").all_reduce(loss, op="avg")
+        losses.append(float(loss))
+    return mesh, stage, opt, losses, norms
+
+
+def _dense_losses(steps: int) -> tuple[TinyGPT, list[float], list[float]]:
+    model, _, norms = _dense_run(steps)
+    fresh = _gpt()
+    losses = []
+    opt = _adamw(fresh.parameters())
+    for x, y in _batches()[:steps]:
+        opt.zero_grad()
+        loss = fresh(x, y)
+        loss.backward()
+        nn.utils.clip_grad_norm_(fresh.parameters(), CLIP)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return model, losses, norms
+
+
+LAYOUTS = {
+    "pp2xtp2": ({"pp": 2, "tp": 2}, {"pp": "1f1b", "tp": "auto"}),
+    "dp2xpp2xtp2-ddp": ({"dp": 2, "pp": 2, "tp": 2}, {"dp": "ddp", "pp": "1f1b", "tp": "auto"}),
+    "dp2xpp2xtp2-zero1": (
+        {"dp": 2, "pp": 2, "tp": 2}, {"dp": "zero1", "pp": "gpipe", "tp": "auto"}
+    ),
+    "dp2xpp2xtp2-zero3": (
+        {"dp": 2, "pp": 2, "tp": 2}, {"dp": "zero3", "pp": "1f1b", "tp": "auto"}
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipelines_with_tensor_parallel_stages_train_as_one_process(layout: str) -> None:
+    """pp x tp and dp x pp x tp (DDP, ZeRO-1, ZeRO-3 on dp): the pipeline splits the model,
+    tensor parallelism splits each stage's blocks. Three clipped AdamW steps: losses, norms
+    (summed over every axis, each element once) and the full state dict equal one process's
+    on the whole batch."""
+    axes, strategy = LAYOUTS[layout]
+    dense, want_losses, want_norms = _dense_losses(3)
+    want = dense.state_dict()
+    names = dict(zip(as_sequential(_gpt()).state_dict(), _gpt().state_dict(), strict=True))
+
+    def body(g: ProcessGroup) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+        _, stage, _, losses, norms = _mesh_pipeline(g, axes, strategy, 3)
+        return losses, norms, stage.state_dict()
+
+    world = 1
+    for n in axes.values():
+        world *= n
+    for losses, norms, state in run_ranks(world, body, timeout=TIMEOUT):
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        for key, value in state.items():
+            torch.testing.assert_close(value, want[names[key]], msg=key)
+
+
+def test_a_3d_checkpoint_loads_into_one_process_zero3_and_tp4(tmp_path: Path) -> None:
+    """Saved at zero3 dp2 x pp2 x tp2 after two steps (model and AdamW state: ZeRO parts of
+    tp slices of pipeline stages): one process loads it bit for bit and its third step gives
+    the mesh run's loss and parameters; zero3 on 4 ranks and tp=4 load the same values."""
+    path = tmp_path / "ck"
+    axes, strategy = LAYOUTS["dp2xpp2xtp2-zero3"]
+
+    def saver(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], float, dict[str, torch.Tensor]]:
+        mesh, stage, opt, _, _ = _mesh_pipeline(g, axes, strategy, 2)
+        assert any(isinstance(m, ColumnParallelLinear) for m in stage.modules())
+        checkpoint.save(path, model=stage, optimizer=opt, group=g)
+        saved = {k: v.clone() for k, v in stage.state_dict().items()}
+        x, y = _batches()[2]
+        rows = slice(mesh.local_rank("dp"), None, 2)
+        opt.zero_grad()
+        loss = stage.step(x[rows], target=y[rows]).clone()  # type: ignore[operator]
+        stage.clip_grad_norm_(CLIP)  # type: ignore[operator]
+        opt.step()
+        mesh.group("dp").all_reduce(loss, op="avg")
+        return saved, float(loss), stage.state_dict()
+
+    saved, want_loss, want_after = run_ranks(8, saver, timeout=TIMEOUT)[0]
+
+    dense = _gpt()
+    chain = as_sequential(dense)
+    opt = _adamw(dense.parameters())
+    checkpoint.load(path, model=chain, optimizer=opt)
+    for key, value in saved.items():
+        assert torch.equal(chain.state_dict()[key], value), key
+    x, y = _batches()[2]
+    opt.zero_grad()
+    loss = dense(x, y)
+    loss.backward()
+    nn.utils.clip_grad_norm_(dense.parameters(), CLIP)
+    opt.step()
+    assert float(loss.detach()) == pytest.approx(want_loss, rel=1e-5)
+    for key, value in want_after.items():
+        torch.testing.assert_close(chain.state_dict()[key], value, msg=key)
+
+    def zero3(g: ProcessGroup) -> dict[str, torch.Tensor]:
+        model = sl.ShardedDataParallel(as_sequential(_gpt()), stage=3, group=g)
+        checkpoint.load(path, model=model, group=g)
+        return model.state_dict()
+
+    def tp4(g: ProcessGroup) -> dict[str, torch.Tensor]:
+        model = sl.tensor_parallel(_gpt(), g)
+        checkpoint.load(path, model=as_sequential(model), group=g)
+        return as_sequential(model).state_dict()
+
+    for loaded in [*run_ranks(4, zero3, timeout=TIMEOUT), *run_ranks(4, tp4, timeout=TIMEOUT)]:
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), key

@@ -62,9 +62,7 @@ def clip_to_global_norm_(
             torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in counted
         ]
         if copies is not None:
-            parts = [
-                x * (1.0 / c) ** (1.0 / norm_type) for x, c in zip(parts, copies, strict=True)
-            ]
+            parts = [x * (1.0 / c) ** (1.0 / norm_type) for x, c in zip(parts, copies, strict=True)]
         total = (
             torch.stack(parts).pow(norm_type).sum().reshape(1)
             if parts

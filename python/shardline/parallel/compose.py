@@ -8,9 +8,12 @@
   the result sums over both axes, each element once; checkpoints place ZeRO's flat parts of
   a slice in the dense tensor (``parallel.placement``).
 
+- ``{"dp": ..., "pp": schedule, "tp": plan}`` (3-D, any axis may be left out): the pipeline
+  splits first, tensor parallelism rewrites each stage (``pipeline(tp_group=)``), then the
+  replicas on ``dp`` are kept by DDP or sharded by ZeRO.
+
 The optimizer passed in is rebound to what this rank now holds, under the same names, so it
-may be built from the dense model before the call. Tensor parallelism with a pipeline on one
-mesh is not built yet, and is refused by name.
+may be built from the dense model before the call.
 """
 
 from __future__ import annotations
@@ -55,10 +58,10 @@ def compose(
             f"distribute(strategy={strategy}): on the dp axis use 'ddp', 'zero1', 'zero2' or "
             "'zero3' ('fsdp')"
         )
-    if "tp" in strategy and "pp" in strategy:
+    if "tp" in strategy and "pp" in strategy and options.get("sequence_parallel"):
         raise InvalidArgumentError(
-            f"distribute(strategy={strategy}): tensor parallelism with a pipeline on the same "
-            "mesh is not built yet"
+            f"distribute(strategy={strategy}): sequence parallelism inside pipeline stages is "
+            "not supported yet; leave sequence_parallel off"
         )
     axes = set(mesh.axis_names)
     if axes != set(strategy):
@@ -66,9 +69,9 @@ def compose(
             f"distribute(): the mesh's axes {sorted(axes)} and the strategy's "
             f"{sorted(strategy)} must be the same"
         )
-    if "tp" in strategy:
-        return _tensor(model, optimizer, strategy, mesh, dp, options)
-    return _pipeline(model, optimizer, strategy, mesh, dp, options)
+    if "pp" in strategy:
+        return _pipeline(model, optimizer, strategy, mesh, dp, options)
+    return _tensor(model, optimizer, strategy, mesh, dp, options)
 
 
 def _pipeline(
@@ -81,17 +84,50 @@ def _pipeline(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     from shardline.parallel.pipeline import pipeline  # noqa: PLC0415
 
+    options.pop("sequence_parallel", None)  # refused above when on
+    tp = "tp" in strategy
+    before = _names_of(model, optimizer) if tp else {}
     stage = pipeline(
         model,
         mesh.group("pp"),
         schedule=strategy["pp"],
         dp_group=mesh.group("dp") if dp is not None else None,
         dp_strategy=dp or "ddp",
+        tp_group=mesh.group("tp") if tp else None,
+        tp_plan=strategy.get("tp", "auto"),
         **options,
     )
-    if optimizer is not None:  # this rank's parameters (ZeRO: their parts), in their groups
-        stage.bind_optimizer(optimizer)
+    if optimizer is not None:
+        if tp:  # the same names, now this rank's slices (and nothing of other stages)
+            now = dict(nn.Module.named_parameters(stage, remove_duplicate=False))
+            for group in optimizer.param_groups:
+                held = [next((n for n in before[id(p)] if n in now), None) for p in group["params"]]
+                group["params"] = [now[n] for n in held if n is not None]
+        stage.bind_optimizer(optimizer)  # this rank's parameters (ZeRO: their parts)
     return stage, optimizer
+
+
+def _names_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[int, list[str]]:
+    """The names of each of the model's parameters (a tied one has several), by id.
+
+    Checks that a given optimizer holds only them and has no state yet. Tensor parallelism
+    replaces the parameters; the optimizer is rebound by these names.
+    """
+    if optimizer is not None and optimizer.state:
+        raise InvalidArgumentError(
+            "distribute(): the optimizer already has state; with tensor parallelism build it "
+            "(or wrap the model) before the first optimizer step"
+        )
+    before: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        before.setdefault(id(p), []).append(n)
+    groups = optimizer.param_groups if optimizer is not None else []
+    if any(id(p) not in before for g in groups for p in g["params"]):
+        raise InvalidArgumentError(
+            "distribute(): the optimizer holds a tensor that is not a parameter of the model; "
+            "build it from model.parameters()"
+        )
+    return before
 
 
 def _tensor(
@@ -106,18 +142,8 @@ def _tensor(
     from shardline.parallel.data.zero.optimizers import check_optimizer  # noqa: PLC0415
     from shardline.parallel.tensor import tensor_parallel  # noqa: PLC0415
 
-    if optimizer is not None and optimizer.state:
-        raise InvalidArgumentError(
-            "distribute(): the optimizer already has state; with tensor parallelism build it "
-            "(or wrap the model) before the first optimizer step"
-        )
-    before = {id(p): n for n, p in model.named_parameters()}
+    before = _names_of(model, optimizer)
     groups = optimizer.param_groups if optimizer is not None else []
-    if any(id(p) not in before for g in groups for p in g["params"]):
-        raise InvalidArgumentError(
-            "distribute(): the optimizer holds a tensor that is not a parameter of the model; "
-            "build it from model.parameters()"
-        )
     sp = bool(options.pop("sequence_parallel", False))
     if dp is None and options:
         raise InvalidArgumentError(
@@ -138,7 +164,7 @@ def _tensor(
     model = tensor_parallel(model, tp, strategy["tp"], sequence_parallel=sp)
     now = dict(model.named_parameters(remove_duplicate=False))
     for group in groups:  # the same names, now this rank's slices
-        group["params"] = [now[before[id(p)]] for p in group["params"]]
+        group["params"] = [now[before[id(p)][0]] for p in group["params"]]
     if row is None:
         return model, optimizer
     copies = copies_over(tp, model)  # before ZeRO takes the parameters' memory over

@@ -25,8 +25,9 @@ state out (strategy name, mesh), which checkpoints record for people to read; no
 decided by it.
 
 ``sharded_state_dict(model)`` and the other functions here call the model's own method when it
-has one, else the default for a plain module: every tensor replicated, optimizer state that has
-its parameter's local shape laid out like the parameter. A module that defines only
+has one, else the default for a plain module (``composed_state_dict``): every tensor
+replicated, but a submodule's own values where it has the method; optimizer state that has
+its parameter's local shape laid out like the parameter (``state_like``). A module that defines only
 ``sharded_state_dict()`` (tensor-parallel blocks, say) gets the defaults for the other three.
 """
 
@@ -49,14 +50,17 @@ __all__ = [
     "Local",
     "Shard",
     "ShardedTensor",
+    "composed_state_dict",
     "groups_by_name",
     "layout",
+    "load_optim_by_name",
     "load_sharded_optim_state_dict",
     "load_sharded_state_dict",
     "named_tensors",
     "param_layouts",
     "sharded_optim_state_dict",
     "sharded_state_dict",
+    "state_like",
 ]
 
 
@@ -243,10 +247,10 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     own: Any = getattr(model, "sharded_state_dict", None)
     if callable(own):
         return dict(own())
-    return _composed(model)
+    return composed_state_dict(model)
 
 
-def _composed(model: nn.Module) -> dict[str, Any]:
+def composed_state_dict(model: nn.Module) -> dict[str, Any]:
     """A plain module's state: its tensors replicated, or a submodule's own values.
 
     Where a submodule has its own ``sharded_state_dict()`` (a tensor-parallel layer), its
@@ -357,19 +361,27 @@ def sharded_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
         where = layouts.get(name)
         out: dict[str, Any] = {}
         for k, v in entries.items():
-            out[k] = v
-            if not (isinstance(where, Shard) and torch.is_tensor(v) and v.dim() > 0):
-                continue
-            if len(where.pieces) == 1 and v.shape == where.local.shape:
-                out[k] = where.like([v])
-                continue
-            # Several pieces, each a view of the parameter (a fused weight's blocks): the
-            # same views of the state tensor shaped like it.
-            views = [_view_like(v, piece.tensor, params[name]) for piece in where.pieces]
-            if where.pieces and all(x is not None for x in views):
-                out[k] = where.like(views)  # type: ignore[arg-type]
+            laid = state_like(where, v, params[name]) if torch.is_tensor(v) else None
+            out[k] = v if laid is None else laid
         state[name] = out
     return {"state": state, "param_groups": groups_by_name(optimizer, names)}
+
+
+def state_like(where: Any, value: torch.Tensor, param: torch.Tensor) -> Shard | None:
+    """An optimizer state tensor laid out as its parameter's ``Shard`` ``where``, if it can be.
+
+    ``None`` when ``where`` is not a ``Shard`` or ``value`` is not shaped like the parameter
+    (``step``). Several pieces, each a view of the parameter (a fused weight's blocks): the
+    same views of ``value``.
+    """
+    if not (isinstance(where, Shard) and value.dim() > 0):
+        return None
+    if len(where.pieces) == 1 and value.shape == where.local.shape:
+        return where.like([value])
+    views = [_view_like(value, piece.tensor, param) for piece in where.pieces]
+    if where.pieces and all(x is not None for x in views):
+        return where.like(views)  # type: ignore[arg-type]
+    return None
 
 
 def load_sharded_optim_state_dict(
@@ -385,6 +397,16 @@ def load_sharded_optim_state_dict(
     if callable(own):
         own(optimizer, sd)
         return
+    load_optim_by_name(model, optimizer, sd)
+
+
+def load_optim_by_name(
+    model: nn.Module, optimizer: torch.optim.Optimizer, sd: Mapping[str, Any]
+) -> None:
+    """The default ``load_sharded_optim_state_dict``: state by ``model.named_parameters()``.
+
+    Each state ``Shard`` is laid out as its parameter's in ``sharded_state_dict(model)``.
+    """
     params = dict(model.named_parameters())
     layouts = param_layouts(model)
     for name, entries in sd["state"].items():

@@ -8,7 +8,7 @@ backward of every micro-batch under the schedule (``schedules``: GPipe, 1F1B, in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 from shardline.comm.group import ProcessGroup
 from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
+from shardline.parallel._common import copies_over
 from shardline.parallel.pipeline.materialize import is_meta, materialize
 from shardline.parallel.pipeline.runtime import PipelineModule
 from shardline.parallel.pipeline.schedules import SCHEDULES, Action, build
@@ -30,7 +31,10 @@ from shardline.parallel.pipeline.split import (
 from shardline.parallel.pipeline.state import find_tied, tensor_infos
 from shardline.parallel.pipeline.trace import rank_stages, strip, trace_split
 from shardline.parallel.pipeline.zero import ZERO_STAGES
+from shardline.parallel.placement import placements_of
 from shardline.parallel.precision import MixedPrecision
+from shardline.parallel.tensor.auto import auto_plan
+from shardline.parallel.tensor.plan import tensor_parallel
 
 __all__ = ["SCHEDULES", "Action", "PipelineModule", "build", "pipeline"]
 
@@ -52,6 +56,8 @@ def pipeline(
     example: Any = None,
     mixed_precision: MixedPrecision | None = None,
     compile: bool | dict[str, Any] = False,
+    tp_group: ProcessGroup | None = None,
+    tp_plan: str | Mapping[str, Any] = "auto",
 ) -> PipelineModule:
     """Splits ``model`` into ``group.world_size * virtual_stages`` stages; returns this rank's.
 
@@ -107,6 +113,11 @@ def pipeline(
         compile: ``True`` (or ``torch.compile``'s keyword arguments, e.g.
             ``{"backend": "inductor", "mode": "max-autotune"}``) compiles each of this rank's
             stages with ``torch.compile``; parameters and their names are unchanged.
+        tp_group: Tensor parallelism inside the stages (the ``tp`` axis of a mesh;
+            ``sl.distribute(..., mesh=...)`` passes it): after the split, this rank's stages
+            are rewritten by ``sl.tensor_parallel`` over it. ``nn.Sequential`` models only.
+        tp_plan: ``"auto"``, or ``{module name: style}`` by the whole model's names: the
+            plan is made for the whole model and kept where it names this rank's modules.
 
     Raises:
         InvalidArgumentError: a model that is not an ``nn.Sequential``, more stages than
@@ -121,6 +132,13 @@ def pipeline(
     stages = g.world_size * virtual_stages
     # Checked before the model is cut (and before any communication), on every rank.
     actions = build(schedule, g.world_size, microbatches, virtual_stages)
+    tp = tp_group if tp_group is not None and tp_group.world_size > 1 else None
+    if tp is not None and not isinstance(model, nn.Sequential):
+        raise InvalidArgumentError(
+            f"pipeline: tensor parallelism inside the stages takes an nn.Sequential (a chain "
+            f"of children); {type(model).__name__} would be split by tracing, whose stages "
+            "cannot be rewritten into tensor-parallel layers"
+        )
     if not isinstance(model, nn.Sequential):
         return _traced(model, g, split, example, virtual_stages, stages, init_fn, device,
                        schedule=schedule, actions=actions, microbatches=microbatches,
@@ -140,12 +158,18 @@ def pipeline(
     by_name = dict(children)
     infos = tensor_infos(model)
     tied = find_tied(model, parts, g.world_size)
+    plan = _whole_plan(model, tp, tp_plan) if tp is not None else None
     keep_only(model, mine)
     meta = is_meta(model)
     if meta:
         where = torch.device(device) if device is not None else _default_device(g)
         materialize(((n, by_name[n]) for n in sorted(mine)), where, init_fn)
-    return PipelineModule(
+    placements, copies = None, None
+    if tp is not None and plan is not None:
+        tensor_parallel(model, tp, {n: v for n, v in plan.items() if n.split(".")[0] in mine})
+        by_name = {n: model.get_submodule(n) for n in mine}  # a child may be rewritten itself
+        placements, copies = placements_of(model), copies_over(tp, model)
+    stage = PipelineModule(
         parts,
         {name: by_name[name] for name in mine},
         g,
@@ -162,7 +186,22 @@ def pipeline(
         synchronize=meta,
         mixed_precision=mixed_precision,
         compile=compile,
+        placements=placements,
     )
+    if tp is not None and copies is not None:
+        stage.set_model_parallel(tp, copies)
+    return stage
+
+
+def _whole_plan(
+    model: nn.Module, tp: ProcessGroup, plan: str | Mapping[str, Any]
+) -> dict[str, Any]:
+    """The tensor-parallel plan of the whole (uncut) model, by its names."""
+    if plan == "auto":
+        return auto_plan(model, tp.world_size, sequence_parallel=False)
+    if isinstance(plan, str):
+        raise InvalidArgumentError(f"pipeline: tp_plan={plan!r}; use 'auto' or a dict")
+    return dict(plan)
 
 
 def _traced(

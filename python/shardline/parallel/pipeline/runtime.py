@@ -39,6 +39,7 @@ from shardline.parallel.pipeline.state import (
     sync_copies,
 )
 from shardline.parallel.pipeline.zero import ZERO_STAGES, StageShards
+from shardline.parallel.placement import Placement
 from shardline.parallel.precision import MixedPrecision
 
 __all__ = ["PipelineModule"]
@@ -120,6 +121,7 @@ class PipelineModule(PipelineState):
         stage_modules: dict[int, nn.Module] | None = None,
         mixed_precision: MixedPrecision | None = None,
         compile: bool | dict[str, Any] = False,
+        placements: dict[str, Placement] | None = None,
     ) -> None:
         super().__init__()
         p, r = group.world_size, group.rank
@@ -191,7 +193,7 @@ class PipelineModule(PipelineState):
             sync_copies(self, tied, r, self._dp)
         # ZeRO over the replicas (pipeline.zero): the optimizer steps this rank's parts.
         if self._dp is not None and dp_strategy != "ddp":
-            self._shards = StageShards(self, self._dp, ZERO_STAGES[dp_strategy])
+            self._shards = StageShards(self, self._dp, ZERO_STAGES[dp_strategy], placements)
         # One communicator per direction, and per direction for the wrap-around (Note).
         ranks = list(range(p))
         self._comms: dict[str, ProcessGroup | None] = {"fwd": None, "bwd": None}

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from shardline.comm.group import ProcessGroup
+from shardline.parallel._common import ModelParallel
+from shardline.parallel.contract import Shard, load_optim_by_name
 from shardline.parallel.pipeline.state import (
     TensorInfo,
     Tied,
@@ -31,7 +33,7 @@ from shardline.parallel.pipeline.zero import StageShards
 __all__ = ["PipelineState"]
 
 
-class PipelineState(nn.Module):
+class PipelineState(ModelParallel, nn.Module):
     """Parameters, clipping, state dicts and the strategy contract of a pipeline rank.
 
     ``PipelineModule`` sets the attributes below when it is built.
@@ -52,13 +54,15 @@ class PipelineState(nn.Module):
         """Clips the gradients to the whole model's gradient norm; returns that norm.
 
         A collective over the pipeline's stages (DDP replicas agree already; with ZeRO, also
-        over the replicas, each holding its parts). Call it between ``step`` and
+        over the replicas, each holding its parts; with tensor parallelism inside the stages,
+        also over its group, each element once). Call it between ``step`` and
         ``opt.step()``, as ``torch.nn.utils.clip_grad_norm_``.
         """
+        groups = self._norm_groups(self._group)  # with tensor parallelism, its group too
         if self._shards is not None:
             skip = {n for t in self._tied if self._group.rank != min(t.ranks) for n in t.names}
-            return self._shards.clip_grad_norm_(self._group, skip, max_norm, norm_type)
-        return clip_grad_norm(self, self._tied, self._group, max_norm, norm_type)
+            return self._shards.clip_grad_norm_(groups, skip, max_norm, norm_type, self._copies)
+        return clip_grad_norm(self, self._tied, groups, max_norm, norm_type, self._copies)
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -137,10 +141,24 @@ class PipelineState(nn.Module):
         A whole-tensor one where this rank holds it, an empty one elsewhere (see
         ``pipeline.state``).
         """
-        out = sharded_state(self, self._infos)
+        out = sharded_state(self, self._infos, params=self._shards is None)
         if self._shards is not None:
             out.update(self._shards.sharded_params(self._shapes()))
+        for t in self._tied:  # a tied weight held here: one value under all of its names
+            held = next(
+                (out[n] for n in t.names if isinstance(out[n], Shard) and out[n].pieces), None
+            )
+            if held is not None:
+                out.update(dict.fromkeys(t.names, held))
         return out
+
+    def _canonical(self) -> dict[str, str]:
+        """This rank's names of tied weights -> the first of their names (the model's own).
+
+        Optimizer state is saved and loaded under that one name, so a checkpoint's groups
+        and state read as the unsplit model's, whichever stage holds a copy.
+        """
+        return {n: t.names[0] for t in self._tied for n in t.names[1:]}
 
     def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
         """The strategy contract: takes this rank's tensors back."""
@@ -148,7 +166,7 @@ class PipelineState(nn.Module):
             load_sharded_state(self, sd)
             return
         parts = {n for n, _ in self._shards.named_locals()}
-        load_sharded_state(self, {k: v for k, v in sd.items() if k not in parts})
+        load_sharded_state(self, {k: v for k, v in sd.items() if k not in parts}, params=False)
         self._shards.load_params({k: v for k, v in sd.items() if k in parts})
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
@@ -162,7 +180,24 @@ class PipelineState(nn.Module):
         state = None
         if self._shards is not None:
             state = self._shards.sharded_optim_state(optimizer, self._shapes())
-        return sharded_optim_state(self, optimizer, self._group, state)
+        out = sharded_optim_state(self, optimizer, self._group, state)
+        canon = self._canonical()
+        out["state"] = {canon.get(n, n): v for n, v in out["state"].items()}
+        for g in out["param_groups"]:
+            g["params"] = list(dict.fromkeys(canon.get(n, n) for n in g["params"]))
+        return out
+
+    def load_sharded_optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
+    ) -> None:
+        """The strategy contract: takes this rank's optimizer state back, by name.
+
+        A tied weight's state comes under its first name (``sharded_optim_state_dict``).
+        """
+        mine = {n for n, _ in self.named_parameters()}
+        local = {first: n for n, first in self._canonical().items() if n in mine}
+        state = {local.get(n, n) if n not in mine else n: v for n, v in sd["state"].items()}
+        load_optim_by_name(self, optimizer, {**sd, "state": state})
 
     def layout(self) -> dict[str, Any]:
         """How this pipeline lays state out, for people reading a checkpoint's index."""

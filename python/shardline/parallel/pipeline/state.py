@@ -26,7 +26,14 @@ from shardline.comm.group import ProcessGroup
 from shardline.comm.objects import all_gather_object
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import broadcast_coalesced, clip_to_global_norm_
-from shardline.parallel.contract import Shard, groups_by_name
+from shardline.parallel.contract import (
+    Shard,
+    composed_state_dict,
+    groups_by_name,
+    named_tensors,
+    state_like,
+    tensors_of,
+)
 
 __all__ = [
     "TensorInfo",
@@ -146,21 +153,27 @@ def average_replicas(module: nn.Module, dp: ProcessGroup) -> None:
 def clip_grad_norm(
     module: nn.Module,
     tied: list[Tied],
-    group: ProcessGroup,
+    groups: list[ProcessGroup],
     max_norm: float,
     norm_type: float = 2.0,
+    copies: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
     """Clips every rank's gradients to the norm of the whole model's gradient; returns it.
 
-    Each tensor counts once: a tied weight on the lowest of its ranks only. Data-parallel
-    replicas hold equal gradients after a step, so the pipeline's ranks suffice.
+    ``groups``: the pipeline's, then (tensor parallelism inside the stages) the model's own,
+    whose ``copies[name]`` ranks hold equal copies of a parameter. Each tensor counts once:
+    a tied weight on the lowest of its ranks only. Data-parallel replicas hold equal gradients
+    after a step, so they are not summed over.
     """
-    skip = {n for t in tied if group.rank != min(t.ranks) for n in t.names}
-    named = [(n, p) for n, p in module.named_parameters() if p.grad is not None]
-    grads = [p.grad for _, p in named if p.grad is not None]
-    counted = [p.grad for n, p in named if p.grad is not None and n not in skip]
-    device = named[0][1].device if named else None
-    return clip_to_global_norm_(counted, grads, group, max_norm, norm_type, device)
+    skip = {n for t in tied if groups[0].rank != min(t.ranks) for n in t.names}
+    named = [(n, g) for n, p in module.named_parameters() if (g := p.grad) is not None]
+    grads = [g for _, g in named]
+    counted = [(n, g) for n, g in named if n not in skip]
+    device = grads[0].device if grads else None
+    return clip_to_global_norm_(
+        [g for _, g in counted], grads, groups, max_norm, norm_type, device,
+        copies=None if copies is None else [copies.get(n, 1) for n, _ in counted],
+    )  # fmt: skip
 
 
 def full_state_dict(module: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
@@ -176,27 +189,41 @@ def full_state_dict(module: nn.Module, group: ProcessGroup) -> dict[str, torch.T
     return merged
 
 
-def sharded_state(module: nn.Module, infos: Mapping[str, TensorInfo]) -> dict[str, Any]:
-    """The contract's ``sharded_state_dict``: see the module docstring."""
-    mine = nn.Module.state_dict(module, keep_vars=True)
+def sharded_state(
+    module: nn.Module, infos: Mapping[str, TensorInfo], params: bool = True
+) -> dict[str, Any]:
+    """The contract's ``sharded_state_dict``: see the module docstring.
+
+    A tensor-parallel layer inside a stage gives its own ``Shard`` (its slices' boxes). With
+    ``params=False`` (ZeRO's parts stand for the parameters, whose whole tensors may be
+    freed) the tensors are read as they are, without asking the layers.
+    """
+    mine = composed_state_dict(module) if params else named_tensors(module)
     out: dict[str, Any] = {}
     for name, info in infos.items():
-        if name in mine:
-            out[name] = Shard.box(mine[name], info.shape, (0,) * len(info.shape))
+        value = mine.get(name)
+        if isinstance(value, Shard):
+            out[name] = value
+        elif value is not None:
+            out[name] = Shard.box(value, info.shape, (0,) * len(info.shape))
         else:
             out[name] = Shard(info.shape, [])
     return out
 
 
-def load_sharded_state(module: nn.Module, sd: Mapping[str, Any]) -> None:
-    """The contract's ``load_sharded_state_dict``: this rank's tensors from ``sd``."""
-    mine = nn.Module.state_dict(module, keep_vars=True)
+def load_sharded_state(module: nn.Module, sd: Mapping[str, Any], params: bool = True) -> None:
+    """The contract's ``load_sharded_state_dict``: this rank's tensors from ``sd``.
+
+    ``params=False``: ``sd`` holds no parameter (as for ``sharded_state``).
+    """
+    mine = composed_state_dict(module) if params else named_tensors(module)
     with torch.no_grad():
         for name, value in sd.items():
-            if isinstance(value, Shard) and value.pieces and name in mine:
-                src = value.local
-                if src is not mine[name]:
-                    mine[name].copy_(src)
+            if not (isinstance(value, Shard) and value.pieces and name in mine):
+                continue
+            for dst, src in zip(tensors_of(mine[name]), tensors_of(value), strict=True):
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
 
 
 def sharded_optim_state(
@@ -214,7 +241,7 @@ def sharded_optim_state(
     """
     names = {id(p): n for n, p in module.named_parameters()}
     if state is None:
-        state = _whole_optim_state(optimizer, names)
+        state = _whole_optim_state(module, optimizer, names)
     groups = groups_by_name(optimizer, names)
     everyone = all_gather_object([g["params"] for g in groups], group)
     if any(len(theirs) != len(groups) for theirs in everyone):
@@ -232,8 +259,9 @@ def sharded_optim_state(
 
 
 def _whole_optim_state(
-    optimizer: torch.optim.Optimizer, names: dict[int, str]
+    module: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str]
 ) -> dict[str, dict[str, Any]]:
+    layouts = composed_state_dict(module)  # tensor-parallel slices: their boxes
     state: dict[str, dict[str, Any]] = {}
     for param, entries in optimizer.state.items():
         name = names.get(id(param))
@@ -241,7 +269,10 @@ def _whole_optim_state(
             continue
         out: dict[str, Any] = {}
         for k, v in entries.items():
-            if not torch.is_tensor(v):
+            laid = state_like(layouts.get(name), v, param) if torch.is_tensor(v) else None
+            if laid is not None:
+                out[k] = laid
+            elif not torch.is_tensor(v):
                 out[k] = v
             elif v.shape == param.shape and v.dim() > 0:
                 out[k] = Shard.box(v.detach(), v.shape, (0,) * v.dim())

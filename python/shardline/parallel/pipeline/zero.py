@@ -18,8 +18,9 @@ of the replicas ``d``; replica ``r`` owns elements ``[r c, (r+1) c)`` (``c`` = p
   ``reshard_after_forward=False``, to avoid one all-gather per micro-batch).
 
 For the strategy contract, each parameter is a ``Shard`` holding one ``FlatRange``: the
-elements this replica owns; Adam's moments follow it. Buffers (BatchNorm statistics) stay
-whole, as in the plain pipeline.
+elements this replica owns (where tensor parallelism made the parameter a slice, the boxes of
+the whole tensor those elements fill: ``parallel.placement``); Adam's moments follow it.
+Buffers (BatchNorm statistics) stay whole, as in the plain pipeline.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from shardline.parallel._common import (
     weak_method,
 )
 from shardline.parallel.contract import Shard
+from shardline.parallel.placement import Placement, place
 
 __all__ = ["ZERO_STAGES", "StageShards"]
 
@@ -121,8 +123,15 @@ class StageShards:
     ``reduce()`` after a step's micro-batches.
     """
 
-    def __init__(self, module: nn.Module, dp: ProcessGroup, stage: int) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        dp: ProcessGroup,
+        stage: int,
+        placements: Mapping[str, Placement] | None = None,
+    ) -> None:
         self.dp, self.stage = dp, stage
+        self.placements = dict(placements or {})  # tensor-parallel slices: where they lie
         named = list(nn.Module.named_parameters(module))
         if not named:
             raise InvalidArgumentError(
@@ -238,42 +247,72 @@ class StageShards:
                 }
 
     def clip_grad_norm_(
-        self, pp: ProcessGroup, skip: set[str], max_norm: float, norm_type: float
+        self,
+        groups: list[ProcessGroup],
+        skip: set[str],
+        max_norm: float,
+        norm_type: float,
+        copies: Mapping[str, int] | None = None,
     ) -> torch.Tensor:
-        """Clips the parts' gradients to the whole model's norm (over ``pp`` and the replicas).
+        """Clips the parts' gradients to the whole model's norm; returns it.
 
-        Parameters named in ``skip`` (tied copies counted on another rank) are not counted.
+        Summed over ``groups`` (the pipeline's, then the model's own when tensor parallelism
+        splits it) and the replicas. Parameters named in ``skip`` (tied copies counted on
+        another rank) are not counted; ``copies[name]`` ranks of the model's group hold equal
+        copies of a parameter.
         """
         named = [(n, g) for n, loc in self.named_locals() if (g := loc.grad) is not None]
         grads = [g for _, g in named if g.numel()]
-        counted = [g for n, g in named if g.numel() and n not in skip]
+        counted = [(n, g) for n, g in named if g.numel() and n not in skip]
         device = self.buckets[0].part.device
-        return clip_to_global_norm_(counted, grads, [pp, self.dp], max_norm, norm_type, device)
+        return clip_to_global_norm_(
+            [g for _, g in counted], grads, [*groups, self.dp], max_norm, norm_type, device,
+            copies=None if copies is None else [copies.get(n, 1) for n, _ in counted],
+        )  # fmt: skip
 
     # -- the strategy contract -----------------------------------------------------------------
 
     def sharded_params(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Shard]:
-        """Each parameter as a ``Shard`` with this replica's ``FlatRange`` (none if empty)."""
+        """Each parameter named in ``shapes`` as a ``Shard`` of this replica's part.
+
+        See the module docstring; no piece where the part is empty.
+        """
         out: dict[str, Shard] = {}
         for b in self.buckets:
-            for name, loc, (a, _) in zip(b.names, b.locals, b.ranges, strict=True):
+            for name, p, loc, (a, _) in zip(b.names, b.params, b.locals, b.ranges, strict=True):
+                if name not in shapes:
+                    continue
                 out[name] = (
-                    Shard.flat(loc.detach(), shapes[name], a)
+                    self._placed(name, loc.detach(), a, p, shapes[name])
                     if loc.numel()
                     else Shard(shapes[name], [])
                 )
         return out
 
+    def _placed(
+        self, name: str, flat: torch.Tensor, start: int, p: torch.Tensor, shape: tuple[int, ...]
+    ) -> Shard:
+        """Elements ``start ..`` of ``p`` as a ``Shard`` of the whole tensor ``shape``.
+
+        A flat range, or boxes where ``p`` is a tensor-parallel slice (``parallel.placement``).
+        """
+        placement = self.placements.get(name)
+        if placement is None:
+            return Shard.flat(flat, shape, start)
+        return place(placement, flat, start, p.shape)
+
     def load_params(self, sd: Mapping[str, Any]) -> None:
         """Takes this replica's parts from ``sd`` (as ``sharded_params`` gives them)."""
-        locs = dict(self.named_locals())
+        ours = self.sharded_params({n: v.global_shape for n, v in sd.items()})
         with torch.no_grad():
             for name, value in sd.items():
-                mine = locs.get(name)
-                held = isinstance(value, Shard) and bool(value.pieces)
+                mine = ours.get(name)
+                if mine is None or not isinstance(value, Shard):
+                    continue
                 # Our own pieces (sharded_params') share the part's memory: nothing to copy.
-                if mine is not None and held and value.local.data_ptr() != mine.data_ptr():
-                    mine.copy_(value.local.reshape(-1))
+                for dst, src in zip(mine.pieces, value.pieces, strict=True):
+                    if dst.tensor.data_ptr() != src.tensor.data_ptr():
+                        dst.tensor.copy_(src.tensor)
         self._stale = True
 
     def sharded_optim_state(
@@ -286,14 +325,14 @@ class StageShards:
         """
         state: dict[str, dict[str, Any]] = {}
         for b in self.buckets:
-            for name, loc, (a, _) in zip(b.names, b.locals, b.ranges, strict=True):
+            for name, p, loc, (a, _) in zip(b.names, b.params, b.locals, b.ranges, strict=True):
                 entries = optimizer.state.get(loc)
                 if not entries or not loc.numel():
                     continue
                 out: dict[str, Any] = {}
                 for k, v in entries.items():
                     if torch.is_tensor(v) and v.dim() > 0 and v.shape == loc.shape:
-                        out[k] = Shard.flat(v.detach(), shapes[name], a)
+                        out[k] = self._placed(name, v.detach(), a, p, shapes[name])
                     elif torch.is_tensor(v):
                         out[k] = Shard.flat(v.detach(), v.shape, 0)
                     else:
