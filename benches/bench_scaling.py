@@ -242,8 +242,8 @@ def coll_worker(args: argparse.Namespace, rank: int, world: int, device: Any, ou
         small = torch.empty(n // world, device=device)
         for op in COLL_OPS:
             cell: dict[str, Any] = {"bytes": n * 4, "check": "ok"}
-            for impl in ("ours", "torch"):
-                run = _collective(impl, op, ours, big, small)
+            runs = {impl: _collective(impl, op, ours, big, small) for impl in ("ours", "torch")}
+            for impl, run in runs.items():
                 # Check: rank-dependent inputs against the closed form.
                 big.fill_(rank + 1)
                 small.fill_(rank + 1)
@@ -259,17 +259,19 @@ def coll_worker(args: argparse.Namespace, rank: int, world: int, device: Any, ou
                 if not good:
                     bad = cell["check"].removeprefix("ok").removeprefix("WRONG RESULT:")
                     cell["check"] = f"WRONG RESULT:{bad} {impl}"
-                iters = 50 if n * 4 <= 16 << 20 else 20 if n * 4 <= 256 << 20 else 8
-                times = []
-                for _ in range(args.coll_repeats):
+            iters = 50 if n * 4 <= 16 << 20 else 20 if n * 4 <= 256 << 20 else 8
+            times: dict[str, list[float]] = {"ours": [], "torch": []}
+            for _ in range(args.coll_repeats):  # ours and torch interleaved, repeat by repeat
+                for impl, run in runs.items():
                     dist.barrier()
                     _harness.sync(device)
                     t0 = time.perf_counter()
                     for _ in range(iters):
                         run()
                     _harness.sync(device)
-                    times.append((time.perf_counter() - t0) / iters)
-                cell[impl] = statistics.median(times)
+                    times[impl].append((time.perf_counter() - t0) / iters)
+            for impl, ts in times.items():
+                cell[impl] = statistics.median(ts)
             out[op][str(n * 4)] = cell
         del big, small
     # The slowest rank's time per cell.
@@ -431,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     _harness.add_kw(p, "--zero-kw", "options for our zero3, e.g. unit_mb=128")
     p.add_argument("--coll-sizes", default="1K,4K,16K,64K,256K,1M,4M,16M,64M,256M,1G")
-    p.add_argument("--coll-repeats", type=int, default=3)
+    p.add_argument("--coll-repeats", type=int, default=7)
     _harness.add_launch(p, timeout=900.0, timeout_help="seconds per GPU count")
     args, results = _harness.run_bench(p, argv, __file__, worker, progress)
     first = next(iter(results.values()))

@@ -26,13 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
 from shardline import config
 from shardline.comm.backends._common import (
+    BOOL_OPS,
     as_bytes,
     gather_args,
     pad_unequal,
-    reduce_args,
     scatter_args,
 )
 from shardline.comm.backends._deferred import DONE, Deferred
@@ -111,6 +112,19 @@ def _translate(exc: RuntimeError, what: str, rank: int) -> ShardlineError:
     )
 
 
+def _with_async(opts: Any, async_op: bool) -> Any:
+    """``opts`` told whether the caller waits for the op, as ``torch.distributed`` tells it.
+
+    A blocking op (``asyncOp=False``) runs on the caller's current stream instead of NCCL's
+    own: no event recorded and waited on around it, which made each of our small blocking
+    collectives cost several microseconds of CPU more than torch's own call (measured with
+    ``benches/probe_nccl_calls.py``). Torch builds without the field keep their default.
+    """
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = async_op
+    return opts
+
+
 # Thread blocks per collective of a group whose collectives overlap compute (ZeRO's gathers
 # and reductions): with fewer blocks the collectives take fewer SMs from the GEMMs beside
 # them, and zero3 on two H100s ran slightly faster with 8 than with NCCL's choice.
@@ -175,38 +189,36 @@ class NcclBackend:
         with client.step("setting up NCCL through the store", store_only=True):
             # torch's stubs do not list ProcessGroup methods; they exist at runtime.
             self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-        # Options are read when an op is queued: one object per reduction serves every call.
-        self._allreduce_opts: dict[Any, Any] = {}
-        self._reduce_scatter_opts: dict[Any, Any] = {}
-        for rop in _OPS.values():
-            self._allreduce_opts[rop] = dist.AllreduceOptions()
-            self._allreduce_opts[rop].reduceOp = rop
-            self._reduce_scatter_opts[rop] = dist.ReduceScatterOptions()
-            self._reduce_scatter_opts[rop].reduceOp = rop
+        # Options are read when an op is queued: one object per (kind, reduction, blocking)
+        # serves every call.
+        self._opts: dict[tuple[Any, ...], Any] = {}
         if hasattr(self._pg, "eager_connect_single_device"):
             # Connect now, so a missing peer fails here and not in the first collective.
             with client.step("connecting NCCL through the store", store_only=True):
                 self._pg.eager_connect_single_device(device)
 
-    def _handle(
+    def _run(
         self,
         what: str,
-        start: Callable[[], list[dist.Work]],
+        fn: Callable[..., dist.Work | None],
+        args: tuple[Any, ...],
+        async_op: bool,
         after: Callable[[], None] | None = None,
         keep: tuple[object, ...] = (),
-        *,
-        async_op: bool = True,
     ) -> Deferred:
+        """Queues ``fn(*args)`` (one torch op); a blocking call waits and returns ``DONE``.
+
+        The hot path of every collective: no closure is built, errors are translated.
+        """
         try:
-            works = start()
-            if not async_op:  # a blocking call: wait here, no handle object to build
-                for w in works:
-                    w.wait()
+            work = fn(*args)
+            if not async_op and work is not None:  # asyncOp=False: on the current stream
+                work.wait()
         except RuntimeError as exc:
             raise _translate(exc, what, self.rank) from exc
         if async_op:
             return Deferred(
-                works,
+                [work],
                 after=after,
                 translate=partial(_translate, what=what, rank=self.rank),
                 keep=keep,
@@ -215,108 +227,100 @@ class NcclBackend:
             after()
         return DONE
 
-    def _reduce_args(self, t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
-        return reduce_args(t, op, _OPS)
+    def _options(self, kind: type, async_op: bool, op: str | None = None, root: int = -1) -> Any:
+        """Torch's options object for one op, made once and kept (see ``_with_async``).
+
+        Keyed by plain values (a reduction's name, not torch's ``ReduceOp``, whose hash is a
+        slow call): looking it up is a few hundred nanoseconds.
+        """
+        key = (kind, async_op, op, root)
+        opts = self._opts.get(key)
+        if opts is None:
+            opts = _with_async(kind(), async_op)
+            if op is not None:
+                opts.reduceOp = _OPS[op]
+            if root >= 0:
+                opts.rootRank = root
+            self._opts[key] = opts
+        return opts
+
+    def _reduce_args(self, t: torch.Tensor, op: str) -> tuple[torch.Tensor, str]:
+        """The flat buffer and the reduction's name for reducing ``t`` (bool as uint8)."""
+        if t.dtype == torch.bool:
+            return as_bytes(t), BOOL_OPS[op]
+        return (t if t.dim() == 1 else t.reshape(-1)), op
 
     def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> Deferred:
-        buf, rop = self._reduce_args(t, op)
-        opts = self._allreduce_opts[rop]
-        return self._handle(
-            "all_reduce", lambda: [self._pg.allreduce([buf], opts)], async_op=async_op
-        )
+        buf, name = self._reduce_args(t, op)
+        opts = self._options(dist.AllreduceOptions, async_op, name)
+        return self._run("all_reduce", self._pg.allreduce, ([buf], opts), async_op)
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, op: str, *, async_op: bool = True
     ) -> Deferred:
-        obuf, rop = self._reduce_args(out, op)
+        obuf, name = self._reduce_args(out, op)
         ibuf, _ = self._reduce_args(inp, op)
-        opts = self._reduce_scatter_opts[rop]
-        return self._handle(
-            "reduce_scatter",
-            lambda: [self._pg._reduce_scatter_base(obuf, ibuf, opts)],
-            async_op=async_op,
+        opts = self._options(dist.ReduceScatterOptions, async_op, name)
+        return self._run(
+            "reduce_scatter", self._pg._reduce_scatter_base, (obuf, ibuf, opts), async_op
         )
 
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, counts: Counts, *, async_op: bool = True
     ) -> Deferred:
+        opts = self._options(AllgatherOptions, async_op)
         if counts is None:
-            if out.dtype != torch.bool:  # NCCL moves every other dtype of ours as it is
-                return self._handle(
-                    "all_gather", lambda: [self._pg._allgather_base(out, inp)], async_op=async_op
-                )
-            return self._handle(
-                "all_gather",
-                lambda: [self._pg._allgather_base(as_bytes(out), as_bytes(inp))],
-                async_op=async_op,
-            )
+            if out.dtype == torch.bool:  # NCCL moves every other dtype of ours as it is
+                out, inp = as_bytes(out), as_bytes(inp)
+            return self._run("all_gather", self._pg._allgather_base, (out, inp, opts), async_op)
         # Unequal sizes: gather equal, padded slots, then copy each rank's part out.
         padded, gathered, unpad = pad_unequal(out, inp, counts, self.world_size)
-        return self._handle(
-            "all_gather",
-            lambda: [self._pg._allgather_base(as_bytes(gathered), as_bytes(padded))],
-            unpad,
-            (padded, gathered),
-            async_op=async_op,
+        args = (as_bytes(gathered), as_bytes(padded), opts)
+        return self._run(
+            "all_gather", self._pg._allgather_base, args, async_op, unpad, (padded, gathered)
         )
 
     def broadcast(self, t: torch.Tensor, root: int, *, async_op: bool = True) -> Deferred:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = root
-        return self._handle(
-            "broadcast", lambda: [self._pg.broadcast([as_bytes(t)], opts)], async_op=async_op
-        )
+        opts = self._options(dist.BroadcastOptions, async_op, root=root)
+        return self._run("broadcast", self._pg.broadcast, ([as_bytes(t)], opts), async_op)
 
     def reduce(self, t: torch.Tensor, op: str, root: int, *, async_op: bool = True) -> Deferred:
-        buf, rop = self._reduce_args(t, op)
-        opts = dist.ReduceOptions()
-        opts.rootRank, opts.reduceOp = root, rop
-        return self._handle("reduce", lambda: [self._pg.reduce([buf], opts)], async_op=async_op)
+        buf, name = self._reduce_args(t, op)
+        opts = self._options(dist.ReduceOptions, async_op, name, root)
+        return self._run("reduce", self._pg.reduce, ([buf], opts), async_op)
 
     def gather(
         self, out: torch.Tensor | None, inp: torch.Tensor, root: int, *, async_op: bool = True
     ) -> Deferred:
         args = gather_args(out, inp, root, self.world_size)
-        return self._handle("gather", lambda: [self._pg.gather(*args)], async_op=async_op)
+        _with_async(args[2], async_op)
+        return self._run("gather", self._pg.gather, args, async_op)
 
     def scatter(
         self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
     ) -> Deferred:
         args = scatter_args(out, inp, root, self.world_size)
-        return self._handle("scatter", lambda: [self._pg.scatter(*args)], async_op=async_op)
+        _with_async(args[2], async_op)
+        return self._run("scatter", self._pg.scatter, args, async_op)
 
     def all_to_all(
         self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
     ) -> Deferred:
-        return self._handle(
-            "all_to_all",
-            lambda: [
-                self._pg.alltoall_base(as_bytes(out), as_bytes(inp), [], [], dist.AllToAllOptions())
-            ],
-            async_op=async_op,
-        )
+        opts = self._options(dist.AllToAllOptions, async_op)
+        args: tuple[Any, ...] = (as_bytes(out), as_bytes(inp), [], [], opts)
+        return self._run("all_to_all", self._pg.alltoall_base, args, async_op)
 
     def barrier(self, *, async_op: bool = True) -> Deferred:
         # What NCCL's own barrier does, on our device (torch's guesses the device and warns).
         token = torch.zeros(1, device=self.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        return self._handle(
-            "barrier",
-            lambda: [self._pg.allreduce([token], opts)],
-            keep=(token,),
-            async_op=async_op,
-        )
+        opts = self._options(dist.AllreduceOptions, async_op, "sum")
+        return self._run("barrier", self._pg.allreduce, ([token], opts), async_op, keep=(token,))
 
     def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> Deferred:
-        return self._handle(
-            "send", lambda: [self._pg.send([as_bytes(t)], dst, 0)], async_op=async_op
-        )
+        return self._run("send", self._pg.send, ([as_bytes(t)], dst, 0), async_op)
 
     def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> Deferred:
-        return self._handle(
-            "recv", lambda: [self._pg.recv([as_bytes(t)], src, 0)], async_op=async_op
-        )
+        return self._run("recv", self._pg.recv, ([as_bytes(t)], src, 0), async_op)
 
     def subgroup(
         self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False
