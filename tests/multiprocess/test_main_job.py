@@ -1,6 +1,6 @@
 """The main job (``shardline.examples.train``) as a pipeline, as ZeRO-3 replicas of one
-(``--pp 2`` on 4 processes), and as DDP replicas of 2-way tensor parallelism (``--tp 2``),
-under ``shardline run``.
+(``--pp 2`` on 4 processes), as DDP replicas of 2-way tensor parallelism (``--tp 2``), and
+as a pipeline of tensor-parallel stages (``--pp 2 --tp 2``), under ``shardline run``.
 
 Its verify step replays the same batches in one process (TinyGPT, whose output layer shares
 the token embedding: the first and last stages hold copies of one tied weight) and must find
@@ -28,6 +28,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("native")]
         (2, ["--strategy", "pp", "--schedule", "zero_bubble"], "2-stage zero_bubble pipeline"),
         (4, ["--strategy", "zero3", "--pp", "2"], "2 zero3 replicas of a 2-stage 1f1b pipeline"),
         (4, ["--tp", "2"], "2 ddp replica(s) of 2-way tensor parallelism"),
+        (
+            4,
+            ["--strategy", "pp", "--pp", "2", "--tp", "2"],
+            "a 2-stage 1f1b pipeline of 2-way tensor-parallel stages",
+        ),
     ],
 )
 def test_the_main_job_trains_as_a_pipeline_and_matches_one_process(

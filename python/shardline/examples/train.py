@@ -276,8 +276,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         "--tp",
         type=int,
         default=1,
-        help="tensor-parallel ranks per replica (heads, MLP and vocabulary split); the ranks "
-        "beyond them are DDP replicas on a dp x tp mesh",
+        help="tensor-parallel ranks per replica, or per pipeline stage with --pp (heads and MLP "
+        "split; the vocabulary too without --pp); the ranks beyond them are replicas kept by "
+        "--strategy on a dp x (pp x) tp mesh",
     )
     p.add_argument("--comm-hook", default=None, help="gradient compression: fp16 or bf16 (ddp)")
     p.add_argument(
@@ -319,28 +320,38 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     pp = stages > 1 or strategy == "pp"
     tp = args.tp if group is not None else 1
-    if tp > 1 and (pp or strategy != "ddp" or world_size % tp):
-        print(f"--tp {tp} takes --strategy ddp, no pipeline, and divides {world_size} "
-              "processes", file=sys.stderr)  # fmt: skip
+    if strategy == "pp" and tp > 1:
+        stages = world_size // tp  # the ranks of one replica: stages x tp
+    if tp > 1 and (strategy == "auto" or world_size % (stages * tp)):
+        print(f"--tp {tp} takes --strategy ddp, zero1-3 or pp, and with --pp {stages} divides "
+              f"{world_size} processes", file=sys.stderr)  # fmt: skip
         return 2
-    width = stages if pp else tp  # ranks that train one batch together
+    width = stages * tp if pp else tp  # ranks that train one batch together
     replicas, replica = world_size // width, rank // width  # the mesh is row-major
-    if tp > 1:  # every layer split over tp ranks, DDP replicas on the rest
-        mesh = sl.DeviceMesh({"dp": replicas, "tp": tp})
-        model, opt = sl.distribute(  # type: ignore[assignment]
-            model, opt, mesh=mesh, strategy={"dp": "ddp", "tp": "auto"}
-        )
-        strategy = f"{replicas} ddp replica(s) of {tp}-way tensor parallelism"
-    elif pp and strategy != "pp":  # a dp x pp mesh: replicas of a pipeline
-        dp = "zero3" if strategy == "fsdp" else strategy
-        mesh = sl.DeviceMesh({"dp": replicas, "pp": stages})
+    dp = "zero3" if strategy == "fsdp" else strategy
+    if pp and (strategy != "pp" or tp > 1):  # a dp x pp (x tp) mesh: replicas of a pipeline
+        axes = {"dp": replicas, "pp": stages, "tp": tp}
+        plan = {"dp": dp, "pp": args.schedule, "tp": "auto"}
+        keep = [a for a in axes if axes[a] > 1 or a == "pp"]
+        if strategy == "pp":
+            keep = [a for a in keep if a != "dp"]
+        mesh = sl.DeviceMesh({a: axes[a] for a in keep})
         model, opt = sl.distribute(  # type: ignore[assignment]
             as_sequential(model), opt, mesh=mesh,  # type: ignore[arg-type]
-            strategy={"dp": dp, "pp": args.schedule}, microbatches=args.microbatches,
+            strategy={a: plan[a] for a in keep}, microbatches=args.microbatches,
             loss_fn=lm_loss,
         )  # fmt: skip
         assert opt is not None
-        strategy = f"{replicas} {dp} replicas of a {stages}-stage {args.schedule} pipeline"
+        what = f"{stages}-stage {args.schedule} pipeline"
+        if tp > 1:
+            what += f" of {tp}-way tensor-parallel stages"
+        strategy = f"{replicas} {dp} replicas of a {what}" if "dp" in keep else f"a {what}"
+    elif tp > 1:  # every layer split over tp ranks, replicas on the rest
+        mesh = sl.DeviceMesh({"dp": replicas, "tp": tp})
+        model, opt = sl.distribute(  # type: ignore[assignment]
+            model, opt, mesh=mesh, strategy={"dp": dp, "tp": "auto"}
+        )
+        strategy = f"{replicas} {dp} replica(s) of {tp}-way tensor parallelism"
     elif pp:  # every rank trains the same batches, each through its own stage
         model = sl.pipeline(
             as_sequential(model),  # type: ignore[arg-type]
@@ -397,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             held = torch.zeros(())
             if logits is not None:
                 held = lm_loss(logits, probe[1]).reshape(())
-            sl.broadcast(held, src=stages - 1)  # the last stage of the first replica
+            sl.broadcast(held, src=(stages - 1) * tp)  # the last stage of the first replica
             final = float(held)
         else:
             final = float(model(*probe))
