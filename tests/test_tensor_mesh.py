@@ -367,3 +367,57 @@ def test_a_3d_checkpoint_loads_into_one_process_zero3_and_tp4(tmp_path: Path) ->
     for loaded in [*run_ranks(4, zero3, timeout=TIMEOUT), *run_ranks(4, tp4, timeout=TIMEOUT)]:
         for key, value in saved.items():
             assert torch.equal(loaded[key], value), key
+
+
+# -- HSDP: ZeRO within a replica, replicas across --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("axes", "dp"),
+    [
+        ({"dp_replicate": 2, "dp_shard": 2}, "zero3"),
+        ({"dp_replicate": 2, "dp_shard": 2}, "zero2"),
+        ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, "zero3"),
+    ],
+    ids=["hsdp-zero3", "hsdp-zero2", "hsdp-zero3-tp2"],
+)
+def test_hsdp_trains_as_one_process_and_checkpoints(
+    axes: dict[str, int], dp: str, tmp_path: Path
+) -> None:
+    """HSDP: ZeRO over dp_shard, its gradient parts averaged over the replicas on
+    dp_replicate (tensor parallelism inside, too). Each data-parallel rank takes its rows of
+    every batch; three clipped AdamW steps give one process's norms and parameters, and the
+    checkpoint loads into one process bit for bit."""
+    _, _, want_norms = _dense_run(3)
+    dense = _dense_run(3)[0]
+    want = dense.state_dict()
+    path = tmp_path / "ck"
+    strategy = {"dp_replicate": "ddp", "dp_shard": dp} | ({"tp": "auto"} if "tp" in axes else {})
+
+    def body(g: ProcessGroup) -> tuple[list[float], dict[str, torch.Tensor]]:
+        mesh = sl.DeviceMesh(axes, group=g)
+        model = _gpt()
+        wrapped, opt = sl.distribute(model, _adamw(model.parameters()), mesh=mesh,
+                                     strategy=strategy)  # fmt: skip
+        assert opt is not None
+        who = 2 * mesh.local_rank("dp_replicate") + mesh.local_rank("dp_shard")
+        norms = []
+        for x, y in _batches():
+            opt.zero_grad()
+            wrapped(x[who : who + 1], y[who : who + 1]).backward()
+            norms.append(float(wrapped.clip_grad_norm_(CLIP)))  # type: ignore[operator]
+            opt.step()
+        checkpoint.save(path, model=wrapped, optimizer=opt, group=g)
+        return norms, wrapped.state_dict()
+
+    world = 1
+    for n in axes.values():
+        world *= n
+    for norms, state in run_ranks(world, body, timeout=TIMEOUT):
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        for key, value in want.items():
+            torch.testing.assert_close(state[key], value, msg=key)
+    plain = _gpt()
+    checkpoint.load(path, model=plain, optimizer=_adamw(plain.parameters()))
+    for key, value in state.items():
+        assert torch.equal(plain.state_dict()[key], value), key

@@ -8,6 +8,8 @@
   the result sums over both axes, each element once; checkpoints place ZeRO's flat parts of
   a slice in the dense tensor (``parallel.placement``).
 
+- HSDP: ``{"dp_replicate": "ddp", "dp_shard": "zero3"}`` (``tp`` may join them): ZeRO over
+  ``dp_shard``, its shards' gradients averaged over the replicas on ``dp_replicate``.
 - ``{"dp": ..., "pp": schedule, "tp": plan}`` (3-D, any axis may be left out): the pipeline
   splits first, tensor parallelism rewrites each stage (``pipeline(tp_group=)``), then the
   replicas on ``dp`` are kept by DDP or sharded by ZeRO.
@@ -29,7 +31,8 @@ from shardline.parallel._common import ModelParallel, copies_over
 
 __all__ = ["compose"]
 
-_AXES = {"dp", "pp", "tp"}
+_AXES = {"dp", "pp", "tp", "dp_replicate", "dp_shard"}
+_DP = (None, "ddp", "zero1", "zero2", "zero3")
 
 
 def compose(
@@ -46,18 +49,32 @@ def compose(
             "and strategy={'dp': 'ddp', 'pp': '1f1b'}, both"
         )
     unknown = sorted(set(strategy) - _AXES)
-    if unknown or not {"pp", "tp"} & set(strategy):
+    if unknown or not {"pp", "tp", "dp_shard"} & set(strategy):
         raise InvalidArgumentError(
-            f"distribute(strategy={strategy}): compose 'pp' (a pipeline schedule) or 'tp' "
-            "(a tensor-parallel plan, 'auto') with 'dp' ('ddp', or ZeRO with a pipeline)"
+            f"distribute(strategy={strategy}): compose 'pp' (a pipeline schedule), 'tp' (a "
+            "tensor-parallel plan, 'auto') and data parallelism: 'dp' ('ddp', 'zero1', "
+            "'zero2', 'zero3'), or HSDP's 'dp_shard' (ZeRO) with 'dp_replicate' ('ddp')"
         )
-    dp = strategy.get("dp")
+    hsdp = {"dp_shard", "dp_replicate"} & set(strategy)
+    if hsdp and ("dp" in strategy or "pp" in strategy or "dp_shard" not in hsdp):
+        raise InvalidArgumentError(
+            f"distribute(strategy={strategy}): HSDP names 'dp_shard' (ZeRO over it) and "
+            "optionally 'dp_replicate' (replicas across it), instead of 'dp'; with a "
+            "pipeline it is not built yet"
+        )
+    if strategy.get("dp_replicate", "ddp") not in ("ddp", "replicate"):
+        raise InvalidArgumentError(
+            f"distribute(strategy={strategy}): 'dp_replicate' keeps replicas: use 'ddp'"
+        )
+    axis = "dp_shard" if hsdp else "dp"
+    dp = strategy.get(axis)
     dp = "zero3" if dp == "fsdp" else dp
-    if dp not in (None, "ddp", "zero1", "zero2", "zero3"):
+    if dp not in _DP or (hsdp and dp in (None, "ddp")):
         raise InvalidArgumentError(
-            f"distribute(strategy={strategy}): on the dp axis use 'ddp', 'zero1', 'zero2' or "
-            "'zero3' ('fsdp')"
-        )
+            f"distribute(strategy={strategy}): on the {axis} axis use "
+            + ("'zero1', 'zero2' or 'zero3' ('fsdp')" if hsdp else
+               "'ddp', 'zero1', 'zero2' or 'zero3' ('fsdp')")
+        )  # fmt: skip
     if "tp" in strategy and "pp" in strategy and options.get("sequence_parallel"):
         raise InvalidArgumentError(
             f"distribute(strategy={strategy}): sequence parallelism inside pipeline stages is "
@@ -71,7 +88,7 @@ def compose(
         )
     if "pp" in strategy:
         return _pipeline(model, optimizer, strategy, mesh, dp, options)
-    return _tensor(model, optimizer, strategy, mesh, dp, options)
+    return _layers(model, optimizer, strategy, mesh, dp, options)
 
 
 def _pipeline(
@@ -130,7 +147,7 @@ def _names_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict
     return before
 
 
-def _tensor(
+def _layers(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     strategy: dict[str, str],
@@ -142,9 +159,13 @@ def _tensor(
     from shardline.parallel.data.zero.optimizers import check_optimizer  # noqa: PLC0415
     from shardline.parallel.tensor import tensor_parallel  # noqa: PLC0415
 
-    before = _names_of(model, optimizer)
+    """Tensor parallelism on ``tp`` (if named), then DDP or ZeRO on ``dp`` (HSDP: ZeRO on
+    ``dp_shard``, replicas on ``dp_replicate``)."""
+    before = _names_of(model, optimizer) if "tp" in strategy else {}
     groups = optimizer.param_groups if optimizer is not None else []
     sp = bool(options.pop("sequence_parallel", False))
+    if sp and "tp" not in strategy:
+        raise InvalidArgumentError("distribute(): sequence_parallel needs a 'tp' axis")
     if dp is None and options:
         raise InvalidArgumentError(
             f"distribute(): {sorted(options)} are data parallelism's options; with no 'dp' "
@@ -160,17 +181,23 @@ def _tensor(
             )
         if row.stage and optimizer is not None:
             check_optimizer(optimizer, row.stage)  # before any collective
-    tp = mesh.group("tp")
-    model = tensor_parallel(model, tp, strategy["tp"], sequence_parallel=sp)
-    now = dict(model.named_parameters(remove_duplicate=False))
-    for group in groups:  # the same names, now this rank's slices
-        group["params"] = [now[before[id(p)][0]] for p in group["params"]]
+    tp = mesh.group("tp") if "tp" in strategy else None
+    if tp is not None:
+        model = tensor_parallel(model, tp, strategy["tp"], sequence_parallel=sp)
+        now = dict(model.named_parameters(remove_duplicate=False))
+        for group in groups:  # the same names, now this rank's slices
+            group["params"] = [now[before[id(p)][0]] for p in group["params"]]
     if row is None:
         return model, optimizer
-    copies = copies_over(tp, model)  # before ZeRO takes the parameters' memory over
-    wrapped = row.wrap(model, group=mesh.group("dp"), **options)
-    assert isinstance(wrapped, ModelParallel)
-    wrapped.set_model_parallel(tp, copies)
+    # Before ZeRO takes the parameters' memory over.
+    copies = copies_over(tp, model) if tp is not None else None
+    if "dp_replicate" in strategy:
+        options = {**options, "replicate_group": mesh.group("dp_replicate")}
+    wrapped = row.wrap(model, group=mesh.group("dp_shard" if "dp_shard" in strategy else "dp"),
+                       **options)  # fmt: skip
+    if tp is not None and copies is not None:
+        assert isinstance(wrapped, ModelParallel)
+        wrapped.set_model_parallel(tp, copies)
     bind = getattr(wrapped, "bind_optimizer", None)
     if optimizer is not None and row.stage and callable(bind):
         bind(optimizer)  # ZeRO: this rank's parts of the slices, in their groups

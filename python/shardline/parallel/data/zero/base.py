@@ -47,6 +47,8 @@ class ZeroBase(nn.Module):
     _device: torch.device
     _gather_group: ProcessGroup  # all-gathers, in their own order
     _reduce_group: ProcessGroup  # gradient reductions, in their own order
+    _replicate: ProcessGroup | None  # HSDP: the replicas this rank's shards are averaged over
+    _replicating: list[tuple[Unit, Work, torch.Tensor, bool]]  # ... averages in flight
     _by_name: dict[str, nn.Parameter]  # the plain model's parameters
     _dtypes: dict[str, torch.dtype]  # their original dtypes
     _placements: dict[str, Placement]  # parameters that are slices of bigger tensors

@@ -119,6 +119,8 @@ class UnitLayout(ZeroBase):
         mine = [index[n] for n in dict.fromkeys(trace) if n in index]
         mine += [i for i in range(len(names)) if i not in set(mine)]
         order_t = torch.tensor(mine, dtype=torch.int64, device=self._device)
+        if self._replicate is not None:  # every replica lays its units out the same way
+            self._replicate.broadcast(order_t, src=0)
         self.group.broadcast(order_t, src=0)
         order = [names[i] for i in order_t.tolist()]
         self._relayout(order, self._whole)

@@ -341,9 +341,28 @@ class GatherReduceSchedule(UnitLayout):
     def _finish(self, u: Unit, work: Work, out: torch.Tensor, fresh: bool) -> None:
         """Waits for ``u``'s reduction and keeps this rank's part.
 
-        ``fresh``: the part replaces what the rank held instead of adding to it.
+        ``fresh``: the part replaces what the rank held instead of adding to it. With
+        replicas (HSDP), the part is first averaged over them, asynchronously: it is kept
+        when that completes, at the end of backward (``_finish_replicas``).
         """
         work.wait()
+        held = u.owner is None or u.rank == u.owner  # a whole unit reduces into its owner
+        if self._replicate is not None and held:
+            again = self._replicate.all_reduce(out, op="avg", async_op=True)
+            assert again is not None
+            self._replicating.append((u, again, out, fresh))
+            return
+        self._keep(u, out, fresh)
+
+    def _finish_replicas(self) -> None:
+        """Keeps the parts whose average over the replicas was still in flight."""
+        while self._replicating:
+            u, work, out, fresh = self._replicating.pop(0)
+            work.wait()
+            self._keep(u, out, fresh)
+
+    def _keep(self, u: Unit, out: torch.Tensor, fresh: bool) -> None:
+        """``u``'s reduced gradient ``out``: this rank's part of it, replacing or adding."""
         if self.stage == 1 and u.owner is None:
             owned = out[u.lo : u.hi]
             if u.rdtype == u.wdtype:
@@ -374,6 +393,7 @@ class GatherReduceSchedule(UnitLayout):
                 self._rs_next = len(self._rs_order)
                 while self._inflight:
                     self._finish(*self._inflight.pop(0))
+                self._finish_replicas()
                 for u in self._units:
                     u.publish_grads()
             else:

@@ -94,6 +94,10 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         reorder: After the first backward, re-form the units in the order modules ran (rank
             0's order) when that differs from registration order. It happens before the first
             optimizer step and moves parameters and gradients one unit at a time.
+        replicate_group: HSDP: the ranks holding the same shards as this one in the other
+            replicas (one per replica, each sharding over its own ``group``). Gradient parts
+            are averaged over it after each reduction; the model starts as its rank 0's.
+            ``sl.distribute(mesh={"dp_replicate": r, "dp_shard": s})`` passes it.
 
     ``state_dict()`` returns full tensors under the plain model's names on every rank (a
     collective: every rank must call it); ``sharded_state_dict()`` returns this rank's shards.
@@ -114,6 +118,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         mixed_precision: MixedPrecision | None = None,
         init_sync: bool = True,
         reorder: bool = True,
+        replicate_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
@@ -135,13 +140,14 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
             self.group, [n for n, _ in named], [p for _, p in named], "ShardedDataParallel"
         )
         self._device = named[0][1].device
+        replicas = replicate_group is not None and replicate_group.world_size > 1
+        self._replicate = replicate_group if replicas else None
+        self._replicating = []
         if init_sync:
-            broadcast_coalesced(
-                self.group,
-                [p.data for _, p in named] + [b for b in module.buffers() if b.numel() > 0],
-                0,
-                25 * _MIB,
-            )
+            tensors = [p.data for _, p in named] + [b for b in module.buffers() if b.numel() > 0]
+            for g in (self._replicate, self.group):  # the replicas' first, then the shards'
+                if g is not None:
+                    broadcast_coalesced(g, tensors, 0, 25 * _MIB)
         # Two more communicators, so all-gathers and reductions each keep their own order;
         # their collectives overlap forward and backward compute.
         ranks = list(range(self.group.world_size))
