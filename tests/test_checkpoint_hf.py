@@ -67,3 +67,40 @@ def test_zero3_checkpoint_consolidates_into_a_transformers_model(tmp_path: Path)
     opt.step()
     with torch.no_grad():
         torch.testing.assert_close(hf(x, labels=x).loss, ref(x, labels=x).loss)
+
+
+def test_a_tensor_parallel_zero3_llama_consolidates_into_from_pretrained(tmp_path: Path) -> None:
+    """A Llama with one key/value head, trained one step at zero3 dp2 x tp2 (its key/value
+    head replicated on both tp ranks, q/k/v/o and the MLP split, the vocabulary split) and
+    saved: the consolidated files load with ``LlamaForCausalLM.from_pretrained`` into weights
+    equal to ours bit for bit."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg)
+    copies = [transformers.LlamaForCausalLM(cfg) for _ in range(4)]
+    for c in copies:
+        c.load_state_dict(ref.state_dict())
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+
+    def body(g: Any) -> dict[str, torch.Tensor]:
+        mesh = sl.DeviceMesh({"dp": 2, "tp": 2}, group=g)
+        model = copies[g.rank]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = sl.distribute(model, opt, mesh=mesh, strategy={"dp": "zero3", "tp": "auto"})
+        assert opt is not None
+        rows = x[2 * mesh.local_rank("dp") : 2 * mesh.local_rank("dp") + 2]
+        model(input_ids=rows, labels=rows).loss.backward()
+        opt.step()
+        checkpoint.save(tmp_path / "ck", model=model, optimizer=opt, group=g)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    ours = run_ranks(4, body, timeout=120)[0]
+    checkpoint.consolidate(tmp_path / "ck", tmp_path / "hf")
+    cfg.save_pretrained(tmp_path / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    assert set(hf.state_dict()) == set(ours)
+    for k, v in hf.state_dict().items():
+        assert torch.equal(v, ours[k]), k
