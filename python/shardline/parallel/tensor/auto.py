@@ -13,6 +13,9 @@
 - **GPT-2** (Hugging Face, ``Conv1D`` layers, weights stored ``(in, out)``): ``c_attn`` (q, k
   and v fused: ``Colwise(pieces=3)``) and ``c_fc`` split by output, the ``c_proj`` after each
   by input; the attention's ``split_size`` becomes this rank's (``fix_attention``).
+- **torch's own layers**: every ``nn.MultiheadAttention`` (heads split:
+  ``ParallelMultiheadAttention``), and in ``nn.TransformerEncoderLayer``/``DecoderLayer``-shaped
+  modules the MLP (``linear1`` by output, ``linear2`` by input).
 - **The vocabulary**: an embedding tied to an output head on a model with ``loss_fn`` (the
   built-in GPT), or a Hugging Face causal LM's input and output embeddings (tied or not),
   split by vocabulary; the model's loss becomes the vocabulary-parallel one.
@@ -128,6 +131,36 @@ def _gpt2_blocks(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str,
     return plan
 
 
+def _torch_layers(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, Any]:
+    """The layers of torch.nn itself: ``nn.MultiheadAttention`` and the encoder/decoder layers' MLP.
+
+    Heads split; ``linear1`` by output and ``linear2`` by input in modules shaped like
+    ``nn.TransformerEncoderLayer`` / ``DecoderLayer``.
+    """
+    plan: dict[str, Any] = {}
+    for name, m in model.named_modules():
+        p = f"{name}." if name else ""
+        if isinstance(m, nn.MultiheadAttention):
+            if m.num_heads % t:
+                raise InvalidArgumentError(
+                    f"tensor_parallel: {name} has {m.num_heads} heads, not divisible by tp={t}; "
+                    "use a tp size that divides the heads"
+                )
+            plan[name] = "attention"
+        lin1, lin2 = getattr(m, "linear1", None), getattr(m, "linear2", None)
+        attn = getattr(m, "self_attn", None)
+        if isinstance(attn, nn.MultiheadAttention) and all(
+            isinstance(x, nn.Linear) for x in (lin1, lin2)
+        ):
+            plan |= {f"{p}linear1": Colwise(), f"{p}linear2": Rowwise()}
+    if plan and sequence_parallel:
+        raise InvalidArgumentError(
+            "tensor_parallel: sequence_parallel=True is not supported yet for "
+            "nn.MultiheadAttention models; use sequence_parallel=False"
+        )
+    return plan
+
+
 def fix_attention(model: nn.Module, t: int) -> None:
     """After the rewrite, attention modules count this rank's heads.
 
@@ -186,6 +219,7 @@ def auto_plan(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, An
         _gpt_blocks(model, t, sequence_parallel)
         | _llama_layers(model, t, sequence_parallel)
         | _gpt2_blocks(model, t, sequence_parallel)
+        | _torch_layers(model, t, sequence_parallel)
     )
     if plan:
         plan |= _vocab(model)

@@ -15,7 +15,9 @@ A plan maps module names to styles:
 - ``"sequence"``: a norm on the sequence-split residual stream becomes a
   ``SequenceParallelNorm``;
 - ``"sequence_region"``: any module whose input and output are the residual stream (the
-  chain of blocks) takes it split along the sequence and gives it back whole.
+  chain of blocks) takes it split along the sequence and gives it back whole;
+- ``"attention"``: an ``nn.MultiheadAttention`` becomes a ``ParallelMultiheadAttention``
+  (its heads split).
 
 ``plan="auto"`` recognises the models ``tensor.auto`` lists (the built-in GPT; Llama-style
 and GPT-2 Hugging Face models); everything else stays replicated, and ``model.plan()`` lists
@@ -38,6 +40,7 @@ from shardline.comm.group import ProcessGroup
 from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import broadcast_coalesced
+from shardline.parallel.tensor.attention import ParallelMultiheadAttention, unsupported
 from shardline.parallel.tensor.auto import auto_plan, fix_attention, is_hf_causal_lm, tied_heads
 from shardline.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -69,6 +72,7 @@ _STYLES: dict[str, Any] = {
     "vocab": "vocab",
     "sequence": "sequence",
     "sequence_region": "sequence_region",
+    "attention": "attention",
 }
 
 
@@ -102,6 +106,7 @@ _NEEDS: dict[str, type | tuple[type, ...]] = {
     "vocab": (nn.Embedding, nn.Linear),
     "sequence": (nn.LayerNorm, nn.RMSNorm),
     "sequence_region": nn.Module,
+    "attention": nn.MultiheadAttention,
 }
 
 
@@ -129,6 +134,16 @@ def _check(module: nn.Module, style: Any, name: str, t: int) -> None:
             f"tensor_parallel: plan[{name!r}] = {style!r} needs an {kinds}; {name} is a "
             f"{type(module).__name__}"
         )
+    if kind == "attention":
+        assert isinstance(module, nn.MultiheadAttention)
+        why, heads = unsupported(module), module.num_heads
+        if why is not None or heads % t:
+            raise InvalidArgumentError(
+                f"tensor_parallel: {name}: "
+                + (f"{why} is not supported" if why else f"{heads} heads do not split over "
+                   f"tp={t}; use a tp size that divides them")
+            )  # fmt: skip
+        return
     size, what, by = 0, "", t
     out_f = in_f = 0
     if linear:
@@ -171,8 +186,9 @@ def _rewrite(
         return VocabParallelEmbedding.from_dense(module, group)
     if kind == "vocab":  # an output head: logits split by vocabulary
         return ColumnParallelLinear.from_dense(module, group)
-    if kind == "sequence":
-        return SequenceParallelNorm(module, group)
+    if kind in ("sequence", "attention"):
+        wrap = SequenceParallelNorm if kind == "sequence" else ParallelMultiheadAttention.from_dense
+        return wrap(module, group)
     return _sequence_region(module, group)
 
 
@@ -245,7 +261,8 @@ def tensor_parallel(
 def _report(model: nn.Module, styles: Mapping[str, Any], t: int) -> str:
     lines = [f"tensor parallel over {t} ranks:"]
     lines += [f"  {name or '(the model)'}: {styles[name]}" for name in sorted(styles)]
-    split = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    split = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+             ParallelMultiheadAttention)  # fmt: skip
     whole = [
         f"{name}.{p}" if name else p
         for name, m in model.named_modules()
