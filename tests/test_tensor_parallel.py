@@ -349,7 +349,7 @@ def test_a_llama_from_transformers_trains_as_one_process(t: int, kv: int, tmp_pa
             torch.testing.assert_close(state[key], value, msg=key)
         assert vocab == 128 // t  # .logits: this rank's vocabulary slice
         k_proj = "model.layers.0.self_attn.k_proj: Colwise(pieces=1, gather_output=False"
-        assert f"{k_proj}, replicas={max(1, t // kv)})" in plan
+        assert f"{k_proj}, replicas={max(1, t // kv)}," in plan
         assert "model.embed_tokens: vocab" in plan and "lm_head: vocab" in plan
     plain = copy.deepcopy(_pristine_llama(kv))
     checkpoint.load(tmp_path / "ck", model=plain)
@@ -479,3 +479,26 @@ def test_gpt2_with_conv1d_layers_trains_as_one_process(t: int, tmp_path: Path) -
     checkpoint.load(tmp_path / "ck", model=plain)
     for key, value in results[0][1].items():
         assert torch.equal(plain.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_hf_models_with_sequence_parallelism_train_as_one_process(t: int, arch: str) -> None:
+    """sequence_parallel=True on a transformers Llama (grouped-query attention) and GPT-2:
+    the residual stream between decoder layers split along the sequence (norms on the parts,
+    attention and MLP gathering the sequence at their input and reduce-scattering it at
+    their end). Three AdamW steps give one process's losses and parameters."""
+    make = (lambda: _pristine_llama(2)) if arch == "llama" else _pristine_gpt2
+    dense = copy.deepcopy(make())
+    want_losses = _train_hf(dense)
+    want = dense.state_dict()
+
+    def body(g: ProcessGroup) -> tuple[list[float], dict[str, torch.Tensor], str]:
+        model = sl.tensor_parallel(copy.deepcopy(make()), g, sequence_parallel=True)
+        return _train_hf(model), model.state_dict(), model.plan()
+
+    for losses, state, plan in run_ranks(t, body, timeout=TIMEOUT):
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        for key, value in want.items():
+            torch.testing.assert_close(state[key], value, msg=key)
+        assert "sequence_enter" in plan and "sequence_gather" in plan

@@ -9,7 +9,9 @@
   ``o_proj``, ``head_dim``; ``gate_proj``, ``up_proj``, ``down_proj``): heads and key/value
   heads split (grouped-query attention keeps its groups; with fewer key/value heads than
   ranks, each rank holds the one its query heads use, shared by t / kv ranks, their
-  gradients summed), ``o_proj`` and ``down_proj`` by input.
+  gradients summed), ``o_proj`` and ``down_proj`` by input. With ``sequence_parallel=True``
+  (Llama and GPT-2) the residual stream between the decoder layers is split along the
+  sequence (``_sequence_layers``).
 - **GPT-2** (Hugging Face, ``Conv1D`` layers, weights stored ``(in, out)``): ``c_attn`` (q, k
   and v fused: ``Colwise(pieces=3)``) and ``c_fc`` split by output, the ``c_proj`` after each
   by input; the attention's ``split_size`` becomes this rank's (``fix_attention``).
@@ -88,18 +90,54 @@ def _llama_layers(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str
                     f"heads; tp={t} must divide the heads, and divide or be a multiple of the "
                     "key/value heads"
                 )
-            kv_style = Colwise(replicas=replicas)
-            plan |= {f"{p}q_proj": Colwise(), f"{p}k_proj": kv_style,
+            # With sequence parallelism the attention gathers the sequence at its input.
+            col = Colwise(input="gathered" if sequence_parallel else None)
+            kv_style = Colwise(replicas=replicas, input=col.input)
+            plan |= {f"{p}q_proj": col, f"{p}k_proj": kv_style,
                      f"{p}v_proj": kv_style, f"{p}o_proj": Rowwise()}  # fmt: skip
         mlp = [getattr(m, a, None) for a in ("gate_proj", "up_proj", "down_proj")]
         if all(isinstance(x, nn.Linear) for x in mlp):
-            plan |= {f"{p}gate_proj": Colwise(), f"{p}up_proj": Colwise(),
+            col = Colwise(input="gathered" if sequence_parallel else None)
+            plan |= {f"{p}gate_proj": col, f"{p}up_proj": col,
                      f"{p}down_proj": Rowwise()}  # fmt: skip
     if plan and sequence_parallel:
-        raise InvalidArgumentError(
-            "tensor_parallel: sequence_parallel=True is not supported yet for Llama-style "
-            "models; use sequence_parallel=False"
+        plan |= _sequence_layers(
+            model, ("input_layernorm", "post_attention_layernorm"), ("self_attn", "mlp")
         )
+    return plan
+
+
+def _sequence_layers(
+    model: nn.Module, norms: tuple[str, ...], blocks: tuple[str, ...]
+) -> dict[str, Any]:
+    """Sequence parallelism for decoder layers a model calls in a loop (Hugging Face's).
+
+    Between the layers the residual stream is split along the sequence: it is split before
+    the first layer and gathered after the last (``"sequence_enter"`` / ``"sequence_exit"``);
+    each layer's norms run on the parts (``"sequence"``), and its attention and MLP gather
+    the whole sequence at their input (``"sequence_gather"``: the reduce-scatter of the
+    row-parallel layer at their end splits it again).
+    """
+    layers = [
+        name
+        for name, m in model.named_modules()
+        if all(isinstance(getattr(m, a, None), nn.Module) for a in (*norms, *blocks))
+    ]
+    parents = {name.rpartition(".")[0] for name in layers}
+    if not layers or len(parents) != 1:
+        raise InvalidArgumentError(
+            "tensor_parallel: plan='auto' with sequence_parallel=True needs the decoder "
+            f"layers (modules with {', '.join((*norms, *blocks))}) in one list; give a plan "
+            "with 'sequence_enter' / 'sequence_exit' on the first and last of them"
+        )
+    plan: dict[str, Any] = {}
+    for name in layers:
+        plan |= {f"{name}.{a}": "sequence" for a in norms}
+        plan |= {f"{name}.{a}": "sequence_gather" for a in blocks}
+    if len(layers) == 1:
+        plan[layers[0]] = "sequence_region"
+    else:
+        plan |= {layers[0]: "sequence_enter", layers[-1]: "sequence_exit"}
     return plan
 
 
@@ -120,14 +158,14 @@ def _gpt2_blocks(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str,
                     f"{getattr(m, 'is_cross_attention', False)}); tp={t} must divide the heads "
                     "of a self-attention"
                 )
-            plan |= {f"{p}c_attn": Colwise(pieces=3), f"{p}c_proj": Rowwise()}
+            seq = "gathered" if sequence_parallel else None  # the block gathered the sequence
+            plan |= {f"{p}c_attn": Colwise(pieces=3, input=seq),
+                     f"{p}c_proj": Rowwise()}  # fmt: skip
         elif is_conv1d(c_fc) and is_conv1d(c_proj):
-            plan |= {f"{p}c_fc": Colwise(), f"{p}c_proj": Rowwise()}
+            seq = "gathered" if sequence_parallel else None
+            plan |= {f"{p}c_fc": Colwise(input=seq), f"{p}c_proj": Rowwise()}
     if plan and sequence_parallel:
-        raise InvalidArgumentError(
-            "tensor_parallel: sequence_parallel=True is not supported yet for GPT-2; use "
-            "sequence_parallel=False"
-        )
+        plan |= _sequence_layers(model, ("ln_1", "ln_2"), ("attn", "mlp"))
     return plan
 
 

@@ -205,6 +205,9 @@ class ColumnParallelLinear(_ParallelLinear):
             are summed over ``share``, the group of those ranks.
         gather_output: Return the whole output (all-gathered) instead of this rank's part.
         sequence_parallel: The input is split along dim 1 (the sequence): gathered here.
+        input_gathered: The input was gathered along the sequence before this layer, by a
+            ``gather_seq`` whose backward sums the input's gradient over the ranks (the
+            module around it, under sequence parallelism): taken as it is.
     """
 
     def __init__(
@@ -220,6 +223,7 @@ class ColumnParallelLinear(_ParallelLinear):
         transposed: bool = False,
         replicas: int = 1,
         share: ProcessGroup | None = None,
+        input_gathered: bool = False,
         device: Any = None,
         dtype: Any = None,
     ) -> None:
@@ -239,7 +243,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.group, self.in_features, self.out_features = group, in_features, out_features
         self.pieces, self.gather_output = pieces, gather_output
         self.sequence_parallel, self.transposed = sequence_parallel, transposed
-        self.replicas, self.share = replicas, share
+        self.replicas, self.share, self.input_gathered = replicas, share, input_gathered
         local = out_features // (t // replicas)
         shape = (in_features, local) if transposed else (local, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -265,7 +269,10 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output features (all of them with ``gather_output``)."""
-        x = gather_seq(x, self.group) if self.sequence_parallel else copy_to(x, self.group)
+        if self.sequence_parallel:
+            x = gather_seq(x, self.group)
+        elif not self.input_gathered:
+            x = copy_to(x, self.group)
         w = self._canon("weight", self.weight)
         b: torch.Tensor | None = self.bias
         if self.share is not None:  # a slice several ranks hold: gradients summed over them
@@ -431,30 +438,44 @@ class VocabParallelEmbedding(_Sliced):
 
 
 class SequenceParallelNorm(nn.Module):
-    """A ``LayerNorm`` or ``RMSNorm`` on a sequence part: weights whole, gradients summed.
+    """A norm on a sequence part: weights whole, their gradients summed over the group.
 
     It takes over the norm's own parameters under the same names, so the model's state dict
-    does not change.
+    does not change. ``nn.LayerNorm`` and ``nn.RMSNorm`` run as torch's functions; any other
+    norm module without children (a Hugging Face ``LlamaRMSNorm``) runs as itself, called
+    with its parameters passed through ``copy_to`` (``torch.func.functional_call``).
     """
 
     def __init__(self, norm: nn.Module, group: ProcessGroup) -> None:
         super().__init__()
-        if not isinstance(norm, nn.LayerNorm | nn.RMSNorm):
+        if any(True for _ in norm.children()):
             raise InvalidArgumentError(
-                f"SequenceParallelNorm takes an nn.LayerNorm or nn.RMSNorm, not "
+                f"SequenceParallelNorm takes a norm layer without submodules, not "
                 f"{type(norm).__name__}"
             )
         self.group = group
-        self.rms = isinstance(norm, nn.RMSNorm)
-        self.normalized_shape = tuple(norm.normalized_shape)
-        self.eps = norm.eps
-        self.weight = norm.weight
-        self.bias = getattr(norm, "bias", None)
+        self.kind = "rms" if isinstance(norm, nn.RMSNorm) else "layer"
+        if isinstance(norm, nn.LayerNorm | nn.RMSNorm):
+            self.normalized_shape = tuple(norm.normalized_shape)
+            self.eps = norm.eps
+            self.weight = norm.weight
+            self.bias = getattr(norm, "bias", None)
+            return
+        self.kind = "module"
+        self.__dict__["_norm"] = norm  # called with our parameters, which are its own
+        for name, p in norm.named_parameters(recurse=False):
+            self.register_parameter(name, p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The norm of this rank's part of the sequence."""
+        if self.kind == "module":
+            params = {
+                n: copy_to(p, self.group) for n, p in self._parameters.items() if p is not None
+            }
+            out: torch.Tensor = torch.func.functional_call(self.__dict__["_norm"], params, (x,))
+            return out
         weight = copy_to(self.weight, self.group) if self.weight is not None else None
-        if self.rms:
+        if self.kind == "rms":
             return F.rms_norm(x, self.normalized_shape, weight, self.eps)
         bias = copy_to(self.bias, self.group) if self.bias is not None else None
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps or 1e-5)

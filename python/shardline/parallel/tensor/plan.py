@@ -16,6 +16,10 @@ A plan maps module names to styles:
   ``SequenceParallelNorm``;
 - ``"sequence_region"``: any module whose input and output are the residual stream (the
   chain of blocks) takes it split along the sequence and gives it back whole;
+  ``"sequence_enter"`` / ``"sequence_exit"`` do each half (on the first and the last of
+  blocks a model calls in a loop), and ``"sequence_gather"`` gathers a module's input
+  (attention or an MLP whose code wants the whole sequence; ``Colwise(input="gathered")``
+  inside it);
 - ``"attention"``: an ``nn.MultiheadAttention`` becomes a ``ParallelMultiheadAttention``
   (its heads split).
 
@@ -50,19 +54,46 @@ from shardline.parallel.tensor.layers import (
     is_conv1d,
 )
 from shardline.parallel.tensor.loss import causal_lm_loss, vocab_parallel_loss
-from shardline.parallel.tensor.regions import gather_from, split_to
+from shardline.parallel.tensor.regions import gather_from, gather_seq, split_to
 from shardline.parallel.tensor.styles import Colwise, Rowwise
 
 __all__ = ["Colwise", "Rowwise", "tensor_parallel"]
 
 
-def _sequence_region(module: nn.Module, group: ProcessGroup) -> nn.Module:
-    """Hooks on ``module``: its input split along the sequence (dim 1), its output whole.
+def _on_input(fn: Any) -> Any:
+    """A forward pre-hook applying ``fn`` to the module's first input (or ``hidden_states``)."""
+
+    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args:
+            return (fn(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+
+    return hook
+
+
+def _on_output(fn: Any) -> Any:
+    """A forward hook applying ``fn`` to the module's output (or a tuple's first element)."""
+
+    def hook(_: nn.Module, __: Any, out: Any) -> Any:
+        return (fn(out[0]), *out[1:]) if isinstance(out, tuple) else fn(out)
+
+    return hook
+
+
+def _sequence_hooks(module: nn.Module, group: ProcessGroup, kind: str) -> nn.Module:
+    """Hooks at the edges of the sequence-split stream (the ``"sequence_*"`` styles).
 
     Hooks, not a wrapper, so the module keeps its place and its parameters their names.
     """
-    module.register_forward_pre_hook(lambda _, args: (split_to(args[0], group, dim=1), *args[1:]))
-    module.register_forward_hook(lambda _, __, out: gather_from(out, group, dim=1))
+    split = _on_input(lambda x: split_to(x, group, dim=1))
+    gather = _on_output(lambda x: gather_from(x, group, dim=1))
+    if kind in ("sequence_region", "sequence_enter"):
+        module.register_forward_pre_hook(split, with_kwargs=True)
+    if kind in ("sequence_region", "sequence_exit"):
+        module.register_forward_hook(gather)
+    if kind == "sequence_gather":  # the whole sequence in; backward reduce-scatters
+        module.register_forward_pre_hook(_on_input(lambda x: gather_seq(x, group, dim=1)),
+                                         with_kwargs=True)  # fmt: skip
     return module
 
 
@@ -72,6 +103,9 @@ _STYLES: dict[str, Any] = {
     "vocab": "vocab",
     "sequence": "sequence",
     "sequence_region": "sequence_region",
+    "sequence_enter": "sequence_enter",
+    "sequence_exit": "sequence_exit",
+    "sequence_gather": "sequence_gather",
     "attention": "attention",
 }
 
@@ -104,8 +138,11 @@ _NEEDS: dict[str, type | tuple[type, ...]] = {
     "colwise": nn.Linear,
     "rowwise": nn.Linear,
     "vocab": (nn.Embedding, nn.Linear),
-    "sequence": (nn.LayerNorm, nn.RMSNorm),
+    "sequence": nn.Module,  # a norm: any leaf module (SequenceParallelNorm checks)
     "sequence_region": nn.Module,
+    "sequence_enter": nn.Module,
+    "sequence_exit": nn.Module,
+    "sequence_gather": nn.Module,
     "attention": nn.MultiheadAttention,
 }
 
@@ -175,9 +212,11 @@ def _rewrite(
 ) -> nn.Module:
     kind = _kind(style)
     if kind == "colwise":
+        gathered = style.input == "gathered"
         return ColumnParallelLinear.from_dense(module, group, pieces=style.pieces,
                                                gather_output=style.gather_output,
-                                               sequence_parallel=sp, replicas=style.replicas,
+                                               sequence_parallel=sp and not gathered,
+                                               input_gathered=gathered, replicas=style.replicas,
                                                share=shares.get(style.replicas))  # fmt: skip
     if kind == "rowwise":
         return RowParallelLinear.from_dense(module, group, sequence_parallel=sp,
@@ -189,7 +228,7 @@ def _rewrite(
     if kind in ("sequence", "attention"):
         wrap = SequenceParallelNorm if kind == "sequence" else ParallelMultiheadAttention.from_dense
         return wrap(module, group)
-    return _sequence_region(module, group)
+    return _sequence_hooks(module, group, kind)
 
 
 def tensor_parallel(
