@@ -20,7 +20,7 @@ import shardline as sl
 from shardline import checkpoint
 from shardline.comm import ProcessGroup
 from shardline.examples.train import Config, TinyGPT, as_sequential, lm_loss
-from shardline.parallel.tensor import ColumnParallelLinear
+from shardline.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding
 from tests._ranks import run_ranks
 
 TIMEOUT = 120
@@ -293,7 +293,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipelines_with_tensor_parallel_stages_train_as_one_process(layout: str) -> None:
     """pp x tp and dp x pp x tp (DDP, ZeRO-1, ZeRO-3 on dp): the pipeline splits the model,
-    tensor parallelism splits each stage's blocks. Three clipped AdamW steps: losses, norms
+    tensor parallelism splits each stage's blocks, and the embedding and the head tied to it
+    (on the first and last stages) by vocabulary. Three clipped AdamW steps: losses, norms
     (summed over every axis, each element once) and the full state dict equal one process's
     on the whole batch."""
     axes, strategy = LAYOUTS[layout]
@@ -302,7 +303,12 @@ def test_pipelines_with_tensor_parallel_stages_train_as_one_process(layout: str)
     names = dict(zip(as_sequential(_gpt()).state_dict(), _gpt().state_dict(), strict=True))
 
     def body(g: ProcessGroup) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-        _, stage, _, losses, norms = _mesh_pipeline(g, axes, strategy, 3)
+        mesh, stage, _, losses, norms = _mesh_pipeline(g, axes, strategy, 3)
+        if "tp" in axes:  # the tied embedding and head split by vocabulary, stage by stage
+            kinds = {type(m) for m in stage.modules()}
+            first = mesh.local_rank("pp") == 0
+            assert (VocabParallelEmbedding in kinds) == first
+            assert ColumnParallelLinear in kinds
         return losses, norms, stage.state_dict()
 
     world = 1

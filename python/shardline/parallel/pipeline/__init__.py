@@ -33,8 +33,9 @@ from shardline.parallel.pipeline.trace import rank_stages, strip, trace_split
 from shardline.parallel.pipeline.zero import ZERO_STAGES
 from shardline.parallel.placement import placements_of
 from shardline.parallel.precision import MixedPrecision
-from shardline.parallel.tensor.auto import auto_plan
+from shardline.parallel.tensor.auto import auto_plan, tied_heads
 from shardline.parallel.tensor.plan import tensor_parallel
+from shardline.parallel.tensor.styles import Colwise
 
 __all__ = ["SCHEDULES", "Action", "PipelineModule", "build", "pipeline"]
 
@@ -196,9 +197,16 @@ def pipeline(
 def _whole_plan(
     model: nn.Module, tp: ProcessGroup, plan: str | Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The tensor-parallel plan of the whole (uncut) model, by its names."""
+    """The tensor-parallel plan of the whole (uncut) model, by its names.
+
+    ``"auto"`` also splits an embedding tied to the output head by vocabulary (the head's
+    logits gathered: the pipeline's ``loss_fn`` sees them whole).
+    """
     if plan == "auto":
-        return auto_plan(model, tp.world_size, sequence_parallel=False)
+        chosen = auto_plan(model, tp.world_size, sequence_parallel=False)
+        for emb, head in tied_heads(model):
+            chosen |= {emb: "vocab", head: Colwise(gather_output=True)}
+        return chosen
     if isinstance(plan, str):
         raise InvalidArgumentError(f"pipeline: tp_plan={plan!r}; use 'auto' or a dict")
     return dict(plan)
