@@ -9,7 +9,6 @@ process and into other layouts bit for bit, optimizer state included.
 from __future__ import annotations
 
 import copy
-import functools
 from pathlib import Path
 
 import pytest
@@ -19,29 +18,13 @@ from torch import nn
 import shardline as sl
 from shardline import checkpoint
 from shardline.comm import ProcessGroup
-from shardline.examples.train import Config, TinyGPT, as_sequential, lm_loss
+from shardline.examples.train import TinyGPT, as_sequential, lm_loss
 from shardline.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding
 from tests._ranks import run_ranks
+from tests.test_tensor_parallel import _batches, _gpt, _pristine_llama
 
 TIMEOUT = 120
 CLIP = 0.5  # below the norms these steps see, so clipping changes every step
-
-
-@functools.cache
-def _pristine_gpt() -> TinyGPT:
-    torch.manual_seed(0)
-    return TinyGPT(Config(d_model=32, num_heads=4, num_layers=2, seq_len=16))
-
-
-def _gpt() -> TinyGPT:
-    """A fresh copy of one model (ranks are threads: no seeding in them)."""
-    return copy.deepcopy(_pristine_gpt())
-
-
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    rows = [torch.randint(0, 256, (4, 17), generator=gen) for _ in range(3)]
-    return [(r[:, :-1], r[:, 1:]) for r in rows]
 
 
 def _adamw(params: object) -> torch.optim.Optimizer:
@@ -190,7 +173,6 @@ def test_a_llama_with_replicated_kv_heads_under_zero2_by_tp_trains_as_one_proces
     (``Colwise(replicas=2)``), at zero2 dp2 x tp2: three clipped AdamW steps give one
     process's losses and parameters (the replicated heads' gradients are counted once in
     the norm)."""
-    from tests.test_tensor_parallel import _pristine_llama
 
     def run(model: nn.Module, mesh: sl.DeviceMesh | None) -> tuple[list[float], nn.Module]:
         opt: torch.optim.Optimizer | None = _adamw(model.parameters())

@@ -502,3 +502,28 @@ def test_hf_models_with_sequence_parallelism_train_as_one_process(t: int, arch: 
         for key, value in want.items():
             torch.testing.assert_close(state[key], value, msg=key)
         assert "sequence_enter" in plan and "sequence_gather" in plan
+
+
+def test_layers_sharing_an_input_reduce_its_gradient_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a Llama layer q, k and v share the attention's input, gate and up the MLP's: each
+    input's gradient is all-reduced once (two per layer, and one for the embedding), not
+    once per column-parallel layer (five per layer), as DTensor's per-module plans do."""
+    _pristine_llama(4)  # built once, before the ranks (threads) copy it
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    counts: dict[int, int] = {}
+    original = ProcessGroup.all_reduce
+
+    def counting(self: ProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        counts[self.rank] = counts.get(self.rank, 0) + 1
+        return original(self, *args, **kwargs)
+
+    def body(g: ProcessGroup) -> int:
+        model = sl.tensor_parallel(copy.deepcopy(_pristine_llama(4)), g)
+        loss = model(input_ids=ids, labels=ids).loss
+        g.barrier()
+        before = counts.get(g.rank, 0)
+        loss.backward()
+        return counts[g.rank] - before
+
+    monkeypatch.setattr(ProcessGroup, "all_reduce", counting)
+    assert run_ranks(2, body, timeout=TIMEOUT) == [2 * 2 + 1] * 2

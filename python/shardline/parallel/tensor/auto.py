@@ -90,16 +90,17 @@ def _llama_layers(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str
                     f"heads; tp={t} must divide the heads, and divide or be a multiple of the "
                     "key/value heads"
                 )
-            # With sequence parallelism the attention gathers the sequence at its input.
-            col = Colwise(input="gathered" if sequence_parallel else None)
-            kv_style = Colwise(replicas=replicas, input=col.input)
-            plan |= {f"{p}q_proj": col, f"{p}k_proj": kv_style,
-                     f"{p}v_proj": kv_style, f"{p}o_proj": Rowwise()}  # fmt: skip
+            # q, k and v share the attention's input: it enters the region once there (with
+            # sequence parallelism, gathered there), its gradient reduced once, not thrice.
+            col = Colwise(input="shared")
+            kv_style = Colwise(replicas=replicas, input="shared")
+            plan |= {f"{p}q_proj": col, f"{p}k_proj": kv_style, f"{p}v_proj": kv_style,
+                     f"{p}o_proj": Rowwise(), name: "shared_input"}  # fmt: skip
         mlp = [getattr(m, a, None) for a in ("gate_proj", "up_proj", "down_proj")]
         if all(isinstance(x, nn.Linear) for x in mlp):
-            col = Colwise(input="gathered" if sequence_parallel else None)
+            col = Colwise(input="shared")  # gate and up share the MLP's input: as above
             plan |= {f"{p}gate_proj": col, f"{p}up_proj": col,
-                     f"{p}down_proj": Rowwise()}  # fmt: skip
+                     f"{p}down_proj": Rowwise(), name: "shared_input"}  # fmt: skip
     if plan and sequence_parallel:
         plan |= _sequence_layers(
             model, ("input_layernorm", "post_attention_layernorm"), ("self_attn", "mlp")
@@ -158,11 +159,11 @@ def _gpt2_blocks(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str,
                     f"{getattr(m, 'is_cross_attention', False)}); tp={t} must divide the heads "
                     "of a self-attention"
                 )
-            seq = "gathered" if sequence_parallel else None  # the block gathered the sequence
+            seq = "shared" if sequence_parallel else None  # the block gathered the sequence
             plan |= {f"{p}c_attn": Colwise(pieces=3, input=seq),
                      f"{p}c_proj": Rowwise()}  # fmt: skip
         elif is_conv1d(c_fc) and is_conv1d(c_proj):
-            seq = "gathered" if sequence_parallel else None
+            seq = "shared" if sequence_parallel else None
             plan |= {f"{p}c_fc": Colwise(input=seq), f"{p}c_proj": Rowwise()}
     if plan and sequence_parallel:
         plan |= _sequence_layers(model, ("ln_1", "ln_2"), ("attn", "mlp"))

@@ -205,9 +205,9 @@ class ColumnParallelLinear(_ParallelLinear):
             are summed over ``share``, the group of those ranks.
         gather_output: Return the whole output (all-gathered) instead of this rank's part.
         sequence_parallel: The input is split along dim 1 (the sequence): gathered here.
-        input_gathered: The input was gathered along the sequence before this layer, by a
-            ``gather_seq`` whose backward sums the input's gradient over the ranks (the
-            module around it, under sequence parallelism): taken as it is.
+        input_shared: The module around this layer brought its input into the region (a
+            ``copy_to``, or under sequence parallelism a ``gather_seq``), whose backward
+            reduces the input's gradient once for every layer sharing it: taken as it is.
     """
 
     def __init__(
@@ -223,7 +223,7 @@ class ColumnParallelLinear(_ParallelLinear):
         transposed: bool = False,
         replicas: int = 1,
         share: ProcessGroup | None = None,
-        input_gathered: bool = False,
+        input_shared: bool = False,
         device: Any = None,
         dtype: Any = None,
     ) -> None:
@@ -243,7 +243,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.group, self.in_features, self.out_features = group, in_features, out_features
         self.pieces, self.gather_output = pieces, gather_output
         self.sequence_parallel, self.transposed = sequence_parallel, transposed
-        self.replicas, self.share, self.input_gathered = replicas, share, input_gathered
+        self.replicas, self.share, self.input_shared = replicas, share, input_shared
         local = out_features // (t // replicas)
         shape = (in_features, local) if transposed else (local, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -271,7 +271,7 @@ class ColumnParallelLinear(_ParallelLinear):
         """This rank's output features (all of them with ``gather_output``)."""
         if self.sequence_parallel:
             x = gather_seq(x, self.group)
-        elif not self.input_gathered:
+        elif not self.input_shared:
             x = copy_to(x, self.group)
         w = self._canon("weight", self.weight)
         b: torch.Tensor | None = self.bias

@@ -18,8 +18,11 @@ A plan maps module names to styles:
   chain of blocks) takes it split along the sequence and gives it back whole;
   ``"sequence_enter"`` / ``"sequence_exit"`` do each half (on the first and the last of
   blocks a model calls in a loop), and ``"sequence_gather"`` gathers a module's input
-  (attention or an MLP whose code wants the whole sequence; ``Colwise(input="gathered")``
+  (attention or an MLP whose code wants the whole sequence; ``Colwise(input="shared")``
   inside it);
+- ``"shared_input"``: a module whose column layers share one input (q, k and v; gate and
+  up) brings it into the region once: one all-reduce of its gradient instead of one per
+  layer (``Colwise(input="shared")`` inside it);
 - ``"attention"``: an ``nn.MultiheadAttention`` becomes a ``ParallelMultiheadAttention``
   (its heads split).
 
@@ -54,7 +57,7 @@ from shardline.parallel.tensor.layers import (
     is_conv1d,
 )
 from shardline.parallel.tensor.loss import causal_lm_loss, vocab_parallel_loss
-from shardline.parallel.tensor.regions import gather_from, gather_seq, split_to
+from shardline.parallel.tensor.regions import copy_to, gather_from, gather_seq, split_to
 from shardline.parallel.tensor.styles import Colwise, Rowwise
 
 __all__ = ["Colwise", "Rowwise", "tensor_parallel"]
@@ -94,6 +97,9 @@ def _sequence_hooks(module: nn.Module, group: ProcessGroup, kind: str) -> nn.Mod
     if kind == "sequence_gather":  # the whole sequence in; backward reduce-scatters
         module.register_forward_pre_hook(_on_input(lambda x: gather_seq(x, group, dim=1)),
                                          with_kwargs=True)  # fmt: skip
+    if kind == "shared_input":  # whole in; backward all-reduces once for every layer inside
+        module.register_forward_pre_hook(_on_input(lambda x: copy_to(x, group)),
+                                         with_kwargs=True)  # fmt: skip
     return module
 
 
@@ -106,6 +112,7 @@ _STYLES: dict[str, Any] = {
     "sequence_enter": "sequence_enter",
     "sequence_exit": "sequence_exit",
     "sequence_gather": "sequence_gather",
+    "shared_input": "shared_input",
     "attention": "attention",
 }
 
@@ -143,6 +150,7 @@ _NEEDS: dict[str, type | tuple[type, ...]] = {
     "sequence_enter": nn.Module,
     "sequence_exit": nn.Module,
     "sequence_gather": nn.Module,
+    "shared_input": nn.Module,
     "attention": nn.MultiheadAttention,
 }
 
@@ -212,11 +220,11 @@ def _rewrite(
 ) -> nn.Module:
     kind = _kind(style)
     if kind == "colwise":
-        gathered = style.input == "gathered"
+        shared = style.input == "shared"
         return ColumnParallelLinear.from_dense(module, group, pieces=style.pieces,
                                                gather_output=style.gather_output,
-                                               sequence_parallel=sp and not gathered,
-                                               input_gathered=gathered, replicas=style.replicas,
+                                               sequence_parallel=sp and not shared,
+                                               input_shared=shared, replicas=style.replicas,
                                                share=shares.get(style.replicas))  # fmt: skip
     if kind == "rowwise":
         return RowParallelLinear.from_dense(module, group, sequence_parallel=sp,

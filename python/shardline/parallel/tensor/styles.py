@@ -15,8 +15,9 @@ class Colwise:
     gather_output: bool = False
     replicas: int = 1  # consecutive ranks holding the same slice (key/value heads < tp)
     # How its input arrives: None as tensor_parallel's sequence_parallel says (whole, or
-    # split along the sequence and gathered here); "gathered": the module around it gathered
-    # the sequence already (its "sequence_gather" hook sums the input's gradient).
+    # split along the sequence and gathered here); "shared": the module around it brought the
+    # input into the region once for the column layers sharing it, and reduces its gradient
+    # once (its "shared_input" or "sequence_gather" hook).
     input: str | None = None
 
 
