@@ -370,7 +370,10 @@ def _estimate(
     layout = strategies.strategy(name).planned_as
     if unit_mb is None:
         first = next(model.parameters(), None)
-        unit_mb = default_unit_mb(first.device if first is not None else torch.device("cpu"))
+        unit_mb = default_unit_mb(
+            first.device if first is not None else torch.device("cpu"),
+            sum(p.nbytes for p in model.parameters()),
+        )
     plan = plan_units(model, int(unit_mb * 2**20))
     n = world_size
     named = dict(model.named_parameters())

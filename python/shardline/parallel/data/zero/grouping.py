@@ -47,9 +47,23 @@ DEFAULT_UNIT_MB = 1.0
 CUDA_UNIT_MB = 32.0
 
 
-def default_unit_mb(device: torch.device) -> float:
-    """The unit threshold used when none is given: 1 MiB on CPU, 32 MiB on CUDA."""
-    return CUDA_UNIT_MB if device.type == "cuda" else DEFAULT_UNIT_MB
+# A small model on a GPU still gets this many units at least: with 32 MiB units a 76 MiB model
+# was three units, and holding two of them gathered peaked 7.6 % above FSDP2's per-block
+# wrapping (tests/gpu/test_zero_cuda.py).
+MIN_CUDA_UNITS = 8
+
+
+def default_unit_mb(device: torch.device, model_bytes: int | None = None) -> float:
+    """The unit threshold used when none is given.
+
+    1 MiB on CPU; on CUDA 32 MiB, or less for a model under 256 MiB, so that it still has
+    about ``MIN_CUDA_UNITS`` units (and never less than 1 MiB).
+    """
+    if device.type != "cuda":
+        return DEFAULT_UNIT_MB
+    if model_bytes is None:
+        return CUDA_UNIT_MB
+    return max(DEFAULT_UNIT_MB, min(CUDA_UNIT_MB, model_bytes / MIN_CUDA_UNITS / 2**20))
 
 
 @dataclass(frozen=True)

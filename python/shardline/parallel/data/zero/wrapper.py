@@ -87,7 +87,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         stage: 1, 2 or 3.
         group: The ranks to shard across; the default group when ``None``.
         unit_mb: Merge small layers into units of at least this many MiB; ``None``: 1 MiB on
-            CPU, 32 MiB on CUDA (``grouping.default_unit_mb``).
+            CPU, 32 MiB on CUDA, less for a model under 256 MiB (``grouping.default_unit_mb``).
         prefetch: Units to all-gather ahead of the one in use (stage 3).
         mixed_precision: Compute and reduce dtypes, fp32 master weights.
         init_sync: Broadcast rank 0's parameters and buffers first.
@@ -171,7 +171,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         self._whole_reasons: dict[str, str] = {}  # optimizer class -> why it needs whole ones
         self._checked_optimizers = weakref.WeakSet()
         if unit_mb is None:
-            unit_mb = default_unit_mb(self._device)
+            unit_mb = default_unit_mb(self._device, sum(p.nbytes for _, p in named))
         self._install(plan_units(module, int(unit_mb * _MIB)), [])
         pre_forward = weak_method(self, "_pre_forward")
         post_forward = weak_method(self, "_post_forward")
