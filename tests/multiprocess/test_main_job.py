@@ -40,7 +40,7 @@ def test_the_main_job_trains_as_a_pipeline_and_matches_one_process(
 ) -> None:
     env = {**os.environ, "PYTHONPATH": PYTHONPATH, "SHARDLINE_TIMEOUT": "60"}
     cmd = [sys.executable, "-m", "shardline", "run", "--nproc-per-node", str(nproc), "-m",
-           "shardline.examples.train", *args, "--steps", "20"]  # fmt: skip
+           "shardline.examples.train", *args, "--steps", "10"]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
     text = f"rc={done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     assert done.returncode == 0, text

@@ -7,7 +7,6 @@
   averaged with (ZeRO: sharded over) the same slice of the others. ``clip_grad_norm_`` of
   the result sums over both axes, each element once; checkpoints place ZeRO's flat parts of
   a slice in the dense tensor (``parallel.placement``).
-
 - HSDP: ``{"dp_replicate": "ddp", "dp_shard": "zero3"}`` (``tp`` may join them): ZeRO over
   ``dp_shard``, its shards' gradients averaged over the replicas on ``dp_replicate``.
 - ``{"dp": ..., "pp": schedule, "tp": plan}`` (3-D, any axis may be left out): the pipeline
@@ -155,12 +154,14 @@ def _layers(
     dp: str | None,
     options: dict[str, Any],
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Tensor parallelism on ``tp`` (if named), then DDP or ZeRO on ``dp``.
+
+    HSDP: ZeRO on ``dp_shard``, its gradient parts averaged over ``dp_replicate``.
+    """
     from shardline.parallel import strategies  # noqa: PLC0415
     from shardline.parallel.data.zero.optimizers import check_optimizer  # noqa: PLC0415
     from shardline.parallel.tensor import tensor_parallel  # noqa: PLC0415
 
-    """Tensor parallelism on ``tp`` (if named), then DDP or ZeRO on ``dp`` (HSDP: ZeRO on
-    ``dp_shard``, replicas on ``dp_replicate``)."""
     before = _names_of(model, optimizer) if "tp" in strategy else {}
     groups = optimizer.param_groups if optimizer is not None else []
     sp = bool(options.pop("sequence_parallel", False))

@@ -125,8 +125,8 @@ class Placement:
             block = _Block(piece.offsets, tuple(t.shape), tuple(t.stride()),
                            int(t.storage_offset() - local.storage_offset()))  # fmt: skip
             dims = [(block.sizes[d], block.strides[d]) for d in block.order()]
-            for k, (_n, s) in enumerate(dims):  # memory order must be lexicographic order
-                if s <= sum((m - 1) * u for m, u in dims[k + 1 :]) and _n > 1:
+            for k, (n, s) in enumerate(dims):  # memory order must be lexicographic order
+                if n > 1 and s <= sum((m - 1) * u for m, u in dims[k + 1 :]):
                     raise InvalidArgumentError(f"{name!r}: a layout piece overlaps itself")
             blocks.append(block)
         return cls(layout.global_shape, blocks, tuple(local.shape))

@@ -47,7 +47,11 @@ class ShardedStateDicts(GatherReduceSchedule):
         try:
             for p, value in full.items():
                 p.data = value
-            return self.module.state_dict(*args, **kwargs)
+            out = self.module.state_dict(*args, **kwargs)
+            # keep_vars=True would hand out the parameters, whose data is put back below.
+            return type(out)(
+                (k, v.detach() if isinstance(v, nn.Parameter) else v) for k, v in out.items()
+            )
         finally:
             for p, data in shown.items():
                 p.data = data
