@@ -170,6 +170,36 @@ def test_a_model_of_two_inputs_trains_as_one_process(schedule: str) -> None:
             torch.testing.assert_close(full[key], value, msg=key)
 
 
+def test_a_model_traced_on_keyword_inputs_takes_them_by_name() -> None:
+    """example= a dict ({"x": ..., "keep": ...}, as a Hugging Face model takes input_ids and
+    attention_mask): the model is traced on keyword inputs, step() takes a dict with those
+    keys, and training equals one process; inputs under other keys are refused by name."""
+
+    def fresh() -> MaskedLM:
+        with _RNG:
+            torch.manual_seed(0)
+            return MaskedLM()
+
+    want = one_process(fresh(), masked)
+
+    def by_name(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        (x, keep), y = masked(step)
+        return {"keep": keep, "x": x}, y  # not the example's order: matched by name
+
+    def body(g: ProcessGroup) -> dict[str, torch.Tensor]:
+        (x, keep), _ = masked(0)
+        pipe = sl.pipeline(fresh(), g, schedule="1f1b", microbatches=M, loss_fn=lm_loss,
+                           split=["blocks.2"], example={"x": x[:2], "keep": keep[:2]})  # fmt: skip
+        run_steps(pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2), by_name)
+        with pytest.raises(sl.InvalidArgumentError, match=r"keys \['mask', 'x'\]"):
+            pipe.step({"x": x, "mask": keep}, target=masked(0)[1])
+        return pipe.state_dict()
+
+    for full in run_ranks(2, body, timeout=120):
+        for key, value in want.items():
+            torch.testing.assert_close(full[key], value, msg=key)
+
+
 class ReusingLM(TinyLM):
     """Block 0 runs twice, in stages 0 and 2, and the buffer ``scale`` is read in both: with
     two stages per rank both copies land on rank 0 and must be one tensor there."""

@@ -101,8 +101,10 @@ def pipeline(
             the nccl backend, else the CPU.
         example: One micro-batch of the model's input. For an ``nn.Sequential`` it is
             optional: ``split="auto"`` then balances the stages by FLOPs on it. Any other
-            model needs it (a tensor, or a tuple of the positional inputs, such as ids and a
-            mask) to be traced (``pipeline.trace``, torch's splitter); ``split`` then names
+            model needs it (a tensor, a tuple of the positional inputs, such as ids and a
+            mask, or a dict of keyword inputs, such as ``{"input_ids": ..., "attention_mask":
+            ...}``, after which ``step`` takes such a dict) to be traced (``pipeline.trace``,
+            torch's splitter); ``split`` then names
             the submodules that start stages 1, 2, ...; several tensors may cross a cut, and
             inputs that later stages read are carried to them.
         mixed_precision: ``sl.MixedPrecision(param_dtype=torch.bfloat16)`` runs every stage's
@@ -240,7 +242,7 @@ def _traced(
         materialize([(f"stage {s}", st.graph_module) for s, st in mine.items()], where, init_fn)
         for stage in mine.values():
             stage.adopt()  # the graph module's tensors, materialised
-    return PipelineModule(
+    module = PipelineModule(
         traced.parts,
         children,
         g,
@@ -251,6 +253,9 @@ def _traced(
         stage_modules=dict(mine),
         **options,
     )
+    if isinstance(example, dict):  # keyword inputs: step() takes a dict with these keys
+        module.input_names = list(example)
+    return module
 
 
 def _default_device(group: ProcessGroup) -> torch.device:

@@ -38,6 +38,7 @@ from shardline.parallel.pipeline.state import (
     sum_tied_grads,
     sync_copies,
 )
+from shardline.parallel.pipeline.trace import positional
 from shardline.parallel.pipeline.zero import ZERO_STAGES, StageShards
 from shardline.parallel.placement import Placement
 from shardline.parallel.precision import MixedPrecision
@@ -473,6 +474,8 @@ class PipelineModule(PipelineState):
         return list(value.chunk(m))
 
     def _guarded(self, actions: list[list[Action]], train: bool, inputs: Any, target: Any) -> _Step:
+        # Keyword inputs are checked on every rank given them, before any message.
+        inputs = positional(inputs, self.input_names)
         # A rank that fails mid-step aborts the pipeline's communicators, so the ranks
         # waiting for its messages raise at once (with its reason) instead of timing out.
         try:

@@ -49,6 +49,7 @@ class PipelineState(ModelParallel, nn.Module):
     schedule: str
     stages: list[int]
     microbatches: int
+    input_names: list[str] | None = None  # a model traced on keyword inputs: their names
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients to the whole model's gradient norm; returns that norm.

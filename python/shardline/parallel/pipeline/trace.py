@@ -38,7 +38,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel.pipeline import boundary
 from shardline.parallel.pipeline.state import Tied
 
-__all__ = ["TracedSplit", "rank_stages", "strip", "trace_split"]
+__all__ = ["TracedSplit", "positional", "rank_stages", "strip", "trace_split"]
 
 # torch.export keeps global state while it traces: ranks that are threads of one process
 # (tests, notebooks) trace one at a time.
@@ -216,11 +216,16 @@ def trace_split(
                 f"split point {name!r} is not a submodule of {type(model).__name__}; some of its "
                 f"submodules: {some}"
             )
-    args = example if isinstance(example, tuple) else (example,)
-    if not all(torch.is_tensor(a) for a in args):
-        raise InvalidArgumentError("pipeline: example= must be a tensor (or a tuple of tensors)")
+    kwargs = dict(example) if isinstance(example, dict) else {}
+    args = () if kwargs else example if isinstance(example, tuple) else (example,)
+    if not all(torch.is_tensor(a) for a in (*args, *kwargs.values())):
+        raise InvalidArgumentError(
+            "pipeline: example= must be a tensor, a tuple of tensors (positional inputs) or a "
+            "dict of tensors (keyword inputs, such as input_ids and attention_mask)"
+        )
     with _TRACING:
-        pipe = pipeline(model, mb_args=args, split_spec=dict.fromkeys(starts, SplitPoint.BEGINNING))
+        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
+                        split_spec=dict.fromkeys(starts, SplitPoint.BEGINNING))  # fmt: skip
     if pipe.num_stages != stages:
         raise InvalidArgumentError(
             f"split={list(starts)} gave {pipe.num_stages} stages after tracing, not {stages}: "
@@ -302,3 +307,19 @@ def strip(model: nn.Module) -> None:
         del model._modules[name]
     model._parameters.clear()
     model._buffers.clear()
+
+
+def positional(inputs: Any, names: Sequence[str] | None) -> Any:
+    """A traced model's keyword inputs (a dict) as the tuple its stages take.
+
+    In ``names``' order (the example's); anything else is returned as it is.
+    """
+    if not isinstance(inputs, dict):
+        return inputs
+    if names is None or set(inputs) != set(names):
+        raise InvalidArgumentError(
+            f"pipeline: inputs with keys {sorted(inputs)}, but the model was traced on "
+            + (f"keyword inputs {list(names)}" if names else "positional inputs (example=)")
+            + "; pass the same inputs as example="
+        )
+    return tuple(inputs[n] for n in names)
