@@ -66,9 +66,15 @@ __all__ = ["Colwise", "Rowwise", "tensor_parallel"]
 def _on_input(fn: Any) -> Any:
     """A forward pre-hook applying ``fn`` to the module's first input (or ``hidden_states``)."""
 
-    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if args:
             return (fn(args[0]), *args[1:]), kwargs
+        if "hidden_states" not in kwargs:
+            raise InvalidArgumentError(
+                f"tensor_parallel: {type(module).__name__} was called with neither a positional "
+                "input nor hidden_states=, so its plan's hook finds no input to bring into the "
+                "region; pass the input positionally"
+            )
         return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
 
     return hook
