@@ -9,6 +9,7 @@ process and into other layouts bit for bit, optimizer state included.
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from shardline.comm import ProcessGroup
 from shardline.examples.train import TinyGPT, as_sequential, lm_loss
 from shardline.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding
 from tests._ranks import run_ranks
-from tests.test_tensor_parallel import _batches, _gpt, _pristine_llama
+from tests.test_tensor_parallel import _batches, _gpt, _pristine_llama, check_resumed
 
 TIMEOUT = 120
 CLIP = 0.5  # below the norms these steps see, so clipping changes every step
@@ -122,12 +123,7 @@ def test_zero3_by_tp_checkpoints_load_into_one_process_and_into_tp4(tmp_path: Pa
         opt.step()
         return float(loss.detach())
 
-    def check(state: dict[str, torch.Tensor], loss: float, after: dict[str, torch.Tensor]) -> None:
-        for key, value in saved.items():
-            assert torch.equal(state[key], value), key
-        assert loss == pytest.approx(want_loss, rel=1e-5)
-        for key, value in want_after.items():
-            torch.testing.assert_close(after[key], value, msg=key)
+    check = functools.partial(check_resumed, saved, want_loss, want_after)
 
     plain = _gpt()
     opt = _adamw(plain.parameters())

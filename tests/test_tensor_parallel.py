@@ -255,6 +255,23 @@ def test_plans_that_cannot_work_are_refused_before_any_change() -> None:
         attempt({"blocks.0.qkv": Colwise(pieces=3)}, t=5)
 
 
+def check_resumed(
+    saved: dict[str, torch.Tensor],
+    want_loss: float,
+    want_after: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor],
+    loss: float,
+    after: dict[str, torch.Tensor],
+) -> None:
+    """A layout that loaded a checkpoint holds the saved tensors bit for bit, and its next
+    step gives the saving run's loss and parameters."""
+    for key, value in saved.items():
+        assert torch.equal(state[key], value), key
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    for key, value in want_after.items():
+        torch.testing.assert_close(after[key], value, msg=key)
+
+
 def test_checkpoints_reshard_between_tp_layouts_and_one_process(tmp_path: Path) -> None:
     """Saved at tp=2 (model and AdamW state) after two steps: loaded into one process and at
     tp=4, the model is the saved one bit for bit, and the third step gives the loss and
@@ -274,12 +291,7 @@ def test_checkpoints_reshard_between_tp_layouts_and_one_process(tmp_path: Path) 
 
     saved, want_loss, want_after = run_ranks(2, saver, timeout=TIMEOUT)[0]
 
-    def check(state: dict[str, torch.Tensor], loss: float, after: dict[str, torch.Tensor]) -> None:
-        for key, value in saved.items():
-            assert torch.equal(state[key], value), key
-        assert loss == pytest.approx(want_loss, rel=1e-5)
-        for key, value in want_after.items():
-            torch.testing.assert_close(after[key], value, msg=key)
+    check = functools.partial(check_resumed, saved, want_loss, want_after)
 
     plain = _gpt()
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=1e-4)
