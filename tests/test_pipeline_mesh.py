@@ -126,6 +126,9 @@ def test_compositions_that_cannot_work_say_so() -> None:
             sl.distribute(make_model(), mesh=mesh, strategy={"dp": "zero4", "pp": "1f1b"})
         with pytest.raises(InvalidArgumentError, match=r"axes \['dp', 'pp'\] .* must be"):
             sl.distribute(make_model(), mesh=mesh, strategy={"tp": "auto", "pp": "1f1b"})
+        with pytest.raises(InvalidArgumentError, match="sequence_parallel needs a 'tp' axis"):
+            sl.distribute(make_model(), mesh=mesh, strategy={"dp": "ddp", "pp": "1f1b"},
+                          sequence_parallel=True)  # fmt: skip
         cube = sl.DeviceMesh({"pp": 1, "tp": 2}, group=g)
         with pytest.raises(InvalidArgumentError, match="sequence parallelism inside pipeline"):
             sl.distribute(make_model(), mesh=cube, strategy={"tp": "auto", "pp": "1f1b"},

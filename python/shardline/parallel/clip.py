@@ -7,6 +7,8 @@ clips over the group it is split over, each element counted once.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -14,6 +16,12 @@ from shardline.comm.group import ProcessGroup
 from shardline.parallel._common import clip_to_global_norm_, copies_over
 
 __all__ = ["clip_grad_norm_"]
+
+# How many tp ranks hold each parameter's elements (a collective to measure; fixed once the
+# model is split), per model.
+_COPIES: weakref.WeakKeyDictionary[nn.Module, tuple[ProcessGroup, dict[str, int]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @torch.no_grad()
@@ -35,7 +43,8 @@ def clip_grad_norm_(
         max_norm: The largest norm the gradients keep.
         norm_type: The p of the p-norm (``float("inf")`` for the largest magnitude).
         group: For a plain module split by tensor parallelism, its tensor-parallel group
-            (a collective over it); ``None`` for a module every rank holds whole.
+            (a collective over it; which ranks hold what is measured on the first call);
+            ``None`` for a module every rank holds whole.
     """
     own = getattr(model, "clip_grad_norm_", None)
     if callable(own):
@@ -44,7 +53,11 @@ def clip_grad_norm_(
         return nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
     grads = [g for _, g in named]
-    copies = copies_over(group, model)
+    known = _COPIES.get(model)
+    if known is None or known[0] is not group:  # measured once per model and group
+        known = (group, copies_over(group, model))
+        _COPIES[model] = known
+    copies = known[1]
     device = grads[0].device if grads else None
     return clip_to_global_norm_(
         grads, grads, group, max_norm, norm_type, device, copies=[copies[n] for n, _ in named]

@@ -74,6 +74,8 @@ def compose(
             + ("'zero1', 'zero2' or 'zero3' ('fsdp')" if hsdp else
                "'ddp', 'zero1', 'zero2' or 'zero3' ('fsdp')")
         )  # fmt: skip
+    if options.get("sequence_parallel") and "tp" not in strategy:
+        raise InvalidArgumentError("distribute(): sequence_parallel needs a 'tp' axis")
     if "tp" in strategy and "pp" in strategy and options.get("sequence_parallel"):
         raise InvalidArgumentError(
             f"distribute(strategy={strategy}): sequence parallelism inside pipeline stages is "
@@ -100,7 +102,7 @@ def _pipeline(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     from shardline.parallel.pipeline import pipeline  # noqa: PLC0415
 
-    options.pop("sequence_parallel", None)  # refused above when on
+    options.pop("sequence_parallel", None)  # off here: refused above when on
     tp = "tp" in strategy
     before = _names_of(model, optimizer) if tp else {}
     stage = pipeline(
@@ -164,9 +166,7 @@ def _layers(
 
     before = _names_of(model, optimizer) if "tp" in strategy else {}
     groups = optimizer.param_groups if optimizer is not None else []
-    sp = bool(options.pop("sequence_parallel", False))
-    if sp and "tp" not in strategy:
-        raise InvalidArgumentError("distribute(): sequence_parallel needs a 'tp' axis")
+    sp = bool(options.pop("sequence_parallel", False))  # checked against the axes above
     if dp is None and options:
         raise InvalidArgumentError(
             f"distribute(): {sorted(options)} are data parallelism's options; with no 'dp' "

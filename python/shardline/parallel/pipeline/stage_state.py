@@ -197,7 +197,7 @@ class PipelineState(ModelParallel, nn.Module):
         """
         mine = {n for n, _ in self.named_parameters()}
         local = {first: n for n, first in self._canonical().items() if n in mine}
-        state = {local.get(n, n) if n not in mine else n: v for n, v in sd["state"].items()}
+        state = {n if n in mine else local.get(n, n): v for n, v in sd["state"].items()}
         load_optim_by_name(self, optimizer, {**sd, "state": state})
 
     def layout(self) -> dict[str, Any]:

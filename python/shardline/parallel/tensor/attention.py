@@ -171,8 +171,7 @@ class ParallelMultiheadAttention(nn.Module):
         b, n, s = q.shape[0], q.shape[2], k.shape[2]
         mask = self._mask(attn_mask, key_padding_mask, b, n, s, q.dtype)
         if is_causal and mask is None:
-            mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril().logical_not()
-            mask = torch.zeros(n, s, dtype=q.dtype, device=q.device).masked_fill(mask, -torch.inf)
+            mask = torch.full((n, s), -torch.inf, dtype=q.dtype, device=q.device).triu(1)
         p = self.dropout if self.training else 0.0
         weights = None
         if need_weights:

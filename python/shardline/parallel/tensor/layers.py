@@ -454,8 +454,8 @@ class SequenceParallelNorm(nn.Module):
                 f"{type(norm).__name__}"
             )
         self.group = group
-        self.kind = "rms" if isinstance(norm, nn.RMSNorm) else "layer"
         if isinstance(norm, nn.LayerNorm | nn.RMSNorm):
+            self.kind = "rms" if isinstance(norm, nn.RMSNorm) else "layer"
             self.normalized_shape = tuple(norm.normalized_shape)
             self.eps = norm.eps
             self.weight = norm.weight
