@@ -7,7 +7,8 @@ CUDA) and torch's ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` on
 (Gloo on CPU, NCCL on CUDA). Timed blocks of ``--steps`` steps alternate between the two.
 
 Prints step time, tokens/s and their ratio, and our measured bubble (the share of a step a
-rank spends waiting for messages, from the runtime's own timeline, mean over ranks) next to
+rank spends waiting for messages, from the runtime's own timeline, mean over ranks; on GPUs
+the timeline is CUDA events, the device's time) next to
 the theory (the schedule simulated with unit costs, forward 1 and backward 2: (p - 1) /
 (m + p - 1) for GPipe and 1F1B). Zero-bubble ZB-H1 has no torch peer with one stage per rank:
 it alternates with our own 1F1B instead, and its row says how it compares. Writes ``.txt``,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -227,6 +228,35 @@ def test_1f1b_first_stage_holds_at_most_p_microbatches() -> None:
     results = run_ranks(4, lambda g: train(g, "1f1b", 8, 1), timeout=60)
     peaks = [peak for _, _, peak in results]
     assert peaks[0] == {0: 4} and peaks[3] == {3: 1}, peaks
+
+
+class _Slow(nn.Module):
+    """Sleeps in forward: a stage the next one must wait for."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.1)
+        return x
+
+
+def test_last_step_times_every_action_and_counts_waits_as_bubble() -> None:
+    def run(g: ProcessGroup) -> dict[str, Any]:
+        model = nn.Sequential(_Slow(), *make_model())
+        pipe = sl.pipeline(model, g, schedule="gpipe", microbatches=2, loss_fn=loss_fn)
+        x, y = batch(0)
+        pipe.step(x, target=y)
+        return pipe.last_step
+
+    steps = run_ranks(2, run, timeout=60)
+    for rank, got in enumerate(steps):
+        want = [a.kind for a in build("gpipe", 2, 2)[rank]]
+        assert [kind for kind, _, _ in got["timeline"]] == want
+        starts = [start for _, start, _ in got["timeline"]]
+        assert starts == sorted(starts)
+        assert all(0 <= a <= b <= got["seconds"] for _, a, b in got["timeline"])
+        assert 0 < got["busy"] <= got["seconds"]
+    # The second stage waited for each of the first's two slow forwards: not busy then.
+    assert steps[1]["seconds"] - steps[1]["busy"] >= 0.15
+    assert steps[1]["timeline"][0][1] >= 0.05
 
 
 def test_inference_through_the_pipeline() -> None:

@@ -16,9 +16,7 @@ receiver produced.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -28,8 +26,9 @@ from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.pipeline import boundary
 from shardline.parallel.pipeline.actions import Action, stage_rank
-from shardline.parallel.pipeline.boundary import Spec
-from shardline.parallel.pipeline.split_backward import InputPass, input_pass, weight_pass
+from shardline.parallel.pipeline.clock import StepTimes
+from shardline.parallel.pipeline.messages import Key, StageMessages, Step
+from shardline.parallel.pipeline.split_backward import input_pass, weight_pass
 from shardline.parallel.pipeline.stage_state import PipelineState
 from shardline.parallel.pipeline.state import (
     TensorInfo,
@@ -45,46 +44,8 @@ from shardline.parallel.precision import MixedPrecision
 
 __all__ = ["PipelineModule"]
 
-Key = tuple[str, int, int]  # ("meta" | "act" | "grad", stage boundary, micro-batch)
 
-
-@dataclass
-class _Inbox:
-    """Messages from one peer on one communicator: their order, and those taken early."""
-
-    order: list[Key]
-    next: int = 0
-    early: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
-
-
-@dataclass
-class _Step:
-    """What one step keeps between actions."""
-
-    train: bool
-    inputs: list[tuple[torch.Tensor, ...]] | None  # per micro-batch, the model's inputs
-    targets: list[Any] | None
-    inbox: dict[tuple[str, int], _Inbox]
-    shapes: dict[int, list[Spec]] = field(default_factory=dict)  # per boundary (its specs)
-    # (stage, micro-batch) -> (its inputs, None on the first stage; its outputs)
-    saved: dict[tuple[int, int], tuple[list[torch.Tensor] | None, list[torch.Tensor]]] = field(
-        default_factory=dict
-    )
-    grads_out: dict[tuple[int, int], list[torch.Tensor] | None] = field(default_factory=dict)
-    split: dict[tuple[int, int], InputPass] = field(default_factory=dict)
-    local: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
-    loss_sum: torch.Tensor | None = None
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
-    live: dict[int, int] = field(default_factory=dict)
-    peak: dict[int, int] = field(default_factory=dict)
-    waited: float = 0.0  # seconds spent waiting for messages, so far
-    # recompute under an active activation manager: the ids it keeps per (stage, micro-batch)
-    kept: dict[tuple[int, int], tuple[Any, list[str]]] = field(default_factory=dict)
-    timeline: list[tuple[str, float, float]] = field(default_factory=list)
-
-
-class PipelineModule(PipelineState):
+class PipelineModule(StageMessages, PipelineState):
     """This rank's stages of a pipelined model (see ``shardline.pipeline``).
 
     Its children are the model's children this rank holds, under their original names, so
@@ -142,7 +103,8 @@ class PipelineModule(PipelineState):
             )
         self._autocast = mp.param_dtype
         self.peak_activations: dict[int, int] = {}
-        self.last_step: dict[str, Any] = {}
+        self._times: StepTimes | None = None
+        self._last_step: dict[str, Any] | None = None
         for s in self.stages:
             for name in parts[s]:
                 if hasattr(self, name) and name not in self._modules:
@@ -204,109 +166,6 @@ class PipelineModule(PipelineState):
                 self._comms["fwd_wrap"] = group.new_group(ranks)
                 self._comms["bwd_wrap"] = group.new_group(ranks)
 
-    # -- routing -----------------------------------------------------------------------------
-
-    def _route(self, key: Key) -> tuple[str, int, int]:
-        """(communicator, sender, receiver) of message ``key``."""
-        kind, boundary, _ = key
-        p = self._p
-        if kind == "grad":  # for stage `boundary`'s output, from stage boundary + 1
-            src, dst = stage_rank(boundary + 1, p), stage_rank(boundary, p)
-            return ("bwd_wrap" if src == 0 and p > 1 and dst == p - 1 else "bwd"), src, dst
-        src, dst = stage_rank(boundary - 1, p), stage_rank(boundary, p)  # into stage boundary
-        return ("fwd_wrap" if src == p - 1 and dst == 0 and p > 1 else "fwd"), src, dst
-
-    def _sent_by(self, action: Action, first: set[int], train: bool) -> list[Key]:
-        """The messages ``action`` sends, in order.
-
-        ``first`` holds the boundaries whose shape was announced already in this step.
-        """
-        out: list[Key] = []
-        if action.kind == "F" and action.stage < self.num_stages - 1:
-            boundary = action.stage + 1
-            if boundary not in first:
-                first.add(boundary)
-                out.append(("meta", boundary, 0))
-            out.append(("act", boundary, action.mb))
-        if train and action.kind in ("B", "I") and action.stage > 0:
-            out.append(("grad", action.stage - 1, action.mb))
-        return out
-
-    def _inboxes(self, actions: list[list[Action]], train: bool) -> dict[tuple[str, int], _Inbox]:
-        """This step's inboxes: for each (communicator, peer), its messages in send order."""
-        orders = self._orders.get(train) if actions is self._actions else None
-        if orders is None:
-            orders = self._message_orders(actions, train)
-            if actions is self._actions:
-                self._orders[train] = orders
-        return {where: _Inbox(order) for where, order in orders.items()}
-
-    def _message_orders(
-        self, actions: list[list[Action]], train: bool
-    ) -> dict[tuple[str, int], list[Key]]:
-        mine = self._group.rank
-        orders: dict[tuple[str, int], list[Key]] = {}
-        for src, acts in enumerate(actions):
-            first: set[int] = set()
-            for a in acts:
-                for key in self._sent_by(a, first, train):
-                    comm, sender, dst = self._route(key)
-                    assert sender == src
-                    if dst == mine and src != mine:
-                        orders.setdefault((comm, src), []).append(key)
-        return orders
-
-    # -- messages ----------------------------------------------------------------------------
-
-    def _send(self, st: _Step, key: Key, value: list[torch.Tensor] | torch.Tensor) -> None:
-        """Sends a boundary's tensors (one message: ``boundary.pack``) or a meta message."""
-        comm, src, dst = self._route(key)
-        if dst == src:  # a stage of this rank: handed over in memory (shapes are shared)
-            if key[0] != "meta":
-                assert isinstance(value, list)
-                st.local[key] = value
-            return
-        group = self._comms[comm]
-        assert group is not None
-        t = boundary.pack(value) if isinstance(value, list) else value.detach().contiguous()
-        st.sends.append((group.send(t, dst, async_op=True), t))
-
-    def _recv(self, st: _Step, key: Key) -> list[torch.Tensor]:
-        comm, src, dst = self._route(key)
-        if src == dst:
-            return st.local.pop(key)
-        box = st.inbox[(comm, src)]
-        group = self._comms[comm]
-        assert group is not None
-        t0 = time.perf_counter()
-        try:
-            return self._take(st, box, group, key, src)
-        finally:
-            st.waited += time.perf_counter() - t0
-
-    def _take(
-        self, st: _Step, box: _Inbox, group: ProcessGroup, key: Key, src: int
-    ) -> list[torch.Tensor]:
-        while key not in box.early:
-            if box.next >= len(box.order):
-                raise InvalidArgumentError(f"pipeline: {key} never comes from rank {src}")
-            nxt = box.order[box.next]
-            box.next += 1
-            if nxt[0] == "meta":
-                meta = torch.empty(boundary.META_LEN, dtype=torch.int64, device=self._device)
-                group.recv(meta, src)
-                st.shapes[nxt[1]] = boundary.decode(meta)
-                continue
-            if nxt[0] == "act":
-                specs = st.shapes[nxt[1]]
-            else:  # the gradient of activations this rank produced
-                _, outs = st.saved[(nxt[1], nxt[2])]
-                specs = boundary.grad_specs(boundary.specs_of(outs))
-            buf, views = boundary.empty(specs, self._device)
-            group.recv(buf, src)
-            box.early[nxt] = views
-        return box.early.pop(key)
-
     # -- actions -----------------------------------------------------------------------------
 
     def _amp(self) -> contextlib.AbstractContextManager[Any]:
@@ -315,7 +174,7 @@ class PipelineModule(PipelineState):
             return contextlib.nullcontext()
         return torch.autocast(self._device.type, dtype=self._autocast)
 
-    def _forward(self, st: _Step, a: Action) -> None:
+    def _forward(self, st: Step, a: Action) -> None:
         s, i = a.stage, a.mb
         inps: list[torch.Tensor] | None = None
         if s == 0:
@@ -373,7 +232,7 @@ class PipelineModule(PipelineState):
             st.live[s] = st.live.get(s, 0) + 1
             st.peak[s] = max(st.peak.get(s, 0), st.live[s])
 
-    def _keep_boundary(self, st: _Step, s: int, i: int, xs: list[torch.Tensor]) -> None:
+    def _keep_boundary(self, st: Step, s: int, i: int, xs: list[torch.Tensor]) -> None:
         """Registers a recomputed stage's input as its boundary in the active manager.
 
         With ``recompute`` inside an activation manager's ``activate()``, the stage's input
@@ -391,14 +250,14 @@ class PipelineModule(PipelineState):
             manager.register(layer_id, x, policy="local")
         st.kept[(s, i)] = (manager, ids)
 
-    def _drop_boundary(self, st: _Step, s: int, i: int) -> None:
+    def _drop_boundary(self, st: Step, s: int, i: int) -> None:
         kept = st.kept.pop((s, i), None)
         if kept is not None:
             manager, ids = kept
             for layer_id in ids:
                 manager.remove(layer_id)
 
-    def _grad_out(self, st: _Step, s: int, i: int) -> list[torch.Tensor] | None:
+    def _grad_out(self, st: Step, s: int, i: int) -> list[torch.Tensor] | None:
         if s == self.num_stages - 1:
             return None  # the saved output is the loss
         return self._recv(st, ("grad", s, i))
@@ -409,7 +268,7 @@ class PipelineModule(PipelineState):
         grads = [_grad_of(x) for x in inps if x.is_floating_point()]
         return grads or [torch.zeros(1, device=self._device)]
 
-    def _backward(self, st: _Step, a: Action) -> None:
+    def _backward(self, st: Step, a: Action) -> None:
         s, i = a.stage, a.mb
         grads = self._grad_out(st, s, i)
         inps, outs = st.saved.pop((s, i))
@@ -421,7 +280,7 @@ class PipelineModule(PipelineState):
         self._drop_boundary(st, s, i)
         st.live[s] -= 1
 
-    def _input_grad(self, st: _Step, a: Action) -> None:
+    def _input_grad(self, st: Step, a: Action) -> None:
         # Zero-bubble: the inputs' gradients now, the weights' in _weight_grad (split_backward).
         s, i = a.stage, a.mb
         grads = self._grad_out(st, s, i)
@@ -435,7 +294,7 @@ class PipelineModule(PipelineState):
             got, st.split[(s, i)] = input_pass(roots, seeds, wanted, params)
             self._send(st, ("grad", s - 1, i), got or [torch.zeros(1, device=self._device)])
 
-    def _weight_grad(self, st: _Step, a: Action) -> None:
+    def _weight_grad(self, st: Step, a: Action) -> None:
         s, i = a.stage, a.mb
         _, outs = st.saved.pop((s, i))
         roots, seeds = _roots(outs, st.grads_out.pop((s, i)))
@@ -473,13 +332,20 @@ class PipelineModule(PipelineState):
             )
         return list(value.chunk(m))
 
-    def _guarded(self, actions: list[list[Action]], train: bool, inputs: Any, target: Any) -> _Step:
+    def _guarded(
+        self,
+        actions: list[list[Action]],
+        train: bool,
+        inputs: Any,
+        target: Any,
+        times: StepTimes | None = None,
+    ) -> Step:
         # Keyword inputs are checked on every rank given them, before any message.
         inputs = positional(inputs, self.input_names)
         # A rank that fails mid-step aborts the pipeline's communicators, so the ranks
         # waiting for its messages raise at once (with its reason) instead of timing out.
         try:
-            return self._run(actions, train, inputs, target)
+            return self._run(actions, train, inputs, target, times)
         except Exception as exc:
             reason = f"pipeline stage(s) {self.stages} on rank {self._group.rank} failed: {exc}"
             for comm in self._comms.values():
@@ -488,28 +354,50 @@ class PipelineModule(PipelineState):
                         comm.abort(reason)
             raise
 
-    def _run(self, actions: list[list[Action]], train: bool, inputs: Any, target: Any) -> _Step:
+    def _run(
+        self,
+        actions: list[list[Action]],
+        train: bool,
+        inputs: Any,
+        target: Any,
+        times: StepTimes | None = None,
+    ) -> Step:
         holds_first = 0 in self.stages
         holds_last = self.num_stages - 1 in self.stages
-        st = _Step(
+        st = Step(
             train=train,
             inputs=self._split_inputs(inputs) if holds_first else None,
             targets=self._split(target, "target") if (holds_last and train) else None,
             inbox=self._inboxes(actions, train),
+            times=times,
         )
         if self._shards is not None:  # after an optimizer step, or ZeRO-3 between steps
             self._shards.gather()
         run = {"F": self._forward, "B": self._backward, "I": self._input_grad,
                "W": self._weight_grad}  # fmt: skip
         for a in actions[self._group.rank]:
-            t0, waited = time.perf_counter(), st.waited
-            run[a.kind](st, a)
+            if times is None:
+                run[a.kind](st, a)
+                continue
             # What the action computed: its time less its waits for messages (a bubble).
-            st.timeline.append((a.kind, t0 + st.waited - waited, time.perf_counter()))
+            t0, w0 = times.mark(), len(times.waits)
+            run[a.kind](st, a)
+            times.actions.append((a.kind, t0, times.mark(), w0, len(times.waits)))
         for work, _ in st.sends:
             work.wait()
         st.sends.clear()
         return st
+
+    @property
+    def last_step(self) -> dict[str, Any]:
+        """The last ``step``'s ``seconds``, ``busy`` seconds and ``timeline`` (see the class).
+
+        On a GPU these are the device's times (CUDA events), so reading them waits for that
+        step's work to finish; ``{}`` before the first step.
+        """
+        if self._last_step is None:
+            self._last_step = self._times.resolve() if self._times is not None else {}
+        return self._last_step
 
     def step(self, inputs: Any = None, target: Any = None) -> torch.Tensor:
         """Runs forward and backward of every micro-batch of one batch through the pipeline.
@@ -533,14 +421,11 @@ class PipelineModule(PipelineState):
         """
         if self.loss_fn is None:
             raise InvalidArgumentError("pipeline: step() needs loss_fn=; pass it to sl.pipeline")
-        start = time.perf_counter()
-        st = self._guarded(self._actions, True, inputs, target)
+        times = StepTimes.on(self._device)
+        st = self._guarded(self._actions, True, inputs, target, times)
+        times.end = times.mark()
+        self._times, self._last_step = times, None
         self.peak_activations = dict(st.peak)
-        self.last_step = {
-            "seconds": time.perf_counter() - start,
-            "busy": sum(t1 - t0 for _, t0, t1 in st.timeline),
-            "timeline": [(k, t0 - start, t1 - start) for k, t0, t1 in st.timeline],
-        }
         if self._shards is not None:  # tied copies summed first: their parts differ by stage
             sum_tied_grads(self, self._tied, self._group.rank)
             self._shards.reduce()
