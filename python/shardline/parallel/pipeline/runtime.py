@@ -59,7 +59,7 @@ class PipelineModule(StageMessages, PipelineState):
         peak_activations: For the last ``step``, the most micro-batches whose activations a
             stage held at once, by stage (the runtime's own count).
         last_step: For the last ``step``: ``seconds`` it took on this rank, ``busy`` seconds
-            of them computing (the rest waited for messages: the bubble), and the
+            of them computing (the rest waited for messages and reductions: the bubble), and the
             ``timeline`` of actions (kind, start, end in seconds from the step's start).
     """
 
@@ -423,8 +423,6 @@ class PipelineModule(StageMessages, PipelineState):
             raise InvalidArgumentError("pipeline: step() needs loss_fn=; pass it to sl.pipeline")
         times = StepTimes.on(self._device)
         st = self._guarded(self._actions, True, inputs, target, times)
-        times.end = times.mark()
-        self._times, self._last_step = times, None
         self.peak_activations = dict(st.peak)
         if self._shards is not None:  # tied copies summed first: their parts differ by stage
             sum_tied_grads(self, self._tied, self._group.rank)
@@ -441,6 +439,11 @@ class PipelineModule(StageMessages, PipelineState):
             loss = (st.loss_sum / self.microbatches).to(torch.float32).reshape(())
         if self._p > 1:
             self._group.broadcast(loss, src=stage_rank(self.num_stages - 1, self._p))
+        # The step ends with the loss everywhere: on a GPU, where each rank's clock starts
+        # when its device gets to the step, this end brings every rank's window to the
+        # pipeline's period (a middle stage done early still waits here, as it idles).
+        times.end = times.mark()
+        self._times, self._last_step = times, None
         return loss
 
     def forward(self, inputs: Any = None) -> torch.Tensor | None:
