@@ -1,7 +1,8 @@
 """The ``shardline`` command line.
 
 ``shardline run`` starts a training script on many ranks; ``shardline ckpt info|verify|
-consolidate`` inspects, checks and exports checkpoints.
+consolidate`` inspects, checks and exports checkpoints; ``shardline why DIR`` reads the flight
+recorder's dumps and says who holds a job up.
 """
 
 from __future__ import annotations
@@ -123,7 +124,35 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument(
         "--max-shard-gb", type=float, default=5.0, help="split files above this size (5)"
     )
+    why = commands.add_parser(
+        "why",
+        help="say who holds a job up, from its ranks' flight-recorder dumps",
+        description="Merge the flight recorder's rank<r>.json dumps (written when an op fails "
+        "or on SIGUSR1; SHARDLINE_FLIGHT_DIR) into one sentence: which rank never entered "
+        "which op, and what the others wait in.",
+    )
+    why.add_argument("dir", help="the folder holding rank<r>.json (an error message names it)")
+    why.add_argument("--ops", type=int, default=0, metavar="N",
+                     help="also list each rank's last N ops")  # fmt: skip
     return parser
+
+
+def _why(ns: argparse.Namespace) -> int:
+    from pathlib import Path  # noqa: PLC0415
+
+    from shardline.comm import why  # noqa: PLC0415
+
+    try:
+        dumps = why.load_dumps(Path(ns.dir))
+    except ValueError as exc:
+        print(f"shardline why: error: {exc}", file=sys.stderr)
+        return 1
+    print(why.explain_dumps(dumps) or "no rank was waiting in a collective")
+    for d in dumps if ns.ops > 0 else []:
+        print(f"rank {d['rank']} (pid {d['pid']} on {d['host']}; dumped for: {d['reason']}):")
+        for line in why.describe_ops(d, ns.ops):
+            print(f"  {line}")
+    return 0
 
 
 def _ckpt(ns: argparse.Namespace) -> int:
@@ -168,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if ns.command == "ckpt":
         return _ckpt(ns)
+    if ns.command == "why":
+        return _why(ns)
     try:
         config = LaunchConfig(
             target=ns.target,

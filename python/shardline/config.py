@@ -141,6 +141,22 @@ SETTINGS: tuple[Setting, ...] = (
         300.0,
     ),
     Setting(
+        "SHARDLINE_FLIGHT_OPS",
+        "integer >= 0",
+        "1000",
+        "Ops the flight recorder keeps per process (0: off); written out on an op's failure "
+        "or SIGUSR1, read by `shardline why`.",
+        _integer(0, "an integer >= 0"),
+        1000,
+    ),
+    Setting(
+        "SHARDLINE_FLIGHT_DIR",
+        "path",
+        "`$TMPDIR/shardline-flight/<job>`",
+        "Where the flight recorder writes `rank<r>.json`.",
+        _text,
+    ),
+    Setting(
         "SHARDLINE_KEEPALIVE",
         "seconds, 0: off",
         "30",

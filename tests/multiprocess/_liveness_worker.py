@@ -60,14 +60,19 @@ def all_reduce_loop() -> None:
     """All-reduces until told to stop (``WORKER_STEPS`` steps, else for ever), printing
     ``STEP i`` every 10 steps, with a check of every result, and a new group every
     ``WORKER_NEW_GROUP_EVERY`` steps if set. A rank given
-    ``WORKER_JOIN_DELAY`` seconds joins that much later (the others wait in rendezvous)."""
+    ``WORKER_JOIN_DELAY`` seconds joins that much later (the others wait in rendezvous); one
+    given ``WORKER_SIGSTOP_AT`` stops itself (SIGSTOP) before that step's all-reduce."""
     time.sleep(float(os.environ.get("WORKER_JOIN_DELAY", "0")))
     sl.init()
     r, w = sl.get_rank(), sl.get_world_size()
     steps = int(os.environ.get("WORKER_STEPS", "0")) or None
     every = int(os.environ.get("WORKER_NEW_GROUP_EVERY", "0"))
+    stop_at = int(os.environ.get("WORKER_SIGSTOP_AT", "-1"))
     i = 0
     while steps is None or i < steps:
+        if i == stop_at:
+            print(f"STOPPING {i}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         t = torch.full((4096,), float(r + i))
         sl.all_reduce(t)
         assert torch.equal(t, torch.full_like(t, float(sum(q + i for q in range(w))))), i

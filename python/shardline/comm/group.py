@@ -8,20 +8,30 @@ sees flat, checked tensors on its device.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from shardline.comm import why
 from shardline.comm._buffers import (
     as_tensor,
     check_numel,
     check_same_dtype,
     parse_op,
 )
+from shardline.comm.flight import RECORDER
 from shardline.comm.work import Handle, Work
-from shardline.errors import CommunicatorClosedError, InvalidArgumentError, PeerLostError
+from shardline.errors import (
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    InvalidArgumentError,
+    PeerLostError,
+    ShardlineError,
+)
 
 if TYPE_CHECKING:
     from shardline.comm._buffers import TensorLike
@@ -48,9 +58,16 @@ class ProcessGroup:
         device: Where the group's tensors live: ``cuda:N`` for nccl, else ``cpu``.
         name: Unique name of the group (``"world"``, ``"world.0"``, ...).
         ranks: Ranks of the parent group that form this one (``None`` for a root group).
+        global_ranks: The job's rank of each of this group's ranks.
     """
 
-    def __init__(self, impl: Backend, *, ranks: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        impl: Backend,
+        *,
+        ranks: Sequence[int] | None = None,
+        global_ranks: Sequence[int] | None = None,
+    ) -> None:
         self._impl = impl
         self.rank = impl.rank
         self.world_size = impl.world_size
@@ -67,6 +84,11 @@ class ProcessGroup:
         self._closed = False
         self._lock = threading.Lock()
         self._peer_lost: PeerLostError | None = None
+        self.global_ranks = tuple(global_ranks or range(self.world_size))
+        # Op numbers for the flight recorder: collectives per group, messages per peer.
+        self._seq = 0
+        self._messages: dict[tuple[str, int], int] = {}
+        RECORDER.groups[self.name] = list(self.global_ranks)
 
     def __repr__(self) -> str:
         return (
@@ -98,23 +120,30 @@ class ProcessGroup:
         keepalive: tuple[object, ...],
         async_op: bool,
         finalize: Callable[[], None] | None = None,
+        peer: int | None = None,
     ) -> Work | None:
         if self._closed:
             raise CommunicatorClosedError(
                 f"{op} on rank {self.rank}: group {self.name!r} was shut down; create a new one"
             )
+        record = self._record(op, keepalive, peer) if RECORDER.enabled else None
         if not async_op:
             # Blocking calls run inline on the caller in the native engine (no thread
             # hand-off); the caller's frame keeps the tensors alive meanwhile.
             try:
                 start(False).wait()
-            except PeerLostError as exc:
-                self._note_peer_lost(exc)
-                raise
+            except ShardlineError as exc:
+                raise self._failed(record, exc) from exc.__cause__
+            if record is not None:
+                record[7], record[8] = time.time(), "done"  # END, STATE: RECORDER.finish
             if finalize is not None:
                 finalize()
             return None
-        work = Work(start(True), keepalive, finalize, self._note_peer_lost)
+        try:
+            handle = start(True)
+        except ShardlineError as exc:
+            raise self._failed(record, exc) from exc.__cause__
+        work = Work(handle, keepalive, finalize, self._failed, record)
         with self._lock:
             # Pruned only when the list has doubled: checking every Work on every call would
             # cost O(n^2) completion queries (CUDA event queries for nccl) per burst of ops.
@@ -124,9 +153,56 @@ class ProcessGroup:
             self._pending.append(work)
         return work
 
-    def _note_peer_lost(self, exc: PeerLostError) -> None:
-        if self._peer_lost is None:
+    def _record(
+        self, op: str, keepalive: tuple[object, ...], peer: int | None
+    ) -> list[object]:
+        """The flight recorder's record of an op starting now (see ``comm.flight``).
+
+        On every op's path, so built here in one go: about 0.5 us (benches/bench_flight.py).
+        """
+        if peer is None:
+            seq = self._seq
+            self._seq = seq + 1
+        else:
+            seq = self._messages.get((op, peer), 0)
+            self._messages[(op, peer)] = seq + 1
+        t = keepalive[-1] if keepalive else None  # the flat tensor the op runs on
+        numel, dtype = (t.numel(), t.dtype) if isinstance(t, torch.Tensor) else (0, None)
+        record = [self.name, seq, op, numel, dtype, peer, time.time(), None, "running"]
+        RECORDER.ops.append(record)
+        return record
+
+    def _failed(self, record: list[object] | None, exc: ShardlineError) -> ShardlineError:
+        """An op of this group failed here: noted, recorded, dumped; the error to raise.
+
+        A collective that timed out asks the other ranks where they are (``why.diagnose``),
+        and its error says who holds the group up.
+        """
+        if isinstance(exc, PeerLostError) and self._peer_lost is None:
             self._peer_lost = exc
+        RECORDER.finish(record, exc)
+        if isinstance(exc, InvalidArgumentError | CommunicatorClosedError):
+            return exc  # refused before it ran: nothing to explain
+        out = exc
+        if isinstance(exc, CollectiveTimeoutError) and record is not None and record[5] is None:
+            from shardline.comm import world  # noqa: PLC0415 (world imports this module)
+
+            job = world.job_store()
+            if job is not None:
+                store, timeout = job
+                sentence = why.diagnose(self, record, store, timeout)
+                if sentence:
+                    out = CollectiveTimeoutError(f"{exc}\nwho holds it up: {sentence}")
+        path = RECORDER.dump(f"{type(exc).__name__} in {record[2] if record else '?'}: {exc}")
+        if path is not None:
+            note = (f"\n(this rank's last ops: {path}; `shardline why {path.parent}` reads "
+                    "every rank's)")  # fmt: skip
+            if out is exc:
+                with contextlib.suppress(Exception):
+                    exc.args = (f"{exc.args[0] if exc.args else exc}{note}", *exc.args[1:])
+            else:
+                out = CollectiveTimeoutError(f"{out}{note}")
+        return out
 
     def _lost_peer(self) -> PeerLostError | None:
         """The first ``PeerLostError`` an op of this group, or of a sub-group, raised here."""
@@ -371,7 +447,7 @@ class ProcessGroup:
         if dst == self.rank:
             raise InvalidArgumentError(f"send on rank {self.rank}: dst is this rank itself")
         return self._submit(
-            "send", lambda a: self._impl.send(t, dst, async_op=a), (tensor, t), async_op
+            "send", lambda a: self._impl.send(t, dst, async_op=a), (tensor, t), async_op, peer=dst
         )
 
     def recv(self, tensor: TensorLike, src: int, async_op: bool = False) -> Work | None:
@@ -381,7 +457,7 @@ class ProcessGroup:
         if src == self.rank:
             raise InvalidArgumentError(f"recv on rank {self.rank}: src is this rank itself")
         return self._submit(
-            "recv", lambda a: self._impl.recv(t, src, async_op=a), (tensor, t), async_op
+            "recv", lambda a: self._impl.recv(t, src, async_op=a), (tensor, t), async_op, peer=src
         )
 
     # -- groups ------------------------------------------------------------------------------
@@ -410,7 +486,9 @@ class ProcessGroup:
         if self.rank not in members:
             return None
         impl = self._impl.subgroup(name, members, overlap_compute=overlap_compute)
-        child = ProcessGroup(impl, ranks=members)
+        child = ProcessGroup(
+            impl, ranks=members, global_ranks=[self.global_ranks[r] for r in members]
+        )
         self._children.append(child)
         return child
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import torch
 
-from shardline.errors import PeerLostError
+from shardline.comm.flight import FlightRecorder
+from shardline.errors import ShardlineError
 
 __all__ = ["Backend", "Counts", "Handle", "Work", "seconds"]
 
@@ -87,12 +88,15 @@ class Work:
         handle: Handle,
         keepalive: tuple[object, ...],
         finalize: Callable[[], None] | None = None,
-        on_peer_lost: Callable[[PeerLostError], None] | None = None,
+        on_error: Callable[[list[Any] | None, ShardlineError], ShardlineError] | None = None,
+        record: list[Any] | None = None,
     ) -> None:
         self._handle = handle
         self._keepalive: tuple[object, ...] | None = keepalive
         self._finalize = finalize
-        self._on_peer_lost = on_peer_lost  # the group notes it (see ProcessGroup._lost_peer)
+        # The group notes the failure and may explain it (see ProcessGroup._failed).
+        self._on_error = on_error
+        self._record = record  # the flight recorder's record of the op
 
     def wait(self, timeout: timedelta | float | None = None) -> None:
         """Blocks until the op is done and its outputs are written.
@@ -107,10 +111,12 @@ class Work:
         """
         try:
             self._handle.wait(seconds(timeout))
-        except PeerLostError as exc:
-            if self._on_peer_lost is not None:
-                self._on_peer_lost(exc)
-            raise
+        except ShardlineError as exc:
+            # A timeout the caller gave is theirs (the op keeps running): not the op's failure.
+            if self._on_error is None or (timeout is not None and isinstance(exc, TimeoutError)):
+                raise
+            raise self._on_error(self._record, exc) from exc.__cause__
+        FlightRecorder.finish(self._record)
         if self._finalize is not None:
             finalize, self._finalize = self._finalize, None
             finalize()
@@ -121,4 +127,9 @@ class Work:
         return self._handle.is_completed()
 
     def _done(self) -> bool:
-        return self._keepalive is None or self._handle.is_completed()
+        if self._keepalive is None:
+            return True
+        if self._handle.is_completed():
+            FlightRecorder.finish(self._record)
+            return True
+        return False

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +32,7 @@ from shardline.comm.backends._store import (
     publish_failure,
     store_errors,
 )
+from shardline.comm.flight import RECORDER
 from shardline.comm.group import ProcessGroup
 from shardline.comm.rendezvous import (
     create_store,
@@ -205,6 +207,7 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
         named = backend.strip().lower() if backend else config.get("SHARDLINE_BACKEND")
         if named == "mpi":  # MPI has its own rendezvous
             _default = _init_mpi(timeout)
+            _start_recorder(_default)
             return _default
         info = read_env()
         chosen = choose_backend(backend, local_world_size=info.local_world_size)
@@ -241,7 +244,26 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
                 linger_after_failure(store, info.world_size)
             raise
         _default, _job = group, job
+        _start_recorder(group)
         return group
+
+
+def _start_recorder(group: ProcessGroup) -> None:
+    """The flight recorder learns who this process is, and dumps on ``SIGUSR1``."""
+    directory = config.get("SHARDLINE_FLIGHT_DIR")
+    RECORDER.configure(
+        rank=group.rank,
+        world_size=group.world_size,
+        capacity=config.get("SHARDLINE_FLIGHT_OPS"),
+        directory=Path(directory) if directory else None,
+    )
+    RECORDER.install_signal_handler()
+
+
+def job_store() -> tuple[Store, float] | None:
+    """The job's store and op deadline (seconds), once ``init`` joined one; else None."""
+    job = _job
+    return (job.store, job.timeout) if job is not None else None
 
 
 def _agree_on_backend(store: Store, rank: int, chosen: str, *, explicit: bool) -> None:
