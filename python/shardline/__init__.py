@@ -21,7 +21,7 @@ Table of contents:
 
 from __future__ import annotations
 
-from shardline import checkpoint
+from shardline import checkpoint, elastic
 from shardline.comm import ProcessGroup, Work, init_process_group
 from shardline.comm import torch_backend as _torch_backend  # noqa: F401  # registers "shardline"
 from shardline.comm.collectives import (
@@ -103,6 +103,7 @@ __all__ = [
     "checkpoint",
     "clip_grad_norm_",
     "distribute",
+    "elastic",
     "estimate_memory",
     "gather",
     "get_rank",

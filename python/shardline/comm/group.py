@@ -153,9 +153,7 @@ class ProcessGroup:
             self._pending.append(work)
         return work
 
-    def _record(
-        self, op: str, keepalive: tuple[object, ...], peer: int | None
-    ) -> list[object]:
+    def _record(self, op: str, keepalive: tuple[object, ...], peer: int | None) -> list[object]:
         """The flight recorder's record of an op starting now (see ``comm.flight``).
 
         On every op's path, so built here in one go: about 0.5 us (benches/bench_flight.py).
