@@ -180,3 +180,52 @@ def test_misuse_is_refused_with_what_to_do() -> None:
         sl.elastic.State(commit=1)
     with pytest.raises(AttributeError, match="no field 'steps'"):
         _ = sl.elastic.State(step=1).steps
+
+
+def _scramble(m: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """What a replacement process holds: other weights, no optimizer state."""
+    with torch.no_grad():
+        for p in m.parameters():
+            p.uniform_(-9, 9)
+    opt.state.clear()
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_a_rank_that_lost_its_commit_gets_it_from_its_buddy(strategy: str) -> None:
+    def body(g: ProcessGroup) -> None:
+        m = model()
+        dm, dopt = sl.distribute(m, torch.optim.AdamW(m.parameters(), lr=1e-2), strategy=strategy,
+                                 group=g, unit_mb=0.001)  # fmt: skip
+        train(dm, dopt, range(3), g.rank)
+        state = sl.elastic.State(model=dm, optimizer=dopt, group=g, step=3)
+        state.commit()
+        at_commit = snapshot(dm, dopt)
+        losses = train(dm, dopt, range(3, 5), g.rank)
+        if g.rank == 1:  # rank 1 was replaced: a fresh process, a fresh State
+            _scramble(dm, dopt)
+            state = sl.elastic.State(model=dm, optimizer=dopt, group=g, step=0)
+        state.restore()
+        assert_same(snapshot(dm, dopt), at_commit)
+        assert state.step == 3 and state.commits == 1
+        assert train(dm, dopt, range(3, 5), g.rank) == losses
+
+    run_ranks(3, body, timeout=120)
+
+
+def test_two_neighbours_lost_at_once_is_an_error_on_every_rank() -> None:
+    def body(g: ProcessGroup) -> str:
+        m = model()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        dm, dopt = sl.distribute(m, opt, strategy="zero2", group=g)
+        train(dm, dopt, range(1), g.rank)
+        state = sl.elastic.State(model=dm, optimizer=dopt, group=g)
+        state.commit()
+        if g.rank in (1, 2):
+            state = sl.elastic.State(model=dm, optimizer=dopt, group=g)
+        with pytest.raises(InvalidArgumentError) as err:
+            state.restore()
+        return str(err.value)
+
+    for message in run_ranks(3, body, timeout=120):
+        assert "rank 1's commit #1 is lost, and so is the copy its buddy rank 2 held" in message
+        assert "load the latest checkpoint from disk" in message

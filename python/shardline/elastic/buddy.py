@@ -1,0 +1,133 @@
+"""Buddy copies: each rank's commit is also held by the next rank of its group.
+
+With buddies, one lost rank's committed state is rebuilt from the survivors, with no disk
+read: rank ``r`` sends its commit to rank ``(r + 1) % n`` (its buddy) and keeps the commit of
+rank ``(r - 1) % n``. Host memory per rank doubles; a commit costs one point-to-point
+exchange of this rank's share on top of the host copy.
+
+A commit travels as a skeleton (its structure, tensors replaced by ``Slot``s, pickled) and
+its tensors, each sent as it is (through the group's device: NCCL stages a tensor at a time
+through the GPU).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardline.comm.group import ProcessGroup
+from shardline.parallel.contract import Local, Shard
+
+__all__ = ["Slot", "exchange", "give", "take"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a tensor was in a commit's skeleton: its index among the tensors sent."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _send(g: ProcessGroup, t: torch.Tensor, dst: int, works: list[Any], keep: list[Any]) -> None:
+    on = t.to(g.device) if t.device != g.device else t
+    keep.append(on)
+    works.append(g.send(on, dst, async_op=True))
+
+
+def _recv(g: ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+    buf = torch.empty(shape, dtype=dtype, device=g.device)
+    g.recv(buf, src)
+    return buf.cpu() if buf.device.type != "cpu" else buf
+
+
+def _send_commit(
+    g: ProcessGroup, skeleton: Any, tensors: list[torch.Tensor], dst: int
+) -> tuple[list[Any], list[Any]]:
+    works: list[Any] = []
+    keep: list[Any] = []
+    blob = torch.frombuffer(bytearray(pickle.dumps(skeleton)), dtype=torch.uint8)
+    _send(g, torch.tensor([blob.numel()], dtype=torch.int64), dst, works, keep)
+    _send(g, blob, dst, works, keep)
+    for t in tensors:
+        if t.numel():
+            _send(g, t.reshape(-1), dst, works, keep)
+    return works, keep
+
+
+def _recv_commit(g: ProcessGroup, src: int) -> tuple[Any, list[torch.Tensor]]:
+    n = int(_recv(g, (1,), torch.int64, src)[0])
+    skeleton = pickle.loads(_recv(g, (n,), torch.uint8, src).numpy().tobytes())  # our own ranks
+    tensors = [
+        _recv(g, (s.numel,), s.dtype, src).reshape(s.shape)
+        if s.numel
+        else torch.empty(s.shape, dtype=s.dtype)
+        for s in _specs(skeleton)
+    ]
+    return skeleton, tensors
+
+
+@dataclass(frozen=True)
+class _Spec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _specs(skeleton: Any) -> list[_Spec]:
+    """The tensors a skeleton's slots stand for, in index order."""
+    found: dict[int, _Spec] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, Slot):
+            found[v.index] = _Spec(v.shape, v.dtype)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list | tuple):
+            for x in v:
+                walk(x)
+        elif isinstance(v, Shard):
+            for p in v.pieces:
+                walk(p.tensor)
+        elif isinstance(v, Local):
+            walk(v.tensor)
+
+    walk(skeleton)
+    return [found[i] for i in range(len(found))]
+
+
+def exchange(
+    g: ProcessGroup, skeleton: Any, tensors: list[torch.Tensor]
+) -> tuple[Any, list[torch.Tensor]]:
+    """Sends this rank's commit to the next rank; returns the previous rank's. Collective."""
+    r, n = g.rank, g.world_size
+    works, keep = _send_commit(g, skeleton, tensors, (r + 1) % n)
+    got = _recv_commit(g, (r - 1) % n)
+    for w in works:
+        w.wait()
+    del keep
+    return got
+
+
+def give(g: ProcessGroup, skeleton: Any, tensors: list[torch.Tensor], dst: int) -> None:
+    """Sends a held commit to rank ``dst`` (which calls ``take``)."""
+    works, keep = _send_commit(g, skeleton, tensors, dst)
+    for w in works:
+        w.wait()
+    del keep
+
+
+def take(g: ProcessGroup, src: int) -> tuple[Any, list[torch.Tensor]]:
+    """Receives the commit rank ``src`` sends with ``give``."""
+    return _recv_commit(g, src)
