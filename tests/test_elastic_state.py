@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -228,4 +229,35 @@ def test_two_neighbours_lost_at_once_is_an_error_on_every_rank() -> None:
 
     for message in run_ranks(3, body, timeout=120):
         assert "rank 1's commit #1 is lost, and so is the copy its buddy rank 2 held" in message
-        assert "load the latest checkpoint from disk" in message
+        assert "give State a checkpoint_dir and call state.save() now and then" in message
+
+
+def test_two_neighbours_lost_fall_back_to_the_latest_checkpoint(tmp_path: Path) -> None:
+    def body(g: ProcessGroup) -> None:
+        m = model()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        dm, dopt = sl.distribute(m, opt, strategy="zero2", group=g)
+        sampler = sl.DistributedSampler(list(range(30)), num_replicas=3, rank=g.rank, seed=2)
+        sampler.advance(4)
+        state = sl.elastic.State(model=dm, optimizer=dopt, sampler=sampler, group=g,
+                                 checkpoint_dir=tmp_path, step=2)  # fmt: skip
+        train(dm, dopt, range(2), g.rank)
+        state.save()  # on disk at step 2
+        at_save = snapshot(dm, dopt)
+        losses = train(dm, dopt, range(2, 4), g.rank)
+        state.step = 4
+        state.commit()  # in memory at step 4: lost below on ranks 1 and 2
+        train(dm, dopt, range(4, 5), g.rank)
+        if g.rank in (1, 2):
+            _scramble(dm, dopt)
+            sampler = sl.DistributedSampler(list(range(30)), num_replicas=3, rank=g.rank, seed=2)
+            state = sl.elastic.State(model=dm, optimizer=dopt, sampler=sampler, group=g,
+                                     checkpoint_dir=tmp_path, step=0)  # fmt: skip
+        state.restore()
+        assert state.restored_from is not None and "state-" in state.restored_from
+        assert state.step == 2
+        assert_same(snapshot(dm, dopt), at_save)
+        assert sampler.state_dict()["num_consumed"] == 12  # 4 per rank, 3 ranks
+        assert train(dm, dopt, range(2, 4), g.rank) == losses
+
+    run_ranks(3, body, timeout=120)

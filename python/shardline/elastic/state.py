@@ -24,16 +24,19 @@ point-to-point exchange of that share; ``benches/bench_commit.py`` measures the 
 from __future__ import annotations
 
 import copy
+import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from shardline.comm.group import ProcessGroup
-from shardline.comm.objects import all_gather_object
+from shardline.comm.objects import all_gather_object, broadcast_object
 from shardline.elastic import buddy
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import contract
@@ -41,6 +44,8 @@ from shardline.parallel.contract import Box, FlatRange, Local, Shard
 
 __all__ = ["State"]
 
+_log = logging.getLogger("shardline")
+_ON_DISK: dict[str, Any] = {"on disk": True}  # _recover: only a checkpoint can help (by identity)
 _OWN = ("model", "optimizer", "sampler")
 _TREES = ("model", "optimizer")  # the parts of a commit that hold tensors
 
@@ -108,6 +113,8 @@ class State:
             with more than one, each rank also holds the commit of the rank before it
             (``elastic.buddy``), so a rank that lost its own (a replacement process) gets it
             back in ``restore``. ``None``: this rank alone.
+        checkpoint_dir: Where ``save()`` writes checkpoints; ``restore`` falls back to the
+            latest one there when memory cannot help (a rank and its buddy both lost).
         **extra: Other fields (``step=0``), read and set as attributes, committed and
             restored as copies.
 
@@ -123,6 +130,7 @@ class State:
         optimizer: torch.optim.Optimizer | None = None,
         sampler: Any = None,
         group: ProcessGroup | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
         **extra: Any,
     ) -> None:
         if optimizer is not None and model is None:
@@ -130,7 +138,8 @@ class State:
                 "elastic.State: an optimizer needs its model (its state is kept by the "
                 "model's parameter names); pass model= too"
             )
-        clash = sorted(set(extra) & {"commit", "restore", "commits", "committed_at", "group"})
+        used = {"commit", "restore", "save", "commits", "committed_at", "group", "restored_from"}
+        clash = sorted(set(extra) & used)
         if clash:
             raise InvalidArgumentError(
                 f"elastic.State: {', '.join(clash)} is a name State uses; rename the field"
@@ -138,6 +147,8 @@ class State:
         object.__setattr__(self, "_fields", dict(extra))
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
         self.group = group if group is not None and group.world_size > 1 else None
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.restored_from: str | None = None  # "memory", "buddy" or a checkpoint's path
         self._held: tuple[Any, list[torch.Tensor]] | None = None  # the previous rank's commit
         self.commits = 0
         self.committed_at: float | None = None
@@ -203,7 +214,11 @@ class State:
         Raises:
             InvalidArgumentError: nothing was committed yet.
         """
+        self.restored_from = "memory"
         saved = self._saved if self.group is None else self._recover()
+        if saved is _ON_DISK:
+            self._load_latest()
+            return
         if saved is None:
             raise InvalidArgumentError(
                 "elastic.State.restore: nothing was committed yet; call state.commit() once "
@@ -236,10 +251,13 @@ class State:
         for q in lost:
             holder = (q + 1) % n
             if views[holder][1] != newest:
+                if self._latest() is not None:
+                    return _ON_DISK
                 raise InvalidArgumentError(
                     f"elastic.State.restore: rank {q}'s commit #{newest} is lost, and so is "
-                    f"the copy its buddy rank {holder} held (two neighbours lost at once); "
-                    "load the latest checkpoint from disk instead (sl.checkpoint.load)"
+                    f"the copy its buddy rank {holder} held (two neighbours lost at once), "
+                    "and no checkpoint_dir holds a checkpoint; give State a checkpoint_dir "
+                    "and call state.save() now and then, or load one (sl.checkpoint.load)"
                 )
         for q in lost:
             if g.rank == (q + 1) % n:
@@ -248,7 +266,55 @@ class State:
             elif g.rank == q:
                 self._saved = _join(*buddy.take(g, (q + 1) % n))
                 self.commits = newest
+                self.restored_from = "buddy"
         return self._saved
+
+    # -- on disk --------------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        """Writes a checkpoint of the current state into ``checkpoint_dir`` (collective).
+
+        The model and optimizer go through ``sl.checkpoint.save`` (any layout loads it); the
+        fields and the sampler's position go in its ``extra`` (fields must be JSON values).
+        Keeps the newest two. Returns the checkpoint's path.
+        """
+        if self.checkpoint_dir is None:
+            raise InvalidArgumentError(
+                "elastic.State.save: no checkpoint_dir; pass State(checkpoint_dir=...)"
+            )
+        from shardline import checkpoint  # noqa: PLC0415 (checkpoint imports parallel)
+
+        extra = {"elastic_fields": self._fields}
+        if self.sampler is not None:
+            extra["elastic_sampler"] = self.sampler.state_dict()
+        stamp = time.time_ns()  # rank 0's: every rank writes into the same directory
+        if self.group is not None:
+            stamp = broadcast_object(stamp, 0, self.group)
+        path = self.checkpoint_dir / f"state-{stamp}"
+        checkpoint.save(path, model=self.model, optimizer=self.optimizer, extra=extra,
+                        keep_last=2, group=self.group)  # fmt: skip
+        return path
+
+    def _latest(self) -> Path | None:
+        if self.checkpoint_dir is None:
+            return None
+        from shardline import checkpoint  # noqa: PLC0415
+
+        return checkpoint.latest(self.checkpoint_dir)
+
+    def _load_latest(self) -> None:
+        from shardline import checkpoint  # noqa: PLC0415
+
+        path = self._latest()
+        assert path is not None
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+        extra = checkpoint.load(path, model=self.model, optimizer=self.optimizer, group=self.group)
+        self._fields.update(extra.get("elastic_fields", {}))
+        if self.sampler is not None and "elastic_sampler" in extra:
+            self.sampler.load_state_dict(extra["elastic_sampler"])
+        self.restored_from = str(path)
+        _log.warning("elastic: two neighbouring ranks lost their commits; restored %s", path)
 
     def __repr__(self) -> str:
         held = [k for k in _OWN if getattr(self, k) is not None]
