@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardline.comm import why
+from shardline.comm import flight, why
 from shardline.comm._buffers import (
     as_tensor,
     check_numel,
@@ -133,16 +133,22 @@ class ProcessGroup:
             try:
                 start(False).wait()
             except ShardlineError as exc:
-                raise self._failed(record, exc) from exc.__cause__
-            if record is not None:
-                record[7], record[8] = time.time(), "done"  # END, STATE: RECORDER.finish
+                out = self._failed(record, exc)
+                if out is exc:
+                    raise
+                raise out from exc
+            if record is not None:  # RECORDER.finish, inline
+                record[flight.END], record[flight.STATE] = time.time(), "done"
             if finalize is not None:
                 finalize()
             return None
         try:
             handle = start(True)
         except ShardlineError as exc:
-            raise self._failed(record, exc) from exc.__cause__
+            out = self._failed(record, exc)
+            if out is exc:
+                raise
+            raise out from exc
         work = Work(handle, keepalive, finalize, self._failed, record)
         with self._lock:
             # Pruned only when the list has doubled: checking every Work on every call would
@@ -182,16 +188,19 @@ class ProcessGroup:
         if isinstance(exc, InvalidArgumentError | CommunicatorClosedError):
             return exc  # refused before it ran: nothing to explain
         out = exc
-        if isinstance(exc, CollectiveTimeoutError) and record is not None and record[5] is None:
+        collective = record is not None and record[flight.PEER] is None
+        if isinstance(exc, CollectiveTimeoutError) and collective:
             from shardline.comm import world  # noqa: PLC0415 (world imports this module)
 
             job = world.job_store()
             if job is not None:
                 store, timeout = job
+                assert record is not None
                 sentence = why.diagnose(self, record, store, timeout)
                 if sentence:
                     out = CollectiveTimeoutError(f"{exc}\nwho holds it up: {sentence}")
-        path = RECORDER.dump(f"{type(exc).__name__} in {record[2] if record else '?'}: {exc}")
+        op = record[flight.OP] if record is not None else "an op"
+        path = RECORDER.dump(f"{type(exc).__name__} in {op}: {exc}")
         if path is not None:
             note = (f"\n(this rank's last ops: {path}; `shardline why {path.parent}` reads "
                     "every rank's)")  # fmt: skip

@@ -120,16 +120,19 @@ def diagnose(group: ProcessGroup, record: list[Any], store: Any, timeout: float)
     grace = grace_for(timeout)
 
     def ask() -> None:
-        store.set(_KEY.format(group=group.name, rank=me), json.dumps(mine))
-        deadline = time.monotonic() + grace
-        while True:
-            for r in group.global_ranks:
-                key = _KEY.format(group=group.name, rank=r)
-                if answers[r] is None and store.check([key]):
-                    answers[r] = Where(**json.loads(bytes(store.get(key))))
-            if all(a is not None for a in answers.values()) or time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
+        try:
+            store.set(_KEY.format(group=group.name, rank=me), json.dumps(mine))
+            deadline = time.monotonic() + grace
+            while True:
+                for r in group.global_ranks:
+                    key = _KEY.format(group=group.name, rank=r)
+                    if answers[r] is None and store.check([key]):
+                        answers[r] = Where(**json.loads(bytes(store.get(key))))
+                if all(a is not None for a in answers.values()) or time.monotonic() > deadline:
+                    return
+                time.sleep(0.05)
+        except Exception:  # a store that fails is said below, as one that is silent
+            return
 
     asker = threading.Thread(target=ask, name="shardline-why", daemon=True)
     asker.start()

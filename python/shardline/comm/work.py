@@ -115,7 +115,10 @@ class Work:
             # A timeout the caller gave is theirs (the op keeps running): not the op's failure.
             if self._on_error is None or (timeout is not None and isinstance(exc, TimeoutError)):
                 raise
-            raise self._on_error(self._record, exc) from exc.__cause__
+            out = self._on_error(self._record, exc)
+            if out is exc:
+                raise
+            raise out from exc
         FlightRecorder.finish(self._record)
         if self._finalize is not None:
             finalize, self._finalize = self._finalize, None

@@ -242,16 +242,18 @@ class State:
         assert g is not None
         mine = self._saved["number"] if self._saved is not None else None
         held = self._held[0]["number"] if self._held is not None else None
-        views = all_gather_object((mine, held), g)
-        newest = max((m for m, _ in views if m is not None), default=None)
+        # Every rank decides from the same views: what each holds, and whether it sees a
+        # checkpoint on disk (all must, to load one together).
+        views = all_gather_object((mine, held, self._latest() is not None), g)
+        newest = max((m for m, _, _ in views if m is not None), default=None)
         if newest is None:
             return None
         n = g.world_size
-        lost = [q for q, (m, _) in enumerate(views) if m != newest]
+        lost = [q for q, (m, _, _) in enumerate(views) if m != newest]
         for q in lost:
             holder = (q + 1) % n
             if views[holder][1] != newest:
-                if self._latest() is not None:
+                if all(disk for _, _, disk in views):
                     return _ON_DISK
                 raise InvalidArgumentError(
                     f"elastic.State.restore: rank {q}'s commit #{newest} is lost, and so is "
