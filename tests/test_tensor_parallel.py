@@ -539,3 +539,37 @@ def test_layers_sharing_an_input_reduce_its_gradient_once(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(ProcessGroup, "all_reduce", counting)
     assert run_ranks(2, body, timeout=TIMEOUT) == [2 * 2 + 1] * 2
+
+
+def test_shared_inputs_overlap_their_all_reduce_with_the_weight_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shared input's all-reduce starts before the weight gradients of q, k, v, gate and
+    up are computed (asynchronously, waited for after them), and the gradients equal those
+    of the same model with the overlap off."""
+    from shardline.parallel.tensor import overlap
+
+    _pristine_llama(4)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    started: dict[int, int] = {}
+    original = ProcessGroup.all_reduce
+
+    def counting(self: ProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("async_op"):
+            started[self.rank] = started.get(self.rank, 0) + 1
+        return original(self, *args, **kwargs)
+
+    def grads(g: ProcessGroup) -> dict[str, torch.Tensor]:
+        model = sl.tensor_parallel(copy.deepcopy(_pristine_llama(4)), g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    monkeypatch.setattr(ProcessGroup, "all_reduce", counting)
+    overlapped = run_ranks(2, grads, timeout=TIMEOUT)
+    assert started == {0: 4, 1: 4}  # 2 layers x (attention, MLP)
+    monkeypatch.setattr(overlap, "plain_call", lambda x: False)
+    plain = run_ranks(2, grads, timeout=TIMEOUT)
+    for got, want in zip(overlapped, plain, strict=True):
+        assert got.keys() == want.keys()
+        for name in got:
+            torch.testing.assert_close(got[name], want[name], msg=name)

@@ -34,6 +34,7 @@ from torch.nn import functional as F
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.contract import Box, Shard
+from shardline.parallel.tensor import overlap
 from shardline.parallel.tensor.regions import (
     copy_to,
     gather_from,
@@ -244,6 +245,8 @@ class ColumnParallelLinear(_ParallelLinear):
         self.pieces, self.gather_output = pieces, gather_output
         self.sequence_parallel, self.transposed = sequence_parallel, transposed
         self.replicas, self.share, self.input_shared = replicas, share, input_shared
+        # Set by the shared input's hook for one call: (its Deferred, this layer's index).
+        self.deferred: tuple[overlap.Deferred, int] | None = None
         local = out_features // (t // replicas)
         shape = (in_features, local) if transposed else (local, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -278,8 +281,25 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.share is not None:  # a slice several ranks hold: gradients summed over them
             w = copy_to(w, self.share)
             b = copy_to(b, self.share) if b is not None else None
-        y = F.linear(x, w, b)
+        deferred, self.deferred = self.deferred, None
+        if (
+            deferred is not None
+            and self.can_defer()
+            and deferred[0].holds(deferred[1], self.weight, self.bias)
+        ):  # the weight gradient is left to the shared input's backward (see overlap)
+            y = overlap.deferred_linear(x, w, b, *deferred)
+        else:
+            y = F.linear(x, w, b)
         return gather_from(y, self.group) if self.gather_output else y
+
+    def can_defer(self) -> bool:
+        """Whether this layer can leave its weight gradient to a shared input (``overlap``)."""
+        return (
+            self.input_shared
+            and self.share is None
+            and not self.transposed
+            and not self.sequence_parallel
+        )
 
     def extra_repr(self) -> str:  # noqa: D102
         return (

@@ -47,6 +47,7 @@ from shardline.comm.group import ProcessGroup
 from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import broadcast_coalesced
+from shardline.parallel.tensor import overlap
 from shardline.parallel.tensor.attention import ParallelMultiheadAttention, unsupported
 from shardline.parallel.tensor.auto import auto_plan, fix_attention, is_hf_causal_lm, tied_heads
 from shardline.parallel.tensor.layers import (
@@ -104,9 +105,31 @@ def _sequence_hooks(module: nn.Module, group: ProcessGroup, kind: str) -> nn.Mod
         module.register_forward_pre_hook(_on_input(lambda x: gather_seq(x, group, dim=1)),
                                          with_kwargs=True)  # fmt: skip
     if kind == "shared_input":  # whole in; backward all-reduces once for every layer inside
-        module.register_forward_pre_hook(_on_input(lambda x: copy_to(x, group)),
+        module.register_forward_pre_hook(_on_input(_shared_input(module, group)),
                                          with_kwargs=True)  # fmt: skip
     return module
+
+
+def _shared_input(module: nn.Module, group: ProcessGroup) -> Any:
+    """The shared input's entry: ``copy_to``, its all-reduce overlapping weight gradients.
+
+    The column layers inside defer their weight gradients to its backward (``overlap``).
+    """
+    layers: list[ColumnParallelLinear] | None = None
+
+    def enter(x: torch.Tensor) -> torch.Tensor:
+        nonlocal layers
+        if layers is None:  # found at the first call: the plan is applied by then
+            layers = [m for m in module.modules()
+                      if isinstance(m, ColumnParallelLinear) and m.can_defer()]  # fmt: skip
+        if not layers or not overlap.plain_call(x):
+            return copy_to(x, group)
+        deferred = overlap.Deferred([t for m in layers for t in (m.weight, m.bias)])
+        for i, m in enumerate(layers):
+            m.deferred = (deferred, i)
+        return overlap.shared_copy(x, group, deferred)
+
+    return enter
 
 
 _STYLES: dict[str, Any] = {
