@@ -110,6 +110,24 @@ def worker(args: argparse.Namespace) -> int:
         return float(loss.full_tensor().detach() if hasattr(loss, "full_tensor") else loss)
 
     steps = {"shardline": ours_step, "torch": torch_step}
+    if args.ab_overlap:  # ours again, with the shared inputs' all-reduce not overlapped
+        from shardline.parallel.tensor import overlap  # noqa: PLC0415
+
+        plain = sl.tensor_parallel(build(args, device), group)
+        opts["plain"] = torch.optim.AdamW(plain.parameters(), lr=1e-5, foreach=False)
+
+        def plain_step() -> float:
+            on, overlap.plain_call = overlap.plain_call, lambda x: False
+            try:
+                opts["plain"].zero_grad()
+                loss = plain(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opts["plain"].step()
+                return float(loss.detach())
+            finally:
+                overlap.plain_call = on
+
+        steps["no_overlap"] = plain_step
     first = {name: fn() for name, fn in steps.items()}  # the same model: the same first loss
     times, peak = _harness.alternate(steps, args, device)
     med = torch.tensor([statistics.median(times[k]) for k in steps], dtype=torch.float64,
@@ -134,6 +152,8 @@ def worker(args: argparse.Namespace) -> int:
         row[f"{name}_tokens_per_s"] = tokens / t
         row[f"{name}_peak_bytes"] = peak[name]
     row["ratio"] = row["shardline_tokens_per_s"] / row["torch_tokens_per_s"]
+    if "no_overlap" in steps:
+        row["overlap_gain"] = row["shardline_tokens_per_s"] / row["no_overlap_tokens_per_s"]
     return _harness.leave_job(rank, row, args.out)
 
 
@@ -154,6 +174,12 @@ def table(results: dict[int, dict[str, Any]]) -> str:
             f"{row['ratio']:5.2f}x {row['shardline_step_ms']:8.1f} {row['torch_step_ms']:9.1f} "
             f"{first['shardline']:11.5f} / {first['torch']:10.5f} "
             f"{row['param_bytes_per_rank'] / row['param_bytes_ideal']:20.3f}x {peak}"
+            + (
+                f"  overlap: {row['overlap_gain']:.3f}x ours without it "
+                f"({row['no_overlap_step_ms']:.1f} ms)"
+                if "overlap_gain" in row
+                else ""
+            )
         )
     return "\n".join(lines)
 
@@ -188,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument(
+        "--ab-overlap",
+        action="store_true",
+        help="also time ours with the shared inputs' all-reduce not overlapped",
+    )
     _harness.add_blocks(p, steps=3, repeats=3, warmup=1, repeats_help="timed blocks per side")
     _harness.add_launch(p, timeout=900.0)
     args, results = _harness.run_bench(p, argv, __file__, worker, lambda a, w, r, _s: table({w: r}))
