@@ -88,7 +88,9 @@ class FlightRecorder:
 
     def records(self) -> list[list[Any]]:
         """A copy of the records, oldest first (dtypes as text: ``"float32"``)."""
-        out = [list(r) for r in list(self.ops)]
+        # deque.copy() runs in C without releasing the GIL: safe against appends from other
+        # threads, which would break an iteration (``list(deque)``) midway.
+        out = [list(r) for r in self.ops.copy()]
         for r in out:
             if r[DTYPE] is None:
                 r[DTYPE] = ""
@@ -118,7 +120,7 @@ class FlightRecorder:
             return None
         directory = self.directory or default_dir()
         path = directory / f"rank{self.rank}.json"
-        with self._lock, contextlib.suppress(OSError):
+        with self._lock, contextlib.suppress(Exception):
             directory.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(self.snapshot(reason)))
