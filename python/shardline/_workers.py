@@ -112,7 +112,11 @@ class Attempt:
         return worker
 
     def _watch(self) -> _Worker | None:
+        forwarded = self.stop.dumps
         while self.stop.signum is None:
+            if self.stop.dumps != forwarded:
+                forwarded = self.stop.dumps
+                self._forward_dump()
             codes = [w.proc.poll() for w in self.workers]
             for w, rc in zip(self.workers, codes, strict=True):
                 if rc is not None and rc != 0:
@@ -121,6 +125,26 @@ class Attempt:
                 return None
             time.sleep(_POLL_S)
         return None
+
+    def _forward_dump(self) -> None:
+        """Sends SIGUSR1 to every worker that handles it.
+
+        A worker still starting up (before ``shardline.init``) would be killed by it, so it
+        is skipped and named.
+        """
+        ready: list[_Worker] = []
+        skipped: list[_Worker] = []
+        for w in self.workers:
+            if w.proc.poll() is None:
+                (ready if _catches(w.proc.pid, signal.SIGUSR1) else skipped).append(w)
+        for w in ready:
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.send_signal(signal.SIGUSR1)
+        note = f"; ranks {[w.rank for w in skipped]} do not handle it yet" if skipped else ""
+        say(
+            f"SIGUSR1 forwarded to rank(s) {[w.rank for w in ready]}: each writes its flight "
+            f"record; `shardline why <dir>` reads them{note}"
+        )
 
     def _stop_all(self) -> None:
         """SIGTERM to every worker's group, SIGKILL to what is left after the grace period."""
@@ -244,11 +268,19 @@ def say(message: str) -> None:
 
 
 class StopSignals:
-    """The stop signals the launcher received: the first one's number, and how many."""
+    """The stop signals the launcher received: the first one's number, and how many.
+
+    Also counts ``SIGUSR1``s, which the launcher forwards to its workers (each writes its
+    flight record: ``shardline.comm.flight``).
+    """
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.count = 0
+        self.dumps = 0
+
+    def handle_dump(self, signum: int, frame: FrameType | None) -> None:
+        self.dumps += 1  # see [Note: no locks in handlers]
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         # [Note: no locks in handlers] Only plain assignments: the handler runs in the main
@@ -265,11 +297,24 @@ def catch_stop_signals() -> Iterator[StopSignals]:
         yield stop
         return
     previous = {s: signal.signal(s, stop.handle) for s in _STOP_SIGNALS}
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, stop.handle_dump)
     try:
         yield stop
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (Linux: /proc; else False)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def _signal_group(pgid: int, signum: signal.Signals) -> None:

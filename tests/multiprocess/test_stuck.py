@@ -11,9 +11,13 @@ ids). The stopped rank is killed at the end.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +82,40 @@ def test_a_stopped_rank_is_named_by_every_other_rank_and_by_shardline_why(
     assert why.returncode == 0, why.stderr
     found = SENTENCE.search(why.stdout)
     assert found and found.group(1) in numbers, why.stdout
+
+
+def test_sigusr1_to_the_launcher_makes_every_rank_write_its_flight_record(tmp_path: Path) -> None:
+    """``kill -USR1`` of ``shardline run`` reaches every worker that handles it (once it ran
+    ``shardline.init``): each writes ``rank<r>.json``, and the job goes on."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": PYTHONPATH,
+        "SHARDLINE_FLIGHT_DIR": str(tmp_path),
+        "WORKER_STEPS": "0",  # all-reduces until stopped
+    }
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shardline", "run", "--nproc-per-node", "2", str(WORKER),
+         "all_reduce_loop"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert launcher.stdout is not None
+        deadline = time.monotonic() + 60
+        seen: set[str] = set()
+        while len(seen) < 2 and time.monotonic() < deadline:  # both ranks are training
+            line = launcher.stdout.readline()
+            if "STEP 10" in line:
+                seen.add(line.split("]")[0])
+        assert len(seen) == 2, "the workers did not start"
+        launcher.send_signal(signal.SIGUSR1)
+        files = [tmp_path / f"rank{r}.json" for r in range(2)]
+        while not all(f.exists() for f in files) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dumps = [json.loads(f.read_text()) for f in files]
+        assert launcher.poll() is None, "SIGUSR1 stopped the job"
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=30)
+    assert [d["reason"] for d in dumps] == ["SIGUSR1", "SIGUSR1"], err
+    assert all(any(op[2] == "all_reduce" for op in d["ops"]) for d in dumps)
+    assert "SIGUSR1 forwarded to rank(s) [0, 1]" in err
