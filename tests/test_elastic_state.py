@@ -177,8 +177,9 @@ def test_misuse_is_refused_with_what_to_do() -> None:
         sl.elastic.State(model=m).restore()
     with pytest.raises(InvalidArgumentError, match="needs its model"):
         sl.elastic.State(optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
-    with pytest.raises(InvalidArgumentError, match="commit is a name State uses"):
-        sl.elastic.State(commit=1)
+    for name in ("commit", "fields", "commits", "last_commit_seconds"):
+        with pytest.raises(InvalidArgumentError, match=f"{name} is a name State uses"):
+            sl.elastic.State(**{name: 1})
     with pytest.raises(AttributeError, match="no field 'steps'"):
         _ = sl.elastic.State(step=1).steps
 

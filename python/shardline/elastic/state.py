@@ -48,6 +48,10 @@ _log = logging.getLogger("shardline")
 _ON_DISK: dict[str, Any] = {"on disk": True}  # _recover: only a checkpoint can help (by identity)
 _OWN = ("model", "optimizer", "sampler")
 _TREES = ("model", "optimizer")  # the parts of a commit that hold tensors
+# What a State holds besides its fields: a field cannot take one of these names.
+_ATTRIBUTES = frozenset(
+    ("group", "checkpoint_dir", "restored_from", "commits", "committed_at", "last_commit_seconds")
+)
 
 
 @dataclass(frozen=True)
@@ -138,8 +142,7 @@ class State:
                 "elastic.State: an optimizer needs its model (its state is kept by the "
                 "model's parameter names); pass model= too"
             )
-        used = {"commit", "restore", "save", "commits", "committed_at", "group", "restored_from"}
-        clash = sorted(set(extra) & used)
+        clash = sorted(name for name in extra if hasattr(State, name) or name in _ATTRIBUTES)
         if clash:
             raise InvalidArgumentError(
                 f"elastic.State: {', '.join(clash)} is a name State uses; rename the field"
