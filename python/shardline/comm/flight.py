@@ -47,7 +47,7 @@ class FlightRecorder:
     """This process's last ops (see the module doc); one per process: ``RECORDER``."""
 
     def __init__(self, capacity: int = 1000) -> None:
-        # The records, oldest first; ``ProcessGroup`` appends to it directly (the hot path).
+        # The records, oldest first.
         self.ops: deque[list[Any]] = deque(maxlen=max(capacity, 1))
         self.enabled = capacity > 0
         self.rank: int | None = None

@@ -5,13 +5,14 @@ read: rank ``r`` sends its commit to rank ``(r + 1) % n`` (its buddy) and keeps 
 rank ``(r - 1) % n``. Host memory per rank doubles; a commit costs one point-to-point
 exchange of this rank's share on top of the host copy.
 
-A commit travels as a skeleton (its structure, tensors replaced by ``Slot``s, pickled) and
-its tensors, each sent as it is (through the group's device: NCCL stages a tensor at a time
-through the GPU).
+A commit travels as a header (its skeleton, tensors replaced by ``Slot``s, and each tensor's
+shape and dtype, pickled) and its tensors, each sent as it is (through the group's device:
+NCCL stages a tensor at a time through the GPU).
 """
 
 from __future__ import annotations
 
+import math
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,6 @@ from typing import Any
 import torch
 
 from shardline.comm.group import ProcessGroup
-from shardline.parallel.contract import Local, Shard
 
 __all__ = ["Slot", "exchange", "give", "take"]
 
@@ -29,8 +29,6 @@ class Slot:
     """Where a tensor was in a commit's skeleton: its index among the tensors sent."""
 
     index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 def _send(g: ProcessGroup, t: torch.Tensor, dst: int, works: list[Any], keep: list[Any]) -> None:
@@ -50,7 +48,8 @@ def _send_commit(
 ) -> tuple[list[Any], list[Any]]:
     works: list[Any] = []
     keep: list[Any] = []
-    blob = torch.frombuffer(bytearray(pickle.dumps(skeleton)), dtype=torch.uint8)
+    specs = [(tuple(t.shape), t.dtype) for t in tensors]
+    blob = torch.frombuffer(bytearray(pickle.dumps((skeleton, specs))), dtype=torch.uint8)
     _send(g, torch.tensor([blob.numel()], dtype=torch.int64), dst, works, keep)
     _send(g, blob, dst, works, keep)
     for t in tensors:
@@ -61,50 +60,15 @@ def _send_commit(
 
 def _recv_commit(g: ProcessGroup, src: int) -> tuple[Any, list[torch.Tensor]]:
     n = int(_recv(g, (1,), torch.int64, src)[0])
-    skeleton = pickle.loads(_recv(g, (n,), torch.uint8, src).numpy().tobytes())  # our own ranks
+    header = _recv(g, (n,), torch.uint8, src).numpy().tobytes()
+    skeleton, specs = pickle.loads(header)  # from a rank of our own job
     tensors = [
-        _recv(g, (s.numel,), s.dtype, src).reshape(s.shape)
-        if s.numel
-        else torch.empty(s.shape, dtype=s.dtype)
-        for s in _specs(skeleton)
+        _recv(g, (math.prod(shape),), dtype, src).reshape(shape)
+        if math.prod(shape)
+        else torch.empty(shape, dtype=dtype)
+        for shape, dtype in specs
     ]
     return skeleton, tensors
-
-
-@dataclass(frozen=True)
-class _Spec:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-def _specs(skeleton: Any) -> list[_Spec]:
-    """The tensors a skeleton's slots stand for, in index order."""
-    found: dict[int, _Spec] = {}
-
-    def walk(v: Any) -> None:
-        if isinstance(v, Slot):
-            found[v.index] = _Spec(v.shape, v.dtype)
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, list | tuple):
-            for x in v:
-                walk(x)
-        elif isinstance(v, Shard):
-            for p in v.pieces:
-                walk(p.tensor)
-        elif isinstance(v, Local):
-            walk(v.tensor)
-
-    walk(skeleton)
-    return [found[i] for i in range(len(found))]
 
 
 def exchange(

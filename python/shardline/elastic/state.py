@@ -337,7 +337,7 @@ def _split(saved: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
     def slot(held: _Held) -> buddy.Slot:
         devices[len(tensors)] = held.device
         tensors.append(held.host)
-        return buddy.Slot(len(tensors) - 1, tuple(held.host.shape), held.host.dtype)
+        return buddy.Slot(len(tensors) - 1)
 
     skeleton = {k: _map(v, slot, {}) if k in _TREES else v for k, v in saved.items()}
     skeleton["devices"] = devices
