@@ -29,7 +29,21 @@ examples:
   # two nodes: export the same SHARDLINE_SECRET on both, then
   shardline run --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 \\
       --nproc-per-node 8 train.py
+  # elastic: run the same line on every node (2 to 4 of them); a node may join later
+  shardline run --nnodes 2:4 --max-restarts 3 --master-addr node0 --master-port 29500 \\
+      --nproc-per-node 8 train.py
 """
+
+
+def _nnodes(text: str) -> tuple[int | None, int]:
+    """``--nnodes``: ``N`` (fixed: ``(None, N)``) or ``MIN:MAX`` (elastic)."""
+    try:
+        if ":" in text:
+            low, high = text.split(":", 1)
+            return int(low), int(high)
+        return None, int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="workers on this node (default: 1)",
     )
     run.add_argument(
-        "--nnodes", type=int, default=1, metavar="N", help="nodes in the job (default: 1)"
+        "--nnodes",
+        type=_nnodes,
+        default=(None, 1),
+        metavar="N|MIN:MAX",
+        help="nodes in the job (default: 1); MIN:MAX makes the job elastic: workers that die "
+        "are replaced without restarting the others, and nodes may leave and join while "
+        "MIN to MAX remain (needs --master-port)",
     )
     run.add_argument(
         "--node-rank",
@@ -205,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args=tuple(ns.args),
             module=ns.module,
             nproc_per_node=ns.nproc_per_node,
-            nnodes=ns.nnodes,
+            nnodes=ns.nnodes[1],
+            min_nodes=ns.nnodes[0],
             node_rank=ns.node_rank,
             master_addr=ns.master_addr,
             master_port=ns.master_port,

@@ -14,6 +14,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "CommunicatorClosedError",
     "InvalidArgumentError",
+    "MembershipChanged",
     "PeerLostError",
     "ProtocolError",
     "ShardlineError",
@@ -72,3 +73,11 @@ class CommunicatorClosedError(ShardlineError, RuntimeError):
 
 class CheckpointError(ShardlineError, OSError):
     """A checkpoint could not be written, read or resharded."""
+
+
+class MembershipChanged(ShardlineError):
+    """An elastic job's members changed (a node joined); ``elastic.run`` re-forms the group.
+
+    ``State.commit`` raises it on every rank at the same step, once the commit is made. Seen
+    outside ``shardline.elastic.run``, it means the training function does not run under it.
+    """

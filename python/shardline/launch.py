@@ -70,7 +70,10 @@ class LaunchConfig:
         master_addr: Host of node 0, where its launcher hosts the rendezvous store (and rank 0
             runs).
         master_port: Port of that store; ``None`` picks a free one (one node only).
-        max_restarts: How many times a failed group is restarted before giving up.
+        max_restarts: How many times a failed group is restarted before giving up; in an
+            elastic job, how many workers this node replaces.
+        min_nodes: ``--nnodes MIN:MAX``'s MIN (``nnodes`` is then MAX): the job is elastic
+            (``shardline.elastic.agent``); ``None`` for a fixed size.
         prefix_output: Put ``[rank<N>]: `` in front of every line a worker prints.
         grace_period: Seconds between SIGTERM and SIGKILL when stopping workers.
 
@@ -87,6 +90,7 @@ class LaunchConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     max_restarts: int = 0
+    min_nodes: int | None = None
     prefix_output: bool = True
     grace_period: float = DEFAULT_GRACE_PERIOD_S
 
@@ -115,12 +119,27 @@ class LaunchConfig:
             raise InvalidArgumentError(
                 f"--master-port {self.master_port} is not a port in [1, 65535]"
             )
-        if self.nnodes > 1 and self.master_port is None:
+        if self.min_nodes is not None:
+            if not 1 <= self.min_nodes <= self.nnodes:
+                raise InvalidArgumentError(
+                    f"--nnodes {self.min_nodes}:{self.nnodes}: need 1 <= MIN <= MAX"
+                )
+            if self.master_port is None:
+                raise InvalidArgumentError(
+                    f"--nnodes {self.min_nodes}:{self.nnodes} (elastic) needs --master-port: "
+                    "every node's launcher meets the others at --master-addr:--master-port"
+                )
+        elif self.nnodes > 1 and self.master_port is None:
             raise InvalidArgumentError(
                 f"--nnodes {self.nnodes} needs --master-port: every node must use the same "
                 "port, so pick one that is free on the master node (node rank 0) and pass "
                 "it to every launcher"
             )
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job is elastic (``--nnodes MIN:MAX``)."""
+        return self.min_nodes is not None
 
     @property
     def world_size(self) -> int:
@@ -164,7 +183,7 @@ def resolve_secret(config: LaunchConfig, env: Mapping[str, str]) -> str | None:
     given: str | None = settings.raw("SHARDLINE_SECRET", env)
     if given is not None:
         return given
-    if config.nnodes == 1:
+    if config.nnodes == 1 and not config.elastic:
         return secrets.token_hex(32)
     if settings.get("SHARDLINE_INSECURE", env):
         return None
@@ -280,6 +299,11 @@ def launch(config: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
             f"warning: --nnodes {config.nnodes} with --master-addr {config.master_addr}: "
             "workers on other hosts cannot reach a loopback address"
         )
+    if config.elastic:
+        from shardline.elastic.agent import run_node  # noqa: PLC0415
+
+        with catch_stop_signals() as stop:
+            return run_node(config, base, secret, stop)
     attempts = config.max_restarts + 1
     with catch_stop_signals() as stop:
         for attempt in range(attempts):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardline import config
-from shardline.comm import BACKENDS, init_process_group
+from shardline.comm import BACKENDS, init_process_group, membership
 from shardline.comm.backends._store import (
     StoreClient,
     linger_after_failure,
@@ -34,6 +34,7 @@ from shardline.comm.backends._store import (
 )
 from shardline.comm.flight import RECORDER
 from shardline.comm.group import ProcessGroup
+from shardline.comm.membership import Generation
 from shardline.comm.rendezvous import (
     create_store,
     host_identity,
@@ -46,7 +47,16 @@ from shardline.errors import CollectiveTimeoutError, PeerLostError, ShardlineErr
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
-__all__ = ["choose_backend", "default_group", "init", "is_initialized", "shutdown"]
+__all__ = [
+    "choose_backend",
+    "default_group",
+    "elastic_generation",
+    "init",
+    "is_initialized",
+    "joined_running_job",
+    "reform",
+    "shutdown",
+]
 
 _log = logging.getLogger("shardline")
 _JOINING = "joining the job (shardline.init)"
@@ -116,9 +126,37 @@ class _Job:
             )
 
 
+@dataclass
+class _Elastic:
+    """This worker's place in an elastic job (``shardline run --nnodes MIN:MAX``).
+
+    Attributes:
+        store: The job's store (no prefix: membership keys are global to the job).
+        slot: ``"<node>.<local rank>"``, where its launcher runs it.
+        incarnation: 0 for the slot's first process, +1 for each replacement.
+        generation: The generation the default group belongs to.
+        backend: The backend every generation uses.
+        timeout: Deadline of every wait, in seconds.
+        local_rank: This worker's rank on its node.
+        joined_late: This process joined a generation after the job's first: the others
+            restore the state for it (``shardline.elastic.run``) and ``distribute`` runs no
+            collective of its own (the state comes with the restore).
+    """
+
+    store: Store
+    slot: str
+    incarnation: int
+    generation: Generation
+    backend: str
+    timeout: float
+    local_rank: int
+    joined_late: bool
+
+
 _lock = threading.Lock()
 _default: ProcessGroup | None = None
 _job: _Job | None = None
+_elastic: _Elastic | None = None
 _atexit_registered = False
 
 
@@ -209,6 +247,10 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
             _default = _init_mpi(timeout)
             _start_recorder(_default)
             return _default
+        if os.environ.get("SHARDLINE_ELASTIC_SLOT"):
+            _default = _init_elastic(backend, timeout, explicit=bool(named))
+            _start_recorder(_default)
+            return _default
         info = read_env()
         chosen = choose_backend(backend, local_world_size=info.local_world_size)
         store = create_store(info, timeout)
@@ -246,6 +288,154 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
         _default, _job = group, job
         _start_recorder(group)
         return group
+
+
+def _init_elastic(
+    backend: str | None, timeout: timedelta | float | None, *, explicit: bool
+) -> ProcessGroup:
+    """``init`` under an elastic launcher: wait for a generation that lists this process."""
+    global _job, _elastic  # noqa: PLW0603
+    import torch.distributed as dist  # noqa: PLC0415
+
+    _die_with_launcher()
+    slot = os.environ["SHARDLINE_ELASTIC_SLOT"]
+    incarnation = int(os.environ.get("SHARDLINE_ELASTIC_INCARNATION", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    seconds = timeout_seconds(timeout)
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    try:
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            addr, port, None, False, timedelta(seconds=seconds)
+        )
+    except (RuntimeError, OSError) as exc:
+        raise PeerLostError(
+            f"slot {slot}: cannot reach the elastic job's store at {addr}:{port} ({exc}); "
+            "its launcher (the node that hosts it) is gone"
+        ) from exc
+    gen = membership.join(store, slot, incarnation, seconds)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    chosen = choose_backend(backend, local_world_size=local_world)
+    state = _Elastic(store, slot, incarnation, gen, chosen, seconds, local_rank,
+                     joined_late=gen.number > 1)  # fmt: skip
+    group = _form_newest(state, explicit=explicit)
+    state.joined_late = state.generation.number > 1
+    _elastic = state
+    _job = _Job(store, group.rank, group.world_size, leave_together=False, timeout=seconds)
+    return group
+
+
+def _die_with_launcher() -> None:
+    """Asks Linux to kill this worker when its launcher dies: a node goes as a whole."""
+    import ctypes  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the launcher died before the call
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _form_newest(state: _Elastic, *, explicit: bool = True) -> ProcessGroup:
+    """The default group of ``state.generation``, or of a later one that replaced it.
+
+    A generation replaced while its group forms (the members changed again) fails its
+    waits (``PeerLostError``, see ``membership.Coordinator``): this process then joins the
+    next one that lists it.
+    """
+    while True:
+        try:
+            return _form_generation(state, explicit=explicit)
+        except PeerLostError:
+            newest = membership.next_after(state.store, state.generation.number, state.slot,
+                                           state.incarnation, state.timeout)  # fmt: skip
+            _log.warning("elastic: generation %d was replaced while it formed; joining %d",
+                         state.generation.number, newest.number)  # fmt: skip
+            state.generation = newest
+
+
+def _form_generation(state: _Elastic, *, explicit: bool = True) -> ProcessGroup:
+    """The default group of ``state.generation`` (its keys under ``/elastic/g<n>``)."""
+    gen = state.generation
+    rank = gen.rank_of(state.slot, state.incarnation)
+    assert rank is not None
+    store = membership.generation_store(state.store, gen.number)
+    try:
+        _agree_on_backend(store, rank, state.backend, explicit=explicit)
+        device = None
+        if state.backend == "nccl":
+            from shardline.comm.backends import nccl  # noqa: PLC0415
+
+            device = nccl.default_device(state.local_rank)
+        return init_process_group(
+            store, rank, gen.world_size, backend=state.backend, host_id=host_identity(),
+            name=f"world.g{gen.number}", timeout=state.timeout,
+            master_addr=os.environ.get("MASTER_ADDR"), device=device,
+        )  # fmt: skip
+    except Exception as exc:
+        publish_failure(store, rank, exc)
+        raise
+
+
+def elastic_generation() -> Generation | None:
+    """The generation the default group belongs to in an elastic job; else ``None``."""
+    return _elastic.generation if _elastic is not None else None
+
+
+def joined_running_job() -> bool:
+    """Whether this process joined an elastic job after its first generation.
+
+    ``distribute`` then skips its start-up collectives (the survivors do not run them: the
+    state comes from their restore in ``shardline.elastic.run``).
+    """
+    return _elastic is not None and _elastic.joined_late
+
+
+def settled() -> None:
+    """This process has taken part in a restore: later ``distribute`` calls sync as usual."""
+    if _elastic is not None:
+        _elastic.joined_late = False
+
+
+def membership_changed() -> bool:
+    """Whether a generation after the default group's was published (a store round trip)."""
+    e = _elastic
+    return e is not None and membership.pending(e.store, e.generation.number)
+
+
+def reform() -> ProcessGroup:
+    """After a lost rank or a membership change: the default group of the next generation.
+
+    Waits for the launcher's coordinator to publish a generation after the current one that
+    lists this process, shuts the old group down (its sub-groups too) and joins the new one.
+    Only in an elastic job (``shardline run --nnodes MIN:MAX``); ``shardline.elastic.run``
+    calls it.
+
+    Raises:
+        ShardlineError: not an elastic job, or the job stopped (too few nodes).
+        CollectiveTimeoutError: no such generation within ``SHARDLINE_TIMEOUT``.
+    """
+    global _default, _job  # noqa: PLW0603
+    e = _elastic
+    if e is None or _default is None:
+        raise ShardlineError(
+            "shardline.reform: not an elastic job; launch with `shardline run --nnodes MIN:MAX`"
+        )
+    old = _default
+    e.generation = membership.next_after(e.store, e.generation.number, e.slot, e.incarnation,
+                                         e.timeout)  # fmt: skip
+    if old._lost_peer() is not None:  # a healthy group (a grow) finishes its ops instead
+        with contextlib.suppress(Exception):
+            old.abort(f"the job moved on to generation {e.generation.number}")
+    with contextlib.suppress(Exception):
+        old.shutdown()
+    group = _form_newest(e)
+    with _lock:
+        _default = group
+        _job = _Job(e.store, group.rank, group.world_size, leave_together=False,
+                    timeout=e.timeout)  # fmt: skip
+    _start_recorder(group)
+    return group
 
 
 def _start_recorder(group: ProcessGroup) -> None:

@@ -1,10 +1,12 @@
-"""Elastic training: state committed in memory and restored in place after a failure.
+"""Elastic training: ranks leave and join, state is restored from memory, training goes on.
 
 ``State`` commits a rank's share of the training state in host memory, with a copy at its
-buddy rank, and restores it into the same objects. Re-forming the group in place after a lost
-rank, and resharding to a new size, are not built yet (see the README's "Status and limits").
+buddy rank, and restores it into the same objects. ``run`` re-enters the training function
+after a membership change of an elastic job (``shardline run --nnodes MIN:MAX``, launched by
+``elastic.agent``), with the group re-formed and the state resharded to the new size.
 """
 
+from shardline.elastic.run import run
 from shardline.elastic.state import State
 
-__all__ = ["State"]
+__all__ = ["State", "run"]

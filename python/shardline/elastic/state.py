@@ -24,6 +24,7 @@ point-to-point exchange of that share; ``benches/bench_commit.py`` measures the 
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 import time
@@ -35,10 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardline.comm import world
 from shardline.comm.group import ProcessGroup
 from shardline.comm.objects import all_gather_object, broadcast_object
-from shardline.elastic import buddy
-from shardline.errors import InvalidArgumentError
+from shardline.elastic import buddy, reshard
+from shardline.errors import InvalidArgumentError, MembershipChanged
 from shardline.parallel import contract
 from shardline.parallel.contract import Box, FlatRange, Local, Shard
 
@@ -149,6 +151,8 @@ class State:
             )
         object.__setattr__(self, "_fields", dict(extra))
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
+        if group is None and world.elastic_generation() is not None:
+            group = world.default_group()  # an elastic job commits over the whole job
         self.group = group if group is not None and group.world_size > 1 else None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.restored_from: str | None = None  # "memory", "buddy" or a checkpoint's path
@@ -157,6 +161,10 @@ class State:
         self.committed_at: float | None = None
         self.last_commit_seconds = 0.0
         self._saved: dict[str, Any] | None = None
+        # The commit before: kept until the next one is complete everywhere (a rank lost in
+        # the middle of a commit leaves some ranks with the new one and some without).
+        self._previous: dict[str, Any] | None = None
+        self._held_previous: tuple[Any, list[torch.Tensor]] | None = None
 
     # Extra fields read and write as attributes.
 
@@ -180,8 +188,25 @@ class State:
         """Makes the current state the one ``restore`` returns to (this rank's share).
 
         Waits for the device's pending work on the copied tensors (a CUDA sync), so call it
-        between steps, after ``optimizer.step()``.
+        between steps, after ``optimizer.step()``. In an elastic job it also learns, with
+        the other ranks, whether a node joined: it then raises ``MembershipChanged`` (once the
+        commit is made) for ``shardline.elastic.run`` to re-form the group, so make it the
+        step's last statement.
         """
+        self._snapshot(self.commits + 1)
+        g = self.group
+        if g is not None and world.elastic_generation() is not None:
+            # Every rank learns of a new member at the same step: one flag, all-reduced.
+            flag = torch.tensor([int(world.membership_changed())], device=g.device)
+            g.all_reduce(flag, "max")
+            if int(flag.item()):
+                raise MembershipChanged(
+                    "the elastic job's members changed; run the training function under "
+                    "shardline.elastic.run, which re-forms the group and goes on"
+                )
+
+    def _snapshot(self, number: int) -> None:
+        """Copies the state into host memory as commit ``number`` (and to the buddy)."""
         start = time.perf_counter()
         devices: set[torch.device] = set()
 
@@ -203,11 +228,14 @@ class State:
             saved["sampler"] = copy.deepcopy(self.sampler.state_dict())
         for device in devices - {torch.device("cpu")}:
             torch.cuda.synchronize(device)  # the pinned copies ran asynchronously
-        saved["number"] = self.commits + 1
-        if self.group is not None:
-            self._held = buddy.exchange(self.group, *_split(saved))
+        saved["number"] = number
+        g = self.group
+        saved["rank"], saved["world"] = (g.rank, g.world_size) if g is not None else (0, 1)
+        self._previous, self._held_previous = self._saved, self._held
+        if g is not None:
+            self._held = buddy.exchange(g, *_split(saved))
         self._saved = saved
-        self.commits += 1
+        self.commits = number
         self.committed_at = time.time()
         self.last_commit_seconds = time.perf_counter() - start
 
@@ -274,6 +302,108 @@ class State:
                 self.restored_from = "buddy"
         return self._saved
 
+    # -- after a membership change ------------------------------------------------------------
+
+    def _move_to(self, group: ProcessGroup) -> None:
+        """Points the state at the re-formed group: the model's strategy and the sampler too.
+
+        No collective; the values come with ``_rejoin``.
+        """
+        if self.model is not None:
+            contract.regroup(self.model, group)
+        self.group = group if group.world_size > 1 else None
+        if self.sampler is not None and hasattr(self.sampler, "num_replicas"):
+            self.sampler.num_replicas, self.sampler.rank = group.world_size, group.rank
+
+    def _commits(self) -> list[tuple[int, int, int, str]]:
+        """What this rank holds: ``(number, old rank, old world size, "own" | "held")``."""
+        out = []
+        for saved in (self._saved, self._previous):
+            if saved is not None:
+                out.append((saved["number"], saved["rank"], saved["world"], "own"))
+        for held in (self._held, self._held_previous):
+            if held is not None:
+                sk = held[0]
+                out.append((sk["number"], (sk["rank"]), sk["world"], "held"))
+        return out
+
+    def _rejoin(self, group: ProcessGroup) -> None:
+        """Restores the newest complete commit of the old group into this group's layout.
+
+        Collective over ``group`` (every rank of the new generation: survivors, replacements
+        and newcomers). A commit is complete when every old rank's share of it is held by
+        someone: itself, or its buddy. The shares move to their new owners
+        (``elastic.reshard``); the fields and the sampler's position come from old rank 0's.
+        Falls back to the latest checkpoint in ``checkpoint_dir`` when no commit is complete.
+        """
+        sig = _signature(self.model)
+        views = all_gather_object(
+            {"sig": sig, "commits": self._commits(), "disk": self._latest() is not None}, group
+        )
+        if len({v["sig"] for v in views}) > 1:
+            raise InvalidArgumentError(
+                "elastic: the ranks of the new generation hold different models (parameter "
+                "names or shapes differ); every process must build the same model"
+            )
+        number, world_size = _newest_complete(views)
+        if number is None:
+            if all(v["disk"] for v in views):
+                if group.world_size > 1:
+                    self.group = group
+                self._load_latest()
+                return
+            if not any(v["commits"] for v in views):
+                raise InvalidArgumentError(
+                    "elastic: a rank was lost before the first state.commit(), so there is "
+                    "nothing to go back to; commit after the first step, or give State a "
+                    "checkpoint_dir and call state.save()"
+                )
+            raise InvalidArgumentError(
+                "elastic: no commit is complete among the survivors (a rank and its buddy "
+                "were both lost) and no checkpoint_dir holds a checkpoint; give State a "
+                "checkpoint_dir and call state.save() now and then"
+            )
+        owners = {c[1] for v in views for c in v["commits"] if c[0] == number and c[3] == "own"}
+        mine: list[reshard.Commit] = []
+        first: int | None = None  # the rank giving old rank 0's fields and sampler position
+        for r, v in enumerate(views):
+            for num, q, _, kind in v["commits"]:
+                if num == number and q == 0 and (kind == "own" or 0 not in owners):
+                    first = r if first is None else first
+        for saved in (self._saved, self._previous):
+            if saved is not None and saved["number"] == number:
+                mine.append(_host_commit(saved))
+        for held in (self._held, self._held_previous):
+            if held is not None and held[0]["number"] == number and held[0]["rank"] not in owners:
+                mine.append(_host_commit(_join(*held)))
+        reshard.load(group, mine, self.model, self.optimizer)
+        assert first is not None
+        top = self._by_number(number, rank=0) if group.rank == first else None
+        extra = broadcast_object(
+            (top["fields"], top.get("sampler")) if top is not None else None, first, group
+        )
+        fields, sampler_state = extra
+        self._fields.update(copy.deepcopy(fields))
+        if self.sampler is not None and sampler_state is not None:
+            self.sampler.load_state_dict(sampler_state)
+        self.restored_from = "memory" if world_size == group.world_size else "resharded"
+        self.group = group if group.world_size > 1 else None
+        # The commits held were made in the old layout: the restored state is committed
+        # again at once, in this one, so that a failure before the next commit finds it.
+        self._saved = self._previous = None
+        self._held = self._held_previous = None
+        self._snapshot(number)
+
+    def _by_number(self, number: int, rank: int) -> dict[str, Any] | None:
+        """The commit ``number`` of old rank ``rank`` this rank holds (own or held)."""
+        for saved in (self._saved, self._previous):
+            if saved is not None and saved["number"] == number and saved["rank"] == rank:
+                return saved
+        for held in (self._held, self._held_previous):
+            if held is not None and held[0]["number"] == number and held[0]["rank"] == rank:
+                return _join(*held)
+        return None
+
     # -- on disk --------------------------------------------------------------------------------
 
     def save(self) -> Path:
@@ -324,6 +454,44 @@ class State:
     def __repr__(self) -> str:
         held = [k for k in _OWN if getattr(self, k) is not None]
         return f"elastic.State({', '.join(held + list(self._fields))}; commits={self.commits})"
+
+
+def _signature(model: nn.Module | None) -> str:
+    """The model's parameter names and global shapes, hashed: the same model on every rank."""
+    if model is None:
+        return ""
+    from shardline.checkpoint._state import global_shape  # noqa: PLC0415
+
+    sd = contract.sharded_state_dict(model)
+    text = repr(sorted((n, global_shape(v)) for n, v in sd.items() if not isinstance(v, Local)))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _newest_complete(views: list[dict[str, Any]]) -> tuple[int | None, int]:
+    """The newest commit number every old rank's share of is held by someone, and its size."""
+    held: dict[int, set[int]] = {}
+    sizes: dict[int, int] = {}
+    for v in views:
+        for number, q, size, _ in v["commits"]:
+            held.setdefault(number, set()).add(q)
+            sizes[number] = size
+    for number in sorted(held, reverse=True):
+        if held[number] >= set(range(sizes[number])):
+            return number, sizes[number]
+    return None, 0
+
+
+def _host_commit(saved: dict[str, Any]) -> Any:
+    """A commit with host tensors in place of ``_Held``s, for ``reshard``."""
+
+    def host(h: Any) -> torch.Tensor:
+        return h.host if isinstance(h, _Held) else h
+
+    return reshard.Commit(
+        saved["rank"],
+        _map(saved["model"], host, {}) if "model" in saved else None,
+        _map(saved["optimizer"], host, {}) if "optimizer" in saved else None,
+    )
 
 
 def _split(saved: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:

@@ -29,6 +29,13 @@ has one, else the default for a plain module (``composed_state_dict``): every te
 replicated, but a submodule's own values where it has the method; optimizer state that has
 its parameter's local shape laid out like the parameter (``state_like``). A module that defines only
 ``sharded_state_dict()`` (tensor-parallel blocks, say) gets the defaults for the other three.
+
+A strategy may also define ``regroup(group)`` (elastic training, ``regroup(model, group)``
+here): it moves onto a new process group in place, the same wrapper and local parameter
+objects, without a collective (the old group is dead), leaving the layout a fresh wrapper on
+``group`` would have; the values are then restored through the four methods above
+(``sl.checkpoint.load``). A plain module holds no communication state and needs nothing; a
+strategy without ``regroup`` is refused.
 """
 
 from __future__ import annotations
@@ -36,12 +43,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from shardline.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from shardline.comm.group import ProcessGroup
 
 __all__ = [
     "BlockShard",
@@ -58,9 +68,11 @@ __all__ = [
     "load_sharded_state_dict",
     "named_tensors",
     "param_layouts",
+    "regroup",
     "sharded_optim_state_dict",
     "sharded_state_dict",
     "state_like",
+    "strategies_inside",
 ]
 
 
@@ -455,3 +467,57 @@ def layout(model: nn.Module | None) -> dict[str, Any]:
     if callable(own):
         return dict(own())
     return {"strategy": "none" if model is None else "plain", "mesh": {}}
+
+
+# -- elastic training: moving onto a new group -----------------------------------------------------
+
+
+def strategies_inside(model: nn.Module) -> dict[str, nn.Module]:
+    """The outermost modules of ``model`` (``""``: itself) that lay their own state out.
+
+    Those that define ``sharded_state_dict`` (every strategy and tensor-parallel layer: they
+    hold process groups), by name; a module inside another is not listed.
+    """
+    found: dict[str, nn.Module] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        inside = any(name.startswith(f"{p}.") or p == "" for p in found)
+        if not inside and callable(getattr(m, "sharded_state_dict", None)):
+            found[name] = m
+    return found
+
+
+def regroup(model: nn.Module, group: ProcessGroup) -> None:
+    """Moves ``model`` onto ``group`` in place: ``model.regroup(group)``, or a plain module's.
+
+    For elastic training, after ranks were lost or added: the old group is dead and nothing
+    is communicated on it, nor on ``group``. The strategy keeps its wrapper and its local
+    parameter objects (an optimizer over ``model.parameters()`` stays valid; ZeRO clears the
+    state it holds for its shards, shaped for the old ones) and takes the layout a fresh
+    wrapper on ``group`` has in a process that joins the running job; parameter values are
+    then undefined until the caller restores model and optimizer state
+    (``sl.checkpoint.load(..., group=group)``). DDP and ZeRO-1/2/3 can (see their
+    ``regroup``); a plain module (replicated, no communication state) needs nothing, and one
+    holding strategies that can, inside, has each of them moved.
+
+    Raises:
+        InvalidArgumentError: ``model`` is, or holds, a strategy that cannot move to a new
+            group yet (a pipeline stage, a tensor-parallel layer), named in the message.
+    """
+    own: Any = getattr(model, "regroup", None)
+    if callable(own):
+        own(group)
+        return
+    inside = strategies_inside(model)
+    # Check every one before moving any, so a refusal leaves the model as it was.
+    for name, m in inside.items():
+        if not callable(getattr(m, "regroup", None)):
+            where = f" (at {name!r})" if name else ""
+            raise InvalidArgumentError(
+                f"elastic: {type(m).__name__}{where} cannot move to a new group yet; DDP and "
+                "ZeRO-1/2/3 can"
+            )
+    moved: set[int] = set()
+    for m in inside.values():
+        if id(m) not in moved:  # a module under two names moves once
+            moved.add(id(m))
+            m.regroup(group)  # type: ignore[operator]

@@ -213,6 +213,8 @@ class StoreClient:
             record = json.loads(bytes(self.store.get(f"{FAILURES}/1")))
             with contextlib.suppress(*_STORE_ERRORS):
                 self.store.add(FAILURES_SEEN, 1)
+        if int(record["rank"]) < 0:  # not a rank's failure: the job's (an elastic generation)
+            raise PeerLostError(f"rank {self.rank}: {self.task}: {what}: {record['message']}")
         kind = AuthenticationError if record["kind"] == "AuthenticationError" else PeerLostError
         advice = (
             "give every rank the same SHARDLINE_SECRET"

@@ -21,6 +21,9 @@ Uneven inputs: inside ``with model.join():`` a rank that runs out of batches kee
 others' collectives with zero gradients until every rank is done, then all ranks take the model
 of the last rank to finish (torch's ``Join`` semantics; gradients stay divided by the initial
 world size).
+
+Elastic training: ``regroup(group)`` moves the wrapper onto a new group in place, as a fresh
+wrapper on that group would start (see its docstring).
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ from shardline.parallel.data.ddp_join import JoinUneven
 __all__ = ["DistributedDataParallel"]
 
 _MIB = 1 << 20
+
+
+def _joined_running_job() -> bool:
+    """Whether this process joined a running elastic job and has not restored yet."""
+    from shardline.comm import world  # noqa: PLC0415  (comm imports users of this package)
+
+    return world.joined_running_job()
 
 
 @dataclass
@@ -175,7 +185,11 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
                     f"DistributedDataParallel: parameter {name!r} is sparse; sparse gradients "
                     "are not supported, use a dense parameter"
                 )
-        self._check_same_model()
+        # A process joining a running elastic job skips the start-up collectives: the ranks
+        # already there move with regroup(), which runs none; the values come with the restore.
+        joining = _joined_running_job()
+        if not joining:
+            self._check_same_model()
 
         self._require_sync = True
         self._sync_next_backward = True  # decided by each forward
@@ -194,7 +208,7 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
             for i, p in enumerate(self._params)
         ]
         remove_hooks_when_collected(self, self._handles)
-        if init_sync:
+        if init_sync and not joining:
             self._broadcast_tensors(self._params_data() + self._buffers_list, src=0)
 
     # -- public --------------------------------------------------------------------------------
@@ -315,6 +329,60 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
     def bucket_layout(self) -> list[list[str]]:
         """Names of the parameters in each bucket, in the order buckets are reduced."""
         return [[self._names[i] for i in b.params] for b in self._buckets]
+
+    def regroup(self, group: ProcessGroup) -> None:
+        """Moves the wrapper onto ``group`` in place (elastic training: ranks were lost or added).
+
+        Nothing is communicated, on the old group (it is dead) or on ``group``; what a failed
+        backward left in flight on the old group is dropped, and so are the gradients. The
+        wrapper, the module and its parameters stay the same objects, so an optimizer over
+        them stays valid; their values are kept, and the caller restores model and optimizer
+        state afterwards (as ``sl.checkpoint.load(..., group=group)`` does).
+
+        Afterwards the wrapper is as a fresh one on ``group`` with the same options in a
+        process joining a running elastic job (which skips the start-up collectives,
+        ``shardline.comm.world.joined_running_job``): buckets in reverse registration order,
+        rebuilt after the first synchronised backward in the order the new rank 0 saw
+        gradients; buffers broadcast before the first forward. So survivors and joiners
+        issue the same collectives. (Gradients are divided by ``group.world_size``, read at
+        each backward.)
+
+        Args:
+            group: The new group (any world size; this process's rank in it may differ).
+
+        Raises:
+            InvalidArgumentError: a backward is running, it is called inside ``join()``, or the
+                module is split by tensor parallelism (not supported by elastic regroup yet).
+        """
+        if torch._C._current_graph_task_id() != -1:
+            raise InvalidArgumentError(
+                "DistributedDataParallel.regroup() was called while a backward is running; call "
+                "it between steps (after the backward, or after it raised)"
+            )
+        if self._join_active:
+            raise InvalidArgumentError(
+                "DistributedDataParallel.regroup() was called inside join(); leave the join() "
+                "block first (an exception out of it leaves it)"
+            )
+        inner = contract.strategies_inside(self.module)
+        if self._model_group is not None or inner:
+            what = type(next(iter(inner.values()))).__name__ if inner else "tensor parallelism"
+            raise InvalidArgumentError(
+                f"DistributedDataParallel.regroup(): a module split by {what} inside DDP is not "
+                "supported by elastic regroup yet; use DDP or ZeRO over a plain module"
+            )
+        self.group = group
+        # Everything per step goes back to what the constructor sets: a stale step of a
+        # backward that failed on the old group would otherwise abort the new one at the next
+        # forward, and the bucket order rank 0 of the old group saw is not the new rank 0's.
+        self._require_sync = self._sync_next_backward = True
+        self._buffers_due = True  # the constructor broadcasts buffers before the first forward
+        self._awaiting_backward, self._step, self._join_src = False, None, None
+        self._used_since_sync = [False] * len(self._params)
+        for p in self._params:
+            p.grad = None  # may view an old bucket, or hold the failed step's sum
+        self._rebuilt = False
+        self._build_buckets(list(reversed(range(len(self._params)))))
 
     def remove_hooks(self) -> None:
         """Detaches the gradient hooks (the module trains locally afterwards)."""

@@ -5,7 +5,8 @@ follows (forward gathers in unit order, backward gathers in reverse order of las
 reductions in reverse unit order). ``_reform`` runs once, at the end of the first synchronised
 backward and before any optimizer state exists: when the modules ran in another order than
 they were registered in, the units are re-planned in rank 0's execution order and the values
-and reduced gradients move to the new layout, one old unit at a time.
+and reduced gradients move to the new layout, one old unit at a time. ``_reinstall`` lays the
+units out afresh, reading nothing from the old ones and communicating nothing (``regroup``).
 """
 
 from __future__ import annotations
@@ -193,6 +194,40 @@ class UnitLayout(ZeroBase):
             else:
                 u.shard_grad = full[u.lo : u.hi].clone() if u.hi > u.lo else None
             u.publish_grads()
+
+    @torch.no_grad()
+    def _reinstall(self, whole: frozenset[str]) -> None:
+        """Lays the units out afresh for this group, in registration order, parameters zero.
+
+        The plan a fresh wrapper gets (``whole`` as its optimizer needs), laid out without
+        reading the old units (``regroup``: their group is dead, and stage 3 has freed their
+        gathered storage) and without communicating. The local parameter objects are kept (an
+        optimizer holds them); gradients are dropped.
+        """
+        plan = plan_units(
+            self.module,
+            self._plan.threshold,
+            dtypes=self._dtypes,
+            whole=whole,
+            world_size=self.group.world_size,
+        )
+        old_locals = {
+            id(p): loc for u in self._units for p, loc in zip(u.params, u.locals, strict=True)
+        }
+        for name, p in self._by_name.items():
+            p.grad = None
+            # The original dtype, as a fresh wrapper's model has it (not the compute dtype).
+            p.data = torch.zeros(p.shape, dtype=self._dtypes[name], device=self._device)
+        for loc in old_locals.values():
+            loc.grad = None  # shaped for the old layout
+        self._whole = whole
+        self._install(plan, [])
+        for u in self._units:  # as in _relayout: an optimizer holds the old local objects
+            fresh = u.locals
+            u.locals = [old_locals[id(p)] for p in u.params]
+            for loc, new in zip(u.locals, fresh, strict=True):
+                loc.data = new.data
+        self._local_ids = {id(loc) for loc in old_locals.values()}
 
     def _full_grads(self, u: Unit) -> torch.Tensor | None:
         """``u``'s reduced gradients, full length (stage 1 keeps them; else all-gathered).

@@ -33,6 +33,9 @@ Optimizers: elementwise ones (SGD, Adam, AdamW, Adagrad, ...) step 1-D shards; o
 at whole parameters (Adafactor, Muon, or registered with ``register_optimizer``) get their
 parameters whole, each on one rank; L-BFGS and SparseAdam are refused (``optimizers``).
 
+Elastic training: ``regroup(group)`` moves the wrapper onto a new group in place, laid out as a
+fresh wrapper on that group (see its docstring).
+
 Not supported yet: CPU offload, deferred (meta-device) initialisation, hybrid sharding, buffers
 kept in sync after construction (BatchNorm statistics stay per rank, as in FSDP).
 """
@@ -77,6 +80,16 @@ __all__ = ["ShardedDataParallel"]
 _log = logging.getLogger("shardline")
 
 _MIB = 1 << 20
+
+
+def _joined_running_job() -> bool:
+    """Whether this process joined a running elastic job and has not restored yet.
+
+    Imported late: ``shardline.comm`` imports modules that use the parallel package.
+    """
+    from shardline.comm import world  # noqa: PLC0415
+
+    return world.joined_running_job()
 
 
 class ShardedDataParallel(ShardedStateDicts, ModelParallel):
@@ -136,14 +149,19 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         named = [np for params in owned.values() for np in params]
         if not named:
             raise InvalidArgumentError("ShardedDataParallel: the model has no parameters")
-        check_same_model(
-            self.group, [n for n, _ in named], [p for _, p in named], "ShardedDataParallel"
-        )
+        # A process joining a running elastic job skips the start-up collectives: the ranks
+        # already there move with regroup(), which runs none, and the values come with the
+        # restore that follows.
+        joining = _joined_running_job()
+        if not joining:
+            check_same_model(
+                self.group, [n for n, _ in named], [p for _, p in named], "ShardedDataParallel"
+            )
         self._device = named[0][1].device
         replicas = replicate_group is not None and replicate_group.world_size > 1
         self._replicate = replicate_group if replicas else None
         self._replicating = []
-        if init_sync:
+        if init_sync and not joining:
             tensors = [p.data for _, p in named] + [b for b in module.buffers() if b.numel() > 0]
             for g in (self._replicate, self.group):  # the replicas' first, then the shards'
                 if g is not None:
@@ -385,8 +403,101 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
                 "optimizer, ...) or build it before its first step"
             )
         self._whole_reasons[type(optimizer).__name__] = rule.reason
-        self._relayout(self._order, want)
+        if _joined_running_job() and not stepping:
+            # Joining a running elastic job: the values come with the restore, and the ranks
+            # already there lay the same plan out in regroup() without communicating.
+            self._reinstall(want)
+        else:
+            self._relayout(self._order, want)
         if self.group.rank == 0:
+            _log.info("%s", self.plan())
+
+    def regroup(self, group: ProcessGroup) -> None:
+        """Moves the wrapper onto ``group`` in place (elastic training: ranks were lost or added).
+
+        Nothing is communicated, on the old group and its all-gather and reduction sub-groups
+        (they are dead; shutting the old group down closes them) or on ``group``; what a
+        failed step left in flight on the old ones is dropped, and so are gradients. The only
+        exchange is the creation of the two sub-groups on ``group`` (through the store, as the
+        constructor does), so every rank of ``group`` calls ``regroup``, or the constructor,
+        before it creates other sub-groups of ``group``. The wrapper and its local parameter
+        objects stay the same, so an optimizer over ``model.parameters()`` stays valid; the
+        state of the bound optimizer (and of any other that stepped these shards) for them is
+        cleared. Parameter values are zero afterwards: restore model and optimizer state
+        through the strategy contract (``sl.checkpoint.load(..., group=group)`` does) before
+        training.
+
+        The rule that keeps every rank's units identical: afterwards the wrapper is laid out
+        as a fresh ``distribute(module, optimizer, strategy=..., group=group)`` is, with the
+        same options, in a process joining a running elastic job (which skips the start-up
+        collectives, ``shardline.comm.world.joined_running_job``): units planned in
+        registration order for the new world size (whole units of an optimizer needing whole
+        parameters given to ranks by it), the order the old group's first backward re-formed
+        them in dropped, and re-forming after the first synchronised backward armed again.
+        Survivors and joiners therefore start alike and decide alike: restoring optimizer
+        state (``load_sharded_optim_state_dict``, which ``sl.checkpoint.load`` calls) fixes
+        the layout on every rank, so none re-forms; without it every rank re-forms in the
+        new rank 0's order. (An optimizer that makes state when built, such as Adagrad, must
+        have its state restored: a fresh one holds state and does not re-form, a cleared one
+        would.)
+
+        Args:
+            group: The new group (any world size; this process's rank in it may differ).
+
+        Raises:
+            InvalidArgumentError: called during forward or backward, or for hybrid sharding
+                (``replicate_group``) or tensor parallelism inside: not supported by elastic
+                regroup yet.
+        """
+        if self._state is TrainingState.FORWARD or torch._C._current_graph_task_id() != -1:
+            raise InvalidArgumentError(
+                "ShardedDataParallel.regroup() was called during a forward or backward; call it "
+                "between steps (after the backward, or after it raised)"
+            )
+        if self._replicate is not None:
+            raise InvalidArgumentError(
+                "ShardedDataParallel.regroup(): hybrid sharding (replicate_group, a dp_replicate "
+                "mesh axis) is not supported by elastic regroup yet; use ZeRO over one group"
+            )
+        if self._model_group is not None or self._placements:
+            raise InvalidArgumentError(
+                "ShardedDataParallel.regroup(): tensor parallelism inside ZeRO is not supported "
+                "by elastic regroup yet; use ZeRO over a plain module"
+            )
+        self.group = group
+        ranks = list(range(group.world_size))
+        gather_group = group.new_group(ranks, overlap_compute=True)
+        reduce_group = group.new_group(ranks, overlap_compute=True)
+        assert gather_group is not None and reduce_group is not None
+        self._gather_group, self._reduce_group = gather_group, reduce_group
+        opt = self._optimizer
+        for known in {*self._checked_optimizers, *([opt] if opt is not None else [])}:
+            for loc in self.parameters():
+                known.state.pop(loc, None)  # shaped for the old shards
+        # As bind_optimizer lays a fresh wrapper out: whole parameters are the bound
+        # optimizer's; another optimizer is checked again before its next step.
+        self._whole_reasons = {}
+        self._checked_optimizers = weakref.WeakSet()
+        whole: frozenset[str] = frozenset()
+        if opt is not None:
+            self._checked_optimizers.add(opt)
+            rule = rule_for(type(opt))
+            if rule.layout is Layout.WHOLE:
+                names = {id(loc): n for n, loc in self.named_parameters()}
+                params = [p for g in opt.param_groups for p in g["params"] if id(p) in names]
+                whole = frozenset(names[id(p)] for p in params)
+                self._whole_reasons[type(opt).__name__] = rule.reason
+        self._reinstall(whole)
+        self._trace, self._traced = [], False
+        self._require_sync = True
+        self._sync_backward = True
+        self._needs_gather = False
+        self._fwd_next = self._bw_next = self._rs_next = 0
+        self._inflight, self._replicating = [], []
+        self._state = TrainingState.IDLE
+        self._unit_stack, self._drop, self._releasable = [], [], []
+        self._graph_done = True
+        if group.rank == 0:
             _log.info("%s", self.plan())
 
     def remove_hooks(self) -> None:

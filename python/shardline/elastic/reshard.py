@@ -1,0 +1,264 @@
+"""Committed state of one layout, loaded into another: the in-memory side of a reshard.
+
+After a membership change the ranks of the new group hold, between them, the commit of every
+rank of the old one (their own, or the copy they hold for their buddy). ``load`` puts it into
+the new layout through the same checks and reads as ``sl.checkpoint.load``: the commits are
+described as an in-memory checkpoint (``_MemoryCheckpoint``: chunks instead of shard files),
+each rank plans its reads from the strategy contract (``checkpoint._load_plan``), asks for
+the chunks its reads overlap (its own first, so a rank whose shard did not move receives
+nothing), and the holders send them point to point, one at a time in one global order (no
+rank waits on another that waits on it). Nothing here knows a strategy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardline import dtypes
+from shardline.checkpoint._load_plan import Read, plan_model, plan_optimizer
+from shardline.checkpoint._state import Piece, flat_index, jsonable_groups, pieces_of
+from shardline.checkpoint._store import Checkpoint
+from shardline.comm.group import ProcessGroup
+from shardline.comm.objects import all_gather_object
+from shardline.parallel.contract import Local
+
+__all__ = ["Commit", "describe", "load"]
+
+
+@dataclass
+class Commit:
+    """One old rank's commit, with host tensors: ``model``/``optimizer`` as the contract gives."""
+
+    old_rank: int
+    model: dict[str, Any] | None
+    optimizer: dict[str, Any] | None
+
+
+def _pieces(commit: Commit) -> tuple[list[Piece], dict[str, str], dict[str, Any]]:
+    """Its pieces, aliases (tied tensors) and the optimizer's JSON part."""
+    pieces: list[Piece] = []
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, value in (commit.model or {}).items():
+        key = f"model/{name}"
+        if isinstance(value, Local):
+            continue  # a Local is dropped when the layout changes
+        if id(value) in first:
+            aliases[key] = first[id(value)]
+            continue
+        first[id(value)] = key
+        pieces += pieces_of(key, value, commit.old_rank) or []
+    optim: dict[str, Any] = {}
+    if commit.optimizer is not None:
+        values: dict[str, dict[str, Any]] = {}
+        for name, entries in sorted(commit.optimizer["state"].items()):
+            for k, v in entries.items():
+                if isinstance(v, Local):
+                    continue
+                more = pieces_of(f"optim/{name}/{k}", v, commit.old_rank)
+                if more is None:
+                    values.setdefault(name, {})[k] = v
+                else:
+                    pieces += more
+        optim = {"param_groups": jsonable_groups(commit.optimizer["param_groups"]),
+                 "values": values}  # fmt: skip
+    return pieces, aliases, optim
+
+
+def describe(commits: Iterable[Commit]) -> tuple[list[dict[str, Any]], Any]:
+    """What this rank can give: one entry per piece (no data), and the pieces themselves."""
+    entries: list[dict[str, Any]] = []
+    data: list[torch.Tensor] = []
+    extra: dict[str, Any] = {"aliases": {}, "optimizer": None}
+    for commit in commits:
+        pieces, aliases, optim = _pieces(commit)
+        extra["aliases"].update(aliases)
+        if optim and extra["optimizer"] is None:
+            extra["optimizer"] = optim
+        for p in pieces:
+            entries.append({
+                "key": p.key, "shape": list(p.shape), "dtype": dtypes.FILE_DTYPES[p.tensor.dtype],
+                "start": p.start, "end": p.end, "box": list(p.box) if p.box is not None else None,
+                "bshape": list(p.tensor.shape), "index": len(data),
+            })  # fmt: skip
+            data.append(p.tensor.contiguous())
+    return [{"entries": entries, **extra}], data
+
+
+class _Reader:
+    """Stands for a shard file: byte ranges out of chunks held in memory."""
+
+    def __init__(self, chunks: dict[str, torch.Tensor]) -> None:
+        self.chunks = chunks
+
+    def read_range(self, file_key: str, offset: int, dst: Any, verify: bool) -> None:
+        if not len(dst):
+            return
+        src = self.chunks[file_key].reshape(-1).view(torch.uint8).numpy()
+        dst[:] = src[offset : offset + len(dst)]
+
+
+class _MemoryCheckpoint(Checkpoint):
+    """A checkpoint whose chunks are tensors some rank of the group holds (see the docstring)."""
+
+    def __init__(self, index: dict[str, Any], label: str) -> None:  # no super(): no files
+        self.path = Path(label)
+        self.index = index
+        self.tensors = index["tensors"]
+        self.aliases = index.get("aliases", {})
+        self.have: dict[str, torch.Tensor] = {}
+        self._closed = False
+
+    def reader(self, file: str) -> Any:
+        return _Reader(self.have)
+
+    def close(self) -> None:
+        self.have.clear()
+
+
+def _span(
+    where: int | tuple[int, ...], out: torch.Tensor, shape: tuple[int, ...]
+) -> tuple[int, int]:
+    """The flat range ``[lo, hi)`` a read covers (a block's: from its first to its last)."""
+    if isinstance(where, tuple):
+        if out.numel() == 0:
+            return 0, 0
+        last = tuple(o + n - 1 for o, n in zip(where, out.shape, strict=True))
+        return flat_index(shape, where), flat_index(shape, last) + 1
+    return where, where + out.numel()
+
+
+def _covers(covered: list[tuple[int, int]], a: int, b: int) -> bool:
+    """Whether the union of ``covered`` holds ``[a, b)``."""
+    at = a
+    for x, y in sorted(covered):
+        if x > at:
+            break
+        at = max(at, y)
+    return at >= b
+
+
+def _choose(chunks: list[dict[str, Any]], lo: int, hi: int, me: int) -> list[dict[str, Any]]:
+    """The chunks that give ``[lo, hi)``: this rank's first, one copy of each range.
+
+    A block's chunks are all taken (their flat spans overlap without covering each other).
+    """
+    near = sorted((c for c in chunks if c["end"] > lo and c["start"] < hi),
+                  key=lambda c: (c["holder"] != me, c["holder"]))  # fmt: skip
+    picked: list[dict[str, Any]] = []
+    seen: set[tuple[Any, ...]] = set()
+    covered: list[tuple[int, int]] = []
+    for c in near:
+        box = c.get("box")
+        sig = (c["start"], c["end"], tuple(box["offsets"]) if box else ())
+        if sig in seen:
+            continue
+        if box is None:
+            a, b = max(lo, c["start"]), min(hi, c["end"])
+            if _covers(covered, a, b):
+                continue
+            covered.append((a, b))
+        seen.add(sig)
+        picked.append(c)
+    return picked
+
+
+def load(
+    group: ProcessGroup,
+    mine: list[Commit],
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """Loads the old group's commits, spread over ``group``'s ranks, into the new layout.
+
+    Collective over ``group``. ``mine``: the commits this rank holds (its own, its buddy's).
+    """
+    described, data = describe(mine)
+    views = all_gather_object(described[0], group)
+    tensors: dict[str, dict[str, Any]] = {}
+    aliases: dict[str, str] = {}
+    optim = None
+    for holder, view in enumerate(views):
+        aliases.update(view["aliases"])
+        optim = optim or view["optimizer"]
+        for e in view["entries"]:
+            entry = tensors.setdefault(e["key"], {"shape": e["shape"], "dtype": e["dtype"],
+                                                  "chunks": []})  # fmt: skip
+            chunk = {"start": e["start"], "end": e["end"], "holder": holder, "file": "memory",
+                     "file_key": f"{holder}/{e['index']}"}  # fmt: skip
+            if e["box"] is not None:
+                chunk["box"] = {"offsets": e["box"], "shape": e["bshape"]}
+            entry["chunks"].append(chunk)
+    index = {"tensors": tensors, "aliases": aliases, "optimizer": optim}
+    ck = _MemoryCheckpoint(index, f"the commits of the previous generation (rank {group.rank})")
+    reads: list[Read] = []
+    finish = []
+    if model is not None:
+        more, apply = plan_model(ck, model, True, group.rank, False)
+        reads += more
+        finish.append(apply)
+    if optimizer is not None and model is not None:
+        optimizer.state.clear()
+        more, apply = plan_optimizer(ck, model, optimizer, True, group.rank)
+        reads += more
+        finish.append(apply)
+    wanted: dict[str, dict[str, Any]] = {}  # file_key -> chunk
+    chosen: dict[str, list[dict[str, Any]]] = {}
+    for key, out, where in reads:
+        stored = ck.resolve(key)
+        entry = tensors[stored]
+        lo, hi = _span(where, out, tuple(entry["shape"]))
+        for c in _choose(entry["chunks"], lo, hi, group.rank):
+            wanted[c["file_key"]] = c
+            chosen.setdefault(stored, []).append(c)
+    for stored, picked in chosen.items():
+        unique = {c["file_key"]: c for c in picked}
+        tensors[stored]["chunks"] = sorted(unique.values(), key=lambda c: (c["start"], c["end"]))
+    for stored, entry in tensors.items():
+        if stored not in chosen:
+            entry["chunks"] = []
+    _transfer(group, views, data, sorted(wanted), ck.have)
+    with torch.no_grad():
+        ck.read_many(reads, verify=False)
+    for f in finish:
+        f()
+    ck.close()
+
+
+def _transfer(
+    group: ProcessGroup,
+    views: list[dict[str, Any]],
+    data: list[torch.Tensor],
+    wanted: list[str],
+    have: dict[str, torch.Tensor],
+) -> None:
+    """Every rank gets the chunks it asked for; holders send them in one global order."""
+    asks = all_gather_object(wanted, group)
+    me = group.rank
+    order = sorted({k for ask in asks for k in ask}, key=lambda k: tuple(map(int, k.split("/"))))
+    for file_key in order:
+        holder, i = map(int, file_key.split("/"))
+        askers = [r for r, ask in enumerate(asks) if file_key in ask and r != holder]
+        if holder == me:
+            t = data[i]
+            if file_key in asks[me]:
+                have[file_key] = t
+            on = t.to(group.device) if t.device != group.device else t
+            for r in askers:
+                if on.numel():
+                    group.send(on.reshape(-1), r)
+        elif me in askers:
+            e = next(e for e in views[holder]["entries"] if e["index"] == i)
+            shape = tuple(e["bshape"])
+            buf = torch.empty(math.prod(shape), dtype=dtypes.from_file_name(e["dtype"]),
+                              device=group.device)  # fmt: skip
+            if buf.numel():
+                group.recv(buf, holder)
+            have[file_key] = buf.cpu().reshape(shape)
