@@ -270,6 +270,37 @@ SETTINGS: tuple[Setting, ...] = (
         _flag,
     ),
     Setting(
+        "SHARDLINE_ELASTIC_SLOT",
+        "`<node>.<local rank>`",
+        "unset",
+        "Set by `shardline run --nnodes MIN:MAX` for its workers: the place this process runs "
+        "in; `shardline.init` then joins the elastic job's current generation.",
+        _text,
+    ),
+    Setting(
+        "SHARDLINE_ELASTIC_INCARNATION",
+        "an integer",
+        "0",
+        "Set by an elastic `shardline run`: 0 for a slot's first process, +1 per replacement.",
+        _integer(0, "an integer of at least 0"),
+        0,
+    ),
+    Setting(
+        "SHARDLINE_ELASTIC_NODES",
+        "`MIN:MAX`",
+        "unset",
+        "Set by an elastic `shardline run`: its `--nnodes`.",
+        _text,
+    ),
+    Setting(
+        "SHARDLINE_ELASTIC_STANDBY",
+        "`<node>.s<k>`",
+        "unset",
+        "Set by an elastic `shardline run` for a warm standby: `shardline.init` waits until "
+        "its launcher hands it the place of a worker that died.",
+        _text,
+    ),
+    Setting(
         "SHARDLINE_RESTART_COUNT",
         "an integer",
         "0",

@@ -46,7 +46,7 @@ class Job:
         self.launchers: list[subprocess.Popen[str]] = []
         self.outputs: list[Path] = []
 
-    def add_node(self, restarts: int = 3) -> subprocess.Popen[str]:
+    def add_node(self, restarts: int = 0) -> subprocess.Popen[str]:
         out = self.tmp / f"launcher{len(self.launchers)}.out"
         cmd = [sys.executable, "-m", "shardline", "run", "--nnodes", self.nodes, "--master-port",
                str(self.port), "--max-restarts", str(restarts), str(WORKER)]  # fmt: skip
@@ -148,7 +148,7 @@ def test_a_killed_rank_is_replaced_and_training_ends_as_at_the_sizes_it_ran(
                                 "WORKER_KILL": f"{victim}.0@{step}"})  # fmt: skip
     try:
         for _ in range(4):
-            job.add_node()
+            job.add_node(restarts=3)
         codes = job.finish()
     finally:
         job.kill()
@@ -184,3 +184,36 @@ def test_the_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(
     log = check_final(job)
     worlds = [e["world"] for e in log]
     assert 3 in worlds and worlds[-1] == 4, worlds  # shrank, then grew
+
+
+@pytest.mark.timeout(DEADLINE_S + 30)
+def test_two_neighbours_lost_at_once_fall_back_to_the_latest_checkpoint(
+    tmp_path: Path, shm_clean: object
+) -> None:
+    job = Job(tmp_path, "2:4", {"WORKER_STRATEGY": "zero2", "WORKER_STEPS": "24",
+                                "WORKER_SAVE_EVERY": "5", "WORKER_STEP_SLEEP": "0.1"})  # fmt: skip
+    try:
+        for _ in range(4):
+            job.add_node()
+        job.wait_for("step 7", lambda: len(job.log()) >= 7)
+        node_of = {}
+        host = -1
+        for i, out in enumerate(job.outputs):
+            words = out.read_text().split("elastic node ", 1)[1].split()
+            node_of[int(words[0])] = i
+            if words[1] == "hosts":
+                host = int(words[0])
+        # Ranks follow node ids, and rank q's buddy is q + 1: lose two neighbours, not the host.
+        first = next(n for n in range(3) if host not in (n, n + 1))
+        for n in (first, first + 1):
+            os.killpg(job.launchers[node_of[n]].pid, signal.SIGKILL)
+        codes = job.finish()
+    finally:
+        job.kill()
+    survivors = [c for n, i in node_of.items() if n not in (first, first + 1)
+                 for c in [codes[i]]]  # fmt: skip
+    assert survivors == [0, 0], job.report()
+    log = check_final(job)
+    text = job.report()
+    assert "restored (" + str(tmp_path / "ckpt" / "state-") in text, text
+    assert [e["world"] for e in log][-1] == 2

@@ -12,13 +12,16 @@ Every node's launcher (``elastic.agent``) registers its node, beats (``beat/<nod
 counter) and says what each of its slots holds (``slot/<slot>``: ``up:<incarnation>``,
 ``done:<incarnation>`` or ``gone``). The launcher hosting the store also runs the
 ``Coordinator``: it watches those keys and publishes the next generation once the members it
-sees have been the same for ``SETTLE_S``: the slots of live nodes that run or finished (a node
-whose beat stopped for ``NODE_TIMEOUT_S`` is gone), ordered by (node, local rank), at most
-``max_nodes`` nodes (the first generation also waits ``FIRST_WAIT_S`` after the last node
-came, unless all came). Fewer than ``min_nodes`` live nodes for ``SHARDLINE_TIMEOUT``: the job
-fails (``failed`` names why), and every worker waiting for a generation raises. A generation
-replaced before its group formed gets a failure record under its own keys, so that its ranks
-stop waiting for members that moved on.
+sees have been the same for ``SETTLE_S``: the running slots of live nodes (a node whose beat
+stopped for ``NODE_TIMEOUT_S`` is gone), ordered by (node, local rank), at most ``max_nodes``
+nodes; the others wait as spares (the first generation also waits ``FIRST_WAIT_S`` after the
+last node came, unless all came). A worker that finished leaves the members, but once one
+returned from its training function (``finished``) nothing more is published, and a process
+still waiting to join exits. Fewer than ``min_nodes`` live nodes for ``SHARDLINE_TIMEOUT``: the
+job fails (``failed`` names why), and every worker waiting for a generation raises. A
+generation replaced before its group formed gets a failure record under its own keys, so that
+its ranks stop waiting for members that moved on. ``trained`` is set by the first commit: a
+process that joins after it restores the state with the others (``world.joined_running_job``).
 
 Workers read: ``join`` (the first generation that lists this process, in ``shardline.init``),
 ``pending`` (has a newer generation been published: checked at ``State.commit``) and
@@ -29,10 +32,12 @@ the store: each worker brings the job secret in its environment.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shardline import config
 from shardline.comm.backends._store import StoreClient, publish_failure
 from shardline.errors import CollectiveTimeoutError, PeerLostError, ShardlineError
 
@@ -46,10 +51,14 @@ __all__ = [
     "SETTLE_S",
     "Coordinator",
     "Generation",
+    "JobFinished",
     "generation_store",
     "join",
+    "mark",
+    "marked",
     "next_after",
     "pending",
+    "wait_standby",
 ]
 
 PREFIX = "shardline/elastic"
@@ -62,6 +71,7 @@ SETTLE_S = 0.3
 FIRST_WAIT_S = 3.0
 """Before the first generation: how long after the last node came to wait for more."""
 _POLL_S = 0.02
+_log = logging.getLogger("shardline")
 
 
 def key(*parts: object) -> str:
@@ -129,18 +139,36 @@ def _raise_if_failed(client: StoreClient, step: str) -> None:
         raise ShardlineError(f"the elastic job stopped: {why}")
 
 
+class JobFinished(ShardlineError):
+    """The elastic job finished while this process waited to join it: nothing left to do."""
+
+
 def _wait_for(
     client: StoreClient, after: int, slot: str, incarnation: int, timeout: float, step: str
 ) -> Generation:
-    """The newest generation numbered above ``after`` that lists this process (polls)."""
+    """The newest generation numbered above ``after`` that lists this process (polls).
+
+    A spare (the newest generation already runs on ``--nnodes`` MAX nodes) waits without a
+    deadline, until a generation needs it or the job finishes (``JobFinished``).
+    """
     deadline = time.monotonic() + timeout
+    spare_said = False
     while True:
         newest = _newest(client, step)
+        gen = None
         if newest > after:
             gen = _read(client, newest, step)
             if gen.rank_of(slot, incarnation) is not None:
                 return gen
+        if client.check([key("finished")], step):
+            raise JobFinished(f"slot {slot}: the elastic job finished; this process has no work")
         _raise_if_failed(client, step)
+        if gen is not None and _is_full(gen):
+            if not spare_said:
+                _log.warning("elastic: slot %s waits as a spare: the job runs on --nnodes MAX "
+                             "nodes already", slot)  # fmt: skip
+                spare_said = True
+            deadline = time.monotonic() + timeout
         if time.monotonic() > deadline:
             raise CollectiveTimeoutError(
                 f"slot {slot} (process {incarnation}) {step}: no generation after #{after} "
@@ -148,6 +176,38 @@ def _wait_for(
                 "(--nnodes MIN:MAX)? SHARDLINE_TIMEOUT sets the wait"
             )
         time.sleep(_POLL_S)
+
+
+def _is_full(gen: Generation) -> bool:
+    """Whether ``gen`` runs on as many nodes as ``--nnodes`` MAX (from the launcher's env)."""
+    spec = config.raw("SHARDLINE_ELASTIC_NODES") or ""
+    most = int(spec.split(":")[1]) if ":" in spec else 0
+    return most > 0 and len({s.split(".")[0] for s, _ in gen.members}) >= most
+
+
+def mark(store: Store, what: str) -> None:
+    """Sets the job-wide flag ``what`` (``"trained"``: a commit was made; ``"finished"``)."""
+    StoreClient(store, rank=-1, task="the elastic job").set(key(what), "1", f"marking {what}")
+
+
+def marked(store: Store, what: str) -> bool:
+    """Whether the job-wide flag ``what`` is set (see ``mark``)."""
+    client = StoreClient(store, rank=-1, task="the elastic job")
+    return client.check([key(what)], f"reading {what}")
+
+
+def wait_standby(store: Store, name: str) -> tuple[str, str]:
+    """A standby's wait for a slot: ``(slot, incarnation)`` once its launcher hands one over.
+
+    No deadline (a standby may wait the whole job); ``JobFinished`` when the job ends first.
+    """
+    client = StoreClient(store, rank=-1, task=f"standing by as {name}")
+    while not client.check([key("standby", name)], "waiting for a slot"):
+        if client.check([key("finished")], "reading whether the job finished"):
+            raise JobFinished(f"standby {name}: the elastic job finished without needing it")
+        time.sleep(_POLL_S)
+    slot, incarnation = client.get(key("standby", name), "reading its slot").decode().split(":")
+    return slot, incarnation
 
 
 def join(store: Store, slot: str, incarnation: int, timeout: float) -> Generation:
@@ -227,15 +287,13 @@ class Coordinator:
             alive = self._alive(node, now)
             slots = [f"{node}.{local}" for local in range(nproc)]
             states = [self.client.get(key("slot", s), "reading a slot").decode() for s in slots]
-            # A worker that finished stays a member while its node lives: only a failure or
-            # a lost node changes the members.
-            held = [(s, int(v.split(":")[1])) for s, v in zip(slots, states, strict=True)
-                    if v.startswith(("up:", "done:"))]  # fmt: skip
-            if alive and any(v.startswith("up:") for v in states):
-                all_over = False
-            if alive and held and nodes_in < self.max_nodes:
-                members += held
-                nodes_in += 1
+            up = [(s, int(v[3:])) for s, v in zip(slots, states, strict=True)
+                  if v.startswith("up:")]  # fmt: skip
+            if alive and up:
+                all_over = False  # spares too: they leave once the job is finished
+                if nodes_in < self.max_nodes:
+                    members += up
+                    nodes_in += 1
         return tuple(members), all_over
 
     def poll(self) -> Generation | None:
@@ -248,6 +306,8 @@ class Coordinator:
         current = self.published.members if self.published is not None else ()
         if self.finished or members == current or now - self._seen_since < SETTLE_S:
             return None
+        if self.client.check([key("finished")], "reading whether the job finished"):
+            return None  # workers that end leave the members: no generation for that
         nodes = len({slot.split(".")[0] for slot, _ in members})
         # The first generation waits FIRST_WAIT_S after the last node came for more to come
         # (up to MAX), as torchrun's last call does: launchers start one by one.

@@ -16,11 +16,11 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -247,7 +247,7 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
             _default = _init_mpi(timeout)
             _start_recorder(_default)
             return _default
-        if os.environ.get("SHARDLINE_ELASTIC_SLOT"):
+        if config.raw("SHARDLINE_ELASTIC_SLOT") or config.raw("SHARDLINE_ELASTIC_STANDBY"):
             _default = _init_elastic(backend, timeout, explicit=bool(named))
             _start_recorder(_default)
             return _default
@@ -298,9 +298,6 @@ def _init_elastic(
     import torch.distributed as dist  # noqa: PLC0415
 
     _die_with_launcher()
-    slot = os.environ["SHARDLINE_ELASTIC_SLOT"]
-    incarnation = int(os.environ.get("SHARDLINE_ELASTIC_INCARNATION", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     seconds = timeout_seconds(timeout)
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     try:
@@ -309,19 +306,42 @@ def _init_elastic(
         )
     except (RuntimeError, OSError) as exc:
         raise PeerLostError(
-            f"slot {slot}: cannot reach the elastic job's store at {addr}:{port} ({exc}); "
-            "its launcher (the node that hosts it) is gone"
+            f"a worker cannot reach the elastic job's store at {addr}:{port} ({exc}); its "
+            "launcher (the node that hosts it) is gone"
         ) from exc
-    gen = membership.join(store, slot, incarnation, seconds)
+    standby = config.raw("SHARDLINE_ELASTIC_STANDBY")
+    if standby:  # a warm spare: the script is loaded; wait until a slot needs it
+        slot, number = _or_exit(lambda: membership.wait_standby(store, standby))
+        incarnation = int(number)
+        os.environ["LOCAL_RANK"] = slot.split(".")[1]  # the slot's, for the user's code after
+    else:
+        slot = str(config.raw("SHARDLINE_ELASTIC_SLOT"))
+        incarnation = int(config.get("SHARDLINE_ELASTIC_INCARNATION"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    gen = _or_exit(lambda: membership.join(store, slot, incarnation, seconds))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     chosen = choose_backend(backend, local_world_size=local_world)
     state = _Elastic(store, slot, incarnation, gen, chosen, seconds, local_rank,
                      joined_late=gen.number > 1)  # fmt: skip
     group = _form_newest(state, explicit=explicit)
-    state.joined_late = state.generation.number > 1
+    # Late: the job has trained (a commit was made), so the others will restore for this
+    # process; a generation after the first that formed before any commit starts afresh.
+    state.joined_late = membership.marked(store, "trained")
     _elastic = state
     _job = _Job(store, group.rank, group.world_size, leave_together=False, timeout=seconds)
     return group
+
+
+_T = TypeVar("_T")
+
+
+def _or_exit(wait: Callable[[], _T]) -> _T:
+    """``wait()``; if the job finished meanwhile, this process leaves with exit code 0."""
+    try:
+        return wait()
+    except membership.JobFinished as exc:
+        _log.warning("elastic: %s; exiting", exc)
+        raise SystemExit(0) from None
 
 
 def _die_with_launcher() -> None:
@@ -347,8 +367,9 @@ def _form_newest(state: _Elastic, *, explicit: bool = True) -> ProcessGroup:
         try:
             return _form_generation(state, explicit=explicit)
         except PeerLostError:
-            newest = membership.next_after(state.store, state.generation.number, state.slot,
-                                           state.incarnation, state.timeout)  # fmt: skip
+            newest = _or_exit(lambda: membership.next_after(
+                state.store, state.generation.number, state.slot, state.incarnation,
+                state.timeout))  # fmt: skip
             _log.warning("elastic: generation %d was replaced while it formed; joining %d",
                          state.generation.number, newest.number)  # fmt: skip
             state.generation = newest
@@ -391,6 +412,13 @@ def joined_running_job() -> bool:
     return _elastic is not None and _elastic.joined_late
 
 
+def mark_job(what: str) -> None:
+    """In an elastic job, sets the job-wide flag ``what`` (``"trained"``, ``"finished"``)."""
+    e = _elastic
+    if e is not None:
+        membership.mark(e.store, what)
+
+
 def settled() -> None:
     """This process has taken part in a restore: later ``distribute`` calls sync as usual."""
     if _elastic is not None:
@@ -422,8 +450,8 @@ def reform() -> ProcessGroup:
             "shardline.reform: not an elastic job; launch with `shardline run --nnodes MIN:MAX`"
         )
     old = _default
-    e.generation = membership.next_after(e.store, e.generation.number, e.slot, e.incarnation,
-                                         e.timeout)  # fmt: skip
+    e.generation = _or_exit(lambda: membership.next_after(
+        e.store, e.generation.number, e.slot, e.incarnation, e.timeout))  # fmt: skip
     if old._lost_peer() is not None:  # a healthy group (a grow) finishes its ops instead
         with contextlib.suppress(Exception):
             old.abort(f"the job moved on to generation {e.generation.number}")

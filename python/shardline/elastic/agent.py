@@ -18,6 +18,7 @@ is lost (as with torchrun's c10d rendezvous): its host is the job's single point
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 from collections.abc import Mapping
@@ -26,10 +27,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from shardline import config as settings
-from shardline._workers import Attempt, StopSignals, _Worker, say
+from shardline._workers import Attempt, StopSignals, _signal_group, _Worker, say
 from shardline.comm.backends._store import StoreClient
 from shardline.comm.membership import BEAT_S, Coordinator, key
-from shardline.errors import InvalidArgumentError
+from shardline.errors import InvalidArgumentError, ShardlineError
 
 if TYPE_CHECKING:
     from shardline.launch import LaunchConfig
@@ -60,6 +61,8 @@ class _Node(Attempt):
     ) -> None:  # fmt: skip
         super().__init__(config, [{"SHARDLINE_RESTART_COUNT": "0"}], stop)
         self.base, self.secret, self.node = dict(base), secret, node
+        self.standby: tuple[str, _Worker] | None = None
+        self.standbys = 0
 
     def env(self, local_rank: int, incarnation: int) -> dict[str, str]:
         """A worker's environment: torchrun's variables but the rank, which ``init`` learns."""
@@ -87,6 +90,38 @@ class _Node(Attempt):
         worker.rank = self.node * self.config.nproc_per_node + local_rank  # a label only
         self.workers.append(worker)
         return worker
+
+    def start_standby(self, number: int) -> tuple[str, _Worker]:
+        """A warm spare: the script started, waiting in ``shardline.init`` for a slot."""
+        name = f"{self.node}.s{number}"
+        env = self.env(0, 0)
+        env.pop("SHARDLINE_ELASTIC_SLOT")
+        env["SHARDLINE_ELASTIC_STANDBY"] = name
+        worker = self._start(0, env)
+        worker.rank = -1
+        self.workers.append(worker)
+        return name, worker
+
+    def take_standby(self, client: StoreClient, slot: _Slot, more: bool) -> bool:
+        """Hands ``slot`` (a new incarnation) to the standby, if one is up.
+
+        Starts the next standby when ``more`` restarts remain.
+        """
+        if self.standby is None or self.standby[1].proc.poll() is not None:
+            return False
+        name, worker = self.standby
+        client.set(key("standby", name), f"{slot.name}:{slot.incarnation}", "waking a standby")
+        worker.rank = self.node * self.config.nproc_per_node + slot.local_rank
+        slot.worker = worker
+        self.standbys += 1
+        self.standby = self.start_standby(self.standbys) if more else None
+        return True
+
+    def stop_standby(self) -> None:
+        """Ends the standby (SIGKILL: it only waits in ``shardline.init``)."""
+        if self.standby is not None:
+            _signal_group(self.standby[1].proc.pid, signal.SIGKILL)
+            self.standby = None
 
 
 def _open_store(config: LaunchConfig) -> tuple[Any, bool]:
@@ -141,54 +176,85 @@ def run_node(
         name = f"{node}.{local}"
         client.set(key("slot", name), "up:0", "reporting a slot")
         slots.append(_Slot(name, local, 0, workers.start(local, 0)))
+    if restarts > 0:
+        workers.standby = workers.start_standby(0)
     info = {"nproc": config.nproc_per_node, "host": socket.gethostname()}
     client.set(key("node", node), json.dumps(info), "registering the node")
     role = "hosts the job's store" if hosting else "joined"
     say(f"elastic node {node} {role} (--nnodes {config.min_nodes}:{config.nnodes})")
     failed: _Worker | None = None
-    next_beat = 0.0
     try:
-        while stop.signum is None:
-            now = time.monotonic()
-            if now >= next_beat:
-                client.add(key("beat", node), 1, "beating")
-                next_beat = now + BEAT_S
-            for s in slots:
-                rc = s.worker.proc.poll() if s.state == "up" else None
-                if rc is None:
-                    continue
-                if rc == 0:
-                    s.state = "done"
-                elif restarts > 0:
-                    restarts -= 1
-                    workers._report(s.worker)
-                    s.incarnation += 1
-                    say(f"replacing slot {s.name} (process {s.incarnation}; "
-                        f"{restarts} restart(s) left on this node)")  # fmt: skip
-                    s.worker = workers.start(s.local_rank, s.incarnation)
-                else:
-                    s.state = "gone"
-                    failed = s.worker
-                    workers._report(s.worker)
-                    say(f"slot {s.name} failed with no restart left: it leaves the job")
-                value = s.state if s.state == "gone" else f"{s.state}:{s.incarnation}"
-                client.set(key("slot", s.name), value, "reporting a slot")
-            if coordinator is not None:
-                gen = coordinator.poll()
-                if gen is not None:
-                    who = ", ".join(f"{s}#{i}" for s, i in gen.members)
-                    say(f"generation {gen.number}: {gen.world_size} ranks "
-                        f"(was {gen.previous_size}): {who}")  # fmt: skip
-            if client.check([key("failed")], "looking for the job's failure"):
-                say(f"the job failed: {client.get(key('failed'), 'reading why').decode()}")
-                return 1
-            mine_over = all(s.state != "up" for s in slots)
-            if mine_over and (coordinator is None or coordinator.finished):
-                break
-            time.sleep(_POLL_S)
+        failed = _watch(client, slots, workers, coordinator, node, restarts, stop)
+    except _JobFailed:
+        return 1
+    except ShardlineError as exc:  # the store is gone: its node left, or the job ended
+        if all(s.state == "done" for s in slots):
+            return 0
+        say(f"node {node} stops: the job's store is gone ({exc})")
+        return 1
     finally:
         workers._stop_all()
         workers._join_readers()
     if stop.signum is not None:
         return 128 + stop.signum
     return failed.exit_code if failed is not None else 0
+
+
+class _JobFailed(Exception):
+    """The coordinator published the job's failure (too few nodes for too long)."""
+
+
+def _watch(
+    client: StoreClient, slots: list[_Slot], workers: _Node, coordinator: Coordinator | None,
+    node: int, restarts: int, stop: StopSignals,
+) -> _Worker | None:  # fmt: skip
+    """The node's loop: beats, replaces failed workers, coordinates (on the store's host).
+
+    Returns the last worker that failed with no restart left, if any.
+    """
+    failed: _Worker | None = None
+    next_beat = 0.0
+    while stop.signum is None:
+        now = time.monotonic()
+        if now >= next_beat:
+            client.add(key("beat", node), 1, "beating")
+            next_beat = now + BEAT_S
+        for s in slots:
+            rc = s.worker.proc.poll() if s.state == "up" else None
+            if rc is None:
+                continue
+            if rc == 0:
+                s.state = "done"
+            elif restarts > 0:
+                restarts -= 1
+                workers._report(s.worker)
+                s.incarnation += 1
+                warm = workers.take_standby(client, s, more=restarts > 0)
+                say(f"replacing slot {s.name} (process {s.incarnation}"
+                    f"{', a warm standby' if warm else ''}; {restarts} restart(s) left on "
+                    "this node)")  # fmt: skip
+                if not warm:
+                    s.worker = workers.start(s.local_rank, s.incarnation)
+            else:
+                s.state = "gone"
+                failed = s.worker
+                workers._report(s.worker)
+                say(f"slot {s.name} failed with no restart left: it leaves the job")
+            value = s.state if s.state == "gone" else f"{s.state}:{s.incarnation}"
+            client.set(key("slot", s.name), value, "reporting a slot")
+        if coordinator is not None:
+            gen = coordinator.poll()
+            if gen is not None:
+                who = ", ".join(f"{s}#{i}" for s, i in gen.members)
+                say(f"generation {gen.number}: {gen.world_size} ranks "
+                    f"(was {gen.previous_size}): {who}")  # fmt: skip
+        if client.check([key("failed")], "looking for the job's failure"):
+            say(f"the job failed: {client.get(key('failed'), 'reading why').decode()}")
+            raise _JobFailed
+        mine_over = all(s.state != "up" for s in slots)
+        if mine_over:
+            workers.stop_standby()  # nothing left to stand by for
+        if mine_over and (coordinator is None or coordinator.finished):
+            break
+        time.sleep(_POLL_S)
+    return failed

@@ -80,8 +80,7 @@ def describe(commits: Iterable[Commit]) -> tuple[list[dict[str, Any]], Any]:
     for commit in commits:
         pieces, aliases, optim = _pieces(commit)
         extra["aliases"].update(aliases)
-        if optim and extra["optimizer"] is None:
-            extra["optimizer"] = optim
+        extra["optimizer"] = _merge(extra["optimizer"], optim)
         for p in pieces:
             entries.append({
                 "key": p.key, "shape": list(p.shape), "dtype": dtypes.FILE_DTYPES[p.tensor.dtype],
@@ -90,6 +89,21 @@ def describe(commits: Iterable[Commit]) -> tuple[list[dict[str, Any]], Any]:
             })  # fmt: skip
             data.append(p.tensor.contiguous())
     return [{"entries": entries, **extra}], data
+
+
+def _merge(into: dict[str, Any] | None, more: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Optimizer JSON parts of several ranks as one: param groups, and every rank's values.
+
+    Non-tensor per-parameter values (a ZeRO rank's, for the parameters it owns) are only in
+    their owner's commit, as ``checkpoint.save`` merges them from every rank.
+    """
+    if not more:
+        return into
+    if not into:
+        return {"param_groups": more["param_groups"], "values": dict(more["values"])}
+    for name, entries in more["values"].items():
+        into["values"].setdefault(name, {}).update(entries)
+    return into
 
 
 class _Reader:
@@ -187,7 +201,7 @@ def load(
     optim = None
     for holder, view in enumerate(views):
         aliases.update(view["aliases"])
-        optim = optim or view["optimizer"]
+        optim = _merge(optim, view["optimizer"])
         for e in view["entries"]:
             entry = tensors.setdefault(e["key"], {"shape": e["shape"], "dtype": e["dtype"],
                                                   "chunks": []})  # fmt: skip

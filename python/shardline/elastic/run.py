@@ -88,7 +88,9 @@ def run(fn: Any = None, *, on_change: OnChange | None = None) -> Any:
                     if rejoin:
                         _change(state, reform, on_change)
                         rejoin = reform = False
-                    return train(state, *args, **kwargs)
+                    result = train(state, *args, **kwargs)
+                    world.mark_job("finished")  # no new generation now; waiting joiners leave
+                    return result
                 except (PeerLostError, CommunicatorClosedError, MembershipChanged) as exc:
                     if world.elastic_generation() is None:
                         raise

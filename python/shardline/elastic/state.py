@@ -161,6 +161,7 @@ class State:
         self.committed_at: float | None = None
         self.last_commit_seconds = 0.0
         self._saved: dict[str, Any] | None = None
+        self._marked = False  # this process told an elastic job that it has trained
         # The commit before: kept until the next one is complete everywhere (a rank lost in
         # the middle of a commit leaves some ranks with the new one and some without).
         self._previous: dict[str, Any] | None = None
@@ -195,10 +196,14 @@ class State:
         """
         self._snapshot(self.commits + 1)
         g = self.group
-        if g is not None and world.elastic_generation() is not None:
+        if world.elastic_generation() is not None:
+            if not self._marked:
+                world.mark_job("trained")  # a process joining later restores with the others
+                self._marked = True
             # Every rank learns of a new member at the same step: one flag, all-reduced.
-            flag = torch.tensor([int(world.membership_changed())], device=g.device)
-            g.all_reduce(flag, "max")
+            flag = torch.tensor([int(world.membership_changed())], device=self._device(g))
+            if g is not None:
+                g.all_reduce(flag, "max")
             if int(flag.item()):
                 raise MembershipChanged(
                     "the elastic job's members changed; run the training function under "
@@ -231,10 +236,12 @@ class State:
         saved["number"] = number
         g = self.group
         saved["rank"], saved["world"] = (g.rank, g.world_size) if g is not None else (0, 1)
+        gen = world.elastic_generation()
+        saved["gen"] = gen.number if gen is not None else 0  # the layout it was made in
+        held = buddy.exchange(g, *_split(saved)) if g is not None else None
+        # Only now, once the exchange worked: a failure in it keeps the commits held before.
         self._previous, self._held_previous = self._saved, self._held
-        if g is not None:
-            self._held = buddy.exchange(g, *_split(saved))
-        self._saved = saved
+        self._saved, self._held = saved, held
         self.commits = number
         self.committed_at = time.time()
         self.last_commit_seconds = time.perf_counter() - start
@@ -315,16 +322,24 @@ class State:
         if self.sampler is not None and hasattr(self.sampler, "num_replicas"):
             self.sampler.num_replicas, self.sampler.rank = group.world_size, group.rank
 
-    def _commits(self) -> list[tuple[int, int, int, str]]:
-        """What this rank holds: ``(number, old rank, old world size, "own" | "held")``."""
+    def _device(self, g: ProcessGroup | None) -> torch.device:
+        return g.device if g is not None else torch.device("cpu")
+
+    def _commits(self) -> list[tuple[tuple[int, int], int, int, str]]:
+        """What this rank holds: ``((number, generation), old rank, old world size, kind)``.
+
+        ``kind`` is ``"own"`` or ``"held"`` (a buddy's). A commit is named by its number and
+        the generation it was made in: after a restore the same number is committed again in
+        the new layout.
+        """
         out = []
         for saved in (self._saved, self._previous):
             if saved is not None:
-                out.append((saved["number"], saved["rank"], saved["world"], "own"))
+                out.append(((saved["number"], saved["gen"]), saved["rank"], saved["world"], "own"))
         for held in (self._held, self._held_previous):
             if held is not None:
                 sk = held[0]
-                out.append((sk["number"], (sk["rank"]), sk["world"], "held"))
+                out.append(((sk["number"], sk["gen"]), sk["rank"], sk["world"], "held"))
         return out
 
     def _rejoin(self, group: ProcessGroup) -> None:
@@ -345,12 +360,13 @@ class State:
                 "elastic: the ranks of the new generation hold different models (parameter "
                 "names or shapes differ); every process must build the same model"
             )
-        number, world_size = _newest_complete(views)
-        if number is None:
+        ident, world_size = _newest_complete(views)
+        if ident is None:
             if all(v["disk"] for v in views):
-                if group.world_size > 1:
-                    self.group = group
+                self.group = group if group.world_size > 1 else None
                 self._load_latest()
+                top = max((c[0][0] for v in views for c in v["commits"]), default=0)
+                self._snapshot(top + 1)  # as below: a commit in this layout at once
                 return
             if not any(v["commits"] for v in views):
                 raise InvalidArgumentError(
@@ -363,22 +379,22 @@ class State:
                 "were both lost) and no checkpoint_dir holds a checkpoint; give State a "
                 "checkpoint_dir and call state.save() now and then"
             )
-        owners = {c[1] for v in views for c in v["commits"] if c[0] == number and c[3] == "own"}
+        owners = {c[1] for v in views for c in v["commits"] if c[0] == ident and c[3] == "own"}
         mine: list[reshard.Commit] = []
         first: int | None = None  # the rank giving old rank 0's fields and sampler position
         for r, v in enumerate(views):
             for num, q, _, kind in v["commits"]:
-                if num == number and q == 0 and (kind == "own" or 0 not in owners):
+                if num == ident and q == 0 and (kind == "own" or 0 not in owners):
                     first = r if first is None else first
         for saved in (self._saved, self._previous):
-            if saved is not None and saved["number"] == number:
+            if saved is not None and _ident(saved) == ident:
                 mine.append(_host_commit(saved))
         for held in (self._held, self._held_previous):
-            if held is not None and held[0]["number"] == number and held[0]["rank"] not in owners:
+            if held is not None and _ident(held[0]) == ident and held[0]["rank"] not in owners:
                 mine.append(_host_commit(_join(*held)))
         reshard.load(group, mine, self.model, self.optimizer)
         assert first is not None
-        top = self._by_number(number, rank=0) if group.rank == first else None
+        top = self._by_ident(ident, rank=0) if group.rank == first else None
         extra = broadcast_object(
             (top["fields"], top.get("sampler")) if top is not None else None, first, group
         )
@@ -390,17 +406,15 @@ class State:
         self.group = group if group.world_size > 1 else None
         # The commits held were made in the old layout: the restored state is committed
         # again at once, in this one, so that a failure before the next commit finds it.
-        self._saved = self._previous = None
-        self._held = self._held_previous = None
-        self._snapshot(number)
+        self._snapshot(ident[0])
 
-    def _by_number(self, number: int, rank: int) -> dict[str, Any] | None:
-        """The commit ``number`` of old rank ``rank`` this rank holds (own or held)."""
+    def _by_ident(self, ident: tuple[int, int], rank: int) -> dict[str, Any] | None:
+        """The commit ``ident`` of old rank ``rank`` this rank holds (own or held)."""
         for saved in (self._saved, self._previous):
-            if saved is not None and saved["number"] == number and saved["rank"] == rank:
+            if saved is not None and _ident(saved) == ident and saved["rank"] == rank:
                 return saved
         for held in (self._held, self._held_previous):
-            if held is not None and held[0]["number"] == number and held[0]["rank"] == rank:
+            if held is not None and _ident(held[0]) == ident and held[0]["rank"] == rank:
                 return _join(*held)
         return None
 
@@ -467,17 +481,26 @@ def _signature(model: nn.Module | None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _newest_complete(views: list[dict[str, Any]]) -> tuple[int | None, int]:
-    """The newest commit number every old rank's share of is held by someone, and its size."""
-    held: dict[int, set[int]] = {}
-    sizes: dict[int, int] = {}
+def _ident(saved: dict[str, Any]) -> tuple[int, int]:
+    """A commit's name: its number and the generation (layout) it was made in."""
+    return saved["number"], saved["gen"]
+
+
+def _newest_complete(views: list[dict[str, Any]]) -> tuple[tuple[int, int] | None, int]:
+    """The newest commit every old rank's share of is held by someone, and its world size.
+
+    Newest: the highest number, and of one number (committed again after a restore) the
+    latest generation's.
+    """
+    held: dict[tuple[int, int], set[int]] = {}
+    sizes: dict[tuple[int, int], int] = {}
     for v in views:
-        for number, q, size, _ in v["commits"]:
-            held.setdefault(number, set()).add(q)
-            sizes[number] = size
-    for number in sorted(held, reverse=True):
-        if held[number] >= set(range(sizes[number])):
-            return number, sizes[number]
+        for name, q, size, _ in v["commits"]:
+            held.setdefault(tuple(name), set()).add(q)
+            sizes[tuple(name)] = size
+    for ident in sorted(held, reverse=True):
+        if held[ident] >= set(range(sizes[ident])):
+            return ident, sizes[ident]
     return None, 0
 
 
