@@ -1,16 +1,16 @@
 """How long a job takes to recover from a killed rank: ours against torchrun + DCP, one run.
 
 The same job on both sides: the main job's GPT (``shardline.examples.train``'s ``TinyGPT``,
-``--width``/``--layers`` to make it bigger), AdamW, ``--ranks`` ranks on this machine's CPUs,
-``--steps`` steps; rank 1 is killed (SIGKILL, by itself) in the middle of step ``--kill-at``,
+``--width``/``--layers`` to make it bigger), AdamW, ``--ranks`` ranks on this machine's CPUs
+(or GPUs, ``--device cuda``: NCCL on both sides), ``--steps`` steps; rank 1 is killed (SIGKILL, by itself) in the middle of step ``--kill-at``,
 after its backward and before its optimizer step.
 
 - ours: ``shardline run --nnodes 1:1 --max-restarts 3``, ZeRO-2, ``sl.elastic.State``
   committed after every step, the training function under ``sl.elastic.run``: the launcher
-  replaces the dead worker, the others re-form the group in place and the state comes back
-  from memory (the replacement's share from its buddy).
+  hands the dead worker's place to its warm standby, the others re-form the group in place
+  and the state comes back from memory (the replacement's share from its buddy).
 - torch: ``torchrun --max-restarts 3``, FSDP2 ``fully_shard`` with
-  ``reshard_after_forward=False`` (ZeRO-2) on Gloo where this torch can, else DDP, and a DCP
+  ``reshard_after_forward=False`` (ZeRO-2) where this torch can, else DDP, and a DCP
   checkpoint (``torch.distributed.checkpoint``) every ``--ckpt-every`` steps, loaded at start:
   torchrun restarts every worker, which resume from the latest checkpoint.
 
@@ -21,6 +21,11 @@ or a checkpoint (torch) costs per step.
 
     python benches/bench_recovery.py                   # 4 ranks, kill at step 50, ~2 min here
     python benches/bench_recovery.py --ranks 8 --width 256 --layers 8
+    python benches/bench_recovery.py --device cuda --width 1024 --layers 8 --tag cuda-4x
+
+torchrun's env:// store hands a restarted attempt the previous attempt's Gloo addresses on
+torch 2.15 (every restart failed in connectFullMesh here), so the torch worker makes its group
+on a store prefix of its own per attempt.
 
 Writes ``benches/results/recovery-<tag>.{txt,json}``.
 """
@@ -39,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
@@ -60,6 +66,15 @@ def _setup(args: argparse.Namespace) -> tuple:  # type: ignore[type-arg]
     return torch, ex, cfg, tokens, model
 
 
+def _device(args: argparse.Namespace, torch: Any) -> Any:
+    """This rank's device: ``cuda:LOCAL_RANK`` with ``--device cuda`` (after ``init``)."""
+    if args.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
 def _log(out: Path, **entry: object) -> None:
     with open(out / "steps.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
@@ -76,8 +91,13 @@ def worker_ours(args: argparse.Namespace) -> None:
     import shardline as sl  # noqa: PLC0415
 
     out = Path(args.dir)
+    from shardline.comm import world  # noqa: PLC0415
+
     sl.init()
-    first = os.environ.get("SHARDLINE_ELASTIC_INCARNATION", "0") == "0"
+    place = world.elastic_slot()
+    first = place is not None and place[1] == 0  # a replacement does not die again
+    device = _device(args, torch)
+    model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     net, opt = sl.distribute(model, opt, strategy="zero2")
     sampler = sl.DistributedSampler(ex.windows(tokens, cfg), seed=0)
@@ -88,7 +108,7 @@ def worker_ours(args: argparse.Namespace) -> None:
         it = iter(sampler)
         while state.step < args.steps:
             x, y = ex.get_batch(tokens, [next(it) for _ in range(cfg.batch_size)], cfg)
-            loss = net(x, y)
+            loss = net(x.to(device), y.to(device))
             opt.zero_grad()
             loss.backward()
             _maybe_die(out, args, sl.get_rank(), state.step + 1, first)
@@ -121,9 +141,12 @@ def worker_torch(args: argparse.Namespace) -> None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None,
                           False, timedelta(seconds=120))  # fmt: skip
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"bench/attempt{attempt}", store),
-                            rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))  # fmt: skip
+    device = _device(args, torch)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            store=dist.PrefixStore(f"bench/attempt{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            device_id=device if device.type == "cuda" else None)  # fmt: skip
+    model.to(device)
     rank = dist.get_rank()
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     try:
@@ -132,8 +155,12 @@ def worker_torch(args: argparse.Namespace) -> None:
         for block in model.blocks:  # type: ignore[attr-defined]
             fully_shard(block, reshard_after_forward=False)
         net = fully_shard(model, reshard_after_forward=False)
-    except Exception:  # this torch cannot shard on CPU: DDP
+        kind = "FSDP2 (reshard_after_forward=False)"
+    except Exception as exc:  # this torch cannot shard here: DDP
         net = torch.nn.parallel.DistributedDataParallel(model)
+        kind = f"DDP (fully_shard failed: {exc})"
+    if rank == 0:
+        (out / "strategy.txt").write_text(kind)
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr)
     sampler = torch.utils.data.DistributedSampler(range(ex.windows(tokens, cfg)), seed=0)
     step = 0
@@ -149,7 +176,7 @@ def worker_torch(args: argparse.Namespace) -> None:
     while step < args.steps:
         at = (step * cfg.batch_size) % (len(order) - cfg.batch_size)
         x, y = ex.get_batch(tokens, order[at : at + cfg.batch_size], cfg)
-        loss = net(x, y)
+        loss = net(x.to(device), y.to(device))
         opt.zero_grad()
         loss.backward()
         _maybe_die(out, args, rank, step + 1, first)
@@ -159,6 +186,8 @@ def worker_torch(args: argparse.Namespace) -> None:
         if step % args.ckpt_every == 0:
             msd, osd = get_state_dict(net, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(out / "dcp" / f"step-{step}"))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         save = time.perf_counter() - t
         if rank == 0:
             _log(out, step=step, t=time.time(), commit=save)
@@ -201,7 +230,9 @@ def _run(side: str, args: argparse.Namespace, out: Path) -> dict[str, object]:
     before = [s for s in steps if s["t"] < kill["t"]]
     durations = [b["t"] - a["t"] for a, b in itertools.pairwise(steps)
                  if b["step"] == a["step"] + 1 and b["t"] < kill["t"]]  # fmt: skip
+    strategy = out / "strategy.txt"
     return {
+        "strategy": strategy.read_text() if strategy.exists() else "shardline zero2",
         "recovery_s": after["t"] - kill["t"],
         "resumed_at": after["step"] - 1,
         "redone": kill["step"] - (after["step"] - 1),
@@ -214,14 +245,15 @@ def _run(side: str, args: argparse.Namespace, out: Path) -> dict[str, object]:
 
 
 def _passed(args: argparse.Namespace) -> list[str]:
-    return ["--steps", str(args.steps), "--kill-at", str(args.kill_at), "--ckpt-every",
-            str(args.ckpt_every), "--width", str(args.width), "--layers", str(args.layers),
-            "--batch", str(args.batch)]  # fmt: skip
+    return ["--device", args.device, "--steps", str(args.steps), "--kill-at", str(args.kill_at),
+            "--ckpt-every", str(args.ckpt_every), "--width", str(args.width), "--layers",
+            str(args.layers), "--batch", str(args.batch)]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--steps", type=int, default=70)
     p.add_argument("--kill-at", type=int, default=50)
     p.add_argument("--ckpt-every", type=int, default=10, help="torch: DCP checkpoint interval")
@@ -251,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     lines = [
-        f"job: TinyGPT d={args.width} L={args.layers}, {args.ranks} ranks on CPU, batch "
+        f"job: TinyGPT d={args.width} L={args.layers}, {args.ranks} ranks on {args.device}, batch "
         f"{args.batch}x64 per rank, rank 1 killed in step {args.kill_at}",
         f"{'':36}{'shardline':>12}{'torchrun+DCP':>15}",
     ]
@@ -265,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(f"recovery: shardline takes {ours['recovery_s'] / theirs['recovery_s']:.3f}x "
                  "torchrun+DCP's time (goal <= 0.2x); torch checkpoints every "
                  f"{args.ckpt_every} steps, shardline commits every step")  # fmt: skip
-    head = _report.header("bench_recovery.py", _report.machine())
+    lines.append(f"torch side: {theirs['strategy']}")
+    head = _report.header("bench_recovery.py", _report.machine(args.device, gpu_count=True))
     doc = {"ours": ours, "torch": theirs, "args": vars(args)}
     stem = HERE.parent / "results" / f"recovery-{args.tag}"
     _report.publish(stem, head, "\n".join(lines), doc, lambda path: "no plot")

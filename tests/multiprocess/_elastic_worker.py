@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import shardline as sl
+from shardline.comm import world
 
 N_SAMPLES = 4096
 IN, HIDDEN, OUT = 8, 32, 4
@@ -59,10 +60,10 @@ def main() -> None:
     kill = os.environ.get("WORKER_KILL", "")
     save_every = int(os.environ.get("WORKER_SAVE_EVERY", "0"))
     pause = float(os.environ.get("WORKER_STEP_SLEEP", "0"))
-    slot = os.environ.get("SHARDLINE_ELASTIC_SLOT", "")
-    first = os.environ.get("SHARDLINE_ELASTIC_INCARNATION", "0") == "0"
-
     sl.init()
+    place = world.elastic_slot()
+    assert place is not None, "run me under shardline run --nnodes MIN:MAX"
+    slot, first = place[0], place[1] == 0
     x, y = data()
     plain = model()
     net, opt = sl.distribute(plain, optimizer(plain.parameters()), strategy=strategy)

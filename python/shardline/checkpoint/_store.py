@@ -142,8 +142,16 @@ def mark_failed(partial: Path, rank: int, reason: str) -> None:
 
 
 def raise_if_failed(partial: Path, final: Path) -> None:
-    """``CheckpointError`` with the first failure a rank left in ``partial``, if any."""
-    for marker in sorted(partial.glob(f"{FAILED}.rank*")):
+    """``CheckpointError`` with the first failure a rank left in ``partial``, if any.
+
+    ``partial`` may be gone: rank 0 renames it to ``final`` when it commits, between a
+    waiting rank's look at ``final`` and this one.
+    """
+    try:
+        markers = sorted(partial.glob(f"{FAILED}.rank*"))
+    except FileNotFoundError:
+        return  # committed meanwhile (the caller looks at final again)
+    for marker in markers:
         try:
             reason = marker.read_text()
         except OSError:

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,6 +52,8 @@ __all__ = [
     "choose_backend",
     "default_group",
     "elastic_generation",
+    "elastic_slot",
+    "host_group",
     "init",
     "is_initialized",
     "joined_running_job",
@@ -151,6 +154,7 @@ class _Elastic:
     timeout: float
     local_rank: int
     joined_late: bool
+    host: ProcessGroup | None = None  # on NCCL: the same ranks on the native engine
 
 
 _lock = threading.Lock()
@@ -388,7 +392,7 @@ def _form_generation(state: _Elastic, *, explicit: bool = True) -> ProcessGroup:
             from shardline.comm.backends import nccl  # noqa: PLC0415
 
             device = nccl.default_device(state.local_rank)
-        return init_process_group(
+        group = init_process_group(
             store, rank, gen.world_size, backend=state.backend, host_id=host_identity(),
             name=f"world.g{gen.number}", timeout=state.timeout,
             master_addr=os.environ.get("MASTER_ADDR"), device=device,
@@ -396,11 +400,111 @@ def _form_generation(state: _Elastic, *, explicit: bool = True) -> ProcessGroup:
     except Exception as exc:
         publish_failure(store, rank, exc)
         raise
+    if state.backend == "nccl":
+        # Host copies (commits, buddies, reshards) move on the CPU engine, which notices a
+        # dead peer; NCCL's point-to-point would wait for it in its connection setup.
+        state.host = init_process_group(
+            store, rank, gen.world_size, backend="native", host_id=host_identity(),
+            name=f"world.g{gen.number}.host", timeout=state.timeout,
+            master_addr=os.environ.get("MASTER_ADDR"),
+        )  # fmt: skip
+        _watch_generation(state.store, gen.number, group)
+    return group
+
+
+def host_group(group: ProcessGroup) -> ProcessGroup:
+    """The group to move host tensors among ``group``'s ranks on.
+
+    ``group`` itself, but for an elastic NCCL job's default group: its native twin.
+    """
+    e = _elastic
+    if e is not None and e.host is not None and group is _default:
+        return e.host
+    return group
+
+
+_WATCH_S = 0.1
+
+
+_abort_lock = threading.Lock()
+
+
+def _abort_all(group: ProcessGroup, lost: PeerLostError) -> None:
+    """Marks ``group`` and its sub-groups (a strategy's) as having lost a peer; aborts them.
+
+    Once per group, whoever comes first (the watcher thread or ``reform``).
+    """
+    with _abort_lock:
+        _abort_all_locked(group, lost)
+
+
+def _abort_all_locked(group: ProcessGroup, lost: PeerLostError) -> None:
+    for child in list(group._children):
+        _abort_all_locked(child, lost)
+    if getattr(group, "_aborted", False):
+        return
+    group._aborted = True  # type: ignore[attr-defined]
+    if group._peer_lost is None:
+        group._peer_lost = lost
+    with contextlib.suppress(Exception):
+        group.abort(str(lost))
+
+
+def _close_all(group: ProcessGroup) -> None:
+    """Refuses every later op of ``group`` and its sub-groups (no transport call)."""
+    for child in list(group._children):
+        _close_all(child)
+    group._closed = True
+
+
+def _watch_generation(store: Store, number: int, group: ProcessGroup) -> None:
+    """Aborts an NCCL group once a later generation is published (a helper thread).
+
+    NCCL does not notice a dead peer: an op with it waits until NCCL's watchdog kills the
+    process. The launcher does notice (the worker's exit, or its node's silence), and its
+    coordinator publishes the next generation; this thread then marks the group as having
+    lost a peer and aborts its communicators, so the op in flight ends and the next one raises
+    (``PeerLostError``, which ``shardline.elastic.run`` handles). A node that joins costs the
+    step in flight the same way on NCCL. A thread of its own, with a store connection of its
+    own (the main thread may be blocked in the store or on the GPU).
+    """
+    import torch.distributed as dist  # noqa: PLC0415
+
+    addr = getattr(store, "host", None) or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = getattr(store, "port", None) or int(os.environ["MASTER_PORT"])
+
+    def watch() -> None:
+        try:
+            mine = dist.TCPStore(addr, port, None, False, timedelta(seconds=30))  # type: ignore[attr-defined]
+            while not group._closed:
+                if membership.pending(mine, number):
+                    lost = PeerLostError(
+                        f"rank {group.rank}: the elastic job moved on to a generation after "
+                        f"#{number} (a rank was lost, or a node joined); group {group.name!r} "
+                        "is aborted"
+                    )
+                    _abort_all(group, lost)
+                    return
+                time.sleep(_WATCH_S)
+        except Exception as exc:  # the store is gone: the job is over
+            _log.debug("elastic: generation watcher stops: %s", exc)
+
+    threading.Thread(target=watch, name=f"shardline-elastic-g{number}", daemon=True).start()
 
 
 def elastic_generation() -> Generation | None:
     """The generation the default group belongs to in an elastic job; else ``None``."""
     return _elastic.generation if _elastic is not None else None
+
+
+def elastic_slot() -> tuple[str, int] | None:
+    """In an elastic job, where this process runs: ``(slot, incarnation)``; else ``None``.
+
+    The incarnation is 0 for a slot's first process, +1 for each replacement (a warm standby
+    learns its slot and incarnation only in ``init``, not from its environment).
+    """
+    e = _elastic
+    return (e.slot, e.incarnation) if e is not None else None
 
 
 def joined_running_job() -> bool:
@@ -452,11 +556,22 @@ def reform() -> ProcessGroup:
     old = _default
     e.generation = _or_exit(lambda: membership.next_after(
         e.store, e.generation.number, e.slot, e.incarnation, e.timeout))  # fmt: skip
-    if old._lost_peer() is not None:  # a healthy group (a grow) finishes its ops instead
+    lost = PeerLostError(f"the job moved on to generation {e.generation.number}")
+    if old.backend == "nccl":
+        # Aborted, never shut down: NCCL's shutdown waits for ops a dead peer never ends, and
+        # racing the watcher's abort it crashed the process. The communicators are freed.
+        _abort_all(old, lost)
+        _close_all(old)
+    else:
+        if old._lost_peer() is not None:  # a healthy group (a grow) finishes its ops instead
+            with contextlib.suppress(Exception):
+                old.abort(str(lost))
         with contextlib.suppress(Exception):
-            old.abort(f"the job moved on to generation {e.generation.number}")
-    with contextlib.suppress(Exception):
-        old.shutdown()
+            old.shutdown()
+    if e.host is not None:
+        with contextlib.suppress(Exception):
+            e.host.shutdown()
+        e.host = None
     group = _form_newest(e)
     with _lock:
         _default = group

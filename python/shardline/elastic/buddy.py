@@ -76,15 +76,19 @@ def exchange(
 ) -> tuple[Any, list[torch.Tensor]]:
     """Sends this rank's commit to the next rank; returns the previous rank's. Collective."""
     r, n = g.rank, g.world_size
-    if n == 2 and r == 1:
-        # Two ranks are each other's buddy, over one connection: one direction at a time
-        # (over TCP a large send and receive with one peer at once can wait on each other).
-        got = _recv_commit(g, 0)
-        give(g, skeleton, tensors, 0)
-        return got
-    if n == 2:  # rank 0: sends first, then receives
-        give(g, skeleton, tensors, 1)
-        return _recv_commit(g, 1)
+    if n == 2 or g.backend == "nccl":
+        # One direction at a time: odd ranks receive first, even ranks send first. Two ranks
+        # are each other's buddy over one connection (over TCP a large send and receive with
+        # one peer at once can wait on each other); NCCL runs a rank's sends and receives one
+        # after another on its stream, so a ring of ranks all sending first would wait forever.
+        # With an odd n the last (even) rank sends to 0, which sends to 1 first: the chain
+        # still ends.
+        if r % 2:
+            got = _recv_commit(g, (r - 1) % n)
+            give(g, skeleton, tensors, (r + 1) % n)
+            return got
+        give(g, skeleton, tensors, (r + 1) % n)
+        return _recv_commit(g, (r - 1) % n)
     works, keep = _send_commit(g, skeleton, tensors, (r + 1) % n)
     got = _recv_commit(g, (r - 1) % n)
     for w in works:

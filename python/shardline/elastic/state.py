@@ -201,9 +201,10 @@ class State:
                 world.mark_job("trained")  # a process joining later restores with the others
                 self._marked = True
             # Every rank learns of a new member at the same step: one flag, all-reduced.
-            flag = torch.tensor([int(world.membership_changed())], device=self._device(g))
+            flag = torch.tensor([int(world.membership_changed())])
             if g is not None:
-                g.all_reduce(flag, "max")
+                world.host_group(g).all_reduce(flag, "max")
+            _raise_if_aborted(g)
             if int(flag.item()):
                 raise MembershipChanged(
                     "the elastic job's members changed; run the training function under "
@@ -238,7 +239,8 @@ class State:
         saved["rank"], saved["world"] = (g.rank, g.world_size) if g is not None else (0, 1)
         gen = world.elastic_generation()
         saved["gen"] = gen.number if gen is not None else 0  # the layout it was made in
-        held = buddy.exchange(g, *_split(saved)) if g is not None else None
+        held = buddy.exchange(world.host_group(g), *_split(saved)) if g is not None else None
+        _raise_if_aborted(g)  # an NCCL group aborted meanwhile: its step's values are void
         # Only now, once the exchange worked: a failure in it keeps the commits held before.
         self._previous, self._held_previous = self._saved, self._held
         self._saved, self._held = saved, held
@@ -322,9 +324,6 @@ class State:
         if self.sampler is not None and hasattr(self.sampler, "num_replicas"):
             self.sampler.num_replicas, self.sampler.rank = group.world_size, group.rank
 
-    def _device(self, g: ProcessGroup | None) -> torch.device:
-        return g.device if g is not None else torch.device("cpu")
-
     def _commits(self) -> list[tuple[tuple[int, int], int, int, str]]:
         """What this rank holds: ``((number, generation), old rank, old world size, kind)``.
 
@@ -352,8 +351,9 @@ class State:
         Falls back to the latest checkpoint in ``checkpoint_dir`` when no commit is complete.
         """
         sig = _signature(self.model)
+        host = world.host_group(group)
         views = all_gather_object(
-            {"sig": sig, "commits": self._commits(), "disk": self._latest() is not None}, group
+            {"sig": sig, "commits": self._commits(), "disk": self._latest() is not None}, host
         )
         if len({v["sig"] for v in views}) > 1:
             raise InvalidArgumentError(
@@ -392,11 +392,12 @@ class State:
         for held in (self._held, self._held_previous):
             if held is not None and _ident(held[0]) == ident and held[0]["rank"] not in owners:
                 mine.append(_host_commit(_join(*held)))
-        reshard.load(group, mine, self.model, self.optimizer)
+        reshard.load(host, mine, self.model, self.optimizer)
+        _raise_if_aborted(group)
         assert first is not None
         top = self._by_ident(ident, rank=0) if group.rank == first else None
         extra = broadcast_object(
-            (top["fields"], top.get("sampler")) if top is not None else None, first, group
+            (top["fields"], top.get("sampler")) if top is not None else None, first, host
         )
         fields, sampler_state = extra
         self._fields.update(copy.deepcopy(fields))
@@ -468,6 +469,13 @@ class State:
     def __repr__(self) -> str:
         held = [k for k in _OWN if getattr(self, k) is not None]
         return f"elastic.State({', '.join(held + list(self._fields))}; commits={self.commits})"
+
+
+def _raise_if_aborted(g: ProcessGroup | None) -> None:
+    """Raises the loss a group noted (an aborted NCCL group's ops end without an error)."""
+    lost = g._lost_peer() if g is not None else None
+    if lost is not None:
+        raise lost
 
 
 def _signature(model: nn.Module | None) -> str:
