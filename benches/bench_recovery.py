@@ -2,8 +2,9 @@
 
 The same job on both sides: the main job's GPT (``shardline.examples.train``'s ``TinyGPT``,
 ``--width``/``--layers`` to make it bigger), AdamW, ``--ranks`` ranks on this machine's CPUs
-(or GPUs, ``--device cuda``: NCCL on both sides), ``--steps`` steps; rank 1 is killed (SIGKILL, by itself) in the middle of step ``--kill-at``,
-after its backward and before its optimizer step.
+(or GPUs, ``--device cuda``: NCCL on both sides), ``--steps`` steps; rank 1 is killed
+(SIGKILL, by itself) in the middle of step ``--kill-at``, after its backward and before its
+optimizer step.
 
 - ours: ``shardline run --nnodes 1:1 --max-restarts 3``, ZeRO-2, ``sl.elastic.State``
   committed after every step, the training function under ``sl.elastic.run``: the launcher
