@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shardline.comm._buffers import TensorLike
+
+# Moved to shardline.comm.world (and generations); these names keep old import paths working.
+from shardline.comm.generations import (
+    agree_on_backend as _agree_on_backend,  # noqa: F401  # tests import it from here
+)
 from shardline.comm.group import ProcessGroup, TensorList
 from shardline.comm.work import Work
-
-# Moved to shardline.comm.world; these names keep the old import paths working.
 from shardline.comm.world import (
-    _agree_on_backend,  # noqa: F401  # tests import it from here
     choose_backend,
     default_group,
     init,

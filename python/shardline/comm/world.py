@@ -6,7 +6,9 @@ the store, so that they stop too instead of waiting out their deadline. ``shutdo
 Where rank 0 hosts the store (no launcher hosts it: see [Note: who hosts the store] in
 ``rendezvous``), leaving is collective: every rank checks out through the store and rank 0
 leaves last, so the store outlives every rank that still uses it (sub-groups are created
-through it long after ``init``).
+through it long after ``init``). Under an elastic launcher ``init`` joins the job's current
+generation instead, and ``reform`` moves the default group to the next one (the mechanics are
+in ``generations``; who is in which generation, in ``membership``).
 """
 
 from __future__ import annotations
@@ -16,24 +18,23 @@ import contextlib
 import logging
 import os
 import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 
 from shardline import config
-from shardline.comm import BACKENDS, init_process_group, membership
+from shardline.comm import BACKENDS, generations, init_process_group, membership
 from shardline.comm.backends._store import (
     StoreClient,
     linger_after_failure,
     publish_failure,
-    store_errors,
 )
 from shardline.comm.flight import RECORDER
+from shardline.comm.generations import ElasticJob
 from shardline.comm.group import ProcessGroup
 from shardline.comm.membership import Generation
 from shardline.comm.rendezvous import (
@@ -129,38 +130,10 @@ class _Job:
             )
 
 
-@dataclass
-class _Elastic:
-    """This worker's place in an elastic job (``shardline run --nnodes MIN:MAX``).
-
-    Attributes:
-        store: The job's store (no prefix: membership keys are global to the job).
-        slot: ``"<node>.<local rank>"``, where its launcher runs it.
-        incarnation: 0 for the slot's first process, +1 for each replacement.
-        generation: The generation the default group belongs to.
-        backend: The backend every generation uses.
-        timeout: Deadline of every wait, in seconds.
-        local_rank: This worker's rank on its node.
-        joined_late: This process joined a generation after the job's first: the others
-            restore the state for it (``shardline.elastic.run``) and ``distribute`` runs no
-            collective of its own (the state comes with the restore).
-    """
-
-    store: Store
-    slot: str
-    incarnation: int
-    generation: Generation
-    backend: str
-    timeout: float
-    local_rank: int
-    joined_late: bool
-    host: ProcessGroup | None = None  # on NCCL: the same ranks on the native engine
-
-
 _lock = threading.Lock()
 _default: ProcessGroup | None = None
 _job: _Job | None = None
-_elastic: _Elastic | None = None
+_elastic: ElasticJob | None = None
 _atexit_registered = False
 
 
@@ -267,7 +240,7 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
         )
         _check_out_at_exit()
         try:
-            _agree_on_backend(store, info.rank, chosen, explicit=bool(named))
+            generations.agree_on_backend(store, info.rank, chosen, explicit=bool(named))
             device = None
             if chosen == "nccl":
                 from shardline.comm.backends import nccl  # noqa: PLC0415
@@ -301,7 +274,7 @@ def _init_elastic(
     global _job, _elastic  # noqa: PLW0603
     import torch.distributed as dist  # noqa: PLC0415
 
-    _die_with_launcher()
+    generations.die_with_launcher()
     seconds = timeout_seconds(timeout)
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     try:
@@ -315,100 +288,24 @@ def _init_elastic(
         ) from exc
     standby = config.raw("SHARDLINE_ELASTIC_STANDBY")
     if standby:  # a warm spare: the script is loaded; wait until a slot needs it
-        slot, number = _or_exit(lambda: membership.wait_standby(store, standby))
+        slot, number = generations.or_exit(lambda: membership.wait_standby(store, standby))
         incarnation = int(number)
         os.environ["LOCAL_RANK"] = slot.split(".")[1]  # the slot's, for the user's code after
     else:
         slot = str(config.raw("SHARDLINE_ELASTIC_SLOT"))
         incarnation = int(config.get("SHARDLINE_ELASTIC_INCARNATION"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    gen = _or_exit(lambda: membership.join(store, slot, incarnation, seconds))
+    gen = generations.or_exit(lambda: membership.join(store, slot, incarnation, seconds))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     chosen = choose_backend(backend, local_world_size=local_world)
-    state = _Elastic(store, slot, incarnation, gen, chosen, seconds, local_rank,
+    state = ElasticJob(store, slot, incarnation, gen, chosen, seconds, local_rank,
                      joined_late=gen.number > 1)  # fmt: skip
-    group = _form_newest(state, explicit=explicit)
+    group = generations.form_newest(state, explicit=explicit)
     # Late: the job has trained (a commit was made), so the others will restore for this
     # process; a generation after the first that formed before any commit starts afresh.
     state.joined_late = membership.marked(store, "trained")
     _elastic = state
     _job = _Job(store, group.rank, group.world_size, leave_together=False, timeout=seconds)
-    return group
-
-
-_T = TypeVar("_T")
-
-
-def _or_exit(wait: Callable[[], _T]) -> _T:
-    """``wait()``; if the job finished meanwhile, this process leaves with exit code 0."""
-    try:
-        return wait()
-    except membership.JobFinished as exc:
-        _log.warning("elastic: %s; exiting", exc)
-        raise SystemExit(0) from None
-
-
-def _die_with_launcher() -> None:
-    """Asks Linux to kill this worker when its launcher dies: a node goes as a whole."""
-    import ctypes  # noqa: PLC0415
-    import signal  # noqa: PLC0415
-
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the launcher died before the call
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _form_newest(state: _Elastic, *, explicit: bool = True) -> ProcessGroup:
-    """The default group of ``state.generation``, or of a later one that replaced it.
-
-    A generation replaced while its group forms (the members changed again) fails its
-    waits (``PeerLostError``, see ``membership.Coordinator``): this process then joins the
-    next one that lists it.
-    """
-    while True:
-        try:
-            return _form_generation(state, explicit=explicit)
-        except PeerLostError:
-            newest = _or_exit(lambda: membership.next_after(
-                state.store, state.generation.number, state.slot, state.incarnation,
-                state.timeout))  # fmt: skip
-            _log.warning("elastic: generation %d was replaced while it formed; joining %d",
-                         state.generation.number, newest.number)  # fmt: skip
-            state.generation = newest
-
-
-def _form_generation(state: _Elastic, *, explicit: bool = True) -> ProcessGroup:
-    """The default group of ``state.generation`` (its keys under ``/elastic/g<n>``)."""
-    gen = state.generation
-    rank = gen.rank_of(state.slot, state.incarnation)
-    assert rank is not None
-    store = membership.generation_store(state.store, gen.number)
-    try:
-        _agree_on_backend(store, rank, state.backend, explicit=explicit)
-        device = None
-        if state.backend == "nccl":
-            from shardline.comm.backends import nccl  # noqa: PLC0415
-
-            device = nccl.default_device(state.local_rank)
-        group = init_process_group(
-            store, rank, gen.world_size, backend=state.backend, host_id=host_identity(),
-            name=f"world.g{gen.number}", timeout=state.timeout,
-            master_addr=os.environ.get("MASTER_ADDR"), device=device,
-        )  # fmt: skip
-    except Exception as exc:
-        publish_failure(store, rank, exc)
-        raise
-    if state.backend == "nccl":
-        # Host copies (commits, buddies, reshards) move on the CPU engine, which notices a
-        # dead peer; NCCL's point-to-point would wait for it in its connection setup.
-        state.host = init_process_group(
-            store, rank, gen.world_size, backend="native", host_id=host_identity(),
-            name=f"world.g{gen.number}.host", timeout=state.timeout,
-            master_addr=os.environ.get("MASTER_ADDR"),
-        )  # fmt: skip
-        _watch_generation(state.store, gen.number, group)
     return group
 
 
@@ -421,75 +318,6 @@ def host_group(group: ProcessGroup) -> ProcessGroup:
     if e is not None and e.host is not None and group is _default:
         return e.host
     return group
-
-
-_WATCH_S = 0.1
-
-
-_abort_lock = threading.Lock()
-
-
-def _abort_all(group: ProcessGroup, lost: PeerLostError) -> None:
-    """Marks ``group`` and its sub-groups (a strategy's) as having lost a peer; aborts them.
-
-    Once per group, whoever comes first (the watcher thread or ``reform``).
-    """
-    with _abort_lock:
-        _abort_all_locked(group, lost)
-
-
-def _abort_all_locked(group: ProcessGroup, lost: PeerLostError) -> None:
-    for child in list(group._children):
-        _abort_all_locked(child, lost)
-    if getattr(group, "_aborted", False):
-        return
-    group._aborted = True  # type: ignore[attr-defined]
-    if group._peer_lost is None:
-        group._peer_lost = lost
-    with contextlib.suppress(Exception):
-        group.abort(str(lost))
-
-
-def _close_all(group: ProcessGroup) -> None:
-    """Refuses every later op of ``group`` and its sub-groups (no transport call)."""
-    for child in list(group._children):
-        _close_all(child)
-    group._closed = True
-
-
-def _watch_generation(store: Store, number: int, group: ProcessGroup) -> None:
-    """Aborts an NCCL group once a later generation is published (a helper thread).
-
-    NCCL does not notice a dead peer: an op with it waits until NCCL's watchdog kills the
-    process. The launcher does notice (the worker's exit, or its node's silence), and its
-    coordinator publishes the next generation; this thread then marks the group as having
-    lost a peer and aborts its communicators, so the op in flight ends and the next one raises
-    (``PeerLostError``, which ``shardline.elastic.run`` handles). A node that joins costs the
-    step in flight the same way on NCCL. A thread of its own, with a store connection of its
-    own (the main thread may be blocked in the store or on the GPU).
-    """
-    import torch.distributed as dist  # noqa: PLC0415
-
-    addr = getattr(store, "host", None) or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = getattr(store, "port", None) or int(os.environ["MASTER_PORT"])
-
-    def watch() -> None:
-        try:
-            mine = dist.TCPStore(addr, port, None, False, timedelta(seconds=30))  # type: ignore[attr-defined]
-            while not group._closed:
-                if membership.pending(mine, number):
-                    lost = PeerLostError(
-                        f"rank {group.rank}: the elastic job moved on to a generation after "
-                        f"#{number} (a rank was lost, or a node joined); group {group.name!r} "
-                        "is aborted"
-                    )
-                    _abort_all(group, lost)
-                    return
-                time.sleep(_WATCH_S)
-        except Exception as exc:  # the store is gone: the job is over
-            _log.debug("elastic: generation watcher stops: %s", exc)
-
-    threading.Thread(target=watch, name=f"shardline-elastic-g{number}", daemon=True).start()
 
 
 def elastic_generation() -> Generation | None:
@@ -554,14 +382,14 @@ def reform() -> ProcessGroup:
             "shardline.reform: not an elastic job; launch with `shardline run --nnodes MIN:MAX`"
         )
     old = _default
-    e.generation = _or_exit(lambda: membership.next_after(
+    e.generation = generations.or_exit(lambda: membership.next_after(
         e.store, e.generation.number, e.slot, e.incarnation, e.timeout))  # fmt: skip
     lost = PeerLostError(f"the job moved on to generation {e.generation.number}")
     if old.backend == "nccl":
         # Aborted, never shut down: NCCL's shutdown waits for ops a dead peer never ends, and
         # racing the watcher's abort it crashed the process. The communicators are freed.
-        _abort_all(old, lost)
-        _close_all(old)
+        generations.abort_all(old, lost)
+        generations.close_all(old)
     else:
         if old._lost_peer() is not None:  # a healthy group (a grow) finishes its ops instead
             with contextlib.suppress(Exception):
@@ -572,7 +400,7 @@ def reform() -> ProcessGroup:
         with contextlib.suppress(Exception):
             e.host.shutdown()
         e.host = None
-    group = _form_newest(e)
+    group = generations.form_newest(e)
     with _lock:
         _default = group
         _job = _Job(e.store, group.rank, group.world_size, leave_together=False,
@@ -597,23 +425,6 @@ def job_store() -> tuple[Store, float] | None:
     """The job's store and op deadline (seconds), once ``init`` joined one; else None."""
     job = _job
     return (job.store, job.timeout) if job is not None else None
-
-
-def _agree_on_backend(store: Store, rank: int, chosen: str, *, explicit: bool) -> None:
-    """Fails a rank whose backend differs from rank 0's, instead of hanging in setup."""
-    client = store_errors(store, rank=rank, task=_JOINING)
-    key = "shardline/init/backend"
-    if rank == 0:
-        client.set(key, chosen, "publishing the backend it chose")
-        return
-    theirs = client.get(key, "reading the backend rank 0 chose").decode()
-    if theirs != chosen:
-        how = "was given" if explicit else "chose"
-        raise ShardlineError(
-            f"rank {rank} {how} backend {chosen!r} but rank 0 uses {theirs!r}; every rank needs "
-            "the same backend: pass the same backend= or set SHARDLINE_BACKEND (or "
-            "SHARDLINE_DEVICE) alike on every host"
-        )
 
 
 def _init_mpi(timeout: timedelta | float | None) -> ProcessGroup:
