@@ -27,7 +27,14 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from shardline import config as settings
-from shardline._workers import Attempt, StopSignals, _signal_group, _Worker, say
+from shardline._workers import (
+    Attempt,
+    StopSignals,
+    _describe_returncode,
+    _signal_group,
+    _Worker,
+    say,
+)
 from shardline.comm.backends._store import StoreClient
 from shardline.comm.membership import BEAT_S, Coordinator, key
 from shardline.errors import InvalidArgumentError, ShardlineError
@@ -90,6 +97,17 @@ class _Node(Attempt):
         worker.rank = self.node * self.config.nproc_per_node + local_rank  # a label only
         self.workers.append(worker)
         return worker
+
+    def _report(self, failed: _Worker) -> None:
+        """Who failed and how, and the end of its stderr; the others run on (no restart)."""
+        code = failed.proc.returncode
+        assert code is not None
+        tail = b"".join(failed.stderr_tail).decode("utf-8", "replace").rstrip("\n")
+        lines = [f"node {self.node}: local rank {failed.local_rank} (pid {failed.proc.pid}) "
+                 f"{_describe_returncode(code)}"]  # fmt: skip
+        if tail:
+            lines += [f"  {line}" for line in tail.splitlines()]
+        say("\n".join(lines))
 
     def start_standby(self, number: int) -> tuple[str, _Worker]:
         """A warm spare: the script started, waiting in ``shardline.init`` for a slot."""
