@@ -57,9 +57,10 @@ class ElasticJob:
         backend: The backend every generation uses.
         timeout: Deadline of every wait, in seconds.
         local_rank: This worker's rank on its node.
-        joined_late: This process joined a generation after the job's first: the others
-            restore the state for it (``shardline.elastic.run``) and ``distribute`` runs no
-            collective of its own (the state comes with the restore).
+        joined_late: This process joined after the job's first commit (its ``trained``
+            flag): the others restore the state for it (``shardline.elastic.run``) and
+            ``distribute`` runs no collective of its own (the state comes with the restore).
+        host: On NCCL, the same ranks on the native engine, for host copies.
     """
 
     store: Store
@@ -70,7 +71,7 @@ class ElasticJob:
     timeout: float
     local_rank: int
     joined_late: bool
-    host: ProcessGroup | None = None  # on NCCL: the same ranks on the native engine
+    host: ProcessGroup | None = None
 
 
 def agree_on_backend(store: Store, rank: int, chosen: str, *, explicit: bool) -> None:
