@@ -41,7 +41,9 @@ class Job:
         self.tmp, self.nodes, self.port = tmp, nodes, free_port()
         self.env = {
             **os.environ, "PYTHONPATH": PYTHONPATH, "WORKER_DIR": str(tmp),
-            "SHARDLINE_SECRET": "elastic-test", "SHARDLINE_TIMEOUT": "60", **env,
+            "SHARDLINE_SECRET": "elastic-test", "SHARDLINE_TIMEOUT": "60",
+            "OMP_NUM_THREADS": "1",  # a dozen processes share this machine's cores
+            **env,
         }  # fmt: skip
         self.launchers: list[subprocess.Popen[str]] = []
         self.outputs: list[Path] = []
