@@ -200,8 +200,10 @@ class State:
             if not self._marked:
                 world.mark_job("trained")  # a process joining later restores with the others
                 self._marked = True
-            # Every rank learns of a new member at the same step: one flag, all-reduced.
-            flag = torch.tensor([int(world.membership_changed())])
+            # Every rank learns of a new member at the same step: rank 0 asks the store (one
+            # round trip per commit, not one per rank) and the flag is all-reduced.
+            asks = g is None or g.rank == 0
+            flag = torch.tensor([int(asks and world.membership_changed())])
             if g is not None:
                 world.host_group(g).all_reduce(flag, "max")
             _raise_if_aborted(g)
