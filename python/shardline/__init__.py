@@ -12,6 +12,8 @@ Table of contents:
   ``MixedPrecision``: parallel strategies (``shardline.parallel``); ``as_distributed`` picks
   one by memory, ``estimate_memory`` plans it before anything is allocated;
   ``register_optimizer``: how ZeRO shards an optimizer class it does not know.
+- ``optim``: gradient compression with error feedback (``optim.PowerSGD``, ``optim.Int8``,
+  ``optim.TopK``, ``optim.OneBit``, ...), passed as ``distribute(..., compression=)``.
 - ``checkpoint``: distributed checkpoints (``save``, ``load``, ``latest``, ...) and activation
   checkpointing across ranks (``checkpoint.activations``).
 - ``DistributedSampler``: each rank's share of a dataset, resumable mid-epoch (``shardline.data``).
@@ -21,7 +23,7 @@ Table of contents:
 
 from __future__ import annotations
 
-from shardline import checkpoint, elastic
+from shardline import checkpoint, elastic, optim
 from shardline.comm import ProcessGroup, Work, init_process_group
 from shardline.comm import torch_backend as _torch_backend  # noqa: F401  # registers "shardline"
 from shardline.comm.collectives import (
@@ -114,6 +116,7 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "new_group",
+    "optim",
     "pipeline",
     "recv",
     "reduce",

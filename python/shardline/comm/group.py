@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardline.comm import flight, why
+from shardline.comm import _shapes as shapes
+from shardline.comm import flight, traffic, why
 from shardline.comm._buffers import (
     as_tensor,
     check_numel,
@@ -87,6 +88,7 @@ class ProcessGroup:
         # Op numbers for the flight recorder: collectives per group, messages per peer.
         self._seq = 0
         self._messages: dict[tuple[str, int], int] = {}
+        self._traffic = traffic.Traffic()
         RECORDER.groups[self.name] = list(self.global_ranks)
 
     def __repr__(self) -> str:
@@ -231,6 +233,7 @@ class ProcessGroup:
         """
         t = self._t(tensor, "all_reduce(tensor)")
         name = parse_op(op, dtype=t.dtype, what="all_reduce", rank=self.rank)
+        self._count("all_reduce", traffic.all_reduce(self.world_size, _nbytes(t)))
         return self._submit(
             "all_reduce",
             lambda a: self._impl.all_reduce(t, name, async_op=a),
@@ -255,7 +258,7 @@ class ProcessGroup:
             async_op: Return a ``Work`` instead of waiting.
         """
         out = self._t(output, "reduce_scatter(output)")
-        inp = self._flat_input(input, "reduce_scatter", out.numel(), out)
+        inp = shapes.flat_input(self, input, "reduce_scatter", out.numel(), out)
         check_same_dtype("reduce_scatter", self.rank, out, inp)
         check_numel(
             "reduce_scatter(input)",
@@ -265,6 +268,7 @@ class ProcessGroup:
             lambda: f"world_size {self.world_size} x output's {out.numel()}",
         )
         name = parse_op(op, dtype=out.dtype, what="reduce_scatter", rank=self.rank)
+        self._count("reduce_scatter", traffic.reduce_scatter(self.world_size, _nbytes(inp)))
         return self._submit(
             "reduce_scatter",
             lambda a: self._impl.reduce_scatter(out, inp, name, async_op=a),
@@ -286,7 +290,7 @@ class ProcessGroup:
         """
         inp = self._t(input, "all_gather(input)")
         if isinstance(output, list | tuple):
-            outs = self._tensor_list(output, "all_gather(output)", inp, self.world_size)
+            outs = shapes.tensor_list(self, output, "all_gather(output)", inp, self.world_size)
             counts = [o.numel() for o in outs]
             check_numel(
                 f"all_gather(output[{self.rank}])",
@@ -297,12 +301,16 @@ class ProcessGroup:
             )
             flat = torch.empty(sum(counts), dtype=inp.dtype, device=inp.device)
             equal = len(set(counts)) == 1
+            self._count(
+                "all_gather",
+                traffic.all_gather(self.world_size, _nbytes(inp), _nbytes(flat)),
+            )
             return self._submit(
                 "all_gather",
                 lambda a: self._impl.all_gather(flat, inp, None if equal else counts, async_op=a),
                 (output, input, inp, flat),
                 async_op,
-                _scatter_into(flat, outs),
+                shapes.scatter_into(flat, outs),
             )
         out = self._t(output, "all_gather(output)")
         check_same_dtype("all_gather", self.rank, inp, out)
@@ -313,6 +321,7 @@ class ProcessGroup:
             out,
             lambda: f"world_size {self.world_size} x input's {inp.numel()}",
         )
+        self._count("all_gather", traffic.all_gather(self.world_size, _nbytes(inp), _nbytes(out)))
         return self._submit(
             "all_gather",
             lambda a: self._impl.all_gather(out, inp, None, async_op=a),
@@ -324,6 +333,7 @@ class ProcessGroup:
         """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
         t = self._t(tensor, "broadcast(tensor)")
         self._check_rank("broadcast", "src", src)
+        self._count("broadcast", self._rooted(t, src == self.rank, to_root=False, parts=False))
         return self._submit(
             "broadcast", lambda a: self._impl.broadcast(t, src, async_op=a), (tensor, t), async_op
         )
@@ -338,6 +348,7 @@ class ProcessGroup:
         t = self._t(tensor, "reduce(tensor)")
         self._check_rank("reduce", "dst", dst)
         name = parse_op(op, dtype=t.dtype, what="reduce", rank=self.rank)
+        self._count("reduce", self._rooted(t, dst == self.rank, to_root=True, parts=False))
         return self._submit(
             "reduce", lambda a: self._impl.reduce(t, name, dst, async_op=a), (tensor, t), async_op
         )
@@ -367,8 +378,9 @@ class ProcessGroup:
                 raise InvalidArgumentError(
                     f"gather on rank {self.rank}: the destination rank must pass gather_list"
                 )
-            out, finalize = self._flat_output(gather_list, "gather", inp)
+            out, finalize = shapes.flat_output(self, gather_list, "gather", inp)
             keep += [gather_list, out]
+        self._count("gather", self._rooted(inp, dst == self.rank, to_root=True, parts=True))
         return self._submit(
             "gather",
             lambda a: self._impl.gather(out, inp, dst, async_op=a),
@@ -402,7 +414,7 @@ class ProcessGroup:
                 raise InvalidArgumentError(
                     f"scatter on rank {self.rank}: the source rank must pass scatter_list"
                 )
-            inp = self._flat_input(scatter_list, "scatter", out.numel(), out)
+            inp = shapes.flat_input(self, scatter_list, "scatter", out.numel(), out)
             check_same_dtype("scatter", self.rank, out, inp)
             check_numel(
                 "scatter(scatter_list)",
@@ -412,6 +424,7 @@ class ProcessGroup:
                 f"world_size {self.world_size} x tensor's {out.numel()}",
             )
             keep += [scatter_list, inp]
+        self._count("scatter", self._rooted(out, src == self.rank, to_root=False, parts=True))
         return self._submit(
             "scatter",
             lambda a: self._impl.scatter(out, inp, src, async_op=a),
@@ -435,6 +448,7 @@ class ProcessGroup:
                 f"all_to_all on rank {self.rank}: {inp.numel()} elements do not split evenly "
                 f"among {self.world_size} ranks; pad the input to a multiple of world_size"
             )
+        self._count("all_to_all", traffic.all_to_all(self.world_size, _nbytes(inp)))
         return self._submit(
             "all_to_all",
             lambda a: self._impl.all_to_all(out, inp, async_op=a),
@@ -452,6 +466,7 @@ class ProcessGroup:
         self._check_rank("send", "dst", dst)
         if dst == self.rank:
             raise InvalidArgumentError(f"send on rank {self.rank}: dst is this rank itself")
+        self._count("send", (_nbytes(t), 0))
         return self._submit(
             "send", lambda a: self._impl.send(t, dst, async_op=a), (tensor, t), async_op, peer=dst
         )
@@ -462,9 +477,38 @@ class ProcessGroup:
         self._check_rank("recv", "src", src)
         if src == self.rank:
             raise InvalidArgumentError(f"recv on rank {self.rank}: src is this rank itself")
+        self._count("recv", (0, _nbytes(t)))
         return self._submit(
             "recv", lambda a: self._impl.recv(t, src, async_op=a), (tensor, t), async_op, peer=src
         )
+
+    # -- traffic -----------------------------------------------------------------------------
+
+    def traffic(self, *, subgroups: bool = False) -> dict[str, dict[str, int]]:
+        """Calls and bytes ``sent`` / ``received`` by this rank, per op kind, so far.
+
+        Bytes are what a bandwidth-optimal algorithm moves through this rank's link (see
+        ``shardline.comm.traffic``). ``subgroups=True`` adds the sub-groups' counts.
+        """
+        own = self._traffic.snapshot()
+        if not subgroups:
+            return own
+        return traffic.merge(own, *(c.traffic(subgroups=True) for c in self._children))
+
+    def reset_traffic(self) -> None:
+        """Starts this group's counts (not its sub-groups') from zero."""
+        self._traffic.reset()
+
+    def _count(self, op: str, moved: tuple[float, float]) -> None:
+        self._traffic.add(op, *moved)
+        extra = traffic.charge()
+        if extra is not None:
+            extra.add(op, *moved)
+
+    def _rooted(
+        self, t: torch.Tensor, root: bool, *, to_root: bool, parts: bool
+    ) -> tuple[float, float]:
+        return traffic.rooted(self.world_size, _nbytes(t), root=root, to_root=to_root, parts=parts)
 
     # -- groups ------------------------------------------------------------------------------
 
@@ -515,65 +559,6 @@ class ProcessGroup:
         self._impl.close()
         self._pending.clear()
 
-    # -- argument shapes ---------------------------------------------------------------------
 
-    def _tensor_list(
-        self, values: TensorList, what: str, like: torch.Tensor, n: int
-    ) -> list[torch.Tensor]:
-        if len(values) != n:
-            raise InvalidArgumentError(
-                f"{what} on rank {self.rank}: expected a list of {n} tensors (one per rank), "
-                f"got {len(values)}"
-            )
-        outs = [self._t(v, f"{what}[{i}]") for i, v in enumerate(values)]
-        for o in outs:
-            check_same_dtype(what, self.rank, like, o)
-        return outs
-
-    def _flat_input(
-        self, value: TensorLike | TensorList, op: str, n: int, like: torch.Tensor
-    ) -> torch.Tensor:
-        if isinstance(value, list | tuple):
-            parts = self._tensor_list(value, f"{op}(input list)", like, self.world_size)
-            for i, p in enumerate(parts):
-                check_numel(
-                    f"{op}(input list[{i}])", self.rank, n, p, "every entry like the output"
-                )
-            if n == 0:
-                return torch.empty(0, dtype=like.dtype, device=like.device)
-            return torch.cat([p.reshape(-1) for p in parts])
-        return self._t(value, f"{op}(input)")
-
-    def _flat_output(
-        self, value: TensorLike | TensorList, op: str, like: torch.Tensor
-    ) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        n = like.numel()
-        if isinstance(value, list | tuple):
-            outs = self._tensor_list(value, f"{op}(output list)", like, self.world_size)
-            for i, o in enumerate(outs):
-                check_numel(
-                    f"{op}(output list[{i}])", self.rank, n, o, "every entry like the input"
-                )
-            flat = torch.empty(n * self.world_size, dtype=like.dtype, device=like.device)
-            return flat, _scatter_into(flat, outs)
-        out = self._t(value, f"{op}(output)")
-        check_same_dtype(op, self.rank, like, out)
-        check_numel(
-            f"{op}(output)",
-            self.rank,
-            n * self.world_size,
-            out,
-            f"world_size {self.world_size} x input's {n}",
-        )
-        return out, None
-
-
-def _scatter_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> Callable[[], None]:
-    def copy() -> None:
-        start = 0
-        for o in outs:
-            n = o.numel()
-            o.view(-1).copy_(flat[start : start + n])
-            start += n
-
-    return copy
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -49,7 +49,8 @@ def distribute(
         group: The ranks to train on; the default group when ``None``.
         mesh: A ``DeviceMesh`` with axes ``"pp"`` and optionally ``"dp"``, for composition.
         **options: Passed to the strategy (for DDP: ``bucket_cap_mb``, ``broadcast_buffers``,
-            ``comm_hook``, ...; for ZeRO: ``unit_mb``, ``prefetch``, ``mixed_precision``).
+            ``comm_hook``, ...; for ZeRO: ``unit_mb``, ``prefetch``, ``mixed_precision``; for
+            both: ``compression``, a ``shardline.optim`` compressor or its name).
 
     Returns:
         ``(wrapped_model, optimizer)``. For DDP the optimizer is returned as is: it already

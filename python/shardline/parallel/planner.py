@@ -29,18 +29,23 @@ c != w).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
+from shardline.parallel.data.compressed import resolve_compression
 from shardline.parallel.data.zero.grouping import default_unit_mb, plan_units
 from shardline.parallel.data.zero.schedule import _MAX_INFLIGHT
 from shardline.parallel.precision import MixedPrecision
+
+if TYPE_CHECKING:
+    from shardline.optim.compression import Compressor
 
 __all__ = [
     "OPTIMIZERS",
@@ -81,6 +86,8 @@ class MemoryEstimate:
         master: The higher-precision copy of this rank's shard, when it is not a view.
         optimizer: Optimizer states of this rank's shard (full for DDP).
         comm_buffers: Peak transient communication buffers (gathered units, gradient flats).
+        compression: A gradient compressor's state (error-feedback residuals, PowerSGD's
+            factors): under ZeRO-2/3 a residual still covers this rank's whole gradient.
         activations: Tensors saved for backward by one forward of ``example_input``.
         num_params: Parameters of the model (Ψ, unpadded, each shared tensor once).
         num_units: Sharding units the model was grouped into.
@@ -105,11 +112,12 @@ class MemoryEstimate:
     activations_estimated: bool = False
     formulas: tuple[tuple[str, str], ...] = field(default=())
     notes: tuple[str, ...] = field(default=())
+    compression: int = 0
 
     @property
     def persistent(self) -> int:
-        """Bytes held between steps: params + grads + master + optimizer."""
-        return self.params + self.grads + self.master + self.optimizer
+        """Bytes held between steps: params + grads + master + optimizer + compression."""
+        return self.params + self.grads + self.master + self.optimizer + self.compression
 
     @property
     def total(self) -> int:
@@ -150,6 +158,8 @@ class MemoryEstimate:
 
         for name in _COMPONENTS:
             row(name, getattr(self, name), per_param(name, getattr(self, name)))
+        if self.compression:
+            row("compression", self.compression, per_param("compression", self.compression))
         row("persistent", self.persistent, per_param("persistent", self.persistent))
         row("comm buffers", self.comm_buffers, "transient")
         act = "one forward of the example input" if self.activations_estimated else "not estimated"
@@ -312,6 +322,7 @@ def estimate_memory(
     example_input: Any = None,
     unit_mb: float | None = None,
     prefetch: int = 1,
+    compression: str | Compressor | None = None,
 ) -> MemoryEstimate:
     """Bytes per rank to train ``model`` with ``strategy`` on ``world_size`` ranks.
 
@@ -331,6 +342,8 @@ def estimate_memory(
         unit_mb: Sharding unit threshold in MiB, as given to the sharded wrapper; ``None``:
             its default for the model's device (1 MiB on CPU, 32 MiB on CUDA).
         prefetch: Units ZeRO-3 gathers ahead of the one computing.
+        compression: The gradient compressor passed to ``distribute`` (or its name): its
+            per-rank state is counted.
 
     Returns:
         A ``MemoryEstimate``; ``print`` it for a table.
@@ -349,9 +362,19 @@ def estimate_memory(
     notes: list[str] = []
     mp = _effective_precision(name, mixed_precision, notes)
     activations, measured = _activations_or_note(model, example_input, mp, notes)
-    return _estimate(
+    estimate = _estimate(
         model, name, world_size, k, mp, unit_mb, prefetch, activations, measured, notes
     )
+    compressor = resolve_compression(compression, None)
+    if compressor is None:
+        return estimate
+    sharded = strategies.strategy(name).stage >= 2
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    extra = compressor.memory_bytes(numel, world_size, sharded=sharded)
+    note = f"compression {compressor!r}: {format_bytes(extra)} of per-rank state"
+    if sharded:
+        note += " (its residual covers the whole gradient, not only this rank's shard)"
+    return dataclasses.replace(estimate, compression=extra, notes=(*estimate.notes, note))
 
 
 def _estimate(

@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 
+from shardline.comm import traffic
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError, ShardlineError
+from shardline.optim.compression import Compressor, Entry
 from shardline.parallel import contract
 from shardline.parallel._common import (
     ModelParallel,
@@ -50,6 +51,14 @@ from shardline.parallel._common import (
     weak_method,
 )
 from shardline.parallel.comm_hooks import CommHook, allreduce_hook, resolve_hook
+from shardline.parallel.data.compressed import (
+    charged,
+    comm_stats,
+    resolve_compression,
+    split_state,
+    state_entries,
+)
+from shardline.parallel.data.ddp_buckets import Bucket, StepState, build_buckets
 from shardline.parallel.data.ddp_join import JoinUneven
 
 __all__ = ["DistributedDataParallel"]
@@ -62,51 +71,6 @@ def _joined_running_job() -> bool:
     from shardline.comm import world  # noqa: PLC0415  (comm imports users of this package)
 
     return world.joined_running_job()
-
-
-@dataclass
-class _Bucket:
-    """What one collective reduces.
-
-    Either a flat buffer packing the gradients of a few parameters of one dtype, or
-    (``in_place``) one large gradient, reduced where autograd left it (no copies).
-    """
-
-    index: int
-    dtype: torch.dtype
-    params: list[int]
-    offsets: list[int]
-    flat: torch.Tensor
-    in_place: bool = False
-    pending: int = 0
-    finish: Callable[[], None] | None = None
-
-    def view(self, slot: int, param: torch.Tensor) -> torch.Tensor:
-        """The slot, shaped (and, for channels_last parameters, strided) like ``param``."""
-        start = self.offsets[slot]
-        if _dense_permuted(param) and not param.is_contiguous():
-            return self.flat.as_strided(
-                param.shape, param.stride(), self.flat.storage_offset() + start
-            )
-        return self.flat[start : start + param.numel()].view(param.shape)
-
-
-def _dense_permuted(t: torch.Tensor) -> bool:
-    """Whether ``t`` covers exactly ``numel`` elements in some dimension order."""
-    return any(
-        t.is_contiguous(memory_format=f)
-        for f in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
-        if f is torch.contiguous_format or t.dim() == (4 if f is torch.channels_last else 5)
-    )
-
-
-@dataclass
-class _StepState:
-    """What one synchronised backward has seen so far."""
-
-    ready: list[bool]
-    order: list[int] = field(default_factory=list)
-    next_bucket: int = 0
 
 
 class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
@@ -132,6 +96,10 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
         in_place_mb: Gradients of at least this many MiB (under the default hook) are
             reduced where autograd left them, with the division by the world size fused into
             the reduction: no copy into a bucket and none back. ``float("inf")`` packs all.
+        compression: A gradient compressor (``sl.optim.PowerSGD(rank=4)``, ``sl.optim.Int8()``,
+            ...) or its name (``"powersgd"``, ``"int8"``, ``"fp8"``, ``"topk"``, ``"onebit"``):
+            each bucket is reduced compressed, with error feedback; its state is saved in
+            checkpoints per rank. Not together with ``comm_hook``.
 
     Raises:
         InvalidArgumentError: parameters differ across ranks (names the ranks), sparse or
@@ -153,6 +121,7 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
         init_sync: bool = True,
         gradient_as_bucket_view: bool = True,
         in_place_mb: float = 1.0,
+        compression: str | Compressor | None = None,
     ) -> None:
         super().__init__()
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
@@ -167,7 +136,10 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.in_place_bytes = in_place_mb * _MIB  # float: inf disables the in-place path
+        self._compression = resolve_compression(compression, comm_hook)
         self._hook = resolve_hook(comm_hook)
+        self._synced_steps = 0  # synchronised backwards, for comm_stats()
+        self._traffic = traffic.Traffic()  # what this wrapper issued (the group is shared)
 
         seen: set[int] = set()
         named: list[tuple[str, nn.Parameter]] = []
@@ -195,12 +167,12 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
         self._sync_next_backward = True  # decided by each forward
         self._buffers_due = True  # broadcast buffers before the next forward
         self._awaiting_backward = False  # join(): a synchronised forward awaits its backward
-        self._step: _StepState | None = None
+        self._step: StepState | None = None
         self._used_since_sync = [False] * len(self._params)
         self._rebuilt = False
         self._join_active = False
         self._join_src: int | None = None
-        self._buckets: list[_Bucket] = []
+        self._buckets: list[Bucket] = []
         self._slot: list[tuple[int, int]] = []  # param index -> (bucket, slot)
         self._build_buckets(list(reversed(range(len(self._params)))))
         self._handles = [
@@ -308,12 +280,29 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
         return {**inner, "strategy": "ddp", "mesh": mesh}
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        """The wrapped module's (replicated unless it splits its own state)."""
-        return contract.sharded_state_dict(self.module)
+        """The wrapped module's (replicated unless it splits its own state).
+
+        With ``compression``, the compressor's per-rank state is added as ``Local`` values.
+        """
+        own = state_entries(self._compression, self._compressed_buffers(), self._device)
+        return {**contract.sharded_state_dict(self.module), **own}
 
     def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
         """Takes ``sharded_state_dict()``'s shape back into the wrapped module."""
-        contract.load_sharded_state_dict(self.module, sd)
+        contract.load_sharded_state_dict(self.module, split_state(sd, self._compression))
+
+    @property
+    def compression(self) -> Compressor | None:
+        """The gradient compressor, or ``None``."""
+        return self._compression
+
+    def comm_stats(self) -> dict[str, Any]:
+        """Bytes this rank sent and received for the model so far.
+
+        In total, per op kind and per synchronised step (``shardline.comm.traffic`` says how
+        they are counted), and the compressor in use.
+        """
+        return comm_stats([self._traffic.snapshot()], self._compression, self._synced_steps)
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state by the wrapped module's parameter names."""
@@ -403,47 +392,20 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
 
     def _build_buckets(self, order: list[int]) -> None:
         """Packs parameters into per-dtype buckets following ``order`` (first ready first)."""
-        open_: dict[torch.dtype, tuple[list[int], int]] = {}
-        closed: list[tuple[torch.dtype, list[int]]] = []
-        for i in order:
-            p = self._params[i]
-            nbytes = p.numel() * p.element_size()
-            if self._in_place_ok(p):
-                closed.append((p.dtype, [i]))
-                continue
-            members, size = open_.get(p.dtype, ([], 0))
-            cap = self.first_bucket_bytes if not closed else self.bucket_cap_bytes
-            if members and size + nbytes > cap:
-                closed.append((p.dtype, members))
-                members, size = [], 0
-            open_[p.dtype] = ([*members, i], size + nbytes)
-        closed.extend((dt, members) for dt, (members, _) in open_.items() if members)
-        # Reduce buckets in the order they fill up (their last gradient arrives): no bucket
-        # waits behind one that completes later, and small gradients that arrive between
-        # large in-place ones still share a bucket (one collective instead of many).
-        rank_in_order = {i: k for k, i in enumerate(order)}
-        closed.sort(key=lambda c: max(rank_in_order[i] for i in c[1]))
-        device = self._device
-        self._buckets = []
-        self._slot = [(0, 0)] * len(self._params)
-        for b, (dtype, members) in enumerate(closed):
-            offsets, total = [], 0
-            for s, i in enumerate(members):
-                offsets.append(total)
-                total += self._params[i].numel()
-                self._slot[i] = (b, s)
-            if len(members) == 1 and self._in_place_ok(self._params[members[0]]):
-                # The gradient tensor itself is reduced; ``flat`` is set at every step.
-                empty = torch.empty(0, dtype=dtype, device=device)
-                self._buckets.append(_Bucket(b, dtype, members, offsets, empty, in_place=True))
-                continue
-            flat = torch.zeros(total, dtype=dtype, device=device)
-            self._buckets.append(_Bucket(b, dtype, members, offsets, flat))
+        self._buckets, self._slot = build_buckets(
+            self._params,
+            order,
+            self._in_place_ok,
+            self.first_bucket_bytes,
+            self.bucket_cap_bytes,
+            self._device,
+        )
 
     def _in_place_ok(self, p: torch.Tensor) -> bool:
         """Large contiguous float gradients under the default hook skip the bucket copy."""
         return (
             self._hook is allreduce_hook
+            and self._compression is None
             and p.is_floating_point()
             and p.is_contiguous()
             and p.numel() * p.element_size() >= self.in_place_bytes
@@ -472,7 +434,7 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
         for b in self._buckets:
             b.pending = len(b.params)
             b.finish = None
-        self._step = _StepState(ready=[False] * len(self._params))
+        self._step = StepState(ready=[False] * len(self._params))
         Variable._execution_engine.queue_callback(self._end_backward)
 
     def _fill_slot(self, i: int, grad: torch.Tensor | None, used: bool = True) -> None:
@@ -514,7 +476,7 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
         self._buckets[self._slot[i][0]].pending -= 1
         self._launch_ready(step)
 
-    def _launch_ready(self, step: _StepState) -> None:
+    def _launch_ready(self, step: StepState) -> None:
         while step.next_bucket < len(self._buckets):
             bucket = self._buckets[step.next_bucket]
             if bucket.pending > 0:
@@ -522,14 +484,30 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
             bucket.finish = self._start(bucket)
             step.next_bucket += 1
 
-    def _start(self, bucket: _Bucket) -> Callable[[], None]:
+    @charged
+    def _start(self, bucket: Bucket) -> Callable[[], None]:
         if bucket.in_place:
             # avg divides by the world size inside the reduction, as the bucket copy would.
             work = self.group.all_reduce(bucket.flat, "avg", async_op=True)
             assert work is not None
             return work.wait
+        if self._compression is not None:
+            return self._compression.reduce(
+                self.group, bucket.flat, key=bucket.index, layout=self._entries(bucket)
+            )
         return self._hook(self.group, bucket.flat)
 
+    def _entries(self, bucket: Bucket) -> list[Entry]:
+        return [
+            Entry(self._names[i], off, tuple(self._params[i].shape))
+            for i, off in zip(bucket.params, bucket.offsets, strict=True)
+        ]
+
+    def _compressed_buffers(self) -> list[tuple[int, list[Entry], int]]:
+        """(key, layout, size) of each bucket the compressor reduces."""
+        return [(b.index, self._entries(b), b.flat.numel()) for b in self._buckets]
+
+    @charged
     def _end_backward(self) -> None:
         """Autograd's final callback: unused parameters, the used mask, wait, write back."""
         step = self._step
@@ -576,6 +554,9 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
                     p.grad = view.clone()
                 else:
                     p.grad.copy_(view)
+            self._synced_steps += 1
+            if self._compression is not None:
+                self._compression.advance()
             if not self._rebuilt:
                 self._rebuild(step.order)
         finally:
@@ -594,6 +575,7 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
 
     # -- broadcast -------------------------------------------------------------------------------
 
+    @charged
     def _broadcast_tensors(self, tensors: list[torch.Tensor], src: int) -> None:
         """Broadcasts tensors from ``src``, coalesced into flat chunks of about one bucket."""
         broadcast_coalesced(self.group, tensors, src, self.bucket_cap_bytes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -24,7 +24,20 @@ from shardline.parallel.data.zero.units import Unit
 from shardline.parallel.placement import Placement
 from shardline.parallel.precision import MixedPrecision
 
-__all__ = ["TrainingState", "ZeroBase"]
+if TYPE_CHECKING:
+    from shardline.optim.compression import Compressor
+
+__all__ = ["TrainingState", "Waitable", "ZeroBase"]
+
+
+class Waitable(Protocol):
+    """A reduction in flight: a ``Work``, or a compressed one (``schedule.Finishing``)."""
+
+    def is_completed(self) -> bool:
+        """Whether it is done (a compressed one says no until waited for)."""
+
+    def wait(self) -> None:
+        """Blocks until it is done."""
 
 
 class TrainingState(enum.Enum):
@@ -56,6 +69,8 @@ class ZeroBase(nn.Module):
     _handles: list[Any]  # hooks to remove with the wrapper
     _reorder: bool
     _optimizer: torch.optim.Optimizer | None  # the one bound by distribute(), if any
+    _compression: Compressor | None  # reduces gradients compressed (shardline.optim)
+    _synced_steps: int  # synchronised backwards so far (comm_stats)
     # the units (layout.py)
     _plan: UnitPlan
     _units: list[Unit]
@@ -79,7 +94,7 @@ class ZeroBase(nn.Module):
     _fwd_next: int  # next unit forward all-gathers (stage 3)
     _bw_next: int  # next position in _bw_order backward all-gathers
     _rs_next: int  # next position in _rs_order backward reduces
-    _inflight: list[tuple[Unit, Work, torch.Tensor, bool]]  # reductions not yet finished
+    _inflight: list[tuple[Unit, Waitable, torch.Tensor, bool]]  # reductions not yet finished
     _bw_gathered: set[int]  # units gathered for this backward (stage 3), by index
     _unit_stack: list[list[Unit]]  # units of the modules running now
     _drop: list[Unit]  # gathered in backward only to keep ranks in step

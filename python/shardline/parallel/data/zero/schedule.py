@@ -9,24 +9,48 @@ every unit once in reverse unit order, on the reduce group, ``_MAX_INFLIGHT`` at
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 
-from shardline.comm.work import Work
 from shardline.errors import ShardlineError
-from shardline.parallel.data.zero.base import TrainingState
+from shardline.parallel.data.zero.base import TrainingState, Waitable
 from shardline.parallel.data.zero.layout import UnitLayout
 from shardline.parallel.data.zero.units import GradState, ParamState, Unit
 
-__all__ = ["GatherReduceSchedule"]
+if TYPE_CHECKING:
+    from shardline.optim.compression import Compressor
+
+__all__ = ["Finishing", "GatherReduceSchedule"]
 
 # The engine writes gathered parameters into memory autograd saved; the bytes are the ones that
 # were saved, so the version counter must not move (torch's FSDP does the same).
 _preserve_version = torch.autograd.grad_mode._unsafe_preserve_version_counter
 _MAX_INFLIGHT = 1  # gradient reductions in flight before backward waits for the oldest
+
+
+class Finishing:
+    """A compressed reduction in flight, waited for like a ``Work``.
+
+    It never reports completion early: its ``finish`` may run further collectives, so when it
+    runs must not depend on timing (every rank must issue them at the same point).
+    """
+
+    def __init__(self, finish: Callable[[], None]) -> None:
+        self._finish: Callable[[], None] | None = finish
+
+    def is_completed(self) -> bool:
+        """Always ``False`` until waited for (see the class docstring)."""
+        return self._finish is None
+
+    def wait(self) -> None:
+        """Finishes the reduction (once)."""
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
 
 
 class GatherReduceSchedule(UnitLayout):
@@ -310,6 +334,7 @@ class GatherReduceSchedule(UnitLayout):
         u.fill_missing()
         u.grad_state = GradState.REDUCING
         assert u.grad_full is not None
+        work: Waitable | None
         if u.owner is not None:
             # A whole unit, at every stage: this backward's gradients go to the owner, which
             # adds them to what it holds unless its optimizer dropped that (only the owner
@@ -317,6 +342,8 @@ class GatherReduceSchedule(UnitLayout):
             fresh = u.shard_grad is None or not u.locals_have_grads()
             work = self._reduce_group.reduce(u.grad_full, u.owner, op="avg", async_op=True)
             out = u.grad_full
+        elif self._compression is not None:
+            work, out, fresh = self._launch_compressed(u, self._compression)
         elif self.stage == 1:
             work = self._reduce_group.all_reduce(u.grad_full, op="avg", async_op=True)
             out, fresh = u.grad_full, True
@@ -338,7 +365,24 @@ class GatherReduceSchedule(UnitLayout):
         ):
             self._finish(*self._inflight.pop(0))
 
-    def _finish(self, u: Unit, work: Work, out: torch.Tensor, fresh: bool) -> None:
+    def _launch_compressed(
+        self, u: Unit, compressor: Compressor
+    ) -> tuple[Finishing, torch.Tensor, bool]:
+        """Starts ``u``'s reduction through the compressor (sums: divided by the size first)."""
+        assert u.grad_full is not None
+        u.grad_full.div_(self._reduce_group.world_size)
+        layout = u.entries()
+        if self.stage == 1:
+            finish = compressor.reduce(self._reduce_group, u.grad_full, key=u.index, layout=layout)
+            return Finishing(finish), u.grad_full, True
+        fresh = u.shard_grad is None or not u.locals_have_grads()
+        out = torch.empty(u.shard_numel, dtype=u.rdtype, device=self._device)
+        finish = compressor.reduce(
+            self._reduce_group, u.grad_full, key=u.index, layout=layout, out=out
+        )
+        return Finishing(finish), out, fresh
+
+    def _finish(self, u: Unit, work: Waitable, out: torch.Tensor, fresh: bool) -> None:
         """Waits for ``u``'s reduction and keeps this rank's part.
 
         ``fresh``: the part replaces what the rank held instead of adding to it. With
@@ -396,6 +440,9 @@ class GatherReduceSchedule(UnitLayout):
                 self._finish_replicas()
                 for u in self._units:
                     u.publish_grads()
+                self._synced_steps += 1
+                if self._compression is not None:
+                    self._compression.advance()
             else:
                 for u in self._units:
                     u.mark_accumulating()

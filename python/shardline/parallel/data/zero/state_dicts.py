@@ -24,6 +24,7 @@ from shardline.parallel.contract import (
     groups_by_name,
     named_tensors,
 )
+from shardline.parallel.data.compressed import split_state, state_entries
 from shardline.parallel.data.zero.schedule import GatherReduceSchedule
 from shardline.parallel.data.zero.units import ParamState, Unit
 from shardline.parallel.placement import Placement, place
@@ -139,6 +140,10 @@ class ShardedStateDicts(GatherReduceSchedule):
                     shards[id(p)] = self._placed(name, loc.detach(), a, p)
         for key, value in named_tensors(self.module).items():
             out[key] = shards.get(id(value), value)
+        buffers = [
+            (u.index, u.entries(), u.padded) for u in self._units if u.owner is None and u.trainable
+        ]
+        out.update(state_entries(self._compression, buffers, self._device))
         return out
 
     def _global_shape(self, name: str, p: torch.Tensor) -> tuple[int, ...]:
@@ -160,6 +165,7 @@ class ShardedStateDicts(GatherReduceSchedule):
         Values that are this wrapper's own tensors (a checkpoint filled them in place) are not
         copied.
         """
+        sd = split_state(sd, self._compression)
         mine = self.sharded_state_dict()
         unknown = sorted(set(sd) - set(mine))
         if unknown:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from shardline.comm.work import Work
+from shardline.optim.compression import Entry
 
 __all__ = ["GradState", "ParamState", "Unit"]
 
@@ -147,6 +148,13 @@ class Unit:
                 view = view.view(p.shape)
             self.locals.append(nn.Parameter(view, requires_grad=p.requires_grad))
             self.local_ranges.append((a - o, b - o) if b > a else (0, 0))
+
+    def entries(self) -> list[Entry]:
+        """Each parameter's name, offset and shape in the flat gradient (for compressors)."""
+        return [
+            Entry(name, off, tuple(p.shape))
+            for name, off, p in zip(self.names, self.offsets, self.params, strict=True)
+        ]
 
     @property
     def padded(self) -> int:

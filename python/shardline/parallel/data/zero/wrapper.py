@@ -58,6 +58,7 @@ from torch.optim.optimizer import (
 
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
+from shardline.optim.compression import Compressor
 from shardline.parallel._common import (
     ModelParallel,
     broadcast_coalesced,
@@ -67,6 +68,7 @@ from shardline.parallel._common import (
     remove_hooks_when_collected,
     weak_method,
 )
+from shardline.parallel.data.compressed import comm_stats, resolve_compression
 from shardline.parallel.data.zero.base import TrainingState
 from shardline.parallel.data.zero.grouping import default_unit_mb, owned_parameters, plan_units
 from shardline.parallel.data.zero.optimizers import Layout, check_optimizer, rule_for
@@ -111,6 +113,10 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
             replicas (one per replica, each sharding over its own ``group``). Gradient parts
             are averaged over it after each reduction; the model starts as its rank 0's.
             ``sl.distribute(mesh={"dp_replicate": r, "dp_shard": s})`` passes it.
+        compression: A gradient compressor (``sl.optim.PowerSGD(rank=4)``, ...) or its name:
+            ZeRO-1's all-reduce and ZeRO-2/3's reduce-scatter run compressed, with error
+            feedback (whose residual covers the whole unit: ``sl.estimate_memory`` counts it).
+            Units kept whole for their optimizer are reduced uncompressed.
 
     ``state_dict()`` returns full tensors under the plain model's names on every rank (a
     collective: every rank must call it); ``sharded_state_dict()`` returns this rank's shards.
@@ -132,6 +138,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         init_sync: bool = True,
         reorder: bool = True,
         replicate_group: ProcessGroup | None = None,
+        compression: str | Compressor | None = None,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
@@ -145,6 +152,8 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         self.group = group if group is not None else default_group()
         self.prefetch = int(prefetch)
         self.mixed_precision = mixed_precision or MixedPrecision()
+        self._compression = resolve_compression(compression, None)
+        self._synced_steps = 0
         owned = owned_parameters(module)
         named = [np for params in owned.values() for np in params]
         if not named:
@@ -328,6 +337,21 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
                 "stepped and broadcast by one rank"
             )
         return text
+
+    @property
+    def compression(self) -> Compressor | None:
+        """The gradient compressor, or ``None``."""
+        return self._compression
+
+    def comm_stats(self) -> dict[str, Any]:
+        """Bytes this rank sent and received for the model so far.
+
+        In total, per op kind and per synchronised step (``shardline.comm.traffic`` says how
+        they are counted), over its gather, reduce and (HSDP) replica groups.
+        """
+        groups = [self._gather_group, self._reduce_group, self._replicate]
+        counts = [g.traffic() for g in groups if g is not None]
+        return comm_stats(counts, self._compression, self._synced_steps)
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds now for parameters, master copies and gradients."""

@@ -1,0 +1,34 @@
+"""Communication-efficient training: gradient compression with error feedback.
+
+Pass a compressor to ``sl.distribute(..., compression=...)`` (DDP, ZeRO-1 on its all-reduce,
+ZeRO-2/3 on the reduce-scatter):
+
+- ``Int8()``, ``FP8()``: 8-bit values with a scale per block (4x fewer bytes);
+- ``OneBit()``: signs with a scale per block (about 28x fewer), any optimizer;
+- ``TopK(ratio=0.01)``: the largest values and their indices, all-gathered;
+- ``PowerSGD(rank=4)``: a low-rank product per gradient matrix, warm-started;
+- ``Cast(torch.bfloat16)``: half the bytes (what ``comm_hook="bf16"`` does).
+
+Each keeps what it could not send (error feedback) and starts with a few uncompressed steps.
+See ``shardline.optim.compression`` for the interface, to write your own.
+"""
+
+from __future__ import annotations
+
+from shardline.optim.compression import Compressor, Entry, resolve
+from shardline.optim.powersgd import PowerSGD
+from shardline.optim.quantize import FP8, Cast, Int8, OneBit, Quantizer
+from shardline.optim.topk import TopK
+
+__all__ = [
+    "FP8",
+    "Cast",
+    "Compressor",
+    "Entry",
+    "Int8",
+    "OneBit",
+    "PowerSGD",
+    "Quantizer",
+    "TopK",
+    "resolve",
+]

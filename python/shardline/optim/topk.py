@@ -1,0 +1,105 @@
+"""Top-k sparsification: each rank sends only its ``ratio`` largest gradient values.
+
+Sparse gradients are all-gathered, not all-reduced as dense: each rank picks its ``k`` largest
+magnitudes (gradient plus residual), and one ``all_gather`` moves every rank's ``k`` (index,
+value) pairs; each rank then adds them into a dense buffer. Ranks pick different indices, so
+this is the only exact way to sum them. Everything not sent stays in the residual (error
+feedback) and competes again next step.
+
+Bytes per rank and step, for ``N`` values on ``n`` ranks: ``8 k (n - 1)`` received (4-byte
+index and value), against ``8 N (n-1)/n`` for a dense ring all-reduce; with ``ratio=0.01`` on
+4 ranks, 25x fewer. Under ZeRO-2/3 each rank keeps its slice of the dense sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from shardline.comm.group import ProcessGroup
+from shardline.errors import InvalidArgumentError
+from shardline.optim.compression import Compressor, Finish, Layout
+
+__all__ = ["TopK"]
+
+
+class TopK(Compressor):
+    """Sends the ``ratio`` largest-magnitude values of each buffer (with their indices).
+
+    Args:
+        ratio: Fraction of values sent each step, in (0, 1].
+        warmup_steps: Uncompressed steps first.
+        error_feedback: Keep the values not sent for the next step (strongly advised: without
+            it, small gradients are never applied).
+    """
+
+    name = "topk"
+
+    def __init__(
+        self, ratio: float = 0.01, *, warmup_steps: int = 2, error_feedback: bool = True
+    ) -> None:
+        if not 0.0 < ratio <= 1.0:
+            raise InvalidArgumentError(f"TopK: ratio must be in (0, 1], not {ratio}")
+        super().__init__(warmup_steps=warmup_steps, error_feedback=error_feedback)
+        self.ratio = float(ratio)
+
+    def __repr__(self) -> str:
+        return f"TopK(ratio={self.ratio})"
+
+    def k(self, numel: int) -> int:
+        """Values sent for a buffer of ``numel``."""
+        return max(1, min(numel, round(self.ratio * numel)))
+
+    def wire_ratio(self, numel: int, world_size: int) -> float:
+        """``k`` index-value pairs from each of ``n`` ranks, against a dense ring all-reduce."""
+        n = max(world_size, 2)
+        k = self.k(max(numel, 1))
+        return (8 * k * (n - 1)) / (8 * max(numel, 1) * (n - 1) / n)
+
+    def _reduce(
+        self,
+        group: ProcessGroup,
+        flat: torch.Tensor,
+        key: Hashable,
+        layout: Layout,
+        out: torch.Tensor | None,
+    ) -> Finish:
+        numel = flat.numel()
+        if numel >= 2**31:
+            raise InvalidArgumentError(
+                f"TopK on rank {group.rank}: a buffer of {numel} values needs 64-bit indices; "
+                "use smaller buckets (bucket_cap_mb) or units (unit_mb)"
+            )
+        p = flat.float() if flat.dtype != torch.float32 else flat.clone()
+        res = None
+        if self.error_feedback:
+            res = self._buffer(key, "residual", numel, layout, flat.device)
+            p.add_(res)
+        k = self.k(numel)
+        idx = torch.topk(p.abs(), k, sorted=False).indices
+        pairs = torch.empty(2 * k, dtype=torch.int32, device=flat.device)
+        pairs[:k] = idx.to(torch.int32)
+        pairs[k:] = p[idx].view(torch.int32)
+        if res is not None:
+            p[idx] = 0.0
+            res.copy_(p)
+        del p
+        gathered = torch.empty(group.world_size * 2 * k, dtype=torch.int32, device=flat.device)
+        work = group.all_gather(gathered, pairs, async_op=True)
+        assert work is not None
+
+        def finish() -> None:
+            work.wait()
+            rows = gathered.view(group.world_size, 2 * k)
+            indices = rows[:, :k].reshape(-1).long()
+            values = rows[:, k:].contiguous().view(torch.float32).reshape(-1)
+            dense = torch.zeros(numel, dtype=torch.float32, device=flat.device)
+            dense.index_add_(0, indices, values)
+            if out is None:
+                flat.copy_(dense)
+            else:
+                s = out.numel()
+                out.copy_(dense[group.rank * s : (group.rank + 1) * s])
+
+        return finish

@@ -1,0 +1,111 @@
+"""DDP's gradient buckets: which parameters share a flat buffer, and in which order.
+
+A bucket packs the gradients of a few parameters of one dtype into one flat buffer reduced by
+one collective; a large gradient may be its own ``in_place`` bucket, reduced where autograd left
+it. Buckets are reduced in the order they fill up, so no bucket waits behind a later one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Bucket", "StepState", "build_buckets", "dense_permuted"]
+
+
+@dataclass
+class Bucket:
+    """What one collective reduces.
+
+    Either a flat buffer packing the gradients of a few parameters of one dtype, or
+    (``in_place``) one large gradient, reduced where autograd left it (no copies).
+    """
+
+    index: int
+    dtype: torch.dtype
+    params: list[int]
+    offsets: list[int]
+    flat: torch.Tensor
+    in_place: bool = False
+    pending: int = 0
+    finish: Callable[[], None] | None = None
+
+    def view(self, slot: int, param: torch.Tensor) -> torch.Tensor:
+        """The slot, shaped (and, for channels_last parameters, strided) like ``param``."""
+        start = self.offsets[slot]
+        if dense_permuted(param) and not param.is_contiguous():
+            return self.flat.as_strided(
+                param.shape, param.stride(), self.flat.storage_offset() + start
+            )
+        return self.flat[start : start + param.numel()].view(param.shape)
+
+
+def dense_permuted(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers exactly ``numel`` elements in some dimension order."""
+    return any(
+        t.is_contiguous(memory_format=f)
+        for f in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+        if f is torch.contiguous_format or t.dim() == (4 if f is torch.channels_last else 5)
+    )
+
+
+@dataclass
+class StepState:
+    """What one synchronised backward has seen so far."""
+
+    ready: list[bool]
+    order: list[int] = field(default_factory=list)
+    next_bucket: int = 0
+
+
+def build_buckets(
+    params: Sequence[torch.Tensor],
+    order: list[int],
+    in_place_ok: Callable[[torch.Tensor], bool],
+    first_bytes: int,
+    cap_bytes: int,
+    device: torch.device,
+) -> tuple[list[Bucket], list[tuple[int, int]]]:
+    """Buckets for ``params`` filled in ``order`` (first ready first), and each one's slot.
+
+    The first bucket holds up to ``first_bytes`` (small, so communication starts early), the
+    others ``cap_bytes``. Returns the buckets and, per parameter, ``(bucket, slot)``.
+    """
+    open_: dict[torch.dtype, tuple[list[int], int]] = {}
+    closed: list[tuple[torch.dtype, list[int]]] = []
+    for i in order:
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        if in_place_ok(p):
+            closed.append((p.dtype, [i]))
+            continue
+        members, size = open_.get(p.dtype, ([], 0))
+        cap = first_bytes if not closed else cap_bytes
+        if members and size + nbytes > cap:
+            closed.append((p.dtype, members))
+            members, size = [], 0
+        open_[p.dtype] = ([*members, i], size + nbytes)
+    closed.extend((dt, members) for dt, (members, _) in open_.items() if members)
+    # Reduce buckets in the order they fill up (their last gradient arrives): no bucket waits
+    # behind one that completes later, and small gradients that arrive between large in-place
+    # ones still share a bucket (one collective instead of many).
+    rank_in_order = {i: k for k, i in enumerate(order)}
+    closed.sort(key=lambda c: max(rank_in_order[i] for i in c[1]))
+    buckets: list[Bucket] = []
+    slot = [(0, 0)] * len(params)
+    for b, (dtype, members) in enumerate(closed):
+        offsets, total = [], 0
+        for s, i in enumerate(members):
+            offsets.append(total)
+            total += params[i].numel()
+            slot[i] = (b, s)
+        if len(members) == 1 and in_place_ok(params[members[0]]):
+            # The gradient tensor itself is reduced; ``flat`` is set at every step.
+            empty = torch.empty(0, dtype=dtype, device=device)
+            buckets.append(Bucket(b, dtype, members, offsets, empty, in_place=True))
+            continue
+        flat = torch.zeros(total, dtype=dtype, device=device)
+        buckets.append(Bucket(b, dtype, members, offsets, flat))
+    return buckets, slot
