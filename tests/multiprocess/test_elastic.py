@@ -138,8 +138,10 @@ def shm_clean() -> object:
     assert not left, f"left in /dev/shm: {left}"
 
 
+# One seed here keeps CI short; `python benches/elastic_seeds.py --seeds 20` runs this test over
+# 20 seeds (every rank and step of the kill), with results in benches/results/.
 @pytest.mark.timeout(DEADLINE_S + 30)
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [int(s) for s in os.environ.get("ELASTIC_SEEDS", "1").split(",")])
 def test_a_killed_rank_is_replaced_and_training_ends_as_at_the_sizes_it_ran(
     seed: int, tmp_path: Path, shm_clean: object
 ) -> None:
@@ -162,8 +164,10 @@ def test_a_killed_rank_is_replaced_and_training_ends_as_at_the_sizes_it_ran(
     assert "generation 2: 4 ranks (was 4)" in text, text
 
 
+# ZeRO-3 moves the most state; DDP's regroup is checked against fresh wrappers in
+# tests/test_regroup.py.
 @pytest.mark.timeout(DEADLINE_S + 30)
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", ["zero3"])
 def test_the_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(
     strategy: str, tmp_path: Path, shm_clean: object
 ) -> None:
