@@ -41,7 +41,8 @@ def distribute(
         model: A plain ``nn.Module``, already on its device.
         optimizer: A plain optimizer over ``model``'s parameters, or ``None``.
         strategy: ``"ddp"``; ``"zero1"``, ``"zero2"``, ``"zero3"`` (``"fsdp"`` is zero3): see
-            ``ShardedDataParallel``. With ``mesh``, a strategy per axis:
+            ``ShardedDataParallel``; ``"local_sgd"`` (``sync_every``, ``outer_optimizer``):
+            see ``shardline.optim.local_sgd``. With ``mesh``, a strategy per axis:
             ``{"dp": "ddp", "pp": "1f1b"}`` (a pipeline schedule on ``pp``, replicated with
             DDP or sharded by ZeRO on ``dp``: ``{"dp": "zero2", "pp": "1f1b"}``); ``options``
             then go to ``sl.pipeline`` (``microbatches``,
@@ -81,7 +82,7 @@ def distribute(
                 f"distribute(): the optimizer holds {len(foreign)} tensors that are not "
                 "parameters of the model; build the optimizer from model.parameters()"
             )
-    return DistributedDataParallel(model, group=group, **options), optimizer
+    return row.wrap(model, group=group, **options), optimizer
 
 
 def _check_options(strategy: str, options: dict[str, Any]) -> None:

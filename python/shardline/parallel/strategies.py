@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from shardline.errors import InvalidArgumentError
+from shardline.optim.local_sgd import LocalSGD
 from shardline.parallel.data.ddp import DistributedDataParallel
 from shardline.parallel.data.zero import ShardedDataParallel
 
@@ -27,7 +28,7 @@ class Strategy:
     Attributes:
         name: What users pass (``"zero2"``).
         wrapper: The class that wraps the model.
-        stage: The ZeRO stage the wrapper is built with; 0 for DDP.
+        stage: The ZeRO stage the wrapper is built with; 0 for DDP and local SGD.
         planned_as: The layout the memory planner estimates (``"fsdp"`` is planned as zero3).
     """
 
@@ -49,6 +50,7 @@ class Strategy:
 
 _TABLE = (
     Strategy("ddp", DistributedDataParallel, 0, "ddp"),
+    Strategy("local_sgd", LocalSGD, 0, "ddp"),
     Strategy("zero1", ShardedDataParallel, 1, "zero1"),
     Strategy("zero2", ShardedDataParallel, 2, "zero2"),
     Strategy("zero3", ShardedDataParallel, 3, "zero3"),
