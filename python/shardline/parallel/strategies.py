@@ -50,11 +50,11 @@ class Strategy:
 
 _TABLE = (
     Strategy("ddp", DistributedDataParallel, 0, "ddp"),
-    Strategy("local_sgd", LocalSGD, 0, "ddp"),
     Strategy("zero1", ShardedDataParallel, 1, "zero1"),
     Strategy("zero2", ShardedDataParallel, 2, "zero2"),
     Strategy("zero3", ShardedDataParallel, 3, "zero3"),
     Strategy("fsdp", ShardedDataParallel, 3, "zero3"),
+    Strategy("local_sgd", LocalSGD, 0, "ddp"),
 )
 
 STRATEGIES: tuple[str, ...] = tuple(s.name for s in _TABLE)
