@@ -42,7 +42,10 @@ def distribute(
         optimizer: A plain optimizer over ``model``'s parameters, or ``None``.
         strategy: ``"ddp"``; ``"zero1"``, ``"zero2"``, ``"zero3"`` (``"fsdp"`` is zero3): see
             ``ShardedDataParallel``; ``"local_sgd"`` (``sync_every``, ``outer_optimizer``):
-            see ``shardline.optim.local_sgd``. With ``mesh``, a strategy per axis:
+            see ``shardline.optim.local_sgd``; ``"async"`` (``staleness``, ``on_stale``,
+            ``servers``): see ``shardline.optim.async_sgd`` (the optimizer returned is then an
+            ``AsyncOptimizer``, whose ``step`` pushes and pulls). With ``mesh``, a strategy per
+            axis:
             ``{"dp": "ddp", "pp": "1f1b"}`` (a pipeline schedule on ``pp``, replicated with
             DDP or sharded by ZeRO on ``dp``: ``{"dp": "zero2", "pp": "1f1b"}``); ``options``
             then go to ``sl.pipeline`` (``microbatches``,
@@ -82,7 +85,11 @@ def distribute(
                 f"distribute(): the optimizer holds {len(foreign)} tensors that are not "
                 "parameters of the model; build the optimizer from model.parameters()"
             )
-    return row.wrap(model, group=group, **options), optimizer
+    wrapped = row.wrap(model, group=group, **options)
+    bind = getattr(wrapped, "bind_optimizer", None)
+    if optimizer is not None and callable(bind):  # async: the loop's optimizer pushes and pulls
+        return wrapped, bind(optimizer)
+    return wrapped, optimizer
 
 
 def _check_options(strategy: str, options: dict[str, Any]) -> None:
