@@ -11,11 +11,16 @@ ZeRO-2/3 on the reduce-scatter):
 
 Each keeps what it could not send (error feedback) and starts with a few uncompressed steps.
 See ``shardline.optim.compression`` for the interface, to write your own.
+
+``OneBitAdam``: Adam whose momentum travels as signs once its variance is frozen. Strategies
+that communicate less often: ``distribute(strategy="local_sgd")`` (local SGD, DiLoCo;
+``local_sgd``) and ``distribute(strategy="async")`` (a sharded parameter server; ``async_sgd``).
 """
 
 from __future__ import annotations
 
 from shardline.optim.compression import Compressor, Entry, resolve
+from shardline.optim.onebit_adam import OneBitAdam
 from shardline.optim.powersgd import PowerSGD
 from shardline.optim.quantize import FP8, Cast, Int8, OneBit, Quantizer
 from shardline.optim.topk import TopK
@@ -27,6 +32,7 @@ __all__ = [
     "Entry",
     "Int8",
     "OneBit",
+    "OneBitAdam",
     "PowerSGD",
     "Quantizer",
     "TopK",
