@@ -1,0 +1,454 @@
+"""Does sending less make training faster end to end? Compressors over shaped links, one run.
+
+A GPT of about 100M parameters (the main job's ``TinyGPT``, ``--width 768 --layers 12``) trains
+with AdamW on ``--ranks`` ranks on this machine's CPUs, one simulated host per rank: network
+namespaces on one switch, each link limited to ``--rates`` (``1gbit``, ``10gbit``) by Linux
+traffic control (``benches/_star.py``), never by a knob of ours. Per rate:
+
+1. ``dense``: our DDP, uncompressed, ``--steps`` steps. Its loss there (the mean of the last 5
+   steps' loss, averaged over ranks) is the *target*.
+2. each compressor (``powersgd``: rank 4, ``topk``: 1 %, ``onebit``, ``int8``) with our DDP,
+   and ``torch-powersgd`` (torch's DDP on Gloo with torch's ``powerSGD_hook`` at the same rank),
+   until they reach the target or ``2 x --steps`` steps.
+
+Reported: time per step, time to the target and its ratio to dense's, bytes per step (counted
+by ``comm_stats()`` and by the interfaces' own counters), the loss after ``--steps`` steps
+against dense's. Goals at 1 Gbit/s: PowerSGD, top-k and 1-bit reach the target >= 2x sooner
+than dense with a loss within 1 %; PowerSGD as fast as torch's hook or faster.
+
+``--straggler``: the same model on one host (shared memory), rank 0 made 3x slower (it
+sleeps twice its compute time per step): DDP, local SGD (``sync_every=4``) and async SGD
+(``on_stale="drop"``); the fast ranks' throughput with and without the straggler, and the
+time to dense's target loss.
+
+    python benches/bench_compression.py                      # needs root and pyroute2
+    python benches/bench_compression.py --rates 1gbit --configs dense,powersgd --steps 20
+    python benches/bench_compression.py --straggler-only
+
+Writes ``benches/results/compression-<tag>.{txt,json,svg}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "benches"))
+
+CONFIGS = ("dense", "powersgd", "topk", "onebit", "int8", "torch-powersgd")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--width", type=int, default=768)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank and step")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--rates", default="1gbit,10gbit")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--threads", type=int, default=0, help="per rank; 0: cores / ranks")
+    p.add_argument("--straggler", action="store_true", help="also the straggler runs")
+    p.add_argument("--straggler-only", action="store_true")
+    p.add_argument("--tag", default="cpu")
+    p.add_argument(
+        "--reuse-dense",
+        action="store_true",
+        help="take each rate's dense run (the target) from this tag's JSON of an earlier call",
+    )
+    p.add_argument("--out-dir", default=str(ROOT / "benches" / "results"))
+    # worker side
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", default="dense", help=argparse.SUPPRESS)
+    p.add_argument("--target", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--max-steps", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--slow-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# -- worker ------------------------------------------------------------------------------------
+
+
+def _model(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    import torch  # noqa: PLC0415
+
+    from shardline.examples import train as ex  # noqa: PLC0415
+
+    cfg = ex.Config(d_model=args.width, num_layers=args.layers, num_heads=args.heads,
+                    seq_len=args.seq, batch_size=args.batch, steps=2 * args.steps + 10)  # fmt: skip
+    tokens = ex.corpus(num_chars=2_000_000)
+    torch.manual_seed(0)
+    return torch, ex, cfg, tokens
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch, ex, cfg, tokens = _model(args)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model = ex.build_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    config = args.config
+    if config == "torch-powersgd":
+        import torch.distributed as dist  # noqa: PLC0415
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps  # noqa: PLC0415
+        from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+        dist.init_process_group("gloo")
+        net = DDP(model)
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                 start_powerSGD_iter=2, min_compression_rate=2,
+                                 use_error_feedback=True, warm_start=True)  # fmt: skip
+        net.register_comm_hook(state, ps.powerSGD_hook)
+
+        def average(t: Any) -> None:
+            dist.all_reduce(t)
+            t.div_(world)
+
+        def sent() -> int:
+            return 0
+    else:
+        import shardline as sl  # noqa: PLC0415
+
+        sl.init()
+        options: dict[str, Any] = {}
+        strategy = "ddp"
+        if config in ("powersgd", "topk", "onebit", "int8"):
+            options["compression"] = {
+                "powersgd": sl.optim.PowerSGD(rank=4),
+                "topk": sl.optim.TopK(ratio=0.01),
+                "onebit": sl.optim.OneBit(),
+                "int8": sl.optim.Int8(),
+            }[config]
+        elif config == "local_sgd":
+            strategy, options = "local_sgd", {"sync_every": 4}
+        elif config == "async":
+            strategy, options = "async", {"staleness": 2, "on_stale": "drop"}
+        net, opt = sl.distribute(model, opt, strategy=strategy, **options)
+
+        def average(t: Any) -> None:
+            sl.all_reduce(t)
+            t.div_(world)
+
+        def sent() -> int:
+            return int(net.comm_stats()["sent"])
+
+    batches = ex.rank_batches(ex.windows(tokens, cfg), rank, world, cfg)
+    probe = ex.get_batch(tokens, list(range(0, 8 * 97, 97)), cfg)
+    ifname = os.environ.get("BENCH_IFNAME")
+    collective_loss = config not in ("async", "local_sgd")
+    records = []
+    recent: list[float] = []
+    sleep_for = 0.0
+    start = time.perf_counter()
+    for step in range(1, args.max_steps + 1):
+        t0 = time.perf_counter()
+        x, y = ex.get_batch(tokens, batches[step - 1], cfg)
+        opt.zero_grad()
+        loss = net(x, y)
+        loss.backward()
+        compute = time.perf_counter() - t0
+        if rank == args.slow_rank:  # a straggler: 3x this rank's compute time
+            sleep_for = 2 * compute if step <= 3 else sleep_for
+            time.sleep(sleep_for)
+        opt.step()
+        value = loss.detach().reshape(1).clone()
+        if collective_loss:
+            average(value)
+        recent = [*recent, float(value)][-5:]
+        smoothed = sum(recent) / len(recent)
+        records.append({"step": step, "t": time.perf_counter() - start, "loss": float(value),
+                        "smoothed": smoothed, "sent": sent()})  # fmt: skip
+        if collective_loss and args.target and step >= 5 and smoothed <= args.target:
+            break  # every rank sees the same averaged loss: they stop together
+    if config == "async":
+        net.close()
+    with torch.no_grad():
+        held = float(net(*probe)) if config != "torch-powersgd" else float(net.module(*probe))
+    out = {"rank": rank, "config": config, "records": records, "held_out": held,
+           "params": sum(p.numel() for p in model.parameters()),
+           "nic": _nic(ifname) if ifname else None}  # fmt: skip
+    if config in ("async", "local_sgd") and hasattr(net, "staleness"):
+        out["staleness"] = {str(k): v for k, v in net.staleness().items()}
+    Path(f"{args.out}.{rank}.json").write_text(json.dumps(out))
+    if config == "torch-powersgd":
+        import torch.distributed as dist  # noqa: PLC0415
+
+        dist.destroy_process_group()
+    else:
+        import shardline as sl  # noqa: PLC0415
+
+        sl.shutdown()
+
+
+def _nic(ifname: str) -> dict[str, int]:
+    from pyroute2 import IPRoute  # noqa: PLC0415
+
+    with IPRoute() as ipr:
+        idx = ipr.link_lookup(ifname=ifname)[0]
+        stats = ipr.get_links(idx)[0].get_attr("IFLA_STATS64")
+    return {"tx": int(stats["tx_bytes"]), "rx": int(stats["rx_bytes"])}
+
+
+# -- parent ------------------------------------------------------------------------------------
+
+
+def run_config(
+    args: argparse.Namespace,
+    config: str,
+    star: Any,
+    *,
+    max_steps: int,
+    target: float = 0.0,
+    slow_rank: int = -1,
+    timeout: float = 1800,
+) -> list[dict[str, Any]]:
+    """Runs ``config`` on every rank; returns each rank's report."""
+    n = args.ranks
+    threads = args.threads or max(1, (os.cpu_count() or 2) // n)
+    port = 29400 + secrets.randbelow(2000)
+    tmp = Path(tempfile.mkdtemp(prefix="shardline-bench-compression-"))
+    procs = []
+    before = [star.tx_rx(r) for r in range(n)] if star is not None else None
+    for r in range(n):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
+        env.update(
+            PYTHONPATH=f"{ROOT / 'python'}:{ROOT}:{env.get('PYTHONPATH', '')}",
+            RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK="0" if star else str(r),
+            LOCAL_WORLD_SIZE="1" if star else str(n),
+            MASTER_ADDR=star.addr(0) if star else "127.0.0.1", MASTER_PORT=str(port),
+            OMP_NUM_THREADS=str(threads), SHARDLINE_SECRET="bench-compression",
+            SHARDLINE_TIMEOUT="600",
+        )  # fmt: skip
+        if star is not None:
+            env.update(SHARDLINE_HOST_ID=f"host-{r}", GLOO_SOCKET_IFNAME=star.ifname(r),
+                       BENCH_IFNAME=star.ifname(r))  # fmt: skip
+        argv = [sys.executable, "-u", str(HERE), "--worker", "--config", config,
+                "--out", str(tmp / "rank"), "--max-steps", str(max_steps),
+                "--target", str(target), "--slow-rank", str(slow_rank),
+                *_model_flags(args)]  # fmt: skip
+        # preexec_fn: the parent runs no threads of its own here.
+        enter = star.enter(r) if star else None
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            preexec_fn=enter,  # noqa: PLW1509
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        procs.append(proc)
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+        outputs.append(out.decode(errors="replace"))
+    if any(p.returncode for p in procs):
+        text = "\n".join(f"--- rank {r} (rc {p.returncode}) ---\n{o[-3000:]}"
+                         for r, (p, o) in enumerate(zip(procs, outputs, strict=True)))  # fmt: skip
+        raise RuntimeError(f"{config} failed:\n{text}")
+    reports = [json.loads(Path(f"{tmp}/rank.{r}.json").read_text()) for r in range(n)]
+    if star is not None and before is not None:
+        after = [star.tx_rx(r) for r in range(n)]
+        for r, rep in enumerate(reports):
+            rep["wire_tx"] = after[r][0] - before[r][0]
+    return reports
+
+
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    return ["--width", str(args.width), "--layers", str(args.layers), "--heads", str(args.heads),
+            "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
+            "--lr", str(args.lr)]  # fmt: skip
+
+
+def summarize(reports: list[dict[str, Any]], steps: int, target: float) -> dict[str, Any]:
+    rec = reports[0]["records"]
+    at = next((r for r in rec if r["smoothed"] <= target and r["step"] >= 5), None)
+    n_steps = len(rec)
+    per_step = rec[-1]["t"] / n_steps
+    at_steps = next((r for r in rec if r["step"] == steps), rec[-1])
+    wire = sum(r.get("wire_tx", 0) for r in reports) / len(reports) / n_steps
+    return {
+        "steps": n_steps,
+        "s_per_step": per_step,
+        "to_target_s": at["t"] if at else None,
+        "to_target_steps": at["step"] if at else None,
+        "loss_at_steps": at_steps["smoothed"],
+        "held_out": reports[0]["held_out"],
+        "sent_per_step": rec[-1]["sent"] / n_steps,
+        "wire_per_step": wire,
+        "curve": [(r["t"], r["smoothed"], r["sent"]) for r in rec],
+    }
+
+
+def main() -> None:
+    args = parse()
+    if args.worker:
+        worker(args)
+        return
+    from _star import Star, usable  # noqa: PLC0415
+
+    results: dict[str, Any] = {"args": vars(args), "rates": {}, "machine": _machine()}
+    earlier = Path(args.out_dir) / f"compression-{args.tag}.json"
+    if earlier.exists():  # a later call adds configs to an earlier one's results
+        old = json.loads(earlier.read_text())
+        results["rates"] = old.get("rates", {})
+        if "straggler" in old:
+            results["straggler"] = old["straggler"]
+    configs = [c for c in args.configs.split(",") if c]
+    if not args.straggler_only:
+        why = usable()
+        if why:
+            raise SystemExit(f"bench_compression: cannot simulate hosts here: {why}")
+        star = Star(args.ranks).open()
+        try:
+            for rate in [r for r in args.rates.split(",") if r]:
+                star.shape(rate)
+                before = results["rates"].get(rate, {})
+
+                def save(part: dict[str, Any], rate: str = rate, before: dict = before) -> None:
+                    results["rates"][rate] = {**before, **part}
+                    _write(args, results)  # after every config: a cut-off run keeps its results
+
+                save(_one_rate(args, star, configs, before, save))
+                print("\n".join(_rate_table(rate, results["rates"][rate])), flush=True)
+                _write(args, results)
+        finally:
+            star.close()
+    if args.straggler or args.straggler_only:
+        results["straggler"] = _straggler(args)
+        print("\n".join(_straggler_table(results["straggler"])), flush=True)
+    _write(args, results)
+
+
+def _one_rate(
+    args: argparse.Namespace,
+    star: Any,
+    configs: list[str],
+    before: dict[str, Any],
+    save: Any,
+) -> dict[str, Any]:
+    if args.reuse_dense and "dense" in before:
+        dense = before["dense"]
+    else:
+        dense = summarize(run_config(args, "dense", star, max_steps=args.steps), args.steps, -1.0)
+        dense["to_target_s"] = dense["curve"][-1][0]
+    target = dense["loss_at_steps"]
+    out = {"target": target, "dense": dense}
+    save(out)
+    for config in configs:
+        if config == "dense":
+            continue
+        reports = run_config(args, config, star, max_steps=2 * args.steps, target=target)
+        out[config] = summarize(reports, args.steps, target)
+        save(out)
+    return out
+
+
+def _rate_table(rate: str, got: dict[str, Any]) -> list[str]:
+    target, dense = got["target"], got["dense"]
+    lines = [
+        f"\n-- links shaped to {rate}: target loss {target:.4f} (dense after "
+        f"{dense['steps']} steps)",
+        f"{'config':<16}{'s/step':>8}{'to target':>11}{'speed-up':>10}{'steps':>7}"
+        f"{'MB/step':>9}{'wire MB':>9}{'loss@N':>9}{'vs dense':>9}",
+    ]
+    for name, s in got.items():
+        if name == "target":
+            continue
+        t = s["to_target_s"]
+        speed = dense["to_target_s"] / t if t else float("nan")
+        lines.append(
+            f"{name:<16}{s['s_per_step']:>8.2f}{(f'{t:.1f}s' if t else 'never'):>11}"
+            f"{speed:>9.2f}x{s['to_target_steps'] or s['steps']:>7}"
+            f"{s['sent_per_step'] / 1e6:>9.2f}{s['wire_per_step'] / 1e6:>9.2f}"
+            f"{s['loss_at_steps']:>9.4f}{s['loss_at_steps'] / target - 1:>+9.2%}"
+        )
+    return lines
+
+
+def _straggler(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    tokens_per_step = args.batch * args.seq
+    for mode in ("dense", "local_sgd", "async"):
+        rates, held, took = [], 0.0, 0.0
+        for slow in (-1, 0):
+            reports = run_config(args, mode, None, max_steps=args.steps, slow_rank=slow)
+            fast = [r for r in reports if r["rank"] != slow]
+            rate = sum(len(r["records"]) * tokens_per_step / r["records"][-1]["t"] for r in fast)
+            rates.append(rate)
+            held = reports[0]["held_out"]
+            took = max(r["records"][-1]["t"] for r in reports)
+        out[mode] = {"fast_tok_s": rates[1], "baseline_tok_s": rates[0],
+                     "kept": rates[1] / rates[0], "held_out": held, "job_s": took}  # fmt: skip
+    return out
+
+
+def _straggler_table(got: dict[str, Any]) -> list[str]:
+    lines = [
+        "\n-- straggler: rank 0 sleeps 2x its compute per step (3x slower); one host",
+        f"{'mode':<12}{'fast ranks tok/s':>18}{'no straggler':>14}{'kept':>7}"
+        f"{'held-out':>10}{'job s':>8}",
+    ]
+    for mode, s in got.items():
+        lines.append(
+            f"{mode:<12}{s['fast_tok_s']:>18,.0f}{s['baseline_tok_s']:>14,.0f}{s['kept']:>7.0%}"
+            f"{s['held_out']:>10.4f}{s.get('job_s', 0):>8.1f}"
+        )
+    return lines
+
+
+def _machine() -> str:
+    return f"{os.cpu_count()} CPUs"
+
+
+def _write(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = out / f"compression-{args.tag}"
+    a = results["args"]
+    lines = [
+        f"bench_compression: {a['ranks']} ranks, GPT width {a['width']} x {a['layers']} layers, "
+        f"{a['batch']} x {a['seq']} tokens per rank, AdamW lr {a['lr']}; {results['machine']}"
+    ]
+    for rate, got in results["rates"].items():
+        lines += _rate_table(rate, got)
+    if "straggler" in results:
+        lines += _straggler_table(results["straggler"])
+    base.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    base.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    from _svg import loss_curves  # noqa: PLC0415
+
+    panels = {}
+    for rate, got in results["rates"].items():
+        series = {k: v["curve"] for k, v in got.items() if k != "target"}
+        panels[f"{rate}: loss vs seconds"] = {
+            k: [(t, loss) for t, loss, _ in c] for k, c in series.items()
+        }
+        panels[f"{rate}: loss vs MB sent per rank"] = {
+            k: [(b / 1e6, loss) for _, loss, b in c]
+            for k, c in series.items()
+            if k != "torch-powersgd"  # torch does not count its bytes
+        }
+    if panels:
+        base.with_suffix(".svg").write_text(loss_curves(panels))
+
+
+if __name__ == "__main__":
+    main()
