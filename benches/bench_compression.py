@@ -230,7 +230,7 @@ def run_config(
             LOCAL_WORLD_SIZE="1" if star else str(n),
             MASTER_ADDR=star.addr(0) if star else "127.0.0.1", MASTER_PORT=str(port),
             OMP_NUM_THREADS=str(threads), SHARDLINE_SECRET="bench-compression",
-            SHARDLINE_TIMEOUT="600",
+            SHARDLINE_TIMEOUT="600", SHARDLINE_BACKEND="native", CUDA_VISIBLE_DEVICES="",
         )  # fmt: skip
         if star is not None:
             env.update(SHARDLINE_HOST_ID=f"host-{r}", GLOO_SOCKET_IFNAME=star.ifname(r),
