@@ -355,10 +355,22 @@ def _one_rate(
     for config in configs:
         if config == "dense":
             continue
-        reports = run_config(args, config, star, max_steps=2 * args.steps, target=target)
-        out[config] = summarize(reports, args.steps, target)
+        try:
+            reports = run_config(args, config, star, max_steps=2 * args.steps, target=target)
+        except RuntimeError as exc:  # recorded, and the other configs still run
+            out[config] = {"failed": _first_error(str(exc))}
+        else:
+            out[config] = summarize(reports, args.steps, target)
         save(out)
     return out
+
+
+def _first_error(text: str) -> str:
+    """The first line that names an error in the ranks' output (else the output's end)."""
+    for line in text.splitlines():
+        if "Error" in line and "Traceback" not in line:
+            return line.strip()[:300]
+    return text[-300:]
 
 
 def _rate_table(rate: str, got: dict[str, Any]) -> list[str]:
@@ -371,6 +383,9 @@ def _rate_table(rate: str, got: dict[str, Any]) -> list[str]:
     ]
     for name, s in got.items():
         if name == "target":
+            continue
+        if "failed" in s:
+            lines.append(f"{name:<16}failed: {s['failed']}")
             continue
         t = s["to_target_s"]
         speed = dense["to_target_s"] / t if t else float("nan")
@@ -437,7 +452,7 @@ def _write(args: argparse.Namespace, results: dict[str, Any]) -> None:
 
     panels = {}
     for rate, got in results["rates"].items():
-        series = {k: v["curve"] for k, v in got.items() if k != "target"}
+        series = {k: v["curve"] for k, v in got.items() if k != "target" and "curve" in v}
         panels[f"{rate}: loss vs seconds"] = {
             k: [(t, loss) for t, loss, _ in c] for k, c in series.items()
         }

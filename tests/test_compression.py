@@ -399,3 +399,16 @@ def test_estimate_memory_counts_the_residual_over_the_whole_gradient() -> None:
     assert any("whole gradient" in note for note in squeezed.notes)
     ddp = sl.estimate_memory(model, world_size=4, strategy="ddp", compression=Int8())
     assert ddp.compression == 4 * numel + 4 * -(-numel // 4)  # plus its chunk's server residual
+
+
+def test_topk_selection_on_large_buffers_is_exact() -> None:
+    from shardline.optim.topk import largest
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3_000_000, generator=g).abs()
+    a[::1000] = 5.0  # ties at the top
+    for k in (1, 3000, 30_000):
+        got = largest(a, k)
+        want = torch.topk(a, k).values
+        assert got.numel() == k and got.unique().numel() == k
+        torch.testing.assert_close(torch.sort(a[got], descending=True).values, want)

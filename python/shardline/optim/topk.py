@@ -24,6 +24,26 @@ from shardline.optim.compression import Compressor, Finish, Layout
 __all__ = ["TopK"]
 
 
+def largest(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest values of ``a`` (1-D, non-negative), in any order.
+
+    Exact. On large buffers it first keeps the values above a threshold estimated from a
+    strided sample (as deep gradient compression does), then takes the exact top ``k`` of
+    those few: two passes over ``a`` instead of ``torch.topk``'s partial sort of all of it.
+    """
+    n = a.numel()
+    if n < 1 << 20 or k * 8 > n:
+        return torch.topk(a, k, sorted=False).indices
+    m = min(n, max(1 << 16, (256 * n) // k))
+    sample = a[:: max(1, n // m)]
+    want = min(sample.numel(), max(1, (2 * k * sample.numel()) // n))  # twice the share
+    threshold = torch.topk(sample, want, sorted=False).values.min()
+    candidates = (a >= threshold).nonzero().reshape(-1)
+    if candidates.numel() < k:  # the sample was unlucky: the exact way
+        return torch.topk(a, k, sorted=False).indices
+    return candidates[torch.topk(a[candidates], k, sorted=False).indices]
+
+
 class TopK(Compressor):
     """Sends the ``ratio`` largest-magnitude values of each buffer (with their indices).
 
@@ -77,7 +97,7 @@ class TopK(Compressor):
             res = self._buffer(key, "residual", numel, layout, flat.device)
             p.add_(res)
         k = self.k(numel)
-        idx = torch.topk(p.abs(), k, sorted=False).indices
+        idx = largest(p.abs(), k)
         pairs = torch.empty(2 * k, dtype=torch.int32, device=flat.device)
         pairs[:k] = idx.to(torch.int32)
         pairs[k:] = p[idx].view(torch.int32)
