@@ -8,8 +8,10 @@ traffic control (``benches/_star.py``), never by a knob of ours. Per rate:
 1. ``dense``: our DDP, uncompressed, ``--steps`` steps. Its loss there (the mean of the last 5
    steps' loss, averaged over ranks) is the *target*.
 2. each compressor (``powersgd``: rank 4, ``topk``: 1 %, ``onebit``, ``int8``) with our DDP,
-   and ``torch-powersgd`` (torch's DDP on Gloo with torch's ``powerSGD_hook`` at the same rank),
-   until they reach the target or ``2 x --steps`` steps.
+   ``onebit-adam`` (``sl.optim.OneBitAdam``, the variance frozen after a fifth of
+   ``--steps``: 1-bit compression made for Adam), and ``torch-powersgd`` (torch's DDP on Gloo
+   with torch's ``powerSGD_hook`` at the same rank), until they reach the target or
+   ``2 x --steps`` steps.
 
 Reported: time per step, time to the target and its ratio to dense's, bytes per step (counted
 by ``comm_stats()`` and by the interfaces' own counters), the loss after ``--steps`` steps
@@ -45,7 +47,7 @@ HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "benches"))
 
-CONFIGS = ("dense", "powersgd", "topk", "onebit", "int8", "torch-powersgd")
+CONFIGS = ("dense", "powersgd", "topk", "onebit", "onebit-adam", "int8", "torch-powersgd")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,6 +65,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="per rank; 0: cores / ranks")
     p.add_argument("--straggler", action="store_true", help="also the straggler runs")
     p.add_argument("--straggler-only", action="store_true")
+    p.add_argument("--straggler-steps", type=int, default=20)
     p.add_argument("--tag", default="cpu")
     p.add_argument(
         "--reuse-dense",
@@ -132,18 +135,36 @@ def worker(args: argparse.Namespace) -> None:
                 "onebit": sl.optim.OneBit(),
                 "int8": sl.optim.Int8(),
             }[config]
+        elif config == "onebit-adam":
+            strategy = "none"
         elif config == "local_sgd":
             strategy, options = "local_sgd", {"sync_every": 4}
         elif config == "async":
             strategy, options = "async", {"staleness": 2, "on_stale": "drop"}
-        net, opt = sl.distribute(model, opt, strategy=strategy, **options)
+        if strategy == "none":  # 1-bit Adam communicates itself; the model stays plain
+            from shardline.parallel._common import default_group  # noqa: PLC0415
+
+            net = model
+            opt = sl.optim.OneBitAdam(model.parameters(), lr=args.lr,
+                                      freeze_step=max(2, args.steps // 5))  # fmt: skip
+            group = default_group()
+            group.reset_traffic()
+
+            def sent() -> int:
+                row = group.traffic()
+                return sum(v["sent"] for k, v in row.items() if k != "broadcast") - loss_bytes[0]
+        else:
+            net, opt = sl.distribute(model, opt, strategy=strategy, **options)
+
+            def sent() -> int:
+                return int(net.comm_stats()["sent"])
+
+        loss_bytes = [0]
 
         def average(t: Any) -> None:
             sl.all_reduce(t)
+            loss_bytes[0] += 2 * (world - 1) * t.numel() * t.element_size() // world
             t.div_(world)
-
-        def sent() -> int:
-            return int(net.comm_stats()["sent"])
 
     batches = ex.rank_batches(ex.windows(tokens, cfg), rank, world, cfg)
     probe = ex.get_batch(tokens, list(range(0, 8 * 97, 97)), cfg)
@@ -404,7 +425,7 @@ def _straggler(args: argparse.Namespace) -> dict[str, Any]:
     for mode in ("dense", "local_sgd", "async"):
         rates, held, took = [], 0.0, 0.0
         for slow in (-1, 0):
-            reports = run_config(args, mode, None, max_steps=args.steps, slow_rank=slow)
+            reports = run_config(args, mode, None, max_steps=args.straggler_steps, slow_rank=slow)
             fast = [r for r in reports if r["rank"] != slow]
             rate = sum(len(r["records"]) * tokens_per_step / r["records"][-1]["t"] for r in fast)
             rates.append(rate)
