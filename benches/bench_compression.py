@@ -66,6 +66,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--straggler", action="store_true", help="also the straggler runs")
     p.add_argument("--straggler-only", action="store_true")
     p.add_argument("--straggler-steps", type=int, default=20)
+    p.add_argument("--straggler-modes", default="dense,local_sgd,async")
     p.add_argument("--tag", default="cpu")
     p.add_argument(
         "--reuse-dense",
@@ -140,7 +141,7 @@ def worker(args: argparse.Namespace) -> None:
         elif config == "local_sgd":
             strategy, options = "local_sgd", {"sync_every": 4}
         elif config == "async":
-            strategy, options = "async", {"staleness": 2, "on_stale": "drop"}
+            strategy, options = "async", {"staleness": 2, "on_stale": "drop", "servers": world}
         if strategy == "none":  # 1-bit Adam communicates itself; the model stays plain
             from shardline.parallel._common import default_group  # noqa: PLC0415
 
@@ -353,7 +354,7 @@ def main() -> None:
         finally:
             star.close()
     if args.straggler or args.straggler_only:
-        results["straggler"] = _straggler(args)
+        results["straggler"] = {**results.get("straggler", {}), **_straggler(args)}
         print("\n".join(_straggler_table(results["straggler"])), flush=True)
     _write(args, results)
 
@@ -422,7 +423,7 @@ def _rate_table(rate: str, got: dict[str, Any]) -> list[str]:
 def _straggler(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tokens_per_step = args.batch * args.seq
-    for mode in ("dense", "local_sgd", "async"):
+    for mode in args.straggler_modes.split(","):
         rates, held, took = [], 0.0, 0.0
         for slow in (-1, 0):
             reports = run_config(args, mode, None, max_steps=args.straggler_steps, slow_rank=slow)
