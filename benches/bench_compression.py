@@ -27,7 +27,8 @@ time to dense's target loss.
     python benches/bench_compression.py --rates 1gbit --configs dense,powersgd --steps 20
     python benches/bench_compression.py --straggler-only
 
-Writes ``benches/results/compression-<tag>.{txt,json,svg}``.
+Writes ``benches/results/compression-<tag>.{txt,json,png}`` (``--plot-only`` redraws the plot
+from the JSON).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "benches"))
 
+import _report  # noqa: E402
+
 CONFIGS = ("dense", "powersgd", "topk", "onebit", "onebit-adam", "int8", "torch-powersgd")
 
 
@@ -65,6 +68,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="per rank; 0: cores / ranks")
     p.add_argument("--straggler", action="store_true", help="also the straggler runs")
     p.add_argument("--straggler-only", action="store_true")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON")
     p.add_argument("--straggler-steps", type=int, default=20)
     p.add_argument("--straggler-modes", default="dense,local_sgd,async")
     p.add_argument("--tag", default="cpu")
@@ -334,6 +338,10 @@ def main() -> None:
         if "straggler" in old:
             results["straggler"] = old["straggler"]
     configs = [c for c in args.configs.split(",") if c]
+    if args.plot_only:
+        stem = Path(args.out_dir) / f"compression-{args.tag}"
+        print(_report.plot(stem.with_suffix(".png"), lambda plt: _draw(plt, results)))
+        return
     if not args.straggler_only:
         why = usable()
         if why:
@@ -470,21 +478,31 @@ def _write(args: argparse.Namespace, results: dict[str, Any]) -> None:
         lines += _straggler_table(results["straggler"])
     base.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     base.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    from _svg import loss_curves  # noqa: PLC0415
+    print(_report.plot(base.with_suffix(".png"), lambda plt: _draw(plt, results)))
 
-    panels = {}
-    for rate, got in results["rates"].items():
-        series = {k: v["curve"] for k, v in got.items() if k != "target" and "curve" in v}
-        panels[f"{rate}: loss vs seconds"] = {
-            k: [(t, loss) for t, loss, _ in c] for k, c in series.items()
-        }
-        panels[f"{rate}: loss vs MB sent per rank"] = {
-            k: [(b / 1e6, loss) for _, loss, b in c]
-            for k, c in series.items()
-            if k != "torch-powersgd"  # torch does not count its bytes
-        }
-    if panels:
-        base.with_suffix(".svg").write_text(loss_curves(panels))
+
+def _draw(plt: Any, results: dict[str, Any]) -> Any:
+    """Loss against seconds and against MB sent per rank, one row per link rate."""
+    rates = results["rates"]
+    if not rates:
+        return "no plot: no shaped-link runs"
+    fig, axes = plt.subplots(len(rates), 2, figsize=(12, 4.2 * len(rates)), squeeze=False)
+    for row, (rate, got) in enumerate(rates.items()):
+        for name, s in got.items():
+            if name == "target" or "curve" not in s:
+                continue
+            t, loss, sent = zip(*s["curve"], strict=True)
+            axes[row][0].plot(t, loss, label=name)
+            if name != "torch-powersgd":  # torch does not count its bytes
+                axes[row][1].plot([b / 1e6 for b in sent], loss, label=name)
+        for col, what in enumerate(("seconds", "MB sent per rank")):
+            ax = axes[row][col]
+            ax.axhline(got["target"], color="grey", lw=0.8, ls="--")
+            ax.set_xlabel(what)
+            ax.set_ylabel("training loss (5-step mean)")
+            ax.set_title(f"links at {rate}: loss vs {what}")
+            ax.legend(fontsize=8)
+    return fig
 
 
 if __name__ == "__main__":
