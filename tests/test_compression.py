@@ -412,3 +412,23 @@ def test_topk_selection_on_large_buffers_is_exact() -> None:
         want = torch.topk(a, k).values
         assert got.numel() == k and got.unique().numel() == k
         torch.testing.assert_close(torch.sort(a[got], descending=True).values, want)
+
+
+def test_residuals_follow_their_parameters_when_buckets_are_rebuilt() -> None:
+    """DDP rebuilds its buckets after the first step: same keys, other parameters in them."""
+    c = Int8(warmup_steps=0)
+    cpu = torch.device("cpu")
+    before = {0: (Entry("a", 0, (3,)), Entry("b", 3, (2,))), 1: (Entry("c", 0, (4,)),)}
+    for key, layout in before.items():
+        c.prepare(key, layout, sum(e.numel for e in layout), cpu)
+    values = {"a": [1.0, 2.0, 3.0], "b": [4.0, 5.0], "c": [6.0, 7.0, 8.0, 9.0]}
+    for name, v in values.items():
+        c.state_tensors()[f"residual/{name}"].copy_(torch.tensor(v))
+    after = {0: (Entry("c", 0, (4,)), Entry("b", 4, (2,))), 1: (Entry("a", 0, (3,)),)}
+    for key, layout in after.items():
+        c.prepare(key, layout, sum(e.numel for e in layout), cpu)
+    state = c.state_tensors()
+    for name, v in values.items():
+        assert state[f"residual/{name}"].tolist() == v
+    assert c.held(0, 6).tolist() == [6.0, 7.0, 8.0, 9.0, 4.0, 5.0]
+    assert set(c._keys) == {0, 1}

@@ -97,8 +97,8 @@ class Compressor:
         self.steps = 0
         self._world: int | None = None
         self._keys: dict[Hashable, _Buffers] = {}
-        # Where each parameter's slice of a named buffer lives now: name -> (key, entry).
-        self._where: dict[str, tuple[Hashable, Entry]] = {}
+        # Where each parameter's slice of the buffers lives now: name -> (buffers, entry).
+        self._where: dict[str, tuple[_Buffers, Entry]] = {}
         # Loaded values waiting for their parameter's first use: field -> name -> tensor.
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._per_name: dict[str, dict[str, torch.Tensor]] = {}  # e.g. PowerSGD's Q
@@ -211,7 +211,7 @@ class Compressor:
         state = self._keys.get(key)
         if state is None or state.layout != layout or state.numel != numel:
             state = _Buffers(layout, numel, {})
-            self._keys[key] = state
+            self._keys[key] = state  # the old one stays reachable through ``_where``
         buf = state.flats.get(field)
         if buf is not None:
             return buf
@@ -223,21 +223,16 @@ class Compressor:
                 view.copy_(loaded.reshape(-1))
                 continue
             old = self._where.get(e.name)
-            if old is not None and old[0] != key:
-                before = self._keys.get(old[0])
-                if before is not None and field in before.flats:
-                    o = old[1]
-                    view.copy_(before.flats[field][o.offset : o.offset + o.numel])
+            if old is not None and old[0] is not state and field in old[0].flats:
+                o = old[1]
+                view.copy_(old[0].flats[field][o.offset : o.offset + o.numel])
         state.flats[field] = buf
         for e in layout:
-            self._where[e.name] = (key, e)
-        self._drop_unreferenced()
+            self._where[e.name] = (state, e)
+        live = {id(st) for st, _ in self._where.values()}
+        for k in [k for k, st in self._keys.items() if id(st) not in live]:
+            del self._keys[k]  # a layout no parameter is in any more
         return buf
-
-    def _drop_unreferenced(self) -> None:
-        live = {k for k, _ in self._where.values()}
-        for k in [k for k in self._keys if k not in live]:
-            del self._keys[k]
 
     # -- checkpoint state ----------------------------------------------------------------------
 
@@ -248,8 +243,8 @@ class Compressor:
         whose buffers do not exist yet.
         """
         out: dict[str, torch.Tensor] = {}
-        for name, (key, e) in sorted(self._where.items()):
-            for field, buf in self._keys[key].flats.items():
+        for name, (state, e) in sorted(self._where.items(), key=lambda kv: kv[0]):
+            for field, buf in state.flats.items():
                 out[f"{field}/{name}"] = buf[e.offset : e.offset + e.numel].view(e.shape)
         for field, tensors in self._per_name.items():
             for name, t in tensors.items():
