@@ -286,7 +286,7 @@ def run_config(
             out, _ = p.communicate()
         outputs.append(out.decode(errors="replace"))
     if any(p.returncode for p in procs):
-        text = "\n".join(f"--- rank {r} (rc {p.returncode}) ---\n{o[-3000:]}"
+        text = "\n".join(f"--- rank {r} (rc {p.returncode}) ---\n{o[-6000:]}"
                          for r, (p, o) in enumerate(zip(procs, outputs, strict=True)))  # fmt: skip
         raise RuntimeError(f"{config} failed:\n{text}")
     reports = [json.loads(Path(f"{tmp}/rank.{r}.json").read_text()) for r in range(n)]
@@ -396,11 +396,15 @@ def _one_rate(
 
 
 def _first_error(text: str) -> str:
-    """The first line that names an error in the ranks' output (else the output's end)."""
+    """Each rank's first line that names an error (else the output's end)."""
+    found: dict[str, str] = {}
+    rank = "?"
     for line in text.splitlines():
-        if "Error" in line and "Traceback" not in line:
-            return line.strip()[:300]
-    return text[-300:]
+        if line.startswith("--- rank "):
+            rank = line.split()[2]
+        elif ("Error" in line or "error" in line) and "Traceback" not in line:
+            found.setdefault(rank, line.strip()[:200])
+    return " | ".join(f"rank {r}: {m}" for r, m in found.items()) or text[-300:]
 
 
 def _rate_table(rate: str, got: dict[str, Any]) -> list[str]:
