@@ -18,6 +18,9 @@ by ``comm_stats()`` and by the interfaces' own counters), the loss after ``--ste
 against dense's. Goals at 1 Gbit/s: PowerSGD, top-k and 1-bit reach the target >= 2x sooner
 than dense with a loss within 1 %; PowerSGD as fast as torch's hook or faster.
 
+``--gpu-cost --device cuda``: one GPU per rank over NCCL, links unshaped: each config's time
+per step against dense's, which is the compressors' own cost where the links are fast.
+
 ``--straggler``: the same model on one host (shared memory), rank 0 made 3x slower (it
 sleeps twice its compute time per step): DDP, local SGD (``sync_every=4``) and async SGD
 (``on_stale="drop"``); the fast ranks' throughput with and without the straggler, and the
@@ -26,6 +29,7 @@ time to dense's target loss.
     python benches/bench_compression.py                      # needs root and pyroute2
     python benches/bench_compression.py --rates 1gbit --configs dense,powersgd --steps 20
     python benches/bench_compression.py --straggler-only
+    python benches/bench_compression.py --gpu-cost --device cuda --tag cuda-4x   # 4 GPUs
 
 Writes ``benches/results/compression-<tag>.{txt,json,png}`` (``--plot-only`` redraws the plot
 from the JSON).
@@ -34,6 +38,7 @@ from the JSON).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import secrets
@@ -69,6 +74,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--straggler", action="store_true", help="also the straggler runs")
     p.add_argument("--straggler-only", action="store_true")
     p.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--gpu-cost",
+        action="store_true",
+        help="one GPU per rank, no shaping: each config's time per step against dense",
+    )
     p.add_argument("--straggler-steps", type=int, default=20)
     p.add_argument("--straggler-modes", default="dense,local_sgd,async")
     p.add_argument("--tag", default="cpu")
@@ -106,7 +117,11 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
 def worker(args: argparse.Namespace) -> None:
     torch, ex, cfg, tokens = _model(args)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    model = ex.build_model(cfg)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    model = ex.build_model(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     config = args.config
     if config == "torch-powersgd":
@@ -114,8 +129,8 @@ def worker(args: argparse.Namespace) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps  # noqa: PLC0415
         from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
-        dist.init_process_group("gloo")
-        net = DDP(model)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                  start_powerSGD_iter=2, min_compression_rate=2,
                                  use_error_feedback=True, warm_start=True)  # fmt: skip
@@ -172,7 +187,7 @@ def worker(args: argparse.Namespace) -> None:
             t.div_(world)
 
     batches = ex.rank_batches(ex.windows(tokens, cfg), rank, world, cfg)
-    probe = ex.get_batch(tokens, list(range(0, 8 * 97, 97)), cfg)
+    probe = tuple(t.to(device) for t in ex.get_batch(tokens, list(range(0, 8 * 97, 97)), cfg))
     ifname = os.environ.get("BENCH_IFNAME")
     collective_loss = config not in ("async", "local_sgd")
     records = []
@@ -181,7 +196,7 @@ def worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     for step in range(1, args.max_steps + 1):
         t0 = time.perf_counter()
-        x, y = ex.get_batch(tokens, batches[step - 1], cfg)
+        x, y = (t.to(device) for t in ex.get_batch(tokens, batches[step - 1], cfg))
         opt.zero_grad()
         loss = net(x, y)
         loss.backward()
@@ -256,8 +271,12 @@ def run_config(
             LOCAL_WORLD_SIZE="1" if star else str(n),
             MASTER_ADDR=star.addr(0) if star else "127.0.0.1", MASTER_PORT=str(port),
             OMP_NUM_THREADS=str(threads), SHARDLINE_SECRET="bench-compression",
-            SHARDLINE_TIMEOUT="600", SHARDLINE_BACKEND="native", CUDA_VISIBLE_DEVICES="",
+            SHARDLINE_TIMEOUT="600",
         )  # fmt: skip
+        if args.device == "cuda":
+            env.update(SHARDLINE_BACKEND="nccl", NCCL_NVLS_ENABLE="0")
+        else:
+            env.update(SHARDLINE_BACKEND="native", CUDA_VISIBLE_DEVICES="")
         if star is not None:
             env.update(SHARDLINE_HOST_ID=f"host-{r}", GLOO_SOCKET_IFNAME=star.ifname(r),
                        BENCH_IFNAME=star.ifname(r))  # fmt: skip
@@ -335,12 +354,18 @@ def main() -> None:
     if earlier.exists():  # a later call adds configs to an earlier one's results
         old = json.loads(earlier.read_text())
         results["rates"] = old.get("rates", {})
-        if "straggler" in old:
-            results["straggler"] = old["straggler"]
+        for part in ("straggler", "gpu"):
+            if part in old:
+                results[part] = old[part]
     configs = [c for c in args.configs.split(",") if c]
     if args.plot_only:
         stem = Path(args.out_dir) / f"compression-{args.tag}"
         print(_report.plot(stem.with_suffix(".png"), lambda plt: _draw(plt, results)))
+        return
+    if args.gpu_cost:
+        results["gpu"] = _gpu_cost(args, configs)
+        print("\n".join(_gpu_table(results["gpu"])), flush=True)
+        _write(args, results)
         return
     if not args.straggler_only:
         why = usable()
@@ -463,6 +488,37 @@ def _straggler_table(got: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _gpu_cost(args: argparse.Namespace, configs: list[str]) -> dict[str, Any]:
+    """Each config for ``--steps`` steps on the GPUs: the median step after 5 of warm-up."""
+    out: dict[str, Any] = {}
+    for config in configs:
+        try:
+            reports = run_config(args, config, None, max_steps=args.steps, timeout=300)
+        except RuntimeError as exc:
+            out[config] = {"failed": _first_error(str(exc))}
+            continue
+        rec = reports[0]["records"]
+        gaps = sorted(b["t"] - a["t"] for a, b in itertools.pairwise(rec[5:]))
+        out[config] = {"s_per_step": gaps[len(gaps) // 2] if gaps else rec[-1]["t"],
+                       "sent_per_step": rec[-1]["sent"] / len(rec),
+                       "loss": rec[-1]["smoothed"]}  # fmt: skip
+    return out
+
+
+def _gpu_table(got: dict[str, Any]) -> list[str]:
+    dense = got.get("dense", {}).get("s_per_step")
+    lines = ["\n-- one GPU per rank, NCCL, no shaping: the compressors' own cost",
+             f"{'config':<16}{'ms/step':>9}{'vs dense':>10}{'MB/step':>9}{'loss':>9}"]  # fmt: skip
+    for name, s in got.items():
+        if "failed" in s:
+            lines.append(f"{name:<16}failed: {s['failed']}")
+            continue
+        ratio = s["s_per_step"] / dense if dense else float("nan")
+        lines.append(f"{name:<16}{1e3 * s['s_per_step']:>9.1f}{ratio:>9.2f}x"
+                     f"{s['sent_per_step'] / 1e6:>9.2f}{s['loss']:>9.4f}")  # fmt: skip
+    return lines
+
+
 def _machine() -> str:
     return f"{os.cpu_count()} CPUs"
 
@@ -480,6 +536,8 @@ def _write(args: argparse.Namespace, results: dict[str, Any]) -> None:
         lines += _rate_table(rate, got)
     if "straggler" in results:
         lines += _straggler_table(results["straggler"])
+    if "gpu" in results:
+        lines += _gpu_table(results["gpu"])
     base.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     base.with_suffix(".json").write_text(json.dumps(results, indent=1))
     print(_report.plot(base.with_suffix(".png"), lambda plt: _draw(plt, results)))
