@@ -148,12 +148,13 @@ def worker(args: argparse.Namespace) -> None:
         sl.init()
         options: dict[str, Any] = {}
         strategy = "ddp"
-        if config in ("powersgd", "topk", "onebit", "int8"):
+        if config in ("powersgd", "topk", "onebit", "int8", "fp8"):
             options["compression"] = {
                 "powersgd": sl.optim.PowerSGD(rank=4),
                 "topk": sl.optim.TopK(ratio=0.01),
                 "onebit": sl.optim.OneBit(),
                 "int8": sl.optim.Int8(),
+                "fp8": sl.optim.FP8(),
             }[config]
         elif config == "onebit-adam":
             strategy = "none"
