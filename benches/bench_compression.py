@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import json
 import os
 import secrets
@@ -428,8 +429,8 @@ def _first_error(text: str) -> str:
     for line in text.splitlines():
         if line.startswith("--- rank "):
             rank = line.split()[2]
-        elif ("Error" in line or "error" in line) and "Traceback" not in line:
-            found.setdefault(rank, line.strip()[:200])
+        elif re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception): ", line.strip()):
+            found.setdefault(rank, line.strip()[:300])
     return " | ".join(f"rank {r}: {m}" for r, m in found.items()) or text[-300:]
 
 
