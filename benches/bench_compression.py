@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import re
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -321,7 +321,7 @@ def run_config(
 def _model_flags(args: argparse.Namespace) -> list[str]:
     return ["--width", str(args.width), "--layers", str(args.layers), "--heads", str(args.heads),
             "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
-            "--lr", str(args.lr)]  # fmt: skip
+            "--lr", str(args.lr), "--device", args.device]  # fmt: skip
 
 
 def summarize(reports: list[dict[str, Any]], steps: int, target: float) -> dict[str, Any]:
