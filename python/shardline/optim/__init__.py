@@ -14,7 +14,8 @@ See ``shardline.optim.compression`` for the interface, to write your own.
 
 ``OneBitAdam``: Adam whose momentum travels as signs once its variance is frozen. Strategies
 that communicate less often: ``distribute(strategy="local_sgd")`` (local SGD, DiLoCo;
-``local_sgd``) and ``distribute(strategy="async")`` (a sharded parameter server; ``async_sgd``).
+``local_sgd``), ``distribute(strategy="async")`` (a sharded parameter server; ``async_sgd``)
+and ``distribute(strategy="hogwild")`` (one host's ranks share the parameters; ``hogwild``).
 """
 
 from __future__ import annotations

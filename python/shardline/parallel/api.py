@@ -44,8 +44,8 @@ def distribute(
             ``ShardedDataParallel``; ``"local_sgd"`` (``sync_every``, ``outer_optimizer``):
             see ``shardline.optim.local_sgd``; ``"async"`` (``staleness``, ``on_stale``,
             ``servers``): see ``shardline.optim.async_sgd`` (the optimizer returned is then an
-            ``AsyncOptimizer``, whose ``step`` pushes and pulls). With ``mesh``, a strategy per
-            axis:
+            ``AsyncOptimizer``, whose ``step`` pushes and pulls); ``"hogwild"``: see
+            ``shardline.optim.hogwild``. With ``mesh``, a strategy per axis:
             ``{"dp": "ddp", "pp": "1f1b"}`` (a pipeline schedule on ``pp``, replicated with
             DDP or sharded by ZeRO on ``dp``: ``{"dp": "zero2", "pp": "1f1b"}``); ``options``
             then go to ``sl.pipeline`` (``microbatches``,

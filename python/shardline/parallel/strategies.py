@@ -15,6 +15,7 @@ from torch import nn
 
 from shardline.errors import InvalidArgumentError
 from shardline.optim.async_sgd import AsyncSGD
+from shardline.optim.hogwild import HogwildSGD
 from shardline.optim.local_sgd import LocalSGD
 from shardline.parallel.data.ddp import DistributedDataParallel
 from shardline.parallel.data.zero import ShardedDataParallel
@@ -57,6 +58,7 @@ _TABLE = (
     Strategy("fsdp", ShardedDataParallel, 3, "zero3"),
     Strategy("local_sgd", LocalSGD, 0, "ddp"),
     Strategy("async", AsyncSGD, 0, "ddp"),
+    Strategy("hogwild", HogwildSGD, 0, "ddp"),
 )
 
 STRATEGIES: tuple[str, ...] = tuple(s.name for s in _TABLE)
