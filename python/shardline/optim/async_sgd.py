@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,8 +33,8 @@ from shardline import config
 from shardline.comm import traffic
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError, ShardlineError
+from shardline.optim._replica import Replica
 from shardline.optim.param_server import ShardServer
-from shardline.parallel import contract
 from shardline.parallel._common import broadcast_coalesced, check_same_model, default_group
 
 __all__ = ["AsyncOptimizer", "AsyncSGD"]
@@ -44,8 +43,11 @@ _MIB = 1 << 20
 _BYE = -1
 
 
-class AsyncSGD(nn.Module):
+class AsyncSGD(Replica):
     """A replica whose optimizer steps go through a sharded parameter server.
+
+    ``comm_stats()`` counts what this rank sent and received as a worker (its server's replies
+    are not included).
 
     Args:
         module: The plain model, on CPU (native or gloo backend).
@@ -56,6 +58,8 @@ class AsyncSGD(nn.Module):
             into ``k`` contiguous shards.
         init_sync: Broadcast rank 0's parameters and buffers first.
     """
+
+    strategy = "async"
 
     def __init__(
         self,
@@ -96,7 +100,6 @@ class AsyncSGD(nn.Module):
             )
         self._names = [k for k, _ in named]
         self._params = [p for _, p in named]
-        self._traffic = traffic.Traffic()
         check_same_model(self.group, self._names, self._params, "async")
         if init_sync:
             with traffic.charged_to(self._traffic):
@@ -288,52 +291,11 @@ class AsyncSGD(nn.Module):
         """``{versions old: gradients applied}`` by this rank's server (empty on non-servers)."""
         return dict(sorted(self._server.ages.items())) if self._server is not None else {}
 
-    def comm_stats(self) -> dict[str, Any]:
-        """Bytes this rank sent and received as a worker (its server's replies not included)."""
-        by_op = self._traffic.snapshot()
-        sent = sum(r["sent"] for r in by_op.values())
-        received = sum(r["received"] for r in by_op.values())
-        per = max(self.clock, 1)
-        return {
-            "sent": sent,
-            "received": received,
-            "steps": self.clock,
-            "dropped": self.dropped,
-            "sent_per_step": sent / per,
-            "received_per_step": received / per,
-            "by_op": by_op,
-        }
+    def _report_steps(self) -> int:
+        return self.clock
 
-    # -- plumbing ------------------------------------------------------------------------------
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The replica's forward."""
-        return self.module(*args, **kwargs)
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The replica's parameters."""
-        return self.module.parameters(recurse)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The replica's ``state_dict`` (after ``close()``, the same on every rank)."""
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Loads into the replica (before the first step)."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def layout(self) -> dict[str, Any]:
-        """How this wrapper lays state out (recorded in checkpoints)."""
-        inner = contract.layout(self.module)
-        return {**inner, "strategy": "async", "mesh": {"dp": self.group.world_size}}
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """The replica's state (call ``close()`` first, so that it is the final model)."""
-        return contract.sharded_state_dict(self.module)
-
-    def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
-        """Takes ``sharded_state_dict()``'s shape back into the replica."""
-        contract.load_sharded_state_dict(self.module, sd)
+    def _report_extra(self) -> dict[str, Any]:
+        return {"dropped": self.dropped}
 
 
 class AsyncOptimizer(torch.optim.Optimizer):

@@ -199,6 +199,16 @@ class Compressor:
 
     # -- residual storage ----------------------------------------------------------------------
 
+    def _plus_residual(
+        self, flat: torch.Tensor, key: Hashable, layout: Layout
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A float32 copy of ``flat`` with ``key``'s residual added, and the residual."""
+        p = flat.float() if flat.dtype != torch.float32 else flat.clone()
+        if not self.error_feedback:
+            return p, None
+        res = self._buffer(key, "residual", flat.numel(), layout, flat.device)
+        return p.add_(res), res
+
     def _buffer(
         self, key: Hashable, field: str, numel: int, layout: Layout, device: torch.device
     ) -> torch.Tensor:

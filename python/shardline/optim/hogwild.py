@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from shardline.comm import traffic
 from shardline.comm.group import ProcessGroup
 from shardline.comm.objects import broadcast_object
 from shardline.errors import InvalidArgumentError
-from shardline.parallel import contract
+from shardline.optim._replica import Replica
 from shardline.parallel._common import broadcast_coalesced, check_same_model, default_group
 
 __all__ = ["HogwildSGD"]
@@ -40,7 +39,7 @@ __all__ = ["HogwildSGD"]
 _MIB = 1 << 20
 
 
-class HogwildSGD(nn.Module):
+class HogwildSGD(Replica):
     """Replicas whose parameters are one shared buffer of the host (see the module docstring).
 
     Args:
@@ -51,6 +50,8 @@ class HogwildSGD(nn.Module):
         InvalidArgumentError: ranks on several hosts, parameters not on the CPU or of several
             dtypes.
     """
+
+    strategy = "hogwild"
 
     def __init__(self, module: nn.Module, *, group: ProcessGroup | None = None) -> None:
         super().__init__()
@@ -74,7 +75,6 @@ class HogwildSGD(nn.Module):
             )
         self._names = [k for k, _ in named]
         self._params = [p for _, p in named]
-        self._traffic = traffic.Traffic()
         check_same_model(self.group, self._names, self._params, "hogwild")
         with traffic.charged_to(self._traffic):
             tensors = [p.data for p in self._params] + [b for b in module.buffers() if b.numel()]
@@ -142,15 +142,8 @@ class HogwildSGD(nn.Module):
         """``{other ranks' steps between this rank's forward and its update: steps}``."""
         return dict(sorted(self._staleness.items()))
 
-    def comm_stats(self) -> dict[str, Any]:
-        """Bytes this rank sent and received (the start-up broadcast only)."""
-        by_op = self._traffic.snapshot()
-        return {
-            "sent": sum(r["sent"] for r in by_op.values()),
-            "received": sum(r["received"] for r in by_op.values()),
-            "steps": self.steps,
-            "by_op": by_op,
-        }
+    def _report_steps(self) -> int:
+        return self.steps
 
     @torch.no_grad()
     def close(self) -> None:
@@ -162,30 +155,3 @@ class HogwildSGD(nn.Module):
         for p in self._params:
             p.data = p.data.clone()
         self.group.barrier()
-
-    # -- plumbing ------------------------------------------------------------------------------
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The (shared) parameters."""
-        return self.module.parameters(recurse)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's ``state_dict`` (the shared values)."""
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Loads into the shared parameters (every rank writes the same values)."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def layout(self) -> dict[str, Any]:
-        """How this wrapper lays state out (recorded in checkpoints)."""
-        inner = contract.layout(self.module)
-        return {**inner, "strategy": "hogwild", "mesh": {"dp": self.group.world_size}}
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """The model's state (replicated: one shared copy)."""
-        return contract.sharded_state_dict(self.module)
-
-    def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
-        """Takes ``sharded_state_dict()``'s shape back."""
-        contract.load_sharded_state_dict(self.module, sd)

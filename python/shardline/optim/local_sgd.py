@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from shardline.comm import traffic
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
+from shardline.optim._replica import Replica
 from shardline.parallel import contract
 from shardline.parallel._common import (
     broadcast_coalesced,
@@ -70,7 +71,7 @@ def _watch(wrapper: LocalSGD) -> None:
         _WRAPPERS.add(wrapper)
 
 
-class LocalSGD(nn.Module):
+class LocalSGD(Replica):
     """Replicas that train alone and meet every ``sync_every`` optimizer steps.
 
     Args:
@@ -85,6 +86,8 @@ class LocalSGD(nn.Module):
         InvalidArgumentError: ``sync_every < 1``, an ``outer_optimizer`` that is not callable,
             or different models on different ranks.
     """
+
+    strategy = "local_sgd"
 
     def __init__(
         self,
@@ -120,7 +123,6 @@ class LocalSGD(nn.Module):
         self._params = [p for _, p in named]
         self._ids = frozenset(id(p) for p in self._params)
         self._buffers_list = [b for b in module.buffers() if b.is_floating_point() and b.numel()]
-        self._traffic = traffic.Traffic()
         check_same_model(self.group, self._names, self._params, "LocalSGD")
         if init_sync:
             with traffic.charged_to(self._traffic):
@@ -197,31 +199,13 @@ class LocalSGD(nn.Module):
         """``{local steps since the last meeting: number of optimizer steps taken then}``."""
         return dict(sorted(self._staleness.items()))
 
-    def comm_stats(self) -> dict[str, Any]:
-        """Bytes this rank sent and received for the model so far (all meetings)."""
-        by_op = self._traffic.snapshot()
-        sent = sum(r["sent"] for r in by_op.values())
-        received = sum(r["received"] for r in by_op.values())
-        per = max(self._steps, 1)
-        return {
-            "sent": sent,
-            "received": received,
-            "steps": self._steps,
-            "meetings": self.meetings,
-            "sent_per_step": sent / per,
-            "received_per_step": received / per,
-            "by_op": by_op,
-        }
+    def _report_steps(self) -> int:
+        return self._steps
+
+    def _report_extra(self) -> dict[str, Any]:
+        return {"meetings": self.meetings}
 
     # -- plumbing ------------------------------------------------------------------------------
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The replica's parameters (what the inner optimizer steps)."""
-        return self.module.parameters(recurse)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped module's ``state_dict`` (this rank's replica)."""
-        return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Loads into the replica and makes it the global model."""
@@ -233,11 +217,6 @@ class LocalSGD(nn.Module):
         return out
 
     # -- the strategy contract -----------------------------------------------------------------
-
-    def layout(self) -> dict[str, Any]:
-        """How this wrapper lays state out (recorded in checkpoints)."""
-        inner = contract.layout(self.module)
-        return {**inner, "strategy": "local_sgd", "mesh": {"dp": self.group.world_size}}
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """The global model (replicated), plus this rank's replica and step count (``Local``)."""
@@ -283,10 +262,4 @@ class LocalSGD(nn.Module):
         Inner optimizers drift apart between meetings; a checkpoint keeps one rank's state
         (see the README's limits).
         """
-        return contract.sharded_optim_state_dict(self.module, optimizer)
-
-    def load_sharded_optim_state_dict(
-        self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
-    ) -> None:
-        """Takes ``sharded_optim_state_dict()``'s shape back into ``optimizer``."""
-        contract.load_sharded_optim_state_dict(self.module, optimizer, sd)
+        return super().sharded_optim_state_dict(optimizer)

@@ -121,11 +121,7 @@ class PowerSGD(Compressor):
         out: torch.Tensor | None,
     ) -> Finish:
         n, numel, device = group.world_size, flat.numel(), flat.device
-        m = flat.float() if flat.dtype != torch.float32 else flat.clone()
-        res = None
-        if self.error_feedback:
-            res = self._buffer(key, "residual", numel, layout, device)
-            m.add_(res)
+        m, res = self._plus_residual(flat, key, layout)
         if not self.warm_start:
             self._fresh += 1
         mats: list[tuple[Entry, int, int, int]] = []

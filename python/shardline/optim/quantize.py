@@ -127,11 +127,7 @@ class Quantizer(Compressor):
         chunk = -(-numel // n)
         length = -(-chunk // self.block) * self.block  # a chunk, padded to whole blocks
         # This rank's gradient plus its residual, as n rows of whole blocks.
-        g = flat.float() if flat.dtype != torch.float32 else flat.clone()
-        res = None
-        if self.error_feedback:
-            res = self._buffer(key, "residual", numel, layout, flat.device)
-            g.add_(res)
+        g, res = self._plus_residual(flat, key, layout)
         p = _to_rows(g, n, chunk, length)
         codes = self.encode(p)
         recv = torch.empty_like(codes)

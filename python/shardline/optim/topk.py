@@ -91,11 +91,7 @@ class TopK(Compressor):
                 f"TopK on rank {group.rank}: a buffer of {numel} values needs 64-bit indices; "
                 "use smaller buckets (bucket_cap_mb) or units (unit_mb)"
             )
-        p = flat.float() if flat.dtype != torch.float32 else flat.clone()
-        res = None
-        if self.error_feedback:
-            res = self._buffer(key, "residual", numel, layout, flat.device)
-            p.add_(res)
+        p, res = self._plus_residual(flat, key, layout)
         k = self.k(numel)
         idx = largest(p.abs(), k)
         pairs = torch.empty(2 * k, dtype=torch.int32, device=flat.device)
