@@ -55,7 +55,7 @@ class Quantizer(Compressor):
             )
         super().__init__(warmup_steps=warmup_steps, error_feedback=error_feedback)
         self.block = int(block)
-        self._servers: dict[Hashable, torch.Tensor] = {}
+        self._servers: dict[Hashable, tuple[Layout, torch.Tensor]] = {}
         self._server_at: dict[Hashable, tuple[int, int]] = {}  # key -> (rank, chunk)
 
     def __repr__(self) -> str:
@@ -144,7 +144,7 @@ class Quantizer(Compressor):
             if out is not None:
                 out.copy_(mine[: out.numel()])
                 return
-            self._all_gather_phase(group, flat, key, mine, chunk, length)
+            self._all_gather_phase(group, flat, key, layout, mine, chunk, length)
 
         return finish
 
@@ -153,13 +153,14 @@ class Quantizer(Compressor):
         group: ProcessGroup,
         flat: torch.Tensor,
         key: Hashable,
+        layout: Layout,
         mine: torch.Tensor,
         chunk: int,
         length: int,
     ) -> None:
         n, numel = group.world_size, flat.numel()
         if self.error_feedback:
-            server = self._server_residual(key, length, flat.device)
+            server = self._server_residual(key, layout, length, flat.device)
             self._server_at[key] = (group.rank, chunk)
             mine.add_(server)
         code = self.encode(mine.reshape(1, length))
@@ -169,12 +170,20 @@ class Quantizer(Compressor):
         group.all_gather(gathered.view(-1), code.view(-1))
         flat.copy_(_from_rows(self.decode(gathered, length), chunk, numel))
 
-    def _server_residual(self, key: Hashable, length: int, device: torch.device) -> torch.Tensor:
-        """The all-gather phase's residual of ``key`` (this rank's chunk; not checkpointed)."""
-        buf = self._servers.get(key)
-        if buf is None or buf.numel() != length:
-            buf = self._servers[key] = torch.zeros(length, dtype=torch.float32, device=device)
-        return buf
+    def _server_residual(
+        self, key: Hashable, layout: Layout, length: int, device: torch.device
+    ) -> torch.Tensor:
+        """The all-gather phase's residual of ``key`` (this rank's chunk; not checkpointed).
+
+        It starts from zero when the key's layout changes (its chunk holds other values).
+        """
+        held = self._servers.get(key)
+        if held is None or held[0] != layout or held[1].numel() != length:
+            held = self._servers[key] = (
+                layout,
+                torch.zeros(length, dtype=torch.float32, device=device),
+            )
+        return held[1]
 
     def reset(self) -> None:
         """Drops residuals (both phases) and warms up again."""
@@ -191,7 +200,7 @@ class Quantizer(Compressor):
             lo = rank * chunk
             hi = min(numel, lo + chunk)
             if hi > lo:
-                out[lo:hi] += self._servers[key][: hi - lo].to(out.device)
+                out[lo:hi] += self._servers[key][1][: hi - lo].to(out.device)
         return out
 
 
