@@ -48,13 +48,17 @@ def _dense_run(steps: int) -> tuple[TinyGPT, torch.optim.Optimizer, list[float]]
 
 
 def _mesh_run(
-    g: ProcessGroup, dp: str, steps: int
+    g: ProcessGroup, dp: str, steps: int, **options: object
 ) -> tuple[sl.DeviceMesh, nn.Module, torch.optim.Optimizer, list[float]]:
     """dp2 x tp2: each replica takes half of every batch; the optimizer built dense."""
     mesh = sl.DeviceMesh({"dp": 2, "tp": 2}, group=g)
     model = _gpt()
     wrapped, opt = sl.distribute(
-        model, _adamw(model.parameters()), mesh=mesh, strategy={"dp": dp, "tp": "auto"}
+        model,
+        _adamw(model.parameters()),
+        mesh=mesh,
+        strategy={"dp": dp, "tp": "auto"},
+        **options,
     )
     assert opt is not None
     half = slice(2 * mesh.local_rank("dp"), 2 * mesh.local_rank("dp") + 2)
@@ -83,6 +87,25 @@ def test_dp_by_tp_trains_as_one_process_with_clipping(dp: str) -> None:
         assert set(state) == set(want)
         for key, value in want.items():
             torch.testing.assert_close(state[key], value, msg=key)
+
+
+@pytest.mark.parametrize("dp", ["ddp", "zero2"])
+def test_full_rank_powersgd_on_a_dp_by_tp_mesh_trains_as_one_process(dp: str) -> None:
+    """Compression on a composed mesh: PowerSGD at full rank is the dense reduction, so the
+    tensor-parallel slices, compressed over ``dp``, still train as one process."""
+    dense, _, want_norms = _dense_run(3)
+    want = dense.state_dict()
+
+    def body(g: ProcessGroup) -> tuple[list[float], dict[str, torch.Tensor]]:
+        full = sl.optim.PowerSGD(rank=4096, min_compression_rate=0, warmup_steps=0)
+        _, wrapped, _, norms = _mesh_run(g, dp, 3, compression=full)
+        assert wrapped.compression is full and full.steps == 3  # type: ignore[union-attr]
+        return norms, wrapped.state_dict()
+
+    for norms, state in run_ranks(4, body, timeout=TIMEOUT):
+        assert norms == pytest.approx(want_norms, rel=1e-4)
+        for key, value in want.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)
 
 
 def test_zero3_by_tp_checkpoints_load_into_one_process_and_into_tp4(tmp_path: Path) -> None:
