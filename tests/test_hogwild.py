@@ -107,4 +107,4 @@ def test_ranks_train_one_model_and_end_identical(tmp_path: Path) -> None:
         assert last < first
         for k, v in results[0][0].items():
             torch.testing.assert_close(sd[k], v, rtol=0, atol=0, msg=k)
-    assert not list(Path("/dev/shm").glob("shardline-hogwild-*"))
+    assert not list(Path("/dev/shm").glob("shardline-*-hogwild-*"))

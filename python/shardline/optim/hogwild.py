@@ -91,7 +91,7 @@ class HogwildSGD(Replica):
         itemsize = torch.empty((), dtype=dtype).element_size()
         body = -(-total * itemsize // 8) * 8  # the version starts 8-byte aligned
         path = broadcast_object(
-            f"/dev/shm/shardline-hogwild-{os.getpid()}-{secrets.token_hex(6)}"
+            f"/dev/shm/shardline-{os.getpid()}-hogwild-{secrets.token_hex(6)}"
             if self.group.rank == 0
             else None,
             src=0,
