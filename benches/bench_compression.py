@@ -131,7 +131,12 @@ def worker(args: argparse.Namespace) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # On Gloo, torch's hook issues each bucket's all-reduces from callback threads, so
+        # with several buckets ranks issue them in different orders and gloo aborts ("Received
+        # data size doesn't match expected size"): one bucket there.
+        cap = 25 if device.type == "cuda" else 4096
+        net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  bucket_cap_mb=cap)  # fmt: skip
         state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                  start_powerSGD_iter=2, min_compression_rate=2,
                                  use_error_feedback=True, warm_start=True)  # fmt: skip
