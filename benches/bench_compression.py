@@ -356,7 +356,11 @@ def main() -> None:
         return
     from _star import Star, usable  # noqa: PLC0415
 
-    results: dict[str, Any] = {"args": vars(args), "rates": {}, "machine": _machine()}
+    results: dict[str, Any] = {
+        "args": vars(args),
+        "rates": {},
+        "machine": _report.machine(args.device, gpu_count=True),
+    }
     earlier = Path(args.out_dir) / f"compression-{args.tag}.json"
     if earlier.exists():  # a later call adds configs to an earlier one's results
         old = json.loads(earlier.read_text())
@@ -524,10 +528,6 @@ def _gpu_table(got: dict[str, Any]) -> list[str]:
         lines.append(f"{name:<16}{1e3 * s['s_per_step']:>9.1f}{ratio:>9.2f}x"
                      f"{s['sent_per_step'] / 1e6:>9.2f}{s['loss']:>9.4f}")  # fmt: skip
     return lines
-
-
-def _machine() -> str:
-    return f"{os.cpu_count()} CPUs"
 
 
 def _write(args: argparse.Namespace, results: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ the wrapper charged to ``self._traffic``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -17,8 +17,15 @@ from torch import nn
 from shardline.comm import traffic
 from shardline.comm.group import ProcessGroup
 from shardline.parallel import contract
+from shardline.parallel.data.compressed import comm_stats
 
-__all__ = ["Replica"]
+__all__ = ["Replica", "split_like"]
+
+
+def split_like(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of consecutive parts of ``flat``, shaped like ``tensors`` (the inverse of a cat)."""
+    parts = torch.split(flat[: sum(t.numel() for t in tensors)], [t.numel() for t in tensors])
+    return [part.view_as(t) for part, t in zip(parts, tensors, strict=True)]
 
 
 class Replica(nn.Module):
@@ -66,19 +73,8 @@ class Replica(nn.Module):
         In total, per op kind and per optimizer step (``shardline.comm.traffic`` says how they
         are counted).
         """
-        by_op = self._traffic.snapshot()
-        sent = sum(r["sent"] for r in by_op.values())
-        received = sum(r["received"] for r in by_op.values())
-        steps = self._report_steps()
-        return {
-            "sent": sent,
-            "received": received,
-            "steps": steps,
-            "sent_per_step": sent / max(steps, 1),
-            "received_per_step": received / max(steps, 1),
-            "by_op": by_op,
-            **self._report_extra(),
-        }
+        stats = comm_stats([self._traffic.snapshot()], None, self._report_steps())
+        return {**stats, **self._report_extra()}
 
     # -- the strategy contract -----------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from shardline import config
 from shardline.comm import traffic
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError, ShardlineError
-from shardline.optim._replica import Replica
+from shardline.optim._replica import Replica, split_like
 from shardline.optim.param_server import ShardServer
 from shardline.parallel._common import broadcast_coalesced, check_same_model, default_group
 
@@ -239,10 +239,8 @@ class AsyncSGD(Replica):
                 g.recv(header, peer)
                 g.recv(new[lo:hi], peer)
                 self._take(s, int(header[0]), bool(header[1]), None, new)
-        start = 0
-        for p in self._params:
-            p.copy_(new[start : start + p.numel()].view_as(p))
-            start += p.numel()
+        for p, value in zip(self._params, split_like(new, self._params), strict=True):
+            p.copy_(value)
         self.clock += 1
 
     def _take(
@@ -280,10 +278,8 @@ class AsyncSGD(Replica):
                 part = flat[lo:hi].contiguous()
                 self.group.broadcast(part, src=s)
                 flat[lo:hi] = part
-        start = 0
-        for p in self._params:
-            p.copy_(flat[start : start + p.numel()].view_as(p))
-            start += p.numel()
+        for p, value in zip(self._params, split_like(flat, self._params), strict=True):
+            p.copy_(value)
 
     # -- reports -------------------------------------------------------------------------------
 

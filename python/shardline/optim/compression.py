@@ -77,7 +77,7 @@ class _Buffers:
 class Compressor:
     """Base class: warm-up, world-size changes, residual storage, checkpoint state.
 
-    Subclasses implement ``_reduce`` (and may override ``wire_ratio`` and ``memory_bytes``).
+    Subclasses implement ``_reduce`` (and may override ``memory_bytes``).
 
     Args:
         warmup_steps: Steps reduced uncompressed first (and again after the group's size
@@ -152,11 +152,6 @@ class Compressor:
         self._where.clear()
         self._pending.clear()
         self._per_name.clear()
-
-    def wire_ratio(self, numel: int, world_size: int) -> float:
-        """Bytes on the wire relative to the dense reduction of ``numel`` float32 values."""
-        del numel, world_size
-        return 1.0
 
     def memory_bytes(self, numel: int, world_size: int, *, sharded: bool) -> int:
         """Extra bytes per rank this compressor keeps for ``numel`` gradient elements.

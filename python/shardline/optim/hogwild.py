@@ -31,7 +31,7 @@ from shardline.comm import traffic
 from shardline.comm.group import ProcessGroup
 from shardline.comm.objects import broadcast_object
 from shardline.errors import InvalidArgumentError
-from shardline.optim._replica import Replica
+from shardline.optim._replica import Replica, split_like
 from shardline.parallel._common import broadcast_coalesced, check_same_model, default_group
 
 __all__ = ["HogwildSGD"]
@@ -105,20 +105,16 @@ class HogwildSGD(Replica):
         flat = raw[: total * itemsize].view(dtype)
         version = raw[body : body + 8].view(torch.int64)
         if self.group.rank == 0:
-            start = 0
-            for p in self._params:
-                flat[start : start + p.numel()].copy_(p.detach().reshape(-1))
-                start += p.numel()
+            for part, p in zip(split_like(flat, self._params), self._params, strict=True):
+                part.copy_(p.detach())
             version.zero_()
         self.group.barrier()  # every rank has mapped it and rank 0 has filled it
         if self.group.rank == 0:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # the mappings keep the memory; nothing is left behind
-        start = 0
         with torch.no_grad():
-            for p in self._params:
-                p.data = flat[start : start + p.numel()].view_as(p)
-                start += p.numel()
+            for p, part in zip(self._params, split_like(flat, self._params), strict=True):
+                p.data = part
         return flat, version
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -35,7 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from shardline.comm import traffic
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
-from shardline.optim._replica import Replica
+from shardline.optim._replica import Replica, split_like
 from shardline.parallel import contract
 from shardline.parallel._common import (
     broadcast_coalesced,
@@ -172,10 +172,8 @@ class LocalSGD(Replica):
                 )
                 self.group.all_reduce(flat, "sum")
                 flat.div_(n)
-                start = 0
-                for g in self._global:
-                    g.grad = flat[start : start + g.numel()].view_as(g)
-                    start += g.numel()
+                for g, grad in zip(self._global, split_like(flat, self._global), strict=True):
+                    g.grad = grad
                 self._outer.step()
                 self._outer.zero_grad(set_to_none=True)
                 for p, g in zip(self._params, self._global, strict=True):
@@ -190,10 +188,8 @@ class LocalSGD(Replica):
 
     @staticmethod
     def _unflatten(flat: torch.Tensor, into: list[torch.Tensor] | list[nn.Parameter]) -> None:
-        start = 0
-        for t in into:
-            t.data.copy_(flat[start : start + t.numel()].view_as(t))
-            start += t.numel()
+        for t, value in zip(into, split_like(flat, into), strict=True):
+            t.data.copy_(value)
 
     def staleness(self) -> dict[int, int]:
         """``{local steps since the last meeting: number of optimizer steps taken then}``."""

@@ -25,6 +25,7 @@ from torch import nn
 
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
+from shardline.optim._replica import split_like
 from shardline.optim.compression import Compressor, Entry
 from shardline.optim.quantize import OneBit
 from shardline.parallel._common import broadcast_coalesced, default_group
@@ -133,10 +134,8 @@ class OneBitAdam(torch.optim.Optimizer):
             flat = torch.cat([m.reshape(-1) for m in moments]).div_(n)
             self.compressor.reduce(self.group, flat, key="momentum", layout=self._layout)()
             self.compressor.advance()
-            start = 0
-            for m in moments:
-                m.copy_(flat[start : start + m.numel()].view_as(m))
-                start += m.numel()
+            for m, value in zip(moments, split_like(flat, moments), strict=True):
+                m.copy_(value)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:

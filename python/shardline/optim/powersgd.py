@@ -21,7 +21,6 @@ whole gradient (``sl.estimate_memory`` counts it).
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Hashable, Sequence
 
@@ -80,12 +79,6 @@ class PowerSGD(Compressor):
         if r == 0 or a * b < self.min_compression_rate * r * (a + b):
             return None
         return a, b, r
-
-    def wire_ratio(self, numel: int, world_size: int) -> float:
-        """For a square matrix of ``numel`` values: ``2 r sqrt(numel) / numel``."""
-        del world_size
-        side = max(1.0, math.sqrt(numel))
-        return min(1.0, 2 * self.rank * side / max(numel, 1))
 
     def prepare(
         self, key: Hashable, layout: Sequence[Entry], numel: int, device: torch.device

@@ -101,12 +101,6 @@ class Quantizer(Compressor):
 
     # -- sizes ---------------------------------------------------------------------------------
 
-    def wire_ratio(self, numel: int, world_size: int) -> float:
-        """Code bytes per float32 byte (both phases shrink alike)."""
-        del world_size
-        length = max(self.block, -(-numel // self.block) * self.block)
-        return self.code_bytes(length) / (4 * length)
-
     def memory_bytes(self, numel: int, world_size: int, *, sharded: bool) -> int:
         """The worker residual (whole gradient) plus, for an all-reduce, a chunk's server one."""
         if not self.error_feedback:

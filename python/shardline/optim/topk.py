@@ -71,12 +71,6 @@ class TopK(Compressor):
         """Values sent for a buffer of ``numel``."""
         return max(1, min(numel, round(self.ratio * numel)))
 
-    def wire_ratio(self, numel: int, world_size: int) -> float:
-        """``k`` index-value pairs from each of ``n`` ranks, against a dense ring all-reduce."""
-        n = max(world_size, 2)
-        k = self.k(max(numel, 1))
-        return (8 * k * (n - 1)) / (8 * max(numel, 1) * (n - 1) / n)
-
     def _reduce(
         self,
         group: ProcessGroup,
