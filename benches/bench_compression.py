@@ -7,11 +7,12 @@ traffic control (``benches/_star.py``), never by a knob of ours. Per rate:
 
 1. ``dense``: our DDP, uncompressed, ``--steps`` steps. Its loss there (the mean of the last 5
    steps' loss, averaged over ranks) is the *target*.
-2. each compressor (``powersgd``: rank 4, ``topk``: 1 %, ``onebit``, ``int8``) with our DDP,
-   ``onebit-adam`` (``sl.optim.OneBitAdam``, the variance frozen after a fifth of
-   ``--steps``: 1-bit compression made for Adam), and ``torch-powersgd`` (torch's DDP on Gloo
-   with torch's ``powerSGD_hook`` at the same rank), until they reach the target or
-   ``2 x --steps`` steps.
+2. each compressor (``powersgd``: rank 4, ``topk``: 1 % of each bucket, ``topk-tensor``: 1 %
+   of each tensor, ``onebit``, ``int8``) with our DDP, ``onebit-adam`` (``sl.optim.OneBitAdam``,
+   the variance frozen after a fifth of ``--steps``: 1-bit compression made for Adam),
+   ``topk-adam`` (the same optimizer with ``TopK(0.01)`` on its momentum), and
+   ``torch-powersgd`` (torch's DDP on Gloo with torch's ``powerSGD_hook`` at the same rank),
+   until they reach the target or ``2 x --steps`` steps.
 
 Reported: time per step, time to the target and its ratio to dense's, bytes per step (counted
 by ``comm_stats()`` and by the interfaces' own counters), the loss after ``--steps`` steps
@@ -56,7 +57,8 @@ sys.path.insert(0, str(ROOT / "benches"))
 
 import _report  # noqa: E402
 
-CONFIGS = ("dense", "powersgd", "topk", "onebit", "onebit-adam", "int8", "torch-powersgd")
+CONFIGS = ("dense", "powersgd", "topk", "topk-tensor", "onebit", "onebit-adam", "topk-adam",
+           "int8", "torch-powersgd")  # fmt: skip
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -154,15 +156,16 @@ def worker(args: argparse.Namespace) -> None:
         sl.init()
         options: dict[str, Any] = {}
         strategy = "ddp"
-        if config in ("powersgd", "topk", "onebit", "int8", "fp8"):
+        if config in ("powersgd", "topk", "topk-tensor", "onebit", "int8", "fp8"):
             options["compression"] = {
                 "powersgd": sl.optim.PowerSGD(rank=4),
                 "topk": sl.optim.TopK(ratio=0.01),
+                "topk-tensor": sl.optim.TopK(ratio=0.01, per_tensor=True),
                 "onebit": sl.optim.OneBit(),
                 "int8": sl.optim.Int8(),
                 "fp8": sl.optim.FP8(),
             }[config]
-        elif config == "onebit-adam":
+        elif config in ("onebit-adam", "topk-adam"):
             strategy = "none"
         elif config == "local_sgd":
             strategy, options = "local_sgd", {"sync_every": 4}
@@ -172,7 +175,8 @@ def worker(args: argparse.Namespace) -> None:
             from shardline.parallel._common import default_group  # noqa: PLC0415
 
             net = model
-            opt = sl.optim.OneBitAdam(model.parameters(), lr=args.lr,
+            compressor = sl.optim.TopK(ratio=0.01) if config == "topk-adam" else None
+            opt = sl.optim.OneBitAdam(model.parameters(), lr=args.lr, compressor=compressor,
                                       freeze_step=max(2, args.steps // 5))  # fmt: skip
             group = default_group()
             group.reset_traffic()
@@ -469,32 +473,60 @@ def _rate_table(rate: str, got: dict[str, Any]) -> list[str]:
 
 
 def _straggler(args: argparse.Namespace) -> dict[str, Any]:
+    """Each mode without and with the straggler; dense's loss without it is the target."""
     out: dict[str, Any] = {}
     tokens_per_step = args.batch * args.seq
+    target = 0.0
     for mode in args.straggler_modes.split(","):
-        rates, held, took = [], 0.0, 0.0
+        rates, held, took, reached = [], 0.0, 0.0, None
         for slow in (-1, 0):
-            reports = run_config(args, mode, None, max_steps=args.straggler_steps, slow_rank=slow)
+            # With the straggler, up to twice the steps, to see when the target is reached.
+            steps = args.straggler_steps if slow < 0 else 2 * args.straggler_steps
+            reports = run_config(args, mode, None, max_steps=steps, slow_rank=slow,
+                                 target=target if slow >= 0 else 0.0)  # fmt: skip
             fast = [r for r in reports if r["rank"] != slow]
             rate = sum(len(r["records"]) * tokens_per_step / r["records"][-1]["t"] for r in fast)
             rates.append(rate)
             held = reports[0]["held_out"]
             took = max(r["records"][-1]["t"] for r in reports)
+            if slow < 0 and mode == "dense":
+                target = reports[0]["records"][-1]["smoothed"]
+            if slow >= 0 and target:
+                reached = _time_to(fast, target)
         out[mode] = {"fast_tok_s": rates[1], "baseline_tok_s": rates[0],
-                     "kept": rates[1] / rates[0], "held_out": held, "job_s": took}  # fmt: skip
+                     "kept": rates[1] / rates[0], "held_out": held, "job_s": took,
+                     "target": target, "to_target_s": reached}  # fmt: skip
     return out
 
 
+def _time_to(reports: list[dict[str, Any]], target: float) -> float | None:
+    """When the mean of the ranks' smoothed losses, step by step, first reaches ``target``.
+
+    Each rank logs the loss of its own batches (async and local SGD average none), so the mean
+    over ranks at a step is the comparable figure; its time is the latest rank's.
+    """
+    steps = min(len(r["records"]) for r in reports)
+    for i in range(4, steps):
+        rows = [r["records"][i] for r in reports]
+        if sum(x["smoothed"] for x in rows) / len(rows) <= target:
+            return max(x["t"] for x in rows)
+    return None
+
+
 def _straggler_table(got: dict[str, Any]) -> list[str]:
+    target = next((s.get("target") for s in got.values() if s.get("target")), None)
     lines = [
-        "\n-- straggler: rank 0 sleeps 2x its compute per step (3x slower); one host",
+        "\n-- straggler: rank 0 sleeps 2x its compute per step (3x slower); one host"
+        + (f"; target loss {target:.4f} (dense without it)" if target else ""),
         f"{'mode':<12}{'fast ranks tok/s':>18}{'no straggler':>14}{'kept':>7}"
-        f"{'held-out':>10}{'job s':>8}",
+        f"{'held-out':>10}{'job s':>8}{'to target':>11}",
     ]
     for mode, s in got.items():
+        t = s.get("to_target_s")
         lines.append(
             f"{mode:<12}{s['fast_tok_s']:>18,.0f}{s['baseline_tok_s']:>14,.0f}{s['kept']:>7.0%}"
             f"{s['held_out']:>10.4f}{s.get('job_s', 0):>8.1f}"
+            + (f"{t:>10.1f}s" if t is not None else f"{'never':>11}")
         )
     return lines
 

@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 import shardline as sl
-from shardline import checkpoint
+from shardline import _native, checkpoint
 from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.optim import FP8, Cast, Compressor, Entry, Int8, OneBit, PowerSGD, TopK
+from shardline.optim.quantize import Quantizer
 from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.usefixtures("native")
@@ -65,6 +66,26 @@ def test_onebit_keeps_signs_and_each_blocks_mean_magnitude() -> None:
     for b in range(0, 2048, 512):
         assert y[b : b + 512].abs().mean() == pytest.approx(float(x[b : b + 512].abs().mean()))
     assert (x - y).norm() < x.norm()  # a contraction: error feedback converges
+
+
+def test_onebit_native_codec_writes_the_torch_codecs_bytes() -> None:
+    """The Rust codec (CPU) and the torch ops (any device) agree, so ranks can mix them."""
+    c, torch_path = OneBit(block=64), Quantizer
+    x = torch.randn(3, 64 * 40)
+    length, signs = x.shape[1], x.shape[1] // 8
+    native, ref = c.encode(x), torch_path.encode(c, x)
+    assert torch.equal(native[:, :signs], ref[:, :signs])
+    scales = native[:, signs:].contiguous().view(torch.float32)
+    torch.testing.assert_close(scales, ref[:, signs:].contiguous().view(torch.float32))
+    torch.testing.assert_close(c.decode(native, length), torch_path.decode(c, native, length))
+    torch.testing.assert_close(
+        c.decode_sum(native, length), torch_path.decode(c, native, length).sum(0)
+    )
+    residual = x.clone()
+    assert torch.equal(c.encode_feedback(residual), native)
+    torch.testing.assert_close(residual, x - torch_path.decode(c, native, length))
+    with pytest.raises(InvalidArgumentError, match="share memory"):
+        _native.onebit_decode(native, native, length, 64, False)
 
 
 def test_bad_arguments_are_refused_with_the_reason() -> None:

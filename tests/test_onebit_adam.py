@@ -3,6 +3,7 @@ with a frozen variance; replicas stay identical and the bytes drop."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -104,6 +105,35 @@ def test_after_the_freeze_the_variance_stays_replicas_agree_and_it_keeps_learnin
     numel = sum(p.numel() for p in mlp().parameters())
     dense = (steps - freeze) * 2 * (3 - 1) / 3 * 4 * numel  # a ring all-reduce per step
     assert results[0][5] < dense / 20  # DDP's all-reduces excluded; ours: all_to_all + gather
+
+
+def test_a_resumed_run_continues_exactly_after_the_freeze() -> None:
+    """state_dict carries the moments, the step count and this rank's residuals."""
+    freeze, cut, steps = 4, 7, 12
+
+    def body(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        def train(model: nn.Module, opt: OneBitAdam, begin: int, end: int) -> None:
+            for step in range(begin, end):
+                opt.zero_grad()
+                loss_of(model, step, g.rank).backward()
+                opt.step()
+
+        model = mlp()
+        opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=freeze, group=g)
+        train(model, opt, 0, cut)
+        saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        train(model, opt, cut, steps)
+        resumed = mlp()
+        ropt = OneBitAdam(resumed.parameters(), lr=1e-2, freeze_step=freeze, group=g)
+        resumed.load_state_dict(saved[0])
+        ropt.load_state_dict(saved[1])
+        assert ropt.frozen
+        train(resumed, ropt, cut, steps)
+        return model.state_dict(), resumed.state_dict()
+
+    for straight, resumed in run_ranks(3, body):
+        for k, value in straight.items():
+            torch.testing.assert_close(resumed[k], value, rtol=0, atol=0, msg=k)
 
 
 def test_bad_arguments_are_refused() -> None:

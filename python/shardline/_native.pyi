@@ -320,3 +320,26 @@ def verify_shard(path: str) -> None:
     Raises:
         CheckpointError: The file is malformed, has no checksums, or a checksum fails.
     """
+
+def onebit_encode(
+    values: Any, codes: Any, length: int, block: int, feedback: bool, threads: int = 1
+) -> None:
+    """Encodes rows of ``length`` float32 values as signs plus a mean magnitude per block.
+
+    ``codes`` (uint8) receives ``length / 8 + 4 * length / block`` bytes per row; with
+    ``feedback``, ``values`` is left holding what the encoding dropped. Runs on ``threads``
+    threads with the GIL released.
+
+    Raises:
+        InvalidArgumentError: Shapes that do not match, or buffers that share memory.
+    """
+
+def onebit_decode(
+    codes: Any, out: Any, length: int, block: int, sum: bool, threads: int = 1
+) -> None:
+    """Decodes ``onebit_encode``'s rows into ``out`` (float32): every row, or with ``sum`` their
+    sum (``length`` values).
+
+    Raises:
+        InvalidArgumentError: Shapes that do not match, or buffers that share memory.
+    """

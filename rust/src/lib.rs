@@ -14,6 +14,7 @@
 //!   direct exchange over point-to-point links).
 //! - [`engine`]: the communicator: its settings, op queue, worker thread, inline fast path,
 //!   routing of each op to an algorithm, `Work`.
+//! - [`kernels`]: compute the Python layer runs on CPU tensors (the 1-bit gradient codec).
 //! - [`shard`]: checkpoint shard files (safetensors-compatible, CRC32C-checked, optional
 //!   zstd frames), written from and read into caller memory.
 //! - `python` (feature `python`): the PyO3 bindings, the only code that knows Python.
@@ -25,6 +26,7 @@ pub mod collectives;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod kernels;
 pub mod memcpy;
 pub mod reduce;
 pub mod shard;

@@ -126,6 +126,9 @@ class AsyncSGD(Replica):
         self._errors: list[BaseException] = []
         self._closed = False
         self._timeout = float(config.get("SHARDLINE_TIMEOUT"))
+        # Messages and the servers' shards live where the group's tensors do (CUDA on nccl,
+        # else CPU, whatever the model's device).
+        self._dev = self.group.device
 
     # -- binding -------------------------------------------------------------------------------
 
@@ -152,7 +155,7 @@ class AsyncSGD(Replica):
         if rank < self.num_servers:
             lo, hi = self._ranges[rank]
             self._server = ShardServer(
-                self._flat()[lo:hi],
+                self._flat()[lo:hi].to(self._dev),
                 type(optimizer),
                 hyper,
                 workers=self.group.world_size,
@@ -169,6 +172,10 @@ class AsyncSGD(Replica):
                     self._threads.append(t)
         return AsyncOptimizer(self, optimizer.param_groups[0]["params"], hyper)
 
+    def _ints(self, a: int, b: int) -> torch.Tensor:
+        """A two-value message header on the group's device."""
+        return torch.tensor([a, b], dtype=torch.int64, device=self._dev)
+
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self._params])
 
@@ -181,8 +188,8 @@ class AsyncSGD(Replica):
         g = self._pairs[(self.group.rank, w)]
         peer = 1 - g.rank  # the pair's other rank
         lo, hi = self._ranges[self.group.rank]
-        header = torch.empty(2, dtype=torch.int64)
-        grad = torch.empty(hi - lo, dtype=torch.float32)
+        header = torch.empty(2, dtype=torch.int64, device=self._dev)
+        grad = torch.empty(hi - lo, dtype=torch.float32, device=self._dev)
         try:
             while True:
                 g.recv(header, peer)
@@ -191,7 +198,7 @@ class AsyncSGD(Replica):
                     return
                 g.recv(grad, peer)
                 reply = server.handle(clock, computed_on, grad)
-                g.send(torch.tensor([reply.version, int(reply.accepted)]), peer)
+                g.send(self._ints(reply.version, int(reply.accepted)), peer)
                 g.send(reply.params.float(), peer)
         except BaseException as exc:  # reported on the main thread at the next step
             self._errors.append(exc)
@@ -216,7 +223,7 @@ class AsyncSGD(Replica):
                 (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
                 for p in self._params
             ]
-        )
+        ).to(self._dev)
         rank = self.group.rank
         new = torch.empty_like(grad)
         pending = []
@@ -226,7 +233,7 @@ class AsyncSGD(Replica):
                     continue
                 g = self._pairs[(s, rank)]
                 peer = 1 - g.rank
-                g.send(torch.tensor([self.clock, self._versions[s]]), peer)
+                g.send(self._ints(self.clock, self._versions[s]), peer)
                 g.send(grad[lo:hi].contiguous(), peer)
                 pending.append((s, g, peer))
             if self._server is not None:
@@ -235,7 +242,7 @@ class AsyncSGD(Replica):
                 self._take(rank, reply.version, reply.accepted, reply.params, new)
             for s, g, peer in pending:
                 lo, hi = self._ranges[s]
-                header = torch.empty(2, dtype=torch.int64)
+                header = torch.empty(2, dtype=torch.int64, device=self._dev)
                 g.recv(header, peer)
                 g.recv(new[lo:hi], peer)
                 self._take(s, int(header[0]), bool(header[1]), None, new)
@@ -264,13 +271,14 @@ class AsyncSGD(Replica):
             for s in range(self.num_servers):
                 if s != rank:
                     g = self._pairs[(s, rank)]
-                    g.send(torch.tensor([_BYE, 0]), 1 - g.rank)
+                    g.send(self._ints(_BYE, 0), 1 - g.rank)
             for t in self._threads:
                 t.join()
             self._raise_errors()
             if self._server is not None:
                 self._server.flush()
-            flat = torch.empty(sum(p.numel() for p in self._params), dtype=torch.float32)
+            numel = sum(p.numel() for p in self._params)
+            flat = torch.empty(numel, dtype=torch.float32, device=self._dev)
             if self._server is not None:
                 lo, hi = self._ranges[rank]
                 flat[lo:hi] = self._server.param.detach().float()

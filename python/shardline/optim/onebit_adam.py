@@ -25,7 +25,6 @@ from torch import nn
 
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
-from shardline.optim._replica import split_like
 from shardline.optim.compression import Compressor, Entry
 from shardline.optim.quantize import OneBit
 from shardline.parallel._common import broadcast_coalesced, default_group
@@ -81,6 +80,12 @@ class OneBitAdam(torch.optim.Optimizer):
             self._layout.append(Entry(f"param{i}", offset, tuple(p.shape)))
             offset += p.numel()
         self._numel = offset
+        self._entry = dict(zip(self._params, self._layout, strict=True))
+        # The moments, flat (each parameter's state holds views); after the freeze Adam's
+        # denominator is constant and kept flat too (one more value per parameter).
+        self._m: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._denom: torch.Tensor | None = None
         if init_sync:
             broadcast_coalesced(self.group, [p.data for p in self._params], 0, 25 << 20)
 
@@ -97,6 +102,24 @@ class OneBitAdam(torch.optim.Optimizer):
             ]
         ).float()
 
+    def _bind_state(self) -> None:
+        """Puts every parameter's moments in two flat float32 buffers (its state holds views).
+
+        The momentum is then reduced in place, and each pass runs over one buffer.
+        """
+        device = self._params[0].device
+        self._m = torch.zeros(self._numel, dtype=torch.float32, device=device)
+        self._v = torch.zeros(self._numel, dtype=torch.float32, device=device)
+        for p, e in zip(self._params, self._layout, strict=True):
+            state = self.state[p]
+            for key, flat in (("exp_avg", self._m), ("exp_avg_sq", self._v)):
+                view = flat[e.offset : e.offset + e.numel].view(p.shape)
+                if key in state:
+                    view.copy_(state[key])
+                state[key] = view
+            state.setdefault("step", torch.zeros((), dtype=torch.float32))
+        self._denom = None
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Adam step (a collective: every rank calls it)."""
@@ -104,45 +127,89 @@ class OneBitAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._m is None:
+            self._bind_state()
+        assert self._m is not None
         n = self.group.world_size
-        grads = self._flat_grads()
         frozen = self.frozen
+        grads = None
         if not frozen:
+            grads = self._flat_grads()
             self.group.all_reduce(grads, "sum")
             grads.div_(n)
-        start = 0
-        moments = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                g = grads[start : start + p.numel()].view_as(p)
-                start += p.numel()
+                e = self._entry[p]
+                if grads is not None:
+                    g = grads[e.offset : e.offset + e.numel].view_as(p)
+                else:  # frozen: this rank's own gradient
+                    g = p.grad if p.grad is not None else torch.zeros_like(p)
                 if group["weight_decay"]:
-                    g = g.add(p.float(), alpha=group["weight_decay"])
+                    g = g.add(p, alpha=group["weight_decay"])
                 state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                 state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
                 if not frozen:
                     state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
                     state["step"] += 1
-                moments.append(state["exp_avg"])
+        del grads
         if frozen:
-            # Each rank's momentum (from its own gradient) averaged through the compressor.
-            flat = torch.cat([m.reshape(-1) for m in moments]).div_(n)
-            self.compressor.reduce(self.group, flat, key="momentum", layout=self._layout)()
+            # Each rank's momentum (from its own gradient) averaged through the compressor, in
+            # place: every rank then holds the same momentum.
+            self._m.div_(n)
+            self.compressor.reduce(self.group, self._m, key="momentum", layout=self._layout)()
             self.compressor.advance()
-            for m, value in zip(moments, split_like(flat, moments), strict=True):
-                m.copy_(value)
+            if self._denom is None:  # constant from now on (one more value per parameter)
+                self._denom = self._denominator()
+        denom = self._denom if frozen else self._denominator()
+        assert denom is not None
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            beta1 = group["betas"][0]
             for p in group["params"]:
-                state = self.state[p]
-                t = float(state["step"])  # frozen: the variance's bias as it froze
+                e = self._entry[p]
+                t = float(self.state[p]["step"])  # frozen: the variance's bias as it froze
                 step_size = group["lr"] / (1 - beta1**t)
-                denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**t) ** 0.5).add_(group["eps"])
-                p.addcdiv_(state["exp_avg"].to(p.dtype), denom.to(p.dtype), value=-step_size)
+                d = denom[e.offset : e.offset + e.numel].view(p.shape)
+                p.addcdiv_(self.state[p]["exp_avg"].to(p.dtype), d.to(p.dtype), value=-step_size)
         self.steps += 1
         return loss
+
+    def _denominator(self) -> torch.Tensor:
+        """Adam's denominator ``sqrt(v / (1 - beta2^t)) + eps`` of every value, flat."""
+        assert self._v is not None
+        out = torch.empty_like(self._v)
+        for group in self.param_groups:
+            beta2 = group["betas"][1]
+            for p in group["params"]:
+                e = self._entry[p]
+                t = float(self.state[p]["step"])
+                v = self._v[e.offset : e.offset + e.numel]
+                part = out[e.offset : e.offset + e.numel]
+                torch.sqrt(v, out=part).div_((1 - beta2**t) ** 0.5).add_(group["eps"])
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's, plus the step count and this rank's compressor state.
+
+        The step count says whether the variance is frozen; the compressor state holds this
+        rank's residuals, so save the result per rank.
+        """
+        out = super().state_dict()
+        out["onebit_adam"] = {
+            "steps": self.steps,
+            "compressor": {k: v.clone() for k, v in self.compressor.state_tensors().items()},
+        }
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's; the loaded moments go back into the flat buffers."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("onebit_adam", None)
+        super().load_state_dict(state_dict)
+        if extra is not None:
+            self.steps = int(extra["steps"])
+            self.compressor.load_state_tensors(extra["compressor"])
+        if self.state:
+            self._bind_state()
+        else:
+            self._m = self._v = self._denom = None

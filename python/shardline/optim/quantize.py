@@ -24,9 +24,10 @@ from collections.abc import Hashable
 import torch
 import torch.nn.functional as F
 
+from shardline import _native
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
-from shardline.optim.compression import Compressor, Finish, Layout
+from shardline.optim.compression import Compressor, Entry, Finish, Layout
 
 __all__ = ["FP8", "Cast", "Int8", "OneBit", "Quantizer"]
 
@@ -57,6 +58,7 @@ class Quantizer(Compressor):
         self.block = int(block)
         self._servers: dict[Hashable, tuple[Layout, torch.Tensor]] = {}
         self._server_at: dict[Hashable, tuple[int, int]] = {}  # key -> (rank, chunk)
+        self._server_pending: dict[str, torch.Tensor] = {}  # loaded, by parameter name
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block={self.block})"
@@ -92,6 +94,16 @@ class Quantizer(Compressor):
         """The inverse of ``encode_blocks``: ``(r, nb, block)`` float32."""
         raise NotImplementedError
 
+    def encode_feedback(self, rows: torch.Tensor) -> torch.Tensor:
+        """``encode(rows)``, leaving in ``rows`` what the encoding dropped (``rows - decoded``)."""
+        codes = self.encode(rows)
+        rows.sub_(self.decode(codes, rows.shape[1]))
+        return codes
+
+    def decode_sum(self, codes: torch.Tensor, length: int) -> torch.Tensor:
+        """The sum of the decoded rows of ``codes``: ``(length,)`` float32."""
+        return self.decode(codes, length).sum(0)
+
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))`` for a 1-D tensor (padded to whole blocks and cut back)."""
         n = x.numel()
@@ -123,18 +135,18 @@ class Quantizer(Compressor):
         # This rank's gradient plus its residual, as n rows of whole blocks.
         g, res = self._plus_residual(flat, key, layout)
         p = _to_rows(g, n, chunk, length)
-        codes = self.encode(p)
+        # With feedback, p is left holding what the peers will not decode of this rank's values.
+        codes = self.encode(p) if res is None else self.encode_feedback(p)
         recv = torch.empty_like(codes)
         work = group.all_to_all(recv.view(-1), codes.view(-1), async_op=True)
         assert work is not None
-        if res is not None:  # what the peers decode of this rank's values, subtracted
-            p.sub_(self.decode(codes, length))
+        if res is not None:
             res.copy_(_from_rows(p, chunk, numel))
         del p, g
 
         def finish() -> None:
             work.wait()
-            mine = self.decode(recv, length).sum(0)  # this rank's chunk of the sum
+            mine = self.decode_sum(recv, length)  # this rank's chunk of the sum
             if out is not None:
                 out.copy_(mine[: out.numel()])
                 return
@@ -154,12 +166,15 @@ class Quantizer(Compressor):
     ) -> None:
         n, numel = group.world_size, flat.numel()
         if self.error_feedback:
-            server = self._server_residual(key, layout, length, flat.device)
             self._server_at[key] = (group.rank, chunk)
+            server = self._server_residual(key, layout, length, flat.device)
             mine.add_(server)
-        code = self.encode(mine.reshape(1, length))
-        if self.error_feedback:
-            torch.sub(mine, self.decode(code, length).reshape(-1), out=server)
+            code = self.encode_feedback(mine.reshape(1, length))
+            server.copy_(mine)
+            # Padding (past the chunk, or past the buffer's end) holds no value: no residual.
+            server[max(0, min(chunk, numel - group.rank * chunk)) :].zero_()
+        else:
+            code = self.encode(mine.reshape(1, length))
         gathered = torch.empty(n, code.shape[1], dtype=torch.uint8, device=flat.device)
         group.all_gather(gathered.view(-1), code.view(-1))
         flat.copy_(_from_rows(self.decode(gathered, length), chunk, numel))
@@ -167,23 +182,75 @@ class Quantizer(Compressor):
     def _server_residual(
         self, key: Hashable, layout: Layout, length: int, device: torch.device
     ) -> torch.Tensor:
-        """The all-gather phase's residual of ``key`` (this rank's chunk; not checkpointed).
+        """The all-gather phase's residual of ``key`` (this rank's chunk).
 
-        It starts from zero when the key's layout changes (its chunk holds other values).
+        It starts from zero when the key's layout changes (its chunk holds other values), or
+        from loaded values (``load_state_tensors``) for the parameters they name.
         """
         held = self._servers.get(key)
         if held is None or held[0] != layout or held[1].numel() != length:
-            held = self._servers[key] = (
-                layout,
-                torch.zeros(length, dtype=torch.float32, device=device),
-            )
+            buf = torch.zeros(length, dtype=torch.float32, device=device)
+            held = self._servers[key] = (layout, buf)
+            for e, a, b, lo in self._chunk_pieces(key, layout):
+                value = self._server_pending.pop(e.name, None)
+                if value is not None:
+                    buf[a - lo : b - lo] = value.reshape(-1)[a - e.offset : b - e.offset]
         return held[1]
+
+    def _chunk_pieces(self, key: Hashable, layout: Layout) -> list[tuple[Entry, int, int, int]]:
+        """Where this rank's chunk of ``key`` overlaps each tensor.
+
+        As ``(entry, start, stop, chunk start)``, in buffer offsets.
+        """
+        rank, chunk = self._server_at[key]
+        lo = rank * chunk
+        out = []
+        for e in layout:
+            a, b = max(lo, e.offset), min(lo + chunk, e.offset + e.numel)
+            if a < b:
+                out.append((e, a, b, lo))
+        return out
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The worker residuals (views), plus the all-gather phase's as ``server/<parameter>``.
+
+        A server entry is a copy of the parameter's shape, zero outside this rank's chunk, so
+        every rank has every key (one more value per parameter while it is saved).
+        """
+        out = super().state_tensors()
+        if not self.error_feedback:
+            return out
+        server: dict[str, torch.Tensor] = {}
+        for key, (layout, buf) in self._servers.items():
+            for e, a, b, lo in self._chunk_pieces(key, layout):
+                t = server.setdefault(e.name, torch.zeros(e.numel, device=buf.device))
+                t[a - e.offset : b - e.offset] = buf[a - lo : b - lo]
+        for name, (state, e) in sorted(self._where.items(), key=lambda kv: kv[0]):
+            device = next(iter(state.flats.values())).device if state.flats else None
+            value = server.get(name)
+            if value is None:
+                value = torch.zeros(e.numel, dtype=torch.float32, device=device)
+            out[f"server/{name}"] = value.view(e.shape)
+        return out
+
+    def load_state_tensors(self, values: dict[str, torch.Tensor]) -> None:
+        """As ``Compressor``'s; server residuals wait for their keys' first reduction."""
+        rest = {}
+        for k, v in values.items():
+            if k.startswith("server/"):
+                self._server_pending[k.removeprefix("server/")] = v.detach().clone()
+            else:
+                rest[k] = v
+        self._servers.clear()
+        self._server_at.clear()
+        super().load_state_tensors(rest)
 
     def reset(self) -> None:
         """Drops residuals (both phases) and warms up again."""
         super().reset()
         self._servers.clear()
         self._server_at.clear()
+        self._server_pending.clear()
 
     def held(self, key: Hashable, numel: int) -> torch.Tensor:
         """The worker residual plus the server residual of this rank's chunk, in place."""
@@ -258,11 +325,51 @@ class OneBit(Quantizer):
     """The sign of each value (1 bit) and one float32 scale per block, the mean absolute value.
 
     With error feedback (on by default) this is 1-bit SGD's compression (Seide et al.), usable
-    with any optimizer; ``OneBitAdam`` applies it to Adam's momentum instead.
+    with any optimizer; ``OneBitAdam`` applies it to Adam's momentum instead. On CPU the codec
+    runs in Rust (``shardline._native``): one pass encodes and leaves the residual, one decodes
+    and sums the ranks' rows; elsewhere it runs as torch ops, with the same bytes.
     """
 
     name = "onebit"
     bits = 1
+
+    @staticmethod
+    def _native_ok(*tensors: torch.Tensor) -> bool:
+        return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Signs and scales per row (in Rust on CPU)."""
+        if not self._native_ok(rows) or rows.dtype != torch.float32:
+            return super().encode(rows)
+        r, length = rows.shape
+        codes = torch.empty(r, self.code_bytes(length), dtype=torch.uint8)
+        _native.onebit_encode(rows, codes, length, self.block, False, torch.get_num_threads())
+        return codes
+
+    def encode_feedback(self, rows: torch.Tensor) -> torch.Tensor:
+        """Encodes and leaves the residual in ``rows``, in one pass on CPU."""
+        if not self._native_ok(rows) or rows.dtype != torch.float32:
+            return super().encode_feedback(rows)
+        r, length = rows.shape
+        codes = torch.empty(r, self.code_bytes(length), dtype=torch.uint8)
+        _native.onebit_encode(rows, codes, length, self.block, True, torch.get_num_threads())
+        return codes
+
+    def decode(self, codes: torch.Tensor, length: int) -> torch.Tensor:
+        """Every row decoded (in Rust on CPU)."""
+        if not self._native_ok(codes):
+            return super().decode(codes, length)
+        out = torch.empty(codes.shape[0], length, dtype=torch.float32)
+        _native.onebit_decode(codes, out, length, self.block, False, torch.get_num_threads())
+        return out
+
+    def decode_sum(self, codes: torch.Tensor, length: int) -> torch.Tensor:
+        """The rows decoded and summed in one pass on CPU."""
+        if not self._native_ok(codes):
+            return super().decode_sum(codes, length)
+        out = torch.empty(length, dtype=torch.float32)
+        _native.onebit_decode(codes, out, length, self.block, True, torch.get_num_threads())
+        return out
 
     def encode_blocks(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Signs packed eight to a byte (most significant bit first)."""

@@ -49,6 +49,10 @@ class TopK(Compressor):
 
     Args:
         ratio: Fraction of values sent each step, in (0, 1].
+        per_tensor: Pick the ``ratio`` largest of each tensor (as deep gradient compression
+            does), and send 1-D tensors (biases, norms) whole; else the largest of the whole
+            buffer, where tensors with small gradients (whose updates matter as much under
+            Adam) can go unsent for many steps.
         warmup_steps: Uncompressed steps first.
         error_feedback: Keep the values not sent for the next step (strongly advised: without
             it, small gradients are never applied).
@@ -57,19 +61,42 @@ class TopK(Compressor):
     name = "topk"
 
     def __init__(
-        self, ratio: float = 0.01, *, warmup_steps: int = 2, error_feedback: bool = True
+        self,
+        ratio: float = 0.01,
+        *,
+        per_tensor: bool = False,
+        warmup_steps: int = 2,
+        error_feedback: bool = True,
     ) -> None:
         if not 0.0 < ratio <= 1.0:
             raise InvalidArgumentError(f"TopK: ratio must be in (0, 1], not {ratio}")
         super().__init__(warmup_steps=warmup_steps, error_feedback=error_feedback)
         self.ratio = float(ratio)
+        self.per_tensor = bool(per_tensor)
 
     def __repr__(self) -> str:
-        return f"TopK(ratio={self.ratio})"
+        return f"TopK(ratio={self.ratio}, per_tensor={self.per_tensor})"
 
     def k(self, numel: int) -> int:
-        """Values sent for a buffer of ``numel``."""
+        """Values sent for a buffer (or, per tensor, a tensor) of ``numel``."""
         return max(1, min(numel, round(self.ratio * numel)))
+
+    def select(self, magnitudes: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """Indices (into the buffer) of the values sent; as many on every rank."""
+        if not self.per_tensor:
+            return largest(magnitudes, self.k(magnitudes.numel()))
+        parts = []
+        for e in layout:
+            if e.numel == 0:
+                continue
+            if len(e.shape) <= 1:
+                parts.append(torch.arange(e.offset, e.offset + e.numel, device=magnitudes.device))
+            else:
+                piece = magnitudes[e.offset : e.offset + e.numel]
+                parts.append(largest(piece, self.k(e.numel)).add_(e.offset))
+        if not parts:  # no tensors named: the buffer as one
+            return largest(magnitudes, self.k(magnitudes.numel()))
+        return torch.cat(parts)
 
     def _reduce(
         self,
@@ -86,8 +113,8 @@ class TopK(Compressor):
                 "use smaller buckets (bucket_cap_mb) or units (unit_mb)"
             )
         p, res = self._plus_residual(flat, key, layout)
-        k = self.k(numel)
-        idx = largest(p.abs(), k)
+        idx = self.select(p.abs(), layout)
+        k = idx.numel()
         pairs = torch.empty(2 * k, dtype=torch.int32, device=flat.device)
         pairs[:k] = idx.to(torch.int32)
         pairs[k:] = p[idx].view(torch.int32)

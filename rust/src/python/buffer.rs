@@ -110,3 +110,25 @@ fn hold_tensor(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Held> {
         raw,
     })
 }
+
+/// The bytes `held` pins.
+pub fn bytes_of(held: &Held) -> &[u8] {
+    let (ptr, len) = (held.raw.as_ptr(), held.raw.len());
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: `hold` checked that the object exports `len` contiguous bytes at `ptr`, and
+    // `held` keeps them pinned for as long as the returned borrow of `held` lives.
+    unsafe { std::slice::from_raw_parts(ptr, len) }
+}
+
+/// The writable bytes `held` pins (checked writable by `hold(.., true, ..)`).
+pub fn bytes_of_mut(held: &mut Held) -> &mut [u8] {
+    let (ptr, len) = (held.raw.as_ptr(), held.raw.len());
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: as in `bytes_of`; the buffer was checked writable, and the exclusive borrow of
+    // `held` keeps this the only Rust reference to it.
+    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+}

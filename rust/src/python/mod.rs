@@ -3,6 +3,7 @@
 //! - [`errors`]: the one table from engine error kinds to `shardline.errors` classes.
 //! - [`buffer`]: caller memory in, zero copy.
 //! - [`group`]: `Group`, `Work`, `Listener` and the arena helpers over [`crate::engine`].
+//! - [`kernels`]: compute kernels over caller tensors (the 1-bit codec).
 //! - [`shard`]: `ShardReader` and the shard-file functions over [`crate::shard`].
 //!
 //! Every setting arrives as an argument: nothing here reads the environment.
@@ -10,6 +11,7 @@
 mod buffer;
 mod errors;
 mod group;
+mod kernels;
 mod shard;
 
 use pyo3::prelude::*;
@@ -29,5 +31,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(shard::read_shard_header, m)?)?;
     m.add_function(wrap_pyfunction!(shard::read_tensor_range, m)?)?;
     m.add_function(wrap_pyfunction!(shard::verify_shard, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::onebit_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::onebit_decode, m)?)?;
     Ok(())
 }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::buffer::{hold, Held};
+use super::buffer::{bytes_of, bytes_of_mut, hold, Held};
 use super::errors::{to_py, IntoPy};
 use crate::dtype::DType;
 use crate::error::Error;
@@ -17,28 +17,6 @@ use crate::shard::{self, Encoding, ShardHeader, ShardReader, TensorData, WriteOp
 
 fn invalid(msg: String) -> PyErr {
     to_py(Error::invalid(msg))
-}
-
-/// The bytes `held` pins.
-fn bytes_of(held: &Held) -> &[u8] {
-    let (ptr, len) = (held.raw.as_ptr(), held.raw.len());
-    if len == 0 {
-        return &[];
-    }
-    // SAFETY: `hold` checked that the object exports `len` contiguous bytes at `ptr`, and
-    // `held` keeps them pinned for as long as the returned borrow of `held` lives.
-    unsafe { std::slice::from_raw_parts(ptr, len) }
-}
-
-/// The writable bytes `held` pins (checked writable by `hold(.., true, ..)`).
-fn bytes_of_mut(held: &mut Held) -> &mut [u8] {
-    let (ptr, len) = (held.raw.as_ptr(), held.raw.len());
-    if len == 0 {
-        return &mut [];
-    }
-    // SAFETY: as in `bytes_of`; the buffer was checked writable, and the exclusive borrow of
-    // `held` keeps this the only Rust reference to it.
-    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
 }
 
 fn non_negative(value: i64, what: &str) -> PyResult<u64> {

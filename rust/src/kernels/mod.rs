@@ -1,0 +1,41 @@
+//! Compute kernels the Python layer runs on CPU tensors, outside any collective.
+//!
+//! - [`onebit`]: the 1-bit gradient codec (signs plus a mean magnitude per block), with its
+//!   error feedback fused into the encoding pass.
+//!
+//! Kernels take little-endian bytes, like [`crate::reduce`], and split their work over a
+//! rayon pool of the size the caller asks for ([`pool`]): the Python layer passes torch's
+//! intra-op thread count, so a rank uses the cores it was given and no more.
+
+pub mod onebit;
+
+use std::sync::{Arc, Mutex};
+
+/// A pool of `threads` threads (shared by every call asking for that many), or `None` for
+/// one thread (the caller's) or when no thread can be started.
+pub fn pool(threads: usize) -> Option<Arc<rayon::ThreadPool>> {
+    static POOLS: Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(Vec::new());
+    if threads <= 1 {
+        return None;
+    }
+    let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, p)) = pools.iter().find(|(n, _)| *n == threads) {
+        return Some(p.clone());
+    }
+    let built = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("sl-kernel-{i}"))
+        .build()
+        .ok()
+        .map(Arc::new)?;
+    pools.push((threads, built.clone()));
+    Some(built)
+}
+
+/// Runs `f` on a pool of `threads` threads, or on the caller when that is one thread.
+pub fn run<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    match pool(threads) {
+        Some(p) => p.install(f),
+        None => f(),
+    }
+}
