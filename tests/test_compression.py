@@ -86,6 +86,16 @@ def test_onebit_native_codec_writes_the_torch_codecs_bytes() -> None:
     torch.testing.assert_close(residual, x - torch_path.decode(c, native, length))
     with pytest.raises(InvalidArgumentError, match="share memory"):
         _native.onebit_decode(native, native, length, 64, False)
+    # Chunks of a ragged buffer, padded without a copy, with and without a residual.
+    flat, res = torch.randn(1000), torch.randn(1000)
+    for residual in (res, None):
+        mine = None if residual is None else residual.clone()
+        theirs = None if residual is None else residual.clone()
+        got = c.encode_chunks(flat, mine, 3, 334, 384)
+        want = torch_path.encode_chunks(c, flat, theirs, 3, 334, 384)
+        assert torch.equal(got, want)
+        if mine is not None:
+            torch.testing.assert_close(mine, theirs)
 
 
 def test_bad_arguments_are_refused_with_the_reason() -> None:

@@ -334,6 +334,23 @@ def onebit_encode(
         InvalidArgumentError: Shapes that do not match, or buffers that share memory.
     """
 
+def onebit_encode_chunks(
+    values: Any,
+    residual: Any | None,
+    codes: Any,
+    chunk: int,
+    length: int,
+    block: int,
+    threads: int = 1,
+) -> None:
+    """Encodes ``values + residual`` cut into chunks of ``chunk`` values, each zero-padded to
+    ``length``, as ``onebit_encode``'s rows, without a padded copy; ``residual`` (when given)
+    is left holding what the encoding dropped.
+
+    Raises:
+        InvalidArgumentError: Shapes that do not match, or buffers that share memory.
+    """
+
 def onebit_decode(
     codes: Any, out: Any, length: int, block: int, sum: bool, threads: int = 1
 ) -> None:

@@ -94,11 +94,40 @@ class Quantizer(Compressor):
         """The inverse of ``encode_blocks``: ``(r, nb, block)`` float32."""
         raise NotImplementedError
 
+    def encode_chunks(
+        self, flat: torch.Tensor, res: torch.Tensor | None, n: int, chunk: int, length: int
+    ) -> torch.Tensor:
+        """``flat + res`` as ``n`` encoded rows: ``chunk`` values each, zero-padded to ``length``.
+
+        ``res`` (when given) is left holding what the encoding dropped.
+        """
+        numel = flat.numel()
+        padded = length != chunk or n * chunk != numel
+        rows = (torch.zeros if padded else torch.empty)(
+            n, length, dtype=torch.float32, device=flat.device
+        )
+        pieces = _pieces(n, chunk, numel)
+        for r, (lo, hi) in enumerate(pieces):
+            if res is None:
+                rows[r, : hi - lo].copy_(flat[lo:hi])
+            else:
+                torch.add(flat[lo:hi], res[lo:hi], out=rows[r, : hi - lo])
+        if res is None:
+            return self.encode(rows)
+        codes = self.encode_feedback(rows)
+        for r, (lo, hi) in enumerate(pieces):
+            res[lo:hi].copy_(rows[r, : hi - lo])
+        return codes
+
     def encode_feedback(self, rows: torch.Tensor) -> torch.Tensor:
         """``encode(rows)``, leaving in ``rows`` what the encoding dropped (``rows - decoded``)."""
         codes = self.encode(rows)
         rows.sub_(self.decode(codes, rows.shape[1]))
         return codes
+
+    def decode_into(self, codes: torch.Tensor, length: int, out: torch.Tensor) -> None:
+        """``decode`` written into ``out`` (``(r, length)`` float32)."""
+        out.copy_(self.decode(codes, length))
 
     def decode_sum(self, codes: torch.Tensor, length: int) -> torch.Tensor:
         """The sum of the decoded rows of ``codes``: ``(length,)`` float32."""
@@ -132,17 +161,15 @@ class Quantizer(Compressor):
         n, numel = group.world_size, flat.numel()
         chunk = -(-numel // n)
         length = -(-chunk // self.block) * self.block  # a chunk, padded to whole blocks
-        # This rank's gradient plus its residual, as n rows of whole blocks.
-        g, res = self._plus_residual(flat, key, layout)
-        p = _to_rows(g, n, chunk, length)
-        # With feedback, p is left holding what the peers will not decode of this rank's values.
-        codes = self.encode(p) if res is None else self.encode_feedback(p)
+        res = (
+            self._buffer(key, "residual", numel, layout, flat.device)
+            if self.error_feedback
+            else None
+        )
+        codes = self.encode_chunks(flat, res, n, chunk, length)
         recv = torch.empty_like(codes)
         work = group.all_to_all(recv.view(-1), codes.view(-1), async_op=True)
         assert work is not None
-        if res is not None:
-            res.copy_(_from_rows(p, chunk, numel))
-        del p, g
 
         def finish() -> None:
             work.wait()
@@ -165,19 +192,25 @@ class Quantizer(Compressor):
         length: int,
     ) -> None:
         n, numel = group.world_size, flat.numel()
+        # Padding (past the chunk, or past the buffer's end) holds no value, nor residual.
+        mine[max(0, min(chunk, numel - group.rank * chunk)) :].zero_()
         if self.error_feedback:
             self._server_at[key] = (group.rank, chunk)
             server = self._server_residual(key, layout, length, flat.device)
             mine.add_(server)
             code = self.encode_feedback(mine.reshape(1, length))
             server.copy_(mine)
-            # Padding (past the chunk, or past the buffer's end) holds no value: no residual.
             server[max(0, min(chunk, numel - group.rank * chunk)) :].zero_()
         else:
             code = self.encode(mine.reshape(1, length))
         gathered = torch.empty(n, code.shape[1], dtype=torch.uint8, device=flat.device)
         group.all_gather(gathered.view(-1), code.view(-1))
-        flat.copy_(_from_rows(self.decode(gathered, length), chunk, numel))
+        if flat.dtype == torch.float32 and length == chunk and n * chunk == numel:
+            self.decode_into(gathered, length, flat.view(n, length))
+            return
+        decoded = self.decode(gathered, length)
+        for r, (lo, hi) in enumerate(_pieces(n, chunk, numel)):
+            flat[lo:hi].copy_(decoded[r, : hi - lo])
 
     def _server_residual(
         self, key: Hashable, layout: Layout, length: int, device: torch.device
@@ -265,15 +298,9 @@ class Quantizer(Compressor):
         return out
 
 
-def _to_rows(flat: torch.Tensor, n: int, chunk: int, length: int) -> torch.Tensor:
-    """``flat`` (float32) cut into ``n`` chunks of ``chunk`` values, each padded to ``length``."""
-    rows = F.pad(flat, (0, n * chunk - flat.numel())).view(n, chunk)
-    return F.pad(rows, (0, length - chunk)) if length != chunk else rows.clone()
-
-
-def _from_rows(rows: torch.Tensor, chunk: int, numel: int) -> torch.Tensor:
-    """The inverse of ``_to_rows``: the first ``numel`` values of the rows cut to ``chunk``."""
-    return rows[:, :chunk].reshape(-1)[:numel]
+def _pieces(n: int, chunk: int, numel: int) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` of the ``n`` chunks of a buffer of ``numel`` (the last may be short)."""
+    return [(min(numel, r * chunk), min(numel, (r + 1) * chunk)) for r in range(n)]
 
 
 class Int8(Quantizer):
@@ -355,6 +382,19 @@ class OneBit(Quantizer):
         _native.onebit_encode(rows, codes, length, self.block, True, torch.get_num_threads())
         return codes
 
+    def encode_chunks(
+        self, flat: torch.Tensor, res: torch.Tensor | None, n: int, chunk: int, length: int
+    ) -> torch.Tensor:
+        """One pass on CPU: no padded copy of ``flat`` is made."""
+        tensors = (flat,) if res is None else (flat, res)
+        if not self._native_ok(*tensors) or flat.dtype != torch.float32:
+            return super().encode_chunks(flat, res, n, chunk, length)
+        codes = torch.empty(n, self.code_bytes(length), dtype=torch.uint8)
+        _native.onebit_encode_chunks(
+            flat, res, codes, chunk, length, self.block, torch.get_num_threads()
+        )
+        return codes
+
     def decode(self, codes: torch.Tensor, length: int) -> torch.Tensor:
         """Every row decoded (in Rust on CPU)."""
         if not self._native_ok(codes):
@@ -362,6 +402,13 @@ class OneBit(Quantizer):
         out = torch.empty(codes.shape[0], length, dtype=torch.float32)
         _native.onebit_decode(codes, out, length, self.block, False, torch.get_num_threads())
         return out
+
+    def decode_into(self, codes: torch.Tensor, length: int, out: torch.Tensor) -> None:
+        """Every row decoded straight into ``out`` on CPU."""
+        if not self._native_ok(codes, out):
+            super().decode_into(codes, length, out)
+            return
+        _native.onebit_decode(codes, out, length, self.block, False, torch.get_num_threads())
 
     def decode_sum(self, codes: torch.Tensor, length: int) -> torch.Tensor:
         """The rows decoded and summed in one pass on CPU."""

@@ -45,6 +45,41 @@ pub fn onebit_encode(
     .py_err()
 }
 
+/// Encodes `values` (contiguous float32) cut into chunks of `chunk` values, each padded to
+/// `length`, into `codes`; the value encoded is `values + residual`, and `residual` (when
+/// given) is left holding what the encoding dropped.
+#[pyfunction]
+#[pyo3(signature = (values, residual, codes, chunk, length, block, threads=1))]
+#[allow(clippy::too_many_arguments)]
+pub fn onebit_encode_chunks(
+    py: Python<'_>,
+    values: &Bound<'_, PyAny>,
+    residual: Option<&Bound<'_, PyAny>>,
+    codes: &Bound<'_, PyAny>,
+    chunk: usize,
+    length: usize,
+    block: usize,
+    threads: usize,
+) -> PyResult<()> {
+    let v = hold(values, false, "values")?;
+    let mut r = residual.map(|r| hold(r, true, "residual")).transpose()?;
+    let mut c = hold(codes, true, "codes")?;
+    let vb = bytes_of(&v);
+    let cb = bytes_of_mut(&mut c);
+    let rb = r.as_mut().map(bytes_of_mut);
+    disjoint(vb, cb, "values and codes")?;
+    if let Some(rb) = rb.as_deref() {
+        disjoint(vb, rb, "values and residual")?;
+        disjoint(rb, cb, "residual and codes")?;
+    }
+    py.detach(|| {
+        kernels::run(threads, || {
+            kernels::onebit::encode_chunks(vb, rb, cb, chunk, length, block)
+        })
+    })
+    .py_err()
+}
+
 /// Decodes `codes` into `out` (float32): with `sum`, the sum of the rows (`length` values),
 /// else every row.
 #[pyfunction]

@@ -32,6 +32,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(shard::read_tensor_range, m)?)?;
     m.add_function(wrap_pyfunction!(shard::verify_shard, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::onebit_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::onebit_encode_chunks, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::onebit_decode, m)?)?;
     Ok(())
 }
