@@ -360,3 +360,46 @@ def onebit_decode(
     Raises:
         InvalidArgumentError: Shapes that do not match, or buffers that share memory.
     """
+
+def adam_step(
+    param: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    step: int,
+    threads: int = 1,
+) -> None:
+    """One Adam (AdamW with ``decoupled``) step of float32 ``param``; moments in place.
+
+    Raises:
+        InvalidArgumentError: Buffers of different lengths, shared or misaligned memory, or
+            ``step`` 0.
+    """
+
+def sgd_step(
+    param: Any,
+    grad: Any,
+    momentum_buffer: Any | None,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    first: bool,
+    threads: int = 1,
+) -> None:
+    """One SGD step of float32 ``param``; the momentum buffer (needed with ``momentum``) starts
+    as the gradient when ``first``.
+
+    Raises:
+        InvalidArgumentError: Buffers of different lengths, shared or misaligned memory, or
+            momentum without a buffer.
+    """

@@ -16,18 +16,25 @@ See ``shardline.optim.compression`` for the interface, to write your own.
 that communicate less often: ``distribute(strategy="local_sgd")`` (local SGD, DiLoCo;
 ``local_sgd``), ``distribute(strategy="async")`` (a sharded parameter server; ``async_sgd``)
 and ``distribute(strategy="hogwild")`` (one host's ranks share the parameters; ``hogwild``).
+
+``CPUAdamW``, ``CPUAdam``, ``CPUSGD``: torch's optimizers, stepped in Rust over float32
+parameters in host memory (``cpu_optim``).
 """
 
 from __future__ import annotations
 
 from shardline.optim.compression import Compressor, Entry, resolve
+from shardline.optim.cpu_optim import CPUSGD, CPUAdam, CPUAdamW
 from shardline.optim.onebit_adam import OneBitAdam
 from shardline.optim.powersgd import PowerSGD
 from shardline.optim.quantize import FP8, Cast, Int8, OneBit, Quantizer
 from shardline.optim.topk import TopK
 
 __all__ = [
+    "CPUSGD",
     "FP8",
+    "CPUAdam",
+    "CPUAdamW",
     "Cast",
     "Compressor",
     "Entry",

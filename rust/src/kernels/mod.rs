@@ -2,12 +2,14 @@
 //!
 //! - [`onebit`]: the 1-bit gradient codec (signs plus a mean magnitude per block), with its
 //!   error feedback fused into the encoding pass.
+//! - [`optim`]: Adam, AdamW and SGD steps over float32 buffers (optimizer state on the CPU).
 //!
 //! Kernels take little-endian bytes, like [`crate::reduce`], and split their work over a
 //! rayon pool of the size the caller asks for ([`pool`]): the Python layer passes torch's
 //! intra-op thread count, so a rank uses the cores it was given and no more.
 
 pub mod onebit;
+pub mod optim;
 
 use std::sync::{Arc, Mutex};
 

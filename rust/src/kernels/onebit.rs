@@ -48,6 +48,9 @@ fn rows_of(bytes: usize, row_bytes: usize, what: &str) -> Result<usize> {
 
 /// `values` as f32 (torch's tensors are 4-byte aligned; anything else is refused).
 fn floats_mut<'a>(values: &'a mut [u8], what: &str) -> Result<&'a mut [f32]> {
+    if values.is_empty() {
+        return Ok(&mut []); // an empty buffer's pointer may be anything
+    }
     bytemuck::try_cast_slice_mut(values).map_err(|_| {
         Error::invalid(format!(
             "1-bit codec: {what} is not a 4-byte aligned float32 buffer"
@@ -163,9 +166,13 @@ pub fn encode_chunks(
     block: usize,
 ) -> Result<()> {
     check_shape(length, block)?;
-    let values: &[f32] = bytemuck::try_cast_slice(values).map_err(|_| {
-        Error::invalid("1-bit codec: the values are not a 4-byte aligned float32 buffer")
-    })?;
+    let values: &[f32] = if values.is_empty() {
+        &[]
+    } else {
+        bytemuck::try_cast_slice(values).map_err(|_| {
+            Error::invalid("1-bit codec: the values are not a 4-byte aligned float32 buffer")
+        })?
+    };
     let numel = values.len();
     let row_code = code_bytes(length, block);
     let rows = rows_of(codes.len(), row_code, "the codes")?;

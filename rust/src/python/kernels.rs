@@ -104,3 +104,134 @@ pub fn onebit_decode(
     })
     .py_err()
 }
+
+/// `bytes` as float32 values (torch's float32 tensors are 4-byte aligned).
+fn f32s<'a>(bytes: &'a mut [u8], what: &str) -> PyResult<&'a mut [f32]> {
+    if bytes.is_empty() {
+        return Ok(&mut []); // an empty tensor's pointer may be anything
+    }
+    bytemuck::try_cast_slice_mut(bytes).map_err(|_| {
+        to_py(Error::invalid(format!(
+            "{what} is not a 4-byte aligned float32 buffer"
+        )))
+    })
+}
+
+/// `bytes` as read-only float32 values.
+fn f32s_ro<'a>(bytes: &'a [u8], what: &str) -> PyResult<&'a [f32]> {
+    if bytes.is_empty() {
+        return Ok(&[]);
+    }
+    bytemuck::try_cast_slice(bytes).map_err(|_| {
+        to_py(Error::invalid(format!(
+            "{what} is not a 4-byte aligned float32 buffer"
+        )))
+    })
+}
+
+/// One Adam (or, with `decoupled`, AdamW) step of float32 `param` with `grad`, its moments
+/// updated in place; torch's formulas.
+#[pyfunction]
+#[pyo3(signature = (param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, decoupled, step, threads=1))]
+#[allow(clippy::too_many_arguments)]
+pub fn adam_step(
+    py: Python<'_>,
+    param: &Bound<'_, PyAny>,
+    grad: &Bound<'_, PyAny>,
+    exp_avg: &Bound<'_, PyAny>,
+    exp_avg_sq: &Bound<'_, PyAny>,
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    decoupled: bool,
+    step: u64,
+    threads: usize,
+) -> PyResult<()> {
+    let mut p = hold(param, true, "param")?;
+    let g = hold(grad, false, "grad")?;
+    let mut m = hold(exp_avg, true, "exp_avg")?;
+    let mut v = hold(exp_avg_sq, true, "exp_avg_sq")?;
+    let (pb, gb, mb, vb) = (
+        bytes_of_mut(&mut p),
+        bytes_of(&g),
+        bytes_of_mut(&mut m),
+        bytes_of_mut(&mut v),
+    );
+    let all = [
+        (&*pb, "param"),
+        (gb, "grad"),
+        (&*mb, "exp_avg"),
+        (&*vb, "exp_avg_sq"),
+    ];
+    for (i, (a, an)) in all.iter().enumerate() {
+        for (b, bn) in &all[i + 1..] {
+            disjoint(a, b, &format!("{an} and {bn}"))?;
+        }
+    }
+    let (p, g, m, v) = (
+        f32s(pb, "param")?,
+        f32s_ro(gb, "grad")?,
+        f32s(mb, "exp_avg")?,
+        f32s(vb, "exp_avg_sq")?,
+    );
+    let h = kernels::optim::Adam {
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        decoupled,
+        step,
+    };
+    py.detach(|| kernels::run(threads, || kernels::optim::adam(p, g, m, v, &h)))
+        .py_err()
+}
+
+/// One SGD step of float32 `param` with `grad`; `momentum_buffer` (with `momentum != 0`) is
+/// updated in place, starting as the gradient when `first`; torch's formulas.
+#[pyfunction]
+#[pyo3(signature = (param, grad, momentum_buffer, *, lr, momentum, dampening, weight_decay, nesterov, first, threads=1))]
+#[allow(clippy::too_many_arguments)]
+pub fn sgd_step(
+    py: Python<'_>,
+    param: &Bound<'_, PyAny>,
+    grad: &Bound<'_, PyAny>,
+    momentum_buffer: Option<&Bound<'_, PyAny>>,
+    lr: f64,
+    momentum: f64,
+    dampening: f64,
+    weight_decay: f64,
+    nesterov: bool,
+    first: bool,
+    threads: usize,
+) -> PyResult<()> {
+    let mut p = hold(param, true, "param")?;
+    let g = hold(grad, false, "grad")?;
+    let mut b = momentum_buffer
+        .map(|b| hold(b, true, "momentum_buffer"))
+        .transpose()?;
+    let (pb, gb) = (bytes_of_mut(&mut p), bytes_of(&g));
+    disjoint(pb, gb, "param and grad")?;
+    let bb = match b.as_mut() {
+        Some(b) => {
+            let bb = bytes_of_mut(b);
+            disjoint(pb, bb, "param and momentum_buffer")?;
+            disjoint(gb, bb, "grad and momentum_buffer")?;
+            Some(f32s(bb, "momentum_buffer")?)
+        }
+        None => None,
+    };
+    let (p, g) = (f32s(pb, "param")?, f32s_ro(gb, "grad")?);
+    let h = kernels::optim::Sgd {
+        lr,
+        momentum,
+        dampening,
+        weight_decay,
+        nesterov,
+        first,
+    };
+    py.detach(|| kernels::run(threads, || kernels::optim::sgd(p, g, bb, &h)))
+        .py_err()
+}

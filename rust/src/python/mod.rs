@@ -3,7 +3,7 @@
 //! - [`errors`]: the one table from engine error kinds to `shardline.errors` classes.
 //! - [`buffer`]: caller memory in, zero copy.
 //! - [`group`]: `Group`, `Work`, `Listener` and the arena helpers over [`crate::engine`].
-//! - [`kernels`]: compute kernels over caller tensors (the 1-bit codec).
+//! - [`kernels`]: compute kernels over caller tensors (the 1-bit codec, CPU optimizer steps).
 //! - [`shard`]: `ShardReader` and the shard-file functions over [`crate::shard`].
 //!
 //! Every setting arrives as an argument: nothing here reads the environment.
@@ -34,5 +34,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::onebit_encode, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::onebit_encode_chunks, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::onebit_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::adam_step, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::sgd_step, m)?)?;
     Ok(())
 }
