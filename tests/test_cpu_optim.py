@@ -4,6 +4,7 @@ dicts that load into torch's classes and back, ZeRO with them, and the errors.""
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -17,6 +18,7 @@ from shardline.optim import CPUSGD, CPUAdam, CPUAdamW
 from tests._ranks import run_ranks
 
 Make = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+_INIT = threading.Lock()
 
 
 def params(seed: int = 0) -> list[nn.Parameter]:
@@ -119,8 +121,9 @@ def test_zero2_with_cpu_adamw_equals_zero2_with_torchs() -> None:
             lambda ps: CPUAdamW(ps, lr=1e-2),
             lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
         ):
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+            with _INIT:  # rank threads share torch's global generator
+                torch.manual_seed(0)
+                model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
             opt = make(list(model.parameters()))
             net, _ = sl.distribute(model, opt, strategy="zero2", group=g, unit_mb=0.002)
             for step in range(5):

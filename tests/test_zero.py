@@ -139,6 +139,7 @@ def train(
     clip: float | None = None,
     no_sync: bool = False,
     mixed_precision: MixedPrecision | None = None,
+    offload: str | None = None,
     **model_kw: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor], ShardedDataParallel, torch.optim.Optimizer]:
     """Our ZeRO stage on this rank; returns its (rank-averaged) losses and final state."""
@@ -152,6 +153,7 @@ def train(
         group=g,
         unit_mb=UNIT_MB,
         mixed_precision=mixed_precision,
+        offload=offload,
     )
     assert isinstance(model, ShardedDataParallel) and opt is not None
     losses = []

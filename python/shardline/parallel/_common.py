@@ -53,13 +53,15 @@ def clip_to_global_norm_(
     norm_type = float(norm_type)
     groups = [group] if isinstance(group, ProcessGroup) else list(group)
     if norm_type == float("inf"):
-        maxima = [g.detach().abs().max().float() for g in counted]
+        maxima = [g.detach().abs().max().float().to(device) for g in counted]
         total = torch.stack(maxima).max().reshape(1) if maxima else torch.zeros(1, device=device)
         for grp in groups:
             grp.all_reduce(total, op="max")
     else:
+        # On the group's device: gradients may be in host memory (ZeRO offload).
         parts = [
-            torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in counted
+            torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).to(device)
+            for g in counted
         ]
         if copies is not None:
             parts = [x * (1.0 / c) ** (1.0 / norm_type) for x, c in zip(parts, copies, strict=True)]
@@ -75,7 +77,7 @@ def clip_to_global_norm_(
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     with torch.no_grad():
         for g in scaled:
-            g.mul_(coef.to(g.dtype))
+            g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return norm
 
 

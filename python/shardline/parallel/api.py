@@ -119,6 +119,8 @@ _DDP_OPTIONS = frozenset(strategies.options_of(DistributedDataParallel))
 _ZERO_OPTIONS = frozenset(strategies.options_of(ShardedDataParallel))
 _ZERO_ONLY = _ZERO_OPTIONS - _DDP_OPTIONS
 _DDP_ONLY = _DDP_OPTIONS - _ZERO_OPTIONS
+# as_distributed's choices past zero3, in order of the device memory they save.
+_OFFLOADS: tuple[str | None, ...] = (None, "optimizer", "cpu")
 
 
 def as_distributed(
@@ -137,9 +139,11 @@ def as_distributed(
 
     DDP when the model, its gradients and optimizer state (``optimizer``: the name of the one
     you will build, or an instance) fit in ``headroom`` of one rank's memory, otherwise the
-    lowest ZeRO stage that fits (``estimate_memory`` for each). Every rank agrees on the most
-    sharded choice any rank needs. Build the optimizer afterwards from the returned model's
-    ``parameters()`` (for ZeRO those are this rank's shards, named like the originals).
+    lowest ZeRO stage that fits (``estimate_memory`` for each), and on GPUs where none does,
+    zero3 with its shards and optimizer state offloaded to host memory. Every rank agrees on
+    the most sharded choice any rank needs. Build the optimizer afterwards from the returned
+    model's ``parameters()`` (for ZeRO those are this rank's shards, named like the
+    originals).
 
     Args:
         model: The plain model, on its device.
@@ -160,7 +164,7 @@ def as_distributed(
     """
     g = group if group is not None else default_group()
     device = next(model.parameters()).device
-    name, reason, _ = choose_strategy(
+    name, reason, estimate = choose_strategy(
         model,
         world_size=g.world_size,
         available_bytes=available_bytes,
@@ -171,16 +175,23 @@ def as_distributed(
         unit_mb=options.get("unit_mb"),
         device=device,
     )
-    mine = torch.tensor([BY_MEMORY.index(name)], dtype=torch.int64, device=device)
+    # One scale for every rank's choice: the strategies by memory, then zero3's offloads.
+    level = BY_MEMORY.index(name) + _OFFLOADS.index(estimate.offload)
+    mine = torch.tensor([level], dtype=torch.int64, device=device)
     g.all_reduce(mine, op="max")
-    agreed = BY_MEMORY[int(mine.item())]
-    if agreed != name:
-        reason = f"{agreed}: another rank has less memory ({reason} here)"
+    top = len(BY_MEMORY) - 1
+    agreed = BY_MEMORY[min(int(mine.item()), top)]
+    offload = _OFFLOADS[max(0, int(mine.item()) - top)]
+    if int(mine.item()) != level:
+        said = f"{agreed}{f' with offload={offload}' if offload else ''}"
+        reason = f"{said}: another rank has less memory ({reason} here)"
     row = strategies.strategy(agreed)
     mine_only = frozenset(row.options())
     kept = {k: v for k, v in options.items() if k in mine_only or k not in _DDP_ONLY | _ZERO_ONLY}
     if row.stage:
         kept["mixed_precision"] = mixed_precision
+    if offload is not None:
+        kept["offload"] = offload
     wrapped = row.wrap(model, group=g, **kept)
     wrapped.strategy = agreed  # type: ignore[assignment]
     wrapped.strategy_reason = reason  # type: ignore[assignment]

@@ -97,8 +97,10 @@ def choose_strategy(
 ) -> tuple[str, str, MemoryEstimate]:
     """The least sharded strategy whose estimate fits ``headroom`` of the available memory.
 
-    Tries ``ddp``, then ``zero1``, ``zero2`` and ``zero3``; when none fits, returns ``zero3``
-    with a reason that says by how much it is short.
+    Tries ``ddp``, then ``zero1``, ``zero2`` and ``zero3``; on CUDA then zero3 with
+    ``offload="optimizer"`` and ``"cpu"`` (the estimate's ``offload`` says which), whose host
+    part must fit ``headroom`` of the host memory too; when none fits, returns ``zero3`` with
+    a reason that says by how much it is short.
 
     Args:
         model: The plain model.
@@ -159,6 +161,25 @@ def choose_strategy(
             return name, reason, estimate
         rejected.append(f"{name} ({format_bytes(estimate.total)})")
     assert estimate is not None
+    on = torch.device(device) if device is not None else _default_device(model)
+    if on.type == "cuda":  # the host can hold what the device cannot: offload
+        host_budget = headroom * available_memory("cpu")
+        for offload in ("optimizer", "cpu"):
+            notes = []
+            mp = _effective_precision("zero3", mixed_precision, notes)
+            act, measured, act_notes = cache[mp.param_dtype if mp is not None else None]
+            offloaded = _estimate(
+                model, "zero3", world_size, k, mp, unit_mb, prefetch, act, measured,
+                notes + act_notes, offload,
+            )  # fmt: skip
+            if offloaded.total <= budget and offloaded.host <= host_budget:
+                reason = (
+                    f"zero3 with offload={offload}: {format_bytes(offloaded.total)} per rank "
+                    f"of {format_bytes(available_bytes)} available, "
+                    f"{format_bytes(offloaded.host)} of host memory; "
+                    + ", ".join(rejected) + " would not fit"
+                )  # fmt: skip
+                return "zero3", reason, offloaded
     short = estimate.total - budget
     reason = (
         f"zero3 may not fit: {format_bytes(estimate.total)} per rank of "

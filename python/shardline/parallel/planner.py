@@ -25,13 +25,18 @@ shards (c·ΣS_u); ZeRO-2 and ZeRO-3 hold full gradient flats in backward (the w
 ``_MAX_INFLIGHT`` reductions in flight plus the unit accumulating, each r·N·S), and ZeRO-3
 ``1 + prefetch`` gathered units in the compute dtype (plus their cast all-gather inputs when
 c != w).
+
+With ``offload`` the master shard, its gradient and the optimizer states, (2 + k)·w·ΣS_u, are
+counted as ``host`` instead; the device keeps the full parameters (stages 1/2) and gradients
+(stage 1) between steps, and for ``"optimizer"`` a compute-dtype copy of the shards from the
+first all-gather to the step (c·ΣS_u, with the transient buffers).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +47,7 @@ from shardline.parallel import strategies
 from shardline.parallel.data.compressed import resolve_compression
 from shardline.parallel.data.zero.grouping import default_unit_mb, plan_units
 from shardline.parallel.data.zero.schedule import _MAX_INFLIGHT
+from shardline.parallel.memory_estimate import _COMPONENTS, MemoryEstimate, format_bytes
 from shardline.parallel.precision import MixedPrecision
 
 if TYPE_CHECKING:
@@ -70,111 +76,6 @@ OPTIMIZERS: dict[str, int] = {
     "none": 0,
 }
 """Optimizer names and the states each keeps per parameter."""
-
-_COMPONENTS = ("params", "grads", "master", "optimizer")
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes one rank needs for a strategy; ``str()`` prints a table.
-
-    Attributes:
-        strategy: The strategy estimated (``ddp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp``).
-        world_size: Ranks the model is spread over (N).
-        params: Parameters held between steps (full, or this rank's shard).
-        grads: Gradients held between steps (full flats, shard flats, or both).
-        master: The higher-precision copy of this rank's shard, when it is not a view.
-        optimizer: Optimizer states of this rank's shard (full for DDP).
-        comm_buffers: Peak transient communication buffers (gathered units, gradient flats).
-        compression: A gradient compressor's state (error-feedback residuals, PowerSGD's
-            factors): under ZeRO-2/3 a residual still covers this rank's whole gradient.
-        activations: Tensors saved for backward by one forward of ``example_input``.
-        num_params: Parameters of the model (Ψ, unpadded, each shared tensor once).
-        num_units: Sharding units the model was grouped into.
-        optimizer_states: States per parameter (k).
-        activations_estimated: Whether ``activations`` was measured (needs an example input).
-        formulas: ``(component, bytes per parameter)`` with ``N`` for the world size, such as
-            ``("optimizer", "8/N")``; empty strings where unit dtypes differ.
-        notes: Caveats, one sentence each.
-    """
-
-    strategy: str
-    world_size: int
-    params: int
-    grads: int
-    master: int
-    optimizer: int
-    comm_buffers: int
-    activations: int
-    num_params: int
-    num_units: int = 0
-    optimizer_states: int = 0
-    activations_estimated: bool = False
-    formulas: tuple[tuple[str, str], ...] = field(default=())
-    notes: tuple[str, ...] = field(default=())
-    compression: int = 0
-
-    @property
-    def persistent(self) -> int:
-        """Bytes held between steps: params + grads + master + optimizer + compression."""
-        return self.params + self.grads + self.master + self.optimizer + self.compression
-
-    @property
-    def total(self) -> int:
-        """Peak bytes per rank: persistent state, communication buffers and activations."""
-        return self.persistent + self.comm_buffers + self.activations
-
-    @property
-    def bytes_per_param(self) -> float:
-        """Persistent bytes per model parameter (16 for fp32 Adam under DDP)."""
-        return self.persistent / self.num_params if self.num_params else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        """Every field plus ``persistent``, ``total`` and ``bytes_per_param``."""
-        out = asdict(self)
-        out["formulas"] = dict(self.formulas)
-        out["notes"] = list(self.notes)
-        out.update(
-            persistent=self.persistent, total=self.total, bytes_per_param=self.bytes_per_param
-        )
-        return out
-
-    def __str__(self) -> str:
-        formulas = dict(self.formulas)
-        n = self.world_size
-        head = (
-            f"{self.strategy} on N={n} rank{'s' if n != 1 else ''}: {self.num_params:,} params "
-            f"in {self.num_units} units, k={self.optimizer_states} optimizer states (per rank)"
-        )
-        rows = [head, f"  {'component':<14}{'bytes':>12}   bytes/param"]
-
-        def row(name: str, nbytes: int, per_param: str) -> None:
-            rows.append(f"  {name:<14}{format_bytes(nbytes, 2):>12}   {per_param}".rstrip())
-
-        def per_param(name: str, nbytes: int) -> str:
-            value = f"{nbytes / self.num_params:.2f}" if self.num_params else "-"
-            formula = formulas.get(name, "")
-            return f"{formula} = {value}" if "N" in formula else value
-
-        for name in _COMPONENTS:
-            row(name, getattr(self, name), per_param(name, getattr(self, name)))
-        if self.compression:
-            row("compression", self.compression, per_param("compression", self.compression))
-        row("persistent", self.persistent, per_param("persistent", self.persistent))
-        row("comm buffers", self.comm_buffers, "transient")
-        act = "one forward of the example input" if self.activations_estimated else "not estimated"
-        row("activations", self.activations, act)
-        row("total", self.total, "")
-        rows += [f"  note: {note}" for note in self.notes]
-        return "\n".join(rows)
-
-
-def format_bytes(nbytes: float, digits: int = 1) -> str:
-    """``1288490188`` -> ``"1.2 GiB"``: bytes in the largest binary unit below the value."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.{digits}f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 def optimizer_states(optimizer: str | torch.optim.Optimizer | None) -> int:
@@ -249,13 +150,26 @@ class _Unit:
     reduce: torch.dtype
 
 
-def _coefficients(name: str, u: _Unit, k: int) -> dict[str, tuple[int, int]]:
+def _coefficients(
+    name: str, u: _Unit, k: int, offload: str | None = None
+) -> dict[str, tuple[int, int]]:
     """``{component: (bytes per full element, bytes per shard element)}`` for one unit.
 
     For ``ddp`` the full coefficient multiplies the unpadded numel; for ZeRO it multiplies
-    the padded ``N * S_u``; the shard coefficient always multiplies ``S_u``.
+    the padded ``N * S_u``; the shard coefficient always multiplies ``S_u``. With
+    ``offload`` the master shard, its gradient and the optimizer states are ``host``; between
+    steps the device keeps the full parameters (stages 1/2) and the full gradients (stage 1)
+    only (the shard's device copy lives from the first all-gather to the step: a transient).
     """
     m, c, w, r = u.model.itemsize, u.compute.itemsize, u.master.itemsize, u.reduce.itemsize
+    if offload is not None and name != "ddp":
+        return {
+            "params": (0 if name == "zero3" else c, 0),
+            "grads": (r if name == "zero1" else 0, 0),
+            "master": (0, 0),
+            "optimizer": (0, 0),
+            "host": (0, (2 + k) * w),
+        }
     separate = u.master != u.compute  # else the master shard is a view into the full params
     if name == "ddp":
         return {"params": (m, 0), "grads": (m, 0), "master": (0, 0), "optimizer": (k * m, 0)}
@@ -323,6 +237,7 @@ def estimate_memory(
     unit_mb: float | None = None,
     prefetch: int = 1,
     compression: str | Compressor | None = None,
+    offload: str | None = None,
 ) -> MemoryEstimate:
     """Bytes per rank to train ``model`` with ``strategy`` on ``world_size`` ranks.
 
@@ -344,6 +259,8 @@ def estimate_memory(
         prefetch: Units ZeRO-3 gathers ahead of the one computing.
         compression: The gradient compressor passed to ``distribute`` (or its name): its
             per-rank state is counted.
+        offload: ZeRO's ``offload`` (``"optimizer"`` or ``"cpu"``): the master shards, their
+            gradients and the optimizer states move to ``host``.
 
     Returns:
         A ``MemoryEstimate``; ``print`` it for a table.
@@ -358,12 +275,20 @@ def estimate_memory(
         raise InvalidArgumentError(
             f"prefetch ({prefetch}) and unit_mb ({unit_mb}) must not be negative"
         )
+    if offload not in (None, "optimizer", "cpu"):
+        raise InvalidArgumentError(
+            f"estimate_memory: offload must be None, 'optimizer' or 'cpu', not {offload!r}"
+        )
+    if offload is not None and strategies.strategy(name).stage == 0:
+        raise InvalidArgumentError(
+            f"estimate_memory: offload is an option of the ZeRO strategies, not {name}"
+        )
     k = optimizer_states(optimizer)
     notes: list[str] = []
     mp = _effective_precision(name, mixed_precision, notes)
     activations, measured = _activations_or_note(model, example_input, mp, notes)
     estimate = _estimate(
-        model, name, world_size, k, mp, unit_mb, prefetch, activations, measured, notes
+        model, name, world_size, k, mp, unit_mb, prefetch, activations, measured, notes, offload
     )
     compressor = resolve_compression(compression, None)
     if compressor is None:
@@ -388,6 +313,7 @@ def _estimate(
     activations: int,
     measured: bool,
     notes: list[str],
+    offload: str | None = None,
 ) -> MemoryEstimate:
     """The estimate once arguments are checked and activations counted."""
     layout = strategies.strategy(name).planned_as
@@ -414,16 +340,17 @@ def _estimate(
         shard = max(1, -(-spec.numel // n))
         units.append(_Unit(spec.numel, trainable, shard, dt, compute, master, reduce))
 
-    totals = dict.fromkeys(_COMPONENTS, 0)
+    totals = dict.fromkeys((*_COMPONENTS, "host"), 0)
     coefficients: dict[str, set[tuple[int, int]]] = {c: set() for c in _COMPONENTS}
+    host: set[tuple[int, int]] = set()
     for u in units:
-        for comp, (full, shard) in _coefficients(layout, u, k).items():
+        for comp, (full, shard) in _coefficients(layout, u, k, offload).items():
             if layout != "ddp":
                 full_elems = n * u.shard
             else:  # DDP reduces and steps only parameters that require grad
                 full_elems = u.numel if comp == "params" else u.trainable
             totals[comp] += full * full_elems + shard * u.shard
-            coefficients[comp].add((full, shard))
+            coefficients.get(comp, host).add((full, shard))
 
     formulas: list[tuple[str, str]] = []
     if all(len(c) == 1 for c in coefficients.values()):
@@ -431,6 +358,8 @@ def _estimate(
         formulas = [(comp, _formula(*pairs[comp])) for comp in _COMPONENTS]
         persistent = (sum(p[0] for p in pairs.values()), sum(p[1] for p in pairs.values()))
         formulas.append(("persistent", _formula(*persistent)))
+        if len(host) == 1:
+            formulas.append(("host", _formula(*next(iter(host)))))
 
     num_params = sum(u.numel for u in units)
     frozen = num_params - sum(u.trainable for u in units)
@@ -448,7 +377,14 @@ def _estimate(
         grads=totals["grads"],
         master=totals["master"],
         optimizer=totals["optimizer"],
-        comm_buffers=_comm_buffers(layout, units, n, prefetch),
+        comm_buffers=_comm_buffers(layout, units, n, prefetch)
+        # offload="optimizer" under zero3: the shards' device copies, forward to step (stages
+        # 1/2 count them already, as the inputs of their re-gather).
+        + (
+            sum(u.compute.itemsize * u.shard for u in units)
+            if offload == "optimizer" and layout == "zero3"
+            else 0
+        ),
         activations=activations,
         num_params=num_params,
         num_units=len(units),
@@ -456,6 +392,8 @@ def _estimate(
         activations_estimated=measured,
         formulas=tuple(formulas),
         notes=tuple(notes),
+        host=totals["host"],
+        offload=offload,
     )
 
 

@@ -57,6 +57,7 @@ class ZeroBase(nn.Module):
     group: ProcessGroup
     prefetch: int
     mixed_precision: MixedPrecision
+    offload: str | None  # "optimizer" or "cpu": shards and optimizer state in host memory
     _device: torch.device
     _gather_group: ProcessGroup  # all-gathers, in their own order
     _reduce_group: ProcessGroup  # gradient reductions, in their own order

@@ -46,6 +46,7 @@ class UnitLayout(ZeroBase):
                 rdtype=mp.reduction_dtype(spec.dtype),
                 modules=list(spec.modules),
                 owner=spec.owner,
+                offload=self.offload,
             )
             unit.build(self._device, shard_is_view=self.stage < 3 and unit.cdtype == unit.wdtype)
             self._units.append(unit)

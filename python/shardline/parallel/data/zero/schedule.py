@@ -203,11 +203,18 @@ class GatherReduceSchedule(UnitLayout):
         self._bw_next = 0
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Stages 1/2: an optimizer stepped; if it holds our shards, re-gather before forward."""
-        if self.stage < 3 and not self._needs_gather:
-            self._needs_gather = any(
-                id(p) in self._local_ids for g in optimizer.param_groups for p in g["params"]
-            )
+        """An optimizer stepped: if it holds our shards, their device copies are stale.
+
+        Under offload the device copies go; at stages 1/2 the parameters are re-gathered
+        before the next forward.
+        """
+        mine = any(id(p) in self._local_ids for g in optimizer.param_groups for p in g["params"])
+        if not mine:
+            return
+        for u in self._units:
+            u.dev_shard = None
+        if self.stage < 3:
+            self._needs_gather = True
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -349,7 +356,7 @@ class GatherReduceSchedule(UnitLayout):
             out, fresh = u.grad_full, True
         else:
             fresh = u.shard_grad is None or not u.locals_have_grads()
-            if fresh and u.shard_grad is not None and u.rdtype == u.wdtype:
+            if fresh and u.shard_grad is not None and u.rdtype == u.wdtype and not u.offload:
                 out = u.shard_grad
             else:
                 out = torch.empty(u.shard_numel, dtype=u.rdtype, device=self._device)
@@ -407,6 +414,13 @@ class GatherReduceSchedule(UnitLayout):
 
     def _keep(self, u: Unit, out: torch.Tensor, fresh: bool) -> None:
         """``u``'s reduced gradient ``out``: this rank's part of it, replacing or adding."""
+        if u.offload is not None and (u.owner is None or u.rank == u.owner):
+            u.keep_on_host(out[u.lo : u.hi] if self.stage == 1 and u.owner is None else out,
+                           fresh=fresh)  # fmt: skip
+            if self.stage > 1 or u.owner is not None:
+                u.grad_full = None
+                u.grad_filled = []
+            return
         if self.stage == 1 and u.owner is None:
             owned = out[u.lo : u.hi]
             if u.rdtype == u.wdtype:
@@ -438,6 +452,9 @@ class GatherReduceSchedule(UnitLayout):
                 while self._inflight:
                     self._finish(*self._inflight.pop(0))
                 self._finish_replicas()
+                if self.offload is not None and self._device.type == "cuda":
+                    # The gradients' copies to pinned host memory, before the optimizer reads.
+                    torch.cuda.current_stream(self._device).synchronize()
                 for u in self._units:
                     u.publish_grads()
                 self._synced_steps += 1

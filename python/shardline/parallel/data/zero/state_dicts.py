@@ -263,6 +263,8 @@ class ShardedStateDicts(GatherReduceSchedule):
         Call it after writing into the local shards directly (a checkpoint loader does);
         ``load_state_dict`` and optimizer steps do it for you. Stage 3 always gathers.
         """
+        for u in self._units:
+            u.dev_shard = None  # offload: the device copy is stale
         if self.stage < 3:
             self._needs_gather = True
 

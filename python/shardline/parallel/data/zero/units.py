@@ -14,6 +14,12 @@ stage, each backward: only the owner keeps them. (So a ``zero_grad()`` between a
 backward and the next synchronised one is seen by the owner alone; the others still add what
 they accumulated.)
 
+With *offload* (``"optimizer"`` or ``"cpu"``) the shard lives in host memory (pinned under
+CUDA), so the optimizer and its state run there; reduced gradient parts are copied to the host
+as each unit's reduction finishes. ``"optimizer"`` keeps a device copy of the shard in the
+compute dtype for the all-gathers (``dev_shard``, refreshed after each optimizer step);
+``"cpu"`` keeps none and copies the shard to the device for each all-gather.
+
 ``full`` (compute dtype) holds the gathered parameters; the module's own parameters are views
 into it. For ZeRO-3 its storage is released (``resize_(0)``) between uses and re-allocated
 before the next all-gather, so the views (and tensors autograd saved) stay valid objects.
@@ -66,6 +72,7 @@ class Unit:
     rdtype: torch.dtype  # reduce: gradients on the wire
     modules: list[str] = field(default_factory=list)
     owner: int | None = None  # a whole unit's rank (see the module docstring)
+    offload: str | None = None  # "optimizer" or "cpu": the shard in host memory
     # layout
     offsets: list[int] = field(default_factory=list)
     numel: int = 0
@@ -76,6 +83,8 @@ class Unit:
     locals: list[nn.Parameter] = field(default_factory=list)
     local_ranges: list[tuple[int, int]] = field(default_factory=list)  # in the param's numel
     shard_grad: torch.Tensor | None = None
+    dev_shard: torch.Tensor | None = None  # offload="optimizer": the shard on the device
+    host_grad: torch.Tensor | None = None  # offload: the pinned buffer shard_grad reuses
     grad_full: torch.Tensor | None = None
     grad_filled: list[bool] = field(default_factory=list)
     held_grads: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # not yet in grad_full
@@ -116,9 +125,16 @@ class Unit:
             self.shard_numel = off if self.rank == self.owner else 0
         lo, hi = self.lo, self.hi
         self.full = torch.zeros(self.padded, dtype=self.cdtype, device=device)
+        shard_is_view = shard_is_view and self.offload is None
         self.shard_is_view = shard_is_view
         if not shard_is_view:  # the master copy comes from the original values, not the cast
-            self.shard = torch.zeros(self.shard_numel, dtype=self.wdtype, device=device)
+            self.shard = torch.zeros(
+                self.shard_numel,
+                dtype=self.wdtype,
+                device="cpu" if self.offload else device,
+                pin_memory=self.offload is not None and device.type == "cuda",
+            )
+        self.dev_shard = None
         with torch.no_grad():
             for p, o in zip(self.params, self.offsets, strict=True):
                 flat = p.detach().reshape(-1)
@@ -203,9 +219,38 @@ class Unit:
             return self.full
         if self.shard_is_view:
             return self.shard.clone()  # the input may not alias the output's own slice
+        if self.offload is not None:
+            if self.dev_shard is None:
+                on_device = self.shard.to(device=self.full.device, dtype=self.cdtype)
+                if self.offload == "cpu":
+                    return on_device
+                self.dev_shard = on_device
+            return self.dev_shard
         if self.shard.dtype == self.cdtype:
             return self.shard
         return self.shard.to(self.cdtype)
+
+    def keep_on_host(self, part: torch.Tensor, *, fresh: bool) -> None:
+        """Offload: ``part`` (this rank's reduced gradient) into the host-side ``shard_grad``.
+
+        It replaces or adds to what ``shard_grad`` holds. A replacing copy into pinned memory
+        is asynchronous under CUDA; the caller synchronises before the optimizer reads it.
+        """
+        held = self.shard_grad
+        if fresh or held is None:
+            # The pinned buffer outlives zero_grad() (pinning is slow); shard_grad is None
+            # between a zero_grad() and the next reduction, as without offload.
+            buf = self.host_grad
+            if buf is None or buf.numel() != part.numel():
+                buf = self.host_grad = torch.empty(
+                    part.numel(),
+                    dtype=self.wdtype,
+                    pin_memory=part.device.type == "cuda",
+                )
+            buf.copy_(part.reshape(-1), non_blocking=True)
+            self.shard_grad = buf
+        else:
+            held.add_(part.reshape(-1).to(device="cpu", dtype=self.wdtype))
 
     # -- gradients ---------------------------------------------------------------------------
 
@@ -272,7 +317,9 @@ class Unit:
         if self.grad_full is None or not any(self.grad_filled):
             return
         mine = self.grad_full[self.lo : self.hi]
-        if mine.dtype != self.wdtype:  # a .grad must have its parameter's dtype
+        if self.offload is not None:  # a .grad must be on its parameter's device: a copy
+            mine = mine.to(device="cpu", dtype=self.wdtype)
+        elif mine.dtype != self.wdtype:  # a .grad must have its parameter's dtype
             mine = mine.to(self.wdtype)
         self._show(mine)
 
@@ -317,4 +364,7 @@ class Unit:
             and sg.untyped_storage().data_ptr() == self.grad_full.untyped_storage().data_ptr()
         ):
             sg_own = size(sg)
-        return {"params": full, "master": shard_own, "grads": grad_own + sg_own}
+        if self.offload is not None:  # the shard and its gradient are in host memory
+            return {"params": full + size(self.dev_shard), "master": 0, "grads": grad_own,
+                    "host": shard_own + size(self.host_grad)}  # fmt: skip
+        return {"params": full, "master": shard_own, "grads": grad_own + sg_own, "host": 0}

@@ -117,6 +117,12 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
             ZeRO-1's all-reduce and ZeRO-2/3's reduce-scatter run compressed, with error
             feedback (whose residual covers the whole unit: ``sl.estimate_memory`` counts it).
             Units kept whole for their optimizer are reduced uncompressed.
+        offload: ``"optimizer"``: this rank's shards (fp32 master weights) and so the
+            optimizer's state live in host memory, pinned under CUDA, and the optimizer steps
+            there (``sl.optim.CPUAdamW`` steps them in Rust); reduced gradients are copied to
+            the host as each unit's reduction finishes, and a device copy of the shards in the
+            compute dtype serves the all-gathers. ``"cpu"``: no device copy either; the shards
+            travel to the device for each all-gather. ``None``: everything on the device.
 
     ``state_dict()`` returns full tensors under the plain model's names on every rank (a
     collective: every rank must call it); ``sharded_state_dict()`` returns this rank's shards.
@@ -139,10 +145,16 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         reorder: bool = True,
         replicate_group: ProcessGroup | None = None,
         compression: str | Compressor | None = None,
+        offload: str | None = None,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
             raise InvalidArgumentError(f"ShardedDataParallel: stage must be 1, 2 or 3, not {stage}")
+        if offload not in (None, "optimizer", "cpu"):
+            raise InvalidArgumentError(
+                f"ShardedDataParallel: offload must be None, 'optimizer' or 'cpu', not {offload!r}"
+            )
+        self.offload = offload
         if (unit_mb is not None and unit_mb < 0) or prefetch < 0:
             raise InvalidArgumentError(
                 f"ShardedDataParallel: unit_mb ({unit_mb}) and prefetch ({prefetch}) must be >= 0"
@@ -354,8 +366,11 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         return comm_stats(counts, self._compression, self._synced_steps)
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes this rank holds now for parameters, master copies and gradients."""
-        out = {"params": 0, "master": 0, "grads": 0}
+        """Bytes this rank holds now: parameters, master copies and gradients on its device.
+
+        ``host``: what offload keeps in host memory (shards and their gradients).
+        """
+        out = {"params": 0, "master": 0, "grads": 0, "host": 0}
         for u in self._units:
             for k, v in u.nbytes().items():
                 out[k] += v

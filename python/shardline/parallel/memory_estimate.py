@@ -1,0 +1,121 @@
+"""What ``estimate_memory`` returns: bytes per rank by component, printed as a table."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["MemoryEstimate", "format_bytes"]
+
+_COMPONENTS = ("params", "grads", "master", "optimizer")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank needs for a strategy; ``str()`` prints a table.
+
+    Attributes:
+        strategy: The strategy estimated (``ddp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp``).
+        world_size: Ranks the model is spread over (N).
+        params: Parameters held between steps (full, or this rank's shard).
+        grads: Gradients held between steps (full flats, shard flats, or both).
+        master: The higher-precision copy of this rank's shard, when it is not a view.
+        optimizer: Optimizer states of this rank's shard (full for DDP).
+        comm_buffers: Peak transient communication buffers (gathered units, gradient flats).
+        compression: A gradient compressor's state (error-feedback residuals, PowerSGD's
+            factors): under ZeRO-2/3 a residual still covers this rank's whole gradient.
+        host: Host memory per rank under offload (master shard, its gradient, optimizer
+            states); not part of ``persistent`` or ``total``, which count the device.
+        offload: The ZeRO ``offload`` estimated (``"optimizer"``, ``"cpu"``) or ``None``.
+        activations: Tensors saved for backward by one forward of ``example_input``.
+        num_params: Parameters of the model (Ψ, unpadded, each shared tensor once).
+        num_units: Sharding units the model was grouped into.
+        optimizer_states: States per parameter (k).
+        activations_estimated: Whether ``activations`` was measured (needs an example input).
+        formulas: ``(component, bytes per parameter)`` with ``N`` for the world size, such as
+            ``("optimizer", "8/N")``; empty strings where unit dtypes differ.
+        notes: Caveats, one sentence each.
+    """
+
+    strategy: str
+    world_size: int
+    params: int
+    grads: int
+    master: int
+    optimizer: int
+    comm_buffers: int
+    activations: int
+    num_params: int
+    num_units: int = 0
+    optimizer_states: int = 0
+    activations_estimated: bool = False
+    formulas: tuple[tuple[str, str], ...] = field(default=())
+    notes: tuple[str, ...] = field(default=())
+    compression: int = 0
+    host: int = 0
+    offload: str | None = None
+
+    @property
+    def persistent(self) -> int:
+        """Bytes held between steps: params + grads + master + optimizer + compression."""
+        return self.params + self.grads + self.master + self.optimizer + self.compression
+
+    @property
+    def total(self) -> int:
+        """Peak bytes per rank: persistent state, communication buffers and activations."""
+        return self.persistent + self.comm_buffers + self.activations
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Persistent bytes per model parameter (16 for fp32 Adam under DDP)."""
+        return self.persistent / self.num_params if self.num_params else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field plus ``persistent``, ``total`` and ``bytes_per_param``."""
+        out = asdict(self)
+        out["formulas"] = dict(self.formulas)
+        out["notes"] = list(self.notes)
+        out.update(
+            persistent=self.persistent, total=self.total, bytes_per_param=self.bytes_per_param
+        )
+        return out
+
+    def __str__(self) -> str:
+        formulas = dict(self.formulas)
+        n = self.world_size
+        head = (
+            f"{self.strategy}{f' (offload={self.offload})' if self.offload else ''} on N={n} "
+            f"rank{'s' if n != 1 else ''}: {self.num_params:,} params "
+            f"in {self.num_units} units, k={self.optimizer_states} optimizer states (per rank)"
+        )
+        rows = [head, f"  {'component':<14}{'bytes':>12}   bytes/param"]
+
+        def row(name: str, nbytes: int, per_param: str) -> None:
+            rows.append(f"  {name:<14}{format_bytes(nbytes, 2):>12}   {per_param}".rstrip())
+
+        def per_param(name: str, nbytes: int) -> str:
+            value = f"{nbytes / self.num_params:.2f}" if self.num_params else "-"
+            formula = formulas.get(name, "")
+            return f"{formula} = {value}" if "N" in formula else value
+
+        for name in _COMPONENTS:
+            row(name, getattr(self, name), per_param(name, getattr(self, name)))
+        if self.compression:
+            row("compression", self.compression, per_param("compression", self.compression))
+        row("persistent", self.persistent, per_param("persistent", self.persistent))
+        row("comm buffers", self.comm_buffers, "transient")
+        act = "one forward of the example input" if self.activations_estimated else "not estimated"
+        row("activations", self.activations, act)
+        row("total", self.total, "")
+        if self.host:
+            row("host (offload)", self.host, per_param("host", self.host))
+        rows += [f"  note: {note}" for note in self.notes]
+        return "\n".join(rows)
+
+
+def format_bytes(nbytes: float, digits: int = 1) -> str:
+    """``1288490188`` -> ``"1.2 GiB"``: bytes in the largest binary unit below the value."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.{digits}f} {unit}"
+    return f"{int(nbytes)} B"
