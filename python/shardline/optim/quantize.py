@@ -364,23 +364,23 @@ class OneBit(Quantizer):
     def _native_ok(*tensors: torch.Tensor) -> bool:
         return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
+    def _encode_native(self, rows: torch.Tensor, feedback: bool) -> torch.Tensor:
+        r, length = rows.shape
+        codes = torch.empty(r, self.code_bytes(length), dtype=torch.uint8)
+        _native.onebit_encode(rows, codes, length, self.block, feedback, torch.get_num_threads())
+        return codes
+
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         """Signs and scales per row (in Rust on CPU)."""
         if not self._native_ok(rows) or rows.dtype != torch.float32:
             return super().encode(rows)
-        r, length = rows.shape
-        codes = torch.empty(r, self.code_bytes(length), dtype=torch.uint8)
-        _native.onebit_encode(rows, codes, length, self.block, False, torch.get_num_threads())
-        return codes
+        return self._encode_native(rows, False)
 
     def encode_feedback(self, rows: torch.Tensor) -> torch.Tensor:
         """Encodes and leaves the residual in ``rows``, in one pass on CPU."""
         if not self._native_ok(rows) or rows.dtype != torch.float32:
             return super().encode_feedback(rows)
-        r, length = rows.shape
-        codes = torch.empty(r, self.code_bytes(length), dtype=torch.uint8)
-        _native.onebit_encode(rows, codes, length, self.block, True, torch.get_num_threads())
-        return codes
+        return self._encode_native(rows, True)
 
     def encode_chunks(
         self, flat: torch.Tensor, res: torch.Tensor | None, n: int, chunk: int, length: int

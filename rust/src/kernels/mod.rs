@@ -41,3 +41,15 @@ pub fn run<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
         None => f(),
     }
 }
+
+/// Deterministic values in [-0.5, 0.5) for the kernels' tests.
+#[cfg(test)]
+pub(crate) fn test_values(n: usize, seed: u32) -> Vec<f32> {
+    let mut i = seed;
+    (0..n)
+        .map(|_| {
+            i = i.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (i >> 9) as f32 / (1u32 << 23) as f32 - 0.5
+        })
+        .collect()
+}

@@ -250,15 +250,7 @@ pub fn sgd(
 mod tests {
     use super::*;
 
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut i = seed;
-        (0..n)
-            .map(|_| {
-                i = i.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (i >> 9) as f32 / (1u32 << 23) as f32 - 0.5
-            })
-            .collect()
-    }
+    use crate::kernels::test_values as values;
 
     #[test]
     fn adamw_matches_its_formula_in_f64() {
