@@ -29,6 +29,8 @@ Writes JSON, a text table and (with matplotlib) a PNG to ``benches/results/zero-
     python benches/bench_zero.py --ranks 2                          # CPU, here, small model
     python benches/bench_zero.py --ranks 2 --impls ddp,fsdp2        # torch only
     python benches/bench_zero.py --device cuda --ranks 2 --size large
+    python benches/bench_zero.py --device cuda --ranks 1 4 --size xl \
+        --impls zero3,fsdp2,zero3-offload,zero3-offload-cpu,fsdp2-offload
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ import _report
 
 IMPLS = ("zero1", "zero2", "zero3", "fsdp2", "ddp")
 OURS = ("zero1", "zero2", "zero3")
+# Not run by default (``--impls``): zero3 with its shards and AdamW state in host memory
+# (``offload="optimizer"``, and ``"cpu"``, stepped by ``sl.optim.CPUAdamW``) against FSDP2 with
+# ``CPUOffloadPolicy`` (torch's AdamW on the host).
+OFFLOAD_IMPLS = ("zero3-offload", "zero3-offload-cpu", "fsdp2-offload")
 MIB = 2**20
 MEM_KEYS = ("persistent_bytes", "persistent_generic_bytes", "peak_bytes", "left_after_del_bytes")
 # (d_model, num_layers, num_heads, seq_len, batch_size per rank)
@@ -134,14 +140,23 @@ def build_impl(
     import shardline as sl  # noqa: PLC0415
 
     model: Any = copy.deepcopy(base).to(device)
+    if name in ("zero3-offload", "zero3-offload-cpu"):
+        opt = sl.optim.CPUAdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        offload = "cpu" if name.endswith("-cpu") else "optimizer"
+        return sl.distribute(model, opt, strategy="zero3", offload=offload, **zero_kw)
     if name in OURS or name.startswith("sl-"):
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         return sl.distribute(model, opt, strategy=name.removeprefix("sl-"), **zero_kw)
-    if name == "fsdp2":
+    if name in ("fsdp2", "fsdp2-offload"):
         fully_shard = fully_shard_fn()
+        kw: dict[str, Any] = {}
+        if name == "fsdp2-offload":
+            from torch.distributed.fsdp import CPUOffloadPolicy  # noqa: PLC0415
+
+            kw["offload_policy"] = CPUOffloadPolicy()
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
     else:
         model = TorchDDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
@@ -193,7 +208,7 @@ def worker(args: argparse.Namespace) -> int:
         opt.step()
         return loss.detach()
 
-    impls = [i for i in IMPLS if i in args.impls]
+    impls = [i for i in IMPLS + OFFLOAD_IMPLS if i in args.impls]
     errors: dict[str, str] = {}
     rows: dict[str, dict[str, Any]] = {i: {} for i in impls}
 
@@ -419,7 +434,8 @@ def plot(results: dict[int, dict[str, Any]], path: Path, device: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    _harness.add_subset(p, "--impls", IMPLS)
+    _harness.add_subset(p, "--impls", IMPLS + OFFLOAD_IMPLS)
+    p.set_defaults(impls=list(IMPLS))  # the offloads only when asked for
     p.add_argument("--size", default="small", choices=list(SIZES))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     repeats_help = "timed blocks per implementation"
