@@ -86,16 +86,28 @@ def test_onebit_native_codec_writes_the_torch_codecs_bytes() -> None:
     torch.testing.assert_close(residual, x - torch_path.decode(c, native, length))
     with pytest.raises(InvalidArgumentError, match="share memory"):
         _native.onebit_decode(native, native, length, 64, False)
-    # Chunks of a ragged buffer, padded without a copy, with and without a residual.
+    # Chunks of a ragged buffer, padded without a copy, with and without a residual, against
+    # the torch codec on rows padded by hand.
     flat, res = torch.randn(1000), torch.randn(1000)
     for residual in (res, None):
         mine = None if residual is None else residual.clone()
-        theirs = None if residual is None else residual.clone()
         got = c.encode_chunks(flat, mine, 3, 334, 384)
-        want = torch_path.encode_chunks(c, flat, theirs, 3, 334, 384)
-        assert torch.equal(got, want)
+        rows = torch.zeros(3, 384)
+        values = flat if residual is None else flat + residual
+        for r in range(3):
+            part = values[r * 334 : (r + 1) * 334]
+            rows[r, : part.numel()] = part
+        want = torch_path.encode(c, rows)
+        assert torch.equal(got[:, :48], want[:, :48])  # signs
+        torch.testing.assert_close(
+            got[:, 48:].contiguous().view(torch.float32),
+            want[:, 48:].contiguous().view(torch.float32),
+        )
         if mine is not None:
-            torch.testing.assert_close(mine, theirs)
+            dropped = rows - torch_path.decode(c, want, 384)
+            torch.testing.assert_close(
+                mine, torch.cat([dropped[r, : min(334, 1000 - r * 334)] for r in range(3)])
+            )
 
 
 def test_bad_arguments_are_refused_with_the_reason() -> None:

@@ -193,16 +193,16 @@ class Quantizer(Compressor):
     ) -> None:
         n, numel = group.world_size, flat.numel()
         # Padding (past the chunk, or past the buffer's end) holds no value, nor residual.
-        mine[max(0, min(chunk, numel - group.rank * chunk)) :].zero_()
+        valid = max(0, min(chunk, numel - group.rank * chunk))
+        mine[valid:].zero_()
+        server = None
         if self.error_feedback:
             self._server_at[key] = (group.rank, chunk)
             server = self._server_residual(key, layout, length, flat.device)
-            mine.add_(server)
-            code = self.encode_feedback(mine.reshape(1, length))
-            server.copy_(mine)
-            server[max(0, min(chunk, numel - group.rank * chunk)) :].zero_()
-        else:
-            code = self.encode(mine.reshape(1, length))
+        # One row: this chunk of the sum plus the server residual, which keeps what is dropped.
+        code = self.encode_chunks(mine, server, 1, length, length)
+        if server is not None:
+            server[valid:].zero_()
         gathered = torch.empty(n, code.shape[1], dtype=torch.uint8, device=flat.device)
         group.all_gather(gathered.view(-1), code.view(-1))
         if flat.dtype == torch.float32 and length == chunk and n * chunk == numel:
