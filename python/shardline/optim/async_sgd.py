@@ -16,12 +16,12 @@ how old the gradients applied by this rank's server were, ``model.comm_stats()``
 
 Limits: parameters of one floating dtype and one optimizer param group; a learning-rate
 scheduler on the loop's optimizer does not reach the servers; the servers' optimizer state is
-not in checkpoints (save after ``close()``: the model is then the same everywhere); CPU
-tensors (the native or gloo backend).
+not in checkpoints (save after ``close()``: the model is then the same everywhere).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 from typing import Any
@@ -50,7 +50,8 @@ class AsyncSGD(Replica):
     are not included).
 
     Args:
-        module: The plain model, on CPU (native or gloo backend).
+        module: The plain model (on the CPU for the native or gloo backend, on this rank's
+            GPU for nccl).
         group: The ranks; the default group when ``None``.
         staleness: ``s >= 0``: the most versions a gradient may lag the server.
         on_stale: ``"wait"`` (stale synchronous parallel) or ``"drop"`` (see ``param_server``).
@@ -188,18 +189,22 @@ class AsyncSGD(Replica):
         g = self._pairs[(self.group.rank, w)]
         peer = 1 - g.rank  # the pair's other rank
         lo, hi = self._ranges[self.group.rank]
-        header = torch.empty(2, dtype=torch.int64, device=self._dev)
-        grad = torch.empty(hi - lo, dtype=torch.float32, device=self._dev)
         try:
-            while True:
-                g.recv(header, peer)
-                clock, computed_on = int(header[0]), int(header[1])
-                if clock == _BYE:
-                    return
-                g.recv(grad, peer)
-                reply = server.handle(clock, computed_on, grad)
-                g.send(self._ints(reply.version, int(reply.accepted)), peer)
-                g.send(reply.params.float(), peer)
+            # On CUDA a stream of its own: this thread's wait for the next push must not hold
+            # up what the training thread queues on its stream (its sends would never start).
+            own = torch.cuda.Stream(self._dev) if self._dev.type == "cuda" else None
+            with torch.cuda.stream(own) if own is not None else contextlib.nullcontext():
+                header = torch.empty(2, dtype=torch.int64, device=self._dev)
+                grad = torch.empty(hi - lo, dtype=torch.float32, device=self._dev)
+                while True:
+                    g.recv(header, peer)
+                    clock, computed_on = int(header[0]), int(header[1])
+                    if clock == _BYE:
+                        return
+                    g.recv(grad, peer)
+                    reply = server.handle(clock, computed_on, grad)
+                    g.send(self._ints(reply.version, int(reply.accepted)), peer)
+                    g.send(reply.params.float(), peer)
         except BaseException as exc:  # reported on the main thread at the next step
             self._errors.append(exc)
 

@@ -15,13 +15,19 @@ optimizer once, so a round is a synchronous step's update.
   accepted, from whichever workers; one slow worker never holds the others.
 
 ``handle`` is thread-safe: the server's own worker calls it directly, and one thread per remote
-worker calls it for messages received on that pair's group (``async_sgd.AsyncSGD``).
+worker calls it for messages received on that pair's group (``async_sgd.AsyncSGD``). On CUDA
+the server's arithmetic runs on a stream of its own, ordered after the caller's stream (where
+the gradient was made) and before what the caller queues next (which reads the reply): the
+callers' streams never wait on each other, so one thread blocked on its receive cannot hold up
+another's send.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,9 +92,31 @@ class ShardServer:
         self.dropped = 0
         self._rounds: dict[int, _Round] = {}  # wait: by clock; drop: one open round (key 0)
         self._cond = threading.Condition()
+        self._stream = torch.cuda.Stream(shard.device) if shard.is_cuda else None
+
+    @contextlib.contextmanager
+    def _on_own_stream(self, grad: torch.Tensor) -> Iterator[None]:
+        """Runs the body on the server's stream (CUDA), ordered between the caller's work."""
+        stream = self._stream
+        if stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(caller)  # the gradient is ready
+        grad.record_stream(stream)  # the caller may free it before the server reads it
+        with torch.cuda.stream(stream):
+            yield
+        caller.wait_stream(stream)  # the reply is ready
 
     def handle(self, clock: int, computed_on: int, grad: torch.Tensor) -> Reply:
         """Takes worker's ``clock``-th gradient, computed on version ``computed_on``."""
+        with self._on_own_stream(grad):
+            reply = self._handle(clock, computed_on, grad)
+        if self._stream is not None:  # made on the server's stream, read on the caller's
+            reply.params.record_stream(torch.cuda.current_stream(self._stream.device))
+        return reply
+
+    def _handle(self, clock: int, computed_on: int, grad: torch.Tensor) -> Reply:
         with self._cond:
             if self.on_stale == "drop":
                 if self.version - computed_on > self.staleness:
@@ -118,7 +146,7 @@ class ShardServer:
 
     def flush(self) -> None:
         """Applies a round still open at the end (``"drop"``: fewer than ``n`` gradients)."""
-        with self._cond:
+        with self._cond, self._on_own_stream(self.param):
             for key in sorted(self._rounds):
                 self._apply(key)
 
