@@ -23,7 +23,13 @@ Bounds, measured in the same run (ANCHORS.md section 1):
 Backends: ``native`` (ProcessGroup, shared memory), ``native-tcp`` (the same engine with the
 TCP path forced: a distinct host id per rank), ``gloo`` (raw ``ProcessGroupGloo`` calls, what
 torch users get), ``native-raw`` (diagnostic: ``_native.Group`` called directly, no Python
-layer), ``native-1t`` (the engine with one thread per rank: ``SHARDLINE_COMM_THREADS=1``).
+layer), ``native-1t`` (the engine with one thread per rank: ``SHARDLINE_COMM_THREADS=1``),
+``native-fixed`` (the engine with the one-shot all-reduce limit fixed at 256 KiB, as before it
+was measured per communicator: ``SHARDLINE_ONESHOT_BYTES=262144``).
+
+Each table ends with every native backend's all_reduce against its own reduce_scatter plus
+all_gather of the same buffer (the two-phase algorithm's parts run as separate ops), and the
+one-shot limit each group chose when it was made.
 
 Exit status: 0 all good; 1 a worker failed or timed out (every rank's stderr is printed);
 2 bad arguments; 3 the run finished but a backend or a cell failed (listed at the end).
@@ -55,7 +61,14 @@ import _report
 
 SIZED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 OPS = (*SIZED_OPS, "barrier")
-BACKENDS = ("native", "native-tcp", "gloo", "native-raw", "native-1t")
+BACKENDS = ("native", "native-tcp", "gloo", "native-raw", "native-1t", "native-fixed")
+# Backends that are the native engine on shared memory (their all_reduce has the shm bound).
+SHM_NATIVE = ("native", "native-raw", "native-1t", "native-fixed")
+# Environment each engine variant is made under (restored afterwards).
+VARIANT_ENV = {
+    "native-1t": ("SHARDLINE_COMM_THREADS", "1"),
+    "native-fixed": ("SHARDLINE_ONESHOT_BYTES", "262144"),
+}
 DEFAULT_SIZES = "4K,64K,1M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M,64M"
 BOUND_BYTES = 256 << 20
@@ -100,6 +113,14 @@ class StoreSync:
         key = f"bench/sync/{self.n}/{tag}"
         self.store.set(f"{key}/{self.rank}", json.dumps(value))
         return [json.loads(bytes(self.store.get(f"{key}/{r}"))) for r in range(self.world)]
+
+    def finish(self) -> None:
+        """The last call: rank 0 (the store's host) returns only after every rank is done
+        with the store, so no rank reads from a store that is gone."""
+        self.store.add("bench/sync/finished", 1)
+        if self.rank == 0:
+            while self.store.add("bench/sync/finished", 0) < self.world:
+                time.sleep(0.01)
 
 
 def _log(rank: int, msg: str) -> None:
@@ -149,6 +170,12 @@ def worker_main(cfg_path: str) -> int:
             "error": "; ".join(bad) or None,
             "setup_s": setup_s,
             "transport": transport,
+            # The native engine's one-shot all-reduce limit (set, or measured at creation).
+            "oneshot_bytes": getattr(
+                getattr(getattr(groups.get(backend, (None, None))[1], "_impl", None), "_g", None),
+                "oneshot_bytes",
+                None,
+            ),
         }
 
     # -- bounds --------------------------------------------------------------------------------
@@ -300,6 +327,7 @@ def worker_main(cfg_path: str) -> int:
     sync.gather("done", None)
     if rank == 0:
         Path(cfg["result_path"]).write_text(json.dumps(result))
+    sync.finish()
     return 0
 
 
@@ -339,19 +367,20 @@ def _make_group(
         if pg.transport != "tcp":
             raise RuntimeError(f"native-tcp group reports transport {pg.transport!r}, not 'tcp'")
         return ("native-tcp", pg)
-    if backend == "native-1t":
-        saved = os.environ.get("SHARDLINE_COMM_THREADS")
-        os.environ["SHARDLINE_COMM_THREADS"] = "1"
+    if backend in VARIANT_ENV:
+        var, value = VARIANT_ENV[backend]
+        saved = os.environ.get(var)
+        os.environ[var] = value
         try:
             pg = init_process_group(
-                store, rank, world, backend="native", name="bench-1t", timeout=op_timeout
+                store, rank, world, backend="native", name=f"bench-{backend}", timeout=op_timeout
             )
         finally:
             if saved is None:
-                os.environ.pop("SHARDLINE_COMM_THREADS", None)
+                os.environ.pop(var, None)
             else:
-                os.environ["SHARDLINE_COMM_THREADS"] = saved
-        return ("native-1t", pg)
+                os.environ[var] = saved
+        return (backend, pg)
     if backend == "native-raw":
         if "native" in groups:  # the same communicator as "native", called without the wrapper
             return ("native-raw", groups["native"][1])
@@ -748,7 +777,7 @@ def table(world: int, res: dict[str, Any], ncores: int) -> str:
         pct = "-"
         if c["op"] == "all_reduce":
             # shm bound for the shared-memory engine, TCP ring bound for TCP paths (gloo too)
-            if c["backend"] in ("native", "native-raw", "native-1t"):
+            if c["backend"] in SHM_NATIVE:
                 pct = f"{c['pct_shm_bound']:.0f}% shm"
             else:
                 pct = f"{c['pct_tcp_bound']:.0f}% tcp"
@@ -757,7 +786,43 @@ def table(world: int, res: dict[str, Any], ncores: int) -> str:
             f"{f(c['algbw_GBps'], '.3f'):>10} {f(c['busbw_GBps'], '.3f'):>10} {sp:>8} {pct:>10} "
             f"{c['spread_pct']:>6.0f}%"
         )
+    lines += two_phase_table(res)
     return "\n".join(lines)
+
+
+def two_phase_table(res: dict[str, Any]) -> list[str]:
+    """Lines comparing each shared-memory native backend's all_reduce with its own
+    reduce_scatter + all_gather of the same buffer, and the groups' one-shot limits."""
+    t = {
+        (c["backend"], c["op"], c["requested_size"]): c["median_s"]
+        for c in res["cells"]
+        if c["median_s"] is not None and c["op"] != "barrier"
+    }
+    rows = []
+    for (backend, op, size), ar in sorted(t.items(), key=lambda kv: (kv[0][0], kv[0][2])):
+        rs, ag = t.get((backend, "reduce_scatter", size)), t.get((backend, "all_gather", size))
+        if op != "all_reduce" or backend not in SHM_NATIVE or rs is None or ag is None:
+            continue
+        rows.append(
+            f"{backend:<13} {_report.fmt_size(size):>9} {ar * 1e6:>14.1f} {(rs + ag) * 1e6:>12.1f} "
+            f"{(rs + ag) / ar:>13.2f}x"
+        )
+    limits = [
+        f"{b} {g['oneshot_bytes'] / 1024:.1f} KiB"
+        for b, g in res["groups"].items()
+        if g.get("oneshot_bytes") is not None
+    ]
+    out = []
+    if rows:
+        hdr = (
+            f"{'backend':<13} {'size':>9} {'all_reduce us':>14} {'rs + ag us':>12} "
+            f"{'ar vs rs+ag':>14}"
+        )
+        out += ["", "all_reduce against its own reduce_scatter + all_gather:", hdr, "-" * len(hdr)]
+        out += rows
+    if limits:
+        out += ["one-shot all_reduce limit per group: " + ", ".join(limits)]
+    return out
 
 
 def plot(results: dict[int, dict[str, Any]], path: Path) -> str | None:
@@ -784,6 +849,7 @@ def _draw(plt: Any, results: dict[int, dict[str, Any]]) -> Any:
         "native-tcp": "C1-s",
         "gloo": "C3--x",
         "native-1t": "C4-.v",
+        "native-fixed": "C5:x",
     }
     for wi, world in enumerate(worlds):
         res = results[world]

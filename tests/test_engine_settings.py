@@ -154,7 +154,8 @@ def _group_kwargs(g: ProcessGroup) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("env", "want"),
     [
-        ({}, {"spin_us": 50, "stream_stores": "2", "oneshot_bytes": 256 << 10}),
+        # No oneshot_bytes: the engine measures it (see the test below).
+        ({}, {"spin_us": 50, "stream_stores": "2", "oneshot_bytes": None}),
         (
             {
                 "SHARDLINE_SPIN_US": "7",
@@ -198,12 +199,23 @@ def test_settings_from_the_environment_reach_the_real_engine(
     monkeypatch.setenv("SHARDLINE_ONESHOT_BYTES", "0")
 
     def body(g: ProcessGroup) -> torch.Tensor:
+        assert g._impl._g.oneshot_bytes == 0  # type: ignore[attr-defined]
         t = torch.full((1 << 18,), float(g.rank))
         g.all_reduce(t)
         return t
 
     for t in run_ranks(2, body):
         assert torch.equal(t, torch.full((1 << 18,), 1.0))
+
+
+def test_the_one_shot_limit_is_measured_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank of a group takes the same measured limit (rust/tests/shm_collectives.rs
+    checks that either algorithm gives the same bits)."""
+    need_native()
+    monkeypatch.delenv("SHARDLINE_ONESHOT_BYTES", raising=False)
+    limits = run_ranks(2, lambda g: g._impl._g.oneshot_bytes)  # type: ignore[attr-defined]
+    assert limits[0] == limits[1]
+    assert 0 <= limits[0] <= 256 << 10
 
 
 def test_no_rust_source_reads_the_environment() -> None:

@@ -236,11 +236,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "SHARDLINE_ONESHOT_BYTES",
         "bytes",
-        "262144",
-        "Shared-memory ops up to this size run in one shot (every rank reads every input), "
-        "larger ones in two phases.",
+        "measured",
+        "Shared-memory all-reduces up to this size run in one shot (every rank reads every "
+        "input), larger ones in two phases. Unset: each group times both on its ranks when it "
+        "is made and takes the crossover (at most 262144; 262144 when ranks outnumber cores).",
         _integer(0, "an integer of at least 0 (bytes)"),
-        256 << 10,
     ),
     Setting(
         "SHARDLINE_NCCL_MAX_CTAS",

@@ -25,6 +25,21 @@ fn run_ranks_lanes<T: Send + 'static>(
     lanes: usize,
     body: impl Fn(&Communicator, usize) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
+    let tweak = move |cfg: &mut CommConfig| {
+        cfg.oneshot_bytes = Some(1024);
+        cfg.lanes = lanes;
+        cfg.lanes_min_bytes = 0;
+    };
+    run_ranks_with(n, slot, tweak, body)
+}
+
+/// [`run_ranks`] with each rank's config changed by `tweak`.
+fn run_ranks_with<T: Send + 'static>(
+    n: usize,
+    slot: usize,
+    tweak: impl Fn(&mut CommConfig) + Send + Sync + Clone + 'static,
+    body: impl Fn(&Communicator, usize) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
     let path = format!(
         "/dev/shm/shardline-{}-test{}",
         std::process::id(),
@@ -33,14 +48,12 @@ fn run_ranks_lanes<T: Send + 'static>(
     shm::create(&path, n, slot).unwrap();
     let handles: Vec<_> = (0..n)
         .map(|r| {
-            let (path, body) = (path.clone(), body.clone());
+            let (path, body, tweak) = (path.clone(), body.clone(), tweak.clone());
             std::thread::spawn(move || {
                 let mut cfg = CommConfig::new(r, n, "test");
                 cfg.arena_path = (n > 1).then_some(path);
                 cfg.timeout = Duration::from_secs(5);
-                cfg.oneshot_bytes = 1024;
-                cfg.lanes = lanes;
-                cfg.lanes_min_bytes = 0;
+                tweak(&mut cfg);
                 let c = Communicator::new(cfg, None).unwrap();
                 body(&c, r)
             })
@@ -100,6 +113,59 @@ fn all_reduce_every_size_and_op() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn the_oneshot_limit_is_measured_and_both_algorithms_give_the_same_bits() {
+    // Values whose sums round: a different order of additions would show in the bits.
+    let value = |r: usize, i: usize| ((i * 2_654_435_761 + r * 40_503) % 1_000_003) as f32 / 7.0;
+    let lens = [1usize, 255, 4096, 20_000, 70_000];
+    for n in [2usize, 3] {
+        // The limit is measured where every rank has a core; three ranks on a 2-core machine
+        // are told they have (machine_ranks), or nothing would be measured here.
+        let runs: Vec<Option<usize>> = vec![None, Some(0), Some(256 << 10)];
+        let mut results = Vec::new();
+        for fixed in runs {
+            let tweak = move |cfg: &mut CommConfig| {
+                cfg.oneshot_bytes = fixed;
+                cfg.machine_ranks = 1;
+            };
+            let out = run_ranks_with(n, 1 << 20, tweak, move |c, r| {
+                let limit = c.oneshot_bytes().expect("ranks of one host share an arena");
+                let sums: Vec<Vec<u8>> = lens
+                    .iter()
+                    .map(|&len| {
+                        let mut b = f32s(&(0..len).map(|i| value(r, i)).collect::<Vec<_>>());
+                        let op = Op::AllReduce {
+                            buf: RawBuf::from_slice(&mut b),
+                            dtype: DType::F32,
+                            op: ReduceOp::Sum,
+                        };
+                        run(c, op).unwrap();
+                        b
+                    })
+                    .collect();
+                (limit, sums)
+            });
+            let limit = out[0].0;
+            assert!(
+                out.iter().all(|(l, _)| *l == limit),
+                "n={n}: ranks chose different limits"
+            );
+            match fixed {
+                Some(bytes) => assert_eq!(limit, bytes, "a set limit is kept"),
+                None => assert!(limit <= 256 << 10, "n={n}: measured limit {limit}"),
+            }
+            for (len, got) in lens.iter().zip(&out[0].1) {
+                let want: Vec<f32> = (0..*len)
+                    .map(|i| (1..n).fold(value(0, i), |acc, r| acc + value(r, i)))
+                    .collect();
+                assert_eq!(got, &f32s(&want), "n={n} len={len} limit={limit}");
+            }
+            results.push(out);
+        }
+        assert!(results.windows(2).all(|w| w[0][0].1 == w[1][0].1));
     }
 }
 

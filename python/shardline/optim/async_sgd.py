@@ -192,7 +192,7 @@ class AsyncSGD(Replica):
         try:
             # On CUDA a stream of its own: this thread's wait for the next push must not hold
             # up what the training thread queues on its stream (its sends would never start).
-            own = torch.cuda.Stream(self._dev) if self._dev.type == "cuda" else None
+            own = torch.cuda.Stream(self._dev) if self._dev.type == "cuda" else None  # type: ignore[no-untyped-call]
             with torch.cuda.stream(own) if own is not None else contextlib.nullcontext():
                 header = torch.empty(2, dtype=torch.int64, device=self._dev)
                 grad = torch.empty(hi - lo, dtype=torch.float32, device=self._dev)

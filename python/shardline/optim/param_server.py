@@ -92,7 +92,7 @@ class ShardServer:
         self.dropped = 0
         self._rounds: dict[int, _Round] = {}  # wait: by clock; drop: one open round (key 0)
         self._cond = threading.Condition()
-        self._stream = torch.cuda.Stream(shard.device) if shard.is_cuda else None
+        self._stream = torch.cuda.Stream(shard.device) if shard.is_cuda else None  # type: ignore[no-untyped-call]
 
     @contextlib.contextmanager
     def _on_own_stream(self, grad: torch.Tensor) -> Iterator[None]:

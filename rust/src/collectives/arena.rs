@@ -9,7 +9,8 @@
 //!
 //! Small all-reduces are one-shot (one phase; every rank reduces all slots). Large ones are
 //! chunked and two-phase: each rank reduces its 1/N of the chunk from every slot, publishes
-//! the result, and every rank copies the others' reduced parts.
+//! the result, and every rank copies the others' reduced parts. Where one becomes the other
+//! is measured when the communicator is made ([`super::tuning`]).
 
 use std::time::Instant;
 
@@ -23,7 +24,8 @@ use std::sync::Arc;
 
 use crate::transport::shm::Arena;
 
-/// Default size up to which all-reduce is one-shot.
+/// Size up to which all-reduce is one-shot where nothing was measured (ranks outnumber the
+/// cores), and the largest one-shot all-reduce a measurement may choose.
 pub const DEFAULT_ONESHOT_BYTES: usize = 256 * 1024;
 
 /// The arena plus the phase counter.
@@ -168,20 +170,54 @@ impl ArenaComm {
         only_root: Option<usize>,
         deadline: Instant,
     ) -> Result<()> {
+        if buf.len() <= self.oneshot_bytes.min(self.arena.slot_bytes()) {
+            self.all_reduce_oneshot(buf, dtype, op, sig, only_root, deadline)
+        } else {
+            self.all_reduce_two_phase(buf, dtype, op, sig, only_root, deadline)
+        }
+    }
+
+    /// Sets the size up to which all-reduces are one-shot (every rank must set the same).
+    pub fn set_oneshot_bytes(&mut self, bytes: usize) {
+        self.oneshot_bytes = bytes;
+    }
+
+    /// The one-shot all-reduce: one phase, every rank reduces every slot (`buf` fits a slot).
+    pub fn all_reduce_oneshot(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        sig: &OpSig,
+        only_root: Option<usize>,
+        deadline: Instant,
+    ) -> Result<()> {
         let (n, me) = (self.n(), self.arena.me());
         let total = buf.len();
-        let slot = self.arena.slot_bytes();
-        if total <= self.oneshot_bytes.min(slot) {
-            let parity = self.step(sig, Some(0), deadline, |s| s[..total].copy_from_slice(buf))?;
-            if only_root.is_none_or(|r| r == me) {
-                let srcs: Vec<&[u8]> = (0..n)
-                    .map(|r| &self.arena.slot(r, parity)[..total])
-                    .collect();
-                reduce::reduce_slices(buf, &srcs, dtype, op);
-            }
-            return Ok(());
+        debug_assert!(total <= self.arena.slot_bytes());
+        let parity = self.step(sig, Some(0), deadline, |s| s[..total].copy_from_slice(buf))?;
+        if only_root.is_none_or(|r| r == me) {
+            let srcs: Vec<&[u8]> = (0..n)
+                .map(|r| &self.arena.slot(r, parity)[..total])
+                .collect();
+            reduce::reduce_slices(buf, &srcs, dtype, op);
         }
-        self.with_lanes(total, |c, ways| {
+        Ok(())
+    }
+
+    /// The two-phase all-reduce (reduce-scatter then all-gather through the slots, chunked),
+    /// on the helper threads when `buf` is large enough. Sums in the same rank order as
+    /// [`ArenaComm::all_reduce_oneshot`], so both give the same bits.
+    pub fn all_reduce_two_phase(
+        &mut self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        sig: &OpSig,
+        only_root: Option<usize>,
+        deadline: Instant,
+    ) -> Result<()> {
+        self.with_lanes(buf.len(), |c, ways| {
             c.all_reduce_chunked(buf, dtype, op, sig, only_root, deadline, ways)
         })
     }

@@ -3,6 +3,8 @@
 //! - [`arena`]: every collective on the shared-memory arena (one host): one-shot for small
 //!   messages, chunked two-phase (reduce-scatter then all-gather through shared slots) for
 //!   large ones, double-buffered so no extra barrier is needed.
+//! - [`tuning`]: where all-reduce on the arena switches from one-shot to two-phase, measured
+//!   on each communicator's own ranks when it is made.
 //! - [`lanes`]: helper threads that split a rank's large memory passes on the arena when the
 //!   machine has cores to spare.
 //! - [`ring`]: ring reduce-scatter / all-gather / all-reduce over any
@@ -14,3 +16,4 @@ pub mod arena;
 pub mod direct;
 pub mod lanes;
 pub mod ring;
+pub mod tuning;

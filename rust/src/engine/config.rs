@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use crate::collectives::{arena, lanes};
+use crate::collectives::lanes;
 use crate::error::{Error, Result};
 use crate::memcpy::StreamMode;
 use crate::transport::tcp::Cancel;
@@ -31,8 +31,9 @@ pub struct CommConfig {
     pub arena_path: Option<String>,
     /// Deadline of every op.
     pub timeout: Duration,
-    /// All-reduces up to this size are one-shot on the arena (`SHARDLINE_ONESHOT_BYTES`).
-    pub oneshot_bytes: usize,
+    /// All-reduces up to this size are one-shot on the arena (`SHARDLINE_ONESHOT_BYTES`);
+    /// `None`: measured when the communicator is made ([`crate::collectives::tuning`]).
+    pub oneshot_bytes: Option<usize>,
     /// Ranks of the job on this machine, whatever their host ids say (they share its cores):
     /// TCP waits spin only while every one of them has a core.
     pub machine_ranks: usize,
@@ -71,7 +72,7 @@ impl CommConfig {
             addrs: vec![String::new(); world],
             arena_path: None,
             timeout: Duration::from_secs(300),
-            oneshot_bytes: arena::DEFAULT_ONESHOT_BYTES,
+            oneshot_bytes: None,
             machine_ranks: world,
             lanes: 1,
             lanes_min_bytes: lanes::DEFAULT_MIN_BYTES,
@@ -112,7 +113,7 @@ mod tests {
         assert_eq!(cfg.spin(), wait::DEFAULT_SPIN);
         assert_eq!(cfg.spin_us, 50);
         assert_eq!(cfg.stream_stores, StreamMode::CopyIn);
-        assert_eq!(cfg.oneshot_bytes, 256 << 10);
+        assert_eq!(cfg.oneshot_bytes, None);
         assert_eq!(cfg.lanes_min_bytes, lanes::DEFAULT_MIN_BYTES);
         assert_eq!(cfg.keepalive, Duration::from_secs(30));
         assert!(cfg.validate().is_ok());

@@ -11,9 +11,9 @@ use std::time::Instant;
 
 use super::config::CommConfig;
 use super::op::Op;
-use crate::collectives::arena::ArenaComm;
+use crate::collectives::arena::{self, ArenaComm};
 use crate::collectives::lanes::Lanes;
-use crate::collectives::{direct, ring};
+use crate::collectives::{direct, ring, tuning};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::reduce::{self, ReduceOp};
@@ -139,19 +139,37 @@ impl Router {
                 cfg.name
             )));
         }
+        let comm = match arena.clone() {
+            Some(a) => {
+                let lanes = Lanes::new(cfg.lanes, cfg.lanes_min_bytes, &format!("sl-r{rank}"));
+                let fixed = cfg.oneshot_bytes.unwrap_or(arena::DEFAULT_ONESHOT_BYTES);
+                let mut comm = ArenaComm::new(a, fixed, lanes, cfg.stream_stores);
+                // Measured unless set, or unless the ranks outnumber the cores: then times
+                // say more about the scheduler than about the algorithms, and one phase (one
+                // wait for every rank to be scheduled) beats two.
+                let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+                if cfg.oneshot_bytes.is_none() && cfg.machine_ranks <= cores {
+                    tuning::tune_oneshot(&mut comm, deadline)?;
+                }
+                Some(comm)
+            }
+            None => None,
+        };
         let router = Router {
             rank,
             world,
             mode,
-            arena: arena.clone().map(|a| {
-                let lanes = Lanes::new(cfg.lanes, cfg.lanes_min_bytes, &format!("sl-r{rank}"));
-                ArenaComm::new(a, cfg.oneshot_bytes, lanes, cfg.stream_stores)
-            }),
+            arena: comm,
             mesh,
             my_local,
             leaders,
         };
         Ok((router, arena))
+    }
+
+    /// Up to how many bytes all-reduces on the arena are one-shot (no arena: `None`).
+    pub(super) fn oneshot_bytes(&self) -> Option<usize> {
+        self.arena.as_ref().map(ArenaComm::oneshot_bytes)
     }
 
     /// The arena's collectives, if this rank's host has several ranks.

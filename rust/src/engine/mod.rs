@@ -67,6 +67,8 @@ struct Shared {
     rank: usize,
     world: usize,
     mode: Mode,
+    /// The arena's one-shot all-reduce limit, as set or measured (no arena: `None`).
+    oneshot_bytes: Option<usize>,
 }
 
 /// What runs the ops, one at a time: the links, the sequence numbers, the deadline of every
@@ -91,6 +93,7 @@ impl Communicator {
         cfg.validate()?;
         let (router, arena) = Router::connect(&cfg, listener)?;
         let (rank, world, mode) = (router.rank, router.world, router.mode);
+        let oneshot_bytes = router.oneshot_bytes();
         let sends = match &arena {
             Some(a) => Some(SendLane::start(
                 a.clone(),
@@ -116,6 +119,7 @@ impl Communicator {
             rank,
             world,
             mode,
+            oneshot_bytes,
         });
         let s2 = shared.clone();
         let worker = std::thread::Builder::new()
@@ -141,6 +145,12 @@ impl Communicator {
     /// How the ranks are connected.
     pub fn mode(&self) -> Mode {
         self.shared.mode
+    }
+
+    /// All-reduces on this host's shared memory up to this many bytes are one-shot, larger
+    /// ones two-phase (`None`: this rank's host has no other rank of the group).
+    pub fn oneshot_bytes(&self) -> Option<usize> {
+        self.shared.oneshot_bytes
     }
 
     /// Validates `op` and runs it: inline when blocking and nothing is queued, else on the
@@ -374,7 +384,7 @@ mod tests {
                 |cfg| {
                     cfg.stream_stores = mode;
                     cfg.spin_us = 7;
-                    cfg.oneshot_bytes = 4096;
+                    cfg.oneshot_bytes = Some(4096);
                     cfg.lanes = 3;
                     // Never split: streaming applies only to ops on one thread.
                     cfg.lanes_min_bytes = usize::MAX;

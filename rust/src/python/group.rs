@@ -115,6 +115,7 @@ pub struct PyGroup {
     rank: usize,
     world: usize,
     transport: &'static str,
+    oneshot_bytes: Option<usize>,
 }
 
 fn dtype(name: &str) -> PyResult<DType> {
@@ -206,7 +207,7 @@ impl PyGroup {
             cfg.stream_stores = StreamMode::parse(mode).py_err()?;
         }
         if let Some(bytes) = oneshot_bytes {
-            cfg.oneshot_bytes = non_negative(bytes, "oneshot_bytes", "bytes")? as usize;
+            cfg.oneshot_bytes = Some(non_negative(bytes, "oneshot_bytes", "bytes")? as usize);
         }
         cfg.secret = secret;
         cfg.host_ids = host_ids;
@@ -265,6 +266,7 @@ impl PyGroup {
         };
         Ok(PyGroup {
             transport: comm.mode().name(),
+            oneshot_bytes: comm.oneshot_bytes(),
             rank,
             world: world_size,
             comm: Mutex::new(Some(Arc::new(comm))),
@@ -285,6 +287,14 @@ impl PyGroup {
     #[getter]
     fn transport(&self) -> &'static str {
         self.transport
+    }
+
+    /// All-reduces on shared memory up to this many bytes are one-shot, larger ones
+    /// two-phase: as set, else measured when the group was made (`None`: no other rank of the
+    /// group on this host).
+    #[getter]
+    fn oneshot_bytes(&self) -> Option<usize> {
+        self.oneshot_bytes
     }
 
     #[pyo3(signature = (buf, dtype, op = "sum", async_op = false))]
