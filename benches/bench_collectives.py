@@ -170,12 +170,6 @@ def worker_main(cfg_path: str) -> int:
             "error": "; ".join(bad) or None,
             "setup_s": setup_s,
             "transport": transport,
-            # The native engine's one-shot all-reduce limit (set, or measured at creation).
-            "oneshot_bytes": getattr(
-                getattr(getattr(groups.get(backend, (None, None))[1], "_impl", None), "_g", None),
-                "oneshot_bytes",
-                None,
-            ),
         }
 
     # -- bounds --------------------------------------------------------------------------------
@@ -320,6 +314,10 @@ def worker_main(cfg_path: str) -> int:
                     f"FAILED: {cell['error']}",
                 )
 
+    for backend, (_kind, handle) in groups.items():
+        # The native engine's one-shot all-reduce limit (set, or measured by its first one).
+        engine = getattr(getattr(handle, "_impl", None), "_g", None)
+        result["groups"][backend]["oneshot_bytes"] = getattr(engine, "oneshot_bytes", None)
     for _backend, (kind, handle) in groups.items():
         with contextlib.suppress(Exception):
             if kind != "native-raw" or "native" not in groups:

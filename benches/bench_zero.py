@@ -21,8 +21,10 @@ Two passes per world size:
    reported: peak RSS of a process that hosts all implementations is not per implementation.
 2. time: all implementations alive, ``--warmup`` steps each, then ``--repeats`` timed blocks of
    ``--steps`` steps that alternate between them (same batches, same order); a cell is the
-   slowest rank's median step time. The rank-mean loss of each implementation's last step is
-   compared with FSDP2's (or the first implementation's): more than 1e-3 relative is flagged.
+   slowest rank's median step time. With ``--sequential`` (models too large to keep several
+   copies) each implementation is timed right after its memory pass instead, then freed. The
+   rank-mean loss of each implementation's last step is compared with FSDP2's (or the first
+   implementation's): more than 1e-3 relative is flagged.
 
 Writes JSON, a text table and (with matplotlib) a PNG to ``benches/results/zero-<tag>.*``.
 
@@ -31,6 +33,8 @@ Writes JSON, a text table and (with matplotlib) a PNG to ``benches/results/zero-
     python benches/bench_zero.py --device cuda --ranks 2 --size large
     python benches/bench_zero.py --device cuda --ranks 1 4 --size xl \
         --impls zero3,fsdp2,zero3-offload,zero3-offload-cpu,fsdp2-offload
+    python benches/bench_zero.py --device cuda --ranks 1 --size 6b --sequential \
+        --impls zero3,zero3-offload-cpu,fsdp2-offload --warmup 1 --steps 2 --repeats 1
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ SIZES = {
     "medium": (1024, 8, 16, 512, 8),  # 101M
     "large": (1280, 20, 20, 1024, 8),  # 394M
     "xl": (2048, 20, 16, 1024, 8),  # 1.01B (bench_scaling.py's model)
+    # For offload (with --sequential: one implementation in host memory at a time)
+    "3b": (3072, 26, 24, 1024, 2),  # 2.9B
+    "6b": (4096, 30, 32, 1024, 1),  # 6.0B: its fp32 AdamW state alone fills an 80 GB GPU
 }
 
 
@@ -139,7 +146,11 @@ def build_impl(
 
     import shardline as sl  # noqa: PLC0415
 
-    model: Any = copy.deepcopy(base).to(device)
+    model: Any = copy.deepcopy(base)  # on the CPU
+    if name not in OFFLOAD_IMPLS:
+        model = model.to(device)
+    # The offloads get the model in host memory, as a model larger than the GPU must come:
+    # ours lays it out on the GPU a unit at a time, FSDP2 moves it a block per fully_shard.
     if name in ("zero3-offload", "zero3-offload-cpu"):
         opt = sl.optim.CPUAdamW(model.parameters(), lr=lr, weight_decay=0.01)
         offload = "cpu" if name.endswith("-cpu") else "optimizer"
@@ -217,6 +228,22 @@ def worker(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"[world {world}] {name} failed during {what}:\n{errors[name]}", flush=True)
 
+    times: dict[str, list[float]] = {}
+    losses: dict[str, Any] = {}
+
+    def timed_blocks(
+        name: str, model: Any, opt: Any, counter: list[int], repeats: int | None = None
+    ) -> None:
+        for _ in range(args.repeats if repeats is None else repeats):
+            dist.barrier()
+            _harness.sync(device)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                loss = step(model, opt, counter)
+            _harness.sync(device)
+            times.setdefault(name, []).append((time.perf_counter() - t0) / args.steps)
+            losses[name] = loss
+
     # Pass 1: memory, one implementation alive at a time.
     if cuda:
         # cuBLAS allocates its workspaces (32 MiB and more per handle: one for this thread,
@@ -251,6 +278,8 @@ def worker(args: argparse.Namespace) -> int:
             rows[name]["persistent_bytes"] = persistent
             if cuda:
                 rows[name]["peak_bytes"] = torch.cuda.max_memory_allocated() - base_alloc
+            if args.sequential:
+                timed_blocks(name, model, opt, counter)
         except Exception:  # ours may be unfinished: report, go on
             failed(name, "memory pass")
         del model, opt
@@ -259,9 +288,9 @@ def worker(args: argparse.Namespace) -> int:
             rows[name]["left_after_del_bytes"] = torch.cuda.memory_allocated() - base_alloc
 
     # Pass 2: time, all alive, alternating blocks.
+    # Pass 2: time, every implementation alive, blocks alternating between them.
     alive: dict[str, tuple[Any, Any, list[int]]] = {}
-    losses: dict[str, Any] = {}
-    for name in impls:
+    for name in impls if not args.sequential else ():
         if name in errors:
             continue
         try:
@@ -273,18 +302,10 @@ def worker(args: argparse.Namespace) -> int:
         except Exception:
             failed(name, "timing warm-up")
     _harness.sync(device)
-    times: dict[str, list[float]] = {k: [] for k in alive}
-    for _ in range(args.repeats):
+    for _ in range(args.repeats if alive else 0):
         for name, (model, opt, counter) in list(alive.items()):
-            dist.barrier()
-            _harness.sync(device)
             try:
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    loss = step(model, opt, counter)
-                _harness.sync(device)
-                times[name].append((time.perf_counter() - t0) / args.steps)
-                losses[name] = loss
+                timed_blocks(name, model, opt, counter, repeats=1)
             except Exception:
                 failed(name, "timed steps")
                 del alive[name]
@@ -344,7 +365,7 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
         f"{mem_col:>11} {'vs fsdp2':>8} "
         + (f"{'persist MiB':>11} " if cuda else "")
         + f"{'loss':>8}  check   (zero*: ours on {'NCCL' if cuda else 'the native engine'}; "
-        f"fsdp2, ddp: {peer}; memory per rank, max over ranks)"
+        f"fsdp2, ddp: {peer}; offloads against fsdp2-offload; memory per rank, max over ranks)"
     ]
     goals = []
     for world, res in results.items():
@@ -359,6 +380,7 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
                 lines.append(f"{world:5d} {name:6} FAILED: {r['error'].strip().splitlines()[-1]}")
                 continue
             mem = r.get(mem_key)
+            peer_row = rows.get("fsdp2-offload", {}) if name in OFFLOAD_IMPLS else fs
             check = "ok"
             if ref_loss is not None and "loss" in r:
                 rel = abs(r["loss"] - ref_loss) / max(abs(ref_loss), 1e-12)
@@ -367,8 +389,8 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
             lines.append(
                 f"{world:5d} {name:6} {r.get('step_ms', math.nan):9.2f} "
                 f"{r.get('tokens_per_s', math.nan):11,.0f} "
-                f"{ratio(r.get('tokens_per_s'), fs.get('tokens_per_s')):>8} "
-                f"{(mem or math.nan) / MIB:11.1f} {ratio(mem, fs.get(mem_key)):>8} "
+                f"{ratio(r.get('tokens_per_s'), peer_row.get('tokens_per_s')):>8} "
+                f"{(mem or math.nan) / MIB:11.1f} {ratio(mem, peer_row.get(mem_key)):>8} "
                 + (f"{(r.get('persistent_bytes') or math.nan) / MIB:11.1f} " if cuda else "")
                 + f"{r.get('loss', math.nan):8.4f}  {check}"
             )
@@ -386,6 +408,17 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
                     f"storages {walk / MIB:.1f} MiB"
                 )
         mem_word = "peak" if cuda else "persistent"
+        fo = rows.get("fsdp2-offload", {})
+        for name in ("zero3-offload", "zero3-offload-cpu"):
+            r = rows.get(name, {})
+            if "tokens_per_s" in r and "tokens_per_s" in fo:
+                speed = r["tokens_per_s"] / fo["tokens_per_s"]
+                goals.append(
+                    f"{world} ranks: {name} tokens/s {speed:.2f}x FSDP2 with CPUOffloadPolicy "
+                    f"({'met' if speed >= 1.2 else 'NOT met'}: >= 1.2x), {mem_word} memory "
+                    f"{(r.get(mem_key) or math.nan) / MIB:.1f} vs "
+                    f"{(fo.get(mem_key) or math.nan) / MIB:.1f} MiB"
+                )
         z3 = rows.get("zero3", {})
         if "tokens_per_s" in z3 and "tokens_per_s" in fs:
             speed = z3["tokens_per_s"] / fs["tokens_per_s"]
@@ -441,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     repeats_help = "timed blocks per implementation"
     _harness.add_blocks(p, steps=5, repeats=3, warmup=2, repeats_help=repeats_help)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="time each implementation right after its memory pass (one alive at a time)",
+    )
     _harness.add_launch(p, timeout=600.0, timeout_help="seconds per world size")
     _harness.add_kw(p, "--zero-kw", "options for our ZeRO wrapper, e.g. unit_mb=32,prefetch=2")
     args, results = _harness.run_bench(p, argv, __file__, worker, progress)

@@ -118,8 +118,8 @@ class Group:
         - ``stream_stores``: ``"0"``, ``"1"`` or ``"2"`` (``SHARDLINE_STREAM_STORES``, default
           ``"2"``): which copies into shared memory use streaming stores.
         - ``oneshot_bytes``: all-reduces up to this size run in one shot on shared memory
-          (``SHARDLINE_ONESHOT_BYTES``; default: measured on the group's ranks when it is made,
-          at most 262144, or 262144 when the machine's ranks outnumber its cores).
+          (``SHARDLINE_ONESHOT_BYTES``; default: measured on the group's ranks by its first
+          all-reduce, at most 262144, or 262144 when the machine's ranks outnumber its cores).
         - ``keepalive``: seconds after which a TCP peer whose host stopped acknowledging is
           lost, whatever the op deadline (``SHARDLINE_KEEPALIVE``, default 30; 0: the
           kernel's defaults).
@@ -142,8 +142,8 @@ class Group:
     @property
     def oneshot_bytes(self) -> int | None:
         """All-reduces on shared memory up to this many bytes are one-shot, larger ones
-        two-phase: as set, else measured when the group was made (``None``: no other rank of
-        the group on this host)."""
+        two-phase: as set, else as the group's first all-reduce measured (the default before
+        it). ``None``: no other rank of the group on this host. Waits for an op in progress."""
 
     def all_reduce(
         self, buf: _Memory, dtype: str, op: str = "sum", async_op: bool = False

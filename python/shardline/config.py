@@ -238,8 +238,8 @@ SETTINGS: tuple[Setting, ...] = (
         "bytes",
         "measured",
         "Shared-memory all-reduces up to this size run in one shot (every rank reads every "
-        "input), larger ones in two phases. Unset: each group times both on its ranks when it "
-        "is made and takes the crossover (at most 262144; 262144 when ranks outnumber cores).",
+        "input), larger ones in two phases. Unset: each group's first all-reduce times both on "
+        "its ranks and takes the crossover (at most 262144; 262144 when ranks outnumber cores).",
         _integer(0, "an integer of at least 0 (bytes)"),
     ),
     Setting(

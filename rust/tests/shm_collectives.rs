@@ -132,7 +132,6 @@ fn the_oneshot_limit_is_measured_and_both_algorithms_give_the_same_bits() {
                 cfg.machine_ranks = 1;
             };
             let out = run_ranks_with(n, 1 << 20, tweak, move |c, r| {
-                let limit = c.oneshot_bytes().expect("ranks of one host share an arena");
                 let sums: Vec<Vec<u8>> = lens
                     .iter()
                     .map(|&len| {
@@ -146,6 +145,8 @@ fn the_oneshot_limit_is_measured_and_both_algorithms_give_the_same_bits() {
                         b
                     })
                     .collect();
+                // Measured by the first all-reduce.
+                let limit = c.oneshot_bytes().expect("ranks of one host share an arena");
                 (limit, sums)
             });
             let limit = out[0].0;

@@ -19,4 +19,5 @@ def test_offloaded_zero3_trains_like_zero3_on_the_gpus() -> None:
     code, out = run_worker("_offload_worker.py", timeout=280)
     assert code == 0, out
     assert out.count("state on host True") == 2 * 3, out
+    assert out.count("model passed in host memory") == 2, out
     print(out)

@@ -15,6 +15,9 @@ Settings (environment):
         once that step is committed, as ``kill -9`` would.
     WORKER_SAVE_EVERY: write a checkpoint (``state.save()``) every that many steps.
     WORKER_STEP_SLEEP: seconds to sleep per step (gives a test time to act).
+    WORKER_SLOW_BELOW: ``<ranks>:<seconds>``: sleep that long per step instead while the job
+        has fewer ranks (a newcomer's start-up then fits in the steps left, however slow the
+        machine).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def main() -> None:
     kill = os.environ.get("WORKER_KILL", "")
     save_every = int(os.environ.get("WORKER_SAVE_EVERY", "0"))
     pause = float(os.environ.get("WORKER_STEP_SLEEP", "0"))
+    below, slow = (os.environ.get("WORKER_SLOW_BELOW") or "0:0").split(":")
     sl.init()
     place = world.elastic_slot()
     assert place is not None, "run me under shardline run --nnodes MIN:MAX"
@@ -94,7 +98,7 @@ def main() -> None:
             state.commit()
             if kill and first and kill == f"{slot}@{state.step}":
                 os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(pause)
+            time.sleep(float(slow) if sl.get_world_size() < int(below) else pause)
 
     train(state)
     full = net.state_dict() if strategy != "ddp" else net.module.state_dict()

@@ -171,8 +171,11 @@ def test_a_killed_rank_is_replaced_and_training_ends_as_at_the_sizes_it_ran(
 def test_the_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(
     strategy: str, tmp_path: Path, shm_clean: object
 ) -> None:
+    # Slow steps while the job is shrunk: the newcomer joins before the last step, whatever its
+    # start-up takes on a loaded machine (at 0.1 s per step it sometimes came too late).
     job = Job(tmp_path, "2:4", {"WORKER_STRATEGY": strategy, "WORKER_STEPS": "40",
-                                "WORKER_STEP_SLEEP": "0.1"})  # fmt: skip
+                                "WORKER_STEP_SLEEP": "0.1",
+                                "WORKER_SLOW_BELOW": "4:0.5"})  # fmt: skip
     try:
         for _ in range(4):
             job.add_node()

@@ -93,8 +93,11 @@ def check_same_model(
     names: Sequence[str],
     params: Sequence[torch.Tensor],
     who: str,
+    device: torch.device | None = None,
 ) -> None:
     """All ranks must hold the same parameter list; otherwise name the rank that differs.
+
+    ``device``: where the check's tensors go (the group's device); default the parameters'.
 
     Raises:
         InvalidArgumentError: counts, names, shapes or dtypes differ from rank 0's, or the
@@ -106,7 +109,8 @@ def check_same_model(
             f"{who}: parameters live on several devices {sorted(map(str, devices))}; "
             "move the model to one device first"
         )
-    device = params[0].device if params else torch.device("cpu")
+    if device is None:
+        device = params[0].device if params else torch.device("cpu")
     layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(names, params, strict=True))
     digest = int.from_bytes(hashlib.sha256(layout.encode()).digest()[:7], "little")
     mine = torch.tensor([len(params), sum(p.numel() for p in params), digest], device=device)
@@ -127,7 +131,11 @@ def check_same_model(
 def broadcast_coalesced(
     group: ProcessGroup, tensors: Sequence[torch.Tensor], src: int, cap_bytes: int
 ) -> None:
-    """Broadcasts tensors from ``src``, coalesced into flat chunks of about ``cap_bytes``."""
+    """Broadcasts tensors from ``src``, coalesced into flat chunks of about ``cap_bytes``.
+
+    Tensors on another device than the group's (a model kept in host memory under nccl) travel
+    through a chunk-sized copy on the group's device.
+    """
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -146,10 +154,13 @@ def broadcast_coalesced(
 
 
 def _broadcast_chunk(group: ProcessGroup, chunk: list[torch.Tensor], src: int) -> None:
-    if len(chunk) == 1 and chunk[0].is_contiguous():
+    here = chunk[0].device == group.device
+    if len(chunk) == 1 and chunk[0].is_contiguous() and here:
         group.broadcast(chunk[0], src=src)
         return
     flat = torch.cat([t.reshape(-1) for t in chunk])
+    if not here:
+        flat = flat.to(group.device)
     group.broadcast(flat, src=src)
     offset = 0
     with torch.no_grad():

@@ -10,7 +10,7 @@
 //! Small all-reduces are one-shot (one phase; every rank reduces all slots). Large ones are
 //! chunked and two-phase: each rank reduces its 1/N of the chunk from every slot, publishes
 //! the result, and every rank copies the others' reduced parts. Where one becomes the other
-//! is measured when the communicator is made ([`super::tuning`]).
+//! is measured by the first all-reduce ([`super::tuning`]).
 
 use std::time::Instant;
 
@@ -33,6 +33,8 @@ pub struct ArenaComm {
     arena: Arc<Arena>,
     phase: u32,
     oneshot_bytes: usize,
+    /// Whether the first all-reduce measures `oneshot_bytes` first ([`super::tuning`]).
+    tune_oneshot: bool,
     lanes: Lanes,
     /// Which copies into the slots use streaming stores.
     stream: StreamMode,
@@ -66,10 +68,19 @@ impl ArenaComm {
             arena,
             phase: 0,
             oneshot_bytes,
+            tune_oneshot: false,
             lanes,
             stream,
             helpers: true,
         }
+    }
+
+    /// Has the first all-reduce measure where one-shot stops paying, before it runs (every
+    /// rank of the arena must ask for it). Measured then rather than when the communicator is
+    /// made: the ranks are all running by then, a peer that fails stops it like any op, and
+    /// groups that never all-reduce cost nothing.
+    pub fn tune_oneshot_at_first_use(&mut self) {
+        self.tune_oneshot = true;
     }
 
     /// All-reduces up to this many bytes are one-shot.
@@ -170,6 +181,9 @@ impl ArenaComm {
         only_root: Option<usize>,
         deadline: Instant,
     ) -> Result<()> {
+        if std::mem::take(&mut self.tune_oneshot) {
+            super::tuning::tune_oneshot(self, deadline)?;
+        }
         if buf.len() <= self.oneshot_bytes.min(self.arena.slot_bytes()) {
             self.all_reduce_oneshot(buf, dtype, op, sig, only_root, deadline)
         } else {

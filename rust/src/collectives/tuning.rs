@@ -7,8 +7,8 @@
 //! no fixed threshold fits 2 ranks and 32 alike: at 32 ranks on a 64-core host a 64 KiB
 //! one-shot all-reduce took 285 µs, where its reduce-scatter plus all-gather took about 70.
 //!
-//! So each communicator measures both algorithms on its own ranks at a few sizes when it is
-//! made (a few milliseconds at 32 ranks), every rank takes the slowest rank's times (one small
+//! So each communicator's first all-reduce measures both algorithms on its ranks at a few
+//! sizes (a few milliseconds at 32 ranks), every rank takes the slowest rank's times (one small
 //! all-reduce), and all set the same limit: the crossover of the two cost curves, interpolated
 //! between the probe sizes. Both algorithms add in rank order, so the choice changes the time
 //! an all-reduce takes, never its result.

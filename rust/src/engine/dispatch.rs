@@ -13,7 +13,7 @@ use super::config::CommConfig;
 use super::op::Op;
 use crate::collectives::arena::{self, ArenaComm};
 use crate::collectives::lanes::Lanes;
-use crate::collectives::{direct, ring, tuning};
+use crate::collectives::{direct, ring};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::reduce::{self, ReduceOp};
@@ -149,7 +149,7 @@ impl Router {
                 // wait for every rank to be scheduled) beats two.
                 let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
                 if cfg.oneshot_bytes.is_none() && cfg.machine_ranks <= cores {
-                    tuning::tune_oneshot(&mut comm, deadline)?;
+                    comm.tune_oneshot_at_first_use();
                 }
                 Some(comm)
             }

@@ -67,8 +67,6 @@ struct Shared {
     rank: usize,
     world: usize,
     mode: Mode,
-    /// The arena's one-shot all-reduce limit, as set or measured (no arena: `None`).
-    oneshot_bytes: Option<usize>,
 }
 
 /// What runs the ops, one at a time: the links, the sequence numbers, the deadline of every
@@ -93,7 +91,6 @@ impl Communicator {
         cfg.validate()?;
         let (router, arena) = Router::connect(&cfg, listener)?;
         let (rank, world, mode) = (router.rank, router.world, router.mode);
-        let oneshot_bytes = router.oneshot_bytes();
         let sends = match &arena {
             Some(a) => Some(SendLane::start(
                 a.clone(),
@@ -119,7 +116,6 @@ impl Communicator {
             rank,
             world,
             mode,
-            oneshot_bytes,
         });
         let s2 = shared.clone();
         let worker = std::thread::Builder::new()
@@ -148,9 +144,10 @@ impl Communicator {
     }
 
     /// All-reduces on this host's shared memory up to this many bytes are one-shot, larger
-    /// ones two-phase (`None`: this rank's host has no other rank of the group).
+    /// ones two-phase: as set, or as the first all-reduce measured (before it, the default).
+    /// `None`: this rank's host has no other rank of the group. Waits for an op in progress.
     pub fn oneshot_bytes(&self) -> Option<usize> {
-        self.shared.oneshot_bytes
+        lock(&self.shared.core).router.oneshot_bytes()
     }
 
     /// Validates `op` and runs it: inline when blocking and nothing is queued, else on the

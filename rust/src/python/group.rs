@@ -115,7 +115,6 @@ pub struct PyGroup {
     rank: usize,
     world: usize,
     transport: &'static str,
-    oneshot_bytes: Option<usize>,
 }
 
 fn dtype(name: &str) -> PyResult<DType> {
@@ -266,7 +265,6 @@ impl PyGroup {
         };
         Ok(PyGroup {
             transport: comm.mode().name(),
-            oneshot_bytes: comm.oneshot_bytes(),
             rank,
             world: world_size,
             comm: Mutex::new(Some(Arc::new(comm))),
@@ -290,11 +288,12 @@ impl PyGroup {
     }
 
     /// All-reduces on shared memory up to this many bytes are one-shot, larger ones
-    /// two-phase: as set, else measured when the group was made (`None`: no other rank of the
-    /// group on this host).
+    /// two-phase: as set, else as the group's first all-reduce measured (the default before
+    /// it). `None`: no other rank of the group on this host. Waits for an op in progress.
     #[getter]
-    fn oneshot_bytes(&self) -> Option<usize> {
-        self.oneshot_bytes
+    fn oneshot_bytes(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        let comm = self.comm()?;
+        Ok(py.detach(|| comm.oneshot_bytes()))
     }
 
     #[pyo3(signature = (buf, dtype, op = "sum", async_op = false))]

@@ -58,7 +58,8 @@ class ZeroBase(nn.Module):
     prefetch: int
     mixed_precision: MixedPrecision
     offload: str | None  # "optimizer" or "cpu": shards and optimizer state in host memory
-    _device: torch.device
+    _device: torch.device  # where compute runs (the group's GPU for a host-kept model)
+    _host_model: bool  # offload with the model built in host memory: units laid out one by one
     _gather_group: ProcessGroup  # all-gathers, in their own order
     _reduce_group: ProcessGroup  # gradient reductions, in their own order
     _replicate: ProcessGroup | None  # HSDP: the replicas this rank's shards are averaged over

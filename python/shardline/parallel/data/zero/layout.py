@@ -49,6 +49,8 @@ class UnitLayout(ZeroBase):
                 offload=self.offload,
             )
             unit.build(self._device, shard_is_view=self.stage < 3 and unit.cdtype == unit.wdtype)
+            if self.stage == 3 and self._host_model:
+                unit.free()  # the model is in host memory: one unit on the GPU at a time
             self._units.append(unit)
         self._unit_of = {id(p): u for u in self._units for p in u.params}
         self._slot = {id(p): i for u in self._units for i, p in enumerate(u.params)}
@@ -166,7 +168,9 @@ class UnitLayout(ZeroBase):
                 old = old_unit_of[id(p)]
                 o, n = old.offsets[old_slot[id(p)]], p.numel()
                 values, grad = materialise(old)
-                p.data = values[o : o + n].clone().view(p.shape)
+                # A host-kept model waits in host memory for its new layout (it may not fit).
+                value = values[o : o + n].to(self._param_home, copy=True)
+                p.data = value.view(p.shape)
                 if grad is not None and p.requires_grad:
                     grads[id(p)] = grad[o : o + n].clone()
         cache.clear()
@@ -196,6 +200,11 @@ class UnitLayout(ZeroBase):
                 u.shard_grad = full[u.lo : u.hi].clone() if u.hi > u.lo else None
             u.publish_grads()
 
+    @property
+    def _param_home(self) -> torch.device:
+        """Where parameters wait between two layouts: the host for a host-kept model."""
+        return torch.device("cpu") if self._host_model else self._device
+
     @torch.no_grad()
     def _reinstall(self, whole: frozenset[str]) -> None:
         """Lays the units out afresh for this group, in registration order, parameters zero.
@@ -218,7 +227,7 @@ class UnitLayout(ZeroBase):
         for name, p in self._by_name.items():
             p.grad = None
             # The original dtype, as a fresh wrapper's model has it (not the compute dtype).
-            p.data = torch.zeros(p.shape, dtype=self._dtypes[name], device=self._device)
+            p.data = torch.zeros(p.shape, dtype=self._dtypes[name], device=self._param_home)
         for loc in old_locals.values():
             loc.grad = None  # shaped for the old layout
         self._whole = whole

@@ -36,8 +36,8 @@ parameters whole, each on one rank; L-BFGS and SparseAdam are refused (``optimiz
 Elastic training: ``regroup(group)`` moves the wrapper onto a new group in place, laid out as a
 fresh wrapper on that group (see its docstring).
 
-Not supported yet: CPU offload, deferred (meta-device) initialisation, hybrid sharding, buffers
-kept in sync after construction (BatchNorm statistics stay per rank, as in FSDP).
+Not supported yet: deferred (meta-device) initialisation, buffers kept in sync after
+construction (BatchNorm statistics stay per rank, as in FSDP).
 """
 
 from __future__ import annotations
@@ -94,6 +94,14 @@ def _joined_running_job() -> bool:
     return world.joined_running_job()
 
 
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Moves ``module``'s buffers (not its parameters) to ``device``."""
+    for mod in module.modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and buf.device != device:
+                mod._buffers[name] = buf.to(device)
+
+
 class ShardedDataParallel(ShardedStateDicts, ModelParallel):
     """ZeRO stage 1, 2 or 3 around ``module`` (see the module docstring).
 
@@ -123,6 +131,9 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
             the host as each unit's reduction finishes, and a device copy of the shards in the
             compute dtype serves the all-gathers. ``"cpu"``: no device copy either; the shards
             travel to the device for each all-gather. ``None``: everything on the device.
+            With offload under nccl the model may be passed in host memory (one larger than
+            the GPU): stage 3 then lays it out on the GPU one unit at a time, each freed before
+            the next, and moves its buffers to the GPU; the inputs go to the GPU as usual.
 
     ``state_dict()`` returns full tensors under the plain model's names on every rank (a
     collective: every rank must call it); ``sharded_state_dict()`` returns this rank's shards.
@@ -174,11 +185,23 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         # already there move with regroup(), which runs none, and the values come with the
         # restore that follows.
         joining = _joined_running_job()
+        self._device = named[0][1].device
+        # A model kept in host memory with offload under nccl (one larger than the GPU): its
+        # units are laid out on the GPU one at a time, each freed before the next (stage 3).
+        self._host_model = (
+            offload is not None and self._device.type == "cpu" and self.group.device.type == "cuda"
+        )
+        if self._host_model:
+            self._device = self.group.device
+            _move_buffers(module, self._device)
         if not joining:
             check_same_model(
-                self.group, [n for n, _ in named], [p for _, p in named], "ShardedDataParallel"
+                self.group,
+                [n for n, _ in named],
+                [p for _, p in named],
+                "ShardedDataParallel",
+                device=self.group.device,
             )
-        self._device = named[0][1].device
         replicas = replicate_group is not None and replicate_group.world_size > 1
         self._replicate = replicate_group if replicas else None
         self._replicating = []
