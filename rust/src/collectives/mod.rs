@@ -4,7 +4,7 @@
 //!   messages, chunked two-phase (reduce-scatter then all-gather through shared slots) for
 //!   large ones, double-buffered so no extra barrier is needed.
 //! - [`tuning`]: where all-reduce on the arena switches from one-shot to two-phase, measured
-//!   on each communicator's own ranks when it is made.
+//!   on each communicator's own ranks by its first all-reduce.
 //! - [`lanes`]: helper threads that split a rank's large memory passes on the arena when the
 //!   machine has cores to spare.
 //! - [`ring`]: ring reduce-scatter / all-gather / all-reduce over any

@@ -27,19 +27,6 @@ pub const PROBES: [usize; 5] = [1 << 10, 4 << 10, 16 << 10, 64 << 10, DEFAULT_ON
 /// Timed repetitions of each (size, algorithm) after one untimed; the fastest counts.
 const REPS: usize = 3;
 
-/// What the measurement found: the limit chosen and the times it was chosen from.
-#[derive(Clone, Debug, PartialEq)]
-pub struct OneShotChoice {
-    /// All-reduces up to this many bytes are one-shot.
-    pub limit: usize,
-    /// The probe sizes, in bytes.
-    pub sizes: Vec<usize>,
-    /// Seconds of a one-shot all-reduce at each size (the slowest rank's best).
-    pub oneshot: Vec<f64>,
-    /// Seconds of a two-phase all-reduce at each size (the slowest rank's best).
-    pub two_phase: Vec<f64>,
-}
-
 /// The largest size at which one-shot is no slower, from times at ascending `sizes`: up to
 /// the first size where two-phase wins, interpolated linearly between it and the size before
 /// (0 if two-phase wins at the first; the last size if it never wins).
@@ -62,8 +49,8 @@ pub fn crossover(sizes: &[usize], oneshot: &[f64], two_phase: &[f64]) -> usize {
 }
 
 /// Times both all-reduce algorithms on `comm`'s ranks (a collective: every local rank calls it
-/// at once), sets the one-shot limit every rank agrees on, and returns what it measured.
-pub fn tune_oneshot(comm: &mut ArenaComm, deadline: Instant) -> Result<OneShotChoice> {
+/// at once), and sets and returns the one-shot limit every rank agrees on.
+pub fn tune_oneshot(comm: &mut ArenaComm, deadline: Instant) -> Result<usize> {
     let slot = comm.arena().slot_bytes();
     let sizes: Vec<usize> = PROBES.iter().copied().filter(|&s| s <= slot).collect();
     let largest = sizes.last().copied().unwrap_or(0);
@@ -108,12 +95,7 @@ pub fn tune_oneshot(comm: &mut ArenaComm, deadline: Instant) -> Result<OneShotCh
     let two_phase: Vec<f64> = slowest.iter().skip(1).step_by(2).copied().collect();
     let limit = crossover(&sizes, &oneshot, &two_phase);
     comm.set_oneshot_bytes(limit);
-    Ok(OneShotChoice {
-        limit,
-        sizes,
-        oneshot,
-        two_phase,
-    })
+    Ok(limit)
 }
 
 #[cfg(test)]

@@ -32,7 +32,7 @@ pub struct CommConfig {
     /// Deadline of every op.
     pub timeout: Duration,
     /// All-reduces up to this size are one-shot on the arena (`SHARDLINE_ONESHOT_BYTES`);
-    /// `None`: measured when the communicator is made ([`crate::collectives::tuning`]).
+    /// `None`: measured by the first all-reduce ([`crate::collectives::tuning`]).
     pub oneshot_bytes: Option<usize>,
     /// Ranks of the job on this machine, whatever their host ids say (they share its cores):
     /// TCP waits spin only while every one of them has a core.

@@ -9,6 +9,7 @@ every unit once in reverse unit order, on the reduce group, ``_MAX_INFLIGHT`` at
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from torch.autograd import Variable
 from shardline.errors import ShardlineError
 from shardline.parallel.data.zero.base import TrainingState, Waitable
 from shardline.parallel.data.zero.layout import UnitLayout
-from shardline.parallel.data.zero.units import GradState, ParamState, Unit
+from shardline.parallel.data.zero.units import GradState, ParamState, Unit, copy_stream
 
 if TYPE_CHECKING:
     from shardline.optim.compression import Compressor
@@ -66,12 +67,20 @@ class GatherReduceSchedule(UnitLayout):
         """
         self._wait(u)
         u.alloc()
-        src = u.gather_source()
-        with _preserve_version(u.full):
-            if u.owner is None:
-                work = self._gather_group.all_gather(u.full, src, async_op=True)
-            else:  # a whole unit: the owner's values, in place
-                work = self._gather_group.broadcast(u.full, src=u.owner, async_op=True)
+        side = None
+        if u.offload is not None and u.owner is None and self._device.type == "cuda":
+            # The shard's copy to the device and the all-gather it feeds go on a side stream,
+            # after what the compute stream queued so far (``full`` was allocated there), so
+            # the compute queued next does not wait for the bus.
+            side = copy_stream(self._device, "to_device")
+            side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            src = u.gather_source()
+            with _preserve_version(u.full):
+                if u.owner is None:
+                    work = self._gather_group.all_gather(u.full, src, async_op=True)
+                else:  # a whole unit: the owner's values, in place
+                    work = self._gather_group.broadcast(u.full, src=u.owner, async_op=True)
         assert work is not None
         u.gather_work, u.gather_input = work, src
         u.param_state = ParamState.GATHERING
@@ -80,6 +89,11 @@ class GatherReduceSchedule(UnitLayout):
         if u.gather_work is not None:
             with _preserve_version(u.full):
                 u.gather_work.wait()
+            src = u.gather_input
+            if src is not None and src.is_cuda and u.offload is not None:
+                # Made on a side stream: not reused before this stream, which now waits for
+                # the all-gather, gets here.
+                src.record_stream(torch.cuda.current_stream(src.device))
             u.gather_work = u.gather_input = None
             u.param_state = ParamState.GATHERED
 
@@ -453,8 +467,9 @@ class GatherReduceSchedule(UnitLayout):
                     self._finish(*self._inflight.pop(0))
                 self._finish_replicas()
                 if self.offload is not None and self._device.type == "cuda":
-                    # The gradients' copies to pinned host memory, before the optimizer reads.
-                    torch.cuda.current_stream(self._device).synchronize()
+                    # The gradients' copies to pinned host memory (a side stream), before the
+                    # optimizer reads them.
+                    torch.cuda.synchronize(self._device)
                 for u in self._units:
                     u.publish_grads()
                 self._synced_steps += 1

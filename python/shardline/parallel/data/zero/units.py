@@ -20,6 +20,10 @@ as each unit's reduction finishes. ``"optimizer"`` keeps a device copy of the sh
 compute dtype for the all-gathers (``dev_shard``, refreshed after each optimizer step);
 ``"cpu"`` keeps none and copies the shard to the device for each all-gather.
 
+Under CUDA the copies between host and device run on side streams (``copy_stream``): the
+gradients' copies to the host as each reduction finishes, and ``"cpu"``'s copies of the shards
+to the device with the all-gathers they feed, so the compute stream never waits on the bus.
+
 ``full`` (compute dtype) holds the gathered parameters; the module's own parameters are views
 into it. For ZeRO-3 its storage is released (``resize_(0)``) between uses and re-allocated
 before the next all-gather, so the views (and tensors autograd saved) stay valid objects.
@@ -38,7 +42,22 @@ from torch import nn
 from shardline.comm.work import Work
 from shardline.optim.compression import Entry
 
-__all__ = ["GradState", "ParamState", "Unit"]
+__all__ = ["GradState", "ParamState", "Unit", "copy_stream"]
+
+_COPY_STREAMS: dict[tuple[int | None, str], torch.cuda.Stream] = {}
+
+
+def copy_stream(device: torch.device, direction: str) -> torch.cuda.Stream:
+    """The side stream of this process for offload's copies in ``direction`` on ``device``.
+
+    ``"to_host"`` and ``"to_device"`` are separate streams, so the two directions (separate
+    copy engines) overlap each other as well as the compute.
+    """
+    key = (device.index, direction)
+    stream = _COPY_STREAMS.get(key)
+    if stream is None:
+        stream = _COPY_STREAMS[key] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return stream
 
 
 class ParamState(enum.Enum):
@@ -221,7 +240,11 @@ class Unit:
             return self.shard.clone()  # the input may not alias the output's own slice
         if self.offload is not None:
             if self.dev_shard is None:
-                on_device = self.shard.to(device=self.full.device, dtype=self.cdtype)
+                # Asynchronous from pinned memory: the CPU goes on queueing kernels (the
+                # optimizer, which writes the shard, runs only after a synchronisation).
+                on_device = self.shard.to(
+                    device=self.full.device, dtype=self.cdtype, non_blocking=True
+                )
                 if self.offload == "cpu":
                     return on_device
                 self.dev_shard = on_device
@@ -233,8 +256,9 @@ class Unit:
     def keep_on_host(self, part: torch.Tensor, *, fresh: bool) -> None:
         """Offload: ``part`` (this rank's reduced gradient) into the host-side ``shard_grad``.
 
-        It replaces or adds to what ``shard_grad`` holds. A replacing copy into pinned memory
-        is asynchronous under CUDA; the caller synchronises before the optimizer reads it.
+        It replaces or adds to what ``shard_grad`` holds. Under CUDA a replacing copy into
+        pinned memory runs on the ``"to_host"`` side stream, after what the current stream has
+        queued (the reduction); the caller synchronises the device before the optimizer reads.
         """
         held = self.shard_grad
         if fresh or held is None:
@@ -247,9 +271,18 @@ class Unit:
                     dtype=self.wdtype,
                     pin_memory=part.device.type == "cuda",
                 )
-            buf.copy_(part.reshape(-1), non_blocking=True)
+            if part.is_cuda:
+                side = copy_stream(part.device, "to_host")
+                side.wait_stream(torch.cuda.current_stream(part.device))
+                with torch.cuda.stream(side):
+                    buf.copy_(part.reshape(-1), non_blocking=True)
+                part.record_stream(side)  # the caller drops it before the copy is done
+            else:
+                buf.copy_(part.reshape(-1))
             self.shard_grad = buf
         else:
+            if part.is_cuda:  # a copy into what is added to may still be in flight
+                copy_stream(part.device, "to_host").synchronize()
             held.add_(part.reshape(-1).to(device="cpu", dtype=self.wdtype))
 
     # -- gradients ---------------------------------------------------------------------------
