@@ -28,6 +28,15 @@ use crate::transport::shm::Arena;
 /// cores), and the largest one-shot all-reduce a measurement may choose.
 pub const DEFAULT_ONESHOT_BYTES: usize = 256 * 1024;
 
+/// How an all-reduce runs on the arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AllReduceAlgo {
+    /// One phase: every rank publishes its input and reduces every rank's slot.
+    OneShot,
+    /// Chunked reduce-scatter then all-gather through the slots (on the helpers when large).
+    TwoPhase,
+}
+
 /// The arena plus the phase counter.
 pub struct ArenaComm {
     arena: Arc<Arena>,
@@ -86,6 +95,11 @@ impl ArenaComm {
     /// All-reduces up to this many bytes are one-shot.
     pub fn oneshot_bytes(&self) -> usize {
         self.oneshot_bytes
+    }
+
+    /// Sets the size up to which all-reduces are one-shot (every rank must set the same).
+    pub fn set_oneshot_bytes(&mut self, bytes: usize) {
+        self.oneshot_bytes = bytes;
     }
 
     /// Which copies into the slots use streaming stores.
@@ -172,8 +186,13 @@ impl ArenaComm {
     }
 
     /// In-place all-reduce of `buf`; with `only_root`, only that local index gets the result.
+    /// `algo`: `None` chooses by size (one-shot up to [`ArenaComm::oneshot_bytes`]); a given
+    /// one must be the same on every rank, and a one-shot `buf` must fit a slot. Both add in
+    /// rank order, so both give the same bits.
+    #[allow(clippy::too_many_arguments)]
     pub fn all_reduce(
         &mut self,
+        algo: Option<AllReduceAlgo>,
         buf: &mut [u8],
         dtype: DType,
         op: ReduceOp,
@@ -181,31 +200,24 @@ impl ArenaComm {
         only_root: Option<usize>,
         deadline: Instant,
     ) -> Result<()> {
-        if std::mem::take(&mut self.tune_oneshot) {
-            super::tuning::tune_oneshot(self, deadline)?;
+        let algo = match algo {
+            Some(algo) => algo,
+            None => {
+                if std::mem::take(&mut self.tune_oneshot) {
+                    super::tuning::tune_oneshot(self, deadline)?;
+                }
+                if buf.len() <= self.oneshot_bytes.min(self.arena.slot_bytes()) {
+                    AllReduceAlgo::OneShot
+                } else {
+                    AllReduceAlgo::TwoPhase
+                }
+            }
+        };
+        if algo == AllReduceAlgo::TwoPhase {
+            return self.with_lanes(buf.len(), |c, ways| {
+                c.all_reduce_chunked(buf, dtype, op, sig, only_root, deadline, ways)
+            });
         }
-        if buf.len() <= self.oneshot_bytes.min(self.arena.slot_bytes()) {
-            self.all_reduce_oneshot(buf, dtype, op, sig, only_root, deadline)
-        } else {
-            self.all_reduce_two_phase(buf, dtype, op, sig, only_root, deadline)
-        }
-    }
-
-    /// Sets the size up to which all-reduces are one-shot (every rank must set the same).
-    pub fn set_oneshot_bytes(&mut self, bytes: usize) {
-        self.oneshot_bytes = bytes;
-    }
-
-    /// The one-shot all-reduce: one phase, every rank reduces every slot (`buf` fits a slot).
-    pub fn all_reduce_oneshot(
-        &mut self,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        sig: &OpSig,
-        only_root: Option<usize>,
-        deadline: Instant,
-    ) -> Result<()> {
         let (n, me) = (self.n(), self.arena.me());
         let total = buf.len();
         debug_assert!(total <= self.arena.slot_bytes());
@@ -217,23 +229,6 @@ impl ArenaComm {
             reduce::reduce_slices(buf, &srcs, dtype, op);
         }
         Ok(())
-    }
-
-    /// The two-phase all-reduce (reduce-scatter then all-gather through the slots, chunked),
-    /// on the helper threads when `buf` is large enough. Sums in the same rank order as
-    /// [`ArenaComm::all_reduce_oneshot`], so both give the same bits.
-    pub fn all_reduce_two_phase(
-        &mut self,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        sig: &OpSig,
-        only_root: Option<usize>,
-        deadline: Instant,
-    ) -> Result<()> {
-        self.with_lanes(buf.len(), |c, ways| {
-            c.all_reduce_chunked(buf, dtype, op, sig, only_root, deadline, ways)
-        })
     }
 
     /// The chunked two-phase all-reduce, each memory pass split `ways` ways.

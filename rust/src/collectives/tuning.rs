@@ -15,7 +15,7 @@
 
 use std::time::Instant;
 
-use crate::collectives::arena::{ArenaComm, DEFAULT_ONESHOT_BYTES};
+use crate::collectives::arena::{AllReduceAlgo, ArenaComm, DEFAULT_ONESHOT_BYTES};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::ReduceOp;
@@ -60,23 +60,13 @@ pub fn tune_oneshot(comm: &mut ArenaComm, deadline: Instant) -> Result<usize> {
         for (i, &size) in sizes.iter().enumerate() {
             let sig =
                 OpSig::new(OpKind::AllReduce, DType::F32, size / 4).with_reduce(ReduceOp::Sum);
-            for two in [false, true] {
-                let data = &mut buf[..size];
+            let algos = [AllReduceAlgo::OneShot, AllReduceAlgo::TwoPhase];
+            for (k, algo) in algos.into_iter().enumerate() {
+                let (data, f32s, sum) = (&mut buf[..size], DType::F32, ReduceOp::Sum);
                 let start = Instant::now();
-                if two {
-                    comm.all_reduce_two_phase(
-                        data,
-                        DType::F32,
-                        ReduceOp::Sum,
-                        &sig,
-                        None,
-                        deadline,
-                    )?;
-                } else {
-                    comm.all_reduce_oneshot(data, DType::F32, ReduceOp::Sum, &sig, None, deadline)?;
-                }
+                comm.all_reduce(Some(algo), data, f32s, sum, &sig, None, deadline)?;
                 let took = start.elapsed().as_secs_f64();
-                let at = 2 * i + usize::from(two);
+                let at = 2 * i + k;
                 if rep > 0 {
                     best[at] = best[at].min(took);
                 }
@@ -86,7 +76,8 @@ pub fn tune_oneshot(comm: &mut ArenaComm, deadline: Instant) -> Result<usize> {
     // Every rank takes the slowest rank's times, so all choose the same limit.
     let mut times: Vec<u8> = best.iter().flat_map(|t| t.to_ne_bytes()).collect();
     let sig = OpSig::new(OpKind::AllReduce, DType::F64, best.len()).with_reduce(ReduceOp::Max);
-    comm.all_reduce_oneshot(&mut times, DType::F64, ReduceOp::Max, &sig, None, deadline)?;
+    let (one, f64s, max) = (Some(AllReduceAlgo::OneShot), DType::F64, ReduceOp::Max);
+    comm.all_reduce(one, &mut times, f64s, max, &sig, None, deadline)?;
     let slowest: Vec<f64> = times
         .chunks_exact(8)
         .map(|b| f64::from_ne_bytes(b.try_into().expect("8 bytes")))

@@ -256,14 +256,14 @@ impl Router {
         let a = self.arena.as_mut().expect("shm mode has an arena");
         match op {
             Op::AllReduce { buf, dtype, op } => {
-                a.all_reduce(buf.bytes(), *dtype, *op, sig, None, deadline)
+                a.all_reduce(None, buf.bytes(), *dtype, *op, sig, None, deadline)
             }
             Op::Reduce {
                 buf,
                 dtype,
                 op,
                 root,
-            } => a.all_reduce(buf.bytes(), *dtype, *op, sig, Some(*root), deadline),
+            } => a.all_reduce(None, buf.bytes(), *dtype, *op, sig, Some(*root), deadline),
             Op::ReduceScatter {
                 out,
                 inp,
@@ -320,7 +320,7 @@ impl Router {
             op
         };
         if let Some(a) = self.arena.as_mut() {
-            a.all_reduce(buf, dtype, partial, sig, Some(0), deadline)?;
+            a.all_reduce(None, buf, dtype, partial, sig, Some(0), deadline)?;
         }
         if self.my_local == 0 {
             let leaders = self.leaders.clone();
