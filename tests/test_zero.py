@@ -479,6 +479,26 @@ class Wide(nn.Module):
         return self.layers(x)
 
 
+def planned_then_trained(
+    g: ProcessGroup, stage: int, **options: Any
+) -> tuple[sl.MemoryEstimate, ShardedDataParallel, torch.optim.Optimizer]:
+    """A ``Wide`` model's ``estimate_memory`` at ``stage`` (with ``options``), then the model
+    distributed the same way and trained two AdamW steps (the memory tests' measured side)."""
+    with _INIT:
+        torch.manual_seed(0)
+        plain = Wide()
+    strategy = f"zero{stage}"
+    planned = sl.estimate_memory(plain, world_size=g.world_size, strategy=strategy, **options)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    model, opt = sl.distribute(plain, opt, strategy=strategy, group=g, **options)
+    assert isinstance(model, ShardedDataParallel) and opt is not None
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 256)).float().square().mean().backward()
+        opt.step()
+    return planned, model, opt
+
+
 def held_bytes(model: ShardedDataParallel, opt: torch.optim.Optimizer) -> int:
     """Bytes of parameters, gradients and optimizer state this rank holds (unique storages)."""
     seen: dict[int, int] = {}
@@ -638,22 +658,8 @@ def test_planner_matches_measured_bytes(mp: MixedPrecision | None) -> None:
         torch.set_num_threads(1)
         out = {}
         for stage in (1, 2, 3):
-            with _INIT:
-                torch.manual_seed(0)
-                plain = Wide()
-            planned = sl.estimate_memory(
-                plain, world_size=n, strategy=f"zero{stage}", mixed_precision=mp
-            ).persistent
-            opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-            model, opt = sl.distribute(
-                plain, opt, strategy=f"zero{stage}", group=g, mixed_precision=mp
-            )
-            assert isinstance(model, ShardedDataParallel) and opt is not None
-            for _ in range(2):
-                opt.zero_grad()
-                model(torch.randn(4, 256)).float().square().mean().backward()
-                opt.step()
-            out[stage] = (planned, held_bytes(model, opt))
+            planned, model, opt = planned_then_trained(g, stage, mixed_precision=mp)
+            out[stage] = (planned.persistent, held_bytes(model, opt))
         return out
 
     for per_stage in run_ranks(n, body, timeout=120):

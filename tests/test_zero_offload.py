@@ -18,7 +18,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.optim import CPUAdamW
 from shardline.parallel import MixedPrecision, ShardedDataParallel
 from tests._ranks import run_ranks
-from tests.test_zero import _INIT, Wide, adamw, make, train
+from tests.test_zero import Wide, adamw, make, planned_then_trained, train
 
 pytestmark = pytest.mark.usefixtures("native")
 
@@ -113,21 +113,7 @@ def test_the_planner_counts_device_and_host_bytes(offload: str) -> None:
     def body(g: ProcessGroup) -> dict[int, tuple[int, int, int, int]]:
         out = {}
         for stage in (1, 2, 3):
-            with _INIT:
-                torch.manual_seed(0)
-                plain = Wide()
-            planned = sl.estimate_memory(
-                plain, world_size=2, strategy=f"zero{stage}", offload=offload
-            )
-            opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-            model, opt = sl.distribute(
-                plain, opt, strategy=f"zero{stage}", group=g, offload=offload
-            )
-            assert isinstance(model, ShardedDataParallel) and opt is not None
-            for _ in range(2):
-                opt.zero_grad()
-                model(torch.randn(4, 256)).square().mean().backward()
-                opt.step()
+            planned, model, opt = planned_then_trained(g, stage, offload=offload)
             stats = model.memory_stats()
             states = sum(t.nbytes for s in opt.state.values() for t in s.values() if t.dim() > 0)
             device = stats["params"] + stats["master"] + stats["grads"]

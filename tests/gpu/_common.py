@@ -72,3 +72,11 @@ def tiny_gpt_job() -> tuple[torch.device, torch.nn.Module, list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(7)
     data = [torch.randint(0, cfg.vocab, (8, cfg.seq_len + 1), generator=gen) for _ in range(3)]
     return device, base, data
+
+
+def finish(rank: int, failures: list[str]) -> int:
+    """A worker's last step: shuts shardline down, names what failed; the exit code."""
+    sl.shutdown()
+    if failures:
+        print(f"rank {rank}: FAILED {failures}", flush=True)
+    return 1 if failures else 0

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import shardline as sl
-from tests.gpu._common import init_both
+from tests.gpu._common import finish, init_both
 
 STEPS = 4
 
@@ -107,10 +107,7 @@ def main() -> int:
             failures.append(f"{offload}/{ours}")
     if not host_kept(group, device, rank):
         failures.append("model in host memory")
-    sl.shutdown()
-    if failures:
-        print(f"rank {rank}: FAILED {failures}", flush=True)
-    return 1 if failures else 0
+    return finish(rank, failures)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import shardline as sl
-from tests.gpu._common import init_both
+from tests.gpu._common import finish, init_both
 
 STEPS = 5
 
@@ -92,10 +92,7 @@ def main() -> int:
         if not same or not moved < 0.1:
             failures.append(name)
     dist.destroy_process_group()
-    sl.shutdown()
-    if failures:
-        print(f"rank {rank}: FAILED {failures}", flush=True)
-    return 1 if failures else 0
+    return finish(rank, failures)
 
 
 if __name__ == "__main__":
