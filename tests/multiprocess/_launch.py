@@ -82,22 +82,30 @@ def finish(ranks: list[Rank], timeout: float) -> list[Rank]:
     hung = []
     for r in ranks:
         try:
-            r.out, r.err = r.proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            _collect(r, timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             hung.append(r.rank)
             kill_all(ranks)
-            r.out, r.err = r.proc.communicate()
-        r.rc = r.proc.returncode
     if hung:
         raise AssertionError(f"ranks {hung} still running after {timeout} s\n{report(ranks)}")
     return ranks
 
 
 def kill_all(ranks: list[Rank]) -> None:
-    """SIGKILLs every rank still running."""
+    """SIGKILLs every rank still running, then reaps every rank and keeps its output (so no
+    process or pipe outlives the test, and ``report`` has what each rank printed)."""
     for r in ranks:
         if r.proc.poll() is None:
             r.proc.send_signal(signal.SIGKILL)
+    for r in ranks:
+        _collect(r)
+
+
+def _collect(r: Rank, timeout: float | None = None) -> None:
+    # communicate() may be called again after it timed out; once it returned, rc is set.
+    if r.rc is None:
+        r.out, r.err = r.proc.communicate(timeout=timeout)
+        r.rc = r.proc.returncode
 
 
 def report(ranks: list[Rank]) -> str:

@@ -81,9 +81,23 @@ def expect_failure() -> None:
 
 
 def slow_start() -> None:
-    """Ranks other than 0 start late, leaving rank 0's listener open to a garbage writer."""
-    if os.environ["RANK"] != "0":
-        time.sleep(float(os.environ.get("WORKER_DELAY", "2")))
+    """Rank 0 stops between publishing its address and dialling rank 1 until the file
+    ``WORKER_GO`` exists (at most 120 s). Meanwhile rank 1's listener is accepting and waiting
+    for rank 0, open to the test's garbage writer."""
+    if os.environ["RANK"] == "0":
+        from shardline.comm.backends import native
+
+        exchange = native.exchange
+
+        def held(*args: Any) -> list[str]:
+            values = exchange(*args)
+            if args[-1] == "address":
+                go, deadline = os.environ["WORKER_GO"], time.monotonic() + 120
+                while not os.path.exists(go) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            return values
+
+        native.exchange = held  # type: ignore[assignment]
     allreduce()
 
 

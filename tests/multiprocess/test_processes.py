@@ -9,6 +9,7 @@ import signal
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -102,15 +103,16 @@ def test_wrong_secret_is_rejected_and_nobody_hangs() -> None:
     assert all("ERROR" in o for o in outs), report(ranks)
 
 
-def test_garbage_on_listener_port_is_rejected_and_job_completes() -> None:
-    port = free_port()
+def test_garbage_on_listener_port_is_rejected_and_job_completes(tmp_path: Path) -> None:
+    port, go = free_port(), tmp_path / "go"
     per_rank = {0: {"SHARDLINE_HOST_ID": "sim-a"}, 1: {"SHARDLINE_HOST_ID": "sim-b"}}
-    ranks = start(
-        2, "slow_start", env={**SECRET, "WORKER_DELAY": "3"}, per_rank=per_rank, port=port
-    )
+    # Rank 0 dials rank 1 only once the garbage was written to rank 1's listener, which is
+    # then accepting (for up to 180 s) and must drop it and still link rank 0.
+    env = {**SECRET, "WORKER_GO": str(go), "SHARDLINE_TIMEOUT": "180"}
+    ranks = start(2, "slow_start", env=env, per_rank=per_rank, port=port)
     try:
-        store = _connect_store(port, 30)
-        host, _, listen_port = bytes(store.get("shardline/world/addr/0")).decode().rpartition(":")
+        store = _connect_store(port, 120)
+        host, _, listen_port = bytes(store.get("shardline/world/addr/1")).decode().rpartition(":")
         for payload in (
             b"\x00" * 64,
             b"GET / HTTP/1.1\r\n\r\n",
@@ -125,7 +127,12 @@ def test_garbage_on_listener_port_is_rejected_and_job_completes() -> None:
                 s.settimeout(2)
                 with contextlib.suppress(OSError):
                     s.recv(64)
-        finish(ranks, 60)
+        go.touch()
+        finish(ranks, 90)
+    except Exception as e:
+        kill_all(ranks)
+        e.add_note(report(ranks))
+        raise
     finally:
         kill_all(ranks)
     assert all(r.rc == 0 and "OK" in r.out for r in ranks), report(ranks)
