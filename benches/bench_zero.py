@@ -58,6 +58,10 @@ OURS = ("zero1", "zero2", "zero3")
 # (``offload="optimizer"``, and ``"cpu"``, stepped by ``sl.optim.CPUAdamW``) against FSDP2 with
 # ``CPUOffloadPolicy`` (torch's AdamW on the host).
 OFFLOAD_IMPLS = ("zero3-offload", "zero3-offload-cpu", "fsdp2-offload")
+# Not run by default: each block recomputing in backward what the selective policy drops
+# (``sl.distribute(..., recompute="selective")``), and FSDP2 on the same model transformation
+# (our ``recompute_blocks`` before ``fully_shard``), so the gain is shown apart from the policy.
+RECOMPUTE_IMPLS = ("zero3-sel", "fsdp2-sel")
 MIB = 2**20
 MEM_KEYS = ("persistent_bytes", "persistent_generic_bytes", "peak_bytes", "left_after_del_bytes")
 # (d_model, num_layers, num_heads, seq_len, batch_size per rank)
@@ -133,12 +137,19 @@ def memory_breakdown(model: Any, opt: Any) -> tuple[int, dict[str, int] | None]:
 
 
 def build_impl(
-    name: str, base: Any, device: Any, lr: float, zero_kw: dict[str, Any]
+    name: str,
+    base: Any,
+    device: Any,
+    lr: float,
+    zero_kw: dict[str, Any],
+    dtype: str = "fp32",
 ) -> tuple[Any, Any]:
     """A copy of ``base`` on ``device`` wrapped as ``name``, and its AdamW: ours through
     ``sl.distribute`` (``zero1``-``zero3``, or ``sl-<strategy>`` for any of our strategies),
     FSDP2 (``fsdp2``) with ``fully_shard`` per block then the root, else torch DDP on the
-    default group (``ddp``, ``torch-ddp``)."""
+    default group (``ddp``, ``torch-ddp``). ``dtype="bf16"``: bf16 compute on fp32 master
+    weights, gradients reduced in fp32 (ours: ``MixedPrecision``, FSDP2:
+    ``MixedPrecisionPolicy``; DDP has no such policy and is refused)."""
     import copy  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
@@ -147,6 +158,20 @@ def build_impl(
     import shardline as sl  # noqa: PLC0415
 
     model: Any = copy.deepcopy(base)  # on the CPU
+    bf16 = dtype == "bf16"
+    if name.endswith("-sel"):
+        name = name.removesuffix("-sel")
+        if name == "zero3":
+            zero_kw = {**zero_kw, "recompute": "selective"}
+        else:
+            sl.checkpoint.activations.recompute_blocks(model, "selective")
+    if bf16 and name.startswith("zero"):
+        zero_kw = {
+            **zero_kw,
+            "mixed_precision": sl.MixedPrecision(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            ),
+        }
     if name not in OFFLOAD_IMPLS:
         model = model.to(device)
     # The offloads get the model in host memory, as a model larger than the GPU must come:
@@ -161,6 +186,12 @@ def build_impl(
     if name in ("fsdp2", "fsdp2-offload"):
         fully_shard = fully_shard_fn()
         kw: dict[str, Any] = {}
+        if bf16:
+            from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: PLC0415
+
+            kw["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
         if name == "fsdp2-offload":
             from torch.distributed.fsdp import CPUOffloadPolicy  # noqa: PLC0415
 
@@ -169,6 +200,8 @@ def build_impl(
             fully_shard(block, **kw)
         fully_shard(model, **kw)
     else:
+        if bf16:
+            raise ValueError("--dtype bf16 has no DDP row here (torch DDP has no bf16 policy)")
         model = TorchDDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
 
@@ -190,6 +223,7 @@ def worker(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
 
     d_model, layers, heads, seq_len, batch = SIZES[args.size]
+    batch = args.batch or batch
     cfg = Config(
         d_model=d_model, num_layers=layers, num_heads=heads, seq_len=seq_len, batch_size=batch
     )
@@ -208,7 +242,7 @@ def worker(args: argparse.Namespace) -> int:
     items = batch * seq_len * world  # tokens per step, all ranks
 
     def build(name: str) -> tuple[Any, Any]:
-        return build_impl(name, base, device, args.lr, args.zero_kw)
+        return build_impl(name, base, device, args.lr, args.zero_kw, args.dtype)
 
     def step(model: Any, opt: Any, counter: list[int]) -> Any:
         x, y = batches[counter[0] % len(batches)]
@@ -219,7 +253,7 @@ def worker(args: argparse.Namespace) -> int:
         opt.step()
         return loss.detach()
 
-    impls = [i for i in IMPLS + OFFLOAD_IMPLS if i in args.impls]
+    impls = [i for i in IMPLS + RECOMPUTE_IMPLS + OFFLOAD_IMPLS if i in args.impls]
     errors: dict[str, str] = {}
     rows: dict[str, dict[str, Any]] = {i: {} for i in impls}
 
@@ -342,6 +376,7 @@ def worker(args: argparse.Namespace) -> int:
             "heads": heads,
             "seq_len": seq_len,
             "batch_per_rank": batch,
+            "dtype": args.dtype,
         },
         "impls": rows,
     }
@@ -430,6 +465,22 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
                 f"{(m3 or math.nan) / MIB:.1f} vs {(mf or math.nan) / MIB:.1f} MiB "
                 f"({'met' if mem_ok else 'NOT met'})"
             )
+        zs, fss = rows.get("zero3-sel", {}), rows.get("fsdp2-sel", {})
+        if "tokens_per_s" in zs and "tokens_per_s" in fs and zs.get(mem_key) and fs.get(mem_key):
+            mem = zs[mem_key] / fs[mem_key]
+            goals.append(
+                f"{world} ranks: zero3-sel {mem_word} memory {mem:.2f}x FSDP2's "
+                f"({'met' if mem <= 0.9 else 'NOT met'}: <= 0.9x) at "
+                f"{zs['tokens_per_s'] / fs['tokens_per_s']:.2f}x its tokens/s"
+                + (
+                    f"; against FSDP2 on the same recompute: "
+                    f"{zs['tokens_per_s'] / fss['tokens_per_s']:.2f}x tokens/s, "
+                    f"{(zs[mem_key] / fss[mem_key]) if fss.get(mem_key) else math.nan:.2f}x "
+                    "memory"
+                    if "tokens_per_s" in fss
+                    else ""
+                )
+            )
     lines.append("goals: zero3 >= 1.0x FSDP2 tokens/s, peak memory <= FSDP2")
     lines += [f"  {g}" for g in goals] or ["  (needs zero3 and fsdp2 in the run)"]
     return "\n".join(lines)
@@ -467,9 +518,16 @@ def plot(results: dict[int, dict[str, Any]], path: Path, device: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    _harness.add_subset(p, "--impls", IMPLS + OFFLOAD_IMPLS)
+    _harness.add_subset(p, "--impls", IMPLS + RECOMPUTE_IMPLS + OFFLOAD_IMPLS)
     p.set_defaults(impls=list(IMPLS))  # the offloads only when asked for
     p.add_argument("--size", default="small", choices=list(SIZES))
+    p.add_argument("--batch", type=int, default=0, help="sequences per rank (0: the size's)")
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="bf16: bf16 compute, fp32 master weights and gradient reductions",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     repeats_help = "timed blocks per implementation"
     _harness.add_blocks(p, steps=5, repeats=3, warmup=2, repeats_help=repeats_help)
@@ -485,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count()
     tag = args.tag or f"{args.device}-{cores}c-{args.size}"
     first = next(iter(results.values()))
-    model = f"; TinyGPT {first['params'] / 1e6:.1f}M params {first['config']}, AdamW, fp32"
+    model = f"; TinyGPT {first['params'] / 1e6:.1f}M params {first['config']}, AdamW"
     _report.publish(
         _report.RESULTS / f"zero-{tag}",
         _report.header(Path(__file__).name, _report.machine(args.device) + model),

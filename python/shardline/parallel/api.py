@@ -33,6 +33,7 @@ def distribute(
     strategy: str | dict[str, str] = "ddp",
     group: ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
+    recompute: str | None = None,
     **options: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Wraps ``model`` (and ``optimizer``) for data-parallel training on ``group``.
@@ -52,6 +53,9 @@ def distribute(
             ``loss_fn``, ``split``, ``virtual_stages``).
         group: The ranks to train on; the default group when ``None``.
         mesh: A ``DeviceMesh`` with axes ``"pp"`` and optionally ``"dp"``, for composition.
+        recompute: ``"selective"`` or ``"full"``: the model's repeated blocks recompute their
+            activations in backward (``checkpoint.activations.recompute_blocks``), for less
+            memory per rank at the same results, bit for bit; ``None`` keeps them all.
         **options: Passed to the strategy (for DDP: ``bucket_cap_mb``, ``broadcast_buffers``,
             ``comm_hook``, ...; for ZeRO: ``unit_mb``, ``prefetch``, ``mixed_precision``; for
             both: ``compression``, a ``shardline.optim`` compressor or its name).
@@ -65,10 +69,16 @@ def distribute(
         InvalidArgumentError: an unknown strategy or option, or an optimizer over other
             parameters.
     """
+    if mesh is None and not isinstance(strategy, dict):  # (before the model changes)
+        _check_options(strategies.strategy(strategy).name, options)
+    if recompute is not None:
+        # (checkpoint imports parallel's planner: import it on use, not at load)
+        from shardline.checkpoint.activations.blocks import recompute_blocks  # noqa: PLC0415
+
+        recompute_blocks(model, recompute)
     if mesh is not None or isinstance(strategy, dict):
         return compose(model, optimizer, strategy, mesh, options)
     row = strategies.strategy(strategy)
-    _check_options(row.name, options)
     if row.stage and optimizer is not None:
         check_optimizer(optimizer, row.stage)  # before any collective of the wrapper's
     if row.stage:

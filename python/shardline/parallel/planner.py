@@ -238,6 +238,7 @@ def estimate_memory(
     prefetch: int = 1,
     compression: str | Compressor | None = None,
     offload: str | None = None,
+    recompute: str | None = None,
 ) -> MemoryEstimate:
     """Bytes per rank to train ``model`` with ``strategy`` on ``world_size`` ranks.
 
@@ -261,6 +262,9 @@ def estimate_memory(
             per-rank state is counted.
         offload: ZeRO's ``offload`` (``"optimizer"`` or ``"cpu"``): the master shards, their
             gradients and the optimizer states move to ``host``.
+        recompute: ``distribute``'s ``recompute`` (``"selective"`` or ``"full"``): the
+            activations counted are what the blocks keep under it. A model passed through
+            ``recompute_blocks`` already is counted that way without it.
 
     Returns:
         A ``MemoryEstimate``; ``print`` it for a table.
@@ -283,10 +287,14 @@ def estimate_memory(
         raise InvalidArgumentError(
             f"estimate_memory: offload is an option of the ZeRO strategies, not {name}"
         )
+    if recompute not in (None, "selective", "full"):
+        raise InvalidArgumentError(
+            f"estimate_memory: recompute must be None, 'selective' or 'full', not {recompute!r}"
+        )
     k = optimizer_states(optimizer)
     notes: list[str] = []
     mp = _effective_precision(name, mixed_precision, notes)
-    activations, measured = _activations_or_note(model, example_input, mp, notes)
+    activations, measured = _activations_or_note(model, example_input, mp, notes, recompute)
     estimate = _estimate(
         model, name, world_size, k, mp, unit_mb, prefetch, activations, measured, notes, offload
     )
@@ -426,13 +434,17 @@ def _effective_precision(
 
 
 def _activations_or_note(
-    model: nn.Module, example_input: Any, mp: MixedPrecision | None, notes: list[str]
+    model: nn.Module,
+    example_input: Any,
+    mp: MixedPrecision | None,
+    notes: list[str],
+    recompute: str | None = None,
 ) -> tuple[int, bool]:
     """``(bytes, measured)``; a forward that fails on the meta device becomes a note."""
     if example_input is None:
         return 0, False
     try:
-        return estimate_activations(model, example_input, mp), True
+        return estimate_activations(model, example_input, mp, recompute), True
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
         notes.append(
             f"activations not estimated: the forward failed on the meta device "
@@ -442,7 +454,10 @@ def _activations_or_note(
 
 
 def estimate_activations(
-    model: nn.Module, example_input: Any, mixed_precision: MixedPrecision | None = None
+    model: nn.Module,
+    example_input: Any,
+    mixed_precision: MixedPrecision | None = None,
+    recompute: str | None = None,
 ) -> int:
     """Bytes of tensors autograd saves in one forward of ``example_input``.
 
@@ -450,13 +465,17 @@ def estimate_activations(
     of the same shapes (cast to the compute dtype under ``mixed_precision``, floating inputs
     too), so nothing is allocated or computed. Saved tensors that are parameters (or views of
     them) are skipped, and a tensor saved several times (or through several views) counts once,
-    at the size of its storage.
+    at the size of its storage. Blocks that recompute in backward (``recompute_blocks``, or
+    ``recompute`` naming the policy) count what that keeps instead of what they save.
 
     Args:
         model: The plain model.
         example_input: A tensor, a tuple of positional arguments or a dict of keyword arguments.
         mixed_precision: The policy whose compute dtype the forward runs in.
+        recompute: ``"selective"`` or ``"full"``, as given to ``distribute``.
     """
+    # (checkpoint imports this module's format_bytes: import it on use, not at load)
+    from shardline.checkpoint.activations.blocks import kept_under_recompute  # noqa: PLC0415
 
     def meta(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
         dtype = t.dtype
@@ -478,14 +497,20 @@ def estimate_activations(
     # [Note: saved tensors are kept alive until the count is done, so ids are never reused.]
     saved: dict[int, tuple[torch.Tensor, int]] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def keep(t: torch.Tensor) -> None:
         base = t if t._base is None else t._base
         if id(base) not in param_ids and id(base) not in saved:
             saved[id(base)] = (base, base.untyped_storage().nbytes())
-        return t
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = torch.func.functional_call(model, state, args, kwargs, strict=False)
+    with kept_under_recompute(model, recompute, keep) as in_block:
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if not in_block():
+                keep(t)
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = torch.func.functional_call(model, state, args, kwargs, strict=False)
     del out
     return sum(nbytes for _, nbytes in saved.values())
 

@@ -4,6 +4,9 @@
   (``torch.utils.checkpoint.checkpoint``): ``fn``'s intermediate activations are not kept for
   backward but recomputed from its inputs, with the RNG state of the forward (dropout matches).
   Inside ``ActivationCheckpointManager.activate()`` it also records the bytes it did not keep.
+- ``recompute_blocks(model, "selective" | "full")``: every repeated block of a model
+  recomputes in backward, keeping only its expensive ops' outputs (``"selective"``) or only its
+  input (``"full"``); ``sl.distribute(..., recompute=...)`` applies it for any strategy.
 - ``ActivationCheckpointManager``: activations kept by layer id under a placement policy
   (``"local"``, ``"first_rank"``, ``"partition"``), fetched from their owners on demand, with
   memory statistics gathered over the group.
@@ -17,6 +20,11 @@ group's deadline) on every survivor; none of them waits forever.
 
 from __future__ import annotations
 
+from shardline.checkpoint.activations.blocks import (
+    RECOMPUTE_POLICIES,
+    find_blocks,
+    recompute_blocks,
+)
 from shardline.checkpoint.activations.policies import POLICIES, LayerId, Policy
 from shardline.checkpoint.activations.recompute import checkpoint
 from shardline.checkpoint.activations.statistics import ActivationMemoryStats, format_bytes
@@ -24,10 +32,13 @@ from shardline.checkpoint.activations.store import ActivationCheckpointManager
 
 __all__ = [
     "POLICIES",
+    "RECOMPUTE_POLICIES",
     "ActivationCheckpointManager",
     "ActivationMemoryStats",
     "LayerId",
     "Policy",
     "checkpoint",
+    "find_blocks",
     "format_bytes",
+    "recompute_blocks",
 ]
