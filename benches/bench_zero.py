@@ -35,6 +35,8 @@ Writes JSON, a text table and (with matplotlib) a PNG to ``benches/results/zero-
         --impls zero3,fsdp2,zero3-offload,zero3-offload-cpu,fsdp2-offload
     python benches/bench_zero.py --device cuda --ranks 1 --size 6b --sequential \
         --impls zero3,zero3-offload-cpu,fsdp2-offload --warmup 1 --steps 2 --repeats 1
+    python benches/bench_zero.py --device cuda --ranks 2 --size large --dtype bf16 \
+        --impls zero3,fsdp2,zero3-sel,fsdp2-sel [--batch 16]   # recompute="selective"
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ def build_impl(
     FSDP2 (``fsdp2``) with ``fully_shard`` per block then the root, else torch DDP on the
     default group (``ddp``, ``torch-ddp``). ``dtype="bf16"``: bf16 compute on fp32 master
     weights, gradients reduced in fp32 (ours: ``MixedPrecision``, FSDP2:
-    ``MixedPrecisionPolicy``; DDP has no such policy and is refused)."""
+    ``MixedPrecisionPolicy``; DDP runs in fp32 only here and is refused)."""
     import copy  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
@@ -201,7 +203,7 @@ def build_impl(
         fully_shard(model, **kw)
     else:
         if bf16:
-            raise ValueError("--dtype bf16 has no DDP row here (torch DDP has no bf16 policy)")
+            raise ValueError("--dtype bf16: this bench runs DDP in fp32 only (leave ddp out)")
         model = TorchDDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
 

@@ -18,6 +18,7 @@ def test_zero3_matches_fsdp2_on_nccl_with_no_more_memory() -> None:
     code, out = run_worker("_zero_worker.py")
     assert code == 0, out
     assert out.count("max |ours - fsdp2|") == 2, out
+    assert out.count("max |selective - zero3|") == 2, out
     print(out)
 
 
