@@ -98,7 +98,9 @@ FAIL_UNTIL_THIRD_ATTEMPT = """
 log_attempt()
 if ATTEMPT < 2:
     if RANK == 1:
+        wait_for(OUT_DIR / f"rank0-{ATTEMPT}.logged")  # so every attempt of both is logged
         sys.exit(3)
+    (OUT_DIR / f"rank0-{ATTEMPT}.logged").write_text("")
     time.sleep(120)
 print(f"rank {RANK} succeeded on attempt {ATTEMPT}")
 """
