@@ -287,10 +287,10 @@ def estimate_memory(
         raise InvalidArgumentError(
             f"estimate_memory: offload is an option of the ZeRO strategies, not {name}"
         )
-    if recompute not in (None, "selective", "full"):
-        raise InvalidArgumentError(
-            f"estimate_memory: recompute must be None, 'selective' or 'full', not {recompute!r}"
-        )
+    # (checkpoint imports this module's format_bytes: import it on use, not at load)
+    from shardline.checkpoint.activations.blocks import check_policy  # noqa: PLC0415
+
+    check_policy(recompute, "estimate_memory")
     k = optimizer_states(optimizer)
     notes: list[str] = []
     mp = _effective_precision(name, mixed_precision, notes)

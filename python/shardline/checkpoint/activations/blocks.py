@@ -36,7 +36,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardline.checkpoint.activations.recompute import checkpoint
 from shardline.errors import InvalidArgumentError
 
-__all__ = ["RECOMPUTE_POLICIES", "find_blocks", "kept_under_recompute", "recompute_blocks"]
+__all__ = [
+    "RECOMPUTE_POLICIES",
+    "check_policy",
+    "find_blocks",
+    "kept_under_recompute",
+    "recompute_blocks",
+]
 
 RECOMPUTE_POLICIES = ("selective", "full")
 _MARK = "_shardline_recompute"
@@ -78,6 +84,15 @@ _SAC_OPTIONS: dict[str, Any] = (
     if "respect_saved_tensors_hooks" in inspect.signature(torch_checkpoint.checkpoint).parameters
     else {}
 )
+
+
+def check_policy(policy: str | None, who: str = "recompute") -> None:
+    """Refuses anything but ``None`` and the names in ``RECOMPUTE_POLICIES``."""
+    if policy is not None and policy not in RECOMPUTE_POLICIES:
+        raise InvalidArgumentError(
+            f"{who}: recompute={policy!r} is not a policy; choose None or one of "
+            f"{', '.join(RECOMPUTE_POLICIES)}"
+        )
 
 
 def _keep_expensive(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> Any:
@@ -127,10 +142,9 @@ def recompute_blocks(
     Raises:
         InvalidArgumentError: an unknown policy, no block found, or a block wrapped already.
     """
-    if policy not in RECOMPUTE_POLICIES:
-        raise InvalidArgumentError(
-            f"recompute={policy!r} is not a policy; choose one of {', '.join(RECOMPUTE_POLICIES)}"
-        )
+    if policy is None:
+        raise InvalidArgumentError("recompute_blocks: policy must be 'selective' or 'full'")
+    check_policy(policy, "recompute_blocks")
     if modules is None:
         blocks = find_blocks(model)
         how = (
@@ -202,6 +216,7 @@ def kept_under_recompute(
     The blocks are those ``recompute_blocks`` wrapped (each with its policy), else, with a
     ``policy``, those ``find_blocks`` finds; with neither, nothing changes.
     """
+    check_policy(policy)
     marked = [m for m in model.modules() if getattr(m, _MARK, None) is not None]
     blocks = (
         [(m, str(getattr(m, _MARK))) for m in marked]
@@ -210,10 +225,6 @@ def kept_under_recompute(
         if policy is not None
         else []
     )
-    if policy is not None and policy not in RECOMPUTE_POLICIES:
-        raise InvalidArgumentError(
-            f"recompute={policy!r} is not a policy; choose one of {', '.join(RECOMPUTE_POLICIES)}"
-        )
     running: list[str] = []
 
     def enter(policy: str) -> Callable[..., None]:
