@@ -63,7 +63,7 @@ OFFLOAD_IMPLS = ("zero3-offload", "zero3-offload-cpu", "fsdp2-offload")
 # Not run by default: each block recomputing in backward what the selective policy drops
 # (``sl.distribute(..., recompute="selective")``), and FSDP2 on the same model transformation
 # (our ``recompute_blocks`` before ``fully_shard``), so the gain is shown apart from the policy.
-RECOMPUTE_IMPLS = ("zero3-sel", "fsdp2-sel")
+RECOMPUTE_IMPLS = ("zero3-sel", "zero2-sel", "fsdp2-sel")
 MIB = 2**20
 MEM_KEYS = ("persistent_bytes", "persistent_generic_bytes", "peak_bytes", "left_after_del_bytes")
 # (d_model, num_layers, num_heads, seq_len, batch_size per rank)
@@ -163,7 +163,7 @@ def build_impl(
     bf16 = dtype == "bf16"
     if name.endswith("-sel"):
         name = name.removesuffix("-sel")
-        if name == "zero3":
+        if name in OURS:
             zero_kw = {**zero_kw, "recompute": "selective"}
         else:
             sl.checkpoint.activations.recompute_blocks(model, "selective")
@@ -467,11 +467,19 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
                 f"{(m3 or math.nan) / MIB:.1f} vs {(mf or math.nan) / MIB:.1f} MiB "
                 f"({'met' if mem_ok else 'NOT met'})"
             )
-        zs, fss = rows.get("zero3-sel", {}), rows.get("fsdp2-sel", {})
-        if "tokens_per_s" in zs and "tokens_per_s" in fs and zs.get(mem_key) and fs.get(mem_key):
+        fss = rows.get("fsdp2-sel", {})
+        for sel in ("zero3-sel", "zero2-sel"):
+            zs = rows.get(sel, {})
+            if not (
+                "tokens_per_s" in zs
+                and "tokens_per_s" in fs
+                and zs.get(mem_key)
+                and fs.get(mem_key)
+            ):
+                continue
             mem = zs[mem_key] / fs[mem_key]
             goals.append(
-                f"{world} ranks: zero3-sel {mem_word} memory {mem:.2f}x FSDP2's "
+                f"{world} ranks: {sel} {mem_word} memory {mem:.2f}x FSDP2's "
                 f"({'met' if mem <= 0.9 else 'NOT met'}: <= 0.9x) at "
                 f"{zs['tokens_per_s'] / fs['tokens_per_s']:.2f}x its tokens/s"
                 + (

@@ -81,20 +81,68 @@ class Calls(TorchDispatchMode):
 
 
 GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
-OPS = {"gemm": GEMMS, "gelu": (aten.gelu.default,)}
+OPS = {"gemm": GEMMS, "gelu": (aten.gelu.default,), "silu": (aten.silu.default,)}
 
 
-def kept_and_backward_calls(policy: str | None) -> tuple[int, dict[str, int], list[torch.Tensor]]:
+class LlamaBlock(nn.Module):
+    """A Llama-style block: RMSNorm, separate q/k/v projections, a SwiGLU MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.RMSNorm(d), nn.RMSNorm(d, eps=1e-5)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(d, 4 * d, bias=False), nn.Linear(d, 4 * d, bias=False)
+        self.down = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (
+            p(h).view(b, n, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, n, d))
+        h = self.norm2(x)
+        out: torch.Tensor = x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+        return out
+
+
+class Llama(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(LlamaBlock(CFG.d_model, CFG.num_heads) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def make_llama() -> Llama:
+    with _INIT:
+        torch.manual_seed(0)
+        return Llama()
+
+
+def llama_input() -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(CFG.batch_size, CFG.seq_len, CFG.d_model, generator=g)
+
+
+def kept_and_backward_calls(
+    policy: str | None, llama: bool = False
+) -> tuple[int, dict[str, int], list[torch.Tensor]]:
     """Bytes alive after forward, op counts in backward and the gradients, for one step."""
-    model = make_model()
+    model: nn.Module = make_llama() if llama else make_model()
     if policy is not None:
         recompute_blocks(model, policy)
-    x, y = batch(1)
+    args = (llama_input(),) if llama else batch(1)
     with LiveBytes() as live:
-        loss = model(x, y)
+        out = model(*args)
     kept = live.alive()
     with Calls(OPS) as calls:
-        loss.backward()
+        (out.square().mean() if llama else out).backward()
     return kept, calls.count, [p.grad for p in model.parameters()]
 
 
@@ -118,6 +166,27 @@ def test_policies_keep_less_and_backward_recomputes_what_they_dropped() -> None:
     assert plain_calls["gelu"] == 0 and sel_calls["gelu"] == layers == full_calls["gelu"]
     assert sel_calls["gemm"] == plain_calls["gemm"]
     assert full_calls["gemm"] == plain_calls["gemm"] + layers * 3
+
+
+def test_selective_drops_rms_norm_and_swiglu_outputs_of_a_llama_block() -> None:
+    plain, plain_calls, plain_grads = kept_and_backward_calls(None, llama=True)
+    sel, sel_calls, sel_grads = kept_and_backward_calls("selective", llama=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, sel_grads, strict=True))
+    # Dropped per block: both norms' outputs (d wide; q, k and v save the same one) and the
+    # SiLU and SwiGLU product outputs (4d wide), made again from their nodes' saved tensors.
+    tokens = CFG.batch_size * CFG.seq_len
+    dropped = tokens * (2 * CFG.d_model + 2 * 4 * CFG.d_model) * 4
+    assert sel <= plain - 3 * dropped, (plain, sel)
+    assert sel_calls["gemm"] == plain_calls["gemm"]
+    assert plain_calls["silu"] == 0 and sel_calls["silu"] == 3
+    # The planner counts the same saving.
+    est = {
+        p: sl.estimate_memory(
+            make_llama(), world_size=1, strategy="ddp", example_input=llama_input(), recompute=p
+        ).activations
+        for p in (None, "selective")
+    }
+    assert est[None] - est["selective"] == plain - sel
 
 
 def test_blocks_found_or_named_and_bad_input_refused() -> None:

@@ -502,10 +502,10 @@ def estimate_activations(
         if id(base) not in param_ids and id(base) not in saved:
             saved[id(base)] = (base, base.untyped_storage().nbytes())
 
-    with kept_under_recompute(model, recompute, keep) as in_block:
+    with kept_under_recompute(model, recompute, keep) as counted:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if not in_block():
+            if counted(t):
                 keep(t)
             return t
 

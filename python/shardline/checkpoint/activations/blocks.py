@@ -4,17 +4,17 @@ A transformer's activations, not its parameters, fill most of a GPU at a useful 
 the 395M GPT of ``benches/bench_zero.py`` (fp32, 8 x 1024 tokens per rank) they are about 80 %
 of the peak, under ZeRO-3 and FSDP2 alike. Two policies trade some of them for compute:
 
-- ``"selective"``: keep the outputs of the expensive ops (matrix products, attention,
-  convolutions) and recompute the rest (normalisations, activation functions, residual adds,
-  reshapes) from them in backward. On a GPT block this drops the LayerNorm and GELU outputs,
-  about a third of the block's activations, for a few elementwise kernels per block; the
-  GEMMs are not run again.
+- ``"selective"``: keep what the expensive ops (matrix products, attention, convolutions)
+  made, and make the outputs of the cheap ops between them (LayerNorm and RMSNorm modules,
+  GELU, SiLU, products such as SwiGLU's) again in backward from what their own backward keeps
+  anyway (``selective.py``). On a GPT block this drops the LayerNorm and GELU outputs, about a third
+  of the block's activations, for a few elementwise kernels per block; no GEMM runs again.
 - ``"full"``: keep only each block's input and run its whole forward again in backward: the
   least memory, for about a third more compute.
 
 Either way backward computes exactly what it would have (the same kernels on the same values,
 dropout with the forward's RNG state), so gradients equal those without recomputation bit for
-bit. Built on ``torch.utils.checkpoint`` (non-reentrant) and its selective-checkpoint policies.
+bit. ``"full"`` is ``torch.utils.checkpoint`` (non-reentrant).
 
 ``sl.distribute(..., recompute="selective")`` applies it before wrapping, for any strategy.
 """
@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardline.checkpoint.activations import selective
 from shardline.checkpoint.activations.recompute import checkpoint
 from shardline.errors import InvalidArgumentError
 
@@ -50,42 +48,6 @@ _MARK = "_shardline_recompute"
 BlockSelector = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 
 
-def _expensive_ops() -> frozenset[Any]:
-    """The aten ops whose outputs ``"selective"`` keeps (those present in this torch)."""
-    aten = torch.ops.aten
-    names = (
-        ("mm", "default"),
-        ("addmm", "default"),
-        ("bmm", "default"),
-        ("baddbmm", "default"),
-        ("_scaled_mm", "default"),
-        ("convolution", "default"),
-        ("_scaled_dot_product_flash_attention", "default"),
-        ("_scaled_dot_product_flash_attention_for_cpu", "default"),
-        ("_scaled_dot_product_efficient_attention", "default"),
-        ("_scaled_dot_product_cudnn_attention", "default"),
-        ("_flash_attention_forward", "default"),
-        ("_efficient_attention_forward", "default"),
-    )
-    ops = []
-    for name, overload in names:
-        packet = getattr(aten, name, None)
-        op = getattr(packet, overload, None) if packet is not None else None
-        if op is not None:
-            ops.append(op)
-    return frozenset(ops)
-
-
-_EXPENSIVE = _expensive_ops()
-# Tensors the selective policy keeps bypass saved-tensor hooks around the region (ZeRO-3's);
-# newer torch asks for that choice to be explicit, older torch has no such option.
-_SAC_OPTIONS: dict[str, Any] = (
-    {"respect_saved_tensors_hooks": False}
-    if "respect_saved_tensors_hooks" in inspect.signature(torch_checkpoint.checkpoint).parameters
-    else {}
-)
-
-
 def check_policy(policy: str | None, who: str = "recompute") -> None:
     """Refuses anything but ``None`` and the names in ``RECOMPUTE_POLICIES``."""
     if policy is not None and policy not in RECOMPUTE_POLICIES:
@@ -93,11 +55,6 @@ def check_policy(policy: str | None, who: str = "recompute") -> None:
             f"{who}: recompute={policy!r} is not a policy; choose None or one of "
             f"{', '.join(RECOMPUTE_POLICIES)}"
         )
-
-
-def _keep_expensive(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> Any:
-    policy = torch_checkpoint.CheckpointPolicy
-    return policy.MUST_SAVE if op in _EXPENSIVE else policy.PREFER_RECOMPUTE
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -186,6 +143,10 @@ def _wrap(module: nn.Module, policy: str) -> None:
     # blocks that run their own forward; the policy travels as an attribute.
     setattr(module, _MARK, policy)
     module.forward = types.MethodType(_recomputing_forward, module)
+    if policy == "selective":
+        for m in module.modules():
+            if isinstance(m, selective.NORM_MODULES):
+                m.register_forward_hook(selective.note_norm_eps)
 
 
 def _recomputing_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -194,24 +155,19 @@ def _recomputing_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return forward(*args, **kwargs)
     if getattr(self, _MARK) == "full":
         return checkpoint(forward, *args, **kwargs)
-    contexts = functools.partial(
-        torch_checkpoint.create_selective_checkpoint_contexts, _keep_expensive
-    )
-    return torch_checkpoint.checkpoint(
-        forward, *args, use_reentrant=False, context_fn=contexts, **_SAC_OPTIONS, **kwargs
-    )
+    with selective.selective_hooks():
+        return forward(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def kept_under_recompute(
     model: nn.Module, policy: str | None, keep: Callable[[torch.Tensor], None]
-) -> Iterator[Callable[[], bool]]:
+) -> Iterator[Callable[[torch.Tensor], bool]]:
     """For memory estimates: what recomputation would keep in a forward of ``model``.
 
-    Within this context the blocks run plainly, and ``keep`` receives each tensor that
-    recomputation would keep for backward: every block's tensor inputs and, under
-    ``"selective"``, the outputs of the ops it keeps. Yields ``inside()``, true while a block
-    runs (what autograd saves then is not kept).
+    Within this context the blocks run plainly, and ``keep`` receives each block input a
+    ``"full"`` block keeps. Yields ``counted(t)``: whether a tensor autograd saves now is kept
+    for backward (not inside a ``"full"`` block, not dropped by a ``"selective"`` one).
 
     The blocks are those ``recompute_blocks`` wrapped (each with its policy), else, with a
     ``policy``, those ``find_blocks`` finds; with neither, nothing changes.
@@ -225,49 +181,47 @@ def kept_under_recompute(
         if policy is not None
         else []
     )
-    running: list[str] = []
+    running: list[tuple[str, selective._Block | None]] = []
 
     def enter(policy: str) -> Callable[..., None]:
         def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
-            if not running:
+            if not running and policy == "full":
                 for t in (*args, *kwargs.values()):
                     if isinstance(t, torch.Tensor):
                         keep(t)
-            running.append(policy)
+            block = selective.enter_block(hooks=False) if policy == "selective" else None
+            running.append((policy, block))
 
         return hook
 
     def leave(_m: nn.Module, _args: Any, _kwargs: Any, _out: Any) -> None:
-        running.pop()
+        _, block = running.pop()
+        if block is not None:
+            selective.leave_block(block)
+
+    def counted(t: torch.Tensor) -> bool:
+        if not running:
+            return True
+        policy, block = running[0]
+        return policy == "selective" and block is not None and not selective.droppable(t, block.eps)
 
     handles = []
-    plain = []  # wrapped blocks run their own forward here, not torch's checkpoint
+    plain = []  # wrapped blocks run their own forward here, not the recomputing one
     for m, pol in blocks:
         handles.append(m.register_forward_pre_hook(enter(pol), with_kwargs=True))
         handles.append(m.register_forward_hook(leave, with_kwargs=True))
         if "forward" in m.__dict__:
             plain.append((m, m.__dict__.pop("forward")))
+        if pol == "selective" and getattr(m, _MARK, None) is None:
+            handles.extend(
+                n.register_forward_hook(selective.note_norm_eps)
+                for n in m.modules()
+                if isinstance(n, selective.NORM_MODULES)
+            )
     try:
-        with _KeptOutputs(running, keep) if blocks else contextlib.nullcontext():
-            yield lambda: bool(running)
+        yield counted
     finally:
         for h in handles:
             h.remove()
         for m, fwd in plain:
             m.forward = fwd
-
-
-class _KeptOutputs(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Hands the outputs of the ops ``"selective"`` keeps to ``keep``, inside such a block."""
-
-    def __init__(self, running: list[str], keep: Callable[[torch.Tensor], None]) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.running, self.keep = running, keep
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if self.running and self.running[0] == "selective" and func in _EXPENSIVE:
-            for t in out if isinstance(out, tuple | list) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.keep(t)
-        return out
