@@ -24,6 +24,7 @@ from shardline.checkpoint.activations import find_blocks, recompute_blocks
 from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.examples.train import Config, TinyGPT
+from shardline.parallel.data.zero.grouping import plan_units
 from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.usefixtures("native")
@@ -217,24 +218,50 @@ def test_blocks_found_or_named_and_bad_input_refused() -> None:
 
 @pytest.mark.parametrize(("strategy", "policy"), [("zero3", "selective"), ("ddp", "full")])
 def test_distribute_with_recompute_trains_bitwise_like_without(strategy: str, policy: str) -> None:
-    def body(g: ProcessGroup, recompute: str | None) -> list[torch.Tensor]:
+    def body(g: ProcessGroup, recompute: str | None) -> tuple[list[torch.Tensor], list[Any]]:
         plain = make_model()
         opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
         opts: dict[str, Any] = {"recompute": recompute} if recompute else {}
         if strategy == "zero3":
-            opts["unit_mb"] = 0.05
+            opts["unit_mb"] = 0.05  # without recompute, units smaller than a block
         model, opt = sl.distribute(plain, opt, strategy=strategy, group=g, **opts)
         assert opt is not None
         for step in range(3):
             opt.zero_grad()
             model(*batch(10 * step + g.rank)).backward()
             opt.step()
-        return [p.detach().clone() for p in model.parameters()]
+        units = [u.modules for u in model._plan.units] if strategy == "zero3" else []
+        # whole parameters: the shards of different unit layouts differ in shape
+        return [v.detach().clone() for v in model.state_dict().values()], units
 
     base = run_ranks(2, lambda g: body(g, None))
     got = run_ranks(2, lambda g: body(g, policy))
-    for want, have in zip(base, got, strict=True):
+    for (want, _), (have, _) in zip(base, got, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(want, have, strict=True))
+    if strategy == "zero3":  # with recompute, each block is one unit (zero/grouping.py)
+        split = {m.split(".")[1] for unit in base[0][1] for m in unit if m.startswith("blocks.")}
+        assert len(base[0][1]) > 2 * CFG.num_layers and len(split) == CFG.num_layers
+        blocks = [u for u in got[0][1] if any(m.startswith("blocks.") for m in u)]
+        assert [{m.split(".")[1] for m in u} for u in blocks] == [
+            {str(i)} for i in range(CFG.num_layers)
+        ]
+        assert all(len(u) == 6 for u in blocks)  # ln1, qkv, proj, ln2, and the MLP's two
+
+
+def test_units_follow_blocks_and_the_size_rule_elsewhere() -> None:
+    model = make_model()
+    names = [n for n, _ in find_blocks(model)]
+    block = ("ln1", "qkv", "proj", "ln2", "mlp.0", "mlp.2")
+    # 1 KiB units: without blocks every large Linear is a unit of its own
+    assert len(plan_units(model, 1024).units) == 3 + 4 * CFG.num_layers
+    plan = plan_units(model, 1024, blocks=names)
+    assert [u.modules for u in plan.units] == [
+        ("tok",),
+        ("pos",),
+        *(tuple(f"{n}.{m}" for m in block) for n in names),
+        ("ln",),
+    ]
+    assert plan.blocks == tuple(names)
 
 
 def test_memory_estimate_counts_what_each_policy_keeps() -> None:

@@ -296,7 +296,18 @@ def estimate_memory(
     mp = _effective_precision(name, mixed_precision, notes)
     activations, measured = _activations_or_note(model, example_input, mp, notes, recompute)
     estimate = _estimate(
-        model, name, world_size, k, mp, unit_mb, prefetch, activations, measured, notes, offload
+        model,
+        name,
+        world_size,
+        k,
+        mp,
+        unit_mb,
+        prefetch,
+        activations,
+        measured,
+        notes,
+        offload,
+        recompute,
     )
     compressor = resolve_compression(compression, None)
     if compressor is None:
@@ -322,6 +333,7 @@ def _estimate(
     measured: bool,
     notes: list[str],
     offload: str | None = None,
+    recompute: str | None = None,
 ) -> MemoryEstimate:
     """The estimate once arguments are checked and activations counted."""
     layout = strategies.strategy(name).planned_as
@@ -331,7 +343,10 @@ def _estimate(
             first.device if first is not None else torch.device("cpu"),
             sum(p.nbytes for p in model.parameters()),
         )
-    plan = plan_units(model, int(unit_mb * 2**20))
+    # (checkpoint imports this module's format_bytes: import it on use, not at load)
+    from shardline.checkpoint.activations.blocks import recomputing_blocks  # noqa: PLC0415
+
+    plan = plan_units(model, int(unit_mb * 2**20), blocks=recomputing_blocks(model, recompute))
     n = world_size
     named = dict(model.named_parameters())
 

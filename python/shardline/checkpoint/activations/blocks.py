@@ -40,6 +40,7 @@ __all__ = [
     "find_blocks",
     "kept_under_recompute",
     "recompute_blocks",
+    "recomputing_blocks",
 ]
 
 RECOMPUTE_POLICIES = ("selective", "full")
@@ -75,6 +76,20 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             prefix = f"{name}." if name else ""
             best = (numel, [(prefix + k, m) for k, m in kids])
     return best[1] if best is not None else []
+
+
+def recomputing_blocks(model: nn.Module, policy: str | None = None) -> list[str]:
+    """Qualified names of the blocks of ``model`` that recompute in backward.
+
+    Those ``recompute_blocks`` wrapped, else, with a ``policy``, those ``find_blocks`` finds;
+    ``[]`` when neither applies. ZeRO makes each of them one unit (``zero/grouping.py`` says
+    why).
+    """
+    check_policy(policy)
+    marked = [n for n, m in model.named_modules() if getattr(m, _MARK, None) is not None]
+    if marked or policy is None:
+        return marked
+    return [n for n, _ in find_blocks(model)]
 
 
 def recompute_blocks(

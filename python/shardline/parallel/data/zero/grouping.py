@@ -10,6 +10,12 @@ sizes, without user wrapping:
   1 MiB); a module at or above the threshold is never merged with another large one (small
   modules that ran just before it, fewer than ``threshold`` bytes, join its unit rather than
   forming a tiny unit of their own: one collective fewer for each LayerNorm);
+- *blocks* (the modules that recompute their activations in backward,
+  ``checkpoint.activations.recompute_blocks``) are each one unit, whatever their size: their
+  backward recomputes a norm's or an activation's output, which needs that module's
+  parameters, right before the consumer's gradient; in a unit of their own those would be
+  gathered (and waited for) one unit early, and on a 1B GPT in fp32 on 4 H200s the waits cost
+  18 ms a step where one unit per block cost 9 (``benches/results/zero-cuda-4xh200-xl-fp32-sel*``);
 - a unit never mixes dtypes (a flat buffer has one dtype);
 - a unit never mixes *whole* modules (whose parameters an optimizer needs whole: see
   ``optimizers``) with others; each whole unit is given to one rank, largest first to the
@@ -90,6 +96,7 @@ class UnitPlan:
     units: tuple[UnitSpec, ...]
     layers: int
     threshold: int
+    blocks: tuple[str, ...] = ()  # modules that are one unit each (``plan_units``)
 
     def all_gathers_per_step(self, stage: int) -> int:
         """Parameter all-gathers per training step: stage 3 gathers for forward and backward."""
@@ -140,6 +147,7 @@ def plan_units(
     dtypes: Mapping[str, torch.dtype] | None = None,
     whole: Collection[str] = (),
     world_size: int = 1,
+    blocks: Sequence[str] = (),
 ) -> UnitPlan:
     """Groups ``module``'s parameters into units (see the module docstring).
 
@@ -153,12 +161,18 @@ def plan_units(
             (a sharded model whose parameters are views in a compute dtype).
         whole: Names of parameters to keep whole; their modules form whole units.
         world_size: Ranks to give whole units to.
+        blocks: Names of modules each of which (with everything under it) is one unit.
 
     Raises:
         InvalidArgumentError: a module owns parameters of two dtypes, or the model has no
             parameters.
     """
     threshold = int(DEFAULT_UNIT_MB * 2**20) if threshold_bytes is None else threshold_bytes
+    block_of = {
+        f"{b}.{sub}" if sub else b: b
+        for b in blocks
+        for sub, _ in module.get_submodule(b).named_modules(remove_duplicate=False)
+    }
     owned = owned_parameters(module)
     if not owned:
         raise InvalidArgumentError("the model has no parameters to shard")
@@ -172,6 +186,7 @@ def plan_units(
     cur_numel = 0
     cur_dtype: torch.dtype | None = None
     cur_whole = False
+    cur_block: str | None = None
     kept_whole = frozenset(whole)
     whole_units: list[int] = []
 
@@ -203,9 +218,18 @@ def plan_units(
         itemsize = torch.empty(0, dtype=dtype).element_size()
         nbytes = numel * itemsize
         is_whole = any(n in kept_whole for n, _ in params)
-        if cur_dtype is not None and (dtype != cur_dtype or is_whole != cur_whole):
+        block = block_of.get(mname)
+        if cur_dtype is not None and (
+            dtype != cur_dtype or is_whole != cur_whole or block != cur_block
+        ):
             close()
-        cur_whole = is_whole
+        cur_whole, cur_block = is_whole, block
+        if block is not None:  # a block: one unit, closed where the next module is not in it
+            cur_mods.append(mname)
+            cur_params += [n for n, _ in params]
+            cur_numel += numel
+            cur_dtype = dtype
+            continue
         if nbytes >= threshold:  # large: its own unit, with the small modules just before it
             cur_mods.append(mname)
             cur_params += [n for n, _ in params]
@@ -226,4 +250,4 @@ def plan_units(
         load[owner] += units[i].nbytes
         spec = units[i]
         units[i] = UnitSpec(spec.index, spec.modules, spec.params, spec.numel, spec.dtype, owner)
-    return UnitPlan(tuple(units), layers=len(names), threshold=threshold)
+    return UnitPlan(tuple(units), layers=len(names), threshold=threshold, blocks=tuple(blocks))

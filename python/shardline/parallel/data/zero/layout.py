@@ -143,6 +143,7 @@ class UnitLayout(ZeroBase):
             dtypes=self._dtypes,
             whole=whole,
             world_size=self.group.world_size,
+            blocks=self._plan.blocks,
         )
         self._whole = whole
         if [(u.params, u.owner) for u in plan.units] == [
@@ -220,6 +221,7 @@ class UnitLayout(ZeroBase):
             dtypes=self._dtypes,
             whole=whole,
             world_size=self.group.world_size,
+            blocks=self._plan.blocks,
         )
         old_locals = {
             id(p): loc for u in self._units for p, loc in zip(u.params, u.locals, strict=True)

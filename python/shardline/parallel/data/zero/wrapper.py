@@ -234,7 +234,11 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         self._checked_optimizers = weakref.WeakSet()
         if unit_mb is None:
             unit_mb = default_unit_mb(self._device, sum(p.nbytes for _, p in named))
-        self._install(plan_units(module, int(unit_mb * _MIB)), [])
+        # (checkpoint imports parallel modules: import it on use, not at load)
+        from shardline.checkpoint.activations.blocks import recomputing_blocks  # noqa: PLC0415
+
+        blocks = recomputing_blocks(module)
+        self._install(plan_units(module, int(unit_mb * _MIB), blocks=blocks), [])
         pre_forward = weak_method(self, "_pre_forward")
         post_forward = weak_method(self, "_post_forward")
         for mod in self._module_units:
