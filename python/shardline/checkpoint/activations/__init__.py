@@ -5,8 +5,9 @@
   backward but recomputed from its inputs, with the RNG state of the forward (dropout matches).
   Inside ``ActivationCheckpointManager.activate()`` it also records the bytes it did not keep.
 - ``recompute_blocks(model, "selective" | "full")``: every repeated block of a model
-  recomputes in backward, keeping only its expensive ops' outputs (``"selective"``) or only its
-  input (``"full"``); ``sl.distribute(..., recompute=...)`` applies it for any strategy.
+  recomputes in backward: its norms', activations' and products' outputs, from what their
+  backward nodes keep (``"selective"``, ``selective.py``), or its whole forward from its input
+  (``"full"``); ``sl.distribute(..., recompute=...)`` applies it for any strategy.
 - ``ActivationCheckpointManager``: activations kept by layer id under a placement policy
   (``"local"``, ``"first_rank"``, ``"partition"``), fetched from their owners on demand, with
   memory statistics gathered over the group.
