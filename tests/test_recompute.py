@@ -190,6 +190,35 @@ def test_selective_drops_rms_norm_and_swiglu_outputs_of_a_llama_block() -> None:
     assert est[None] - est["selective"] == plain - sel
 
 
+def test_selective_supports_a_second_order_gradient() -> None:
+    # create_graph=True: backward's own graph goes through the recomputed LayerNorm and GELU
+    # outputs as through the saved ones (a gradient penalty's gradient equals the plain one's).
+    # (attention has no second derivative in torch: blocks of LayerNorm and an MLP)
+    def penalty_grads(policy: str | None) -> list[torch.Tensor]:
+        d = CFG.d_model
+        with _INIT:
+            torch.manual_seed(0)
+            model = nn.Sequential(
+                *(
+                    nn.Sequential(
+                        nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+                    )
+                    for _ in range(3)
+                )
+            )
+        if policy is not None:
+            recompute_blocks(model, policy)
+        params = list(model.parameters())
+        loss = model(llama_input()).square().mean()
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        sum(g.square().sum() for g in grads).backward()
+        return [p.grad for p in params]
+
+    want = penalty_grads(None)
+    for have in (penalty_grads("selective"), penalty_grads("full")):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-7)
+
+
 def test_blocks_found_or_named_and_bad_input_refused() -> None:
     model = make_model()
     assert [n for n, _ in find_blocks(model)] == [f"blocks.{i}" for i in range(CFG.num_layers)]

@@ -147,6 +147,8 @@ class _Recompute:
         if self.value is None:
             _state.recomputing += 1
             try:
+                # No graph: autograd gives the unpacked value the saved tensor's own history
+                # (create_graph=True differentiates through it as without recomputation).
                 with torch.no_grad():
                     self.value = _RECIPES[type(self.node).__name__](self.node, self.eps)
             finally:
