@@ -100,7 +100,9 @@ def recompute_blocks(
     Call it on the plain model, before a strategy wraps it (``sl.distribute(...,
     recompute=policy)`` does). Blocks run as before without autograd (``torch.no_grad()``,
     evaluation). A module whose region holds collectives (tensor parallelism) runs them again
-    in the recompute.
+    in the recompute. ``"selective"`` reads a norm's parameters when its consumer's gradient
+    is computed: a wrapper that frees parameters between forward and backward must gather
+    them per block (ours do; with torch's FSDP2, ``fully_shard`` each block whole).
 
     Args:
         model: The model, changed in place (each block's ``forward`` is wrapped).
