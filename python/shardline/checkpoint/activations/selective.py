@@ -67,13 +67,12 @@ def _rms_norm(fn: Node, eps: float | None) -> torch.Tensor:
 
 
 def _gelu(fn: Node, _eps: float | None) -> torch.Tensor:
-    out: torch.Tensor = torch.ops.aten.gelu(fn._saved_self, approximate=fn._saved_approximate)
-    return out
+    # (the functional binding: the same aten op as the forward's, without the op packet's cost)
+    return torch.nn.functional.gelu(fn._saved_self, approximate=fn._saved_approximate)
 
 
 def _silu(fn: Node, _eps: float | None) -> torch.Tensor:
-    out: torch.Tensor = torch.ops.aten.silu(fn._saved_self)
-    return out
+    return torch.nn.functional.silu(fn._saved_self)
 
 
 def _mul(fn: Node, _eps: float | None) -> torch.Tensor:
