@@ -37,6 +37,13 @@ Writes JSON, a text table and (with matplotlib) a PNG to ``benches/results/zero-
         --impls zero3,zero3-offload-cpu,fsdp2-offload --warmup 1 --steps 2 --repeats 1
     python benches/bench_zero.py --device cuda --ranks 2 --size large --dtype bf16 \
         --impls zero3,fsdp2,zero3-sel,fsdp2-sel [--batch 16]   # recompute="selective"
+    python benches/bench_zero.py --device cuda --ranks 2 --size large --dtype bf16 \
+        --impls zero3,fsdp2,zero3-sel --batch max   # each at the largest batch it fits
+
+``--batch max`` first measures each implementation's peak at the size's batch and at twice
+it, and runs it at the batch where a line through those two peaks meets 90 % of the free GPU
+memory (the smallest over ranks); the goal is then tokens/s against FSDP2 at its own largest.
+The table and plot are in ``_zero_report.py``.
 """
 
 from __future__ import annotations
@@ -53,19 +60,18 @@ from typing import Any
 
 import _harness
 import _report
+from _zero_report import (
+    IMPLS,
+    MEM_KEYS,
+    MIB,
+    OFFLOAD_IMPLS,
+    OURS,
+    RECOMPUTE_IMPLS,
+    plot,
+    progress,
+    table,
+)
 
-IMPLS = ("zero1", "zero2", "zero3", "fsdp2", "ddp")
-OURS = ("zero1", "zero2", "zero3")
-# Not run by default (``--impls``): zero3 with its shards and AdamW state in host memory
-# (``offload="optimizer"``, and ``"cpu"``, stepped by ``sl.optim.CPUAdamW``) against FSDP2 with
-# ``CPUOffloadPolicy`` (torch's AdamW on the host).
-OFFLOAD_IMPLS = ("zero3-offload", "zero3-offload-cpu", "fsdp2-offload")
-# Not run by default: each block recomputing in backward what the selective policy drops
-# (``sl.distribute(..., recompute="selective")``), and FSDP2 on the same model transformation
-# (our ``recompute_blocks`` before ``fully_shard``), so the gain is shown apart from the policy.
-RECOMPUTE_IMPLS = ("zero3-sel", "zero2-sel", "fsdp2-sel")
-MIB = 2**20
-MEM_KEYS = ("persistent_bytes", "persistent_generic_bytes", "peak_bytes", "left_after_del_bytes")
 # (d_model, num_layers, num_heads, seq_len, batch_size per rank)
 SIZES = {
     "small": (256, 4, 4, 64, 8),  # 3.2M parameters, for 2 CPU cores
@@ -218,6 +224,8 @@ def worker(args: argparse.Namespace) -> int:
 
     rank, world, device, _ = _harness.join_job(args.device)
     cuda = device.type == "cuda"
+    if args.batch.get("*") == "max" and not cuda:
+        raise SystemExit("--batch max needs --device cuda (it fits the batch to the GPU memory)")
 
     def free() -> None:
         gc.collect()
@@ -225,29 +233,39 @@ def worker(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
 
     d_model, layers, heads, seq_len, batch = SIZES[args.size]
-    batch = args.batch or batch
+    batch = int(args.batch.get("*", 0)) if args.batch.get("*") != "max" else 0
+    batch = batch or SIZES[args.size][4]
     cfg = Config(
         d_model=d_model, num_layers=layers, num_heads=heads, seq_len=seq_len, batch_size=batch
     )
     torch.manual_seed(0)
     base = TinyGPT(cfg)  # on the CPU; each implementation moves its own copy
     n_params = sum(p.numel() for p in base.parameters())
-    # Each rank its own windows of the built-in corpus (real text, so the loss moves).
-    tokens = corpus(num_chars=max(200_000, 64 * (seq_len + 1) * batch))
+    # Each rank its own windows of the built-in corpus (real text, so the loss moves); the
+    # same windows for every implementation that runs the same batch size.
+    tokens = corpus(num_chars=200_000)
     n_windows = (tokens.numel() - 1) // seq_len
-    gen = torch.Generator().manual_seed(1000 + rank)
-    batches = []
-    for _ in range(4):
-        idx = torch.randint(0, n_windows, (batch,), generator=gen).tolist()
-        win = torch.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in idx])
-        batches.append((win[:, :-1].to(device), win[:, 1:].to(device)))
-    items = batch * seq_len * world  # tokens per step, all ranks
+    data: dict[int, list[tuple[Any, Any]]] = {}
+
+    def batches(size: int) -> list[tuple[Any, Any]]:
+        if size not in data:
+            gen = torch.Generator().manual_seed(1000 + rank)
+            data[size] = []
+            for _ in range(4):
+                idx = torch.randint(0, n_windows, (size,), generator=gen).tolist()
+                win = torch.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in idx])
+                data[size].append((win[:, :-1].to(device), win[:, 1:].to(device)))
+        return data[size]
+
+    impls = [i for i in IMPLS + RECOMPUTE_IMPLS + OFFLOAD_IMPLS if i in args.impls]
+    batch_of = {n: int(args.batch.get(n, batch)) for n in impls}  # "max": set below
 
     def build(name: str) -> tuple[Any, Any]:
         return build_impl(name, base, device, args.lr, args.zero_kw, args.dtype)
 
-    def step(model: Any, opt: Any, counter: list[int]) -> Any:
-        x, y = batches[counter[0] % len(batches)]
+    def step(name: str, model: Any, opt: Any, counter: list[int]) -> Any:
+        chosen = batches(batch_of[name])
+        x, y = chosen[counter[0] % len(chosen)]
         counter[0] += 1
         opt.zero_grad(set_to_none=True)
         loss = model(x, y)
@@ -255,7 +273,6 @@ def worker(args: argparse.Namespace) -> int:
         opt.step()
         return loss.detach()
 
-    impls = [i for i in IMPLS + RECOMPUTE_IMPLS + OFFLOAD_IMPLS if i in args.impls]
     errors: dict[str, str] = {}
     rows: dict[str, dict[str, Any]] = {i: {} for i in impls}
 
@@ -275,10 +292,35 @@ def worker(args: argparse.Namespace) -> int:
             _harness.sync(device)
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                loss = step(model, opt, counter)
+                loss = step(name, model, opt, counter)
             _harness.sync(device)
             times.setdefault(name, []).append((time.perf_counter() - t0) / args.steps)
             losses[name] = loss
+
+    def fit_batch(name: str) -> int:
+        """The largest batch per rank that fits: peaks at two batch sizes, a line through them,
+        90 % of the memory free now; the smallest over ranks."""
+        peaks = []
+        sizes = (batch, 2 * batch)
+        for size in sizes:
+            free()
+            base_alloc = torch.cuda.memory_allocated()
+            model, opt = build(name)
+            torch.cuda.reset_peak_memory_stats()
+            counter, batch_of[name] = [0], size
+            for _ in range(2):
+                step(name, model, opt, counter)
+            _harness.sync(device)
+            peaks.append(torch.cuda.max_memory_allocated() - base_alloc)
+            del model, opt
+        free()
+        per_seq = max(1, (peaks[1] - peaks[0]) // (sizes[1] - sizes[0]))
+        fixed = peaks[0] - per_seq * sizes[0]
+        room = int(0.9 * torch.cuda.mem_get_info(device)[0])
+        fits = torch.tensor([max(1, (room - fixed) // per_seq)], device=device)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        rows[name]["fit"] = {"per_sequence_bytes": per_seq, "fixed_bytes": fixed, "room": room}
+        return int(fits.item())
 
     # Pass 1: memory, one implementation alive at a time.
     if cuda:
@@ -290,7 +332,22 @@ def worker(args: argparse.Namespace) -> int:
         (w @ w).sum().backward()
         del w
         _harness.sync(device)
+    if args.batch.get("*") == "max":
+        for name in impls:
+            try:
+                batch_of[name] = fit_batch(name)
+            except Exception:
+                failed(name, "fitting the batch")
+            if rank == 0 and name not in errors:
+                fit = rows[name]["fit"]
+                print(
+                    f"[world {world}] {name}: {fit['per_sequence_bytes'] / MIB:,.1f} MiB per "
+                    f"sequence over {fit['fixed_bytes'] / MIB:,.1f} MiB: batch {batch_of[name]}",
+                    flush=True,
+                )
     for name in impls:
+        if name in errors:
+            continue
         free()
         base_alloc = torch.cuda.memory_allocated() if cuda else 0
         model = opt = None
@@ -305,7 +362,7 @@ def worker(args: argparse.Namespace) -> int:
                 torch.cuda.reset_peak_memory_stats()
             counter = [0]
             for _ in range(args.warmup):
-                step(model, opt, counter)
+                step(name, model, opt, counter)
             _harness.sync(device)
             persistent, own = memory_breakdown(model, opt)
             rows[name]["persistent_generic_bytes"] = persistent_bytes(model, opt)
@@ -333,7 +390,7 @@ def worker(args: argparse.Namespace) -> int:
             model, opt = build(name)
             counter = [0]
             for _ in range(args.warmup):
-                step(model, opt, counter)
+                step(name, model, opt, counter)
             alive[name] = (model, opt, counter)
         except Exception:
             failed(name, "timing warm-up")
@@ -365,13 +422,14 @@ def worker(args: argparse.Namespace) -> int:
             v = float(mem[len(MEM_KEYS) * i + j])
             rows[n][k] = None if math.isnan(v) else v
     for n, t, lo in zip(names, med.tolist(), lss.tolist(), strict=True):
-        rows[n].update(step_ms=t * 1e3, tokens_per_s=items / t, loss=lo)
+        items = batch_of[n] * seq_len * world  # tokens per step, all ranks
+        rows[n].update(step_ms=t * 1e3, tokens_per_s=items / t, loss=lo, batch_per_rank=batch_of[n])
     for n in impls:
         if n in errors:
             rows[n]["error"] = errors[n]
     result = {
         "params": n_params,
-        "tokens_per_step": items,
+        "tokens_per_step": batch * seq_len * world,
         "config": {
             "d_model": d_model,
             "layers": layers,
@@ -386,143 +444,19 @@ def worker(args: argparse.Namespace) -> int:
     return _harness.leave_job(rank, result, args.out)
 
 
-# -- parent --------------------------------------------------------------------------------------
-
-
-def ratio(a: float | None, b: float | None) -> str:
-    return _report.ratio(a, b, "5.2f", "    - ")
-
-
-def table(results: dict[int, dict[str, Any]], device: str) -> str:
-    cuda = device == "cuda"
-    peer = "torch (NCCL)" if cuda else "torch (Gloo)"
-    mem_col = "peak MiB" if cuda else "persist MiB"
-    lines = [
-        f"{'ranks':>5} {'impl':6} {'step ms':>9} {'tokens/s':>11} {'vs fsdp2':>8} "
-        f"{mem_col:>11} {'vs fsdp2':>8} "
-        + (f"{'persist MiB':>11} " if cuda else "")
-        + f"{'loss':>8}  check   (zero*: ours on {'NCCL' if cuda else 'the native engine'}; "
-        f"fsdp2, ddp: {peer}; offloads against fsdp2-offload; memory per rank, max over ranks)"
-    ]
-    goals = []
-    for world, res in results.items():
-        rows = res["impls"]
-        ref_name = "fsdp2" if "loss" in rows.get("fsdp2", {}) else None
-        ref_name = ref_name or next((n for n, r in rows.items() if "loss" in r), None)
-        ref_loss = rows[ref_name]["loss"] if ref_name else None
-        fs = rows.get("fsdp2", {})
-        mem_key = "peak_bytes" if cuda else "persistent_bytes"
-        for name, r in rows.items():
-            if "error" in r and "step_ms" not in r:
-                lines.append(f"{world:5d} {name:6} FAILED: {r['error'].strip().splitlines()[-1]}")
-                continue
-            mem = r.get(mem_key)
-            peer_row = rows.get("fsdp2-offload", {}) if name in OFFLOAD_IMPLS else fs
-            check = "ok"
-            if ref_loss is not None and "loss" in r:
-                rel = abs(r["loss"] - ref_loss) / max(abs(ref_loss), 1e-12)
-                if not rel <= 1e-3:  # NaN too
-                    check = f"WARN {rel:.1e} vs {ref_name}"
-            lines.append(
-                f"{world:5d} {name:6} {r.get('step_ms', math.nan):9.2f} "
-                f"{r.get('tokens_per_s', math.nan):11,.0f} "
-                f"{ratio(r.get('tokens_per_s'), peer_row.get('tokens_per_s')):>8} "
-                f"{(mem or math.nan) / MIB:11.1f} {ratio(mem, peer_row.get(mem_key)):>8} "
-                + (f"{(r.get('persistent_bytes') or math.nan) / MIB:11.1f} " if cuda else "")
-                + f"{r.get('loss', math.nan):8.4f}  {check}"
-            )
-        for name, r in rows.items():
-            left = r.get("left_after_del_bytes") or 0
-            if left > MIB:
-                lines.append(
-                    f"      note: {name} left {left / MIB:,.1f} MiB allocated after del model, opt"
-                )
-        for name, r in rows.items():  # ours' own accounting against the storage walk
-            own, walk = r.get("persistent_bytes"), r.get("persistent_generic_bytes")
-            if r.get("memory_stats") and own and walk and abs(own - walk) > 0.05 * walk:
-                lines.append(
-                    f"      note: {name} memory_stats() says {own / MIB:.1f} MiB, its reachable "
-                    f"storages {walk / MIB:.1f} MiB"
-                )
-        mem_word = "peak" if cuda else "persistent"
-        fo = rows.get("fsdp2-offload", {})
-        for name in ("zero3-offload", "zero3-offload-cpu"):
-            r = rows.get(name, {})
-            if "tokens_per_s" in r and "tokens_per_s" in fo:
-                speed = r["tokens_per_s"] / fo["tokens_per_s"]
-                goals.append(
-                    f"{world} ranks: {name} tokens/s {speed:.2f}x FSDP2 with CPUOffloadPolicy "
-                    f"({'met' if speed >= 1.2 else 'NOT met'}: >= 1.2x), {mem_word} memory "
-                    f"{(r.get(mem_key) or math.nan) / MIB:.1f} vs "
-                    f"{(fo.get(mem_key) or math.nan) / MIB:.1f} MiB"
-                )
-        z3 = rows.get("zero3", {})
-        if "tokens_per_s" in z3 and "tokens_per_s" in fs:
-            speed = z3["tokens_per_s"] / fs["tokens_per_s"]
-            m3, mf = z3.get(mem_key), fs.get(mem_key)
-            mem_ok = m3 is not None and mf is not None and m3 <= mf
-            goals.append(
-                f"{world} ranks: tokens/s {speed:.2f}x FSDP2 "
-                f"({'met' if speed >= 1.0 else 'NOT met'}), {mem_word} memory "
-                f"{(m3 or math.nan) / MIB:.1f} vs {(mf or math.nan) / MIB:.1f} MiB "
-                f"({'met' if mem_ok else 'NOT met'})"
-            )
-        fss = rows.get("fsdp2-sel", {})
-        for sel in ("zero3-sel", "zero2-sel"):
-            zs = rows.get(sel, {})
-            if not (
-                "tokens_per_s" in zs
-                and "tokens_per_s" in fs
-                and zs.get(mem_key)
-                and fs.get(mem_key)
-            ):
-                continue
-            mem = zs[mem_key] / fs[mem_key]
-            goals.append(
-                f"{world} ranks: {sel} {mem_word} memory {mem:.2f}x FSDP2's "
-                f"({'met' if mem <= 0.9 else 'NOT met'}: <= 0.9x) at "
-                f"{zs['tokens_per_s'] / fs['tokens_per_s']:.2f}x its tokens/s"
-                + (
-                    f"; against FSDP2 on the same recompute: "
-                    f"{zs['tokens_per_s'] / fss['tokens_per_s']:.2f}x tokens/s, "
-                    f"{(zs[mem_key] / fss[mem_key]) if fss.get(mem_key) else math.nan:.2f}x "
-                    "memory"
-                    if "tokens_per_s" in fss
-                    else ""
-                )
-            )
-    lines.append("goals: zero3 >= 1.0x FSDP2 tokens/s, peak memory <= FSDP2")
-    lines += [f"  {g}" for g in goals] or ["  (needs zero3 and fsdp2 in the run)"]
-    return "\n".join(lines)
-
-
-def progress(args: argparse.Namespace, world: int, res: dict[str, Any], _seconds: float) -> str:
-    return table({world: res}, args.device)
-
-
-def plot(results: dict[int, dict[str, Any]], path: Path, device: str) -> str:
-    mem_key = "peak_bytes" if device == "cuda" else "persistent_bytes"
-    mem_word = "peak" if device == "cuda" else "persistent"
-
-    def draw(plt: Any) -> Any:
-        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-        worlds = list(results)
-        names = [n for n in IMPLS if any(n in results[w]["impls"] for w in worlds)]
-        width = 0.8 / max(1, len(names))
-        for k, name in enumerate(names):
-            xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(worlds))]
-            rows = [results[w]["impls"].get(name, {}) for w in worlds]
-            axes[0].bar(xs, [r.get("tokens_per_s") or 0 for r in rows], width, label=name)
-            axes[1].bar(xs, [(r.get(mem_key) or 0) / MIB for r in rows], width, label=name)
-        ylabels = ("tokens/s (all ranks)", f"{mem_word} MiB per rank")
-        for ax, ylabel in zip(axes, ylabels, strict=True):
-            ax.set_xticks(range(len(worlds)), [f"{w} ranks" for w in worlds])
-            ax.set_ylabel(ylabel)
-        axes[0].legend(fontsize=8)
-        fig.suptitle(f"ZeRO / FSDP2 / DDP, TinyGPT ({device})")
-        return fig
-
-    return _report.plot(path, draw)
+def batch_spec(text: str) -> dict[str, int | str]:
+    """``--batch``: ``"16"``, ``"max"`` or ``"zero3-sel=96,fsdp2=64,*=16"``."""
+    if text in ("", "0"):
+        return {}
+    if text == "max" or text.isdigit():
+        return {"*": text if text == "max" else int(text)}
+    spec: dict[str, int | str] = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: want impl=N with N >= 1")
+        spec[name.strip()] = int(value)
+    return spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -531,7 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     _harness.add_subset(p, "--impls", IMPLS + RECOMPUTE_IMPLS + OFFLOAD_IMPLS)
     p.set_defaults(impls=list(IMPLS))  # the offloads only when asked for
     p.add_argument("--size", default="small", choices=list(SIZES))
-    p.add_argument("--batch", type=int, default=0, help="sequences per rank (0: the size's)")
+    p.add_argument(
+        "--batch",
+        type=batch_spec,
+        default={},
+        help="sequences per rank: N for all, impl=N,... per implementation (*=N the rest), or "
+        "max: the most each fits (CUDA; from its peaks at the size's batch and twice it)",
+    )
     p.add_argument(
         "--dtype",
         default="fp32",
