@@ -55,7 +55,8 @@ def distribute(
         mesh: A ``DeviceMesh`` with axes ``"pp"`` and optionally ``"dp"``, for composition.
         recompute: ``"selective"`` or ``"full"``: the model's repeated blocks recompute their
             activations in backward (``checkpoint.activations.recompute_blocks``), for less
-            memory per rank at the same results, bit for bit; ``None`` keeps them all.
+            memory per rank at the same results, bit for bit; ``None`` keeps them all. Under
+            ZeRO each block is then one unit (``unit_mb`` sizes the rest).
         **options: Passed to the strategy (for DDP: ``bucket_cap_mb``, ``broadcast_buffers``,
             ``comm_hook``, ...; for ZeRO: ``unit_mb``, ``prefetch``, ``mixed_precision``; for
             both: ``compression``, a ``shardline.optim`` compressor or its name).
