@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import threading
@@ -24,6 +25,14 @@ def need_native() -> None:
     if REQUIRE_NATIVE:
         pytest.fail("shardline._native is not importable but SHARDLINE_REQUIRE_NATIVE=1")
     pytest.skip("shardline._native is not built (maturin develop --release)")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Moves what exists after collection (torch, every test module) out of the collector's
+    sight: ``run_ranks``' ``gc.collect()`` after each run then walks only what tests made
+    since, in milliseconds instead of 0.2 s (and so do the collector's own full passes)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(params=["native", "gloo"])

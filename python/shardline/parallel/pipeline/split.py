@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from shardline.errors import InvalidArgumentError
 
@@ -38,6 +37,9 @@ def child_costs(children: list[tuple[str, nn.Module]], example: Any = None) -> l
     x = example
     if first is not None and first.is_meta and isinstance(x, torch.Tensor):
         x = x.to("meta")  # a model built on the meta device: shapes are all it needs
+    # Imported here: it imports triton where installed, a quarter second at every import.
+    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415
+
     flops = []
     with torch.no_grad():
         for _, child in children:

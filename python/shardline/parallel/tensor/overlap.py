@@ -18,18 +18,18 @@ gradients take autograd's usual path.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from shardline.comm.group import ProcessGroup
+from shardline.parallel.tensor.regions import eager_region
 
 __all__ = ["Deferred", "deferred_linear", "shared_copy"]
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-_eager = cast(Callable[[_F], _F], torch.compiler.disable)
+_eager = eager_region  # a graph break under torch.compile, as in regions
 
 
 class Deferred:

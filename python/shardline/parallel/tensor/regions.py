@@ -40,7 +40,14 @@ __all__ = ["copy_to", "gather_from", "gather_seq", "reduce_from", "scatter_seq",
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 # Run under torch.compile as a graph break (see the module docstring); typed for mypy.
-_eager = cast(Callable[[_F], _F], torch.compiler.disable)
+# torch's _disable_dynamo is torch.compiler.disable applied at the first call: applied at
+# import, the latter imports torch._dynamo, which made `import shardline` take 2 s longer.
+try:
+    from torch._compile import _disable_dynamo as _disable
+except ImportError:  # pragma: no cover - a torch without it: disable at once
+    _disable = torch.compiler.disable
+eager_region = cast(Callable[[_F], _F], _disable)
+_eager = eager_region
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
