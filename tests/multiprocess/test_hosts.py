@@ -105,6 +105,9 @@ def _failures(procs: list[Proc]) -> dict[str, list[tuple[float, str, str]]]:
     }
 
 
+# Above the test's own wait for its processes, so that a hang ends in its report of every rank,
+# not in pytest's global limit (120 s), which stops the whole run without one.
+@pytest.mark.timeout(460)
 def test_main_job_across_two_hosts_matches_one_process(hosts: Hosts) -> None:
     """The README's main job under ``shardline run`` on two hosts x 2 ranks: its verify step
     replays the same global batches in one process and must find the same model."""
@@ -117,6 +120,7 @@ def test_main_job_across_two_hosts_matches_one_process(hosts: Hosts) -> None:
     assert verify and verify.group(3).strip() == "same model", text
 
 
+@pytest.mark.timeout(300)  # above its wait (see the test above)
 def test_ddp_and_zero3_across_two_hosts_match_one_process(hosts: Hosts) -> None:
     procs = _ranks(hosts, "strategies_vs_single", free_port())
     hung = hosts.wait(procs, timeout=240)

@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("native")]
         ),
     ],
 )
+@pytest.mark.timeout(300)  # above the run's own 240 s, so a hang reports its output
 def test_the_main_job_trains_as_a_pipeline_and_matches_one_process(
     nproc: int, args: list[str], says: str
 ) -> None:
