@@ -193,10 +193,7 @@ class _Block:
 
     def pack(self, t: torch.Tensor) -> Any:
         base = t._base
-        source = t if base is None else base
-        fn = source.grad_fn
-        # The common case first, in as few lookups as possible: this runs for every saved tensor.
-        found = None if fn is None or not _KNOWN.get(type(fn), True) else _recipe(source, self.eps)
+        found = _recipe(t if base is None else base, self.eps)
         if found is None:
             return t if self.outer is None else _Kept(self.outer[0](t))
         node, eps = found

@@ -29,8 +29,6 @@ from shardline.parallel.tensor.regions import eager_region
 
 __all__ = ["Deferred", "deferred_linear", "shared_copy"]
 
-_eager = eager_region  # a graph break under torch.compile, as in regions
-
 
 class Deferred:
     """One forward call of a module whose column layers share an input.
@@ -98,14 +96,14 @@ class _DeferredLinear(torch.autograd.Function):
         return g.matmul(w), None, None, None, None
 
 
-@_eager
+@eager_region
 def shared_copy(x: torch.Tensor, group: ProcessGroup, deferred: Deferred) -> torch.Tensor:
     """``copy_to`` for a shared input whose layers defer their weight gradients to it."""
     out: torch.Tensor = _SharedCopy.apply(x, group, deferred, *deferred.params)
     return out
 
 
-@_eager
+@eager_region
 def deferred_linear(
     x: torch.Tensor,
     w: torch.Tensor,

@@ -47,7 +47,6 @@ try:
 except ImportError:  # pragma: no cover - a torch without it: disable at once
     _disable = torch.compiler.disable
 eager_region = cast(Callable[[_F], _F], _disable)
-_eager = eager_region
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -148,42 +147,42 @@ class _ScatterSeq(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
-@_eager
+@eager_region
 def copy_to(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Enters a tensor-parallel region with the whole input (gradients all-reduced back)."""
     out: torch.Tensor = _CopyTo.apply(x, group)
     return out
 
 
-@_eager
+@eager_region
 def reduce_from(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Leaves a region by summing the ranks' partial results."""
     out: torch.Tensor = _ReduceFrom.apply(x, group)
     return out
 
 
-@_eager
+@eager_region
 def gather_from(x: torch.Tensor, group: ProcessGroup, dim: int = -1) -> torch.Tensor:
     """Leaves a region by concatenating the ranks' slices along ``dim``."""
     out: torch.Tensor = _GatherFrom.apply(x, group, dim % x.dim())
     return out
 
 
-@_eager
+@eager_region
 def split_to(x: torch.Tensor, group: ProcessGroup, dim: int = -1) -> torch.Tensor:
     """Enters a region with this rank's slice of ``x`` along ``dim``."""
     out: torch.Tensor = _SplitTo.apply(x, group, dim % x.dim())
     return out
 
 
-@_eager
+@eager_region
 def gather_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel: the whole sequence from the ranks' parts (reduce-scatter back)."""
     out: torch.Tensor = _GatherSeq.apply(x, group, dim % x.dim())
     return out
 
 
-@_eager
+@eager_region
 def scatter_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel: partial sums reduced, each rank keeping its part of the sequence."""
     out: torch.Tensor = _ScatterSeq.apply(x, group, dim % x.dim())
