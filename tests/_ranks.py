@@ -98,6 +98,7 @@ def run_ranks(
                 _quietly(lambda g=g: g.abort("run_ranks timed out"))
         _join(threads, 5.0)
     _shutdown_all(groups)
+    _forget_torch_ddp_forward()
     # Free this run's groups and stores now: left to the cyclic collector, leftover
     # connections from earlier runs occasionally held a later run's store connections up
     # for 5 s (seen in 1 of ~10 back-to-back runs).
@@ -110,6 +111,19 @@ def run_ranks(
             lines.append(f"ranks still running after {timeout} s: {stuck}")
         raise AssertionError("\n".join(lines))
     return results
+
+
+def _forget_torch_ddp_forward() -> None:
+    """Clears torch DDP's class-wide "module in forward" that ranks as threads leave set.
+
+    ``DistributedDataParallel`` saves and restores ``_active_ddp_module`` around each forward.
+    Two threads' forwards interleave (A enters, B enters and saves A, A leaves, B leaves and
+    restores A), so A's module stays set after both end; ``torch.compile`` in a later test of
+    the same process then compiles as if inside DDP (DDPOptimizer) and fails. Processes
+    never share it; only this harness's threads do."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._active_ddp_module = None
 
 
 def _join(threads: list[threading.Thread], timeout: float) -> list[int]:
