@@ -22,6 +22,10 @@ OFFLOAD_IMPLS = ("zero3-offload", "zero3-offload-cpu", "fsdp2-offload")
 # (``sl.distribute(..., recompute="selective")``), and FSDP2 on the same model transformation
 # (our ``recompute_blocks`` before ``fully_shard``), so the gain is shown apart from the policy.
 RECOMPUTE_IMPLS = ("zero3-sel", "zero2-sel", "fsdp2-sel")
+# Not run by default: zero3 with each unit rule whatever the device's default
+# (``grouping.default_units``: "blocks" on CUDA): every repeated block one unit, as FSDP2 shards
+# here (``fully_shard`` per block), or layers merged up to ``unit_mb``.
+UNIT_IMPLS = ("zero3-blocks", "zero3-size")
 MIB = 2**20
 MEM_KEYS = ("persistent_bytes", "persistent_generic_bytes", "peak_bytes", "left_after_del_bytes")
 

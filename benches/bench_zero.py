@@ -43,6 +43,7 @@ Writes JSON, a text table and (with matplotlib) a PNG to ``benches/results/zero-
 ``--batch max`` first measures each implementation's peak at the size's batch and at twice
 it, and runs it at the batch where a line through those two peaks meets 90 % of the free GPU
 memory (the smallest over ranks); the goal is then tokens/s against FSDP2 at its own largest.
+It implies ``--sequential``: each fills the GPU alone.
 The table and plot are in ``_zero_report.py``.
 """
 
@@ -67,6 +68,7 @@ from _zero_report import (
     OFFLOAD_IMPLS,
     OURS,
     RECOMPUTE_IMPLS,
+    UNIT_IMPLS,
     plot,
     progress,
     table,
@@ -173,6 +175,10 @@ def build_impl(
             zero_kw = {**zero_kw, "recompute": "selective"}
         else:
             sl.checkpoint.activations.recompute_blocks(model, "selective")
+    for rule in ("blocks", "size"):
+        if name.endswith(f"-{rule}"):
+            name = name.removesuffix(f"-{rule}")
+            zero_kw = {**zero_kw, "units": rule}
     if bf16 and name.startswith("zero"):
         zero_kw = {
             **zero_kw,
@@ -226,6 +232,8 @@ def worker(args: argparse.Namespace) -> int:
     cuda = device.type == "cuda"
     if args.batch.get("*") == "max" and not cuda:
         raise SystemExit("--batch max needs --device cuda (it fits the batch to the GPU memory)")
+    # Each at its largest batch fills the GPU alone: implementations are timed one at a time.
+    args.sequential = args.sequential or args.batch.get("*") == "max"
 
     def free() -> None:
         gc.collect()
@@ -257,7 +265,7 @@ def worker(args: argparse.Namespace) -> int:
                 data[size].append((win[:, :-1].to(device), win[:, 1:].to(device)))
         return data[size]
 
-    impls = [i for i in IMPLS + RECOMPUTE_IMPLS + OFFLOAD_IMPLS if i in args.impls]
+    impls = [i for i in IMPLS + RECOMPUTE_IMPLS + UNIT_IMPLS + OFFLOAD_IMPLS if i in args.impls]
     batch_of = {n: int(args.batch.get(n, batch)) for n in impls}  # "max": set below
 
     def build(name: str) -> tuple[Any, Any]:
@@ -421,7 +429,7 @@ def worker(args: argparse.Namespace) -> int:
         for j, k in enumerate(MEM_KEYS):
             v = float(mem[len(MEM_KEYS) * i + j])
             rows[n][k] = None if math.isnan(v) else v
-    for n, t, lo in zip(names, med.tolist(), lss.tolist(), strict=True):
+    for n, t, lo in zip(names, med.tolist()[: len(names)], lss.tolist()[: len(names)], strict=True):
         items = batch_of[n] * seq_len * world  # tokens per step, all ranks
         rows[n].update(step_ms=t * 1e3, tokens_per_s=items / t, loss=lo, batch_per_rank=batch_of[n])
     for n in impls:
@@ -462,7 +470,7 @@ def batch_spec(text: str) -> dict[str, int | str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    _harness.add_subset(p, "--impls", IMPLS + RECOMPUTE_IMPLS + OFFLOAD_IMPLS)
+    _harness.add_subset(p, "--impls", IMPLS + RECOMPUTE_IMPLS + UNIT_IMPLS + OFFLOAD_IMPLS)
     p.set_defaults(impls=list(IMPLS))  # the offloads only when asked for
     p.add_argument("--size", default="small", choices=list(SIZES))
     p.add_argument(

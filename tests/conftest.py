@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import importlib.util
 import os
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
+import torch
 
 from tests._ranks import THREAD_PREFIX
 
@@ -37,48 +36,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
-# In-process tests with wall-clock bounds (an error within 5 s, a 3 s deadline that covers
-# the group's set-up, a pace): they count as tests of processes here, so that they never
-# run beside a test whose processes are starting.
-_TIMED_FILES = {"test_errors.py", "test_async_sgd.py", "test_activation_checkpoint.py"}
-
-
-def _of_processes(item: pytest.Item) -> bool:
-    return item.get_closest_marker("multiprocess") is not None or item.path.name in _TIMED_FILES
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under ``pytest -n 2`` the tests in ``tests/multiprocess/`` and
-    the timed files go to one worker as one unit, one after another as without xdist; every
-    other test is a unit of its own. (``--dist loadgroup`` would do this from marks, but
-    pytest 9 ignores the node ids xdist 3.8 rewrites for it.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class Scheduler(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            if path.startswith("tests/multiprocess/") or path.rpartition("/")[2] in _TIMED_FILES:
-                return "processes"
-            return nodeid
-
-    return Scheduler(config, log)
-
-
-@pytest.fixture(autouse=True)
-def _one_test_of_processes_at_a_time(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[None]:
-    """The few tests of processes outside that unit (marked ``multiprocess`` in other files)
-    wait for the machine here: a lock shared by the session's xdist workers."""
-    if not _of_processes(request.node):
-        yield
-        return
-    with open(tmp_path_factory.getbasetemp().parent / "shardline-processes.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
 @pytest.fixture(params=["native", "gloo"])
 def backend(request: pytest.FixtureRequest) -> str:
     """Every backend; native tests skip until the engine is built."""
@@ -97,6 +54,28 @@ def native() -> None:
 def transport(request: pytest.FixtureRequest) -> str:
     """Every transport of the native engine, forced through host identities."""
     return str(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored() -> Iterator[None]:
+    """Puts torch's intra-op thread count back after each test. Rank bodies set it for the
+    whole process (``torch.set_num_threads(1)``); left so, rank threads of later tests ran
+    with one thread beside a main thread with two, and a reduction's order (BatchNorm's
+    statistics) then differed between a test's reference and its ranks."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before or _set_elsewhere():
+        torch.set_num_threads(before)
+
+
+def _set_elsewhere() -> bool:
+    # torch.set_num_threads in another thread changes the count new threads start with, not
+    # what this thread reads: a fresh thread tells.
+    seen: list[int] = []
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return seen != [torch.get_num_threads()]
 
 
 @pytest.fixture(autouse=True)

@@ -21,10 +21,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardline as sl
 from shardline.checkpoint.activations import find_blocks, recompute_blocks
+from shardline.checkpoint.activations.blocks import unit_blocks
 from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.examples.train import Config, TinyGPT
-from shardline.parallel.data.zero.grouping import plan_units
+from shardline.parallel.data.zero.grouping import default_units, plan_units
 from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.usefixtures("native")
@@ -245,14 +246,23 @@ def test_blocks_found_or_named_and_bad_input_refused() -> None:
         assert torch.equal(model(*batch(3)), make_model()(*batch(3)))
 
 
-@pytest.mark.parametrize(("strategy", "policy"), [("zero3", "selective"), ("ddp", "full")])
-def test_distribute_with_recompute_trains_bitwise_like_without(strategy: str, policy: str) -> None:
-    def body(g: ProcessGroup, recompute: str | None) -> tuple[list[torch.Tensor], list[Any]]:
+@pytest.mark.parametrize(
+    ("strategy", "policy", "units"),
+    [("zero3", "selective", None), ("ddp", "full", None), ("zero3", None, "blocks")],
+)
+def test_distribute_with_recompute_trains_bitwise_like_without(
+    strategy: str, policy: str | None, units: str | None
+) -> None:
+    # The last case recomputes nothing: ZeRO's units="blocks" alone makes each block a unit.
+    def body(
+        g: ProcessGroup, recompute: str | None, rule: str | None = None
+    ) -> tuple[list[torch.Tensor], list[Any]]:
         plain = make_model()
         opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
         opts: dict[str, Any] = {"recompute": recompute} if recompute else {}
         if strategy == "zero3":
-            opts["unit_mb"] = 0.05  # without recompute, units smaller than a block
+            opts["unit_mb"] = 0.05  # by size alone, units smaller than a block
+            opts["units"] = rule
         model, opt = sl.distribute(plain, opt, strategy=strategy, group=g, **opts)
         assert opt is not None
         for step in range(3):
@@ -264,10 +274,10 @@ def test_distribute_with_recompute_trains_bitwise_like_without(strategy: str, po
         return [v.detach().clone() for v in model.state_dict().values()], units
 
     base = run_ranks(2, lambda g: body(g, None))
-    got = run_ranks(2, lambda g: body(g, policy))
+    got = run_ranks(2, lambda g: body(g, policy, units))
     for (want, _), (have, _) in zip(base, got, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(want, have, strict=True))
-    if strategy == "zero3":  # with recompute, each block is one unit (zero/grouping.py)
+    if strategy == "zero3":  # with recompute or units="blocks", each block is one unit
         split = {m.split(".")[1] for unit in base[0][1] for m in unit if m.startswith("blocks.")}
         assert len(base[0][1]) > 2 * CFG.num_layers and len(split) == CFG.num_layers
         blocks = [u for u in got[0][1] if any(m.startswith("blocks.") for m in u)]
@@ -291,6 +301,27 @@ def test_units_follow_blocks_and_the_size_rule_elsewhere() -> None:
         ("ln",),
     ]
     assert plan.blocks == tuple(names)
+    # The unit rule: "blocks" makes the found blocks units without recompute; "size" only the
+    # recomputing ones; the default is "blocks" on CUDA alone, and the planner follows it.
+    assert unit_blocks(model, "blocks") == names and unit_blocks(model, "size") == []
+    block_bytes = sum(p.nbytes for p in model.blocks[0].parameters())
+    assert unit_blocks(model, "blocks", min_bytes=block_bytes) == names
+    assert unit_blocks(model, "blocks", min_bytes=block_bytes + 1) == []  # merged by size
+    assert default_units(torch.device("cuda", 0)) == "blocks"
+    assert default_units(torch.device("cpu")) == "size"
+    count = {
+        rule: sl.estimate_memory(model, world_size=2, unit_mb=1 / 1024, units=rule).num_units
+        for rule in ("size", "blocks", None)
+    }
+    assert count == {
+        "size": 3 + 4 * CFG.num_layers,
+        "blocks": 3 + CFG.num_layers,
+        None: count["size"],
+    }
+    with pytest.raises(
+        InvalidArgumentError, match="units must be 'size' or 'blocks', not 'layers'"
+    ):
+        sl.parallel.ShardedDataParallel(model, units="layers")
 
 
 def test_memory_estimate_counts_what_each_policy_keeps() -> None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
+from shardline.parallel.data.zero.grouping import default_units
 from shardline.parallel.planner import (
     MemoryEstimate,
     _activations_or_note,
@@ -136,6 +137,8 @@ def choose_strategy(
         )
     k = optimizer_states(optimizer)
     budget = headroom * available_bytes
+    on = torch.device(device) if device is not None else _default_device(model)
+    rule = default_units(on)  # the units ZeRO will make there (the model may not be there yet)
     cache: dict[torch.dtype | None, tuple[int, bool, list[str]]] = {}
     rejected: list[str] = []
     estimate: MemoryEstimate | None = None
@@ -149,8 +152,9 @@ def choose_strategy(
             cache[key] = (act, measured, act_notes)
         act, measured, act_notes = cache[key]
         estimate = _estimate(
-            model, name, world_size, k, mp, unit_mb, prefetch, act, measured, notes + act_notes
-        )
+            model, name, world_size, k, mp, unit_mb, prefetch, act, measured, notes + act_notes,
+            unit_rule=rule,
+        )  # fmt: skip
         if estimate.total <= budget:
             reason = (
                 f"{name}: {format_bytes(estimate.total)} per rank of "
@@ -161,7 +165,6 @@ def choose_strategy(
             return name, reason, estimate
         rejected.append(f"{name} ({format_bytes(estimate.total)})")
     assert estimate is not None
-    on = torch.device(device) if device is not None else _default_device(model)
     if on.type == "cuda":  # the host can hold what the device cannot: offload
         host_budget = headroom * available_memory("cpu")
         for offload in ("optimizer", "cpu"):
@@ -170,7 +173,7 @@ def choose_strategy(
             act, measured, act_notes = cache[mp.param_dtype if mp is not None else None]
             offloaded = _estimate(
                 model, "zero3", world_size, k, mp, unit_mb, prefetch, act, measured,
-                notes + act_notes, offload,
+                notes + act_notes, offload, unit_rule=rule,
             )  # fmt: skip
             if offloaded.total <= budget and offloaded.host <= host_budget:
                 reason = (

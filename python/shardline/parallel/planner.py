@@ -45,7 +45,7 @@ from torch import nn
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
 from shardline.parallel.data.compressed import resolve_compression
-from shardline.parallel.data.zero.grouping import default_unit_mb, plan_units
+from shardline.parallel.data.zero.grouping import default_unit_mb, default_units, plan_units
 from shardline.parallel.data.zero.schedule import _MAX_INFLIGHT
 from shardline.parallel.memory_estimate import _COMPONENTS, MemoryEstimate, format_bytes
 from shardline.parallel.precision import MixedPrecision
@@ -239,6 +239,7 @@ def estimate_memory(
     compression: str | Compressor | None = None,
     offload: str | None = None,
     recompute: str | None = None,
+    units: str | None = None,
 ) -> MemoryEstimate:
     """Bytes per rank to train ``model`` with ``strategy`` on ``world_size`` ranks.
 
@@ -265,6 +266,8 @@ def estimate_memory(
         recompute: ``distribute``'s ``recompute`` (``"selective"`` or ``"full"``): the
             activations counted are what the blocks keep under it. A model passed through
             ``recompute_blocks`` already is counted that way without it.
+        units: ZeRO's ``units`` (``"size"`` or ``"blocks"``); ``None``: its default for the
+            model's device (``"blocks"`` on CUDA).
 
     Returns:
         A ``MemoryEstimate``; ``print`` it for a table.
@@ -308,6 +311,7 @@ def estimate_memory(
         notes,
         offload,
         recompute,
+        units,
     )
     compressor = resolve_compression(compression, None)
     if compressor is None:
@@ -334,19 +338,20 @@ def _estimate(
     notes: list[str],
     offload: str | None = None,
     recompute: str | None = None,
+    unit_rule: str | None = None,
 ) -> MemoryEstimate:
     """The estimate once arguments are checked and activations counted."""
     layout = strategies.strategy(name).planned_as
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
     if unit_mb is None:
-        first = next(model.parameters(), None)
-        unit_mb = default_unit_mb(
-            first.device if first is not None else torch.device("cpu"),
-            sum(p.nbytes for p in model.parameters()),
-        )
+        unit_mb = default_unit_mb(device, sum(p.nbytes for p in model.parameters()))
     # (checkpoint imports this module's format_bytes: import it on use, not at load)
-    from shardline.checkpoint.activations.blocks import recomputing_blocks  # noqa: PLC0415
+    from shardline.checkpoint.activations.blocks import unit_blocks  # noqa: PLC0415
 
-    plan = plan_units(model, int(unit_mb * 2**20), blocks=recomputing_blocks(model, recompute))
+    threshold = int(unit_mb * 2**20)
+    blocks = unit_blocks(model, unit_rule or default_units(device), recompute, threshold)
+    plan = plan_units(model, threshold, blocks=blocks)
     n = world_size
     named = dict(model.named_parameters())
 

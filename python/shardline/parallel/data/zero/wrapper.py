@@ -70,7 +70,12 @@ from shardline.parallel._common import (
 )
 from shardline.parallel.data.compressed import comm_stats, resolve_compression
 from shardline.parallel.data.zero.base import TrainingState
-from shardline.parallel.data.zero.grouping import default_unit_mb, owned_parameters, plan_units
+from shardline.parallel.data.zero.grouping import (
+    default_unit_mb,
+    default_units,
+    owned_parameters,
+    plan_units,
+)
 from shardline.parallel.data.zero.optimizers import Layout, check_optimizer, rule_for
 from shardline.parallel.data.zero.state_dicts import ShardedStateDicts
 from shardline.parallel.data.zero.units import Unit
@@ -111,6 +116,12 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         group: The ranks to shard across; the default group when ``None``.
         unit_mb: Merge small layers into units of at least this many MiB; ``None``: 1 MiB on
             CPU, 32 MiB on CUDA, less for a model under 256 MiB (``grouping.default_unit_mb``).
+        units: ``"size"``: units are layers merged up to ``unit_mb``, except that each block
+            recomputing in backward is one unit; ``"blocks"``: also every repeated block of
+            the model (``checkpoint.activations.find_blocks``: FSDP2's ``fully_shard`` per
+            block) is one unit when the blocks hold at least ``unit_mb`` each (smaller ones
+            merge by size). ``None``: ``"blocks"`` on CUDA, ``"size"`` on CPU
+            (``grouping.default_units``).
         prefetch: Units to all-gather ahead of the one in use (stage 3).
         mixed_precision: Compute and reduce dtypes, fp32 master weights.
         init_sync: Broadcast rank 0's parameters and buffers first.
@@ -157,6 +168,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         replicate_group: ProcessGroup | None = None,
         compression: str | Compressor | None = None,
         offload: str | None = None,
+        units: str | None = None,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
@@ -164,6 +176,10 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         if offload not in (None, "optimizer", "cpu"):
             raise InvalidArgumentError(
                 f"ShardedDataParallel: offload must be None, 'optimizer' or 'cpu', not {offload!r}"
+            )
+        if units not in (None, "size", "blocks"):
+            raise InvalidArgumentError(
+                f"ShardedDataParallel: units must be 'size' or 'blocks', not {units!r}"
             )
         self.offload = offload
         if (unit_mb is not None and unit_mb < 0) or prefetch < 0:
@@ -235,10 +251,11 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         if unit_mb is None:
             unit_mb = default_unit_mb(self._device, sum(p.nbytes for _, p in named))
         # (checkpoint imports parallel modules: import it on use, not at load)
-        from shardline.checkpoint.activations.blocks import recomputing_blocks  # noqa: PLC0415
+        from shardline.checkpoint.activations.blocks import unit_blocks  # noqa: PLC0415
 
-        blocks = recomputing_blocks(module)
-        self._install(plan_units(module, int(unit_mb * _MIB), blocks=blocks), [])
+        threshold = int(unit_mb * _MIB)
+        blocks = unit_blocks(module, units or default_units(self._device), min_bytes=threshold)
+        self._install(plan_units(module, threshold, blocks=blocks), [])
         pre_forward = weak_method(self, "_pre_forward")
         post_forward = weak_method(self, "_post_forward")
         for mod in self._module_units:
