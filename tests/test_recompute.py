@@ -302,12 +302,14 @@ def test_units_follow_blocks_and_the_size_rule_elsewhere() -> None:
     ]
     assert plan.blocks == tuple(names)
     # The unit rule: "blocks" makes the found blocks units without recompute; "size" only the
-    # recomputing ones; the default is "blocks" on CUDA alone, and the planner follows it.
+    # recomputing ones; the default is "blocks" on CUDA without offload, and the planner
+    # follows it.
     assert unit_blocks(model, "blocks") == names and unit_blocks(model, "size") == []
     block_bytes = sum(p.nbytes for p in model.blocks[0].parameters())
     assert unit_blocks(model, "blocks", min_bytes=block_bytes) == names
     assert unit_blocks(model, "blocks", min_bytes=block_bytes + 1) == []  # merged by size
     assert default_units(torch.device("cuda", 0)) == "blocks"
+    assert default_units(torch.device("cuda", 0), offload="optimizer") == "size"
     assert default_units(torch.device("cpu")) == "size"
     count = {
         rule: sl.estimate_memory(model, world_size=2, unit_mb=1 / 1024, units=rule).num_units

@@ -138,7 +138,8 @@ def choose_strategy(
     k = optimizer_states(optimizer)
     budget = headroom * available_bytes
     on = torch.device(device) if device is not None else _default_device(model)
-    rule = default_units(on)  # the units ZeRO will make there (the model may not be there yet)
+    # The units ZeRO will make there (the model may not be there yet).
+    rule, offload_rule = default_units(on), default_units(on, "optimizer")
     cache: dict[torch.dtype | None, tuple[int, bool, list[str]]] = {}
     rejected: list[str] = []
     estimate: MemoryEstimate | None = None
@@ -173,7 +174,7 @@ def choose_strategy(
             act, measured, act_notes = cache[mp.param_dtype if mp is not None else None]
             offloaded = _estimate(
                 model, "zero3", world_size, k, mp, unit_mb, prefetch, act, measured,
-                notes + act_notes, offload, unit_rule=rule,
+                notes + act_notes, offload, unit_rule=offload_rule,
             )  # fmt: skip
             if offloaded.total <= budget and offloaded.host <= host_budget:
                 reason = (

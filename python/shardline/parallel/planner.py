@@ -267,7 +267,7 @@ def estimate_memory(
             activations counted are what the blocks keep under it. A model passed through
             ``recompute_blocks`` already is counted that way without it.
         units: ZeRO's ``units`` (``"size"`` or ``"blocks"``); ``None``: its default for the
-            model's device (``"blocks"`` on CUDA).
+            model's device (``"blocks"`` on CUDA without offload).
 
     Returns:
         A ``MemoryEstimate``; ``print`` it for a table.
@@ -350,7 +350,8 @@ def _estimate(
     from shardline.checkpoint.activations.blocks import unit_blocks  # noqa: PLC0415
 
     threshold = int(unit_mb * 2**20)
-    blocks = unit_blocks(model, unit_rule or default_units(device), recompute, threshold)
+    rule = unit_rule or default_units(device, offload)
+    blocks = unit_blocks(model, rule, recompute, threshold)
     plan = plan_units(model, threshold, blocks=blocks)
     n = world_size
     named = dict(model.named_parameters())

@@ -72,16 +72,19 @@ def default_unit_mb(device: torch.device, model_bytes: int | None = None) -> flo
     return max(DEFAULT_UNIT_MB, min(CUDA_UNIT_MB, model_bytes / MIN_CUDA_UNITS / 2**20))
 
 
-def default_units(device: torch.device) -> str:
-    """The unit rule used when none is given: ``"blocks"`` on CUDA, ``"size"`` elsewhere.
+def default_units(device: torch.device, offload: str | None = None) -> str:
+    """The unit rule when none is given: ``"blocks"`` on CUDA without offload, else ``"size"``.
 
-    On CUDA one unit per repeated block (when blocks hold at least the unit threshold) (as FSDP2 is used: ``fully_shard`` per block) ran
-    faster than 32 MiB units where the step is short: 1.10x on a 395M GPT in bf16 on 2 H200s,
-    1.03x on a 1B one, level in fp32, at the same peak to 0.7 %
+    On CUDA one unit per repeated block (when blocks hold at least the unit threshold) ran
+    faster than 32 MiB units where the step is short: 1.10-1.18x on a 395M GPT in bf16 on 2
+    H200s, 1.03x on a 1B one, level in fp32, at the same peak to 0.7 %
     (``benches/results/zero-cuda-2xh200-*-blocks``): fewer, larger gathers and reductions,
-    and fewer hooks. On CPU small units let the engine's reductions overlap backward sooner.
+    and fewer hooks. With offload, memory is the point and smaller units peak lower: on a 3B
+    GPT 10.9 GB with 32 MiB units against 11.9 GB with blocks (FSDP2: 11.3 GB;
+    ``zero-cuda-3b-offload-2gpu-blocks``). On CPU small units let the engine's reductions
+    overlap backward sooner.
     """
-    return "blocks" if device.type == "cuda" else "size"
+    return "blocks" if device.type == "cuda" and offload is None else "size"
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
             recomputing in backward is one unit; ``"blocks"``: also every repeated block of
             the model (``checkpoint.activations.find_blocks``: FSDP2's ``fully_shard`` per
             block) is one unit when the blocks hold at least ``unit_mb`` each (smaller ones
-            merge by size). ``None``: ``"blocks"`` on CUDA, ``"size"`` on CPU
+            merge by size). ``None``: ``"blocks"`` on CUDA without offload, else ``"size"``
             (``grouping.default_units``).
         prefetch: Units to all-gather ahead of the one in use (stage 3).
         mixed_precision: Compute and reduce dtypes, fp32 master weights.
@@ -254,7 +254,8 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         from shardline.checkpoint.activations.blocks import unit_blocks  # noqa: PLC0415
 
         threshold = int(unit_mb * _MIB)
-        blocks = unit_blocks(module, units or default_units(self._device), min_bytes=threshold)
+        rule = units or default_units(self._device, offload)
+        blocks = unit_blocks(module, rule, min_bytes=threshold)
         self._install(plan_units(module, threshold, blocks=blocks), [])
         pre_forward = weak_method(self, "_pre_forward")
         post_forward = weak_method(self, "_post_forward")
