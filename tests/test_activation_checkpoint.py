@@ -22,7 +22,7 @@ from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError, PeerLostError
 from tests._ranks import run_ranks
 
-pytestmark = [pytest.mark.usefixtures("native"), pytest.mark.wallclock]
+pytestmark = pytest.mark.usefixtures("native")
 
 
 def make_tensor(seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -17,7 +17,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.optim.async_sgd import AsyncOptimizer, AsyncSGD
 from tests._ranks import run_ranks
 
-pytestmark = [pytest.mark.usefixtures("native"), pytest.mark.wallclock]
+pytestmark = pytest.mark.usefixtures("native")
 
 _INIT = threading.Lock()
 IN, OUT = 10, 4

@@ -19,8 +19,6 @@ from shardline import (
 from shardline.comm import ProcessGroup, init_process_group
 from tests._ranks import new_store, run_ranks
 
-pytestmark = pytest.mark.wallclock  # errors within a bound: runs beside no other test
-
 BAD_CALLS = {
     "non-contiguous": (lambda g: g.all_reduce(torch.ones(4, 6).t()), r"call \.contiguous\(\)"),
     "non-contiguous numpy": (lambda g: g.all_reduce(np.ones((4, 6)).T), "C-contiguous"),
