@@ -320,10 +320,12 @@ def test_units_follow_blocks_and_the_size_rule_elsewhere() -> None:
         "blocks": 3 + CFG.num_layers,
         None: count["size"],
     }
-    with pytest.raises(
-        InvalidArgumentError, match="units must be 'size' or 'blocks', not 'layers'"
+    for bad in (
+        lambda: sl.parallel.ShardedDataParallel(model, units="layers"),
+        lambda: sl.estimate_memory(model, world_size=2, units="layers"),
     ):
-        sl.parallel.ShardedDataParallel(model, units="layers")
+        with pytest.raises(InvalidArgumentError, match="units must be 'size' or 'blocks', not"):
+            bad()
 
 
 def test_memory_estimate_counts_what_each_policy_keeps() -> None:

@@ -274,7 +274,7 @@ def estimate_memory(
 
     Raises:
         InvalidArgumentError: an unknown strategy or optimizer, ``world_size < 1``, a negative
-            ``prefetch`` or ``unit_mb``, or a model without parameters.
+            ``prefetch`` or ``unit_mb``, an unknown ``units``, or a model without parameters.
     """
     name = _check_strategy(strategy)
     _check_world_size(world_size)
@@ -289,6 +289,10 @@ def estimate_memory(
     if offload is not None and strategies.strategy(name).stage == 0:
         raise InvalidArgumentError(
             f"estimate_memory: offload is an option of the ZeRO strategies, not {name}"
+        )
+    if units not in (None, "size", "blocks"):
+        raise InvalidArgumentError(
+            f"estimate_memory: units must be 'size' or 'blocks', not {units!r}"
         )
     # (checkpoint imports this module's format_bytes: import it on use, not at load)
     from shardline.checkpoint.activations.blocks import check_policy  # noqa: PLC0415
