@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -158,10 +159,13 @@ def test_a_killed_rank_is_replaced_and_training_ends_as_at_the_sizes_it_ran(
         job.kill()
     assert codes == [0, 0, 0, 0], job.report()
     log = check_final(job)
-    assert {e["world"] for e in log} == {4}
+    # The 4 nodes usually form the first generation together; on a loaded machine one may come
+    # more than the first generation's 3 s after the others and join the next (seen once on 2
+    # cores). check_final replays the sizes logged, so that run is checked as well.
+    assert log[-1]["world"] == 4, log
     text = job.report()
     assert f"replacing slot {victim}.0" in text
-    assert "generation 2: 4 ranks (was 4)" in text, text
+    assert re.search(r"generation \d+: 4 ranks \(was 4\)", text), text
 
 
 # ZeRO-3 moves the most state; DDP's regroup is checked against fresh wrappers in
