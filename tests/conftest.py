@@ -64,18 +64,9 @@ def _torch_threads_restored() -> Iterator[None]:
     statistics) then differed between a test's reference and its ranks."""
     before = torch.get_num_threads()
     yield
-    if torch.get_num_threads() != before or _set_elsewhere():
-        torch.set_num_threads(before)
-
-
-def _set_elsewhere() -> bool:
-    # torch.set_num_threads in another thread changes the count new threads start with, not
-    # what this thread reads: a fresh thread tells.
-    seen: list[int] = []
-    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-    t.start()
-    t.join()
-    return seen != [torch.get_num_threads()]
+    # Always: a count set in another thread changes what new threads start with, not what
+    # this one reads.
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

@@ -45,7 +45,13 @@ from torch import nn
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
 from shardline.parallel.data.compressed import resolve_compression
-from shardline.parallel.data.zero.grouping import default_unit_mb, default_units, plan_units
+from shardline.parallel.data.zero.grouping import (
+    check_units,
+    default_unit_mb,
+    default_units,
+    plan_units,
+    unit_blocks,
+)
 from shardline.parallel.data.zero.schedule import _MAX_INFLIGHT
 from shardline.parallel.memory_estimate import _COMPONENTS, MemoryEstimate, format_bytes
 from shardline.parallel.precision import MixedPrecision
@@ -290,10 +296,7 @@ def estimate_memory(
         raise InvalidArgumentError(
             f"estimate_memory: offload is an option of the ZeRO strategies, not {name}"
         )
-    if units not in (None, "size", "blocks"):
-        raise InvalidArgumentError(
-            f"estimate_memory: units must be 'size' or 'blocks', not {units!r}"
-        )
+    check_units(units, "estimate_memory")
     # (checkpoint imports this module's format_bytes: import it on use, not at load)
     from shardline.checkpoint.activations.blocks import check_policy  # noqa: PLC0415
 
@@ -350,9 +353,6 @@ def _estimate(
     device = first.device if first is not None else torch.device("cpu")
     if unit_mb is None:
         unit_mb = default_unit_mb(device, sum(p.nbytes for p in model.parameters()))
-    # (checkpoint imports this module's format_bytes: import it on use, not at load)
-    from shardline.checkpoint.activations.blocks import unit_blocks  # noqa: PLC0415
-
     threshold = int(unit_mb * 2**20)
     rule = unit_rule or default_units(device, offload)
     blocks = unit_blocks(model, rule, recompute, threshold)

@@ -41,7 +41,6 @@ __all__ = [
     "kept_under_recompute",
     "recompute_blocks",
     "recomputing_blocks",
-    "unit_blocks",
 ]
 
 RECOMPUTE_POLICIES = ("selective", "full")
@@ -83,31 +82,14 @@ def recomputing_blocks(model: nn.Module, policy: str | None = None) -> list[str]
     """Qualified names of the blocks of ``model`` that recompute in backward.
 
     Those ``recompute_blocks`` wrapped, else, with a ``policy``, those ``find_blocks`` finds;
-    ``[]`` when neither applies. ZeRO makes each of them one unit (``zero/grouping.py`` says
-    why).
+    ``[]`` when neither applies. ZeRO makes each of them one unit (``zero/grouping.py``:
+    ``unit_blocks``).
     """
     check_policy(policy)
     marked = [n for n, m in model.named_modules() if getattr(m, _MARK, None) is not None]
     if marked or policy is None:
         return marked
     return [n for n, _ in find_blocks(model)]
-
-
-def unit_blocks(
-    model: nn.Module, units: str = "size", policy: str | None = None, min_bytes: int = 0
-) -> list[str]:
-    """Qualified names of the blocks ZeRO makes one unit each.
-
-    The recomputing ones (``recomputing_blocks``); with ``units="blocks"`` and none of those,
-    the model's repeated blocks (``find_blocks``) of at least ``min_bytes`` of parameters
-    (smaller ones are merged by size, as other modules are).
-    """
-    blocks = recomputing_blocks(model, policy)
-    if units == "blocks" and not blocks:
-        found = find_blocks(model)
-        if found and all(sum(p.nbytes for p in m.parameters()) >= min_bytes for _, m in found):
-            blocks = [n for n, _ in found]
-    return blocks
 
 
 def recompute_blocks(

@@ -87,6 +87,38 @@ def default_units(device: torch.device, offload: str | None = None) -> str:
     return "blocks" if device.type == "cuda" and offload is None else "size"
 
 
+UNIT_RULES = ("size", "blocks")
+
+
+def check_units(units: str | None, who: str) -> None:
+    """Raises InvalidArgumentError, naming ``who``, unless ``units`` is None or a unit rule."""
+    if units is not None and units not in UNIT_RULES:
+        raise InvalidArgumentError(f"{who}: units must be 'size' or 'blocks', not {units!r}")
+
+
+def unit_blocks(
+    model: nn.Module, units: str = "size", policy: str | None = None, min_bytes: int = 0
+) -> list[str]:
+    """Qualified names of the blocks that are one unit each under the unit rule ``units``.
+
+    The recomputing ones (``recomputing_blocks``, with ``policy``); with ``units="blocks"``
+    and none of those, the model's repeated blocks (``find_blocks``) when each holds at least
+    ``min_bytes`` of parameters (smaller ones are merged by size, as other modules are).
+    """
+    # (checkpoint imports parallel modules: import it on use, not at load)
+    from shardline.checkpoint.activations.blocks import (  # noqa: PLC0415
+        find_blocks,
+        recomputing_blocks,
+    )
+
+    blocks = recomputing_blocks(model, policy)
+    if units == "blocks" and not blocks:
+        found = find_blocks(model)
+        if found and all(sum(p.nbytes for p in m.parameters()) >= min_bytes for _, m in found):
+            blocks = [n for n, _ in found]
+    return blocks
+
+
 @dataclass(frozen=True)
 class UnitSpec:
     """One unit: its modules, its parameters (fully qualified names) and its size."""

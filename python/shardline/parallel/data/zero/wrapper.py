@@ -71,10 +71,12 @@ from shardline.parallel._common import (
 from shardline.parallel.data.compressed import comm_stats, resolve_compression
 from shardline.parallel.data.zero.base import TrainingState
 from shardline.parallel.data.zero.grouping import (
+    check_units,
     default_unit_mb,
     default_units,
     owned_parameters,
     plan_units,
+    unit_blocks,
 )
 from shardline.parallel.data.zero.optimizers import Layout, check_optimizer, rule_for
 from shardline.parallel.data.zero.state_dicts import ShardedStateDicts
@@ -177,10 +179,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
             raise InvalidArgumentError(
                 f"ShardedDataParallel: offload must be None, 'optimizer' or 'cpu', not {offload!r}"
             )
-        if units not in (None, "size", "blocks"):
-            raise InvalidArgumentError(
-                f"ShardedDataParallel: units must be 'size' or 'blocks', not {units!r}"
-            )
+        check_units(units, "ShardedDataParallel")
         self.offload = offload
         if (unit_mb is not None and unit_mb < 0) or prefetch < 0:
             raise InvalidArgumentError(
@@ -250,9 +249,6 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         self._checked_optimizers = weakref.WeakSet()
         if unit_mb is None:
             unit_mb = default_unit_mb(self._device, sum(p.nbytes for _, p in named))
-        # (checkpoint imports parallel modules: import it on use, not at load)
-        from shardline.checkpoint.activations.blocks import unit_blocks  # noqa: PLC0415
-
         threshold = int(unit_mb * _MIB)
         rule = units or default_units(self._device, offload)
         blocks = unit_blocks(module, rule, min_bytes=threshold)
