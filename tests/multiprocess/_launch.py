@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import shardline
+from tests.multiprocess._forkserver import FRESH_INTERPRETERS, ForkedProcess
 
 WORKER = Path(__file__).with_name("_worker.py")
 # The directory holding the imported shardline (with its built engine) and the repo root.
@@ -25,7 +26,7 @@ class Rank:
     """One child process and, once finished, its exit status and output."""
 
     rank: int
-    proc: subprocess.Popen[str]
+    proc: ForkedProcess | subprocess.Popen[str]
     rc: int | None = None
     out: str = ""
     err: str = ""
@@ -48,7 +49,8 @@ def start(
     worker: Path = WORKER,
 ) -> list[Rank]:
     """Starts ``n`` ranks of ``worker scenario`` (``_worker.py`` by default) with
-    torchrun-style variables."""
+    torchrun-style variables, forked from the test fork server (``_forkserver.py``), or as
+    fresh interpreters under ``SHARDLINE_TEST_FRESH_RANKS=1``."""
     port = port or free_port()
     ranks = []
     for r in range(n):
@@ -65,13 +67,17 @@ def start(
             **(env or {}),
             **((per_rank or {}).get(r, {})),
         }
-        proc = subprocess.Popen(
-            [sys.executable, str(worker), scenario],
-            env=child_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        proc: ForkedProcess | subprocess.Popen[str]
+        if FRESH_INTERPRETERS:
+            proc = subprocess.Popen(
+                [sys.executable, str(worker), scenario],
+                env=child_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        else:
+            proc = ForkedProcess(worker, [scenario], child_env)
         ranks.append(Rank(r, proc))
     return ranks
 

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.multiprocess._forkserver import FRESH_INTERPRETERS, ForkedProcess
+
 ADDRS = {"a": "10.77.0.1", "b": "10.77.0.2", "c": "10.77.1.2"}
 
 
@@ -44,7 +46,7 @@ class Proc:
 
     name: str
     host: str
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | ForkedProcess
     out_path: Path
     err_path: Path
 
@@ -120,15 +122,22 @@ class Hosts:
         argv = [sys.executable, *args] if args[0].startswith("-") else args
         out = Path(self._tmp.name) / f"{name}.out"
         err = Path(self._tmp.name) / f"{name}.err"
-        with out.open("wb") as o, err.open("wb") as e:
-            popen = subprocess.Popen(
-                ["ip", "netns", "exec", self.ns(host), *argv],
-                env=env,
-                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                stdout=o,
-                stderr=e,
-                start_new_session=True,
-            )
+        popen: subprocess.Popen[bytes] | ForkedProcess
+        if args[0] == "-u" and args[1].endswith(".py") and not stdin and not FRESH_INTERPRETERS:
+            # ``python -u script.py ...``: forked from the test fork server instead, its
+            # output line-buffered into the same files.
+            popen = ForkedProcess(args[1], args[2:], env, output=(out, err), new_session=True,
+                                  netns=self.ns(host))  # fmt: skip
+        else:
+            with out.open("wb") as o, err.open("wb") as e:
+                popen = subprocess.Popen(
+                    ["ip", "netns", "exec", self.ns(host), *argv],
+                    env=env,
+                    stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                    stdout=o,
+                    stderr=e,
+                    start_new_session=True,
+                )
         proc = Proc(name, host, popen, out, err)
         self.procs.append(proc)
         return proc

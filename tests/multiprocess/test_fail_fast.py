@@ -94,8 +94,8 @@ def test_a_slow_peer_is_not_lost() -> None:
             env={
                 **SLOW_DEADLINE,
                 "SHARDLINE_SECRET": "s",
-                "SHARDLINE_KEEPALIVE": "2",
-                "WORKER_SLOW_S": "7",
+                "SHARDLINE_KEEPALIVE": "1",
+                "WORKER_SLOW_S": "3.5",
             },
             per_rank={r: {"SHARDLINE_HOST_ID": f"host-{r}"} for r in range(2)},
             worker=WORKER,

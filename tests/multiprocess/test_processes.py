@@ -162,6 +162,8 @@ def _wait_for_output(ranks: list, marker: str, timeout: float) -> None:  # type:
             line = r.proc.stdout.readline()
             if marker in line:
                 seen.add(r.rank)
+            elif not line:
+                time.sleep(0.05)  # a forked rank's stdout is a file: nothing new yet
         if time.monotonic() > deadline:
             kill_all(ranks)
             raise AssertionError(f"ranks did not reach {marker!r} in {timeout} s")
