@@ -25,7 +25,9 @@ TCP path forced: a distinct host id per rank), ``gloo`` (raw ``ProcessGroupGloo`
 torch users get), ``native-raw`` (diagnostic: ``_native.Group`` called directly, no Python
 layer), ``native-1t`` (the engine with one thread per rank: ``SHARDLINE_COMM_THREADS=1``),
 ``native-fixed`` (the engine with the one-shot all-reduce limit fixed at 256 KiB, as before it
-was measured per communicator: ``SHARDLINE_ONESHOT_BYTES=262144``).
+was measured per communicator: ``SHARDLINE_ONESHOT_BYTES=262144``), ``native-symm`` (the engine
+on buffers in symmetric memory, ``sl.symmetric_empty``: its all-reduce reads every input and
+writes every output once, with no copy through the slots; other ops as ``native``).
 
 Each table ends with every native backend's all_reduce against its own reduce_scatter plus
 all_gather of the same buffer (the two-phase algorithm's parts run as separate ops), and the
@@ -61,9 +63,11 @@ import _report
 
 SIZED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 OPS = (*SIZED_OPS, "barrier")
-BACKENDS = ("native", "native-tcp", "gloo", "native-raw", "native-1t", "native-fixed")
+BACKENDS = (
+    "native", "native-tcp", "gloo", "native-raw", "native-1t", "native-fixed", "native-symm"
+)  # fmt: skip
 # Backends that are the native engine on shared memory (their all_reduce has the shm bound).
-SHM_NATIVE = ("native", "native-raw", "native-1t", "native-fixed")
+SHM_NATIVE = ("native", "native-raw", "native-1t", "native-fixed", "native-symm")
 # Environment each engine variant is made under (restored afterwards).
 VARIANT_ENV = {
     "native-1t": ("SHARDLINE_COMM_THREADS", "1"),
@@ -250,14 +254,22 @@ def worker_main(cfg_path: str) -> int:
     max_n = max(elements(op, s, world) for op in SIZED_OPS for s in cfg["sizes"])
     buf_a = torch.zeros(max_n, dtype=torch.float32)
     buf_b = torch.zeros(max_n // world, dtype=torch.float32)  # the n/N side of rs/ag
+    # native-symm's own `a` side, in the symmetric memory of its group (a collective).
+    bufs_a = {}
+    if "native-symm" in groups:
+        from shardline.comm.symmetric import symmetric_empty  # noqa: PLC0415
+
+        bufs_a["native-symm"] = symmetric_empty(max_n, group=groups["native-symm"][1])
+        bufs_a["native-symm"].zero_()
     scratch = torch.empty(min(max_n, CHECK_CHUNK), dtype=torch.float32)
 
     # -- warm-up: a few small ops per backend ------------------------------------------------
     for backend in list(groups):
         err = None
         try:
+            a = bufs_a.get(backend, buf_a)
             fn, barrier = _op_fns(
-                backend, groups[backend], "all_reduce", buf_a[: 256 * world], None, world
+                backend, groups[backend], "all_reduce", a[: 256 * world], None, world
             )
             for _ in range(20):
                 fn()
@@ -293,8 +305,9 @@ def worker_main(cfg_path: str) -> int:
         for backend in cfg["backends"]:
             if backend not in groups:
                 continue
+            a = bufs_a.get(backend, buf_a)
             cell = _run_cell(
-                backend, groups[backend], op, n, world, rank, sync, cfg, buf_a, buf_b, scratch
+                backend, groups[backend], op, n, world, rank, sync, cfg, a, buf_b, scratch
             )
             cell.update(op=op, backend=backend, size=n * ELEM, requested_size=size)
             result["cells"].append(cell)
@@ -344,12 +357,11 @@ def _make_group(
         return ("gloo", pg)
     from shardline.comm import init_process_group  # noqa: PLC0415
 
-    if backend == "native":
+    if backend in ("native", "native-symm"):  # native-symm: its own group, same engine
+        name = "bench-shm" if backend == "native" else "bench-symm"
         return (
-            "native",
-            init_process_group(
-                store, rank, world, backend="native", name="bench-shm", timeout=op_timeout
-            ),
+            backend,
+            init_process_group(store, rank, world, backend="native", name=name, timeout=op_timeout),
         )
     if backend == "native-tcp":
         pg = init_process_group(
@@ -848,6 +860,7 @@ def _draw(plt: Any, results: dict[int, dict[str, Any]]) -> Any:
         "gloo": "C3--x",
         "native-1t": "C4-.v",
         "native-fixed": "C5:x",
+        "native-symm": "C6-D",
     }
     for wi, world in enumerate(worlds):
         res = results[world]

@@ -8,6 +8,8 @@ Table of contents:
   group (or ``group=``); ``async_op=True`` returns a ``Work``. ``all_gather_object`` and
   ``broadcast_object``: any picklable object.
 - ``new_group``, ``ProcessGroup``, ``DeviceMesh``: sub-groups and named axes.
+- ``symmetric_empty``: a CPU tensor every rank of the host maps, whose all-reduce copies
+  nothing through the engine's slots.
 - ``distribute``, ``DistributedDataParallel``, ``ShardedDataParallel`` (ZeRO 1/2/3, FSDP),
   ``MixedPrecision``: parallel strategies (``shardline.parallel``); ``as_distributed`` picks
   one by memory, ``estimate_memory`` plans it before anything is allocated;
@@ -44,6 +46,7 @@ from shardline.comm.collectives import (
 )
 from shardline.comm.mesh import DeviceMesh
 from shardline.comm.objects import all_gather_object, broadcast_object
+from shardline.comm.symmetric import symmetric_empty
 from shardline.comm.world import init, is_initialized, shutdown
 from shardline.data import DistributedSampler
 from shardline.errors import (
@@ -125,5 +128,6 @@ __all__ = [
     "scatter",
     "send",
     "shutdown",
+    "symmetric_empty",
     "tensor_parallel",
 ]

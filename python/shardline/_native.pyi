@@ -15,6 +15,7 @@ __all__ = [
     "Group",
     "Listener",
     "ShardReader",
+    "SymmetricSegment",
     "Work",
     "__version__",
     "arena_create",
@@ -22,6 +23,9 @@ __all__ = [
     "arena_unlink",
     "read_shard_header",
     "read_tensor_range",
+    "symmetric_create",
+    "symmetric_register",
+    "symmetric_unlink",
     "verify_shard",
     "write_shard",
 ]
@@ -65,6 +69,27 @@ def arena_unlink(path: str) -> None:
 
 def arena_sweep(directory: str = "/dev/shm") -> int:
     """Removes arena files left by dead processes; returns how many were removed."""
+
+@final
+class SymmetricSegment:
+    """One rank's segment of a symmetric allocation; while it lives, so does the mapping."""
+
+    @property
+    def address(self) -> int:
+        """Address of the mapping."""
+    @property
+    def nbytes(self) -> int:
+        """Length in bytes."""
+
+def symmetric_create(path: str, nbytes: int) -> None:
+    """Creates this rank's segment file (O_EXCL, mode 0600, zero-filled) of ``nbytes``."""
+
+def symmetric_unlink(path: str) -> None:
+    """Removes a segment file's name; ranks that mapped it keep it."""
+
+def symmetric_register(group: Group, paths: list[str], nbytes: int) -> SymmetricSegment:
+    """Maps every rank's segment file of one allocation (``paths`` by group rank) into
+    ``group``'s collectives; this rank's segment."""
 
 @final
 class Work:

@@ -43,7 +43,7 @@ PRELOAD = [
 ]
 
 # Ranks as fresh interpreters (``python worker.py``) instead, for comparison or debugging.
-FRESH_INTERPRETERS = os.environ.get("SHARDLINE_TEST_FRESH_RANKS") == "1"
+FRESH_INTERPRETERS = os.environ.get("TEST_FRESH_RANKS") == "1"
 CLONE_NEWNET = 0x40000000
 
 

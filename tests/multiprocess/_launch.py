@@ -50,7 +50,7 @@ def start(
 ) -> list[Rank]:
     """Starts ``n`` ranks of ``worker scenario`` (``_worker.py`` by default) with
     torchrun-style variables, forked from the test fork server (``_forkserver.py``), or as
-    fresh interpreters under ``SHARDLINE_TEST_FRESH_RANKS=1``."""
+    fresh interpreters under ``TEST_FRESH_RANKS=1``."""
     port = port or free_port()
     ranks = []
     for r in range(n):

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::reduce::{self, ReduceOp};
 use crate::signature::OpSig;
 use crate::transport::p2p::P2p;
+use crate::transport::shm::segment::Segment;
 use crate::transport::shm::Arena;
 use crate::transport::tcp::{LinkOptions, TcpListenerHandle, TcpMesh};
 use crate::wait::SpinPolicy;
@@ -170,6 +171,23 @@ impl Router {
     /// Up to how many bytes all-reduces on the arena are one-shot (no arena: `None`).
     pub(super) fn oneshot_bytes(&self) -> Option<usize> {
         self.arena.as_ref().map(ArenaComm::oneshot_bytes)
+    }
+
+    /// Maps one symmetric allocation (every rank's segment file, by group rank) into the
+    /// arena's collectives; this rank's segment. Only where the whole group shares one host.
+    pub(super) fn register_symmetric(
+        &mut self,
+        paths: &[String],
+        len: usize,
+    ) -> Result<Arc<Segment>> {
+        match (self.arena.as_mut(), self.mode) {
+            (Some(a), Mode::Shm) => a.register_symmetric(paths, len),
+            _ => Err(Error::invalid(format!(
+                "symmetric memory needs a group whose ranks all share one host (this group is \
+                 {:?}); allocate ordinary tensors on it",
+                self.mode
+            ))),
+        }
     }
 
     /// The arena's collectives, if this rank's host has several ranks.

@@ -150,6 +150,20 @@ impl Communicator {
         lock(&self.shared.core).router.oneshot_bytes()
     }
 
+    /// Maps one symmetric allocation: `paths` holds every rank's segment file (by group
+    /// rank), each `len` bytes; returns this rank's segment. All-reduces of buffers inside it
+    /// then skip the arena's slots when every rank passes the same place. Every rank registers
+    /// its allocations in the same order; waits for an op in progress.
+    pub fn register_symmetric(
+        &self,
+        paths: &[String],
+        len: usize,
+    ) -> Result<Arc<crate::transport::shm::segment::Segment>> {
+        lock(&self.shared.core)
+            .router
+            .register_symmetric(paths, len)
+    }
+
     /// Validates `op` and runs it: inline when blocking and nothing is queued, else on the
     /// worker. `keepalive` is dropped once the op is done.
     pub fn submit(&self, op: Op, keepalive: Box<dyn Any + Send>, async_op: bool) -> Result<Work> {

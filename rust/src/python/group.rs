@@ -135,7 +135,7 @@ fn non_negative(value: i64, what: &str, unit: &str) -> PyResult<u64> {
 }
 
 impl PyGroup {
-    fn comm(&self) -> PyResult<Arc<Communicator>> {
+    pub(super) fn comm(&self) -> PyResult<Arc<Communicator>> {
         self.comm
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -5,6 +5,7 @@
 //! - [`group`]: `Group`, `Work`, `Listener` and the arena helpers over [`crate::engine`].
 //! - [`kernels`]: compute kernels over caller tensors (the 1-bit codec, CPU optimizer steps).
 //! - [`shard`]: `ShardReader` and the shard-file functions over [`crate::shard`].
+//! - [`symmetric`]: symmetric memory (segment files, a group's allocations).
 //!
 //! Every setting arrives as an argument: nothing here reads the environment.
 
@@ -13,6 +14,7 @@ mod errors;
 mod group;
 mod kernels;
 mod shard;
+mod symmetric;
 
 use pyo3::prelude::*;
 
@@ -26,6 +28,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(group::arena_create, m)?)?;
     m.add_function(wrap_pyfunction!(group::arena_unlink, m)?)?;
     m.add_function(wrap_pyfunction!(group::arena_sweep, m)?)?;
+    m.add_class::<symmetric::PySegment>()?;
+    m.add_function(wrap_pyfunction!(symmetric::symmetric_create, m)?)?;
+    m.add_function(wrap_pyfunction!(symmetric::symmetric_unlink, m)?)?;
+    m.add_function(wrap_pyfunction!(symmetric::symmetric_register, m)?)?;
     m.add_class::<shard::PyShardReader>()?;
     m.add_function(wrap_pyfunction!(shard::write_shard, m)?)?;
     m.add_function(wrap_pyfunction!(shard::read_shard_header, m)?)?;

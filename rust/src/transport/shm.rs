@@ -23,6 +23,7 @@ use crate::signature::{OpSig, SIG_BYTES};
 use crate::wait::{self, Signal, SpinPolicy, Stop};
 
 mod channel;
+pub mod segment;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"SHLARENA");
 const VERSION: u32 = 2;
@@ -192,12 +193,14 @@ pub fn sweep(dir: &str) -> usize {
     removed
 }
 
+/// A shared, read-write mapping of a whole file, unmapped on drop.
 struct Mapping {
     base: *mut u8,
     len: usize,
 }
 
 impl Mapping {
+    /// Maps the first `len` bytes of the file open as `fd` (`path` names it in errors).
     fn new(fd: libc::c_int, len: usize, path: &str) -> Result<Self> {
         // SAFETY: mapping `len` bytes of a file at least that long, shared, read-write.
         let base = unsafe {

@@ -25,7 +25,7 @@ pub enum AllReduceAlgo {
 }
 
 /// Splits `len` bytes of `es`-byte elements into `n` nearly equal parts; part `i`'s range.
-fn part(len: usize, es: usize, n: usize, i: usize) -> (usize, usize) {
+pub(super) fn part(len: usize, es: usize, n: usize, i: usize) -> (usize, usize) {
     let elems = len / es;
     let base = elems / n;
     let rem = elems % n;
@@ -56,6 +56,16 @@ impl ArenaComm {
                 if std::mem::take(&mut self.tune_oneshot) {
                     tuning::tune_oneshot(self, deadline)?;
                 }
+                if let Some(place) = only_root
+                    .is_none()
+                    .then(|| self.symmetric_place(buf))
+                    .flatten()
+                {
+                    let len = buf.len();
+                    return self.with_lanes(len, |c, ways| {
+                        c.all_reduce_symmetric(place, len, dtype, op, sig, deadline, ways)
+                    });
+                }
                 if buf.len() <= self.oneshot_bytes.min(self.arena.slot_bytes()) {
                     AllReduceAlgo::OneShot
                 } else {
@@ -72,6 +82,9 @@ impl ArenaComm {
         let total = buf.len();
         debug_assert!(total <= self.arena.slot_bytes());
         let parity = self.step(sig, Some(0), deadline, |s| s[..total].copy_from_slice(buf))?;
+        if !self.symmetric.is_empty() {
+            self.check_place_word(parity, 0, sig)?;
+        }
         if only_root.is_none_or(|r| r == me) {
             let srcs: Vec<&[u8]> = (0..n)
                 .map(|r| &self.arena.slot(r, parity)[..total])
@@ -121,6 +134,9 @@ impl ArenaComm {
                     lanes::copy(dst, from, ways, |d, s| copy_piece_to_shared(d, s, stream));
                 });
             })?;
+            if first && !self.symmetric.is_empty() {
+                self.check_place_word(parity, 0, sig)?;
+            }
             first = false;
             // Reduce our part straight into the slot of the next phase: it was last read in
             // the previous phase, which every rank finished before posting this one.

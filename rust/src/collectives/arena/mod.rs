@@ -22,6 +22,7 @@ use std::sync::Arc;
 use crate::transport::shm::Arena;
 
 mod all_reduce;
+pub mod symmetric;
 pub use all_reduce::AllReduceAlgo;
 
 /// Size up to which all-reduce is one-shot where nothing was measured (ranks outnumber the
@@ -40,6 +41,8 @@ pub struct ArenaComm {
     stream: StreamMode,
     /// Whether the op in progress may use the lanes (see [`ArenaComm::allow_helpers`]).
     helpers: bool,
+    /// Symmetric allocations, in the order every local rank registered them.
+    symmetric: Vec<symmetric::Allocation>,
 }
 
 /// Bytes of a per-destination piece when a slot is split `n` ways (element and cache aligned).
@@ -62,6 +65,7 @@ impl ArenaComm {
             lanes,
             stream,
             helpers: true,
+            symmetric: Vec::new(),
         }
     }
 

@@ -1,0 +1,116 @@
+//! Symmetric memory: a file per rank in `/dev/shm`, each mapped by every rank of the host.
+//!
+//! A rank's tensor that lives in its own segment can be read and written by the other ranks
+//! of its host directly, so a collective on it needs no copy through the arena's slots
+//! ([`crate::collectives::arena::symmetric`]). The files are named like arenas
+//! (`shardline-<creator pid>-…`, so [`super::sweep`] removes those of dead creators), are
+//! created `O_EXCL` with mode 0600 and are unlinked by their creator once every rank mapped
+//! them: nothing is left in `/dev/shm` after any kind of exit.
+
+use super::{cpath, Mapping};
+use crate::error::{Error, Result};
+
+/// One rank's file of symmetric memory, mapped read-write.
+pub struct Segment {
+    map: Mapping,
+}
+
+// SAFETY: the mapping is plain shared memory that outlives every reference handed out; which
+// rank writes which bytes when is the business of the collectives that use it, which run one
+// op at a time per communicator and order ranks through the arena's phases.
+unsafe impl Send for Segment {}
+// SAFETY: as for Send: `&Segment` only yields the base pointer and the length.
+unsafe impl Sync for Segment {}
+
+/// Creates the file `path` of `len` bytes (zero-filled) for this rank's segment.
+pub fn create(path: &str, len: usize) -> Result<()> {
+    if len == 0 {
+        return Err(Error::invalid(
+            "symmetric memory needs at least one byte".to_string(),
+        ));
+    }
+    let c = cpath(path)?;
+    // SAFETY: `c` is a valid NUL-terminated path; the flags create a new file only.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
+            0o600,
+        )
+    };
+    if fd < 0 {
+        return Err(Error::io(
+            format!("creating symmetric memory {path}"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: `fd` is the descriptor just opened.
+    let rc = unsafe { libc::ftruncate(fd, len as libc::off_t) };
+    let err = std::io::Error::last_os_error();
+    // SAFETY: closing what we opened.
+    unsafe { libc::close(fd) };
+    if rc != 0 {
+        let _ = super::unlink(path);
+        return Err(Error::io(
+            format!("sizing symmetric memory {path} to {len} bytes (is /dev/shm large enough?)"),
+            err,
+        ));
+    }
+    Ok(())
+}
+
+impl Segment {
+    /// Maps the segment file `path`, which must hold exactly `len` bytes.
+    pub fn open(path: &str, len: usize) -> Result<Self> {
+        let c = cpath(path)?;
+        // SAFETY: valid path; opening an existing file read-write.
+        let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::io(
+                format!("opening symmetric memory {path} (did its rank create it on this host?)"),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: `st` is written by fstat before use.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: valid fd and out-pointer.
+        let size = if unsafe { libc::fstat(fd, &mut st) } == 0 {
+            st.st_size as usize
+        } else {
+            0
+        };
+        let map = if size == len {
+            Mapping::new(fd, len, path)
+        } else {
+            Err(Error::protocol(format!(
+                "symmetric memory {path} holds {size} bytes where every rank asked for {len}: \
+                 every rank must allocate the same size"
+            )))
+        };
+        // SAFETY: the mapping does not need the descriptor.
+        unsafe { libc::close(fd) };
+        Ok(Segment { map: map? })
+    }
+
+    /// Start of the mapping.
+    pub fn ptr(&self) -> *mut u8 {
+        self.map.base
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.map.len
+    }
+
+    /// Whether the segment is empty (never: [`create`] refuses zero bytes).
+    pub fn is_empty(&self) -> bool {
+        self.map.len == 0
+    }
+
+    /// The offset of `ptr..ptr + len` in this segment, if it lies wholly inside.
+    pub fn offset_of(&self, ptr: *const u8, len: usize) -> Option<usize> {
+        let (base, addr) = (self.map.base as usize, ptr as usize);
+        let off = addr.checked_sub(base)?;
+        (off.checked_add(len)? <= self.map.len).then_some(off)
+    }
+}
