@@ -30,7 +30,9 @@ def values(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def shm_files() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("shardline-")}
+    """This process's files in /dev/shm (the ranks are its threads; other test processes
+    may run beside it)."""
+    return {f for f in os.listdir("/dev/shm") if f.startswith(f"shardline-{os.getpid()}-")}
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])
