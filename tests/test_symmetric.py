@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 import shardline as sl
+from shardline import _native
 from shardline.comm import ProcessGroup
 from tests._ranks import run_ranks
 
@@ -127,3 +130,22 @@ def test_across_hosts_it_is_an_ordinary_tensor_and_all_reduce_works() -> None:
 
     for got in run_ranks(2, body, transport="tcp"):
         assert torch.equal(got, torch.full((2, 3), 3.0))
+
+
+def test_too_little_room_in_dev_shm_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    """A segment larger than its tmpfs fails when it is made (every page is allocated then),
+    naming the remedy, instead of a SIGBUS at the first collective that touches the page."""
+    small = tmp_path / "shm"
+    small.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        with pytest.raises(sl.ShardlineError, match="shm-size"):
+            _native.symmetric_create(str(small / "segment"), 4 << 20)
+        assert not list(small.iterdir()), "the failed segment's file was left behind"
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

@@ -22,7 +22,8 @@ unsafe impl Send for Segment {}
 // SAFETY: as for Send: `&Segment` only yields the base pointer and the length.
 unsafe impl Sync for Segment {}
 
-/// Creates the file `path` of `len` bytes (zero-filled) for this rank's segment.
+/// Creates the file `path` of `len` bytes (zero-filled, every page allocated) for this rank's
+/// segment.
 pub fn create(path: &str, len: usize) -> Result<()> {
     if len == 0 {
         return Err(Error::invalid(
@@ -44,16 +45,20 @@ pub fn create(path: &str, len: usize) -> Result<()> {
             std::io::Error::last_os_error(),
         ));
     }
+    // Every page is allocated now: a /dev/shm too small for it fails here, with this message,
+    // instead of killing the process with SIGBUS when a collective first touches the page.
     // SAFETY: `fd` is the descriptor just opened.
-    let rc = unsafe { libc::ftruncate(fd, len as libc::off_t) };
-    let err = std::io::Error::last_os_error();
+    let rc = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
     // SAFETY: closing what we opened.
     unsafe { libc::close(fd) };
     if rc != 0 {
         let _ = super::unlink(path);
         return Err(Error::io(
-            format!("sizing symmetric memory {path} to {len} bytes (is /dev/shm large enough?)"),
-            err,
+            format!(
+                "allocating {len} bytes of symmetric memory in {path}: /dev/shm has too little \
+                 room (in a container, raise it: docker run --shm-size=...)"
+            ),
+            std::io::Error::from_raw_os_error(rc),
         ));
     }
     Ok(())
