@@ -193,6 +193,33 @@ pub fn sweep(dir: &str) -> usize {
     removed
 }
 
+/// Opens the existing file `path` read-write and maps as many bytes as `length` says for its
+/// size (or fails with `length`'s error); `opening` says what failed if it cannot be opened.
+fn map_existing(
+    path: &str,
+    opening: &str,
+    length: impl FnOnce(usize) -> Result<usize>,
+) -> Result<Mapping> {
+    let c = cpath(path)?;
+    // SAFETY: valid path; opening an existing file read-write.
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::io(opening, std::io::Error::last_os_error()));
+    }
+    // SAFETY: `st` is written by fstat before use.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: valid fd and out-pointer.
+    let size = if unsafe { libc::fstat(fd, &mut st) } == 0 {
+        st.st_size as usize
+    } else {
+        0
+    };
+    let map = length(size).and_then(|len| Mapping::new(fd, len, path));
+    // SAFETY: the mapping does not need the descriptor.
+    unsafe { libc::close(fd) };
+    map
+}
+
 /// A shared, read-write mapping of a whole file, unmapped on drop.
 struct Mapping {
     base: *mut u8,
@@ -262,33 +289,19 @@ impl Arena {
     /// [`SpinPolicy::for_ranks`]).
     pub fn open(path: &str, me: usize, global: Vec<usize>, spin: Duration) -> Result<Self> {
         let ranks = global.len();
-        let c = cpath(path)?;
-        // SAFETY: valid path; opening an existing file read-write.
-        let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-        if fd < 0 {
-            return Err(Error::io(
-                format!("opening shared-memory arena {path} (was it created by this job's local leader?)"),
-                std::io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: `st` is written by fstat before use.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: valid fd and out-pointer.
-        let size = if unsafe { libc::fstat(fd, &mut st) } == 0 {
-            st.st_size as usize
-        } else {
-            0
-        };
-        let map = if size >= PAGE {
-            Mapping::new(fd, size, path)
-        } else {
-            Err(Error::protocol(format!(
-                "shared-memory arena {path} is truncated ({size} bytes)"
-            )))
-        };
-        // SAFETY: the mapping does not need the descriptor.
-        unsafe { libc::close(fd) };
-        let map = map?;
+        let opening = format!(
+            "opening shared-memory arena {path} (was it created by this job's local leader?)"
+        );
+        let map = map_existing(path, &opening, |size| {
+            if size >= PAGE {
+                Ok(size)
+            } else {
+                Err(Error::protocol(format!(
+                    "shared-memory arena {path} is truncated ({size} bytes)"
+                )))
+            }
+        })?;
+        let size = map.len;
         // SAFETY: the mapping holds at least one page, which holds the header.
         let h = unsafe { &*(map.base as *const Header) };
         if h.magic != MAGIC || h.version != VERSION {

@@ -7,7 +7,7 @@
 //! created `O_EXCL` with mode 0600 and are unlinked by their creator once every rank mapped
 //! them: nothing is left in `/dev/shm` after any kind of exit.
 
-use super::{cpath, Mapping};
+use super::{cpath, map_existing, Mapping};
 use crate::error::{Error, Result};
 
 /// One rank's file of symmetric memory, mapped read-write.
@@ -67,34 +67,19 @@ pub fn create(path: &str, len: usize) -> Result<()> {
 impl Segment {
     /// Maps the segment file `path`, which must hold exactly `len` bytes.
     pub fn open(path: &str, len: usize) -> Result<Self> {
-        let c = cpath(path)?;
-        // SAFETY: valid path; opening an existing file read-write.
-        let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-        if fd < 0 {
-            return Err(Error::io(
-                format!("opening symmetric memory {path} (did its rank create it on this host?)"),
-                std::io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: `st` is written by fstat before use.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: valid fd and out-pointer.
-        let size = if unsafe { libc::fstat(fd, &mut st) } == 0 {
-            st.st_size as usize
-        } else {
-            0
-        };
-        let map = if size == len {
-            Mapping::new(fd, len, path)
-        } else {
-            Err(Error::protocol(format!(
-                "symmetric memory {path} holds {size} bytes where every rank asked for {len}: \
-                 every rank must allocate the same size"
-            )))
-        };
-        // SAFETY: the mapping does not need the descriptor.
-        unsafe { libc::close(fd) };
-        Ok(Segment { map: map? })
+        let opening =
+            format!("opening symmetric memory {path} (did its rank create it on this host?)");
+        let map = map_existing(path, &opening, |size| {
+            if size == len {
+                Ok(len)
+            } else {
+                Err(Error::protocol(format!(
+                    "symmetric memory {path} holds {size} bytes where every rank asked for \
+                     {len}: every rank must allocate the same size"
+                )))
+            }
+        })?;
+        Ok(Segment { map })
     }
 
     /// Start of the mapping.
