@@ -78,16 +78,9 @@ fn cpath(path: &str) -> Result<CString> {
         .map_err(|_| Error::invalid(format!("arena path {path:?} contains a NUL byte")))
 }
 
-/// Creates the arena file for `ranks` ranks with two slots of `slot_bytes` each.
-pub fn create(path: &str, ranks: usize, slot_bytes: usize) -> Result<()> {
-    if ranks == 0 || slot_bytes == 0 || slot_bytes % PAGE != 0 {
-        return Err(Error::invalid(format!(
-            "arena needs at least one rank and a slot size that is a positive multiple of {PAGE} \
-             bytes (got {ranks} ranks, {slot_bytes} bytes); check SHARDLINE_SHM_SLOT_BYTES"
-        )));
-    }
-    let (_, _, total) = layout(ranks, slot_bytes);
-    let c = cpath(path)?;
+/// Creates the file `c` (O_EXCL, mode 0600) and returns its descriptor; `what` and `path`
+/// name it in the error.
+fn create_exclusive(c: &CString, what: &str, path: &str) -> Result<libc::c_int> {
     // SAFETY: `c` is a valid NUL-terminated path; the flags create a new file only.
     let fd = unsafe {
         libc::open(
@@ -98,10 +91,24 @@ pub fn create(path: &str, ranks: usize, slot_bytes: usize) -> Result<()> {
     };
     if fd < 0 {
         return Err(Error::io(
-            format!("creating shared-memory arena {path}"),
+            format!("creating {what} {path}"),
             std::io::Error::last_os_error(),
         ));
     }
+    Ok(fd)
+}
+
+/// Creates the arena file for `ranks` ranks with two slots of `slot_bytes` each.
+pub fn create(path: &str, ranks: usize, slot_bytes: usize) -> Result<()> {
+    if ranks == 0 || slot_bytes == 0 || slot_bytes % PAGE != 0 {
+        return Err(Error::invalid(format!(
+            "arena needs at least one rank and a slot size that is a positive multiple of {PAGE} \
+             bytes (got {ranks} ranks, {slot_bytes} bytes); check SHARDLINE_SHM_SLOT_BYTES"
+        )));
+    }
+    let (_, _, total) = layout(ranks, slot_bytes);
+    let c = cpath(path)?;
+    let fd = create_exclusive(&c, "shared-memory arena", path)?;
     // SAFETY: `fd` is the descriptor we just opened.
     let rc = unsafe { libc::ftruncate(fd, total as libc::off_t) };
     if rc != 0 {

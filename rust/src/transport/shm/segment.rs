@@ -7,7 +7,7 @@
 //! created `O_EXCL` with mode 0600 and are unlinked by their creator once every rank mapped
 //! them: nothing is left in `/dev/shm` after any kind of exit.
 
-use super::{cpath, map_existing, Mapping};
+use super::{cpath, create_exclusive, map_existing, Mapping};
 use crate::error::{Error, Result};
 
 /// One rank's file of symmetric memory, mapped read-write.
@@ -31,20 +31,7 @@ pub fn create(path: &str, len: usize) -> Result<()> {
         ));
     }
     let c = cpath(path)?;
-    // SAFETY: `c` is a valid NUL-terminated path; the flags create a new file only.
-    let fd = unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
-            0o600,
-        )
-    };
-    if fd < 0 {
-        return Err(Error::io(
-            format!("creating symmetric memory {path}"),
-            std::io::Error::last_os_error(),
-        ));
-    }
+    let fd = create_exclusive(&c, "symmetric memory", path)?;
     // Every page is allocated now: a /dev/shm too small for it fails here, with this message,
     // instead of killing the process with SIGBUS when a collective first touches the page.
     // SAFETY: `fd` is the descriptor just opened.
