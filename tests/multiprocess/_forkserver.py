@@ -79,10 +79,6 @@ def _run_script(
     """The rank's body, in the forked child: the environment, output, session, network
     namespace and ``__main__`` of ``python script *argv``, and its exit status (atexit
     handlers included, which a multiprocessing child would otherwise skip)."""
-    if new_session:
-        os.setsid()
-    if netns is not None:
-        _enter_netns(netns)
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(target, fd)
@@ -94,6 +90,11 @@ def _run_script(
     sys.argv = [script, *argv]
     code = 0
     try:
+        # After the redirection, so that a failure here lands in the rank's own stderr.
+        if new_session:
+            os.setsid()
+        if netns is not None:
+            _enter_netns(netns)
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
