@@ -27,7 +27,14 @@ RECOMPUTE_IMPLS = ("zero3-sel", "zero2-sel", "fsdp2-sel")
 # here (``fully_shard`` per block), or layers merged up to ``unit_mb``.
 UNIT_IMPLS = ("zero3-blocks", "zero3-size")
 MIB = 2**20
-MEM_KEYS = ("persistent_bytes", "persistent_generic_bytes", "peak_bytes", "left_after_del_bytes")
+MEM_KEYS = (
+    "persistent_bytes",
+    "persistent_generic_bytes",
+    "peak_bytes",
+    "left_after_del_bytes",
+    "host_bytes",
+    "host_peak_bytes",
+)
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -101,7 +108,18 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
                     f"{world} ranks: {name} tokens/s {speed:.2f}x FSDP2 with CPUOffloadPolicy "
                     f"({'met' if speed >= 1.2 else 'NOT met'}: >= 1.2x), {mem_word} memory "
                     f"{(r.get(mem_key) or math.nan) / MIB:.1f} vs "
-                    f"{(fo.get(mem_key) or math.nan) / MIB:.1f} MiB"
+                    f"{(fo.get(mem_key) or math.nan) / MIB:.1f} MiB, host memory held per rank "
+                    f"{(r.get('host_bytes') or math.nan) / MIB:,.0f} vs "
+                    f"{(fo.get('host_bytes') or math.nan) / MIB:,.0f} MiB "
+                    f"({ratio(r.get('host_bytes'), fo.get('host_bytes')).strip()})"
+                )
+        for name in ("zero3-offload", "zero3-offload-cpu", "fsdp2-offload"):
+            r = rows.get(name, {})
+            if r.get("host_peak_bytes") and "tokens_per_s" in r:
+                goals.append(
+                    f"{world} ranks: {name} trains {res['params'] / 1e9:.2f}B parameters, "
+                    f"holding {r['host_bytes'] / 2**30:,.1f} GiB of host memory per rank after "
+                    f"its warm-up, {r['host_peak_bytes'] / 2**30:,.1f} GiB at its peak"
                 )
         same_batch = "fit" not in fs  # --batch max: each at the most it fits, compared below
         z3 = rows.get("zero3", {})

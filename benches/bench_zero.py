@@ -44,6 +44,13 @@ Writes JSON, a text table and (with matplotlib) a PNG to ``benches/results/zero-
 it, and runs it at the batch where a line through those two peaks meets 90 % of the free GPU
 memory (the smallest over ranks); the goal is then tokens/s against FSDP2 at its own largest.
 It implies ``--sequential``: each fills the GPU alone.
+
+The largest model that trains with offload: one implementation per run, so the model is handed
+over rather than copied, and the host memory it holds (after the warm-up, and the process's peak
+with building the model) counts from before the model was built:
+
+    python benches/bench_zero.py --device cuda --ranks 1 --size 7b --sequential \
+        --impls zero3-offload-cpu --warmup 1 --steps 2 --repeats 1   # then fsdp2-offload
 The table and plot are in ``_zero_report.py``.
 """
 
@@ -83,6 +90,10 @@ SIZES = {
     # For offload (with --sequential: one implementation in host memory at a time)
     "3b": (3072, 26, 24, 1024, 2),  # 2.9B
     "6b": (4096, 30, 32, 1024, 1),  # 6.0B: its fp32 AdamW state alone fills an 80 GB GPU
+    # The largest that train with offload in 128 GiB of host memory (one implementation per
+    # run: the model itself is handed over, not a copy of it)
+    "5b": (3072, 44, 24, 1024, 1),  # 5.0B
+    "7b": (3072, 62, 24, 1024, 1),  # 7.0B
 }
 
 
@@ -146,6 +157,25 @@ def memory_breakdown(model: Any, opt: Any) -> tuple[int, dict[str, int] | None]:
     return sum(d.values()), d
 
 
+def resident_bytes() -> int:
+    """This process's resident set (``/proc/self/statm``), in bytes; 0 where there is none."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident set (``VmHWM``), in bytes; 0 where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        return 0
+
+
 def build_impl(
     name: str,
     base: Any,
@@ -154,7 +184,8 @@ def build_impl(
     zero_kw: dict[str, Any],
     dtype: str = "fp32",
 ) -> tuple[Any, Any]:
-    """A copy of ``base`` on ``device`` wrapped as ``name``, and its AdamW: ours through
+    """A copy of ``base`` (or the model itself, taken out of ``base`` when that is a one-item
+    list) on ``device`` wrapped as ``name``, and its AdamW: ours through
     ``sl.distribute`` (``zero1``-``zero3``, or ``sl-<strategy>`` for any of our strategies),
     FSDP2 (``fsdp2``) with ``fully_shard`` per block then the root, else torch DDP on the
     default group (``ddp``, ``torch-ddp``). ``dtype="bf16"``: bf16 compute on fp32 master
@@ -167,7 +198,7 @@ def build_impl(
 
     import shardline as sl  # noqa: PLC0415
 
-    model: Any = copy.deepcopy(base)  # on the CPU
+    model: Any = base.pop() if isinstance(base, list) else copy.deepcopy(base)  # on the CPU
     bf16 = dtype == "bf16"
     if name.endswith("-sel"):
         name = name.removesuffix("-sel")
@@ -239,6 +270,8 @@ def worker(args: argparse.Namespace) -> int:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+            # Pinned host memory torch's caching host allocator keeps after it is freed.
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
 
     d_model, layers, heads, seq_len, batch = SIZES[args.size]
     batch = int(args.batch.get("*", 0)) if args.batch.get("*") != "max" else 0
@@ -247,7 +280,8 @@ def worker(args: argparse.Namespace) -> int:
         d_model=d_model, num_layers=layers, num_heads=heads, seq_len=seq_len, batch_size=batch
     )
     torch.manual_seed(0)
-    base = TinyGPT(cfg)  # on the CPU; each implementation moves its own copy
+    start_rss = resident_bytes()
+    base: Any = TinyGPT(cfg)  # on the CPU; each implementation moves its own copy
     n_params = sum(p.numel() for p in base.parameters())
     # Each rank its own windows of the built-in corpus (real text, so the loss moves); the
     # same windows for every implementation that runs the same batch size.
@@ -267,6 +301,12 @@ def worker(args: argparse.Namespace) -> int:
 
     impls = [i for i in IMPLS + RECOMPUTE_IMPLS + UNIT_IMPLS + OFFLOAD_IMPLS if i in args.impls]
     batch_of = {n: int(args.batch.get(n, batch)) for n in impls}  # "max": set below
+
+    # One implementation, timed right after its memory pass, at the size's batch: it is handed
+    # the model itself (no copy kept), so its host memory counts from before the model was built.
+    handed_over = args.sequential and len(impls) == 1 and args.batch.get("*") != "max"
+    if handed_over:
+        base = [base]
 
     def build(name: str) -> tuple[Any, Any]:
         return build_impl(name, base, device, args.lr, args.zero_kw, args.dtype)
@@ -358,6 +398,7 @@ def worker(args: argparse.Namespace) -> int:
             continue
         free()
         base_alloc = torch.cuda.memory_allocated() if cuda else 0
+        base_rss = start_rss if handed_over else resident_bytes()
         model = opt = None
         try:
             model, opt = build(name)
@@ -379,6 +420,16 @@ def worker(args: argparse.Namespace) -> int:
             rows[name]["persistent_bytes"] = persistent
             if cuda:
                 rows[name]["peak_bytes"] = torch.cuda.max_memory_allocated() - base_alloc
+                host_stats = getattr(torch.cuda, "host_memory_stats", None)
+                if callable(host_stats):
+                    rows[name]["pinned"] = {
+                        k: v for k, v in host_stats().items() if k.endswith("bytes.current")
+                    }
+            # Host memory this implementation holds after its warm-up steps (pinned memory
+            # included: it is resident), above what the process held before it was built.
+            rows[name]["host_bytes"] = resident_bytes() - base_rss
+            if handed_over:  # the process's peak: this implementation's, model building included
+                rows[name]["host_peak_bytes"] = peak_resident_bytes() - start_rss
             if args.sequential:
                 timed_blocks(name, model, opt, counter)
         except Exception:  # ours may be unfinished: report, go on

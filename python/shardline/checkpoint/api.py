@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from shardline import config
+from shardline._pinned import pinned_empty
 from shardline._progress import Progress, wanted
 from shardline.checkpoint._load_plan import Read, plan_model, plan_optimizer
 from shardline.checkpoint._state import Piece, model_pieces, optimizer_pieces
@@ -282,7 +283,11 @@ def _staged(p: Piece) -> torch.Tensor:
     src = p.tensor.detach()
     buf = _staging.get((p.key, p.start))
     if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-        buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+        buf = (
+            pinned_empty(src.shape, dtype=src.dtype)
+            if src.is_cuda
+            else torch.empty(src.shape, dtype=src.dtype)
+        )
         _staging[(p.key, p.start)] = buf
     buf.copy_(src, non_blocking=src.is_cuda)
     return buf

@@ -15,10 +15,11 @@ backward and the next synchronised one is seen by the owner alone; the others st
 they accumulated.)
 
 With *offload* (``"optimizer"`` or ``"cpu"``) the shard lives in host memory (pinned under
-CUDA), so the optimizer and its state run there; reduced gradient parts are copied to the host
-as each unit's reduction finishes. ``"optimizer"`` keeps a device copy of the shard in the
-compute dtype for the all-gathers (``dev_shard``, refreshed after each optimizer step);
-``"cpu"`` keeps none and copies the shard to the device for each all-gather.
+CUDA, in blocks of its exact size: ``shardline._pinned``), so the optimizer and its state run
+there; reduced gradient parts are copied to the host as each unit's reduction finishes.
+``"optimizer"`` keeps a device copy of the shard in the compute dtype for the all-gathers
+(``dev_shard``, refreshed after each optimizer step); ``"cpu"`` keeps none and copies the shard
+to the device for each all-gather.
 
 Under CUDA the copies between host and device run on side streams (``copy_stream``): the
 gradients' copies to the host as each reduction finishes, and ``"cpu"``'s copies of the shards
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from shardline._pinned import pinned_empty
 from shardline.comm.work import Work
 from shardline.optim.compression import Entry
 
@@ -147,12 +149,12 @@ class Unit:
         shard_is_view = shard_is_view and self.offload is None
         self.shard_is_view = shard_is_view
         if not shard_is_view:  # the master copy comes from the original values, not the cast
-            self.shard = torch.zeros(
-                self.shard_numel,
-                dtype=self.wdtype,
-                device="cpu" if self.offload else device,
-                pin_memory=self.offload is not None and device.type == "cuda",
-            )
+            if self.offload is not None and device.type == "cuda":
+                self.shard = pinned_empty(self.shard_numel, dtype=self.wdtype)
+            else:
+                self.shard = torch.zeros(
+                    self.shard_numel, dtype=self.wdtype, device="cpu" if self.offload else device
+                )
         self.dev_shard = None
         with torch.no_grad():
             for p, o in zip(self.params, self.offsets, strict=True):
@@ -266,10 +268,10 @@ class Unit:
             # between a zero_grad() and the next reduction, as without offload.
             buf = self.host_grad
             if buf is None or buf.numel() != part.numel():
-                buf = self.host_grad = torch.empty(
-                    part.numel(),
-                    dtype=self.wdtype,
-                    pin_memory=part.device.type == "cuda",
+                buf = self.host_grad = (
+                    pinned_empty(part.numel(), dtype=self.wdtype)
+                    if part.device.type == "cuda"
+                    else torch.empty(part.numel(), dtype=self.wdtype)
                 )
             if part.is_cuda:
                 side = copy_stream(part.device, "to_host")
