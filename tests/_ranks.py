@@ -3,21 +3,43 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import threading
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from shardline.comm import ProcessGroup, init_process_group
 
-__all__ = ["SECRET", "THREAD_PREFIX", "host_ids", "new_store", "run_ranks"]
+__all__ = ["SECRET", "THREAD_PREFIX", "built_once", "host_ids", "new_store", "run_ranks"]
 
 SECRET = b"shardline-test-secret"
 THREAD_PREFIX = "shardline-rank-"
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_BUILDING = threading.RLock()
+
+
+def built_once(fn: _F) -> _F:
+    """``functools.cache`` for a test's pristine model, safe when ranks (threads) ask at once.
+
+    Such a model is built from the global RNG (``torch.manual_seed(0)`` then its layers'
+    initialisation): two threads that both missed the cache would build it at the same time,
+    their draws interleaved, and get different weights. One build at a time here.
+    """
+    cached = functools.cache(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        with _BUILDING:
+            return cached(*args)
+
+    return call  # type: ignore[return-value]
 
 
 def host_ids(n: int, transport: str) -> list[str]:

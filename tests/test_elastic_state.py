@@ -10,7 +10,6 @@ ranks (threads), for a 2-stage pipeline, and for tied weights.
 from __future__ import annotations
 
 import copy
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,10 @@ from torch import nn
 import shardline as sl
 from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError
-from tests._ranks import run_ranks
+from tests._ranks import built_once, run_ranks
 
 
-@functools.cache
+@built_once
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(

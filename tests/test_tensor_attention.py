@@ -10,7 +10,6 @@ and its checkpoint loads into the dense model.
 from __future__ import annotations
 
 import copy
-import functools
 from pathlib import Path
 
 import pytest
@@ -21,12 +20,12 @@ import shardline as sl
 from shardline import checkpoint
 from shardline.comm import ProcessGroup
 from shardline.parallel.tensor import ParallelMultiheadAttention
-from tests._ranks import run_ranks
+from tests._ranks import built_once, run_ranks
 
 TIMEOUT = 120
 
 
-@functools.cache
+@built_once
 def _pristine_mha(batch_first: bool) -> nn.MultiheadAttention:
     torch.manual_seed(0)
     return nn.MultiheadAttention(16, 4, batch_first=batch_first)
@@ -78,7 +77,7 @@ def test_parallel_attention_equals_the_dense_module(t: int, batch_first: bool) -
         }
 
 
-@functools.cache
+@built_once
 def _pristine_encoder() -> nn.Module:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)

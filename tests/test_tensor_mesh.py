@@ -325,7 +325,7 @@ def test_pipelines_with_tensor_parallel_stages_train_as_one_process(layout: str)
 def test_a_3d_checkpoint_loads_into_one_process_zero3_and_tp4(tmp_path: Path) -> None:
     """Saved at zero3 dp2 x pp2 x tp2 after two steps (model and AdamW state: ZeRO parts of
     tp slices of pipeline stages): one process loads it bit for bit and its third step gives
-    the mesh run's loss and parameters; zero3 on 4 ranks and tp=4 load the same values."""
+    the mesh run's loss and parameters; zero3 on 8 ranks and tp=4 load the same values."""
     path = tmp_path / "ck"
     axes, strategy = LAYOUTS["dp2xpp2xtp2-zero3"]
 
@@ -371,7 +371,7 @@ def test_a_3d_checkpoint_loads_into_one_process_zero3_and_tp4(tmp_path: Path) ->
         checkpoint.load(path, model=as_sequential(model), group=g)
         return as_sequential(model).state_dict()
 
-    for loaded in [*run_ranks(4, zero3, timeout=TIMEOUT), *run_ranks(4, tp4, timeout=TIMEOUT)]:
+    for loaded in [*run_ranks(8, zero3, timeout=TIMEOUT), *run_ranks(4, tp4, timeout=TIMEOUT)]:
         for key, value in saved.items():
             assert torch.equal(loaded[key], value), key
 

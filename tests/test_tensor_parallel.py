@@ -31,7 +31,7 @@ from shardline.parallel.tensor import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from tests._ranks import run_ranks
+from tests._ranks import built_once, run_ranks
 
 TIMEOUT = 120
 
@@ -40,7 +40,7 @@ def _part(t: torch.Tensor, g: ProcessGroup, dim: int) -> torch.Tensor:
     return t.chunk(g.world_size, dim=dim)[g.rank]
 
 
-@functools.cache
+@built_once
 def _pristine_mlp() -> tuple[nn.LayerNorm, nn.Linear, nn.Linear]:
     torch.manual_seed(0)
     return nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
@@ -145,7 +145,7 @@ def test_vocab_parallel_cross_entropy_equals_the_dense_loss(t: int) -> None:
     run_ranks(t, body, timeout=TIMEOUT)
 
 
-@functools.cache
+@built_once
 def _pristine_gpt() -> TinyGPT:
     torch.manual_seed(0)
     return TinyGPT(Config(d_model=32, num_heads=4, num_layers=2, seq_len=16))
@@ -310,7 +310,7 @@ def test_checkpoints_reshard_between_tp_layouts_and_one_process(tmp_path: Path) 
         check(*result)
 
 
-@functools.cache
+@built_once
 def _pristine_llama(kv: int = 4) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -451,7 +451,7 @@ def test_bf16_autocast_and_torch_compile_of_a_tp_model() -> None:
     run_ranks(2, body, timeout=TIMEOUT)
 
 
-@functools.cache
+@built_once
 def _pristine_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 

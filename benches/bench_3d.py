@@ -1,0 +1,264 @@
+"""Layouts on one mesh, ours against the same layouts built from torch's own pieces.
+
+Every rank builds the same Hugging Face ``LlamaForCausalLM`` (one seed, fp32 master weights,
+bf16 compute, gradients reduced in fp32) and trains it on the same global batch of
+``--batch`` sequences of ``--seq`` tokens; each data-parallel replica takes every
+``dp``-th sequence. Per layout (``--layouts``, e.g. ``dp4,dp2xtp2``):
+
+- ``dpN`` (ZeRO-3): ours ``sl.distribute(strategy="zero3")``; torch's ``fully_shard`` on
+  every decoder layer, then the root (``MixedPrecisionPolicy``).
+- ``dpDxtpT``: ours ``sl.distribute(mesh=DeviceMesh({"dp": D, "tp": T}), strategy={"dp":
+  "zero3", "tp": "auto"})``; torch's ``parallelize_module`` on the mesh's ``tp`` axis (the
+  plan equal to ours: ``bench_tensor.dtensor_plan``, the vocabulary-parallel loss), then
+  ``fully_shard`` on its ``dp`` axis.
+
+Both sides use ``torch.optim.AdamW``. Each implementation is built, warmed up and timed alone
+(``--repeats`` blocks of ``--steps`` steps), then freed, so its peak memory is its own. Prints
+tokens/s, MFU (model FLOPs: ``6 N + 12 L d S`` per token with ``N`` the parameters outside
+the input embedding, over ``GPUs x --peak-tflops``), peak memory per GPU (max over ranks) and
+the step-1 loss of each layout. Writes ``benches/results/3d-<tag>.{txt,json}``.
+
+    python benches/bench_3d.py --ranks 4 --layouts dp4,dp2xtp2                    # CPU, here
+    python benches/bench_3d.py --device cuda --ranks 4 --layouts dp4,dp2xtp2 \\
+        --hidden 3072 --layers 26 --heads 24 --kv-heads 8 --seq 2048 --batch 16 --tag 4gpu-3b
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import _harness
+import _report
+from bench_tensor import build, dtensor_plan
+
+MIB = 2**20
+
+
+def parse_layout(text: str) -> dict[str, int]:
+    """``"dp2xtp2"`` -> ``{"dp": 2, "tp": 2}``."""
+    axes: dict[str, int] = {}
+    for part in text.split("x"):
+        name = part.rstrip("0123456789")
+        if name not in ("dp", "tp") or not part[len(name) :].isdigit() or name in axes:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: a layout is dpN or dpDxtpT (pipelines are not in this bench yet)"
+            )
+        axes[name] = int(part[len(name) :])
+    if "dp" not in axes:
+        raise argparse.ArgumentTypeError(f"{text!r}: name a dp axis (dp1 for none)")
+    return axes
+
+
+def flops_per_token(model: Any, seq: int) -> float:
+    """``6 N + 12 L d S``: ``N`` without the input embedding (a lookup), attention's scores and
+    their product with the values at full (not causal) cost, as PaLM's MFU counts them."""
+    cfg = model.config
+    n = sum(p.numel() for n_, p in model.named_parameters() if "embed_tokens" not in n_)
+    return 6 * n + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module  # noqa: PLC0415
+
+    import shardline as sl  # noqa: PLC0415
+
+    rank, world, device, group = _harness.join_job(args.device)
+    cuda = device.type == "cuda"
+    torch.set_num_threads(max(1, args.threads))
+    bf16, fp32 = torch.bfloat16, torch.float32
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
+        for _ in range(2)
+    ]
+    with torch.device("meta"):
+        per_token = flops_per_token(build(args, "meta"), args.seq)
+
+    def ours(axes: dict[str, int]) -> tuple[Any, Any, int]:
+        model = build(args, device)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        mp = sl.MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)
+        if "tp" not in axes:
+            model, opt = sl.distribute(model, opt, strategy="zero3", group=group,
+                                       mixed_precision=mp)  # fmt: skip
+            return model, opt, group.rank
+        mesh = sl.DeviceMesh(axes, group=group)
+        model, opt = sl.distribute(model, opt, mesh=mesh, mixed_precision=mp,
+                                   strategy={"dp": "zero3", "tp": "auto"})  # fmt: skip
+        return model, opt, mesh.local_rank("dp")
+
+    def theirs(axes: dict[str, int]) -> tuple[Any, Any, int]:
+        model = build(args, device)
+        mp = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+        if "tp" in axes:
+            mesh = init_device_mesh(device.type, (axes["dp"], axes["tp"]),
+                                    mesh_dim_names=("dp", "tp"))  # fmt: skip
+            parallelize_module(model, mesh["tp"], dtensor_plan(model))
+            dp_mesh = mesh["dp"]
+        else:
+            dp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        return model, torch.optim.AdamW(model.parameters(), lr=args.lr), dp_mesh.get_local_rank()
+
+    def step(side: str, axes: dict[str, int], model: Any, opt: Any, row: int, i: int) -> Any:
+        ids = batches[i % len(batches)][row :: axes["dp"]]
+        opt.zero_grad(set_to_none=True)
+        if side == "torch" and "tp" in axes:  # logits split by vocabulary: torch's parallel loss
+            logits = model(input_ids=ids).logits.float()
+            target = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+            with loss_parallel():
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+                loss.backward()
+            loss = loss.full_tensor()
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        opt.step()
+        return loss.detach()
+
+    rows: dict[str, dict[str, Any]] = {}
+    for text in args.layouts:
+        axes = parse_layout(text)
+        if axes["dp"] * axes.get("tp", 1) != world:
+            raise SystemExit(f"{text}: {axes} is not {world} ranks")
+        for side, make in (("shardline", ours), ("torch", theirs)):
+            key = f"{text}/{side}"
+            _harness.sync(device)
+            base = torch.cuda.memory_allocated(device) if cuda else 0
+            model, opt, row = make(axes)
+            first = step(side, axes, model, opt, row, 0).clone()
+            dist.all_reduce(first)  # the dp replicas' means (tp ranks hold the same loss)
+            for i in range(1, args.warmup):
+                step(side, axes, model, opt, row, i)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            times = []
+            for _ in range(args.repeats):
+                dist.barrier()
+                _harness.sync(device)
+                t0 = time.perf_counter()
+                for i in range(args.steps):
+                    step(side, axes, model, opt, row, i)
+                _harness.sync(device)
+                times.append((time.perf_counter() - t0) / args.steps)
+            peak = torch.cuda.max_memory_allocated(device) - base if cuda else 0
+            stats = torch.tensor([statistics.median(times), float(peak)], device=device,
+                                 dtype=torch.float64)  # fmt: skip
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank, the fullest GPU
+            t = float(stats[0])
+            tokens = args.batch * args.seq
+            rows[key] = {
+                "layout": text, "side": side, "axes": axes, "step_ms": t * 1e3,
+                "tokens_per_s": tokens / t, "peak_bytes": float(stats[1]),
+                "first_loss": float(first) / world,
+                "mfu": tokens / t * per_token / (world * args.peak_tflops * 1e12),
+            }  # fmt: skip
+            if rank == 0:
+                print(f"{key}: {rows[key]['step_ms']:.1f} ms, loss {rows[key]['first_loss']:.5f}",
+                      flush=True)  # fmt: skip
+            del model, opt
+            if cuda:
+                torch.cuda.empty_cache()
+    return _harness.leave_job(rank, {"rows": rows, "flops_per_token": per_token}, args.out)
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    lines = [
+        f"{'layout':10} {'side':9} {'step ms':>9} {'tokens/s':>10} {'vs torch':>8} {'MFU':>6} "
+        f"{'peak MiB':>10} {'vs torch':>8} {'step-1 loss':>11}"
+    ]
+    goals = []
+    losses = [r["first_loss"] for r in rows.values()]
+    for r in rows.values():
+        peer = rows.get(f"{r['layout']}/torch", {})
+        lines.append(
+            f"{r['layout']:10} {r['side']:9} {r['step_ms']:9.1f} {r['tokens_per_s']:10,.0f} "
+            f"{_report.ratio(r['tokens_per_s'], peer.get('tokens_per_s'), '7.2f', '      -')} "
+            f"{100 * r['mfu']:5.1f}% {r['peak_bytes'] / MIB:10,.0f} "
+            f"{_report.ratio(r['peak_bytes'], peer.get('peak_bytes'), '7.2f', '      -')} "
+            f"{r['first_loss']:11.5f}"
+        )
+        if r["side"] == "shardline" and peer:
+            speed = r["tokens_per_s"] / peer["tokens_per_s"]
+            line = (
+                f"  {r['layout']}: tokens/s {speed:.2f}x torch "
+                f"({'met' if speed >= 1.0 else 'NOT met'}: >= 1.0x)"
+            )
+            if peer["peak_bytes"] > 0:  # measured on CUDA only
+                mem = r["peak_bytes"] / peer["peak_bytes"]
+                line += f", peak memory {mem:.2f}x ({'met' if mem <= 1.0 else 'NOT met'}: <= 1.0x)"
+            goals.append(line)
+    spread = (max(losses) - min(losses)) / min(losses) if losses else float("nan")
+    goals.append(
+        f"  step-1 losses within {100 * spread:.3f} % of each other "
+        f"({'met' if spread <= 0.01 else 'NOT met'}: within 1 % in bf16)"
+    )
+    return "\n".join([*lines, "goals:", *goals])
+
+
+def plot(result: dict[str, Any], path: Path) -> str:
+    def draw(plt: Any) -> Any:
+        rows = result["rows"]
+        layouts = list(dict.fromkeys(r["layout"] for r in rows.values()))
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        for k, (side, label) in enumerate((("shardline", "ours"), ("torch", "torch"))):
+            xs = [i + 0.4 * k for i in range(len(layouts))]
+            got = [rows.get(f"{name}/{side}", {}) for name in layouts]
+            axes[0].bar(xs, [r.get("tokens_per_s", 0) for r in got], width=0.4, label=label)
+            axes[1].bar(xs, [r.get("peak_bytes", 0) / 2**30 for r in got], width=0.4, label=label)
+        for ax, what in zip(axes, ("tokens/s", "peak GiB per GPU"), strict=True):
+            ax.set_xticks([i + 0.2 for i in range(len(layouts))], layouts)
+            ax.set_ylabel(what)
+            ax.legend()
+        fig.suptitle("Llama, bf16 compute on fp32 master weights: ours against torch's pieces")
+        fig.tight_layout()
+        return fig
+
+    return _report.plot(path, draw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[4])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--layouts", type=_harness.comma_list, default=["dp4", "dp2xtp2"])
+    p.add_argument("--batch", type=int, default=8, help="sequences per step, all ranks")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="per GPU, bf16 dense (H100 and H200 SXM: 989)")  # fmt: skip
+    _harness.add_blocks(p, steps=3, repeats=3, warmup=2, repeats_help="timed blocks per side")
+    _harness.add_launch(p, timeout=900.0)
+    args, results = _harness.run_bench(p, argv, __file__, worker, lambda a, w, r, _s: table(r))
+    cores = os.cpu_count()
+    tag = args.tag or f"{args.device}-{cores}c"
+    _report.publish(
+        _report.RESULTS / f"3d-{tag}",
+        _report.header(Path(__file__).name, _report.machine(args.device)),
+        "\n".join(table(r) for r in results.values()),
+        {"args": vars(args), "cores": cores, "results": results},
+        lambda path: plot(next(iter(results.values())), path),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
