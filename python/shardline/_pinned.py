@@ -15,6 +15,7 @@ memory is gone, before the pages are unmapped.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import mmap
@@ -35,8 +36,10 @@ class _Locked(mmap.mmap):
 
     def __del__(self) -> None:
         if self.address:
-            torch.cuda.cudart().cudaHostUnregister(self.address)  # type: ignore[no-untyped-call]
-            self.address = 0
+            address, self.address = self.address, 0
+            # At interpreter exit torch may be half torn down: the exit unlocks the pages.
+            with contextlib.suppress(Exception):
+                torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
 
 
 def _clear_cuda_error() -> None:
