@@ -34,7 +34,7 @@ from typing import Any
 
 import _harness
 import _report
-from bench_tensor import build, dtensor_plan
+from bench_tensor import add_model_args, build, dtensor_plan
 
 MIB = 2**20
 
@@ -235,14 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--layouts", type=_harness.comma_list, default=["dp4", "dp2xtp2"])
     p.add_argument("--batch", type=int, default=8, help="sequences per step, all ranks")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
+    add_model_args(p)
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="per GPU, bf16 dense (H100 and H200 SXM: 989)")  # fmt: skip
     _harness.add_blocks(p, steps=3, repeats=3, warmup=2, repeats_help="timed blocks per side")

@@ -46,6 +46,17 @@ def build(args: argparse.Namespace, device: Any) -> Any:
     return LlamaForCausalLM(cfg).to(device)
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The Llama's shape (``build``), its sequence length and the threads per rank."""
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+
+
 def dtensor_plan(model: Any) -> dict[str, Any]:
     """torch's plan equal to ours (``plan="auto"``)."""
     from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415
@@ -207,13 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=[2])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    add_model_args(p)
     p.add_argument(
         "--ab-overlap",
         action="store_true",
