@@ -51,6 +51,7 @@ with building the model) counts from before the model was built:
 
     python benches/bench_zero.py --device cuda --ranks 1 --size 7b --sequential \
         --impls zero3-offload-cpu --warmup 1 --steps 2 --repeats 1   # then fsdp2-offload
+
 The table and plot are in ``_zero_report.py``.
 """
 
