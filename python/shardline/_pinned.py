@@ -61,8 +61,7 @@ def pinned_empty(size: tuple[int, ...] | int, *, dtype: torch.dtype) -> torch.Te
     it comes from torch's own pinned allocator (or, without CUDA, is plain host memory).
     """
     shape = (size,) if isinstance(size, int) else tuple(size)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if not torch.cuda.is_available():
         return torch.zeros(shape, dtype=dtype)
     if nbytes < EXACT_FROM_BYTES:

@@ -101,6 +101,7 @@ def test_a_refused_registration_falls_back_and_leaves_no_cuda_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     real = torch.cuda.cudart()
+    refusals: list[Any] = []
 
     class Refusing:
         cudaHostUnregister = real.cudaHostUnregister
@@ -108,10 +109,13 @@ def test_a_refused_registration_falls_back_and_leaves_no_cuda_error(
         @staticmethod
         def cudaHostRegister(ptr: int, size: int, flags: int) -> Any:
             # A real failure, so the runtime records it as its last error: flags it rejects.
-            return real.cudaHostRegister(ptr, size, 0xFFFF)
+            rc = real.cudaHostRegister(ptr, size, 0xFFFF)
+            refusals.append(rc)
+            return rc
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing)
     t = pinned_empty(4 * MIB, dtype=torch.uint8)
+    assert len(refusals) == 1 and refusals[0] != real.cudaError.success  # the path under test
     assert t.is_pinned() and t.numel() == 4 * MIB
     monkeypatch.undo()
     x = torch.ones(1000, device="cuda") * 2  # a launch checks the last error
