@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -238,12 +239,16 @@ M = 2  # micro-batches per replica
 
 
 def _mesh_pipeline(
-    g: ProcessGroup, axes: dict[str, int], strategy: dict[str, str], steps: int
+    g: ProcessGroup,
+    axes: dict[str, int],
+    strategy: dict[str, str],
+    steps: int,
+    gpt: Callable[[], TinyGPT] = _gpt,
 ) -> tuple[sl.DeviceMesh, nn.Module, torch.optim.Optimizer, list[float], list[float]]:
     """The built-in GPT as a chain of children on ``axes``: each dp replica steps its share of
     every batch (M micro-batches) through the pipeline, stages split over tp; clipped."""
     mesh = sl.DeviceMesh(axes, group=g)
-    model = _gpt()
+    model = gpt()
     stage, opt = sl.distribute(
         as_sequential(model), _adamw(model.parameters()), mesh=mesh, strategy=strategy,
         microbatches=M, loss_fn=lm_loss,
@@ -316,6 +321,47 @@ def test_pipelines_with_tensor_parallel_stages_train_as_one_process(layout: str)
     for n in axes.values():
         world *= n
     for losses, norms, state in run_ranks(world, body, timeout=TIMEOUT):
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        for key, value in state.items():
+            torch.testing.assert_close(value, want[names[key]], msg=key)
+
+
+def _untied_gpt() -> TinyGPT:
+    """The GPT with an output head of its own, not the embedding: a chain like a Llama's."""
+    model = _gpt()
+    model.head.weight = nn.Parameter(model.tok.weight.detach().flip(0).clone())
+    return model
+
+
+def test_an_untied_head_splits_by_vocabulary_in_a_pipeline() -> None:
+    """pp2 x tp2 on a chain whose head is not its embedding (a Llama as stages): the first
+    stage's embedding and the last stage's head are split by vocabulary (``chain_heads``),
+    and three clipped AdamW steps give one process's losses, norms and parameters."""
+    dense = _untied_gpt()
+    opt = _adamw(dense.parameters())
+    want_losses, want_norms = [], []
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = dense(x, y)
+        loss.backward()
+        want_norms.append(float(nn.utils.clip_grad_norm_(dense.parameters(), CLIP)))
+        opt.step()
+        want_losses.append(float(loss.detach()))
+    want = dense.state_dict()
+    names = dict(zip(as_sequential(_gpt()).state_dict(), _gpt().state_dict(), strict=True))
+
+    def body(g: ProcessGroup) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+        mesh, stage, _, losses, norms = _mesh_pipeline(
+            g, {"pp": 2, "tp": 2}, {"pp": "1f1b", "tp": "auto"}, 3, gpt=_untied_gpt
+        )
+        split = {n for n, m in stage.named_modules()
+                 if isinstance(m, VocabParallelEmbedding | ColumnParallelLinear)}  # fmt: skip
+        head = "head.head" if mesh.local_rank("pp") == 1 else "embed.tok"
+        assert any(n.endswith(head) for n in split), split
+        return losses, norms, stage.state_dict()
+
+    for losses, norms, state in run_ranks(4, body, timeout=TIMEOUT):
         assert losses == pytest.approx(want_losses, rel=1e-5)
         assert norms == pytest.approx(want_norms, rel=1e-5)
         for key, value in state.items():

@@ -33,7 +33,7 @@ from shardline.parallel.pipeline.trace import rank_stages, strip, trace_split
 from shardline.parallel.pipeline.zero import ZERO_STAGES
 from shardline.parallel.placement import placements_of
 from shardline.parallel.precision import MixedPrecision
-from shardline.parallel.tensor.auto import auto_plan, tied_heads
+from shardline.parallel.tensor.auto import auto_plan, chain_heads, tied_heads
 from shardline.parallel.tensor.plan import tensor_parallel
 from shardline.parallel.tensor.styles import Colwise
 
@@ -201,12 +201,14 @@ def _whole_plan(
 ) -> dict[str, Any]:
     """The tensor-parallel plan of the whole (uncut) model, by its names.
 
-    ``"auto"`` also splits an embedding tied to the output head by vocabulary (the head's
-    logits gathered: the pipeline's ``loss_fn`` sees them whole).
+    ``"auto"`` also splits the vocabulary's embedding and output head by vocabulary, tied
+    (the built-in GPT) or not (a chain whose first child embeds and whose last child ends in
+    the head: ``chain_heads``); the head's logits are gathered, so the pipeline's ``loss_fn``
+    sees them whole.
     """
     if plan == "auto":
         chosen = auto_plan(model, tp.world_size, sequence_parallel=False)
-        for emb, head in tied_heads(model):
+        for emb, head in tied_heads(model) + chain_heads(model):
             chosen |= {emb: "vocab", head: Colwise(gather_output=True)}
         return chosen
     if isinstance(plan, str):

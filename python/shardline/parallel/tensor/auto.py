@@ -33,7 +33,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel.tensor.layers import ColumnParallelLinear, is_conv1d
 from shardline.parallel.tensor.styles import Colwise, Rowwise
 
-__all__ = ["auto_plan", "fix_attention", "is_hf_causal_lm", "tied_heads"]
+__all__ = ["auto_plan", "chain_heads", "fix_attention", "is_hf_causal_lm", "tied_heads"]
 
 
 def _gpt_blocks(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, Any]:
@@ -227,6 +227,32 @@ def tied_heads(model: nn.Module) -> list[tuple[str, str]]:
         for n, m in model.named_modules()
         if isinstance(m, nn.Linear) and id(m.weight) in embeddings
     ]
+
+
+def chain_heads(model: nn.Module) -> list[tuple[str, str]]:
+    """(embedding, output linear) names of an untied chain's vocabulary, else ``[]``.
+
+    A chain (a Llama as stages) that embeds a vocabulary in its first child and projects onto
+    it with the last linear layer of its last child, not tied to the embedding. The embedding
+    is the first child's only ``nn.Embedding`` as wide as the head's output (a position
+    embedding is not).
+    """
+    children = list(model.named_children()) if isinstance(model, nn.Sequential) else []
+    if len(children) < 2:
+        return []
+    (first, start), (last, end) = children[0], children[-1]
+    heads = [(n, m) for n, m in end.named_modules() if isinstance(m, nn.Linear)]
+    if not heads:
+        return []
+    head, linear = heads[-1]
+    embeddings = [
+        n
+        for n, m in start.named_modules()
+        if isinstance(m, nn.Embedding) and m.num_embeddings == linear.out_features
+    ]
+    if len(embeddings) != 1 or start.get_submodule(embeddings[0]).weight is linear.weight:
+        return []
+    return [(".".join(filter(None, (first, embeddings[0]))), ".".join(filter(None, (last, head))))]
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
