@@ -128,6 +128,18 @@ def _tp_plan(stage: nn.Sequential) -> dict[str, Any]:
     return plan
 
 
+def param_groups(module: nn.Module) -> list[dict[str, Any]]:
+    """``module``'s parameters as two groups, DTensor slices and plain tensors: torch's
+    multi-tensor AdamW takes a list of one kind only (a stage split by tensor parallelism
+    without FSDP has both: its norms stay whole)."""
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    params = list(module.parameters())
+    groups = [[p for p in params if isinstance(p, DTensor)]]
+    groups.append([p for p in params if not isinstance(p, DTensor)])
+    return [{"params": g} for g in groups if g]
+
+
 @dataclass
 class TorchPipeline:
     """This rank's part of torch's pipeline."""

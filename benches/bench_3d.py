@@ -47,7 +47,7 @@ from typing import Any
 
 import _harness
 import _report
-from _llama_stages import cuts, llama_chain, next_token_loss, torch_pipeline
+from _llama_stages import cuts, llama_chain, next_token_loss, param_groups, torch_pipeline
 from bench_tensor import add_model_args, build, dtensor_plan
 
 MIB = 2**20
@@ -128,7 +128,7 @@ def worker(args: argparse.Namespace) -> int:
             pipe = torch_pipeline(llama_chain(model), axes, device,
                                   microbatches=args.microbatches, dtype=low)  # fmt: skip
             dp_rank = pipe.mesh["dp"].get_local_rank()
-            return pipe, torch.optim.AdamW(pipe.module.parameters(), lr=args.lr), dp_rank
+            return pipe, torch.optim.AdamW(param_groups(pipe.module), lr=args.lr), dp_rank
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
         if "tp" in axes:
             mesh = init_device_mesh(device.type, (axes["dp"], axes["tp"]),

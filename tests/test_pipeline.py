@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -145,6 +146,36 @@ def test_bf16_mixed_precision_equals_one_process_under_autocast(schedule: str) -
     bad = sl.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     with pytest.raises(AssertionError, match="reduce_dtype is not supported"):
         run_ranks(2, lambda g: train(g, "1f1b", 2, 1, mixed_precision=bad), timeout=60)
+
+
+def test_bf16_weights_are_cast_once_per_step() -> None:
+    """Under mixed precision each weight is cast to bf16 once per step: the backward of every
+    micro-batch keeps the same low-precision copy (one per weight, not one per micro-batch
+    in flight)."""
+    mp = sl.MixedPrecision(param_dtype=torch.bfloat16)
+
+    def body(g: ProcessGroup) -> tuple[dict[tuple[int, ...], set[int]], Counter[tuple[int, ...]]]:
+        model = sl.pipeline(make_model(), g, microbatches=4, loss_fn=loss_fn, mixed_precision=mp)
+        weights: Counter[tuple[int, ...]] = Counter()
+        for p in model.parameters():
+            if p.dim() == 2:
+                weights.update({tuple(p.shape), tuple(p.shape[::-1])})
+        saved: dict[tuple[int, ...], set[int]] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.dtype == torch.bfloat16 and tuple(t.shape) in weights:
+                saved.setdefault(tuple(t.shape), set()).add(t.untyped_storage().data_ptr())
+            return t
+
+        x, y = batch(0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.step(x, target=y)
+        return saved, weights
+
+    for saved, weights in run_ranks(2, body, timeout=60):
+        assert saved, "the forwards saved bf16 weights for their backward"
+        for shape, copies in saved.items():
+            assert len(copies) <= weights[shape], (shape, len(copies), weights[shape])
 
 
 def test_batchnorm_uneven_named_stages_and_gpipe_memory() -> None:

@@ -119,6 +119,43 @@ def test_a_dp_x_pp_checkpoint_loads_into_one_process_at_pp4_and_at_dp4_zero3(
     assert f"{dp} x pipeline" in info, info
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_zero_accumulates_whole_gradients_in_its_reduction_buffer(schedule: str) -> None:
+    """ZeRO-3 over pipeline stages: each micro-batch's backward (the weight pass of the
+    zero-bubble schedule too) adds into views of the one buffer the step then reduce-scatters,
+    so no whole-size copy of the gradients is made; the training still equals one process."""
+    want, _ = reference(2 * M)
+
+    def body(g: ProcessGroup) -> tuple[list[bool], dict[str, torch.Tensor]]:
+        mesh = sl.DeviceMesh({"dp": 2, "pp": 2}, group=g)
+        model = make_model()
+        model, opt = sl.distribute(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-2), mesh=mesh,
+            strategy={"dp": "zero3", "pp": schedule}, microbatches=M, loss_fn=loss_fn,
+        )  # fmt: skip
+        shards = model._shards
+        reduce, in_place = shards.reduce, []
+
+        def spy() -> None:  # at the end of the step's backward, before the reduction
+            for b in shards.buckets:
+                base = b.grad.untyped_storage().data_ptr()
+                grads = [p.grad for p in b.params if p.requires_grad]
+                in_place.append(
+                    all(x is not None and x.untyped_storage().data_ptr() == base for x in grads)
+                )
+            reduce()
+
+        shards.reduce = spy
+        assert opt is not None
+        train_replica(model, opt, mesh.local_rank("dp"))
+        return in_place, model.state_dict()
+
+    for in_place, full in run_ranks(4, body, timeout=90):
+        assert in_place and all(in_place), in_place
+        for key, value in want.items():
+            torch.testing.assert_close(full[key], value, msg=key)
+
+
 def test_compositions_that_cannot_work_say_so() -> None:
     def body(g: ProcessGroup) -> None:
         mesh = sl.DeviceMesh({"dp": 2, "pp": 1}, group=g)

@@ -174,6 +174,19 @@ class PipelineModule(StageMessages, PipelineState):
             return contextlib.nullcontext()
         return torch.autocast(self._device.type, dtype=self._autocast)
 
+    def _one_cast(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a step's actions: each weight is cast to ``param_dtype`` once per step.
+
+        Autocast caches a weight's cast until the outermost autocast region ends; this one,
+        autocast off, holds that open over the step, so every micro-batch's forward reads
+        the same low-precision copy (one per weight, not one per micro-batch in flight) and
+        casts once. Outside the forwards autocast stays off. The weights change only in the
+        optimizer step, after the region has ended (its end clears the cache).
+        """
+        if self._autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device.type, enabled=False)
+
     def _forward(self, st: Step, a: Action) -> None:
         s, i = a.stage, a.mb
         inps: list[torch.Tensor] | None = None
@@ -372,17 +385,18 @@ class PipelineModule(StageMessages, PipelineState):
             times=times,
         )
         if self._shards is not None:  # after an optimizer step, or ZeRO-3 between steps
-            self._shards.gather()
+            self._shards.gather(train)
         run = {"F": self._forward, "B": self._backward, "I": self._input_grad,
                "W": self._weight_grad}  # fmt: skip
-        for a in actions[self._group.rank]:
-            if times is None:
+        with self._one_cast():
+            for a in actions[self._group.rank]:
+                if times is None:
+                    run[a.kind](st, a)
+                    continue
+                # What the action computed: its time less its waits for messages (a bubble).
+                t0, w0 = times.mark(), len(times.waits)
                 run[a.kind](st, a)
-                continue
-            # What the action computed: its time less its waits for messages (a bubble).
-            t0, w0 = times.mark(), len(times.waits)
-            run[a.kind](st, a)
-            times.actions.append((a.kind, t0, times.mark(), w0, len(times.waits)))
+                times.actions.append((a.kind, t0, times.mark(), w0, len(times.waits)))
         for work, _ in st.sends:
             work.wait()
         st.sends.clear()

@@ -71,6 +71,8 @@ class _Bucket:
                 p.data = self.full[off : off + p.numel()].view(p.shape)
         # This replica's part: the master copy the optimizer steps.
         self.part = self.full[self.lo : self.hi].clone()
+        self.grad: torch.Tensor | None = None  # the step's whole gradients (grads_in_place)
+        self.views: list[torch.Tensor] = []
         self.ranges: list[tuple[int, int]] = []  # per parameter, in its flattened coordinates
         self.locals: list[nn.Parameter] = []
         for p, off in zip(self.params, self.offsets, strict=True):
@@ -91,12 +93,35 @@ class _Bucket:
             storage.resize_(self.full.numel() * self.full.element_size())
         dp.all_gather(self.full, self.part)
 
+    def grads_in_place(self) -> None:
+        """The coming step's whole gradients accumulate in one flat buffer.
+
+        Each parameter's ``.grad`` is a view of it (backward adds into a defined ``.grad`` in
+        place), so ``reduce`` sends that buffer as it is, with no whole-size copy beside it.
+        """
+        self.grad = torch.zeros(self.full.numel(), dtype=self.dtype, device=self.part.device)
+        self.views = []
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets, strict=True):
+                view = self.grad[off : off + p.numel()].view(p.shape)
+                if p.grad is not None:  # left by a step that did not end: kept
+                    view.copy_(p.grad)
+                if p.requires_grad:
+                    p.grad = view
+                self.views.append(view)
+
     def reduce(self, dp: ProcessGroup, stage: int) -> None:
         """Averages the step's whole gradients over the replicas into this replica's part."""
-        flat = torch.zeros_like(self.full)  # its shape only: ZeRO-3's may be freed
-        for p, off in zip(self.params, self.offsets, strict=True):
-            if p.grad is not None:
-                flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
+        flat = self.grad if self.grad is not None else torch.zeros_like(self.full)
+        views: list[torch.Tensor | None] = list(self.views) or [None] * len(self.params)
+        self.grad, self.views = None, []
+        with torch.no_grad():
+            for p, off, view in zip(self.params, self.offsets, views, strict=True):
+                g, seg = p.grad, flat[off : off + p.numel()]
+                if g is None and view is not None:  # cleared during the step
+                    seg.zero_()
+                elif g is not None and g is not view:  # replaced, not accumulated in place
+                    seg.copy_(g.reshape(-1))
                 p.grad = None
         if stage == 1:
             dp.all_reduce(flat, op="avg")
@@ -160,15 +185,19 @@ class StageShards:
             for name, loc in zip(b.names, b.locals, strict=True):
                 yield (f"{prefix}.{name}" if prefix else name), loc
 
-    def gather(self) -> None:
+    def gather(self, train: bool = False) -> None:
         """Makes the whole parameters current: a collective over the replicas when stale.
 
-        They are after an optimizer step, a load, and while ZeRO-3 has released them.
+        They are after an optimizer step, a load, and while ZeRO-3 has released them. For a
+        training step (``train``) the gradients then accumulate in place (``grads_in_place``).
         """
         if self._stale:
             for b in self.buckets:
                 b.gather(self.dp)
             self._stale = False
+        if train:
+            for b in self.buckets:
+                b.grads_in_place()
 
     def reduce(self) -> None:
         """After a step's micro-batches: gradients averaged into this replica's parts.
