@@ -9,6 +9,7 @@ one process on the whole batch, accumulating the same micro-batches. Ranks are t
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,76 @@ def test_zero_accumulates_whole_gradients_in_its_reduction_buffer(schedule: str)
         assert in_place and all(in_place), in_place
         for key, value in want.items():
             torch.testing.assert_close(full[key], value, msg=key)
+
+
+def _bf16_reference(m: int) -> dict[str, torch.Tensor]:
+    """One process as FSDP's mixed precision: each step's forwards and backwards on a bf16
+    copy of the fp32 master weights (under autocast), the micro-batches' gradients summed in
+    fp32, AdamW on the master."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = batch(step)
+        low = copy.deepcopy(model).to(torch.bfloat16)
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True):
+            low.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(low(xi), yi)
+            (loss / m).backward()
+            for g, q in zip(grads, low.parameters(), strict=True):
+                g.add_(q.grad.float())  # type: ignore[union-attr]
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("dp", "schedule"), [("zero1", "1f1b"), ("zero3", "1f1b"), ("zero3", "zero_bubble")]
+)
+def test_zero_under_bf16_holds_whole_parameters_in_bf16(
+    tmp_path: Path, dp: str, schedule: str
+) -> None:
+    """``mixed_precision=bf16`` with ZeRO over pipeline stages, as FSDP's policy: the whole
+    parameters the stages compute with are bf16 (half the bytes; ZeRO-3 gathers them from
+    the parts in bf16), the parts fp32 masters, and the micro-batches' gradients accumulate in
+    fp32. Three AdamW steps equal one process doing that; the state dict and a checkpoint
+    hold the fp32 masters, which load into one process bit for bit."""
+    want = _bf16_reference(2 * M)
+    mp = sl.MixedPrecision(param_dtype=torch.bfloat16)
+
+    def body(g: ProcessGroup) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        mesh = sl.DeviceMesh({"dp": 2, "pp": 2}, group=g)
+        model = make_model()
+        model, opt = sl.distribute(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-2), mesh=mesh,
+            strategy={"dp": dp, "pp": schedule}, microbatches=M, loss_fn=loss_fn,
+            mixed_precision=mp,
+        )  # fmt: skip
+        assert opt is not None
+        whole = [p for child in model.children() for p in child.parameters()]
+        train_replica(model, opt, mesh.local_rank("dp"))
+        seen = {
+            "whole": {p.dtype for p in whole},
+            "parts": {p.dtype for p in model.parameters()},
+            "stats": model.memory_stats(),
+        }
+        checkpoint.save(tmp_path / "ck", model=model, optimizer=opt, group=g)
+        return seen, model.state_dict()
+
+    results = run_ranks(4, body, timeout=90)
+    for seen, full in results:
+        assert seen["whole"] == {torch.bfloat16} and seen["parts"] == {torch.float32}, seen
+        held = seen["stats"]["params"]
+        assert held == (0 if dp == "zero3" else seen["stats"]["master"]), seen["stats"]
+        for key, value in want.items():
+            assert full[key].dtype == torch.float32, key
+            torch.testing.assert_close(full[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    plain = make_model()
+    checkpoint.load(tmp_path / "ck", model=plain)
+    for key, value in results[0][1].items():
+        assert torch.equal(plain.state_dict()[key], value), key
 
 
 def test_compositions_that_cannot_work_say_so() -> None:

@@ -156,7 +156,8 @@ class PipelineModule(StageMessages, PipelineState):
             sync_copies(self, tied, r, self._dp)
         # ZeRO over the replicas (pipeline.zero): the optimizer steps this rank's parts.
         if self._dp is not None and dp_strategy != "ddp":
-            self._shards = StageShards(self, self._dp, ZERO_STAGES[dp_strategy], placements)
+            self._shards = StageShards(self, self._dp, ZERO_STAGES[dp_strategy], placements,
+                                       compute=self._autocast)  # fmt: skip
         # One communicator per direction, and per direction for the wrap-around (Note).
         ranks = list(range(p))
         self._comms: dict[str, ProcessGroup | None] = {"fwd": None, "bwd": None}
@@ -314,6 +315,8 @@ class PipelineModule(StageMessages, PipelineState):
         state = st.split.pop((s, i), None)
         if state is not None:
             weight_pass(roots, seeds, state)
+            if self._shards is not None:  # set .grad by hand: no accumulation hook ran
+                self._shards.fold()
         elif roots:  # the first stage: no input pass ran, one whole backward
             params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
             if params:
@@ -439,7 +442,7 @@ class PipelineModule(StageMessages, PipelineState):
         st = self._guarded(self._actions, True, inputs, target, times)
         self.peak_activations = dict(st.peak)
         if self._shards is not None:  # tied copies summed first: their parts differ by stage
-            sum_tied_grads(self, self._tied, self._group.rank)
+            sum_tied_grads(self, self._tied, self._group.rank, self._shards.whole_grad)
             self._shards.reduce()
         else:
             # DDP: each rank averages over its replicas as soon as its own last backward is

@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,14 +99,26 @@ def find_tied(model: nn.Module, parts: list[list[str]], p: int) -> list[Tied]:
     return out
 
 
-def sum_tied_grads(module: nn.Module, tied: list[Tied], rank: int) -> None:
-    """Sums each tied parameter's gradient over the ranks that hold it (after a step)."""
+def sum_tied_grads(
+    module: nn.Module,
+    tied: list[Tied],
+    rank: int,
+    grad_of: Callable[[nn.Parameter], torch.Tensor] | None = None,
+) -> None:
+    """Sums each tied parameter's gradient over the ranks that hold it (after a step).
+
+    ``grad_of(param)`` gives the gradient to sum in place (ZeRO's whole gradient, which under
+    mixed precision is not ``param.grad``); by default ``param.grad``.
+    """
     # The stages' own parameters (a pipeline with ZeRO lists its parts as its parameters).
     params = dict(nn.Module.named_parameters(module, remove_duplicate=False))
     for t in tied:
         if t.group is None or rank not in t.ranks:
             continue
         param = next(params[n] for n in t.names if n in params)
+        if grad_of is not None:
+            t.group.all_reduce(grad_of(param))
+            continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         t.group.all_reduce(param.grad)

@@ -26,7 +26,7 @@ Buffers (BatchNorm statistics) stay whole, as in the plain pipeline.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -49,14 +49,26 @@ ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 
 
 class _Bucket:
-    """Parameters of one dtype, end to end in one flat buffer, and this replica's part."""
+    """Parameters of one dtype, end to end in one flat buffer, and this replica's part.
+
+    ``compute`` (a lower float dtype, mixed precision) makes the whole parameters that
+    dtype: the part stays the master copy in the parameters' own dtype, gradients accumulate
+    in it (``grads_in_place``).
+    """
 
     def __init__(
-        self, named: list[tuple[str, nn.Parameter]], d: int, r: int, device: torch.device
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        d: int,
+        r: int,
+        device: torch.device,
+        compute: torch.dtype | None = None,
     ) -> None:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.dtype = self.params[0].dtype
+        self.master = self.params[0].dtype  # the part's, the gradients' and the optimizer's
+        low = compute is not None and compute.itemsize < self.master.itemsize
+        self.dtype = compute if low and compute is not None else self.master  # whole params
         self.offsets: list[int] = []
         total = 0
         for p in self.params:
@@ -64,15 +76,16 @@ class _Bucket:
             total += p.numel()
         self.chunk = -(-total // d)
         self.lo, self.hi = r * self.chunk, (r + 1) * self.chunk
-        self.full = torch.zeros(self.chunk * d, dtype=self.dtype, device=device)
+        values = torch.zeros(self.chunk * d, dtype=self.master, device=device)
         with torch.no_grad():
             for p, off in zip(self.params, self.offsets, strict=True):
-                self.full[off : off + p.numel()].copy_(p.detach().reshape(-1))
-                p.data = self.full[off : off + p.numel()].view(p.shape)
+                values[off : off + p.numel()].copy_(p.detach().reshape(-1))
         # This replica's part: the master copy the optimizer steps.
-        self.part = self.full[self.lo : self.hi].clone()
-        self.grad: torch.Tensor | None = None  # the step's whole gradients (grads_in_place)
-        self.views: list[torch.Tensor] = []
+        self.part = values[self.lo : self.hi].clone()
+        self.full = values if self.dtype == self.master else values.to(self.dtype)
+        self.values = self.full  # where the master values are whole (master_values)
+        del values
+        self._view_params(self.full)
         self.ranges: list[tuple[int, int]] = []  # per parameter, in its flattened coordinates
         self.locals: list[nn.Parameter] = []
         for p, off in zip(self.params, self.offsets, strict=True):
@@ -81,53 +94,112 @@ class _Bucket:
             self.ranges.append((a, b))
             view = self.part[off + a - self.lo : off + b - self.lo]
             self.locals.append(nn.Parameter(view, requires_grad=p.requires_grad))
+        self.grad: torch.Tensor | None = None  # the step's whole gradients (grads_in_place)
+        self.views: list[torch.Tensor] = []
+        if self.low:  # each micro-batch's low-precision gradient, added to the master's dtype
+            hook = [weak_method(self, "_fold", i) for i in range(len(self.params))]
+            handles = [
+                p.register_post_accumulate_grad_hook(hook[i])  # type: ignore[no-untyped-call]
+                for i, p in enumerate(self.params)
+                if p.requires_grad
+            ]
+            remove_hooks_when_collected(self, handles)
+
+    @property
+    def low(self) -> bool:
+        """Whole parameters in a lower precision than the master part."""
+        return self.dtype != self.master
+
+    def _view_params(self, flat: torch.Tensor) -> None:
+        """The parameters become views of ``flat`` (their dtype is its)."""
+        for p, off in zip(self.params, self.offsets, strict=True):
+            p.data = flat[off : off + p.numel()].view(p.shape)
 
     def free(self) -> None:
         """Drops the whole parameters' memory (they keep their shapes; ZeRO-3)."""
         self.full.untyped_storage().resize_(0)
 
     def gather(self, dp: ProcessGroup) -> None:
-        """Whole parameters again, from every replica's part."""
+        """Whole parameters again, from every replica's part (cast to their dtype first)."""
         storage = self.full.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self.full.numel() * self.full.element_size())
-        dp.all_gather(self.full, self.part)
+        dp.all_gather(self.full, self.part.to(self.dtype))
+
+    @contextmanager
+    def master_values(self, dp: ProcessGroup) -> Iterator[None]:
+        """Inside, the parameters hold the master values, whole, in ``values``.
+
+        That is ``full`` itself, or (low precision) a copy gathered in the master's dtype,
+        which the parameters view until the end.
+        """
+        if not self.low:
+            yield
+            return
+        self.values = torch.empty(self.full.numel(), dtype=self.master, device=self.part.device)
+        dp.all_gather(self.values, self.part)
+        self._view_params(self.values)
+        try:
+            yield
+        finally:
+            self._view_params(self.full)
+            self.values = self.full
 
     def grads_in_place(self) -> None:
-        """The coming step's whole gradients accumulate in one flat buffer.
+        """The coming step's whole gradients accumulate in one flat buffer (master dtype).
 
-        Each parameter's ``.grad`` is a view of it (backward adds into a defined ``.grad`` in
-        place), so ``reduce`` sends that buffer as it is, with no whole-size copy beside it.
+        ``reduce`` then sends it as it is, with no whole-size copy beside it. Each
+        parameter's ``.grad`` is a view of it (backward adds into a defined ``.grad`` in
+        place); with low-precision parameters a hook adds each micro-batch's gradient into it
+        instead (``_fold``), as FSDP accumulates in its ``reduce_dtype``.
         """
-        self.grad = torch.zeros(self.full.numel(), dtype=self.dtype, device=self.part.device)
+        self.grad = torch.zeros(self.full.numel(), dtype=self.master, device=self.part.device)
         self.views = []
         with torch.no_grad():
-            for p, off in zip(self.params, self.offsets, strict=True):
+            for i, (p, off) in enumerate(zip(self.params, self.offsets, strict=True)):
                 view = self.grad[off : off + p.numel()].view(p.shape)
-                if p.grad is not None:  # left by a step that did not end: kept
-                    view.copy_(p.grad)
-                if p.requires_grad:
-                    p.grad = view
                 self.views.append(view)
+                if self.low:
+                    self._fold(i, p)  # left by a step that did not end: kept
+                elif p.requires_grad:
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    p.grad = view
+
+    def _fold(self, i: int, p: torch.Tensor) -> None:
+        """Adds parameter ``i``'s ``.grad`` into the flat buffer unless it is a view of it."""
+        g = p.grad
+        if g is None or self.grad is None or g is self.views[i]:
+            return
+        with torch.no_grad():
+            self.views[i].add_(g)
+        p.grad = None
+
+    def whole_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """The step's whole gradient of ``p`` (of this bucket) so far, in the master's dtype.
+
+        The flat buffer's view, which collectives may change in place.
+        """
+        i = next(k for k, q in enumerate(self.params) if q is p)
+        if self.grad is None:  # outside a step
+            self.grads_in_place()
+        self._fold(i, p)
+        return self.views[i]
 
     def reduce(self, dp: ProcessGroup, stage: int) -> None:
         """Averages the step's whole gradients over the replicas into this replica's part."""
-        flat = self.grad if self.grad is not None else torch.zeros_like(self.full)
-        views: list[torch.Tensor | None] = list(self.views) or [None] * len(self.params)
-        self.grad, self.views = None, []
-        with torch.no_grad():
-            for p, off, view in zip(self.params, self.offsets, views, strict=True):
-                g, seg = p.grad, flat[off : off + p.numel()]
-                if g is None and view is not None:  # cleared during the step
-                    seg.zero_()
-                elif g is not None and g is not view:  # replaced, not accumulated in place
-                    seg.copy_(g.reshape(-1))
-                p.grad = None
+        if self.grad is None:
+            self.grads_in_place()
+        for i, p in enumerate(self.params):
+            self._fold(i, p)
+            p.grad = None
+        flat, self.grad, self.views = self.grad, None, []
+        assert flat is not None
         if stage == 1:
             dp.all_reduce(flat, op="avg")
             part = flat[self.lo : self.hi].clone()
         else:
-            part = torch.empty(self.chunk, dtype=self.dtype, device=flat.device)
+            part = torch.empty(self.chunk, dtype=self.master, device=flat.device)
             dp.reduce_scatter(part, flat, op="avg")
         del flat
         for loc, off, (a, b) in zip(self.locals, self.offsets, self.ranges, strict=True):
@@ -154,6 +226,7 @@ class StageShards:
         dp: ProcessGroup,
         stage: int,
         placements: Mapping[str, Placement] | None = None,
+        compute: torch.dtype | None = None,
     ) -> None:
         self.dp, self.stage = dp, stage
         self.placements = dict(placements or {})  # tensor-parallel slices: where they lie
@@ -167,7 +240,9 @@ class StageShards:
         by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
         for name, p in named:
             by_dtype.setdefault(p.dtype, []).append((name, p))
-        self.buckets = [_Bucket(ps, dp.world_size, dp.rank, device) for ps in by_dtype.values()]
+        self.buckets = [
+            _Bucket(ps, dp.world_size, dp.rank, device, compute) for ps in by_dtype.values()
+        ]
         self._stale = stage == 3  # ZeRO-3: the whole parameters are freed until a step starts
         if stage == 3:
             for b in self.buckets:
@@ -211,13 +286,32 @@ class StageShards:
                 b.free()
             self._stale = True
 
+    def fold(self) -> None:
+        """Adds gradients set by hand (the zero-bubble weight pass) into the step's buffer."""
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                b._fold(i, p)
+
+    def whole_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """The step's whole gradient of parameter ``p`` so far, in the master's dtype.
+
+        A view of the buffer ``reduce`` sends: summing tied copies into it in place counts.
+        """
+        return next(b for b in self.buckets if any(q is p for q in b.params)).whole_grad(p)
+
     @contextmanager
     def whole(self) -> Iterator[None]:
-        """Whole parameters inside (a state dict's); ZeRO-3 frees them again after."""
+        """Whole parameters inside (a state dict's), with the master values.
+
+        In the master's dtype under mixed precision; ZeRO-3 frees them again after.
+        """
         freed = self.stage == 3 and self._stale
         self.gather()
         try:
-            yield
+            with ExitStack() as stack:
+                for b in self.buckets:
+                    stack.enter_context(b.master_values(self.dp))
+                yield
         finally:
             if freed:
                 for b in self.buckets:
@@ -225,10 +319,14 @@ class StageShards:
                 self._stale = True
 
     def refresh_parts(self) -> None:
-        """After whole parameters were loaded: this replica's parts from them."""
+        """After whole parameters were loaded (inside ``whole``): the parts from them.
+
+        A low-precision whole copy is gathered from the parts again before it is used.
+        """
         with torch.no_grad():
             for b in self.buckets:
-                b.part.copy_(b.full[b.lo : b.hi])
+                b.part.copy_(b.values[b.lo : b.hi])
+                self._stale = self._stale or b.low
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes held now, by kind.
