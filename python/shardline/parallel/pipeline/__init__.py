@@ -111,8 +111,12 @@ def pipeline(
             forward (and ``loss_fn``) under ``torch.autocast`` in that dtype: weights,
             gradients and optimizer state stay in the model's dtype (fp32), matrix products
             run in bf16, and activations cross stage boundaries in the dtype autocast gives
-            them (bf16 out of a linear layer: half the bytes). ``reduce_dtype`` is not
-            supported here (gradients are reduced in their own dtype).
+            them (bf16 out of a linear layer: half the bytes). Each weight is cast once per
+            step. With ZeRO on ``dp_group`` the whole parameters themselves are bf16 during
+            the step (gathered from the fp32 parts in bf16) and the micro-batches'
+            gradients add up in fp32, as FSDP's ``MixedPrecisionPolicy`` does; the parts,
+            the optimizer and checkpoints stay fp32. ``reduce_dtype`` is not supported here
+            (gradients are reduced in fp32, the parameters' own dtype).
         compile: ``True`` (or ``torch.compile``'s keyword arguments, e.g.
             ``{"backend": "inductor", "mode": "max-autotune"}``) compiles each of this rank's
             stages with ``torch.compile``; parameters and their names are unchanged.

@@ -17,6 +17,12 @@ of the replicas ``d``; replica ``r`` owns elements ``[r c, (r+1) c)`` (``c`` = p
   step's micro-batches, sharded between steps (what torchtitan does for FSDP under a pipeline,
   ``reshard_after_forward=False``, to avoid one all-gather per micro-batch).
 
+Under mixed precision (``param_dtype`` lower than the parameters'), the whole parameters are
+that dtype: the parts stay the fp32 masters, each step gathers the whole bucket in bf16 (half
+the bytes), and each micro-batch's gradient is added into one fp32 buffer by a hook, as FSDP
+accumulates in its ``reduce_dtype``. Without it, the parameters' ``.grad`` are views of that
+buffer. Either way the step reduces the buffer as it is, with no whole-size copy.
+
 For the strategy contract, each parameter is a ``Shard`` holding one ``FlatRange``: the
 elements this replica owns (where tensor parallelism made the parameter a slice, the boxes of
 the whole tensor those elements fill: ``parallel.placement``); Adam's moments follow it.
