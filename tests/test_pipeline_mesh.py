@@ -204,8 +204,17 @@ def test_zero_under_bf16_holds_whole_parameters_in_bf16(
         )  # fmt: skip
         assert opt is not None
         whole = [p for child in model.children() for p in child.parameters()]
+        shards, reduce, buffers = model._shards, model._shards.reduce, []
+
+        def spy() -> None:  # the step's gradients, before the reduction: all in the buffer
+            buffers.extend((b.grad.dtype, all(p.grad is None for p in b.params))
+                           for b in shards.buckets)  # fmt: skip
+            reduce()
+
+        shards.reduce = spy
         train_replica(model, opt, mesh.local_rank("dp"))
         seen = {
+            "buffers": set(buffers),
             "whole": {p.dtype for p in whole},
             "parts": {p.dtype for p in model.parameters()},
             "stats": model.memory_stats(),
@@ -216,6 +225,7 @@ def test_zero_under_bf16_holds_whole_parameters_in_bf16(
     results = run_ranks(4, body, timeout=90)
     for seen, full in results:
         assert seen["whole"] == {torch.bfloat16} and seen["parts"] == {torch.float32}, seen
+        assert seen["buffers"] == {(torch.float32, True)}, seen
         held = seen["stats"]["params"]
         assert held == (0 if dp == "zero3" else seen["stats"]["master"]), seen["stats"]
         for key, value in want.items():

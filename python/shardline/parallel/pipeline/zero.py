@@ -338,14 +338,18 @@ class StageShards:
         """Bytes held now, by kind.
 
         Whole parameters (``params``, 0 while ZeRO-3 has freed them), this replica's parts
-        (``master``) and gradients, whole and parts (``grads``).
+        (``master``) and gradients, whole (the step's buffer, and any ``.grad`` outside it)
+        and parts (``grads``).
         """
         out = {"params": 0, "master": 0, "grads": 0}
         for b in self.buckets:
             out["params"] += b.full.untyped_storage().nbytes()
             out["master"] += b.part.untyped_storage().nbytes()
-            for p, loc in zip(b.params, b.locals, strict=True):
-                for g in (p.grad, loc.grad):
+            out["grads"] += 0 if b.grad is None else b.grad.nbytes
+            views: list[torch.Tensor | None] = list(b.views) or [None] * len(b.params)
+            for p, loc, view in zip(b.params, b.locals, views, strict=True):
+                whole = None if p.grad is view else p.grad  # a view is counted with the buffer
+                for g in (whole, loc.grad):
                     out["grads"] += 0 if g is None else g.numel() * g.element_size()
         return out
 
