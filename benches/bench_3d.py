@@ -101,7 +101,7 @@ def worker(args: argparse.Namespace) -> int:
     def ours(axes: dict[str, int]) -> tuple[Any, Any, int]:
         model = build(args, device)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        if "pp" in axes:  # autocast in the stages: fp32 weights and gradients
+        if "pp" in axes:  # autocast in the stages; ZeRO on dp holds the whole weights in bf16
             mesh = sl.DeviceMesh({n: k for n, k in axes.items() if k > 1 or n == "pp"},
                                  group=group)  # fmt: skip
             strategy = {"pp": "1f1b", "tp": "auto", "dp": args.pp_dp}

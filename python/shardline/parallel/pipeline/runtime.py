@@ -182,7 +182,9 @@ class PipelineModule(StageMessages, PipelineState):
         autocast off, holds that open over the step, so every micro-batch's forward reads
         the same low-precision copy (one per weight, not one per micro-batch in flight) and
         casts once. Outside the forwards autocast stays off. The weights change only in the
-        optimizer step, after the region has ended (its end clears the cache).
+        optimizer step, after the region has ended (its end clears the cache). A leaf input
+        that an autocast op casts (a received activation feeding a linear layer) is cached
+        too, until the step ends: one low-precision copy per micro-batch.
         """
         if self._autocast is None:
             return contextlib.nullcontext()
