@@ -156,10 +156,9 @@ def worker(args: argparse.Namespace) -> int:
         elif "pp" in axes:
             loss = model.step(ids, target=ids)  # every rank of the pipeline gets it
         elif side == "torch" and "tp" in axes:  # logits split by vocabulary: torch's parallel loss
-            logits = model(input_ids=ids).logits.float()
-            target = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+            logits = model(input_ids=ids).logits
             with loss_parallel():
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+                loss = next_token_loss(logits, ids)
                 loss.backward()
             loss = loss.full_tensor()
         else:
