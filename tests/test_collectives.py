@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from shardline.comm import ProcessGroup
 from tests._ranks import run_ranks
+from tests.conftest import need_native
 from tests.reference import ALL_DTYPES, FLOATS, assert_close, make, ops_for, reduce_ref
 
 Results = dict[tuple[Any, ...], torch.Tensor]
@@ -284,3 +285,54 @@ def test_subgroup_ranks_and_names(backend: str) -> None:
         return None if sub is None else (sub.rank, sub.world_size, sub.name)
 
     assert run_ranks(3, body, backend=backend) == [(0, 2, "world.0"), None, (1, 2, "world.0")]
+
+
+@pytest.mark.parametrize(
+    ("backend", "transport"),
+    [("native", "shm"), ("native", "tcp"), ("native", "hier"), ("gloo", "shm")],
+)
+def test_messages_are_matched_by_tag_and_taken_from_any_source(
+    backend: str, transport: str
+) -> None:
+    """A recv takes the first message with its tag from its source (messages with other tags
+    wait for their own recv); a recv from any source says which rank sent what it took."""
+    if backend == "native":
+        need_native()
+    w = 4
+
+    def body(g: ProcessGroup) -> list[Any]:
+        r = g.rank
+        got: list[Any] = []
+        sends = []  # async: Gloo completes a send only once the receiver takes it
+        if r == 0:
+            for n, value, tag in ((3, 1.0, 1), (5, 2.0, 2), (3, 3.0, 1)):
+                sends.append(g.send(torch.full((n,), value), w - 1, async_op=True, tag=tag))
+            for k in range(2 * (w - 1)):
+                out = torch.empty(3)
+                work = g.recv(out, None, async_op=bool(k % 2), tag=7)
+                if not isinstance(work, int):
+                    work.wait()
+                source = work if isinstance(work, int) else work.source
+                got.append((source, out.tolist()))
+        else:
+            if r == w - 1:
+                two, one, three = torch.empty(5), torch.empty(3), torch.empty(3)
+                assert g.recv(two, 0, tag=2) == 0
+                g.recv(one, 0, tag=1)
+                g.recv(three, 0, tag=1)
+                got = [two.tolist(), one.tolist(), three.tolist()]
+            for k in range(2):
+                msg = torch.tensor([float(k), float(r), float(r)])
+                sends.append(g.send(msg, 0, async_op=True, tag=7))
+        for work in sends:
+            assert work is not None
+            work.wait()
+        g.barrier()
+        return got
+
+    results = run_ranks(w, body, backend=backend, transport=transport)
+    assert results[w - 1] == [[2.0] * 5, [1.0] * 3, [3.0] * 3]
+    for s in range(1, w):  # every message once, from the sender named, in its order
+        from_s = [msg for source, msg in results[0] if source == s]
+        assert from_s == [[0.0, s, s], [1.0, s, s]], results[0]
+    assert len(results[0]) == 2 * (w - 1)

@@ -118,12 +118,10 @@ def test_cuda_and_other_devices_get_a_clear_error_before_anything_is_sent() -> N
     _torch_pgs(2, body)
 
 
-def test_tags_any_source_and_several_tensors_are_refused() -> None:
+def test_several_tensors_bad_split_sizes_and_bad_tags_are_refused() -> None:
     def body(pg: tb.ShardlineProcessGroup) -> None:
-        with pytest.raises(InvalidArgumentError, match="tag"):
-            pg.send([torch.ones(1)], 1 - pg.rank(), 3)
-        with pytest.raises(InvalidArgumentError, match="source rank"):
-            pg.recv_anysource([torch.ones(1)], 0)
+        with pytest.raises(InvalidArgumentError, match=r"tag=-3 must be an integer from 0"):
+            pg.send([torch.ones(1)], 1 - pg.rank(), -3)
         with pytest.raises(InvalidArgumentError, match="one tensor per process"):
             pg.allreduce([torch.ones(1), torch.ones(1)])
         with pytest.raises(InvalidArgumentError, match="split sizes"):
@@ -241,15 +239,18 @@ def test_variable_all_to_all_and_list_outputs_on_threads() -> None:
         ins = [torch.full((2,), float(r))] * 2
         pg.reduce_scatter([outs[0]], [ins], None).wait()
         assert outs[0].tolist() == [1.0, 1.0]
-        lists = [[torch.empty(1) for _ in range(2)], [torch.empty(3) for _ in range(2)]]
+        # torch's layout: one list per rank, holding that rank's inputs in order.
+        lists = [[torch.empty(1), torch.empty(3)] for _ in range(2)]
         work = pg.allgather_coalesced(
             lists, [torch.full((1,), r + 1.0), torch.full((3,), -1.0 * r)]
         )
         work.wait()
         assert [[t.tolist() for t in out] for out in lists] == [
-            [[1.0], [2.0]],
-            [[0.0] * 3, [-1.0] * 3],
+            [[1.0], [0.0] * 3],
+            [[2.0], [-1.0] * 3],
         ]
+        with pytest.raises(InvalidArgumentError, match=r"2 lists \(one per rank\) of 2 tensors"):
+            pg.allgather_coalesced([[torch.empty(1)] * 2], [torch.ones(1), torch.ones(3)])
         assert pg._get_backend(torch.device("cpu")) is pg
         with pytest.raises(RuntimeError, match="cuda"):
             pg._get_backend("cuda")

@@ -99,6 +99,10 @@ class Work:
         """Blocks until done (raises the op's error); ``timeout`` in seconds."""
 
     def is_completed(self) -> bool: ...
+    @property
+    def source(self) -> int | None:
+        """The rank a finished receive took its message from (``None`` for other ops, and
+        for a receive that has not finished or failed)."""
 
 @final
 class Group:
@@ -200,8 +204,14 @@ class Group:
         self, out: _Memory, inp: _Memory, dtype: str, async_op: bool = False
     ) -> Work: ...
     def barrier(self, async_op: bool = False) -> Work: ...
-    def send(self, buf: _Memory, dtype: str, dst: int, async_op: bool = False) -> Work: ...
-    def recv(self, buf: _Memory, dtype: str, src: int, async_op: bool = False) -> Work: ...
+    def send(
+        self, buf: _Memory, dtype: str, dst: int, async_op: bool = False, tag: int = 0
+    ) -> Work: ...
+    def recv(
+        self, buf: _Memory, dtype: str, src: int | None, async_op: bool = False, tag: int = 0
+    ) -> Work:
+        """Receives the next message tagged ``tag`` from ``src``, or from any rank when
+        ``src`` is ``None``; the Work's ``source`` says which rank it came from."""
     def abort(self, reason: str) -> None:
         """Fails every pending and future op here and on every peer with ``reason``."""
 

@@ -15,6 +15,7 @@ __all__ = [
     "CommunicatorClosedError",
     "InvalidArgumentError",
     "MembershipChanged",
+    "MonitoredBarrierError",
     "PeerLostError",
     "ProtocolError",
     "ShardlineError",
@@ -37,6 +38,14 @@ class CollectiveTimeoutError(ShardlineError, TimeoutError):
     """A collective passed its deadline (``SHARDLINE_TIMEOUT``, default 300 s).
 
     The message names the op and the ranks that had not arrived.
+    """
+
+
+class MonitoredBarrierError(CollectiveTimeoutError, RuntimeError):
+    """Ranks did not reach ``torch.distributed.monitored_barrier`` in time.
+
+    On rank 0 the message names them (Gloo's words, so tools that match Gloo's messages keep
+    working); on the others it says that rank 0 failed the barrier, and why.
     """
 
 

@@ -53,6 +53,12 @@ pub struct Error {
     pub message: String,
 }
 
+/// What a timeout's message advises when a rank may just be slow. It says "timeout" as a
+/// word: torch's tests and tools look for " timeout ", " Timed out " or " closed " in the
+/// errors of a backend.
+pub const LONGER_TIMEOUT: &str =
+    "raise the group's timeout (init's timeout argument, or SHARDLINE_TIMEOUT)";
+
 /// Result with [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
 

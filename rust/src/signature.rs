@@ -101,7 +101,8 @@ pub struct OpSig {
     pub dtype: DType,
     /// Element count (see the type docs).
     pub count: u64,
-    /// Root rank for rooted ops, else 0.
+    /// Root rank for rooted ops, the message's tag for point-to-point messages (`Send`),
+    /// else 0.
     pub root: u32,
     /// Reduction for reducing ops, else `Sum`.
     pub reduce: ReduceOp,
@@ -129,6 +130,21 @@ impl OpSig {
     pub fn with_root(mut self, root: usize) -> Self {
         self.root = root as u32;
         self
+    }
+
+    /// The same signature with a point-to-point message's tag (kept where a root would be).
+    pub fn with_tag(mut self, tag: u32) -> Self {
+        self.root = tag;
+        self
+    }
+
+    /// The tag of a point-to-point message (0 for every other op).
+    pub fn tag(&self) -> u32 {
+        if self.kind == OpKind::Send {
+            self.root
+        } else {
+            0
+        }
     }
 
     /// The same signature with a reduction op.
@@ -199,6 +215,13 @@ impl std::fmt::Display for OpSig {
         if self.kind.has_root() {
             write!(f, ", root={}", self.root)?;
         }
+        if self.tag() != 0 {
+            write!(f, ", tag={}", self.tag())?;
+        }
+        if matches!(self.kind, OpKind::Send | OpKind::Recv) {
+            // Messages are matched by source and tag, not numbered.
+            return write!(f, ")");
+        }
         write!(f, ") #{}", self.seq)
     }
 }
@@ -214,6 +237,20 @@ mod tests {
             .with_reduce(ReduceOp::Max);
         let s = OpSig { seq: 99, ..s };
         assert_eq!(OpSig::decode(&s.encode()).unwrap(), s);
+    }
+
+    #[test]
+    fn a_message_carries_its_tag_where_a_root_would_be() {
+        let s = OpSig::new(OpKind::Send, DType::F32, 10).with_tag(7);
+        assert_eq!(s.tag(), 7);
+        assert_eq!(OpSig::decode(&s.encode()).unwrap().tag(), 7);
+        assert_eq!(s.to_string(), "send(float32, 10, tag=7)");
+        assert_eq!(
+            OpSig::new(OpKind::Send, DType::F32, 10).to_string(),
+            "send(float32, 10)"
+        );
+        let rooted = OpSig::new(OpKind::Broadcast, DType::F32, 10).with_root(3);
+        assert_eq!(rooted.tag(), 0);
     }
 
     #[test]

@@ -150,17 +150,25 @@ def all_to_all(
 
 
 def send(
-    tensor: TensorLike, dst: int, group: ProcessGroup | None = None, async_op: bool = False
+    tensor: TensorLike,
+    dst: int,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    tag: int = 0,
 ) -> Work | None:
     """See ``ProcessGroup.send``."""
-    return _g(group).send(tensor, dst, async_op=async_op)
+    return _g(group).send(tensor, dst, async_op=async_op, tag=tag)
 
 
 def recv(
-    tensor: TensorLike, src: int, group: ProcessGroup | None = None, async_op: bool = False
-) -> Work | None:
-    """See ``ProcessGroup.recv``."""
-    return _g(group).recv(tensor, src, async_op=async_op)
+    tensor: TensorLike,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    tag: int = 0,
+) -> Work | int:
+    """See ``ProcessGroup.recv``: the sender's rank, or a ``Work`` with ``async_op``."""
+    return _g(group).recv(tensor, src, async_op=async_op, tag=tag)
 
 
 def new_group(ranks: Sequence[int], group: ProcessGroup | None = None) -> ProcessGroup | None:

@@ -33,6 +33,8 @@ __all__ = ["RECORDER", "FlightRecorder", "default_dir"]
 # A record: [group, number, op, numel, dtype, peer, start, end, state]; end is None while the
 # op runs, state "running", "done" or the error's class name.
 GROUP, SEQ, OP, NUMEL, DTYPE, PEER, START, END, STATE = range(9)
+ANY_SOURCE = -1
+"""The peer of a receive from any source."""
 
 
 def default_dir() -> Path:

@@ -460,27 +460,74 @@ class ProcessGroup:
         """Returns once every rank of the group has called ``barrier``."""
         return self._submit("barrier", lambda a: self._impl.barrier(async_op=a), (), async_op)
 
-    def send(self, tensor: TensorLike, dst: int, async_op: bool = False) -> Work | None:
-        """Sends ``tensor`` to rank ``dst``, which must call ``recv`` with the same size."""
+    def send(
+        self, tensor: TensorLike, dst: int, async_op: bool = False, *, tag: int = 0
+    ) -> Work | None:
+        """Sends ``tensor`` to rank ``dst``, which receives it with ``recv`` (same size).
+
+        Messages between two ranks arrive in the order sent; ``tag`` labels a message, and a
+        ``recv`` takes the first one with its tag, so differently tagged messages may be
+        received in any order (as with Gloo and MPI).
+        """
         t = self._t(tensor, "send(tensor)")
         self._check_rank("send", "dst", dst)
         if dst == self.rank:
             raise InvalidArgumentError(f"send on rank {self.rank}: dst is this rank itself")
+        tag = self._tag("send", tag)
         self._count("send", (_nbytes(t), 0))
         return self._submit(
-            "send", lambda a: self._impl.send(t, dst, async_op=a), (tensor, t), async_op, peer=dst
+            "send",
+            lambda a: self._impl.send(t, dst, tag=tag, async_op=a),
+            (tensor, t),
+            async_op,
+            peer=dst,
         )
 
-    def recv(self, tensor: TensorLike, src: int, async_op: bool = False) -> Work | None:
-        """Receives into ``tensor`` what rank ``src`` sends."""
+    def recv(
+        self, tensor: TensorLike, src: int | None = None, async_op: bool = False, *, tag: int = 0
+    ) -> Work | int:
+        """Receives into ``tensor`` the next message tagged ``tag`` from rank ``src``.
+
+        With ``src=None``, takes the first such message from whichever rank sends one
+        (native and gloo backends).
+
+        Returns:
+            The rank the message came from; with ``async_op``, a ``Work`` whose ``source``
+            says it once the receive is done.
+        """
         t = self._t(tensor, "recv(tensor)")
-        self._check_rank("recv", "src", src)
-        if src == self.rank:
-            raise InvalidArgumentError(f"recv on rank {self.rank}: src is this rank itself")
+        if src is not None:
+            self._check_rank("recv", "src", src)
+            if src == self.rank:
+                raise InvalidArgumentError(f"recv on rank {self.rank}: src is this rank itself")
+        tag = self._tag("recv", tag)
         self._count("recv", (0, _nbytes(t)))
-        return self._submit(
-            "recv", lambda a: self._impl.recv(t, src, async_op=a), (tensor, t), async_op, peer=src
-        )
+        started: list[Handle] = []
+
+        def start(a: bool) -> Handle:
+            started.append(self._impl.recv(t, src, tag=tag, async_op=a))
+            return started[-1]
+
+        peer = flight.ANY_SOURCE if src is None else src
+        work = self._submit("recv", start, (tensor, t), async_op, peer=peer)
+        if work is not None:
+            return work
+        if src is not None:
+            return src
+        source = started[0].source
+        if source is None:  # every backend that receives from any source says from whom
+            raise ShardlineError(
+                f"recv on rank {self.rank}: backend {self.backend!r} did not say which rank "
+                "sent the message; please report it"
+            )
+        return source
+
+    def _tag(self, op: str, tag: int) -> int:
+        if not isinstance(tag, int) or not 0 <= tag < 2**32:
+            raise InvalidArgumentError(
+                f"{op} on rank {self.rank}: tag={tag!r} must be an integer from 0 to 2**32 - 1"
+            )
+        return tag
 
     # -- traffic -----------------------------------------------------------------------------
 

@@ -199,7 +199,9 @@ def describe_ops(dump: dict[str, Any], last: int) -> list[str]:
     """A dump's last ``last`` ops, one line each, times relative to the dump."""
     lines = []
     for op in dump["ops"][-last:]:
-        peer = "" if op[flight.PEER] is None else f" peer {op[flight.PEER]}"
+        peer = {None: "", flight.ANY_SOURCE: " from any source"}.get(
+            op[flight.PEER], f" peer {op[flight.PEER]}"
+        )
         took = (
             f"took {(op[flight.END] - op[flight.START]) * 1e3:.3f} ms"
             if op[flight.END] is not None

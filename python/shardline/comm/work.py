@@ -33,13 +33,19 @@ class Handle(Protocol):
     def is_completed(self) -> bool:
         """Whether the op finished (successfully or not)."""
 
+    @property
+    def source(self) -> int | None:
+        """The rank a finished receive took its message from; ``None`` for other ops."""
+
 
 class Backend(Protocol):
     """The few primitives a backend implements; ``ProcessGroup`` checks arguments first.
 
     Every tensor argument is a contiguous tensor of a supported dtype whose sizes are
     already consistent, on the backend's ``device`` (an optional attribute; CPU when absent,
-    ``cuda:N`` for nccl); every method starts the op and returns without waiting.
+    ``cuda:N`` for nccl); every method starts the op and returns without waiting. ``recv``
+    with ``src=None`` takes the first message with its tag from any rank; its handle's
+    ``source`` then says which.
     """
 
     name: str
@@ -66,8 +72,10 @@ class Backend(Protocol):
         self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = True
     ) -> Handle: ...
     def barrier(self, *, async_op: bool = True) -> Handle: ...
-    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> Handle: ...
-    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> Handle: ...
+    def send(self, t: torch.Tensor, dst: int, *, tag: int = 0, async_op: bool = True) -> Handle: ...
+    def recv(
+        self, t: torch.Tensor, src: int | None, *, tag: int = 0, async_op: bool = True
+    ) -> Handle: ...
     def subgroup(
         self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False
     ) -> Backend: ...
@@ -128,6 +136,11 @@ class Work:
     def is_completed(self) -> bool:
         """Whether the op finished (list outputs are written on ``wait()``)."""
         return self._handle.is_completed()
+
+    @property
+    def source(self) -> int | None:
+        """The rank a finished ``recv`` took its message from (``None`` for other ops)."""
+        return self._handle.source
 
     def _done(self) -> bool:
         if self._keepalive is None:

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::config::CommConfig;
+use super::mailbox::{Links, Mailbox, PARK_LIMIT};
 use super::op::Op;
+use super::work::Outcome;
 use crate::collectives::arena::{self, ArenaComm};
 use crate::collectives::lanes::Lanes;
 use crate::collectives::{direct, ring};
@@ -60,6 +62,8 @@ pub(super) struct Router {
     my_local: usize,
     /// The lowest rank of every host (hierarchical mode).
     leaders: Vec<usize>,
+    /// Messages taken ahead of the receive that wants their tag.
+    mailbox: Mailbox,
 }
 
 impl Router {
@@ -164,6 +168,7 @@ impl Router {
             mesh,
             my_local,
             leaders,
+            mailbox: Mailbox::new(PARK_LIMIT),
         };
         Ok((router, arena))
     }
@@ -247,17 +252,30 @@ impl Router {
     }
 
     /// Runs `op` (signed `sig`) on the transport and algorithm its kind and the group's
-    /// mode call for, by `deadline`.
-    pub(super) fn dispatch(&mut self, op: &Op, sig: &OpSig, deadline: Instant) -> Result<()> {
+    /// mode call for, by `deadline`. A receive's outcome is the rank its message came from.
+    pub(super) fn dispatch(&mut self, op: &Op, sig: &OpSig, deadline: Instant) -> Outcome {
+        if let Op::Recv { buf, peer, .. } = op {
+            let mut links = P2pLinks {
+                rank: self.rank,
+                world: self.world,
+                arena: self.arena.as_ref().map(ArenaComm::arena),
+                mesh: self.mesh.as_mut(),
+            };
+            return self
+                .mailbox
+                .recv(&mut links, *peer, sig, buf.bytes(), deadline)
+                .map(Some);
+        }
+        self.run(op, sig, deadline).map(|()| None)
+    }
+
+    fn run(&mut self, op: &Op, sig: &OpSig, deadline: Instant) -> Result<()> {
         match (op, self.mode) {
             (Op::Send { buf, peer, .. }, _) => match self.local_peer(*peer) {
                 Some((a, local)) => a.send_to(local, sig, buf.bytes(), deadline),
                 None => self.mesh()?.send(*peer, sig, buf.bytes(), deadline),
             },
-            (Op::Recv { buf, peer, .. }, _) => match self.local_peer(*peer) {
-                Some((a, local)) => a.recv_from(local, sig, buf.bytes(), deadline),
-                None => self.mesh()?.recv(*peer, sig, buf.bytes(), deadline),
-            },
+            (Op::Recv { .. }, _) => unreachable!("receives go through the mailbox"),
             (_, Mode::Single) => run_single(op),
             (_, Mode::Shm) => self.run_shm(op, sig, deadline),
             (Op::AllReduce { buf, dtype, op }, Mode::Hierarchical) => {
@@ -352,6 +370,61 @@ impl Router {
             a.broadcast(buf, 0, sig, deadline)?;
         }
         Ok(())
+    }
+}
+
+/// The links a receive uses: the arena's channels to ranks of this host, TCP to the others.
+struct P2pLinks<'a> {
+    rank: usize,
+    world: usize,
+    arena: Option<&'a Arena>,
+    mesh: Option<&'a mut TcpMesh>,
+}
+
+impl P2pLinks<'_> {
+    /// `peer`'s index in the arena, if it shares this rank's host.
+    fn local(&self, peer: usize) -> Option<(&Arena, usize)> {
+        let a = self.arena?;
+        a.local_of(peer).map(|local| (a, local))
+    }
+
+    fn mesh(&mut self) -> Result<&mut TcpMesh> {
+        let rank = self.rank;
+        self.mesh.as_deref_mut().ok_or_else(|| {
+            Error::invalid(format!(
+                "rank {rank}: this group has no TCP links (created without a listener)"
+            ))
+        })
+    }
+}
+
+impl Links for P2pLinks<'_> {
+    fn me(&self) -> usize {
+        self.rank
+    }
+
+    fn peers(&self) -> Vec<usize> {
+        (0..self.world).filter(|&r| r != self.rank).collect()
+    }
+
+    fn next(
+        &mut self,
+        peer: usize,
+        expected: &OpSig,
+        deadline: Option<Instant>,
+    ) -> Result<Option<(OpSig, u64)>> {
+        match (self.local(peer), deadline) {
+            (Some((a, local)), None) => a.peek_from(local),
+            (Some((a, local)), Some(d)) => a.wait_message_from(local, expected, d).map(Some),
+            (None, _) => self.mesh()?.peek(peer, expected, deadline),
+        }
+    }
+
+    fn take(&mut self, peer: usize, sig: &OpSig, dst: &mut [u8], deadline: Instant) -> Result<()> {
+        match self.local(peer) {
+            Some((a, local)) => a.recv_from(local, sig, dst, deadline),
+            None => self.mesh()?.recv(peer, sig, dst, deadline),
+        }
     }
 }
 

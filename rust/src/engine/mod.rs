@@ -11,11 +11,13 @@
 //!   its signature.
 //! - [`work`]: [`Work`], an op's completion.
 //! - [`dispatch`]: the route of each op to a transport and an algorithm, by [`Mode`].
+//! - [`mailbox`]: which message a receive takes (by source and tag, or from any source).
 //! - [`sends`]: the send lane, which runs sends to ranks of this host beside the queue.
 //! - this file: [`Communicator`], the queue and the worker that run ops in order.
 
 pub mod config;
 pub mod dispatch;
+mod mailbox;
 pub mod op;
 mod sends;
 pub mod work;
@@ -32,7 +34,7 @@ use dispatch::Router;
 use op::{sig_of, validate};
 pub use op::{Op, RawBuf};
 use sends::SendLane;
-pub use work::Work;
+pub use work::{Outcome, Work};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::shm::Arena;
@@ -247,7 +249,7 @@ fn closed_error(rank: usize) -> Error {
 /// `helpers`: whether a large shared-memory op may split its passes over the communicator's
 /// helper threads. Only ops the caller waits for do: an async op runs beside the caller's
 /// compute, whose cores the helpers would take.
-fn run_guarded(shared: &Shared, op: &Op, helpers: bool) -> Result<()> {
+fn run_guarded(shared: &Shared, op: &Op, helpers: bool) -> Outcome {
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         lock(&shared.core).run(op, helpers)
     }));
@@ -308,7 +310,8 @@ impl Core {
     }
 
     /// Numbers `op`, gives it its deadline and runs it; a failure breaks the communicator.
-    fn run(&mut self, op: &Op, helpers: bool) -> Result<()> {
+    /// A receive's outcome is the rank its message came from.
+    fn run(&mut self, op: &Op, helpers: bool) -> Outcome {
         if self.broken.is_none() {
             // A failed send on the send lane, or a peer's failure, aborted the arena.
             if let Some(e) = self.router.aborted() {
@@ -454,12 +457,14 @@ mod tests {
                         buf: RawBuf::from_slice(&mut buf),
                         dtype: DType::F32,
                         peer,
+                        tag: 0,
                     }
                 } else {
                     Op::Recv {
                         buf: RawBuf::from_slice(&mut buf),
                         dtype: DType::F32,
-                        peer,
+                        peer: Some(peer),
+                        tag: 0,
                     }
                 };
                 c.submit(op, Box::new(()), false)
@@ -487,12 +492,14 @@ mod tests {
                     buf: RawBuf::from_slice(&mut out),
                     dtype: DType::F32,
                     peer,
+                    tag: 0,
                 };
                 let sent = c.submit(send, Box::new(()), true).unwrap();
                 let recv = Op::Recv {
                     buf: RawBuf::from_slice(&mut inp),
                     dtype: DType::F32,
-                    peer,
+                    peer: Some(peer),
+                    tag: 0,
                 };
                 c.submit(recv, Box::new(()), false)
                     .unwrap()

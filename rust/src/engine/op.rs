@@ -123,17 +123,20 @@ pub enum Op {
     },
     /// Barrier.
     Barrier,
-    /// Send to `peer`.
+    /// Send to `peer` one message labelled `tag`.
     Send {
         buf: RawBuf,
         dtype: DType,
         peer: usize,
+        tag: u32,
     },
-    /// Receive from `peer`.
+    /// Receive the next message labelled `tag` from `peer`, or from whichever rank sends one
+    /// first when `peer` is `None`.
     Recv {
         buf: RawBuf,
         dtype: DType,
-        peer: usize,
+        peer: Option<usize>,
+        tag: u32,
     },
 }
 
@@ -334,7 +337,15 @@ pub(super) fn validate(op: &Op, rank: usize, world: usize) -> Result<()> {
             Ok(())
         }
         Op::Barrier => Ok(()),
-        Op::Send { buf, dtype, peer } | Op::Recv { buf, dtype, peer } => {
+        Op::Send {
+            buf, dtype, peer, ..
+        }
+        | Op::Recv {
+            buf,
+            dtype,
+            peer: Some(peer),
+            ..
+        } => {
             if *peer >= world || *peer == rank {
                 return bad(
                     "send/recv",
@@ -342,6 +353,21 @@ pub(super) fn validate(op: &Op, rank: usize, world: usize) -> Result<()> {
                 );
             }
             dtype.count_of(buf.len(), "send/recv").map(|_| ())
+        }
+        Op::Recv {
+            buf,
+            dtype,
+            peer: None,
+            ..
+        } => {
+            if world < 2 {
+                return bad(
+                    "recv",
+                    "a receive from any source needs another rank to send; this group has one"
+                        .into(),
+                );
+            }
+            dtype.count_of(buf.len(), "recv").map(|_| ())
         }
     }
 }
@@ -387,8 +413,11 @@ pub(super) fn sig_of(op: &Op, world: usize) -> OpSig {
         }
         Op::Barrier => OpSig::new(OpKind::Barrier, DType::U8, 0),
         // Both ends of a message sign it as a send, so the receiver can compare.
-        Op::Send { buf, dtype, .. } | Op::Recv { buf, dtype, .. } => {
-            OpSig::new(OpKind::Send, *dtype, buf.len() / dtype.size())
+        Op::Send {
+            buf, dtype, tag, ..
         }
+        | Op::Recv {
+            buf, dtype, tag, ..
+        } => OpSig::new(OpKind::Send, *dtype, buf.len() / dtype.size()).with_tag(*tag),
     }
 }

@@ -106,7 +106,7 @@ impl SendLane {
             drop(keepalive);
             lock(&self.lane.queue).running = false;
             self.lane.cv.notify_all();
-            return Ok(Work::finished(r));
+            return Ok(Work::finished(r.map(|()| None)));
         }
         let work = Work::pending();
         q.items.push_back(Job {
@@ -153,7 +153,7 @@ impl Lane {
                 }
             };
             let r = self.send(&job.op);
-            job.work.complete(r);
+            job.work.complete(r.map(|()| None));
             drop(job.keepalive);
             lock(&self.queue).running = false;
             self.cv.notify_all();

@@ -1,4 +1,8 @@
 //! `Work`: the completion of one op, waited on by the caller, finished by whoever ran it.
+//!
+//! An op's outcome is `Ok(source)` or its error: `source` is the rank a receive took its
+//! message from (the one a receive from any source learns only when it matches), `None` for
+//! every other op.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -12,8 +16,11 @@ pub struct Work {
     inner: Arc<WorkState>,
 }
 
+/// What an op ends with: the rank a receive's message came from (`None` for other ops).
+pub type Outcome = Result<Option<usize>>;
+
 struct WorkState {
-    done: Mutex<Option<Result<()>>>,
+    done: Mutex<Option<Outcome>>,
     cv: Condvar,
 }
 
@@ -29,14 +36,14 @@ impl Work {
     }
 
     /// A Work already finished with `r` (an op that ran inline).
-    pub(super) fn finished(r: Result<()>) -> Self {
+    pub(super) fn finished(r: Outcome) -> Self {
         let w = Self::pending();
         w.complete(r);
         w
     }
 
     /// Records the op's outcome and wakes every waiter.
-    pub(super) fn complete(&self, r: Result<()>) {
+    pub(super) fn complete(&self, r: Outcome) {
         *lock(&self.inner.done) = Some(r);
         self.inner.cv.notify_all();
     }
@@ -44,6 +51,15 @@ impl Work {
     /// Whether the op has finished (successfully or not).
     pub fn is_completed(&self) -> bool {
         lock(&self.inner.done).is_some()
+    }
+
+    /// The rank a finished receive took its message from; `None` for other ops, for a
+    /// receive not finished yet and for one that failed.
+    pub fn source(&self) -> Option<usize> {
+        match &*lock(&self.inner.done) {
+            Some(Ok(source)) => *source,
+            _ => None,
+        }
     }
 
     /// Waits up to `timeout` (forever if None); the op's own deadline bounds the wait anyway.

@@ -106,6 +106,13 @@ impl PyWork {
     fn is_completed(&self) -> bool {
         self.work.is_completed()
     }
+
+    /// The rank a finished receive took its message from (`None` for other ops, and for a
+    /// receive that has not finished or failed).
+    #[getter]
+    fn source(&self) -> Option<usize> {
+        self.work.source()
+    }
 }
 
 /// A communicator: shared memory among ranks on one host, TCP between hosts.
@@ -490,7 +497,7 @@ impl PyGroup {
         self.submit(py, Op::Barrier, Vec::new(), async_op)
     }
 
-    #[pyo3(signature = (buf, dtype, dst, async_op = false))]
+    #[pyo3(signature = (buf, dtype, dst, async_op = false, tag = 0))]
     fn send(
         &self,
         py: Python<'_>,
@@ -498,6 +505,7 @@ impl PyGroup {
         dtype: &str,
         dst: usize,
         async_op: bool,
+        tag: u32,
     ) -> PyResult<PyWork> {
         let d = self::dtype(dtype)?;
         let b = hold(buf, false, "send: tensor")?;
@@ -507,20 +515,24 @@ impl PyGroup {
                 buf: b.raw,
                 dtype: d,
                 peer: dst,
+                tag,
             },
             vec![b],
             async_op,
         )
     }
 
-    #[pyo3(signature = (buf, dtype, src, async_op = false))]
+    /// Receives the next message tagged `tag` from `src`, or from any rank when `src` is
+    /// `None`; the Work's `source` says which rank it came from.
+    #[pyo3(signature = (buf, dtype, src, async_op = false, tag = 0))]
     fn recv(
         &self,
         py: Python<'_>,
         buf: &Bound<'_, PyAny>,
         dtype: &str,
-        src: usize,
+        src: Option<usize>,
         async_op: bool,
+        tag: u32,
     ) -> PyResult<PyWork> {
         let d = self::dtype(dtype)?;
         let b = hold(buf, true, "recv: tensor")?;
@@ -530,6 +542,7 @@ impl PyGroup {
                 buf: b.raw,
                 dtype: d,
                 peer: src,
+                tag,
             },
             vec![b],
             async_op,

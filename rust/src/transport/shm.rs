@@ -18,7 +18,7 @@ use std::ffi::CString;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Result, LONGER_TIMEOUT};
 use crate::signature::{OpSig, SIG_BYTES};
 use crate::wait::{self, Signal, SpinPolicy, Stop};
 
@@ -505,8 +505,8 @@ impl Arena {
                         ErrorKind::Timeout,
                         format!(
                             "rank {} timed out in {what} waiting for {} {}, which did not reach this \
-                             collective; check that every rank calls the same collectives (raise the limit \
-                             with SHARDLINE_TIMEOUT if a rank is legitimately slow)",
+                             collective; check that every rank calls the same collectives, \
+                             or, if a rank is legitimately slow, {LONGER_TIMEOUT}",
                             self.global[self.me],
                             if missing.len() == 1 { "rank" } else { "ranks" },
                             missing.join(", ")

@@ -15,7 +15,7 @@ pub use super::connect::{Cancel, LinkOptions, TcpListenerHandle, SOCKET_BUFFER_B
 use super::frame::{self, FrameType, Header, HEADER_BYTES};
 use super::p2p::P2p;
 use super::sockio::{self, poll_until, pollfd, read_some, write_some, Fail};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Result, LONGER_TIMEOUT};
 use crate::signature::OpSig;
 
 /// How long [`TcpMesh::abort_all`] spends telling each peer why.
@@ -26,6 +26,10 @@ struct Link {
     addr: String,
     /// A frame is partly written: an abort frame now would corrupt the stream.
     tx_dirty: bool,
+    /// The next frame's header as far as it has arrived (`rx_have` bytes), read ahead by
+    /// [`TcpMesh::peek`]; the next receive from this peer starts from it.
+    rx_head: [u8; HEADER_BYTES],
+    rx_have: usize,
 }
 
 /// Authenticated TCP connections from this rank to its peers; implements [`P2p`].
@@ -113,6 +117,8 @@ impl TcpMesh {
                 stream,
                 addr: addrs[p].clone(),
                 tx_dirty: false,
+                rx_head: [0; HEADER_BYTES],
+                rx_have: 0,
             });
         }
         Ok(TcpMesh {
@@ -191,7 +197,7 @@ impl TcpMesh {
                 ErrorKind::Timeout,
                 format!(
                     "rank {me} timed out {doing} rank {peer} ({addr}) during {sig}; that rank may \
-                     be stuck in another op or hung — check its log, or raise SHARDLINE_TIMEOUT"
+                     be stuck in another op or hung — check its log, or {LONGER_TIMEOUT}"
                 ),
             ),
             Fail::Unanswered(why) => {
@@ -271,11 +277,7 @@ impl TcpMesh {
             return Err(frame::abort_error(&payload));
         }
         if h.frame_type != FrameType::Data || h.group != self.group {
-            return Err(Error::protocol(format!(
-                "rank {me}: rank {peer} ({addr}) sent a {:?} frame for group tag {:#x} during {sig} \
-                 (expected data for {:#x}); the streams are out of sync",
-                h.frame_type, h.group, self.group
-            )));
+            return Err(self.out_of_sync(peer, &h, sig));
         }
         let theirs = h.sig.expect("data frames carry a signature");
         sig.check_against(me, &theirs, peer)?;
@@ -289,13 +291,8 @@ impl TcpMesh {
         Ok(())
     }
 
-    fn transfer(
-        &mut self,
-        out: Option<(usize, &[u8])>,
-        inp: Option<(usize, &mut [u8])>,
-        sig: &OpSig,
-        deadline: Instant,
-    ) -> Result<()> {
+    /// Fails when the mesh is broken or a peer of `peers` is not linked to this rank.
+    fn usable(&self, mut peers: impl Iterator<Item = usize>, sig: &OpSig) -> Result<()> {
         if let Some(e) = &self.broken {
             return Err(Error::new(
                 ErrorKind::Closed,
@@ -306,19 +303,113 @@ impl TcpMesh {
                 ),
             ));
         }
-        for p in out
-            .as_ref()
-            .map(|o| o.0)
-            .into_iter()
-            .chain(inp.as_ref().map(|i| i.0))
-        {
-            if self.links.get(p).is_none_or(|l| l.is_none()) {
-                return Err(Error::invalid(format!(
-                    "rank {}: {sig} addresses rank {p}, which this mesh is not linked to",
-                    self.rank
-                )));
-            }
+        match peers.find(|&p| self.links.get(p).is_none_or(|l| l.is_none())) {
+            Some(p) => Err(Error::invalid(format!(
+                "rank {}: {sig} addresses rank {p}, which this mesh is not linked to",
+                self.rank
+            ))),
+            None => Ok(()),
         }
+    }
+
+    /// The signature and payload length of the next frame from `peer`, without taking it:
+    /// `None` if its header has not fully arrived and `deadline` is `None` (a look that does
+    /// not wait), else waits for it until `deadline`. `expected` names, in errors, what this
+    /// rank waits for. An abort frame is the error it carries. A look that does not wait and
+    /// finds the peer gone fails with `PeerLost` but leaves the mesh usable.
+    pub fn peek(
+        &mut self,
+        peer: usize,
+        expected: &OpSig,
+        deadline: Option<Instant>,
+    ) -> Result<Option<(OpSig, u64)>> {
+        self.usable(std::iter::once(peer), expected)?;
+        let r = self.peek_inner(peer, expected, deadline);
+        match &r {
+            // A look that does not wait finds a peer that left: the links to the others stay
+            // usable (a receive from any source passes over it).
+            Err(e) if deadline.is_none() && e.kind == ErrorKind::PeerLost => {}
+            Err(e) => self.broken = Some(e.clone()),
+            Ok(_) => {}
+        }
+        r
+    }
+
+    fn peek_inner(
+        &mut self,
+        peer: usize,
+        expected: &OpSig,
+        deadline: Option<Instant>,
+    ) -> Result<Option<(OpSig, u64)>> {
+        let mut spin_until: Option<Instant> = None;
+        loop {
+            let link = self.links[peer].as_mut().expect("checked by usable");
+            if link.rx_have < HEADER_BYTES {
+                let n = read_some(&link.stream, &mut link.rx_head[link.rx_have..])
+                    .map_err(|f| self.fail(f, peer, expected, "receiving from"))?;
+                let link = self.links[peer].as_mut().expect("checked by usable");
+                link.rx_have += n;
+                if n == 0 {
+                    let Some(deadline) = deadline else {
+                        return Ok(None);
+                    };
+                    // As a receive does: retry for a while before sleeping in poll(2).
+                    let now = Instant::now();
+                    if now < *spin_until.get_or_insert(now + self.spin) {
+                        std::hint::spin_loop();
+                        continue;
+                    }
+                    let fd = link.stream.as_raw_fd();
+                    sockio::wait_fd(fd, libc::POLLIN, deadline)
+                        .map_err(|f| self.fail(f, peer, expected, "waiting for data from"))?;
+                }
+                continue;
+            }
+            let (me, addr) = (self.rank, &link.addr);
+            let h = frame::decode_header(&link.rx_head).map_err(|e| {
+                e.context(format!(
+                    "rank {me}: bad frame from rank {peer} ({addr}) while waiting for {expected}"
+                ))
+            })?;
+            if h.frame_type == FrameType::Abort {
+                let head = link.rx_head;
+                link.rx_have = 0;
+                let until = deadline.unwrap_or_else(|| Instant::now() + ABORT_TIMEOUT);
+                return Err(self
+                    .check(peer, &head, expected, 0, until)
+                    .expect_err("an abort"));
+            }
+            if h.frame_type != FrameType::Data || h.group != self.group {
+                return Err(self.out_of_sync(peer, &h, expected));
+            }
+            return Ok(Some((
+                h.sig.expect("data frames carry a signature"),
+                h.payload_len,
+            )));
+        }
+    }
+
+    fn out_of_sync(&self, peer: usize, h: &Header, sig: &OpSig) -> Error {
+        Error::protocol(format!(
+            "rank {}: rank {peer} ({}) sent a {:?} frame for group tag {:#x} during {sig} \
+             (expected data for {:#x}); the streams are out of sync",
+            self.rank,
+            self.link(peer).addr,
+            h.frame_type,
+            h.group,
+            self.group
+        ))
+    }
+
+    fn transfer(
+        &mut self,
+        out: Option<(usize, &[u8])>,
+        inp: Option<(usize, &mut [u8])>,
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        let peers = out.as_ref().map(|o| o.0).into_iter();
+        self.usable(peers.chain(inp.as_ref().map(|i| i.0)), sig)?;
         let r = self.transfer_inner(out, inp, sig, deadline);
         if let Err(e) = &r {
             self.broken = Some(e.clone());
@@ -343,12 +434,18 @@ impl TcpMesh {
         };
         let ohdr = frame::encode_header(&header);
         let (mut sent, total) = (0usize, HEADER_BYTES + payload_len as usize);
-        let mut ihdr = [0u8; HEADER_BYTES];
-        let (mut hgot, mut got) = (0usize, 0usize);
         let (to, body) = out.map_or((usize::MAX, &[][..]), |(p, b)| (p, b));
         let sending = to != usize::MAX;
         let (from, dst) = inp.map_or((usize::MAX, &mut [][..]), |(p, d)| (p, d));
         let receiving = from != usize::MAX;
+        // A receive starts from the header `peek` read ahead, if any.
+        let (mut ihdr, mut hgot) = ([0u8; HEADER_BYTES], 0usize);
+        if receiving {
+            let link = self.links[from].as_mut().expect("checked");
+            (ihdr, hgot) = (link.rx_head, std::mem::take(&mut link.rx_have));
+        }
+        let mut got = 0usize;
+        let mut checked = false;
         let mut out_done = !sending;
         let mut in_done = !receiving;
         if sending {
@@ -385,9 +482,6 @@ impl TcpMesh {
                     let n = read_some(s, &mut ihdr[hgot..])
                         .map_err(|f| self.fail(f, from, sig, "receiving from"))?;
                     hgot += n;
-                    if hgot == HEADER_BYTES {
-                        self.check(from, &ihdr, sig, dst.len(), deadline)?;
-                    }
                     n
                 } else {
                     let n = read_some(s, &mut dst[got..])
@@ -395,6 +489,10 @@ impl TcpMesh {
                     got += n;
                     n
                 };
+                if hgot == HEADER_BYTES && !checked {
+                    self.check(from, &ihdr, sig, dst.len(), deadline)?;
+                    checked = true;
+                }
                 in_done = hgot == HEADER_BYTES && got == dst.len();
                 progress |= n > 0;
                 if n == 0 {

@@ -50,9 +50,11 @@ class Deferred:
         translate: Turns a ``RuntimeError`` the library raised while waiting into a
             ``ShardlineError`` (our own errors pass through); ``None`` lets it through.
         keep: Buffers the library reads or writes, kept alive until the op was waited for.
+        source: For a receive, ``source(works)`` gives the rank its message came from, read
+            once the op is done.
     """
 
-    __slots__ = ("_after", "_keep", "_test", "_translate", "_wait", "_works")
+    __slots__ = ("_after", "_keep", "_source", "_test", "_translate", "_wait", "_works", "source")
 
     def __init__(
         self,
@@ -63,8 +65,11 @@ class Deferred:
         after: Callable[[], None] | None = None,
         translate: Callable[[RuntimeError], ShardlineError] | None = None,
         keep: tuple[object, ...] = (),
+        source: Callable[[Sequence[Any]], int] | None = None,
     ) -> None:
         self._works: Sequence[Any] | None = works
+        self._source = source
+        self.source: int | None = None
         self._wait = wait
         self._test = test
         self._after = after
@@ -83,6 +88,8 @@ class Deferred:
                 if self._translate is None:
                     raise
                 raise self._translate(exc) from exc
+            if self._source is not None:
+                self.source = self._source(works)
         self._works = None
         if self._after is not None:
             after, self._after = self._after, None

@@ -134,11 +134,16 @@ class GlooBackend:
     def barrier(self, *, async_op: bool = True) -> Deferred:
         return Deferred([self._pg.barrier()])
 
-    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> Deferred:
-        return Deferred([self._pg.send([as_bytes(t)], dst, 0)])
+    def send(self, t: torch.Tensor, dst: int, *, tag: int = 0, async_op: bool = True) -> Deferred:
+        return Deferred([self._pg.send([as_bytes(t)], dst, tag)])
 
-    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> Deferred:
-        return Deferred([self._pg.recv([as_bytes(t)], src, 0)])
+    def recv(
+        self, t: torch.Tensor, src: int | None, *, tag: int = 0, async_op: bool = True
+    ) -> Deferred:
+        if src is None:
+            work = self._pg.recv_anysource([as_bytes(t)], tag)
+            return Deferred([work], source=lambda works: int(works[0]._source_rank()))
+        return Deferred([self._pg.recv([as_bytes(t)], src, tag)], source=lambda _: src)
 
     def subgroup(
         self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False

@@ -283,13 +283,32 @@ class MpiBackend:
     def barrier(self, *, async_op: bool = True) -> Deferred:
         return self._start("barrier", lambda: [self._comm.Ibarrier()])
 
-    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> Deferred:
+    def send(self, t: torch.Tensor, dst: int, *, tag: int = 0, async_op: bool = True) -> Deferred:
         buf = self._raw("send", t)
-        return self._start("send", lambda: [self._comm.Isend(buf, dst, 0)], keep=(buf,))
+        tag = self._tag("send", tag)
+        return self._start("send", lambda: [self._comm.Isend(buf, dst, tag)], keep=(buf,))
 
-    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> Deferred:
+    def recv(
+        self, t: torch.Tensor, src: int | None, *, tag: int = 0, async_op: bool = True
+    ) -> Deferred:
+        if src is None:
+            raise InvalidArgumentError(
+                f"recv on rank {self.rank} (mpi): this backend receives from a named rank; "
+                "pass src, or use backend 'native' or 'gloo' to receive from any source"
+            )
         buf = self._raw("recv", t)
-        return self._start("recv", lambda: [self._comm.Irecv(buf, src, 0)], keep=(buf,))
+        tag = self._tag("recv", tag)
+        return self._start("recv", lambda: [self._comm.Irecv(buf, src, tag)], keep=(buf,))
+
+    def _tag(self, what: str, tag: int) -> int:
+        """``tag`` if MPI can carry it (up to ``MPI.TAG_UB``, at least 32767)."""
+        bound = int(self._comm.Get_attr(self.MPI.TAG_UB) or 32767)
+        if tag > bound:
+            raise InvalidArgumentError(
+                f"{what} on rank {self.rank} (mpi): tag {tag} is above this MPI's largest "
+                f"tag, {bound}; use a smaller tag"
+            )
+        return tag
 
     # -- groups ------------------------------------------------------------------------------
 

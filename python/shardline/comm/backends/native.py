@@ -205,11 +205,15 @@ class NativeBackend:
     def barrier(self, *, async_op: bool = True) -> _native.Work:
         return self._g.barrier(async_op=async_op)
 
-    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> _native.Work:
-        return self._g.send(t, dtype_name(t), dst, async_op=async_op)
+    def send(
+        self, t: torch.Tensor, dst: int, *, tag: int = 0, async_op: bool = True
+    ) -> _native.Work:
+        return self._g.send(t, dtype_name(t), dst, async_op=async_op, tag=tag)
 
-    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> _native.Work:
-        return self._g.recv(t, dtype_name(t), src, async_op=async_op)
+    def recv(
+        self, t: torch.Tensor, src: int | None, *, tag: int = 0, async_op: bool = True
+    ) -> _native.Work:
+        return self._g.recv(t, dtype_name(t), src, async_op=async_op, tag=tag)
 
     def subgroup(
         self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False

@@ -42,6 +42,7 @@ from shardline.comm.work import Counts, seconds
 from shardline.errors import (
     CollectiveTimeoutError,
     CommunicatorClosedError,
+    InvalidArgumentError,
     ShardlineError,
 )
 
@@ -316,11 +317,18 @@ class NcclBackend:
         opts = self._options(dist.AllreduceOptions, async_op, "sum")
         return self._run("barrier", self._pg.allreduce, ([token], opts), async_op, keep=(token,))
 
-    def send(self, t: torch.Tensor, dst: int, *, async_op: bool = True) -> Deferred:
-        return self._run("send", self._pg.send, ([as_bytes(t)], dst, 0), async_op)
+    def send(self, t: torch.Tensor, dst: int, *, tag: int = 0, async_op: bool = True) -> Deferred:
+        return self._run("send", self._pg.send, ([as_bytes(t)], dst, tag), async_op)
 
-    def recv(self, t: torch.Tensor, src: int, *, async_op: bool = True) -> Deferred:
-        return self._run("recv", self._pg.recv, ([as_bytes(t)], src, 0), async_op)
+    def recv(
+        self, t: torch.Tensor, src: int | None, *, tag: int = 0, async_op: bool = True
+    ) -> Deferred:
+        if src is None:
+            raise InvalidArgumentError(
+                f"recv on rank {self.rank} (nccl): NCCL cannot receive from any source; pass "
+                "src, or receive on a CPU group (backend 'native' or 'gloo')"
+            )
+        return self._run("recv", self._pg.recv, ([as_bytes(t)], src, tag), async_op)
 
     def subgroup(
         self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False

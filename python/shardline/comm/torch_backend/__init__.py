@@ -22,6 +22,7 @@ The package, one role per file:
 - ``process_group``: ``ShardlineProcessGroup`` and its checks of torch's arguments.
 - ``work``: ``ShardlineWork``, the ``torch.distributed.Work`` of an op, and the threads that
   complete its futures (see [Note: completion] there).
+- ``monitored``: ``monitored_barrier`` through the group's store.
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ def _create_group(opts: Any, backend_options: object | None = None) -> Shardline
 
     store: Store = opts.store
     group_id = str(getattr(opts, "group_id", "") or "0")
+    timeout = _engine_timeout(getattr(opts, "timeout", None))
     group = init_process_group(
         dist.PrefixStore(f"{BACKEND_NAME}/", store),  # type: ignore[attr-defined]
         int(opts.group_rank),
@@ -174,10 +176,10 @@ def _create_group(opts: Any, backend_options: object | None = None) -> Shardline
         backend="native",
         host_id=host_identity(),
         name=f"torch.{group_id}",
-        timeout=_engine_timeout(getattr(opts, "timeout", None)),
+        timeout=timeout,
         master_addr=_master_addr(store),
     )
-    return ShardlineProcessGroup(group)
+    return ShardlineProcessGroup(group, store=store, timeout=timeout)
 
 
 # Importing this package registers the backend; `import shardline` imports it.

@@ -2,7 +2,7 @@
 
 torch's Python code calls its methods directly, and torch's pybind trampoline routes C++
 callers (DDP's reducer, parameter checks, buffer broadcasts) to them. Every method checks
-torch's arguments (one tensor per process, CPU tensors, supported ``ReduceOp``s, tag 0),
+torch's arguments (one tensor per process, CPU tensors, supported ``ReduceOp``s),
 starts the op on the engine with ``async_op=True`` and returns a ``ShardlineWork``. Only CPU
 tensors are handled; CUDA tensors belong to NCCL.
 """
@@ -10,19 +10,23 @@ tensors are handled; CUDA tensors belong to NCCL.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from shardline.comm.group import ProcessGroup
+from shardline.comm.torch_backend import cpu_backend
+from shardline.comm.torch_backend.monitored import monitored_barrier
+from shardline.comm.torch_backend.sparse import sparse_all_reduce
 from shardline.comm.torch_backend.work import ShardlineWork, _Op
+from shardline.comm.work import Work
 from shardline.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import ProcessGroup as _ProcessGroupBase
-
-    from shardline.comm.work import Work
+    from torch._C._distributed_c10d import Store
 else:  # a torch without distributed support still imports shardline (see register())
     _ProcessGroupBase = getattr(dist, "ProcessGroup", object)
 
@@ -104,11 +108,18 @@ class ShardlineProcessGroup(_ProcessGroupBase):
     group-local, as torch passes them.
     """
 
-    def __init__(self, group: ProcessGroup) -> None:
+    def __init__(
+        self, group: ProcessGroup, *, store: Store | None = None, timeout: float | None = None
+    ) -> None:
+        """Wraps ``group``; ``store`` and ``timeout`` (seconds) are the ones torch gave it."""
         super().__init__(group.rank, group.world_size)
         self.group = group
         self._group_name = group.name
         self._group_desc = "undefined"
+        self._store = store
+        self._timeout = timeout
+        self._monitored_calls = 0
+        cpu_backend.attach(self)
 
     # -- identity (torch's trampoline calls these by their C++ names) -------------------------
 
@@ -151,18 +162,25 @@ class ShardlineProcessGroup(_ProcessGroupBase):
 
     def _work(
         self,
-        works: Sequence[Work | None],
+        works: Sequence[Work | int | None],
         result: list[torch.Tensor],
         after: Callable[[], None] | None = None,
     ) -> ShardlineWork:
-        return ShardlineWork(_Op([w for w in works if w is not None], result, after))
+        ops = [w for w in works if isinstance(w, Work)]  # every op here is started async
+        return ShardlineWork(_Op(ops, result, after))
 
     # -- collectives ---------------------------------------------------------------------------
 
     def allreduce(self, tensors: Any, opts: Any = None) -> ShardlineWork:  # type: ignore[override]
-        """All-reduces ``[tensor]`` in place (``opts.reduceOp``: SUM, AVG, MAX, MIN, PRODUCT)."""
+        """All-reduces ``[tensor]`` in place (``opts.reduceOp``: SUM, AVG, MAX, MIN, PRODUCT).
+
+        A sparse COO tensor is summed (SUM only, as with Gloo) and left coalesced.
+        """
         t = _one(tensors, "allreduce")
         op = _reduce_op(opts, "allreduce")
+        if t.layout == torch.sparse_coo:
+            sparse_all_reduce(self.group, t, op)
+            return self._work([], [t])
         return self._work([self.group.all_reduce(t, op, async_op=True)], [t])
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> ShardlineWork:
@@ -192,15 +210,34 @@ class ShardlineProcessGroup(_ProcessGroupBase):
     def allgather_coalesced(
         self, output_lists: Any, input_list: Any, opts: Any = None
     ) -> ShardlineWork:
-        """``allgather`` for each input of ``input_list`` into the matching output list."""
+        """Gathers every input of ``input_list`` from every rank.
+
+        ``output_lists[r][j]`` receives rank ``r``'s ``input_list[j]``: one list per rank, one
+        tensor per input in it (torch's and Gloo's layout).
+        """
         ins = _cpus(input_list, "allgather_coalesced(input)")
-        _same_len(output_lists, ins, "allgather_coalesced")
-        works, outs = [], []
-        for i, (out_list, inp) in enumerate(zip(output_lists, ins, strict=True)):
-            o = _cpus(out_list, f"allgather_coalesced(output[{i}])")
-            works.append(self.group.all_gather(o, inp, async_op=True))
-            outs += o
-        return self._work(works, outs)
+        w = self.group.world_size
+        if (
+            not isinstance(output_lists, list | tuple)
+            or len(output_lists) != w
+            or any(not isinstance(o, list | tuple) or len(o) != len(ins) for o in output_lists)
+        ):
+            got = (
+                [len(o) if isinstance(o, list | tuple) else type(o).__name__ for o in output_lists]
+                if isinstance(output_lists, list | tuple)
+                else type(output_lists).__name__
+            )
+            raise InvalidArgumentError(
+                f"allgather_coalesced on rank {self.group.rank}: output_tensor_lists must hold "
+                f"{w} lists (one per rank) of {len(ins)} tensors (one per input); got list "
+                f"lengths {got}"
+            )
+        outs = [_cpus(o, f"allgather_coalesced(output[{r}])") for r, o in enumerate(output_lists)]
+        works = [
+            self.group.all_gather([outs[r][j] for r in range(w)], inp, async_op=True)
+            for j, inp in enumerate(ins)
+        ]
+        return self._work(works, [t for o in outs for t in o])
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -320,24 +357,53 @@ class ShardlineProcessGroup(_ProcessGroupBase):
         """Completes once every rank of the group has entered the barrier."""
         return self._work([self.group.barrier(async_op=True)], [])
 
+    def monitored_barrier(
+        self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """A barrier whose rank 0 names the ranks that did not reach it within ``timeout``.
+
+        See ``torch.distributed.monitored_barrier``; the reports go through the group's store
+        (``monitored.py``), so a missing rank leaves nothing pending in the group.
+
+        Raises:
+            MonitoredBarrierError: A rank did not arrive in time.
+        """
+        if self._store is None:
+            raise InvalidArgumentError(
+                "monitored_barrier needs the store torch creates a group with; create the "
+                "group with torch.distributed.init_process_group or new_group"
+            )
+        group_timeout = self._timeout if self._timeout is not None else 300.0
+        if timeout is None:
+            limit = group_timeout
+        else:
+            limit = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        call, self._monitored_calls = self._monitored_calls, self._monitored_calls + 1
+        store = dist.PrefixStore(f"{BACKEND_NAME}-monitored/", self._store)  # type: ignore[attr-defined]
+        monitored_barrier(
+            store, self.group.rank, self.group.world_size, call, limit, group_timeout,
+            wait_all_ranks,
+        )  # fmt: skip
+
     def send(self, tensors: Any, dstRank: int, tag: int = 0) -> ShardlineWork:
-        """Sends ``[tensor]`` to group rank ``dstRank`` (``tag`` must be 0)."""
+        """Sends ``[tensor]`` to group rank ``dstRank``, labelled ``tag``."""
         t = _one(tensors, "send")
-        _check_tag(tag, "send")
-        return self._work([self.group.send(t, int(dstRank), async_op=True)], [t])
+        return self._work([self.group.send(t, int(dstRank), async_op=True, tag=tag)], [t])
 
     def recv(self, tensors: Any, srcRank: int, tag: int = 0) -> ShardlineWork:
-        """Receives into ``[tensor]`` what group rank ``srcRank`` sends (``tag`` must be 0)."""
+        """Receives into ``[tensor]`` the next message tagged ``tag`` from ``srcRank``."""
         t = _one(tensors, "recv")
-        _check_tag(tag, "recv")
-        return self._work([self.group.recv(t, int(srcRank), async_op=True)], [t])
+        work = self.group.recv(t, int(srcRank), async_op=True, tag=tag)
+        return self._work([work], [t])
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> ShardlineWork:
-        """Not supported: messages are matched by source; pass ``src``."""
-        raise InvalidArgumentError(
-            f"recv: backend {BACKEND_NAME!r} needs the source rank (src=...); receiving from "
-            "any source is not supported"
-        )
+        """Receives into ``[tensor]`` the first message tagged ``tag`` from any rank.
+
+        The Work's ``_source_rank()`` says which rank sent it.
+        """
+        t = _one(tensors, "recv")
+        work = self.group.recv(t, None, async_op=True, tag=tag)
+        return self._work([work], [t])
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -409,14 +475,6 @@ def _same_len(outs: Sequence[object], ins: Sequence[object], what: str) -> None:
     if len(outs) != len(ins):
         raise InvalidArgumentError(
             f"{what}: {len(outs)} outputs but {len(ins)} inputs; pass one output per input"
-        )
-
-
-def _check_tag(tag: int, what: str) -> None:
-    if tag != 0:
-        raise InvalidArgumentError(
-            f"{what}: backend {BACKEND_NAME!r} matches messages between two ranks in order and "
-            f"does not support tags (got tag={tag}); use tag=0"
         )
 
 

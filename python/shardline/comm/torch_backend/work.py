@@ -65,6 +65,7 @@ class _Op:
         self._error: BaseException | None = None
         self._future: torch.futures.Future[list[torch.Tensor]] | None = None
         self._notified = False
+        self.source: int | None = None  # a receive's sender, once it is done
 
     @property
     def done(self) -> bool:
@@ -103,6 +104,7 @@ class _Op:
         try:
             for w in self._works:
                 w.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                self.source = w.source
             if self._after is not None:
                 self._after()
         except CollectiveTimeoutError as exc:
@@ -244,3 +246,12 @@ class ShardlineWork(_WorkBase):
     def result(self) -> list[torch.Tensor]:
         """The op's output tensors."""
         return self._op.result
+
+    def _source_rank(self) -> int:
+        """The group rank a finished receive took its message from (torch's name)."""
+        self._op.finish(None)
+        if self._op.source is None:
+            raise RuntimeError(
+                "_source_rank() is only for the Work of a recv or of a recv from any source"
+            )
+        return self._op.source

@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::{pid_alive, Arena, PAGE};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Result, LONGER_TIMEOUT};
 use crate::signature::{OpSig, SIG_BYTES};
 use crate::wait::{self, Signal, Stop};
 
@@ -53,6 +53,14 @@ struct ChannelCtrl {
 
 const _: () = assert!(std::mem::size_of::<ChannelCtrl>() <= PAGE);
 const _: () = assert!(CHUNKS.is_power_of_two());
+
+/// The error message of a receive by rank `me` of `sig` from rank `peer` that timed out.
+fn recv_timeout(me: usize, sig: &OpSig, peer: usize) -> String {
+    format!(
+        "rank {me} timed out receiving {sig} from rank {peer}, which has not sent it; that rank \
+         may be stuck in another op or hung — check its log, or {LONGER_TIMEOUT}"
+    )
+}
 
 /// Chunks a message of `len` bytes takes (at least one).
 fn chunks_of(len: usize) -> usize {
@@ -105,8 +113,7 @@ impl Arena {
             self.wait_channel(&ctrl.read.0, room, dst, deadline, || {
                 format!(
                     "rank {} timed out sending {sig} to rank {}, which has not received it; \
-                     check that rank calls recv for every send, in the same order (or raise \
-                     SHARDLINE_TIMEOUT)",
+                     check that rank calls recv for every send (or {LONGER_TIMEOUT})",
                     self.global[self.me], self.global[dst]
                 )
             })?;
@@ -152,11 +159,7 @@ impl Arena {
         let mut r = ctrl.read.0.value.load(Ordering::Relaxed);
         for index in 0..chunks_of(out.len()) {
             self.wait_channel(&ctrl.written.0, r.wrapping_add(1), src, deadline, || {
-                format!(
-                    "rank {me} timed out receiving {sig} from rank {peer}, which has not sent \
-                     it; that rank may be stuck in another op or hung — check its log, or \
-                     raise SHARDLINE_TIMEOUT"
-                )
+                recv_timeout(me, sig, peer)
             })?;
             let slot = r % CHUNKS;
             // SAFETY: the sender posted `written` past this slot (acquired by the wait), so
@@ -189,6 +192,82 @@ impl Arena {
         Ok(())
     }
 
+    /// The signature and byte length of the next message from local rank `src`, without
+    /// taking it: `None` while none has arrived. Fails when the arena was aborted, or when
+    /// `src` is gone with nothing left to read from it.
+    pub fn peek_from(&self, src: usize) -> Result<Option<(OpSig, u64)>> {
+        let ctrl = self.channel_ctrl(src, self.me);
+        // Only this thread writes `read`.
+        let r = ctrl.read.0.value.load(Ordering::Relaxed);
+        if !wait::reached(
+            ctrl.written.0.value.load(Ordering::Acquire),
+            r.wrapping_add(1),
+        ) {
+            if let Some(e) = self.aborted() {
+                return Err(e);
+            }
+            self.peer_still_there(src, &ctrl.written.0, r.wrapping_add(1))?;
+            return Ok(None);
+        }
+        Ok(Some(self.head_of(src, r)?))
+    }
+
+    /// Waits for the next message from local rank `src` and returns its signature and byte
+    /// length without taking it; `expected` names what this rank waits for, in errors.
+    pub fn wait_message_from(
+        &self,
+        src: usize,
+        expected: &OpSig,
+        deadline: Instant,
+    ) -> Result<(OpSig, u64)> {
+        let ctrl = self.channel_ctrl(src, self.me);
+        let r = ctrl.read.0.value.load(Ordering::Relaxed);
+        let (me, peer) = (self.global[self.me], self.global[src]);
+        self.wait_channel(&ctrl.written.0, r.wrapping_add(1), src, deadline, || {
+            recv_timeout(me, expected, peer)
+        })?;
+        self.head_of(src, r)
+    }
+
+    /// The record of the chunk at read position `r` of the channel from `src`, which the
+    /// caller saw posted: the first chunk of a message.
+    fn head_of(&self, src: usize, r: u32) -> Result<(OpSig, u64)> {
+        let ctrl = self.channel_ctrl(src, self.me);
+        // SAFETY: the sender posted `written` past this slot (the caller acquired it), so the
+        // record is complete and the sender does not touch it until this rank reads it.
+        let meta = unsafe { std::ptr::read(std::ptr::addr_of!(ctrl.meta[(r % CHUNKS) as usize])) };
+        if meta.index != 0 {
+            return Err(Error::protocol(format!(
+                "rank {}: the channel from rank {} is out of step (chunk {} of a message where a \
+                 message starts)",
+                self.global[self.me], self.global[src], meta.index
+            )));
+        }
+        Ok((OpSig::decode(&meta.sig)?, meta.total))
+    }
+
+    /// Fails when local rank `peer` is gone while `signal`, which it posts, has not reached
+    /// `target`: it exited or closed its communicator.
+    fn peer_still_there(&self, peer: usize, signal: &Signal, target: u32) -> Result<()> {
+        let c = self.ctrl(peer);
+        let gone =
+            c.departed.load(Ordering::Acquire) != 0 || !pid_alive(c.pid.load(Ordering::Acquire));
+        if gone && !wait::reached(signal.value.load(Ordering::Acquire), target) {
+            return Err(Error::new(
+                ErrorKind::PeerLost,
+                format!(
+                    "rank {} lost rank {} (pid {}) during a point-to-point transfer: the \
+                     process exited or closed its communicator; check that rank's log for \
+                     the root cause",
+                    self.global[self.me],
+                    self.global[peer],
+                    c.pid.load(Ordering::Acquire)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Waits until `signal` reaches `target`, owned by local rank `peer`; fails early when the
     /// arena is aborted or the peer is gone without having reached it.
     fn wait_channel(
@@ -203,23 +282,7 @@ impl Arena {
             if let Some(e) = self.aborted() {
                 return Err(e);
             }
-            let c = self.ctrl(peer);
-            let gone = c.departed.load(Ordering::Acquire) != 0
-                || !pid_alive(c.pid.load(Ordering::Acquire));
-            if gone && !wait::reached(signal.value.load(Ordering::Acquire), target) {
-                return Err(Error::new(
-                    ErrorKind::PeerLost,
-                    format!(
-                        "rank {} lost rank {} (pid {}) during a point-to-point transfer: the \
-                         process exited or closed its communicator; check that rank's log for \
-                         the root cause",
-                        self.global[self.me],
-                        self.global[peer],
-                        c.pid.load(Ordering::Acquire)
-                    ),
-                ));
-            }
-            Ok(())
+            self.peer_still_there(peer, signal, target)
         });
         match res {
             Ok(()) => Ok(()),
