@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import shardline  # noqa: F401  # registers the "shardline" backend
+from shardline.comm.torch_backend import cpu_backend
 from tests.multiprocess._worker import _leave_torch_gloo
 
 Group = Any  # a torch ProcessGroup
@@ -94,6 +95,18 @@ def shapes() -> None:
         dist.all_gather_into_tensor(out, _inputs(r, 4, torch.float64).view(2, 2), group=g)
         return out
 
+    def coalesced_tensors(g: Group) -> Any:
+        # torch's coalescing manager hands these to the group's *_coalesced entry points.
+        outs = [torch.empty(w * 2), torch.empty(w * 3)]
+        with dist._coalescing_manager(g):
+            for out, n in zip(outs, (2, 3), strict=True):
+                dist.all_gather_into_tensor(out, _inputs(r, n), group=g)
+        pieces = [torch.empty(2), torch.empty(1)]
+        with dist._coalescing_manager(g):
+            for piece, n in zip(pieces, (2, 1), strict=True):
+                dist.reduce_scatter_tensor(piece, _inputs(r, n * w), group=g)
+        return [outs, pieces]
+
     def scatter_list(g: Group) -> Any:
         out = torch.empty(3)
         dist.reduce_scatter(out, [_inputs(r, 3) + q for q in range(w)], group=g)
@@ -143,11 +156,23 @@ def shapes() -> None:
             req.wait()
         return got
 
+    def functional(g: Group) -> Any:
+        # torch's functional collectives reach the group through its backend for "cpu".
+        import torch.distributed._functional_collectives as fc
+
+        summed = fc.wait_tensor(fc.all_reduce(_inputs(r, 4), "sum", g))
+        gathered = fc.wait_tensor(fc.all_gather_tensor(_inputs(r, 3), 0, g))
+        scattered = fc.wait_tensor(fc.reduce_scatter_tensor(_inputs(r, 2 * w), "sum", 0, g))
+        return [summed, gathered, scattered]
+
+    checks: list[Callable[[Group], Any]] = [functional] if cpu_backend.supported() else []
     for check in (
+        *checks,
         gather_coalesced,
         reduce_coalesced,
         gather_list,
         gather_into,
+        coalesced_tensors,
         scatter_list,
         scatter_tensor,
         rooted,

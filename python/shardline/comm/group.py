@@ -8,7 +8,6 @@ sees flat, checked tensors on its device.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardline.comm import _shapes as shapes
-from shardline.comm import flight, traffic, why
+from shardline.comm import failures, flight, traffic
 from shardline.comm._buffers import (
     as_tensor,
     check_numel,
@@ -26,7 +25,6 @@ from shardline.comm._buffers import (
 from shardline.comm.flight import RECORDER
 from shardline.comm.work import Handle, Work
 from shardline.errors import (
-    CollectiveTimeoutError,
     CommunicatorClosedError,
     InvalidArgumentError,
     PeerLostError,
@@ -178,39 +176,10 @@ class ProcessGroup:
         return RECORDER.start(self.name, seq, op, 0, None, peer)
 
     def _failed(self, record: list[object] | None, exc: ShardlineError) -> ShardlineError:
-        """An op of this group failed here: noted, recorded, dumped; the error to raise.
-
-        A collective that timed out asks the other ranks where they are (``why.diagnose``),
-        and its error says who holds the group up.
-        """
+        """An op of this group failed here: noted, then ``failures.explained``."""
         if isinstance(exc, PeerLostError) and self._peer_lost is None:
             self._peer_lost = exc
-        RECORDER.finish(record, exc)
-        if isinstance(exc, InvalidArgumentError | CommunicatorClosedError):
-            return exc  # refused before it ran: nothing to explain
-        out = exc
-        collective = record is not None and record[flight.PEER] is None
-        if isinstance(exc, CollectiveTimeoutError) and collective:
-            from shardline.comm import world  # noqa: PLC0415 (world imports this module)
-
-            job = world.job_store()
-            if job is not None:
-                store, timeout = job
-                assert record is not None
-                sentence = why.diagnose(self, record, store, timeout)
-                if sentence:
-                    out = CollectiveTimeoutError(f"{exc}\nwho holds it up: {sentence}")
-        op = record[flight.OP] if record is not None else "an op"
-        path = RECORDER.dump(f"{type(exc).__name__} in {op}: {exc}")
-        if path is not None:
-            note = (f"\n(this rank's last ops: {path}; `shardline why {path.parent}` reads "
-                    "every rank's)")  # fmt: skip
-            if out is exc:
-                with contextlib.suppress(Exception):
-                    exc.args = (f"{exc.args[0] if exc.args else exc}{note}", *exc.args[1:])
-            else:
-                out = CollectiveTimeoutError(f"{out}{note}")
-        return out
+        return failures.explained(self, record, exc)
 
     def _lost_peer(self) -> PeerLostError | None:
         """The first ``PeerLostError`` an op of this group, or of a sub-group, raised here."""
