@@ -11,6 +11,7 @@ the A runs and over the B runs, and B/A - 1 in percent.
         && cp target/release/libshardline.so python/shardline/_native.abi3.so)
     python benches/ab.py --a /tmp/base --pairs 5 collectives --quick --ranks 2
     python benches/ab.py --a /tmp/base --pairs 5 ddp --ranks 2
+    python benches/ab.py --a /tmp/base --pairs 5 p2p --sizes 4K,1M,16M
 """
 
 from __future__ import annotations
@@ -35,17 +36,14 @@ def run(side: str, checkout: Path, bench: str, extra: list[str], i: int, tmp: Pa
     """One run of ``bench`` from ``checkout``; its results as JSON."""
     env = {**os.environ, "PYTHONPATH": str(checkout / "python")}
     tag = f"ab-{side}{i}"
-    if bench == "collectives":
-        cmd = [sys.executable, str(checkout / "benches" / "bench_collectives.py"), *extra]
-        cmd += ["--out", str(tmp / tag)]
-    else:
-        cmd = [sys.executable, str(checkout / "benches" / "bench_ddp.py"), *extra, "--tag", tag]
+    cmd = [sys.executable, str(checkout / "benches" / f"bench_{bench}.py"), *extra]
+    cmd += ["--out", str(tmp / tag)] if bench == "collectives" else ["--tag", tag]
     t0 = time.monotonic()
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     print(f"  {side}{i}: {time.monotonic() - t0:.0f} s", flush=True)
     if bench == "collectives":
         return json.loads((tmp / f"{tag}.json").read_text())
-    found = sorted((checkout / "benches" / "results").glob(f"ddp*{tag}.*"))
+    found = sorted((checkout / "benches" / "results").glob(f"{bench}*{tag}.*"))
     data = None
     for f in found:  # out of the checkout: these runs are raw material, not results
         if f.suffix == ".json":
@@ -64,6 +62,12 @@ def cells(bench: str, data: Any) -> dict[str, float]:
                     name = f"{c['op']} {c['size']} B {c['backend']} n={ranks}"
                     out[name] = c["median_s"]
         return out
+    if bench == "p2p":
+        for c in data["cells"]:
+            for kind in ("one_way", "exchange"):
+                if c.get(f"{kind}_s"):
+                    out[f"{kind} {c['size']} B {c['backend']}"] = c[f"{kind}_s"]
+        return out
     for ranks, models in data["results"].items():
         for model, r in models.items():
             out[f"{model} n={ranks} shardline step"] = r["shardline_step_ms"] / 1e3
@@ -77,7 +81,7 @@ def main() -> None:
     parser.add_argument("--b", type=Path, default=ROOT, help="checkout of the code after")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="text report [results/ab-*.txt]")
-    parser.add_argument("bench", choices=["collectives", "ddp"])
+    parser.add_argument("bench", choices=["collectives", "ddp", "p2p"])
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="the bench's own arguments")
     args = parser.parse_args()
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"shardline-ab-{os.getpid()}"

@@ -235,47 +235,44 @@ impl Router {
         self.arena = None;
     }
 
-    /// The arena and `peer`'s index in it, when `peer` shares this rank's host: messages to
-    /// and from it go through the arena's channels instead of TCP.
-    fn local_peer(&self, peer: usize) -> Option<(&Arena, usize)> {
-        let a = self.arena.as_ref()?.arena();
-        a.local_of(peer).map(|local| (a, local))
-    }
-
     fn mesh(&mut self) -> Result<&mut TcpMesh> {
         let rank = self.rank;
-        self.mesh.as_mut().ok_or_else(|| {
-            Error::invalid(format!(
-                "rank {rank}: this group has no TCP links (created without a listener)"
-            ))
-        })
+        self.mesh.as_mut().ok_or_else(|| unlinked(rank))
+    }
+
+    /// The links point-to-point messages take: the arena's channels to ranks of this host,
+    /// TCP to the others.
+    fn links(&mut self) -> (P2pLinks<'_>, &mut Mailbox) {
+        let links = P2pLinks {
+            rank: self.rank,
+            world: self.world,
+            arena: self.arena.as_ref().map(ArenaComm::arena),
+            mesh: self.mesh.as_mut(),
+        };
+        (links, &mut self.mailbox)
     }
 
     /// Runs `op` (signed `sig`) on the transport and algorithm its kind and the group's
     /// mode call for, by `deadline`. A receive's outcome is the rank its message came from.
     pub(super) fn dispatch(&mut self, op: &Op, sig: &OpSig, deadline: Instant) -> Outcome {
-        if let Op::Recv { buf, peer, .. } = op {
-            let mut links = P2pLinks {
-                rank: self.rank,
-                world: self.world,
-                arena: self.arena.as_ref().map(ArenaComm::arena),
-                mesh: self.mesh.as_mut(),
-            };
-            return self
-                .mailbox
-                .recv(&mut links, *peer, sig, buf.bytes(), deadline)
-                .map(Some);
+        match op {
+            Op::Send { buf, peer, .. } => {
+                let (mut links, _) = self.links();
+                links.send(*peer, sig, buf.bytes(), deadline).map(|()| None)
+            }
+            Op::Recv { buf, peer, .. } => {
+                let (mut links, mailbox) = self.links();
+                mailbox
+                    .recv(&mut links, *peer, sig, buf.bytes(), deadline)
+                    .map(Some)
+            }
+            _ => self.run(op, sig, deadline).map(|()| None),
         }
-        self.run(op, sig, deadline).map(|()| None)
     }
 
     fn run(&mut self, op: &Op, sig: &OpSig, deadline: Instant) -> Result<()> {
         match (op, self.mode) {
-            (Op::Send { buf, peer, .. }, _) => match self.local_peer(*peer) {
-                Some((a, local)) => a.send_to(local, sig, buf.bytes(), deadline),
-                None => self.mesh()?.send(*peer, sig, buf.bytes(), deadline),
-            },
-            (Op::Recv { .. }, _) => unreachable!("receives go through the mailbox"),
+            (Op::Send { .. } | Op::Recv { .. }, _) => unreachable!("p2p is dispatched before"),
             (_, Mode::Single) => run_single(op),
             (_, Mode::Shm) => self.run_shm(op, sig, deadline),
             (Op::AllReduce { buf, dtype, op }, Mode::Hierarchical) => {
@@ -390,12 +387,23 @@ impl P2pLinks<'_> {
 
     fn mesh(&mut self) -> Result<&mut TcpMesh> {
         let rank = self.rank;
-        self.mesh.as_deref_mut().ok_or_else(|| {
-            Error::invalid(format!(
-                "rank {rank}: this group has no TCP links (created without a listener)"
-            ))
-        })
+        self.mesh.as_deref_mut().ok_or_else(|| unlinked(rank))
     }
+
+    /// Sends one message, signed `sig`, to `peer`.
+    fn send(&mut self, peer: usize, sig: &OpSig, payload: &[u8], deadline: Instant) -> Result<()> {
+        match self.local(peer) {
+            Some((a, local)) => a.send_to(local, sig, payload, deadline),
+            None => self.mesh()?.send(peer, sig, payload, deadline),
+        }
+    }
+}
+
+/// The error of a message to a rank of another host in a group made without TCP links.
+fn unlinked(rank: usize) -> Error {
+    Error::invalid(format!(
+        "rank {rank}: this group has no TCP links (created without a listener)"
+    ))
 }
 
 impl Links for P2pLinks<'_> {

@@ -23,6 +23,9 @@ The package, one role per file:
 - ``work``: ``ShardlineWork``, the ``torch.distributed.Work`` of an op, and the threads that
   complete its futures (see [Note: completion] there).
 - ``monitored``: ``monitored_barrier`` through the group's store.
+- ``sparse``: all-reduce of sparse COO tensors.
+- ``cpu_backend``: the ``Backend`` a group registers for the ``cpu`` device, where torch
+  allows one written in Python.
 """
 
 from __future__ import annotations
