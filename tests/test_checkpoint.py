@@ -210,6 +210,22 @@ def test_latest_ignores_uncommitted_and_keep_last_rotates(tmp_path: Path) -> Non
         checkpoint.load(torn, model=make())
 
 
+def test_the_resume_idiom_works_on_a_first_run(tmp_path: Path) -> None:
+    """``load(latest(root))`` with nothing saved yet (no folder, an empty one, only a torn
+    save) leaves model and optimizer as they are and returns no extra."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "torn" / "step1.partial").mkdir(parents=True)
+    model = make()
+    opt = adamw(list(model.named_parameters()))
+    before = full_state(model)
+    for root in ("missing", "empty", "torn"):
+        assert checkpoint.latest(tmp_path / root) is None
+        extra = checkpoint.load(checkpoint.latest(tmp_path / root), model=model, optimizer=opt)
+        assert extra == {} and extra.get("step", 0) == 0
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert opt.state_dict()["state"] == {}
+
+
 def test_a_flipped_byte_is_caught_naming_file_and_tensor(tmp_path: Path) -> None:
     checkpoint.save(tmp_path / "ck", model=make())
     shard = next((tmp_path / "ck").glob("rank*.safetensors"))

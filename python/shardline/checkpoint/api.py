@@ -314,7 +314,7 @@ def _wait_commit(final: Path, partial: Path, nonce: int, deadline: float) -> Non
 
 
 def load(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | None,
     *,
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
@@ -332,9 +332,17 @@ def load(
     rank. ``progress``: a progress line on stderr (``None``: on rank 0, for loads that take
     more than 2 s; ``SHARDLINE_PROGRESS=0`` turns it off).
 
+    ``path=None`` loads nothing and returns ``{}``, so that resuming reads the same on a first
+    run, when ``latest(root)`` finds no checkpoint::
+
+        extra = sl.checkpoint.load(sl.checkpoint.latest("ckpt"), model=model, optimizer=opt)
+        step = extra.get("step", 0)
+
     Returns:
-        The ``extra`` saved with it.
+        The ``extra`` saved with it (``{}`` for ``path=None``).
     """
+    if path is None:
+        return {}
     with Checkpoint(path) as ck:
         g = _group(group)
         rank, world = (g.rank, g.world_size) if g is not None else (0, 1)

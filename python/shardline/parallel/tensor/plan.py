@@ -47,6 +47,7 @@ from shardline.comm.group import ProcessGroup
 from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import broadcast_coalesced
+from shardline.parallel.replaced import mark_replaced
 from shardline.parallel.tensor import overlap
 from shardline.parallel.tensor.attention import ParallelMultiheadAttention, unsupported
 from shardline.parallel.tensor.auto import auto_plan, fix_attention, is_hf_causal_lm, tied_heads
@@ -167,6 +168,10 @@ def _retie(model: nn.Module, ties: list[tuple[str, str]]) -> None:
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
+    old = model.get_submodule(name)
+    kept = {id(p) for p in new.parameters()}
+    gone = [(f"{name}.{n}", p) for n, p in old.named_parameters() if id(p) not in kept]
+    mark_replaced(gone, "sl.tensor_parallel")
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 

@@ -16,6 +16,7 @@ import torch
 from shardline.parallel.data.zero.base import ZeroBase
 from shardline.parallel.data.zero.grouping import UnitPlan, plan_units
 from shardline.parallel.data.zero.units import Unit
+from shardline.parallel.replaced import mark_replaced
 
 __all__ = ["UnitLayout"]
 
@@ -55,6 +56,15 @@ class UnitLayout(ZeroBase):
         self._unit_of = {id(p): u for u in self._units for p in u.params}
         self._slot = {id(p): i for u in self._units for i, p in enumerate(u.params)}
         self._local_ids = {id(loc) for u in self._units for loc in u.locals}
+        mark_replaced(
+            (
+                (name, p)
+                for u in self._units
+                for name, p in zip(u.names, u.params, strict=True)
+                if id(p) not in self._local_ids
+            ),
+            f"sl.distribute(strategy='zero{self.stage}')",
+        )
         position = {name: i for i, name in enumerate(order)}
         self._module_units = {}
         last_use: dict[int, float] = {}
