@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from shardline.errors import InvalidArgumentError
 from shardline.launch import DEFAULT_GRACE_PERIOD_S, LaunchConfig, launch
@@ -46,11 +47,42 @@ def _nnodes(text: str) -> tuple[int | None, int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX") from None
 
 
+def _version() -> str:
+    """``shardline X, engine Y, torch Z``."""
+    import torch  # noqa: PLC0415  # only for --version: `shardline run` starts without it
+
+    from shardline import __version__  # noqa: PLC0415
+
+    try:
+        from shardline import _native  # noqa: PLC0415
+
+        engine = _native.__version__
+    except ImportError:
+        engine = "not built"
+    return f"shardline {__version__} (engine {engine}, torch {torch.__version__})"
+
+
+class _Version(argparse.Action):
+    """``--version``: the versions, found only when asked (the launcher starts without torch)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **_: Any) -> None:
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            help="print shardline's, its engine's and torch's version",
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        parser.exit(message=_version() + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``shardline`` and its ``run`` subcommand."""
     parser = argparse.ArgumentParser(
         prog="shardline", description="Train PyTorch models across processes with shardline."
     )
+    parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser(
         "run",

@@ -75,8 +75,29 @@ def strategy(name: str) -> Strategy:
     """
     row = _BY_NAME.get(name.lower())
     if row is None:
-        raise InvalidArgumentError(f"unknown strategy {name!r}; use one of {', '.join(STRATEGIES)}")
+        hint = _ELSEWHERE.get(name.lower(), "")
+        raise InvalidArgumentError(
+            f"unknown strategy {name!r}; use one of {', '.join(STRATEGIES)}{hint}"
+        )
     return row
+
+
+# Layouts that are not a data-parallel strategy of their own: where they are asked for.
+_MESH = (
+    "; pipeline and tensor parallelism compose on a mesh: sl.distribute(model, opt, "
+    "mesh=sl.DeviceMesh({'dp': 2, 'pp': 2, 'tp': 2}), strategy={'dp': 'zero2', 'pp': '1f1b', "
+    "'tp': 'auto'}, microbatches=8, loss_fn=loss_fn)"
+)
+_ELSEWHERE = {
+    **dict.fromkeys(
+        ("pp", "pipeline", "gpipe", "1f1b", "interleaved", "zero_bubble"),
+        f"{_MESH}, or alone with sl.pipeline(model, group, schedule='1f1b', ...)",
+    ),
+    **dict.fromkeys(
+        ("tp", "tensor", "tensor_parallel", "megatron"),
+        f"{_MESH}, or alone with sl.tensor_parallel(model, group)",
+    ),
+}
 
 
 def options_of(wrapper: type[nn.Module]) -> list[str]:
