@@ -74,7 +74,8 @@ class _Version(argparse.Action):
         )
 
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
-        parser.exit(message=_version() + "\n")
+        print(_version())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
