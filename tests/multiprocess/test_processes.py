@@ -103,6 +103,26 @@ def test_wrong_secret_is_rejected_and_nobody_hangs() -> None:
     assert all("ERROR" in o for o in outs), report(ranks)
 
 
+def test_nodes_that_count_different_world_sizes_fail_within_seconds_naming_both() -> None:
+    """Two nodes launched with different --nproc-per-node: node 0 (2 per node, 4 in all) and a
+    node that counts 3 per node (6 in all, its first rank 3): everybody fails at once."""
+    node0 = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "SHARDLINE_HOST_ID": "node0"}
+    per_rank = {
+        0: node0,
+        1: node0,
+        2: {"RANK": "3", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3", "LOCAL_RANK": "0",
+            "SHARDLINE_HOST_ID": "node1"},
+    }  # fmt: skip
+    env = {**SECRET, "SHARDLINE_TIMEOUT": "120"}
+    ranks = run(3, "expect_failure", env=env, per_rank=per_rank, timeout=60)
+    for r in ranks:
+        assert "ERROR " in r.out, report(ranks)
+        elapsed = float(r.out.split("ERROR ")[1].split()[1])
+        assert elapsed < 10, report(ranks)
+        assert "WORLD_SIZE=4" in r.out and "WORLD_SIZE=6" in r.out, report(ranks)
+    assert "launch every node with the same --nproc-per-node" in ranks[2].out, report(ranks)
+
+
 def test_garbage_on_listener_port_is_rejected_and_job_completes(tmp_path: Path) -> None:
     port, go = free_port(), tmp_path / "go"
     per_rank = {0: {"SHARDLINE_HOST_ID": "sim-a"}, 1: {"SHARDLINE_HOST_ID": "sim-b"}}

@@ -91,6 +91,27 @@ def agree_on_backend(store: Store, rank: int, chosen: str, *, explicit: bool) ->
         )
 
 
+def agree_on_world_size(store: Store, rank: int, world_size: int, local_world_size: int) -> None:
+    """Fails a rank whose job size differs from the first rank's to join, at once.
+
+    Nodes launched with different ``--nproc-per-node`` (or ``--nnodes``) count different
+    world sizes and would otherwise wait out their timeout for ranks that never come. The
+    first rank to get here records its sizes; every later one compares (the error it raises
+    then reaches the others through the store within a second).
+    """
+    client = store_errors(store, rank=rank, task=_JOINING)
+    mine = f"{world_size}/{local_world_size}"
+    with client.step("comparing the job's size with the other ranks'"):
+        first = bytes(store.compare_set("shardline/init/world_size", "", mine)).decode()
+    if first != mine:
+        world, local = first.split("/")
+        raise ShardlineError(
+            f"rank {rank} counts WORLD_SIZE={world_size} ({local_world_size} ranks on its node) "
+            f"but the ranks that joined first count WORLD_SIZE={world} ({local} per node); "
+            "launch every node with the same --nproc-per-node and --nnodes"
+        )
+
+
 _T = TypeVar("_T")
 
 

@@ -240,6 +240,9 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
         )
         _check_out_at_exit()
         try:
+            generations.agree_on_world_size(
+                store, info.rank, info.world_size, info.local_world_size
+            )
             generations.agree_on_backend(store, info.rank, chosen, explicit=bool(named))
             device = None
             if chosen == "nccl":
