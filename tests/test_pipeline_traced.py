@@ -276,3 +276,37 @@ def test_a_traced_meta_model_materialises_its_stage_and_loads_a_checkpoint(
     for full in run_ranks(2, body, timeout=120):
         for key, value in want.items():
             torch.testing.assert_close(full[key], value, msg=key)
+
+
+def test_a_hugging_face_model_with_its_cache_on_is_traced_with_it_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """GPT-2 as Hugging Face builds it (``use_cache=True``): the pipeline traces it with the
+    cache off, says so, and its loss equals one process's on the same batch."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB,
+                                     n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)  # fmt: skip
+    ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
+        logits = out.logits if hasattr(out, "logits") else out
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config)
+
+    plain = build()
+    with torch.no_grad():
+        want = float(sum(loss_fn(plain(ids[i : i + 2]), ids[i : i + 2]) for i in (0, 2)) / 2)
+
+    def body(g: ProcessGroup) -> float:
+        model = sl.pipeline(build(), g, schedule="1f1b", microbatches=2, loss_fn=loss_fn,
+                            split=["transformer.h.1"], example=ids[:2])  # fmt: skip
+        return float(model.step(ids, target=ids))
+
+    with caplog.at_level("WARNING", logger="shardline"):
+        losses = run_ranks(2, body)
+    assert losses == [pytest.approx(want, rel=1e-5)] * 2
+    assert "tracing GPT2LMHeadModel with config.use_cache=False" in caplog.text

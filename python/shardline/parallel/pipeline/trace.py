@@ -25,9 +25,11 @@ on the meta device traces without memory and materialises only this rank's stage
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,8 @@ from shardline.parallel.pipeline import boundary
 from shardline.parallel.pipeline.state import Tied
 
 __all__ = ["TracedSplit", "positional", "rank_stages", "strip", "trace_split"]
+
+_log = logging.getLogger("shardline")
 
 # torch.export keeps global state while it traces: ranks that are threads of one process
 # (tests, notebooks) trace one at a time.
@@ -189,6 +193,29 @@ def _thread(gms: list[fx.GraphModule], needs: list[list[Value]], inputs: int) ->
     return out
 
 
+@contextlib.contextmanager
+def _no_cache(model: nn.Module) -> Iterator[None]:
+    """Traces a Hugging Face model with its key/value cache off, and says so.
+
+    With ``config.use_cache`` its forward returns a ``DynamicCache``, which ``torch.export``
+    cannot carry; a pipeline step keeps no cache between micro-batches anyway.
+    """
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        yield
+        return
+    _log.warning(
+        "pipeline: tracing %s with config.use_cache=False (a pipeline passes activations "
+        "between stages and keeps no key/value cache)",
+        type(model).__name__,
+    )
+    config.use_cache = False  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        config.use_cache = True  # type: ignore[union-attr]
+
+
 def trace_split(
     model: nn.Module, starts: Sequence[str], example: Any, stages: int, p: int
 ) -> TracedSplit:
@@ -223,7 +250,7 @@ def trace_split(
             "pipeline: example= must be a tensor, a tuple of tensors (positional inputs) or a "
             "dict of tensors (keyword inputs, such as input_ids and attention_mask)"
         )
-    with _TRACING:
+    with _TRACING, _no_cache(model):
         pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
                         split_spec=dict.fromkeys(starts, SplitPoint.BEGINNING))  # fmt: skip
     if pipe.num_stages != stages:
