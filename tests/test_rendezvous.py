@@ -102,6 +102,10 @@ def test_inconsistent_variables_fail_fast(change: dict[str, str], message: str) 
         read_env({**TORCHRUN, **change})
 
 
+def test_a_script_run_without_a_launcher_is_one_process() -> None:
+    assert read_env({"PATH": "/usr/bin"}) == RendezvousInfo("127.0.0.1", 0, 0, 1, 0, 1, "env")
+
+
 def test_single_process_needs_no_master() -> None:
     info = read_env({"RANK": "0", "WORLD_SIZE": "1"})
     assert (info.master_addr, info.master_port, info.local_world_size) == ("127.0.0.1", 0, 1)

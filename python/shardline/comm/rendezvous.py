@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -36,6 +37,8 @@ from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
+
+_log = logging.getLogger("shardline")
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -113,7 +116,8 @@ def first_slurm_host(nodelist: str) -> str:
 def read_env(env: Mapping[str, str] | None = None) -> RendezvousInfo:
     """Reads the rendezvous variables of torchrun or SLURM, checking they agree.
 
-    torchrun-style variables win over SLURM's. Missing or inconsistent values fail fast.
+    torchrun-style variables win over SLURM's. With none of them set (``python train.py``)
+    the process is the whole job: rank 0 of 1. Missing or inconsistent values fail fast.
 
     Args:
         env: Variables to read; ``os.environ`` by default.
@@ -135,10 +139,20 @@ def read_env(env: Mapping[str, str] | None = None) -> RendezvousInfo:
             local_rank = _int_var(env, "SLURM_LOCALID")
         if local_world is None:
             local_world = _slurm_tasks_on_this_node(env)
+    given = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": local_rank,
+             "LOCAL_WORLD_SIZE": local_world}  # fmt: skip
+    if all(v is None for v in given.values()):
+        # No launcher at all (`python train.py`): one process, as torch and Accelerate users
+        # expect when they debug a script.
+        _log.info("no RANK or WORLD_SIZE set (no launcher): running as one process")
+        rank, world = 0, 1
     if rank is None or world is None:
+        have = ", ".join(n for n, v in given.items() if v is not None)
         raise ShardlineError(
-            "cannot find this process's rank: set RANK and WORLD_SIZE (and MASTER_ADDR, "
-            "MASTER_PORT), launch with `shardline run`, torchrun or srun"
+            f"cannot find this process's rank: {have} set, but not both RANK and WORLD_SIZE; "
+            "set RANK and WORLD_SIZE (and MASTER_ADDR, MASTER_PORT), or launch with "
+            "`shardline run`, torchrun or srun (with none of them set, a script runs as one "
+            "process)"
         )
     if world < 1:
         raise ShardlineError(f"WORLD_SIZE={world} must be at least 1")
