@@ -56,8 +56,9 @@ def test_zero3_checkpoint_consolidates_into_a_transformers_model(tmp_path: Path)
 
     ours = run_ranks(2, body, timeout=120)[0]
     checkpoint.consolidate(tmp_path / "ck", tmp_path / "hf")
-    cfg.save_pretrained(tmp_path / "hf")
+    # consolidate wrote the model's config.json beside the weights: from_pretrained takes it
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert hf.config.n_embd == 32 and hf.config.n_layer == 2
     for k, v in hf.state_dict().items():
         assert torch.equal(v, ours[k]), k
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
@@ -99,8 +100,8 @@ def test_a_tensor_parallel_zero3_llama_consolidates_into_from_pretrained(tmp_pat
 
     ours = run_ranks(4, body, timeout=120)[0]
     checkpoint.consolidate(tmp_path / "ck", tmp_path / "hf")
-    cfg.save_pretrained(tmp_path / "hf")
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.config.num_key_value_heads == 1
     assert set(hf.state_dict()) == set(ours)
     for k, v in hf.state_dict().items():
         assert torch.equal(v, ours[k]), k

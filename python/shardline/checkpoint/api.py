@@ -214,6 +214,7 @@ def save(
         "created": time.time(),
         "step": user.get("step"),
         "layout": _layout(model),
+        "hf_config": _hf_config(model),
         "aliases": aliases,
         "optimizer": optim_json,
         "extra": extra_json,
@@ -383,6 +384,19 @@ def load(
         if restore_rng and rng:
             _restore_rng(rng)
         return dict(ck.index.get("extra") or {})
+
+
+def _hf_config(model: nn.Module | None) -> dict[str, Any] | None:
+    """A Hugging Face model's ``config`` as a dict (under a strategy's ``module``), if any.
+
+    ``consolidate`` writes it as ``config.json``, so that ``from_pretrained`` takes the files.
+    """
+    for _ in range(4):  # a strategy wraps the model in `module`, a composition twice
+        config = getattr(model, "config", None)
+        if callable(getattr(config, "to_json_string", None)):
+            return dict(json.loads(config.to_json_string()))  # type: ignore[union-attr]
+        model = getattr(model, "module", None)
+    return None
 
 
 def _layout(model: nn.Module | None) -> dict[str, Any]:

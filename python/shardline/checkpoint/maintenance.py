@@ -105,8 +105,10 @@ def consolidate(
     """Writes the model as Hugging Face-style safetensors (full tensors, plain names).
 
     One ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files plus
-    ``model.safetensors.index.json`` when larger than ``max_shard_bytes``. Streams: at most
-    one output file's worth of tensors is in memory. Tied tensors are stored once.
+    ``model.safetensors.index.json`` when larger than ``max_shard_bytes``, and the model's
+    ``config.json`` when it was a Hugging Face model (``from_pretrained`` then loads the
+    folder). Streams: at most one output file's worth of tensors is in memory. Tied tensors
+    are stored once.
     """
     with Checkpoint(path) as ck:
         dst = Path(out)
@@ -143,6 +145,10 @@ def consolidate(
             _native.write_shard(str(dst / name), tensors, {"format": "pt"})
             written.append(dst / name)
             del keep, tensors
+        config = ck.index.get("hf_config")
+        if config is not None:  # the model's Hugging Face config: from_pretrained needs it
+            (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            written.append(dst / "config.json")
         if len(groups) > 1:
             index = {
                 "metadata": {"total_size": sum(f.stat().st_size for f in written)},
