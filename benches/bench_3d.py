@@ -30,7 +30,7 @@ losses then agree to fp32 rounding). Writes ``benches/results/3d-<tag>.{txt,json
     python benches/bench_3d.py --ranks 4 --layouts dp4,dp2xtp2,pp2xtp2                # CPU, here
     python benches/bench_3d.py --device cuda --ranks 4 --layouts dp4,dp2xtp2,pp2xtp2,dp2xpp2 \\
         --hidden 3072 --layers 26 --heads 24 --kv-heads 8 --vocab 32000 --seq 2048 --batch 16
-    # issue 22's run, on 8 GPUs (results/3d-8gpu.*); again with --dtype float32 for the losses
+    # the 8-GPU run (results/3d-8gpu.*); again with --dtype float32 for the losses
     python benches/bench_3d.py --device cuda --ranks 8 \\
         --layouts dp2xpp2xtp2,dp4xtp2,pp2xtp4,dp8 --hidden 3072 --layers 26 --heads 24 \\
         --kv-heads 8 --vocab 32000 --seq 2048 --batch 16 --tag 8gpu

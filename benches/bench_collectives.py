@@ -13,7 +13,7 @@ nccl-tests: algbw = S/t with S the op's per-rank buffer (all_reduce, broadcast: 
 reduce_scatter: the input; all_gather: the output), busbw = algbw * factor (all_reduce
 2(N-1)/N, reduce_scatter and all_gather (N-1)/N, broadcast 1).
 
-Bounds, measured in the same run (ANCHORS.md section 1):
+Bounds, measured in the same run:
   shm all_reduce:      T >= max(2S/B1, 2NS/B2)   B1 one core's copy bandwidth (read+write),
                                                  B2 all ranks copying at once (sum)
     with T helper threads per rank (SHARDLINE_COMM_THREADS; default 4 when each rank has 4 cores):

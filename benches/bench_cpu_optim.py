@@ -11,7 +11,7 @@ Reported per optimizer: the median step, values per second, the state bandwidth 
 parameter, gradient and both moments and writes three of them: 28 bytes per value) and its
 share of the *bound*: the memory bandwidth measured in the same run by torch's in-place
 ``a.add_(b)`` over buffers as large as the state (12 bytes moved per value: two read, one
-written back, AdamW's pattern). Goals (issue 21): at least
+written back, AdamW's pattern). Goals: at least
 1.0x ``fused=True`` and 80 % of the bound.
 
     python benches/bench_cpu_optim.py                         # 64M values, every core

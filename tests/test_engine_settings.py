@@ -224,7 +224,7 @@ def test_the_one_shot_limit_is_measured_when_unset(monkeypatch: pytest.MonkeyPat
 
 
 def test_no_rust_source_reads_the_environment() -> None:
-    """DESIGN decision 9: settings are read in ``shardline.config`` and passed down."""
+    """One settings table: settings are read in ``shardline.config`` and passed down."""
     reads = re.compile(r"\benv::var|\benv::vars\b|\bgetenv\b|\bvar_os\b")
     found = [
         f"{path.relative_to(RUST_SRC)}:{i}: {line.strip()}"

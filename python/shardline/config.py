@@ -6,8 +6,8 @@ the moment its API call starts (``init``, creating a group, ``save``), and passe
 as an argument: the Rust engine reads no environment. A bad value fails with an
 ``InvalidArgumentError`` that names the variable, its value and what it should be.
 
-The README's "Settings" table is this table (``markdown_table()`` renders it; a test keeps the
-two equal).
+The docs' settings page (``docs/settings.md``) is this table (``markdown_table()`` renders
+it; a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ class Setting:
 
     Attributes:
         name: The variable.
-        value: What a value looks like, as the README shows it.
-        default: The default as the README shows it (``get`` returns ``parsed_default``).
+        value: What a value looks like, as the settings page shows it.
+        default: The default as the settings page shows it (``get`` returns ``parsed_default``).
         meaning: What it does.
         parse: Text to value; raises ``_Invalid`` with the reason.
         parsed_default: What ``get`` returns when the variable is unset or empty; ``None``
@@ -361,7 +361,7 @@ def get(name: str, env: Mapping[str, str] | None = None) -> Any:
 
 
 def markdown_table() -> str:
-    """The README's settings table."""
+    """The settings table of ``docs/settings.md``."""
     rows = ["| variable | value | default | meaning |", "|---|---|---|---|"]
     rows += [f"| `{s.name}` | {s.value} | {s.default} | {s.meaning} |" for s in SETTINGS]
     return "\n".join(rows)

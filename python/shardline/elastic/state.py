@@ -6,7 +6,7 @@ objects; ``state.commit()`` copies their state on this rank into host memory, an
 parameters and the optimizer stay the objects the training loop holds). Extra fields are
 attributes (``state.step``), committed and restored with the rest.
 
-What is copied is what the strategy contract says this rank holds (DESIGN decision 7:
+What is copied is what the strategy contract says this rank holds (its methods
 ``sharded_state_dict`` and ``sharded_optim_state_dict``), so a ZeRO rank commits its shards
 only, a pipeline rank its stages, and nothing here knows a strategy's name. A tensor held
 under two names (tied weights) is copied once. The sampler's position is its
@@ -47,6 +47,7 @@ from shardline.parallel.contract import Box, FlatRange, Local, Shard
 __all__ = ["State"]
 
 _log = logging.getLogger("shardline")
+_runs = 0  # how many ``shardline.elastic.run`` functions run now (``run`` counts them)
 _ON_DISK: dict[str, Any] = {"on disk": True}  # _recover: only a checkpoint can help (by identity)
 _OWN = ("model", "optimizer", "sampler")
 _TREES = ("model", "optimizer")  # the parts of a commit that hold tensors
@@ -208,9 +209,12 @@ class State:
                 world.host_group(g).all_reduce(flag, "max")
             _raise_if_aborted(g)
             if int(flag.item()):
+                what = "the elastic job's members changed (a node joined, or a rank left)"
+                if _runs > 0:  # elastic.run catches it, and says it re-forms the group
+                    raise MembershipChanged(what)
                 raise MembershipChanged(
-                    "the elastic job's members changed; run the training function under "
-                    "shardline.elastic.run, which re-forms the group and goes on"
+                    f"{what}; run the training function under shardline.elastic.run, which "
+                    "re-forms the group and goes on"
                 )
 
     def _snapshot(self, number: int) -> None:
@@ -439,12 +443,17 @@ class State:
         extra = {"elastic_fields": self._fields}
         if self.sampler is not None:
             extra["elastic_sampler"] = self.sampler.state_dict()
+        # The job's ranks save together, also when State commits alone (no elastic launcher):
+        # the checkpoint holds every rank's shards, under rank 0's stamp.
+        group = self.group
+        if group is None and world.is_initialized() and world.default_group().world_size > 1:
+            group = world.default_group()
         stamp = time.time_ns()  # rank 0's: every rank writes into the same directory
-        if self.group is not None:
-            stamp = broadcast_object(stamp, 0, self.group)
+        if group is not None:
+            stamp = broadcast_object(stamp, 0, group)
         path = self.checkpoint_dir / f"state-{stamp}"
         checkpoint.save(path, model=self.model, optimizer=self.optimizer, extra=extra,
-                        keep_last=2, group=self.group)  # fmt: skip
+                        keep_last=2, group=group)  # fmt: skip
         return path
 
     def _latest(self) -> Path | None:

@@ -1,1 +1,1 @@
-"""Runnable examples; ``shardline.examples.train`` is the README's main job."""
+"""Runnable examples; ``shardline.examples.train`` is the main job of the README's first command."""

@@ -256,6 +256,6 @@ class LocalSGD(Replica):
         """The inner optimizer's state by parameter names.
 
         Inner optimizers drift apart between meetings; a checkpoint keeps one rank's state
-        (see the README's limits).
+        (see the compression guide's limits).
         """
         return super().sharded_optim_state_dict(optimizer)

@@ -1,4 +1,4 @@
-"""Strategies composed on one ``DeviceMesh`` (DESIGN decision 8), for ``distribute(mesh=)``.
+"""Strategies composed on one ``DeviceMesh`` (data x pipeline x tensor), for ``distribute(mesh=)``.
 
 - ``{"dp": ..., "pp": schedule}``: the pipeline splits the model on ``pp``; its replicas on
   ``dp`` are kept by DDP or sharded by ZeRO (``pipeline/zero.py``).

@@ -1,7 +1,7 @@
 """The strategy contract: how every strategy says what state this rank holds, and restores it.
 
 Every strategy (DDP, ZeRO, a pipeline stage, a tensor-parallel module, and any composition)
-implements four methods, and the checkpointer uses nothing else (DESIGN decision 7):
+implements four methods, and the checkpointer uses nothing else:
 
 - ``sharded_state_dict()``: the model's state on this rank, by the plain model's names;
 - ``load_sharded_state_dict(sd)``: takes such a dict back (its tensors filled with new values);

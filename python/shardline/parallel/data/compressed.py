@@ -2,7 +2,7 @@
 
 A wrapper built with ``compression=`` keeps its compressor's per-rank state (residuals,
 PowerSGD's ``Q``) beside the model's in ``sharded_state_dict()``, as ``Local`` values under
-``_compression/<field>/<parameter name>`` (DESIGN decision 7): saved per rank, loaded back only
+``_compression/<field>/<parameter name>`` (the strategy contract): saved per rank, loaded back only
 into the same layout; after a change of world size the compressor starts again with a short
 uncompressed warm-up.
 """

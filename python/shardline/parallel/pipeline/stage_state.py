@@ -3,7 +3,7 @@
 ``PipelineState`` is the half of ``PipelineModule`` that is not running schedules
 (``runtime``): its parameters (with ZeRO on the replicas, the 1-D parts the optimizer steps),
 gradient clipping across stages and replicas, whole-model state dicts, and the four contract
-methods with ``layout()`` (DESIGN decision 7). The functions it calls are in ``state`` (tied
+methods with ``layout()`` (the strategy contract). The functions it calls are in ``state`` (tied
 weights, whole-tensor ``Shard``s) and ``zero`` (ZeRO's parts).
 """
 

@@ -31,7 +31,7 @@ and GPT-2 Hugging Face models); everything else stays replicated, and ``model.pl
 it.
 
 Before any layer is cut, the group's rank 0 broadcasts the model's tensors, so every layout
-starts from the numbers one process would have (DESIGN decision 7).
+starts from the numbers one process would have (the strategy contract).
 """
 
 from __future__ import annotations
