@@ -58,3 +58,11 @@ def test_the_readme_says_what_an_install_takes() -> None:
     for what in ("Rust toolchain", "GB", "minutes", "already has torch"):
         assert what in install, what
     assert len(readme.split("\n")) <= 300
+
+
+def test_composition_without_a_mesh_shows_the_tensor_parallel_axis_too() -> None:
+    with pytest.raises(InvalidArgumentError, match="mesh=") as err:
+        sl.distribute(torch.nn.Linear(2, 2), None, strategy={"dp": "ddp", "tp": "auto"})
+    assert "'tp': 'auto'" in str(err.value) and "'pp': '1f1b'" in str(err.value)
+    doc = sl.distribute.__doc__ or ""
+    assert '"tp": "auto"' in doc and '``"tp"``' in doc

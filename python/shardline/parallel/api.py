@@ -47,12 +47,15 @@ def distribute(
             ``servers``): see ``shardline.optim.async_sgd`` (the optimizer returned is then an
             ``AsyncOptimizer``, whose ``step`` pushes and pulls); ``"hogwild"``: see
             ``shardline.optim.hogwild``. With ``mesh``, a strategy per axis:
-            ``{"dp": "ddp", "pp": "1f1b"}`` (a pipeline schedule on ``pp``, replicated with
-            DDP or sharded by ZeRO on ``dp``: ``{"dp": "zero2", "pp": "1f1b"}``); ``options``
-            then go to ``sl.pipeline`` (``microbatches``,
-            ``loss_fn``, ``split``, ``virtual_stages``).
+            ``{"dp": "zero3", "pp": "1f1b", "tp": "auto"}``: a pipeline schedule on ``pp``,
+            tensor parallelism on ``tp`` (``"auto"`` or a plan, as ``sl.tensor_parallel``
+            takes), and DDP or ZeRO-1/2/3 keeping the replicas on ``dp`` (or HSDP's
+            ``"dp_replicate": "ddp"`` with ``"dp_shard": "zero3"``); any axis may be left
+            out. ``options`` then go to ``sl.pipeline`` (``microbatches``, ``loss_fn``,
+            ``split``, ``virtual_stages``) and ``sequence_parallel`` to the ``tp`` axis.
         group: The ranks to train on; the default group when ``None``.
-        mesh: A ``DeviceMesh`` with axes ``"pp"`` and optionally ``"dp"``, for composition.
+        mesh: A ``DeviceMesh`` whose axes are the strategy's (``"dp"``, ``"pp"``, ``"tp"``,
+            ``"dp_replicate"``, ``"dp_shard"``), for composition.
         recompute: ``"selective"`` or ``"full"``: the model's repeated blocks recompute their
             activations in backward (``checkpoint.activations.recompute_blocks``), for less
             memory per rank at the same results, bit for bit; ``None`` keeps them all. Under

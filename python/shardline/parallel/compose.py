@@ -44,8 +44,10 @@ def compose(
     """``distribute()`` on a mesh: a strategy per axis (see the module docstring)."""
     if mesh is None or not isinstance(strategy, dict):
         raise InvalidArgumentError(
-            "distribute(): composing strategies takes mesh=sl.DeviceMesh({'dp': d, 'pp': p}) "
-            "and strategy={'dp': 'ddp', 'pp': '1f1b'}, both"
+            "distribute(): composing strategies takes both mesh= and a strategy per axis, "
+            "e.g. mesh=sl.DeviceMesh({'dp': 2, 'pp': 2, 'tp': 2}) with strategy={'dp': "
+            "'zero3', 'pp': '1f1b', 'tp': 'auto'} (any axis may be left out; HSDP: "
+            "'dp_replicate' and 'dp_shard')"
         )
     unknown = sorted(set(strategy) - _AXES)
     if unknown or not {"pp", "tp", "dp_shard"} & set(strategy):
