@@ -198,3 +198,50 @@ def test_async_work_wait_timeout_raises_without_breaking_shutdown() -> None:
             g.all_reduce(torch.ones(8))
 
     run_ranks(2, body, timeout=30)
+
+
+@pytest.mark.usefixtures("native")
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("other", ["broadcast", "barrier", "all_reduce 32"])
+def test_a_mismatch_names_the_first_all_reduce_as_called(transport: str, other: str) -> None:
+    """The group's first all-reduce, 16 floats, against another op: both ranks' errors name
+    it as called (on shared memory the first all-reduce also times the algorithms, with
+    probes of other sizes, which must not show up in the error)."""
+
+    def call(g: ProcessGroup) -> None:
+        if g.rank == 0:
+            g.all_reduce(torch.ones(16))
+        elif other == "broadcast":
+            g.broadcast(torch.ones(16), src=0)
+        elif other == "barrier":
+            g.barrier()
+        else:
+            g.all_reduce(torch.ones(32))
+
+    def body(g: ProcessGroup) -> str:
+        with pytest.raises(CollectiveMismatchError) as info:
+            call(g)
+        return str(info.value)
+
+    for m in run_ranks(2, body, transport=transport, timeout=30):
+        assert "all_reduce(float32, 16, op=sum) #0" in m, m
+        assert "256" not in m, m
+
+
+@pytest.mark.usefixtures("native")
+def test_a_timeout_in_the_first_all_reduce_names_its_size() -> None:
+    done = threading.Event()
+
+    def body(g: ProcessGroup) -> str | None:
+        if g.rank == 1:
+            done.wait(20)  # never calls the collective
+            return None
+        try:
+            with pytest.raises(CollectiveTimeoutError) as info:
+                g.all_reduce(torch.ones(16))
+            return str(info.value)
+        finally:
+            done.set()
+
+    message = run_ranks(2, body, op_timeout=3.0, timeout=40)[0]
+    assert message is not None and "all_reduce(float32, 16, op=sum) #0" in message, message

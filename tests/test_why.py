@@ -83,6 +83,48 @@ def test_dumps_explain_the_newest_unfinished_collective(tmp_path: Path) -> None:
     assert got in cli.stdout and "all_reduce #5: 4096 x float32" in cli.stdout, cli.stdout
 
 
+def test_running_point_to_point_ops_are_named_not_called_finished(tmp_path: Path) -> None:
+    # Every collective finished, but rank 1 waits in a receive from rank 0, which waits in a
+    # send to rank 1: the sentence names both, as the op listing does.
+    coll = ["world", 0, "all_reduce", 16, "float32", None, NOW - 40, NOW - 39.9, "done"]
+    send = ["world", 3, "send", 16, "float32", 1, NOW - 31, None, "running"]
+    recv = ["world", 3, "recv", 16, "float32", 0, NOW - 30, None, "running"]
+    for rank, ops in {0: [coll, send], 1: [coll, recv]}.items():
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(_dump(rank, ops, world=2)))
+    got = explain_dumps(load_dumps(tmp_path))
+    assert "every recorded" not in got, got
+    assert got == (
+        "no collective holds the job up, but 2 ops were unfinished when the dumps were "
+        "written: rank 0 waits in send #3 to rank 1 since 31 s; rank 1 waits in recv #3 from "
+        "rank 0 since 30 s"
+    )
+    cli = subprocess.run(
+        [sys.executable, "-m", "shardline", "why", str(tmp_path), "--ops", "2"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert got in cli.stdout and "send #3 peer 1: 16 x float32" in cli.stdout, cli.stdout
+
+
+def test_a_finished_job_says_so(tmp_path: Path) -> None:
+    done = ["world", 0, "barrier", 0, "", None, NOW - 5, NOW - 4.9, "done"]
+    (tmp_path / "rank0.json").write_text(json.dumps(_dump(0, [done], world=1)))
+    got = explain_dumps(load_dumps(tmp_path))
+    assert got == "every recorded op finished: nothing was waiting when the dumps were written"
+
+
+def test_a_missing_folder_is_an_error(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-job"
+    cli = subprocess.run(
+        [sys.executable, "-m", "shardline", "why", str(missing)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert cli.returncode == 1, (cli.stdout, cli.stderr)
+    assert cli.stdout == "", cli.stdout
+    assert f"shardline why: error: {missing} does not exist" in cli.stderr, cli.stderr
+    assert "SHARDLINE_FLIGHT_DIR" in cli.stderr, cli.stderr
+
+
 def test_a_corrupt_dump_is_an_error_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "rank0.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"rank0\.json is not a flight-recorder dump"):

@@ -44,6 +44,13 @@ class _Worker:
     stderr_tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=_STDERR_TAIL_LINES))
     # Set once the launcher signalled this worker's group while the worker was still running.
     stopped_by_launcher: bool = False
+    # What goes in front of each line it prints: "[rank<N>]: ", or b"" with --no-prefix. An
+    # elastic standby changes it when it takes a slot (read per line by the output threads).
+    prefix: bytes = b""
+
+    def relabel(self, label: str, *, prefixed: bool = True) -> None:
+        """Prints this worker's next lines as ``[label]: ``."""
+        self.prefix = f"[{label}]: ".encode() if prefixed else b""
 
     @property
     def exit_code(self) -> int:
@@ -86,7 +93,14 @@ class Attempt:
             self._stop_all()
             self._join_readers()
 
-    def _start(self, local_rank: int, env: dict[str, str]) -> _Worker:
+    def _start(
+        self, local_rank: int, env: dict[str, str], rank: int | None = None,
+        label: str | None = None,
+    ) -> _Worker:  # fmt: skip
+        """Starts one worker, printing its lines as ``[label]: `` (``rank<rank>`` by default).
+
+        ``rank`` defaults to ``config.rank_of(local_rank)``.
+        """
         proc = subprocess.Popen(
             self.config.command(),
             env=env,
@@ -94,8 +108,9 @@ class Attempt:
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group: grandchildren are stopped too
         )
-        worker = _Worker(self.config.rank_of(local_rank), local_rank, proc)
-        prefix = f"[rank{worker.rank}]: ".encode() if self.config.prefix_output else b""
+        worker = _Worker(self.config.rank_of(local_rank) if rank is None else rank,
+                         local_rank, proc)  # fmt: skip
+        worker.relabel(label or f"rank{worker.rank}", prefixed=self.config.prefix_output)
         assert proc.stdout is not None and proc.stderr is not None
         for pipe, name, tail in (
             (proc.stdout, "stdout", None),
@@ -103,7 +118,7 @@ class Attempt:
         ):
             thread = threading.Thread(
                 target=_OUTPUT.pump,
-                args=(pipe, name, prefix, tail),
+                args=(pipe, name, worker, tail),
                 name=f"shardline-run-rank{worker.rank}-{name}",
                 daemon=True,  # a pipe held by an escaped grandchild must not block exit
             )
@@ -222,8 +237,11 @@ class _Output:
     def __init__(self) -> None:
         self._lock = threading.Lock()
 
-    def pump(self, pipe: IO[bytes], name: str, prefix: bytes, tail: deque[bytes] | None) -> None:
-        """Reads ``pipe`` to its end, printing each line (or partial last line) with ``prefix``."""
+    def pump(self, pipe: IO[bytes], name: str, worker: _Worker, tail: deque[bytes] | None) -> None:
+        """Reads ``pipe`` to its end, printing each line (or partial last line) with a prefix.
+
+        The worker's prefix as it is when the line comes: an elastic standby's changes.
+        """
         while True:
             try:
                 chunk = pipe.readline(_MAX_LINE_BYTES)
@@ -235,7 +253,7 @@ class _Output:
                 chunk += b"\n"  # a partial last line, or one longer than _MAX_LINE_BYTES
             if tail is not None:
                 tail.append(chunk)
-            self._write(sys.stdout if name == "stdout" else sys.stderr, prefix + chunk)
+            self._write(sys.stdout if name == "stdout" else sys.stderr, worker.prefix + chunk)
 
     def write_err(self, text: str) -> None:
         """Prints the launcher's own message on stderr, between worker lines."""

@@ -142,6 +142,11 @@ class LaunchConfig:
         return self.min_nodes is not None
 
     @property
+    def nnodes_flag(self) -> str:
+        """``--nnodes`` as given: ``"MIN:MAX"`` for an elastic job, else ``"N"``."""
+        return f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
+
+    @property
     def world_size(self) -> int:
         """Ranks in the whole job: ``nnodes * nproc_per_node``."""
         return self.nnodes * self.nproc_per_node
@@ -188,7 +193,7 @@ def resolve_secret(config: LaunchConfig, env: Mapping[str, str]) -> str | None:
     if settings.get("SHARDLINE_INSECURE", env):
         return None
     raise InvalidArgumentError(
-        f"--nnodes {config.nnodes} needs a secret shared by every node: run\n"
+        f"--nnodes {config.nnodes_flag} needs a secret shared by every node: run\n"
         "    export SHARDLINE_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')\n"
         "once, give the same value to the launcher on every node, and launch again "
         "(or export SHARDLINE_INSECURE=1 to accept unauthenticated connections)"
@@ -296,7 +301,7 @@ def launch(config: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
     secret = resolve_secret(config, base)
     if config.nnodes > 1 and config.master_addr in ("127.0.0.1", "localhost", "::1"):
         say(
-            f"warning: --nnodes {config.nnodes} with --master-addr {config.master_addr}: "
+            f"warning: --nnodes {config.nnodes_flag} with --master-addr {config.master_addr}: "
             "workers on other hosts cannot reach a loopback address"
         )
     if config.elastic:

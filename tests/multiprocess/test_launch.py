@@ -415,6 +415,7 @@ def test_stop_signal_stops_every_worker(
         (["--nproc-per-node", "two"], "invalid int value: 'two'"),
         (["--nnodes", "2"], "--nnodes 2 needs --master-port"),
         (["--nnodes", "2", "--master-port", "29500"], "export SHARDLINE_SECRET="),
+        (["--nnodes", "1:2", "--master-port", "29500"], "--nnodes 1:2 needs a secret"),
         (["--nnodes", "2", "--node-rank", "2", "--master-port", "1"], "--node-rank 2 is outside"),
         (["--master-port", "70000"], "--master-port 70000 is not a port"),
         (["--max-restarts", "-1"], "--max-restarts -1 must be 0 or more"),

@@ -4,12 +4,22 @@ Every failed op is finished in the flight recorder and the recorder's ops are du
 error names the file and ``shardline why``). A collective that timed out asks the other ranks
 where they are (``why.diagnose``), and its error says who holds the group up. Ops refused
 before they ran are returned as they are: nothing ran to explain.
+
+[Note: a rank that left normally] A rank whose script ends without an uncaught exception
+(its ``atexit``), or that calls ``shardline.shutdown()`` with no error in flight, says so in
+the job's store (``note_left``) before its groups close. A rank that then loses it in an op
+(``PeerLostError``) reads that note and says the rank left normally, before this op (a
+collective missing on it, an early return), instead of sending the user to its log for a
+root cause it does not have.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+import re
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
 
 from shardline.comm import flight, why
 from shardline.comm.flight import RECORDER
@@ -17,13 +27,100 @@ from shardline.errors import (
     CollectiveTimeoutError,
     CommunicatorClosedError,
     InvalidArgumentError,
+    PeerLostError,
     ShardlineError,
 )
 
 if TYPE_CHECKING:
     from shardline.comm.group import ProcessGroup
 
-__all__ = ["explained"]
+__all__ = ["explained", "note_left"]
+
+_LEFT = "shardline/left/{rank}"
+_ASK_S = 2.0  # how long a rank that lost a peer asks the store for its note, at most
+# The engine's words for a peer that is gone, and the group rank each names (shared memory;
+# TCP), then the advice that follows them, which a note replaces.
+_GONE = (re.compile(r"lost rank (\d+) \(pid \d+\)"), re.compile(r"rank (\d+) \([^()]*\) closed"))
+_ADVICE = (
+    "the process exited or closed its communicator; check that rank's log for the root cause",
+    "it probably exited or crashed — check its log",
+)
+_HOW = {
+    "ended": "exited normally (its script ended with no uncaught exception)",
+    "shutdown": "left the job normally (it called shardline.shutdown() with no error in flight)",
+}
+
+
+def note_left(store: Any, rank: int, how: str) -> None:
+    """Says in the job's store that ``rank`` leaves normally (``how``: ended, or shutdown).
+
+    ``how`` is ``"ended"`` (its script ended) or ``"shutdown"``; see [Note: a rank that left
+    normally]. Best effort; nothing is said while an exception is in flight or after an
+    uncaught one.
+    """
+    if sys.exc_info()[1] is not None or getattr(sys, "last_value", None) is not None:
+        return
+    _bounded(lambda: store.set(_LEFT.format(rank=rank), how))
+
+
+def _left_note(store: Any, rank: int) -> str | None:
+    """The note ``rank`` left, if any (the store's host may be the rank that left)."""
+    key = _LEFT.format(rank=rank)
+    found = _bounded(lambda: bytes(store.get(key)).decode() if store.check([key]) else None)
+    return found if isinstance(found, str) else None
+
+
+def _bounded(call: Any) -> object:
+    """``call()`` on a helper thread, given ``_ASK_S`` at most.
+
+    ``None`` if it failed or took longer: a store whose host is gone must not hold this
+    rank up.
+    """
+    out: list[object] = []
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            out.append(call())
+
+    helper = threading.Thread(target=run, name="shardline-left-note", daemon=True)
+    helper.start()
+    helper.join(_ASK_S)
+    return out[0] if out and not helper.is_alive() else None
+
+
+def _said_left(group: ProcessGroup, exc: PeerLostError, record: list[object] | None) -> None:
+    """Rewrites ``exc`` in place when the rank it lost left normally (its note says so)."""
+    from shardline.comm import world  # noqa: PLC0415 (world imports the group module)
+
+    text = str(exc.args[0]) if exc.args else ""
+    if record is not None:
+        collective = record[flight.PEER] is None
+    else:  # the recorder is off: the engine's words say which
+        collective = re.search(r"point-to-point|during (send|recv)\(", text) is None
+    advice = next((a for a in _ADVICE if a in text), None)
+    found = next((m for p in _GONE if (m := p.search(text)) is not None), None)
+    job = world.job_store()
+    if advice is None or found is None or job is None:
+        return
+    lost = int(found.group(1))  # a rank of the group: the note is under its job rank
+    if lost >= len(group.global_ranks):
+        return
+    how = _HOW.get(_left_note(job[0], group.global_ranks[lost]) or "")
+    if how is None:
+        return
+    if collective:
+        said = (
+            f"rank {lost} {how} before it called this collective; check that every rank calls "
+            f"the same collectives in the same order (a call missing on rank {lost}, or an "
+            "early return there)"
+        )
+    else:
+        said = (
+            f"rank {lost} {how} before it took part in this transfer; check that it posts the "
+            "matching send or recv (a call missing there, or an early return)"
+        )
+    with contextlib.suppress(Exception):
+        exc.args = (text.replace(advice, said), *exc.args[1:])
 
 
 def explained(
@@ -33,6 +130,8 @@ def explained(
     RECORDER.finish(record, exc)
     if isinstance(exc, InvalidArgumentError | CommunicatorClosedError):
         return exc  # refused before it ran: nothing to explain
+    if isinstance(exc, PeerLostError):
+        _said_left(group, exc, record)
     out = exc
     collective = record is not None and record[flight.PEER] is None
     if isinstance(exc, CollectiveTimeoutError) and collective:

@@ -164,7 +164,8 @@ def _wait_for(
             raise JobFinished(f"slot {slot}: the elastic job finished; this process has no work")
         _raise_if_failed(client, step)
         if gen is not None and _is_full(gen):
-            if not spare_said:
+            # A replacement, whose node is in the generation, waits for the next one: no spare.
+            if not spare_said and slot.split(".", maxsplit=1)[0] not in _nodes_of(gen):
                 _log.warning("elastic: slot %s waits as a spare: the job runs on --nnodes MAX "
                              "nodes already", slot)  # fmt: skip
                 spare_said = True
@@ -178,11 +179,16 @@ def _wait_for(
         time.sleep(_POLL_S)
 
 
+def _nodes_of(gen: Generation) -> set[str]:
+    """The nodes ``gen``'s members run on."""
+    return {s.split(".")[0] for s, _ in gen.members}
+
+
 def _is_full(gen: Generation) -> bool:
     """Whether ``gen`` runs on as many nodes as ``--nnodes`` MAX (from the launcher's env)."""
     spec = config.raw("SHARDLINE_ELASTIC_NODES") or ""
     most = int(spec.split(":")[1]) if ":" in spec else 0
-    return most > 0 and len({s.split(".")[0] for s, _ in gen.members}) >= most
+    return most > 0 and len(_nodes_of(gen)) >= most
 
 
 def mark(store: Store, what: str) -> None:

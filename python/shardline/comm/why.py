@@ -146,7 +146,19 @@ def diagnose(group: ProcessGroup, record: list[Any], store: Any, timeout: float)
 
 
 def load_dumps(directory: Path) -> list[dict[str, Any]]:
-    """Every ``rank<r>.json`` dump in ``directory``, by rank."""
+    """Every ``rank<r>.json`` dump in ``directory``, by rank.
+
+    Raises:
+        ValueError: ``directory`` does not exist or is no folder, or a dump is unreadable.
+    """
+    if not directory.is_dir():
+        what = "is not a folder" if directory.exists() else "does not exist"
+        raise ValueError(
+            f"{directory} {what}; pass the folder a failed op's error names (\"`shardline why "
+            f"DIR` reads every rank's\"): each rank writes its rank<r>.json there when an op "
+            f"fails or on SIGUSR1 (SHARDLINE_FLIGHT_DIR, by default "
+            f"{flight.default_dir().parent}/<MASTER_ADDR>-<MASTER_PORT>)"
+        )
     dumps = []
     for path in sorted(directory.glob("rank*.json")):
         try:
@@ -171,7 +183,7 @@ def explain_dumps(dumps: list[dict[str, Any]]) -> str:
         if op[flight.STATE] != "done" and op[flight.PEER] is None
     ]
     if not unfinished:
-        return "every recorded collective finished: nothing was waiting when the dumps were written"
+        return _not_finished(dumps)
     _, group, _ = max(unfinished, key=lambda u: u[0])
     members = next((d["groups"][group] for d in dumps if group in d.get("groups", {})), None)
     if members is None:
@@ -192,7 +204,44 @@ def explain_dumps(dumps: list[dict[str, Any]]) -> str:
             else None
         )
     now = max(float(d["time"]) for d in dumps)
-    return explain(where, now, group)
+    return explain(where, now, group) or _not_finished(dumps)
+
+
+def _not_finished(dumps: list[dict[str, Any]]) -> str:
+    """The sentence when no collective holds the job up: the ops that still had not finished.
+
+    Point-to-point ops, and collectives that are not their rank's last in their group (one
+    that failed, then later ones that finished), are named one by one.
+    """
+    now = max(float(d["time"]) for d in dumps)
+    parts = []
+    for d in dumps:
+        for op in d["ops"]:
+            if op[flight.STATE] == "done":
+                continue
+            label = f"{op[flight.OP]} #{op[flight.SEQ]}{_peer(op)}"
+            if op[flight.STATE] == "running":
+                parts.append(f"rank {d['rank']} waits in {label} since "
+                             f"{now - op[flight.START]:.0f} s")  # fmt: skip
+            else:
+                parts.append(f"rank {d['rank']}'s {label} failed ({op[flight.STATE]})")
+    if not parts:
+        return "every recorded op finished: nothing was waiting when the dumps were written"
+    many = len(parts) > 1
+    return (
+        f"no collective holds the job up, but {len(parts)} op{'s' if many else ''} "
+        f"{'were' if many else 'was'} unfinished when the dumps were written: {'; '.join(parts)}"
+    )
+
+
+def _peer(op: list[Any]) -> str:
+    """`` to rank 1`` / `` from rank 1`` / `` from any source`` for a point-to-point op."""
+    peer = op[flight.PEER]
+    if peer is None:
+        return ""
+    if peer == flight.ANY_SOURCE:
+        return " from any source"
+    return f" {'to' if op[flight.OP] == 'send' else 'from'} rank {peer}"
 
 
 def describe_ops(dump: dict[str, Any], last: int) -> list[str]:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardline import config
-from shardline.comm import BACKENDS, generations, init_process_group, membership
+from shardline.comm import BACKENDS, failures, generations, init_process_group, membership
 from shardline.comm.backends._store import (
     StoreClient,
     linger_after_failure,
@@ -293,7 +293,11 @@ def _init_elastic(
     if standby:  # a warm spare: the script is loaded; wait until a slot needs it
         slot, number = generations.or_exit(lambda: membership.wait_standby(store, standby))
         incarnation = int(number)
-        os.environ["LOCAL_RANK"] = slot.split(".")[1]  # the slot's, for the user's code after
+        # The slot's variables, as a process started for it gets them (for the user's code).
+        os.environ.update({"LOCAL_RANK": slot.split(".")[1], "SHARDLINE_ELASTIC_SLOT": slot,
+                           "SHARDLINE_ELASTIC_INCARNATION": number,
+                           "SHARDLINE_RESTART_COUNT": number,
+                           "TORCHELASTIC_RESTART_COUNT": number})  # fmt: skip
     else:
         slot = str(config.raw("SHARDLINE_ELASTIC_SLOT"))
         incarnation = int(config.get("SHARDLINE_ELASTIC_INCARNATION"))
@@ -480,6 +484,8 @@ def shutdown() -> None:
         job, _job = _job, None
         if group is None:
             return
+        if job is not None and _elastic is None:
+            failures.note_left(job.store, job.rank, "shutdown")
         try:
             group.shutdown()
         finally:
@@ -500,6 +506,8 @@ def _check_out_at_exit() -> None:
 
     def check_out() -> None:
         job = _job
+        if job is not None and _elastic is None:
+            failures.note_left(job.store, job.rank, "ended")
         if job is not None and job.rank != 0:
             with contextlib.suppress(Exception):
                 job.check_out()

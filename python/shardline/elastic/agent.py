@@ -92,9 +92,16 @@ class _Node(Attempt):
         )
         return env
 
+    def label(self, local_rank: int) -> int:
+        """The rank a slot of this node is printed as: its rank while every node is in.
+
+        A label only: each generation numbers its ranks anew (``init`` learns the rank).
+        """
+        return self.node * self.config.nproc_per_node + local_rank
+
     def start(self, local_rank: int, incarnation: int) -> _Worker:
-        worker = self._start(local_rank, self.env(local_rank, incarnation))
-        worker.rank = self.node * self.config.nproc_per_node + local_rank  # a label only
+        env = self.env(local_rank, incarnation)
+        worker = self._start(local_rank, env, rank=self.label(local_rank))
         self.workers.append(worker)
         return worker
 
@@ -115,8 +122,7 @@ class _Node(Attempt):
         env = self.env(0, 0)
         env.pop("SHARDLINE_ELASTIC_SLOT")
         env["SHARDLINE_ELASTIC_STANDBY"] = name
-        worker = self._start(0, env)
-        worker.rank = -1
+        worker = self._start(0, env, rank=-1, label=f"standby {name}")
         self.workers.append(worker)
         return name, worker
 
@@ -128,8 +134,10 @@ class _Node(Attempt):
         if self.standby is None or self.standby[1].proc.poll() is not None:
             return False
         name, worker = self.standby
+        # Relabelled first: it may print as soon as it reads its slot.
+        worker.rank, worker.local_rank = self.label(slot.local_rank), slot.local_rank
+        worker.relabel(f"rank{worker.rank}", prefixed=self.config.prefix_output)
         client.set(key("standby", name), f"{slot.name}:{slot.incarnation}", "waking a standby")
-        worker.rank = self.node * self.config.nproc_per_node + slot.local_rank
         slot.worker = worker
         self.standbys += 1
         self.standby = self.start_standby(self.standbys) if more else None

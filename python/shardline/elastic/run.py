@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 from shardline.comm import world
+from shardline.elastic import state as _state
 from shardline.elastic.state import State
 from shardline.errors import (
     CommunicatorClosedError,
@@ -83,19 +84,23 @@ def run(fn: Any = None, *, on_change: OnChange | None = None) -> Any:
                 )
             rejoin = world.joined_running_job()  # a newcomer restores with the survivors
             reform = False
-            while True:
-                try:
-                    if rejoin:
-                        _change(state, reform, on_change)
-                        rejoin = reform = False
-                    result = train(state, *args, **kwargs)
-                    world.mark_job("finished")  # no new generation now; waiting joiners leave
-                    return result
-                except (PeerLostError, CommunicatorClosedError, MembershipChanged) as exc:
-                    if world.elastic_generation() is None:
-                        raise
-                    _log.warning("elastic: %s; re-forming the group", exc)
-                    rejoin = reform = True
+            _state._runs += 1  # State.commit's MembershipChanged then gives no advice
+            try:
+                while True:
+                    try:
+                        if rejoin:
+                            _change(state, reform, on_change)
+                            rejoin = reform = False
+                        result = train(state, *args, **kwargs)
+                        world.mark_job("finished")  # no new generation now; joiners leave
+                        return result
+                    except (PeerLostError, CommunicatorClosedError, MembershipChanged) as exc:
+                        if world.elastic_generation() is None:
+                            raise
+                        _log.warning("elastic: %s; re-forming the group", exc)
+                        rejoin = reform = True
+            finally:
+                _state._runs -= 1
 
         return runner
 

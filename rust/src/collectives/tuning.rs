@@ -19,7 +19,7 @@ use crate::collectives::arena::{AllReduceAlgo, ArenaComm, DEFAULT_ONESHOT_BYTES}
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::reduce::ReduceOp;
-use crate::signature::{OpKind, OpSig};
+use crate::signature::OpSig;
 
 /// The sizes both algorithms are timed at (bytes of f32), up to the largest one-shot size.
 pub const PROBES: [usize; 5] = [1 << 10, 4 << 10, 16 << 10, 64 << 10, DEFAULT_ONESHOT_BYTES];
@@ -50,7 +50,11 @@ pub fn crossover(sizes: &[usize], oneshot: &[f64], two_phase: &[f64]) -> usize {
 
 /// Times both all-reduce algorithms on `comm`'s ranks (a collective: every local rank calls it
 /// at once), and sets and returns the one-shot limit every rank agrees on.
-pub fn tune_oneshot(comm: &mut ArenaComm, deadline: Instant) -> Result<usize> {
+///
+/// `sig` is the all-reduce the caller asked for, the one that starts the measurement: every
+/// phase of it publishes and checks that signature, so a rank that called another op (or
+/// another size) fails here with an error naming the ops the ranks called, not the probes.
+pub fn tune_oneshot(comm: &mut ArenaComm, sig: &OpSig, deadline: Instant) -> Result<usize> {
     let slot = comm.arena().slot_bytes();
     let sizes: Vec<usize> = PROBES.iter().copied().filter(|&s| s <= slot).collect();
     let largest = sizes.last().copied().unwrap_or(0);
@@ -58,13 +62,11 @@ pub fn tune_oneshot(comm: &mut ArenaComm, deadline: Instant) -> Result<usize> {
     let mut best = vec![f64::INFINITY; 2 * sizes.len()];
     for rep in 0..=REPS {
         for (i, &size) in sizes.iter().enumerate() {
-            let sig =
-                OpSig::new(OpKind::AllReduce, DType::F32, size / 4).with_reduce(ReduceOp::Sum);
             let algos = [AllReduceAlgo::OneShot, AllReduceAlgo::TwoPhase];
             for (k, algo) in algos.into_iter().enumerate() {
                 let (data, f32s, sum) = (&mut buf[..size], DType::F32, ReduceOp::Sum);
                 let start = Instant::now();
-                comm.all_reduce(Some(algo), data, f32s, sum, &sig, None, deadline)?;
+                comm.all_reduce(Some(algo), data, f32s, sum, sig, None, deadline)?;
                 let took = start.elapsed().as_secs_f64();
                 let at = 2 * i + k;
                 if rep > 0 {
@@ -75,9 +77,8 @@ pub fn tune_oneshot(comm: &mut ArenaComm, deadline: Instant) -> Result<usize> {
     }
     // Every rank takes the slowest rank's times, so all choose the same limit.
     let mut times: Vec<u8> = best.iter().flat_map(|t| t.to_ne_bytes()).collect();
-    let sig = OpSig::new(OpKind::AllReduce, DType::F64, best.len()).with_reduce(ReduceOp::Max);
     let (one, f64s, max) = (Some(AllReduceAlgo::OneShot), DType::F64, ReduceOp::Max);
-    comm.all_reduce(one, &mut times, f64s, max, &sig, None, deadline)?;
+    comm.all_reduce(one, &mut times, f64s, max, sig, None, deadline)?;
     let slowest: Vec<f64> = times
         .chunks_exact(8)
         .map(|b| f64::from_ne_bytes(b.try_into().expect("8 bytes")))

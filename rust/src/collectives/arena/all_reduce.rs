@@ -54,7 +54,7 @@ impl ArenaComm {
             Some(algo) => algo,
             None => {
                 if std::mem::take(&mut self.tune_oneshot) {
-                    tuning::tune_oneshot(self, deadline)?;
+                    tuning::tune_oneshot(self, sig, deadline)?;
                 }
                 if let Some(place) = only_root
                     .is_none()
