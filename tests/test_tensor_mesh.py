@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +24,14 @@ from shardline.comm import ProcessGroup
 from shardline.examples.train import TinyGPT, as_sequential, lm_loss
 from shardline.parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding
 from tests._ranks import run_ranks
-from tests.test_tensor_parallel import _batches, _gpt, _pristine_llama, check_resumed
+from tests.test_tensor_parallel import (
+    _batches,
+    _batches61,
+    _gpt,
+    _gpt61,
+    _pristine_llama,
+    check_resumed,
+)
 
 TIMEOUT = 120
 CLIP = 0.5  # below the norms these steps see, so clipping changes every step
@@ -474,3 +482,28 @@ def test_hsdp_trains_as_one_process_and_checkpoints(
     checkpoint.load(path, model=plain, optimizer=_adamw(plain.parameters()))
     for key, value in state.items():
         assert torch.equal(plain.state_dict()[key], value), key
+
+
+def test_a_vocabulary_tp_does_not_divide_trains_in_dp2_pp2_tp2_as_one_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tp='auto' with 61 tokens on dp2 x pp2 x tp2 (ZeRO-3): the embedding and head stay whole
+    on their stages instead of a refusal; losses, norms and the state equal one process's."""
+    here = sys.modules[__name__]  # the helpers above build their model and batches here
+    monkeypatch.setattr(here, "_gpt", _gpt61)
+    monkeypatch.setattr(here, "_batches", _batches61)
+    axes, strategy = LAYOUTS["dp2xpp2xtp2-zero3"]
+    dense, want_losses, want_norms = _dense_losses(3)
+    want = dense.state_dict()
+    names = dict(zip(as_sequential(_gpt61()).state_dict(), _gpt61().state_dict(), strict=True))
+
+    def body(g: ProcessGroup) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+        _, stage, _, losses, norms = _mesh_pipeline(g, axes, strategy, 3, gpt=_gpt61)
+        assert VocabParallelEmbedding not in {type(m) for m in stage.modules()}
+        return losses, norms, stage.state_dict()
+
+    for losses, norms, state in run_ranks(8, body, timeout=TIMEOUT):
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        for key, value in state.items():
+            torch.testing.assert_close(value, want[names[key]], msg=key)

@@ -573,3 +573,49 @@ def test_shared_inputs_overlap_their_all_reduce_with_the_weight_gradients(
         assert got.keys() == want.keys()
         for name in got:
             torch.testing.assert_close(got[name], want[name], msg=name)
+
+
+@built_once
+def _pristine_gpt61() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(Config(d_model=32, num_heads=4, num_layers=2, seq_len=16, vocab=61))
+
+
+def _gpt61() -> TinyGPT:
+    """The GPT with a vocabulary of 61 tokens: no tp size above 1 divides it. (Built once and
+    copied: ranks are threads, and seeding the shared generator in each would race.)"""
+    return copy.deepcopy(_pristine_gpt61())
+
+
+def _batches61() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 61, (4, 17), generator=gen) for _ in range(3)]
+    return [(r[:, :-1], r[:, 1:]) for r in rows]
+
+
+def test_auto_keeps_a_vocabulary_tp_does_not_divide_whole_and_trains_as_one_process(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """plan='auto' never refuses a model for its vocabulary: 61 tokens at tp=2 keep the tied
+    embedding and head whole on each rank (heads and MLP still split), the log says why and
+    how to split it, and three AdamW steps equal one process's."""
+    dense = _gpt61()
+    opt = torch.optim.AdamW(dense.parameters(), lr=1e-2, eps=1e-4)
+    want_losses = [_step(dense, opt, batch) for batch in _batches61()]
+    want = dense.state_dict()
+
+    def body(g: ProcessGroup) -> tuple[list[float], dict[str, torch.Tensor], str]:
+        model = sl.tensor_parallel(_gpt61(), g)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+        losses = [_step(model, opt, batch) for batch in _batches61()]
+        return losses, model.state_dict(), model.plan()
+
+    with caplog.at_level("WARNING", logger="shardline.parallel.tensor.auto"):
+        results = run_ranks(2, body, timeout=TIMEOUT)
+    for losses, state, plan in results:
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        for key, value in want.items():
+            torch.testing.assert_close(state[key], value, msg=key)
+        assert "blocks.0.qkv: Colwise(pieces=3" in plan and "tok: vocab" not in plan
+    assert "the vocabulary (61) does not divide by tp=2" in caplog.text
+    assert "pad it to a multiple of 2" in caplog.text

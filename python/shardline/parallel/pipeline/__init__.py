@@ -33,7 +33,12 @@ from shardline.parallel.pipeline.trace import rank_stages, strip, trace_split
 from shardline.parallel.pipeline.zero import ZERO_STAGES
 from shardline.parallel.placement import placements_of
 from shardline.parallel.precision import MixedPrecision
-from shardline.parallel.tensor.auto import auto_plan, chain_heads, tied_heads
+from shardline.parallel.tensor.auto import (
+    auto_plan,
+    chain_heads,
+    splits_by_vocabulary,
+    tied_heads,
+)
 from shardline.parallel.tensor.plan import tensor_parallel
 from shardline.parallel.tensor.styles import Colwise
 
@@ -213,7 +218,8 @@ def _whole_plan(
     if plan == "auto":
         chosen = auto_plan(model, tp.world_size, sequence_parallel=False)
         for emb, head in tied_heads(model) + chain_heads(model):
-            chosen |= {emb: "vocab", head: Colwise(gather_output=True)}
+            if splits_by_vocabulary(model, (emb, head), tp.world_size):
+                chosen |= {emb: "vocab", head: Colwise(gather_output=True)}
         return chosen
     if isinstance(plan, str):
         raise InvalidArgumentError(f"pipeline: tp_plan={plan!r}; use 'auto' or a dict")

@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
@@ -33,7 +34,41 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel.tensor.layers import ColumnParallelLinear, is_conv1d
 from shardline.parallel.tensor.styles import Colwise, Rowwise
 
-__all__ = ["auto_plan", "chain_heads", "fix_attention", "is_hf_causal_lm", "tied_heads"]
+__all__ = [
+    "auto_plan",
+    "chain_heads",
+    "fix_attention",
+    "is_hf_causal_lm",
+    "splits_by_vocabulary",
+    "tied_heads",
+]
+
+_log = logging.getLogger(__name__)
+
+
+def splits_by_vocabulary(model: nn.Module, names: list[str] | tuple[str, ...], t: int) -> bool:
+    """Whether the embeddings and heads ``names`` can be split by vocabulary over ``t`` ranks.
+
+    A vocabulary that ``t`` does not divide (61 tokens at tp=2; GPT-2's 50,257 at any even
+    tp) keeps them whole on every rank, replicated like any layer the plan leaves alone, and
+    the loss stays the model's own: it trains as one process does, at the memory of a
+    replicated vocabulary, and the log says so and how to split it (pad the vocabulary).
+    """
+    rows: dict[str, int] = {}
+    for name in names:
+        m = model.get_submodule(name)
+        size = m.num_embeddings if isinstance(m, nn.Embedding) else m.out_features
+        rows[name] = int(size)  # type: ignore[arg-type]  # an Embedding's or a Linear's
+    odd = {n: v for n, v in rows.items() if v % t}
+    if odd:
+        _log.warning(
+            "tensor_parallel: plan='auto' keeps %s whole on every rank: the vocabulary (%s) "
+            "does not divide by tp=%d. To split it, pad it to a multiple of %d (for a "
+            "Hugging Face model: model.resize_token_embeddings(n, pad_to_multiple_of=%d))",
+            ", ".join(sorted(odd)), ", ".join(str(v) for v in sorted(set(odd.values()))), t,
+            t, t,
+        )  # fmt: skip
+    return not odd
 
 
 def _gpt_blocks(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, Any]:
@@ -262,16 +297,17 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
     )
 
 
-def _vocab(model: nn.Module) -> dict[str, Any]:
+def _vocab(model: nn.Module, t: int) -> dict[str, Any]:
+    """The embedding and output head split by vocabulary, when ``t`` divides it."""
+    plan: dict[str, Any] = {}
     if callable(getattr(model, "loss_fn", None)):
-        return {n: "vocab" for pair in tied_heads(model) for n in pair}
-    if not is_hf_causal_lm(model):
-        return {}
-    names = {id(m): n for n, m in model.named_modules()}
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
-    if not (isinstance(emb, nn.Embedding) and isinstance(head, nn.Linear)):
-        return {}
-    return {names[id(emb)]: "vocab", names[id(head)]: "vocab"}
+        plan = {n: "vocab" for pair in tied_heads(model) for n in pair}
+    elif is_hf_causal_lm(model):
+        names = {id(m): n for n, m in model.named_modules()}
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
+        if isinstance(emb, nn.Embedding) and isinstance(head, nn.Linear):
+            plan = {names[id(emb)]: "vocab", names[id(head)]: "vocab"}
+    return plan if splits_by_vocabulary(model, list(plan), t) else {}
 
 
 def auto_plan(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, Any]:
@@ -287,7 +323,7 @@ def auto_plan(model: nn.Module, t: int, sequence_parallel: bool) -> dict[str, An
         | _torch_layers(model, t, sequence_parallel)
     )
     if plan:
-        plan |= _vocab(model)
+        plan |= _vocab(model, t)
     if not plan:
         raise InvalidArgumentError(
             f"tensor_parallel: plan='auto' recognises no block in {type(model).__name__}; "
