@@ -292,6 +292,22 @@ def _dense_losses(steps: int) -> tuple[TinyGPT, list[float], list[float]]:
     return model, losses, norms
 
 
+def _like_one_process(
+    results: list[tuple[list[float], list[float], dict[str, torch.Tensor]]],
+    want_losses: list[float],
+    want_norms: list[float],
+    want: dict[str, torch.Tensor],
+    names: dict[str, str],
+) -> None:
+    """Every rank's losses, clipped norms and stage state equal one process's (``names``: the
+    chain's state-dict names to the model's)."""
+    for losses, norms, state in results:
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        for key, value in state.items():
+            torch.testing.assert_close(value, want[names[key]], msg=key)
+
+
 LAYOUTS = {
     "pp2xtp2": ({"pp": 2, "tp": 2}, {"pp": "1f1b", "tp": "auto"}),
     "dp2xpp2xtp2-ddp": ({"dp": 2, "pp": 2, "tp": 2}, {"dp": "ddp", "pp": "1f1b", "tp": "auto"}),
@@ -328,11 +344,7 @@ def test_pipelines_with_tensor_parallel_stages_train_as_one_process(layout: str)
     world = 1
     for n in axes.values():
         world *= n
-    for losses, norms, state in run_ranks(world, body, timeout=TIMEOUT):
-        assert losses == pytest.approx(want_losses, rel=1e-5)
-        assert norms == pytest.approx(want_norms, rel=1e-5)
-        for key, value in state.items():
-            torch.testing.assert_close(value, want[names[key]], msg=key)
+    _like_one_process(run_ranks(world, body, timeout=TIMEOUT), want_losses, want_norms, want, names)
 
 
 def _untied_gpt() -> TinyGPT:
@@ -369,11 +381,7 @@ def test_an_untied_head_splits_by_vocabulary_in_a_pipeline() -> None:
         assert any(n.endswith(head) for n in split), split
         return losses, norms, stage.state_dict()
 
-    for losses, norms, state in run_ranks(4, body, timeout=TIMEOUT):
-        assert losses == pytest.approx(want_losses, rel=1e-5)
-        assert norms == pytest.approx(want_norms, rel=1e-5)
-        for key, value in state.items():
-            torch.testing.assert_close(value, want[names[key]], msg=key)
+    _like_one_process(run_ranks(4, body, timeout=TIMEOUT), want_losses, want_norms, want, names)
 
 
 def test_a_3d_checkpoint_loads_into_one_process_zero3_and_tp4(tmp_path: Path) -> None:
@@ -502,8 +510,4 @@ def test_a_vocabulary_tp_does_not_divide_trains_in_dp2_pp2_tp2_as_one_process(
         assert VocabParallelEmbedding not in {type(m) for m in stage.modules()}
         return losses, norms, stage.state_dict()
 
-    for losses, norms, state in run_ranks(8, body, timeout=TIMEOUT):
-        assert losses == pytest.approx(want_losses, rel=1e-5)
-        assert norms == pytest.approx(want_norms, rel=1e-5)
-        for key, value in state.items():
-            torch.testing.assert_close(value, want[names[key]], msg=key)
+    _like_one_process(run_ranks(8, body, timeout=TIMEOUT), want_losses, want_norms, want, names)
