@@ -2,31 +2,30 @@
 
 Parent side: ``launch`` starts one command as ranks ``0..world-1`` (torchrun's environment,
 free ports, a fresh job secret), enforces a deadline, stops the others when one fails and
-reports every rank's stderr. ``run_bench`` serves the benches whose ranks are the bench itself:
-it parses the command line (built with the ``add_*`` helpers), runs the worker in a rank, and in
-the parent runs each world size in turn (every rank gets ``--worker --out PATH`` and the
-parent's arguments) and returns rank 0's JSON per world size. Worker side: ``join_job`` builds
-our group and torch's, ``leave_job`` hands the result back and closes both, ``sync`` waits for
-the device.
+reports every rank's stderr, through the launcher the tests use (``launcher()``:
+``tests/multiprocess/_launch.py``). ``run_bench`` serves the benches whose ranks are the bench
+itself: it parses the command line (built with the ``add_*`` helpers), runs the worker in a
+rank, and in the parent runs each world size in turn (every rank gets ``--worker --out PATH``
+and the parent's arguments) and returns rank 0's JSON per world size. Worker side:
+``join_job`` builds our group and torch's, ``leave_job`` hands the result back and closes
+both, ``sync`` waits for the device.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib
 import json
 import os
 import re
 import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 GRACE_S = 10.0  # how long the other ranks may take to end after one failed
@@ -122,13 +121,13 @@ def add_launch(
 
 
 def rank_env(world: int, *, omp_threads: int | None = None) -> dict[str, str]:
-    """The environment every rank of a ``world``-rank job on this host shares.
+    """The environment every rank of a ``world``-rank job on this host starts from.
 
-    ``os.environ`` plus torchrun's variables (``RANK`` and ``LOCAL_RANK`` are set per rank),
-    ``MASTER_PORT`` for our group's store and ``TORCH_PORT`` for torch's, a fresh
-    ``SHARDLINE_SECRET``, this checkout's ``python/`` first on ``PYTHONPATH``, unbuffered output
-    and ``OMP_NUM_THREADS`` = ``omp_threads`` (default: the cores shared out over the ranks).
-    ``SHARDLINE_HOST_ID`` is dropped: every rank is on this host.
+    ``os.environ`` plus ``TORCH_PORT`` for torch's store (``launch`` adds torchrun's variables,
+    ``MASTER_PORT`` for our group's store), a fresh ``SHARDLINE_SECRET``, this checkout's
+    ``python/`` first on ``PYTHONPATH``, unbuffered output and ``OMP_NUM_THREADS`` =
+    ``omp_threads`` (default: the cores shared out over the ranks). ``SHARDLINE_HOST_ID`` is
+    dropped: every rank is on this host.
     """
     from shardline.launch import free_port  # noqa: PLC0415
 
@@ -139,19 +138,31 @@ def rank_env(world: int, *, omp_threads: int | None = None) -> dict[str, str]:
     env.update(
         PYTHONPATH=os.pathsep.join(p for p in paths if p),
         PYTHONUNBUFFERED="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
         TORCH_PORT=str(free_port()),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
         SHARDLINE_SECRET=secrets.token_hex(16),
         OMP_NUM_THREADS=str(threads),
     )
     return env
 
 
+def _tests_module(name: str) -> Any:
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    return importlib.import_module(f"tests.multiprocess.{name}")
+
+
+def launcher() -> Any:
+    """The process launcher the tests use too (``tests/multiprocess/_launch.py``)."""
+    return _tests_module("_launch")
+
+
+def simulated_hosts() -> Any:
+    """The simulated hosts the tests use too (``tests/multiprocess/_netns.py``)."""
+    return _tests_module("_netns")
+
+
 def launch(
-    cmd: list[str],
+    args: list[str],
     world: int,
     tmp: Path,
     *,
@@ -159,12 +170,12 @@ def launch(
     omp_threads: int | None = None,
     quiet: bool = False,
 ) -> list[str]:
-    """Runs ``cmd`` as every rank of a ``world``-rank job and waits for all of them.
+    """Runs ``python *args`` as every rank of a ``world``-rank job and waits for all of them.
 
-    Each rank's stderr goes to a file under ``tmp``; its stdout to the terminal (with
-    ``quiet``, rank 0's only: the others' to files under ``tmp``). When a rank fails the others
-    get ``GRACE_S`` seconds to end; after that, or after ``timeout`` seconds, every rank still
-    running is killed with its process group.
+    Each rank is a fresh interpreter leading a session of its own; its stderr goes to a file
+    under ``tmp``, its stdout to the terminal (with ``quiet``, rank 0's only: the others' to
+    files under ``tmp``). When a rank fails the others get ``GRACE_S`` seconds to end; after
+    that, or after ``timeout`` seconds, every rank still running is killed with its session.
 
     Returns:
         The end of each rank's stderr ("" where it wrote none), when every rank exited 0.
@@ -173,76 +184,34 @@ def launch(
         RanksFailed: A rank failed or the job ran out of time; the message says which and holds
             the end of every rank's stderr.
     """
-    env = rank_env(world, omp_threads=omp_threads)
+    procs = launcher()
     errs = [tmp / f"n{world}-rank{r}.stderr" for r in range(world)]
-    procs: list[subprocess.Popen[bytes]] = []
-    files: list[IO[bytes]] = []
-    why = ""
+
+    def output(r: int) -> tuple[Path | None, Path]:
+        return (tmp / f"n{world}-rank{r}.stdout" if quiet and r else None), errs[r]
+
+    ranks = procs.start(
+        world,
+        args=args,
+        base=rank_env(world, omp_threads=omp_threads),
+        fresh=True,
+        output=output,
+        new_session=True,
+    )
     try:
-        for r in range(world):
-            err = errs[r].open("wb")
-            out = tmp.joinpath(f"n{world}-rank{r}.stdout").open("wb") if quiet and r else None
-            files += [f for f in (err, out) if f is not None]
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,
-                )
-            )
-        why = _wait(procs, timeout)
-    except BaseException:
-        _kill(procs)
-        raise
-    finally:
-        alive = [r for r, p in enumerate(procs) if p.poll() is None]
-        if alive:
-            _kill(procs)
-            if why:
-                why += f"; killed rank(s) {', '.join(map(str, alive))}, still running"
-        for f in files:
-            f.close()
+        procs.finish(ranks, timeout, grace=GRACE_S)
+        why = ", ".join(f"rank {r.rank} exited with {r.rc}" for r in ranks if r.rc and not r.killed)
+        killed = [str(r.rank) for r in ranks if r.killed]
+        if killed:
+            why += f"; killed rank(s) {', '.join(killed)}, still running"
+    except procs.RanksFailed:
+        why = f"timed out after {timeout:.0f} s (--timeout)"
     if why:
         lines = [f"world size {world}: {why}; every rank's stderr follows"]
         for r in range(world):
             lines += [f"----- rank {r} stderr -----", _tail(errs[r])]
         raise RanksFailed("\n".join(lines))
     return [_tail(e, 1500) if e.stat().st_size else "" for e in errs]
-
-
-def _wait(procs: list[subprocess.Popen[bytes]], timeout: float) -> str:
-    """Polls the ranks: "" once all exited 0, else why it stopped waiting."""
-    deadline = time.monotonic() + timeout
-    failed_at: float | None = None
-    why = ""
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c == 0 for c in codes):
-            return ""
-        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        now = time.monotonic()
-        if bad and failed_at is None:
-            failed_at = now
-            why = ", ".join(f"rank {r} exited with {c}" for r, c in bad)
-        if failed_at is not None and (
-            all(c is not None for c in codes) or now - failed_at > GRACE_S
-        ):
-            return why
-        if now > deadline:
-            return f"timed out after {timeout:.0f} s (--timeout)"
-        time.sleep(0.1)
-
-
-def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-    for p in procs:
-        with contextlib.suppress(Exception):
-            p.wait(timeout=10)
 
 
 def _tail(path: Path, limit: int = 6000) -> str:
@@ -288,7 +257,7 @@ def run_worlds(
         for world in args.ranks:
             t0 = time.monotonic()
             out = Path(tmp) / f"result-n{world}.json"
-            cmd = [sys.executable, str(Path(script).resolve()), "--worker", "--out", str(out)]
+            cmd = [str(Path(script).resolve()), "--worker", "--out", str(out)]
             try:
                 launch([*cmd, *sys.argv[1:]], world, Path(tmp), timeout=args.timeout)
             except RanksFailed as exc:

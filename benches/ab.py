@@ -12,6 +12,7 @@ the A runs and over the B runs, and B/A - 1 in percent.
     python benches/ab.py --a /tmp/base --pairs 5 collectives --quick --ranks 2
     python benches/ab.py --a /tmp/base --pairs 5 ddp --ranks 2
     python benches/ab.py --a /tmp/base --pairs 5 p2p --sizes 4K,1M,16M
+    python benches/ab.py --a /tmp/base --pairs 5 pipeline --ranks 2 4
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ def cells(bench: str, data: Any) -> dict[str, float]:
                 if c.get(f"{kind}_s"):
                     out[f"{kind} {c['size']} B {c['backend']}"] = c[f"{kind}_s"]
         return out
-    for ranks, models in data["results"].items():
-        for model, r in models.items():
-            out[f"{model} n={ranks} shardline step"] = r["shardline_step_ms"] / 1e3
-            out[f"{model} n={ranks} torch step"] = r["torch_step_ms"] / 1e3
+    for ranks, rows in data["results"].items():  # ddp: per model; pipeline: per schedule
+        for name, r in rows.items():
+            for side in ("shardline", "torch"):
+                if r.get(f"{side}_step_ms"):
+                    out[f"{name} n={ranks} {side} step"] = r[f"{side}_step_ms"] / 1e3
     return out
 
 
@@ -81,7 +83,7 @@ def main() -> None:
     parser.add_argument("--b", type=Path, default=ROOT, help="checkout of the code after")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="text report [results/ab-*.txt]")
-    parser.add_argument("bench", choices=["collectives", "ddp", "p2p"])
+    parser.add_argument("bench", choices=["collectives", "ddp", "p2p", "pipeline"])
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="the bench's own arguments")
     args = parser.parse_args()
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"shardline-ab-{os.getpid()}"

@@ -204,18 +204,18 @@ def worker_main(cfg_path: str) -> int:
 
     from shardline.comm.backends.native import comm_threads  # noqa: PLC0415
 
-    lanes, b3s = comm_threads(world), []
-    if lanes > 1:
+    threads, b3s = comm_threads(world), []
+    if threads > 1:
         pairs = [
-            (np.full(nb // lanes, 1.0, dtype=np.float32), np.full(nb // lanes, 2.0, np.float32))
-            for _ in range(lanes)
+            (np.full(nb // threads, 1.0, dtype=np.float32), np.full(nb // threads, 2.0, np.float32))
+            for _ in range(threads)
         ]
 
         def copies(pair: tuple[Any, Any]) -> None:
             for _ in range(reps):
                 np.copyto(pair[1], pair[0])
 
-        with ThreadPoolExecutor(lanes) as ex:
+        with ThreadPoolExecutor(threads) as ex:
             list(ex.map(copies, pairs))
             for i in range(3):
                 sync.gather(f"b3-go-{i}", None)
@@ -234,7 +234,7 @@ def worker_main(cfg_path: str) -> int:
             "B1_samples_GBps": [x / 1e9 for x in b1],
             "B2_copy_all_ranks_GBps": max(b2s) / 1e9,
             "B2_samples_GBps": [x / 1e9 for x in b2s],
-            "lanes": lanes,
+            "comm_threads": threads,
             "B3_copy_all_threads_GBps": max(b3s) / 1e9 if b3s else None,
             "B_lo_tcp_GBps": max(blo) / 1e9,
             "B_lo_samples_GBps": [x / 1e9 for x in blo],
@@ -683,7 +683,7 @@ def run_world(world: int, args: argparse.Namespace, tmp: Path) -> tuple[dict[str
     }
     cfg_path = tmp / f"cfg-n{world}.json"
     cfg_path.write_text(json.dumps(cfg))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(cfg_path)]
+    cmd = [str(Path(__file__).resolve()), "--worker", str(cfg_path)]
     try:
         # One thread per rank for torch; rank 0's progress goes to the terminal.
         stderr = _harness.launch(cmd, world, tmp, timeout=args.timeout, omp_threads=1, quiet=True)
@@ -707,10 +707,10 @@ def derive(world: int, res: dict[str, Any]) -> None:
         bd["B_lo_tcp_GBps"] * 1e9,
     )
     shm = shm_1t = 1 / max(2 / b1, 2 * world / b2)  # all_reduce algbw bound, B/s
-    lanes = bd.get("lanes", 1)
-    if lanes > 1 and bd.get("B3_copy_all_threads_GBps"):
+    threads = bd.get("comm_threads", 1)
+    if threads > 1 and bd.get("B3_copy_all_threads_GBps"):
         # The engine's helper threads: T cores per rank, all ranks' threads copying at once.
-        shm = 1 / max(2 / (lanes * b1), 2 * world / (bd["B3_copy_all_threads_GBps"] * 1e9))
+        shm = 1 / max(2 / (threads * b1), 2 * world / (bd["B3_copy_all_threads_GBps"] * 1e9))
     tcp = blo / (2 * (world - 1))
     bd["shm_all_reduce_algbw_bound_GBps"] = shm / 1e9
     bd["tcp_ring_all_reduce_algbw_bound_GBps"] = tcp / 1e9
@@ -747,14 +747,14 @@ def table(world: int, res: dict[str, Any], ncores: int) -> str:
         f"{bd['B2_copy_all_ranks_GBps']:.1f} GB/s; loopback TCP B_lo "
         f"{bd['B_lo_tcp_GBps']:.2f} GB/s"
         + (
-            f"; B3 (all {world} ranks x {bd['lanes']} threads) "
+            f"; B3 (all {world} ranks x {bd['comm_threads']} threads) "
             f"{bd['B3_copy_all_threads_GBps']:.1f} GB/s"
             if bd.get("B3_copy_all_threads_GBps")
             else ""
         ),
         f"all_reduce algbw bounds: shm {bd['shm_all_reduce_algbw_bound_GBps']:.2f} GB/s "
         + (
-            f"[{bd['lanes']} threads per rank: T >= max(2S/(T B1), 2NS/B3)]"
+            f"[{bd['comm_threads']} threads per rank: T >= max(2S/(T B1), 2NS/B3)]"
             if bd.get("B3_copy_all_threads_GBps")
             else "[T >= max(2S/B1, 2NS/B2)]"
         )

@@ -3,7 +3,7 @@
 A GPT of about 100M parameters (the main job's ``TinyGPT``, ``--width 768 --layers 12``) trains
 with AdamW on ``--ranks`` ranks on this machine's CPUs, one simulated host per rank: network
 namespaces on one switch, each link limited to ``--rates`` (``1gbit``, ``10gbit``) by Linux
-traffic control (``benches/_star.py``), never by a knob of ours. Per rate:
+traffic control (``tests/multiprocess/_netns.py``), never by a knob of ours. Per rate:
 
 1. ``dense``: our DDP, uncompressed, ``--steps`` steps. Its loss there (the mean of the last 5
    steps' loss, averaged over ranks) is the *target*.
@@ -27,7 +27,7 @@ sleeps twice its compute time per step): DDP, local SGD (``sync_every=4``) and a
 (``on_stale="drop"``); the fast ranks' throughput with and without the straggler, and the
 time to dense's target loss.
 
-    python benches/bench_compression.py                      # needs root and pyroute2
+    python benches/bench_compression.py                      # needs root, ip and tc
     python benches/bench_compression.py --rates 1gbit --configs dense,powersgd --steps 20
     python benches/bench_compression.py --straggler-only
     python benches/bench_compression.py --gpu-cost --device cuda --tag cuda-4x   # 4 GPUs
@@ -39,12 +39,12 @@ from the JSON).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import re
 import secrets
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +55,7 @@ HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "benches"))
 
+import _harness  # noqa: E402
 import _report  # noqa: E402
 
 CONFIGS = ("dense", "powersgd", "topk", "topk-tensor", "onebit", "onebit-adam", "topk-adam",
@@ -164,12 +165,12 @@ def worker(args: argparse.Namespace) -> None:
         strategy = "ddp"
         if config in ("powersgd", "topk", "topk-tensor", "onebit", "int8", "fp8"):
             options["compression"] = {
-                "powersgd": sl.optim.PowerSGD(rank=4),
-                "topk": sl.optim.TopK(ratio=0.01),
-                "topk-tensor": sl.optim.TopK(ratio=0.01, per_tensor=True),
-                "onebit": sl.optim.OneBit(),
-                "int8": sl.optim.Int8(),
-                "fp8": sl.optim.FP8(),
+                "powersgd": sl.compression.PowerSGD(rank=4),
+                "topk": sl.compression.TopK(ratio=0.01),
+                "topk-tensor": sl.compression.TopK(ratio=0.01, per_tensor=True),
+                "onebit": sl.compression.OneBit(),
+                "int8": sl.compression.Int8(),
+                "fp8": sl.compression.FP8(),
             }[config]
         elif config in ("onebit-adam", "topk-adam"):
             strategy = "none"
@@ -178,10 +179,10 @@ def worker(args: argparse.Namespace) -> None:
         elif config == "async":
             strategy, options = "async", {"staleness": 2, "on_stale": "drop", "servers": world}
         if strategy == "none":  # 1-bit Adam communicates itself; the model stays plain
-            from shardline.parallel._common import default_group  # noqa: PLC0415
+            from shardline.comm.world import default_group  # noqa: PLC0415
 
             net = model
-            compressor = sl.optim.TopK(ratio=0.01) if config == "topk-adam" else None
+            compressor = sl.compression.TopK(ratio=0.01) if config == "topk-adam" else None
             opt = sl.optim.OneBitAdam(model.parameters(), lr=args.lr, compressor=compressor,
                                       freeze_step=max(2, args.steps // 5))  # fmt: skip
             group = default_group()
@@ -252,12 +253,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _nic(ifname: str) -> dict[str, int]:
-    from pyroute2 import IPRoute  # noqa: PLC0415
-
-    with IPRoute() as ipr:
-        idx = ipr.link_lookup(ifname=ifname)[0]
-        stats = ipr.get_links(idx)[0].get_attr("IFLA_STATS64")
-    return {"tx": int(stats["tx_bytes"]), "rx": int(stats["rx_bytes"])}
+    """This rank's interface counters (``/proc/net/dev`` of its network namespace)."""
+    tx, rx = _harness.simulated_hosts().nic_bytes(Path("/proc/net/dev").read_text(), ifname)
+    return {"tx": tx, "rx": rx}
 
 
 # -- parent ------------------------------------------------------------------------------------
@@ -266,68 +264,55 @@ def _nic(ifname: str) -> dict[str, int]:
 def run_config(
     args: argparse.Namespace,
     config: str,
-    star: Any,
+    hosts: Any,
     *,
     max_steps: int,
     target: float = 0.0,
     slow_rank: int = -1,
     timeout: float = 1800,
 ) -> list[dict[str, Any]]:
-    """Runs ``config`` on every rank; returns each rank's report."""
+    """Runs ``config`` on every rank (rank ``r`` on host ``str(r)`` of ``hosts``, when given);
+    returns each rank's report."""
+    procs = _harness.launcher()
     n = args.ranks
     threads = args.threads or max(1, (os.cpu_count() or 2) // n)
-    port = 29400 + secrets.randbelow(2000)
     tmp = Path(tempfile.mkdtemp(prefix="shardline-bench-compression-"))
-    procs = []
-    before = [star.tx_rx(r) for r in range(n)] if star is not None else None
-    for r in range(n):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
-        env.update(
-            PYTHONPATH=f"{ROOT / 'python'}:{ROOT}:{env.get('PYTHONPATH', '')}",
-            RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK="0" if star else str(r),
-            LOCAL_WORLD_SIZE="1" if star else str(n),
-            MASTER_ADDR=star.addr(0) if star else "127.0.0.1", MASTER_PORT=str(port),
-            OMP_NUM_THREADS=str(threads), SHARDLINE_SECRET="bench-compression",
-            SHARDLINE_TIMEOUT="600",
-        )  # fmt: skip
-        if args.device == "cuda":
-            env.update(SHARDLINE_BACKEND="nccl", NCCL_NVLS_ENABLE="0")
-        else:
-            env.update(SHARDLINE_BACKEND="native", CUDA_VISIBLE_DEVICES="")
-        if star is not None:
-            env.update(SHARDLINE_HOST_ID=f"host-{r}", GLOO_SOCKET_IFNAME=star.ifname(r),
-                       BENCH_IFNAME=star.ifname(r))  # fmt: skip
-        argv = [sys.executable, "-u", str(HERE), "--worker", "--config", config,
-                "--out", str(tmp / "rank"), "--max-steps", str(max_steps),
-                "--target", str(target), "--slow-rank", str(slow_rank),
-                *_model_flags(args)]  # fmt: skip
-        # preexec_fn: the parent runs no threads of its own here.
-        enter = star.enter(r) if star else None
-        proc = subprocess.Popen(
-            argv,
-            env=env,
-            preexec_fn=enter,  # noqa: PLW1509
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        procs.append(proc)
-    deadline = time.monotonic() + timeout
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-        outputs.append(out.decode(errors="replace"))
-    if any(p.returncode for p in procs):
-        text = "\n".join(f"--- rank {r} (rc {p.returncode}) ---\n{o[-6000:]}"
-                         for r, (p, o) in enumerate(zip(procs, outputs, strict=True)))  # fmt: skip
+    before = [hosts.tx_rx(str(r)) for r in range(n)] if hosts is not None else None
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
+    base.update(PYTHONPATH=f"{ROOT / 'python'}:{ROOT}:{base.get('PYTHONPATH', '')}",
+                OMP_NUM_THREADS=str(threads), SHARDLINE_SECRET="bench-compression",
+                SHARDLINE_TIMEOUT="600")  # fmt: skip
+    env = {"SHARDLINE_BACKEND": "native", "CUDA_VISIBLE_DEVICES": ""}
+    if args.device == "cuda":
+        env = {"SHARDLINE_BACKEND": "nccl", "NCCL_NVLS_ENABLE": "0"}
+    per_rank: dict[int, dict[str, str]] = {}
+    if hosts is not None:
+        env.update(MASTER_ADDR=hosts.addr("0"), LOCAL_WORLD_SIZE="1")
+        per_rank = {r: {"LOCAL_RANK": "0", "SHARDLINE_HOST_ID": f"host-{r}",
+                        "GLOO_SOCKET_IFNAME": hosts.ifname(str(r)),
+                        "BENCH_IFNAME": hosts.ifname(str(r))} for r in range(n)}  # fmt: skip
+    argv = ["-u", str(HERE), "--worker", "--config", config, "--out", str(tmp / "rank"),
+            "--max-steps", str(max_steps), "--target", str(target), "--slow-rank",
+            str(slow_rank), *_model_flags(args)]  # fmt: skip
+    ranks = procs.start(
+        n,
+        args=argv,
+        base=base,
+        env=env,
+        per_rank=per_rank,
+        port=29400 + secrets.randbelow(2000),
+        fresh=True,
+        netns=(lambda r: hosts.ns(str(r))) if hosts is not None else None,
+    )
+    with contextlib.suppress(procs.RanksFailed):  # killed: reported below
+        procs.finish(ranks, timeout)
+    if any(r.rc for r in ranks):
+        text = "\n".join(f"--- rank {r.rank} (rc {r.rc}) ---\n{(r.out + r.err)[-6000:]}"
+                         for r in ranks)  # fmt: skip
         raise RuntimeError(f"{config} failed:\n{text}")
     reports = [json.loads(Path(f"{tmp}/rank.{r}.json").read_text()) for r in range(n)]
-    if star is not None and before is not None:
-        after = [star.tx_rx(r) for r in range(n)]
+    if hosts is not None and before is not None:
+        after = [hosts.tx_rx(str(r)) for r in range(n)]
         for r, rep in enumerate(reports):
             rep["wire_tx"] = after[r][0] - before[r][0]
     return reports
@@ -364,7 +349,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from _star import Star, usable  # noqa: PLC0415
+    netns = _harness.simulated_hosts()
 
     results: dict[str, Any] = {
         "args": vars(args),
@@ -389,24 +374,25 @@ def main() -> None:
         _write(args, results)
         return
     if not args.straggler_only:
-        why = usable()
+        why = netns.namespaces_allowed()
         if why:
             raise SystemExit(f"bench_compression: cannot simulate hosts here: {why}")
-        star = Star(args.ranks).open()
+        hosts = netns.Hosts([str(r) for r in range(args.ranks)], tag="slb", subnet="10.78.0")
+        hosts.open()
         try:
             for rate in [r for r in args.rates.split(",") if r]:
-                star.shape(rate)
+                hosts.shape(rate)
                 before = results["rates"].get(rate, {})
 
                 def save(part: dict[str, Any], rate: str = rate, before: dict = before) -> None:
                     results["rates"][rate] = {**before, **part}
                     _write(args, results)  # after every config: a cut-off run keeps its results
 
-                save(_one_rate(args, star, configs, before, save))
+                save(_one_rate(args, hosts, configs, before, save))
                 print("\n".join(_rate_table(rate, results["rates"][rate])), flush=True)
                 _write(args, results)
         finally:
-            star.close()
+            hosts.close()
     if args.straggler or args.straggler_only:
         results["straggler"] = {**results.get("straggler", {}), **_straggler(args)}
         print("\n".join(_straggler_table(results["straggler"])), flush=True)
@@ -415,7 +401,7 @@ def main() -> None:
 
 def _one_rate(
     args: argparse.Namespace,
-    star: Any,
+    hosts: Any,
     configs: list[str],
     before: dict[str, Any],
     save: Any,
@@ -423,7 +409,7 @@ def _one_rate(
     if args.reuse_dense and "dense" in before:
         dense = before["dense"]
     else:
-        dense = summarize(run_config(args, "dense", star, max_steps=args.steps), args.steps, -1.0)
+        dense = summarize(run_config(args, "dense", hosts, max_steps=args.steps), args.steps, -1.0)
         dense["to_target_s"] = dense["curve"][-1][0]
     target = dense["loss_at_steps"]
     out = {"target": target, "dense": dense}
@@ -432,7 +418,7 @@ def _one_rate(
         if config == "dense":
             continue
         try:
-            reports = run_config(args, config, star, max_steps=2 * args.steps, target=target)
+            reports = run_config(args, config, hosts, max_steps=2 * args.steps, target=target)
         except RuntimeError as exc:  # recorded, and the other configs still run
             out[config] = {"failed": _first_error(str(exc))}
         else:

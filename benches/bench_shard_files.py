@@ -2,8 +2,9 @@
 
 Usage: python benches/bench_shard_files.py [--mib 256] [--dir /tmp] [--repeat 3]
 
-Writes include the fsync; reads are from the page cache (the file was just written). Prints
-the best of ``--repeat`` runs in GB/s of raw tensor bytes, and the compression ratio.
+Writes include the fsync; reads are from the page cache (the file was just written), each
+through a ``ShardReader`` opened for it. Prints the best of ``--repeat`` runs in GB/s of raw
+tensor bytes, and the compression ratio.
 """
 
 from __future__ import annotations
@@ -54,21 +55,27 @@ def main() -> None:
     def write(compress: int | None) -> dict[str, dict[str, int]]:
         return native.write_shard(path, [("w", "F32", [t.numel()], data)], {}, compress=compress)
 
+    def read(verify: bool) -> None:
+        with native.ShardReader(path) as reader:
+            reader.read_range("w", 0, out_bytes, verify)
+
+    def verify_file() -> None:
+        with native.ShardReader(path) as reader:
+            reader.verify()
+
     try:
         row("write plain (+fsync)", best(lambda: write(None), args.repeat))
         for verify in (True, False):
-            s = best(
-                lambda v=verify: native.read_tensor_range(path, "w", 0, out_bytes, v), args.repeat
-            )
+            s = best(lambda v=verify: read(v), args.repeat)
             row(f"read plain verify={verify}", s)
         assert torch.equal(out, t)
-        row("verify_shard plain", best(lambda: native.verify_shard(path), args.repeat))
+        row("verify plain", best(verify_file, args.repeat))
         for level in args.levels:
             result = write(level)
             ratio = result["w"]["raw_bytes"] / result["w"]["stored_bytes"]
             s = best(lambda lv=level: write(lv), args.repeat)
             row(f"write zstd-{level} (+fsync)", s, ratio)
-            s = best(lambda: native.read_tensor_range(path, "w", 0, out_bytes, True), args.repeat)
+            s = best(lambda: read(True), args.repeat)
             row(f"read zstd-{level} verify=True", s, ratio)
             assert torch.equal(out, t)
 
@@ -78,7 +85,7 @@ def main() -> None:
                 os.fsync(f.fileno())
 
         row("safetensors save_file (+fsync)", best(st_save, args.repeat))
-        # load_file maps the file; copying into `out` makes it comparable to read_tensor_range.
+        # load_file maps the file; copying into `out` makes it comparable to read_range.
         row(
             "safetensors load_file + copy",
             best(lambda: out.copy_(load_file(path)["w"]), args.repeat),

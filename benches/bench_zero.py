@@ -206,7 +206,7 @@ def build_impl(
         if name in OURS:
             zero_kw = {**zero_kw, "recompute": "selective"}
         else:
-            sl.checkpoint.activations.recompute_blocks(model, "selective")
+            sl.parallel.recompute.recompute_blocks(model, "selective")
     for rule in ("blocks", "size"):
         if name.endswith(f"-{rule}"):
             name = name.removesuffix(f"-{rule}")

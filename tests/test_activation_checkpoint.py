@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from shardline.checkpoint import activations
-from shardline.checkpoint.activations import ActivationCheckpointManager
 from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError, PeerLostError
+from shardline.parallel import recompute
+from shardline.parallel.recompute import ActivationCheckpointManager
 from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.usefixtures("native")
@@ -93,18 +93,18 @@ def test_checkpoint_gradients_bitwise_equal_and_fewer_saved_bytes() -> None:
     model = MLP()
     x = torch.randn(8, 16)
     plain, saved_plain = train_step(model, x, None)
-    ckpt, saved_ckpt = train_step(model, x, activations.checkpoint)
+    ckpt, saved_ckpt = train_step(model, x, recompute.checkpoint)
     assert len(plain) == len(ckpt) == 5
     assert all(bitwise_equal(a, b) for a, b in zip(plain, ckpt, strict=True))
     assert sum(map(nbytes, saved_ckpt)) < sum(map(nbytes, saved_plain))
     assert sum(map(nbytes, saved_ckpt)) <= nbytes(x)  # only the region's input stays
 
     # The RNG state is what makes them equal: without it the recompute drops other units.
-    other, _ = train_step(model, x, activations.checkpoint, preserve_rng_state=False)
+    other, _ = train_step(model, x, recompute.checkpoint, preserve_rng_state=False)
     assert not all(torch.equal(a, b) for a, b in zip(plain, other, strict=True))
 
     # Keyword arguments reach the function.
-    scaled, _ = train_step(model, x, activations.checkpoint, scale=2.0)
+    scaled, _ = train_step(model, x, recompute.checkpoint, scale=2.0)
     plain_scaled, _ = train_step(model, x, None, scale=2.0)
     assert all(bitwise_equal(a, b) for a, b in zip(plain_scaled, scaled, strict=True))
 
@@ -122,11 +122,11 @@ def test_checkpoint_records_bytes_not_kept_in_the_active_manager() -> None:
     def body(g: ProcessGroup) -> tuple[int, int, int]:
         m = ActivationCheckpointManager(g)
         with torch.random.fork_rng():
-            train_step(model, x, activations.checkpoint)  # not active: nothing recorded
+            train_step(model, x, recompute.checkpoint)  # not active: nothing recorded
             before = m.recomputed_bytes
             with m.activate():
-                train_step(model, x, activations.checkpoint)
-                train_step(model, x, activations.checkpoint)
+                train_step(model, x, recompute.checkpoint)
+                train_step(model, x, recompute.checkpoint)
         return before, m.recomputed_bytes, m.memory_stats().total_recomputed_bytes
 
     assert run_ranks(1, body) == [(0, 2 * expected, 2 * expected)]
@@ -141,7 +141,7 @@ def test_nested_checkpoints_count_once_per_forward() -> None:
 
     def outer(x: torch.Tensor) -> torch.Tensor:
         # l3 saves inner's output, so backward reruns the inner checkpoint to rebuild it.
-        return l3(activations.checkpoint(inner, torch.relu(l1(x))))
+        return l3(recompute.checkpoint(inner, torch.relu(l1(x))))
 
     x = torch.randn(4, 8, requires_grad=True)
     params = [x, l1.weight, l2.weight, l3.weight]
@@ -150,7 +150,7 @@ def test_nested_checkpoints_count_once_per_forward() -> None:
     def body(g: ProcessGroup) -> tuple[int, int, bool]:
         m = ActivationCheckpointManager(g)
         with m.activate():
-            y = activations.checkpoint(outer, x)
+            y = recompute.checkpoint(outer, x)
             after_forward = m.recomputed_bytes
             got = torch.autograd.grad(y.sum(), params)
         same = all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
@@ -358,7 +358,7 @@ def test_memory_stats_add_up_across_ranks(n: int) -> None:
             make_tensor(50 + 10 * rank + i, (rank + 1, 3), torch.float32) for i in range(rank + 1)
         ]
 
-    def body(g: ProcessGroup) -> activations.ActivationMemoryStats:
+    def body(g: ProcessGroup) -> recompute.ActivationMemoryStats:
         m = ActivationCheckpointManager(g)
         for i, t in enumerate(expected_local(g.rank)):
             m.register(f"l{g.rank}.{i}", t)
@@ -394,7 +394,7 @@ def test_memory_stats_add_up_across_ranks(n: int) -> None:
 
 
 def test_format_bytes() -> None:
-    fmt = activations.format_bytes
+    fmt = recompute.format_bytes
     assert [fmt(0), fmt(1023), fmt(1536), fmt(3 << 20), fmt(5 << 30)] == [
         "0 B",
         "1023 B",
@@ -429,11 +429,11 @@ def test_world_size_one_runs_every_call_without_peers() -> None:
 
     def body(g: ProcessGroup) -> None:
         m = ActivationCheckpointManager(g)
-        for policy in activations.POLICIES:
+        for policy in recompute.POLICIES:
             m.register(policy, full.clone(), policy=policy)  # type: ignore[arg-type]
         m.register_and_broadcast("b", full.clone())
         m.keep_boundary(0, full.clone())
-        for k in [*activations.POLICIES, "b", m.boundary_id(0)]:
+        for k in [*recompute.POLICIES, "b", m.boundary_id(0)]:
             assert m.holds(k) == (k != "partition")
             assert bitwise_equal(m.get(k), full), k
         keys = m.sync_keys()

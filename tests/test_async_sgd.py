@@ -14,7 +14,7 @@ from torch import nn
 import shardline as sl
 from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError
-from shardline.optim.async_sgd import AsyncOptimizer, AsyncSGD
+from shardline.parallel.replica.async_sgd import AsyncOptimizer, AsyncSGD
 from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.usefixtures("native")

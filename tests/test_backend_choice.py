@@ -13,7 +13,8 @@ import torch
 import shardline as sl
 from shardline.comm import ProcessGroup, init_process_group
 from shardline.comm.backends import nccl
-from shardline.comm.collectives import _agree_on_backend, choose_backend
+from shardline.comm.rendezvous.generations import agree_on_backend
+from shardline.comm.world import choose_backend
 from shardline.errors import InvalidArgumentError, ShardlineError
 from tests._ranks import new_store
 
@@ -103,12 +104,12 @@ def test_init_on_cpu_device_chooses_native(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_ranks_that_disagree_with_rank_0_fail_with_instructions() -> None:
     store = new_store()
-    _agree_on_backend(store, 0, "nccl", explicit=False)
-    _agree_on_backend(store, 2, "nccl", explicit=False)
+    agree_on_backend(store, 0, "nccl", explicit=False)
+    agree_on_backend(store, 2, "nccl", explicit=False)
     with pytest.raises(ShardlineError, match=r"rank 1 chose backend 'native' but rank 0 uses"):
-        _agree_on_backend(store, 1, "native", explicit=False)
+        agree_on_backend(store, 1, "native", explicit=False)
     with pytest.raises(ShardlineError, match="SHARDLINE_BACKEND"):
-        _agree_on_backend(store, 1, "gloo", explicit=True)
+        agree_on_backend(store, 1, "gloo", explicit=True)
 
 
 # -- availability ------------------------------------------------------------------------------

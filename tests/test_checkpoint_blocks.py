@@ -1,4 +1,4 @@
-"""Tensor-parallel (rectangular) shards in checkpoints: ``BlockShard`` from a module's
+"""Tensor-parallel (rectangular) shards in checkpoints: ``Shard.box`` from a module's
 ``sharded_state_dict()``, loaded into the whole tensor, into blocks again and into ZeRO shards.
 
 Oracle: one process training the whole model with the same gradients. AdamW is elementwise, so
@@ -17,8 +17,8 @@ from torch import nn
 
 import shardline as sl
 from shardline import checkpoint
-from shardline.checkpoint import BlockShard
 from shardline.errors import CheckpointError
+from shardline.parallel import Shard
 from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.usefixtures("native")
@@ -60,8 +60,8 @@ class ColumnRow(nn.Module):
         return {
             "norm.weight": self.norm.weight,
             "norm.bias": self.norm.bias,
-            "up.weight": BlockShard(self.up.weight, (H, D), (lo, 0)),
-            "down.weight": BlockShard(self.down.weight, (D, H), (0, lo)),
+            "up.weight": Shard.box(self.up.weight, (H, D), (lo, 0)),
+            "down.weight": Shard.box(self.down.weight, (D, H), (0, lo)),
         }
 
 
@@ -177,7 +177,7 @@ def test_a_block_outside_its_tensor_is_refused(tmp_path: Path) -> None:
             self.w = nn.Parameter(torch.ones(3, 4))
 
         def sharded_state_dict(self) -> dict[str, Any]:
-            return {"w": BlockShard(self.w, (4, 4), (2, 0))}
+            return {"w": Shard.box(self.w, (4, 4), (2, 0))}
 
     with pytest.raises(CheckpointError, match=r"'model/w'.*\[3, 4\] at offsets \[2, 0\]"):
         checkpoint.save(tmp_path / "ck", model=Bad())
@@ -192,7 +192,7 @@ def test_a_missing_block_is_reported(tmp_path: Path) -> None:
             self.w = nn.Parameter(torch.ones(2, 4))
 
         def sharded_state_dict(self) -> dict[str, Any]:
-            return {"w": BlockShard(self.w, (4, 4), (0, 0))}
+            return {"w": Shard.box(self.w, (4, 4), (0, 0))}
 
     checkpoint.save(tmp_path / "ck", model=Half())
     with pytest.raises(CheckpointError, match="covered"):

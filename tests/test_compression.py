@@ -18,9 +18,9 @@ from torch import nn
 import shardline as sl
 from shardline import _native, checkpoint
 from shardline.comm import ProcessGroup
+from shardline.compression import FP8, Cast, Compressor, Entry, Int8, OneBit, PowerSGD, TopK
+from shardline.compression.quantize import Quantizer
 from shardline.errors import InvalidArgumentError
-from shardline.optim import FP8, Cast, Compressor, Entry, Int8, OneBit, PowerSGD, TopK
-from shardline.optim.quantize import Quantizer
 from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.usefixtures("native")
@@ -118,7 +118,7 @@ def test_bad_arguments_are_refused_with_the_reason() -> None:
     with pytest.raises(InvalidArgumentError, match="multiple of 8"):
         Int8(block=100)
     with pytest.raises(InvalidArgumentError, match="unknown compression 'zip'"):
-        sl.optim.resolve("zip")
+        sl.compression.resolve("zip")
     with pytest.raises(InvalidArgumentError, match=r"float16 or torch\.bfloat16"):
         Cast(torch.float32)
 
@@ -311,7 +311,7 @@ def test_each_compressor_trains_to_about_the_uncompressed_loss(name: str, strate
 
     def body(g: ProcessGroup) -> tuple[float, float, float]:
         _, _, dense = train(g, strategy, None, steps)
-        comp = sl.optim.resolve(name)
+        comp = sl.compression.resolve(name)
         assert comp is not None
         if isinstance(comp, TopK):
             comp.ratio = 0.1  # this model's buckets are tiny
@@ -412,7 +412,7 @@ def test_comm_stats_show_the_bytes_compression_saves(name: str, low: float, high
     def body(g: ProcessGroup) -> float:
         big = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
         dense = sl.distribute(copy.deepcopy(big), strategy="ddp", group=g)[0]
-        comp = sl.optim.resolve(name)
+        comp = sl.compression.resolve(name)
         assert comp is not None
         comp.warmup_steps = 0
         squeezed = sl.distribute(big, strategy="ddp", group=g, compression=comp)[0]
@@ -445,7 +445,7 @@ def test_estimate_memory_counts_the_residual_over_the_whole_gradient() -> None:
 
 
 def test_topk_selection_on_large_buffers_is_exact() -> None:
-    from shardline.optim.topk import largest
+    from shardline.compression.topk import largest
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(3_000_000, generator=g).abs()

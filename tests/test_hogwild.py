@@ -11,7 +11,7 @@ from torch import nn
 
 import shardline as sl
 from shardline.comm import ProcessGroup
-from shardline.optim.hogwild import HogwildSGD
+from shardline.parallel.replica.hogwild import HogwildSGD
 from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.usefixtures("native")

@@ -16,7 +16,7 @@ import shardline as sl
 from shardline import checkpoint
 from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError
-from shardline.optim.local_sgd import LocalSGD
+from shardline.parallel.replica.local_sgd import LocalSGD
 from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.usefixtures("native")

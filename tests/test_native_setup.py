@@ -162,13 +162,13 @@ def test_missing_engine_says_how_to_build(monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.parametrize(
     ("cores", "machine_ranks", "threads", "min_bytes", "slot"),
     [
-        (16, 2, 4, native_backend.LANES_MIN_BYTES, native_backend.LANES_SLOT_BYTES),
-        (16, 4, 4, native_backend.LANES_MIN_BYTES, native_backend.LANES_SLOT_BYTES),
-        (64, 2, 4, native_backend.LANES_MIN_BYTES, native_backend.LANES_SLOT_BYTES),
-        (16, 8, 1, native_backend.FEW_LANES_MIN_BYTES, native_backend.DEFAULT_SLOT_BYTES),
-        (12, 4, 1, native_backend.FEW_LANES_MIN_BYTES, native_backend.DEFAULT_SLOT_BYTES),
-        (16, 16, 1, native_backend.FEW_LANES_MIN_BYTES, native_backend.DEFAULT_SLOT_BYTES),
-        (2, 2, 1, native_backend.FEW_LANES_MIN_BYTES, native_backend.FEW_CORES_SLOT_BYTES),
+        (16, 2, 4, native_backend.THREADS_MIN_BYTES, native_backend.THREADS_SLOT_BYTES),
+        (16, 4, 4, native_backend.THREADS_MIN_BYTES, native_backend.THREADS_SLOT_BYTES),
+        (64, 2, 4, native_backend.THREADS_MIN_BYTES, native_backend.THREADS_SLOT_BYTES),
+        (16, 8, 1, native_backend.FEW_THREADS_MIN_BYTES, native_backend.DEFAULT_SLOT_BYTES),
+        (12, 4, 1, native_backend.FEW_THREADS_MIN_BYTES, native_backend.DEFAULT_SLOT_BYTES),
+        (16, 16, 1, native_backend.FEW_THREADS_MIN_BYTES, native_backend.DEFAULT_SLOT_BYTES),
+        (2, 2, 1, native_backend.FEW_THREADS_MIN_BYTES, native_backend.FEW_CORES_SLOT_BYTES),
     ],
 )
 def test_helper_threads_take_the_cores_the_ranks_leave(
@@ -184,12 +184,12 @@ def test_helper_threads_take_the_cores_the_ranks_leave(
         monkeypatch.delenv(var, raising=False)
     monkeypatch.delenv("SHARDLINE_SHM_SLOT_BYTES", raising=False)
     assert native_backend.comm_threads(machine_ranks) == threads
-    assert native_backend.lanes_min_bytes(threads) == min_bytes
+    assert native_backend.comm_threads_min_bytes(threads) == min_bytes
     assert native_backend._slot_bytes(machine_ranks, threads) == slot
     monkeypatch.setenv("SHARDLINE_COMM_THREADS", "2")
     monkeypatch.setenv("SHARDLINE_COMM_THREADS_MIN_BYTES", "0")
     assert native_backend.comm_threads(machine_ranks) == 2
-    assert native_backend.lanes_min_bytes(2) == 0
+    assert native_backend.comm_threads_min_bytes(2) == 0
 
 
 def test_helper_threads_count_the_jobs_ranks_on_the_node(
@@ -200,9 +200,9 @@ def test_helper_threads_count_the_jobs_ranks_on_the_node(
     monkeypatch.setattr(native_backend.os, "sched_getaffinity", lambda _pid: set(range(16)))
     monkeypatch.delenv("SHARDLINE_COMM_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert [kw.lanes for kw in run_ranks(2, _kwargs)] == [4, 4]
+    assert [kw.comm_threads for kw in run_ranks(2, _kwargs)] == [4, 4]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert [kw.lanes for kw in run_ranks(2, _kwargs)] == [1, 1]
+    assert [kw.comm_threads for kw in run_ranks(2, _kwargs)] == [1, 1]
 
 
 @pytest.mark.parametrize(
@@ -220,7 +220,7 @@ def test_bad_engine_settings_are_refused_by_name(
     monkeypatch.setenv(var, value)
     read = {
         "SHARDLINE_COMM_THREADS": lambda: native_backend.comm_threads(2),
-        "SHARDLINE_COMM_THREADS_MIN_BYTES": lambda: native_backend.lanes_min_bytes(2),
+        "SHARDLINE_COMM_THREADS_MIN_BYTES": lambda: native_backend.comm_threads_min_bytes(2),
         "SHARDLINE_SHM_SLOT_BYTES": lambda: native_backend._slot_bytes(2, 1),
     }[var]
     with pytest.raises(ShardlineError, match=f"{var}='{value}' must be an integer of at least"):

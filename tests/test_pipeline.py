@@ -216,7 +216,7 @@ def test_recompute_keeps_stage_boundaries_in_the_activation_manager() -> None:
     input as that stage's boundary while its micro-batch is in flight: the manager's stage
     calls list them (seen from a hook during the step), its peak counts at most p of them on
     the first stage under 1F1B, and the stage is clear again after the step."""
-    from shardline.checkpoint.activations import ActivationCheckpointManager
+    from shardline.parallel.recompute import ActivationCheckpointManager
 
     p, m = 2, 4
 

@@ -20,11 +20,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardline as sl
-from shardline.checkpoint.activations import find_blocks, recompute_blocks
 from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.examples.train import Config, TinyGPT
 from shardline.parallel.data.zero.grouping import default_units, plan_units, unit_blocks
+from shardline.parallel.recompute import find_blocks, recompute_blocks
 from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.usefixtures("native")

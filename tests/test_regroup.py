@@ -4,7 +4,7 @@ Four thread ranks train two steps and save a checkpoint; one rank is then lost (
 old group and the wrapper's sub-groups, so any collective on them fails) and three ranks form
 a new group. Survivors move their wrapper with ``contract.regroup``; in the mixed scenarios a
 process joins the running job (a new model wrapped by ``distribute`` while
-``world.joined_running_job()`` says so, as in an elastic job: no start-up collectives) and the
+``parallel.joining.is_joining()`` says so, as in an elastic job: no start-up collectives) and the
 survivors' ranks change. Everyone loads the checkpoint and trains two more steps. The oracle
 is three ranks that wrap fresh models on a three-rank group, load the same checkpoint and
 train the same steps: the same unit (or bucket) layout and the same final parameters.
@@ -25,9 +25,9 @@ from torch import nn
 
 import shardline as sl
 from shardline import checkpoint
-from shardline.comm import ProcessGroup, init_process_group, world
+from shardline.comm import ProcessGroup, init_process_group
 from shardline.errors import InvalidArgumentError
-from shardline.parallel import ShardedDataParallel, contract
+from shardline.parallel import ShardedDataParallel, contract, joining
 from shardline.parallel.data.ddp import DistributedDataParallel
 from tests._ranks import SECRET, new_store, run_ranks
 
@@ -55,10 +55,8 @@ class MLP(nn.Module):
 
 @pytest.fixture(autouse=True)
 def _joined_running_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """``world.joined_running_job()`` is true in the rank threads in ``_JOINING``."""
-    monkeypatch.setattr(
-        world, "joined_running_job", lambda: threading.current_thread().name in _JOINING
-    )
+    """``parallel.joining.is_joining()`` is true in the rank threads in ``_JOINING``."""
+    monkeypatch.setattr(joining, "_ask", lambda: threading.current_thread().name in _JOINING)
     yield
     _JOINING.clear()
 
@@ -201,7 +199,7 @@ def elastic_run(
                 opt.state.clear()  # the caller's part (DDP's state would still fit)
                 assert getattr(model, "group", None) is g3
             checkpoint.load(path, model=model, optimizer=opt if optimizer_state else None, group=g3)
-            _JOINING.discard(me)  # restored: as world.settled()
+            _JOINING.discard(me)  # restored: as elastic.job.settled()
             steps(model, opt, rank, 2, 4)
             return rank, finish(model)
         finally:

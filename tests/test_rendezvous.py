@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import shardline as sl
-from shardline.comm.rendezvous import (
+from shardline.comm.rendezvous.env import (
     INSECURE_SECRET,
     RendezvousInfo,
     create_store,

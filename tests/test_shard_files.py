@@ -19,12 +19,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardline.checkpoint._state import DTYPES
+from shardline import dtypes
 from shardline.errors import CheckpointError, InvalidArgumentError
 from tests.conftest import need_native
 
 # The names are safetensors' own (its package is the oracle: files must load with it).
-SAFETENSORS_DTYPES = DTYPES
+SAFETENSORS_DTYPES = dtypes.FILE_DTYPES
 
 
 @pytest.fixture(autouse=True)
@@ -103,9 +103,27 @@ def write(
     )
 
 
+def read_header(path: Path) -> dict[str, Any]:
+    """The file's validated header, from a ``ShardReader`` opened for it."""
+    with _n().ShardReader(str(path)) as reader:
+        return reader.header()  # type: ignore[no-any-return]
+
+
+def read_range(path: Path, name: str, start: int, out: Any, verify: bool = True) -> None:
+    """One ``read_range`` from a ``ShardReader`` opened for it."""
+    with _n().ShardReader(str(path)) as reader:
+        reader.read_range(name, start, out, verify)
+
+
+def verify_file(path: Path) -> None:
+    """``ShardReader.verify`` of a reader opened for it."""
+    with _n().ShardReader(str(path)) as reader:
+        reader.verify()
+
+
 def read(path: Path, name: str, like: torch.Tensor, verify: bool = True) -> torch.Tensor:
     out = torch.empty_like(like).contiguous()
-    _n().read_tensor_range(str(path), name, 0, raw(out), verify)
+    read_range(path, name, 0, raw(out), verify)
     return out
 
 
@@ -116,7 +134,7 @@ def test_torch_tensors_round_trip(tmp_path: Path, compress: int | None) -> None:
     result = write(path, tensors, compress, chunk_bytes=4096)
     assert result["__file__"]["bytes"] == path.stat().st_size
     assert result["__file__"]["header_bytes"] % 4096 == 0
-    header = _n().read_shard_header(str(path))
+    header = read_header(path)
     assert header["metadata"] == {"step": "7", "format": "pt"}
     assert list(header["tensors"]) == list(tensors)  # file order = the caller's order
     for name, t in tensors.items():
@@ -130,7 +148,7 @@ def test_torch_tensors_round_trip(tmp_path: Path, compress: int | None) -> None:
         assert len(result[name]["crc32c"]) == -(-t.nbytes // 4096)
         back = read(path, name, t)
         assert same(back, t), name
-    _n().verify_shard(str(path))
+    verify_file(path)
 
 
 @pytest.mark.parametrize("compress", [None, 1], ids=["plain", "zstd"])
@@ -142,11 +160,11 @@ def test_partial_ranges(tmp_path: Path, compress: int | None, start: int, length
     expected = raw(t)[start : start + length]
     for verify in (True, False):
         out = np.zeros(length, dtype=np.uint8)
-        _n().read_tensor_range(str(path), "w", start, out, verify)
+        read_range(path, "w", start, out, verify)
         np.testing.assert_array_equal(out, expected)
     # A memoryview and a bytearray work as well as a numpy array.
     buf = bytearray(length)
-    _n().read_tensor_range(str(path), "w", start, memoryview(buf))
+    read_range(path, "w", start, memoryview(buf))
     assert bytes(buf) == expected.tobytes()
 
 
@@ -155,12 +173,12 @@ def test_reads_into_a_tensor_and_from_threads(tmp_path: Path) -> None:
     path = tmp_path / "w.shard"
     write(path, {"w": t}, 1, chunk_bytes=1 << 16)
     out = torch.empty_like(t)
-    _n().read_tensor_range(str(path), "w", 0, out)  # a contiguous CPU tensor as the buffer
+    read_range(path, "w", 0, out)  # a contiguous CPU tensor as the buffer
     assert torch.equal(out, t)
 
     def body(i: int) -> None:
         part = torch.empty(1000)
-        _n().read_tensor_range(str(path), "w", i * 4000, raw(part))
+        read_range(path, "w", i * 4000, raw(part))
         assert torch.equal(part, t[i * 1000 : (i + 1) * 1000])
 
     in_threads(8, body)
@@ -175,7 +193,7 @@ def test_large_plain_reads_check_every_chunk(tmp_path: Path) -> None:
     expected = raw(t)
     for start, length in ((0, t.nbytes), (1 << 20, 6 << 20), ((4 << 20) - 5, 300 << 10)):
         out = np.zeros(length, dtype=np.uint8)
-        _n().read_tensor_range(str(path), "w", start, out)
+        read_range(path, "w", start, out)
         np.testing.assert_array_equal(out, expected[start : start + length])
     flip = result["w"]["offset"] + (9 << 20) + 123  # inside chunk 2: bytes [8, 12) MiB
     with path.open("r+b") as f:
@@ -186,9 +204,9 @@ def test_large_plain_reads_check_every_chunk(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"big\.shard.*tensor \"w\".*chunk 2"):
         read(path, "w", t)
     with pytest.raises(CheckpointError, match="chunk 2"):  # a partial range in that chunk
-        _n().read_tensor_range(str(path), "w", 8 << 20, np.zeros(512 << 10, dtype=np.uint8))
+        read_range(path, "w", 8 << 20, np.zeros(512 << 10, dtype=np.uint8))
     out = np.zeros(4 << 20, dtype=np.uint8)  # chunk 3 is intact
-    _n().read_tensor_range(str(path), "w", 12 << 20, out)
+    read_range(path, "w", 12 << 20, out)
     np.testing.assert_array_equal(out, expected[12 << 20 : 16 << 20])
     back = read(path, "w", t, verify=False)  # unverified: the stored bytes, flip included
     np.testing.assert_array_equal(raw(back)[: 9 << 20], expected[: 9 << 20])
@@ -240,13 +258,13 @@ def test_flipped_byte_raises_checkpoint_error(tmp_path: Path, compress: int | No
     with pytest.raises(CheckpointError, match=r"r00003\.shard.*tensor \"b\""):
         read(path, "b", tensors["b"])
     with pytest.raises(CheckpointError, match=r"r00003\.shard.*tensor \"b\""):
-        _n().verify_shard(str(path))
+        verify_file(path)
     assert torch.equal(read(path, "a", tensors["a"]), tensors["a"])
     if compress is None:
         # Unverified reads return what is stored; a range in an intact chunk verifies.
         read(path, "b", tensors["b"], verify=False)
         out = np.zeros(16, dtype=np.uint8)
-        _n().read_tensor_range(str(path), "b", 0, out)
+        read_range(path, "b", 0, out)
 
 
 def test_truncated_file_raises_checkpoint_error(tmp_path: Path) -> None:
@@ -257,11 +275,11 @@ def test_truncated_file_raises_checkpoint_error(tmp_path: Path) -> None:
     for keep in (0, 7, 8, 100, len(data) - 1):
         path.write_bytes(data[:keep])
         with pytest.raises(CheckpointError, match=r"t\.safetensors"):
-            _n().read_shard_header(str(path))
+            read_header(path)
         with pytest.raises(CheckpointError):
             read(path, "w", t)
     with pytest.raises(CheckpointError, match="no-such-file"):
-        _n().read_shard_header(str(tmp_path / "no-such-file"))
+        read_header(tmp_path / "no-such-file")
 
 
 def test_bad_arguments_raise_invalid_argument(tmp_path: Path) -> None:
@@ -283,16 +301,17 @@ def test_bad_arguments_raise_invalid_argument(tmp_path: Path) -> None:
     n.write_shard(str(path), [("w", "F32", [10], raw(t))], {})
     out = np.zeros(8, dtype=np.uint8)
     with pytest.raises(InvalidArgumentError, match="outside"):
-        n.read_tensor_range(str(path), "w", 36, out)
+        read_range(path, "w", 36, out)
     with pytest.raises(InvalidArgumentError, match=">= 0"):
-        n.read_tensor_range(str(path), "w", -1, out)
+        read_range(path, "w", -1, out)
     with pytest.raises(InvalidArgumentError, match="no tensor named"):
-        n.read_tensor_range(str(path), "v", 0, out)
+        read_range(path, "v", 0, out)
     with pytest.raises(InvalidArgumentError, match="read-only"):
-        n.read_tensor_range(str(path), "w", 0, bytes(8))
+        read_range(path, "w", 0, bytes(8))
 
 
-# Hostile headers: whatever the bytes, read_shard_header raises CheckpointError or returns.
+# Hostile headers: whatever the bytes, opening a ShardReader raises CheckpointError or the
+# header validates.
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +322,7 @@ def scratch_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _check_hostile(path: Path, data: bytes) -> None:
     path.write_bytes(data)
     try:
-        header = _n().read_shard_header(str(path))
+        header = read_header(path)
     except CheckpointError:
         return
     # A header that validates must be readable without crashing.
@@ -311,7 +330,7 @@ def _check_hostile(path: Path, data: bytes) -> None:
         out = np.zeros(min(info["raw_bytes"], 1 << 16), dtype=np.uint8)
         for verify in (True, False):
             with contextlib.suppress(CheckpointError):
-                _n().read_tensor_range(str(path), name, 0, out, verify)
+                read_range(path, name, 0, out, verify)
 
 
 @functools.cache

@@ -14,14 +14,14 @@ import pytest
 import torch.distributed as dist
 
 from shardline.comm import init_process_group
-from shardline.comm.backends._store import StoreClient, exchange
-from shardline.comm.collectives import _agree_on_backend
-from shardline.comm.rendezvous import (
+from shardline.comm.rendezvous.env import (
     RendezvousInfo,
     create_store,
     job_secret,
     launcher_hosts_store,
 )
+from shardline.comm.rendezvous.generations import agree_on_backend
+from shardline.comm.rendezvous.store import StoreClient, exchange
 from shardline.errors import CollectiveTimeoutError, PeerLostError, ShardlineError
 from tests._ranks import new_store
 
@@ -98,7 +98,7 @@ def test_backend_agreement_and_secret_name_their_steps() -> None:
         match=r"rank 1: joining the job \(shardline.init\): "
         r"reading the backend rank 0 chose failed: .* is gone",
     ):
-        _agree_on_backend(BreakingStore(new_store(), break_at=0), 1, "native", explicit=False)
+        agree_on_backend(BreakingStore(new_store(), break_at=0), 1, "native", explicit=False)
     with pytest.raises(
         PeerLostError,
         match=r"rank 2: resolving the job secret: reading the "

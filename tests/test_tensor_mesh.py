@@ -106,7 +106,7 @@ def test_full_rank_powersgd_on_a_dp_by_tp_mesh_trains_as_one_process(dp: str) ->
     want = dense.state_dict()
 
     def body(g: ProcessGroup) -> tuple[list[float], dict[str, torch.Tensor]]:
-        full = sl.optim.PowerSGD(rank=4096, min_compression_rate=0, warmup_steps=0)
+        full = sl.compression.PowerSGD(rank=4096, min_compression_rate=0, warmup_steps=0)
         _, wrapped, _, norms = _mesh_run(g, dp, 3, compression=full)
         assert wrapped.compression is full and full.steps == 3  # type: ignore[union-attr]
         return norms, wrapped.state_dict()

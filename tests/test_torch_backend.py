@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shardline.comm import torch_backend as tb
+from shardline.comm.torch_backend.process_group import _reduce_op
 from shardline.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -77,14 +78,14 @@ def test_torch_reduce_ops_map_to_engine_ops(op: object, name: str) -> None:
     opts = dist.AllreduceOptions()
     if op is not None:
         opts.reduceOp = op  # type: ignore[assignment]
-    assert tb._reduce_op(opts, "allreduce") == name
-    assert tb._reduce_op(op, "allreduce") == name
+    assert _reduce_op(opts, "allreduce") == name
+    assert _reduce_op(op, "allreduce") == name
 
 
 @pytest.mark.parametrize("op", ["BAND", "BOR", "BXOR", "PREMUL_SUM"])
 def test_unsupported_reduce_ops_raise_naming_the_supported_ones(op: str) -> None:
     with pytest.raises(InvalidArgumentError, match=rf"does not support ReduceOp\.{op}.*PRODUCT"):
-        tb._reduce_op(getattr(dist.ReduceOp, op), "allreduce")
+        _reduce_op(getattr(dist.ReduceOp, op), "allreduce")
 
 
 class _FakeCuda(torch.Tensor):

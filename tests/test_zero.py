@@ -451,7 +451,7 @@ def test_sharded_state_dict_covers_each_parameter_exactly_once() -> None:
     shards = run_ranks(n, body, timeout=60)
     full = run_ranks(n, lambda g: train(g, 3, 1, adamw)[1], timeout=60)[0]
     for name, value in full.items():
-        if not isinstance(shards[0][name], sl.parallel.ShardedTensor):
+        if not isinstance(shards[0][name], sl.parallel.Shard):
             assert torch.equal(shards[0][name], value)  # a buffer
             continue
         covered = torch.zeros(value.numel(), dtype=torch.int32)
@@ -459,8 +459,10 @@ def test_sharded_state_dict_covers_each_parameter_exactly_once() -> None:
         for rank_shards in shards:
             s = rank_shards[name]
             assert s.global_shape == value.shape
-            covered[s.offset : s.offset + s.local.numel()] += 1
-            rebuilt[s.offset : s.offset + s.local.numel()] = s.local
+            for piece in s.pieces:
+                assert isinstance(piece, sl.parallel.FlatRange)
+                covered[piece.start : piece.start + piece.tensor.numel()] += 1
+                rebuilt[piece.start : piece.start + piece.tensor.numel()] = piece.tensor
         assert torch.all(covered == 1), name
         assert torch.equal(rebuilt.view(value.shape), value)
 

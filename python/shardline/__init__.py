@@ -14,10 +14,11 @@ Table of contents:
   ``MixedPrecision``: parallel strategies (``shardline.parallel``); ``as_distributed`` picks
   one by memory, ``estimate_memory`` plans it before anything is allocated;
   ``register_optimizer``: how ZeRO shards an optimizer class it does not know.
-- ``optim``: gradient compression with error feedback (``optim.PowerSGD``, ``optim.Int8``,
-  ``optim.TopK``, ``optim.OneBit``, ...), passed as ``distribute(..., compression=)``.
-- ``checkpoint``: distributed checkpoints (``save``, ``load``, ``latest``, ...) and activation
-  checkpointing across ranks (``checkpoint.activations``).
+- ``compression``: gradient compression with error feedback (``compression.PowerSGD``,
+  ``compression.Int8``, ``compression.TopK``, ...), passed as ``distribute(..., compression=)``;
+  ``optim``: CPU optimizers stepped in Rust, 1-bit Adam.
+- ``checkpoint``: distributed checkpoints (``save``, ``load``, ``latest``, ...);
+  ``parallel.recompute``: activation recomputation and the activation store across ranks.
 - ``DistributedSampler``: each rank's share of a dataset, resumable mid-epoch (``shardline.data``).
 - ``shardline run`` (``shardline.launch``): the launcher; ``python -m shardline run ...``.
 - ``ShardlineError`` and its subclasses (``shardline.errors``).
@@ -25,7 +26,8 @@ Table of contents:
 
 from __future__ import annotations
 
-from shardline import checkpoint, elastic, optim
+from shardline import checkpoint, compression, elastic, optim
+from shardline._version import __version__
 from shardline.comm import ProcessGroup, Work, init_process_group
 from shardline.comm import torch_backend as _torch_backend  # noqa: F401  # registers "shardline"
 from shardline.comm.collectives import (
@@ -77,8 +79,6 @@ from shardline.parallel import (
     tensor_parallel,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
     "AuthenticationError",
     "CheckpointError",
@@ -111,6 +111,7 @@ __all__ = [
     "broadcast_object",
     "checkpoint",
     "clip_grad_norm_",
+    "compression",
     "distribute",
     "elastic",
     "estimate_memory",

@@ -25,13 +25,10 @@ __all__ = [
     "onebit_decode",
     "onebit_encode",
     "onebit_encode_chunks",
-    "read_shard_header",
-    "read_tensor_range",
     "sgd_step",
     "symmetric_create",
     "symmetric_register",
     "symmetric_unlink",
-    "verify_shard",
     "write_shard",
 ]
 
@@ -131,8 +128,8 @@ class Group:
         arena_path: str | None,
         timeout: float,
         machine_ranks: int | None = None,
-        lanes: int = 1,
-        lanes_min_bytes: int | None = None,
+        comm_threads: int = 1,
+        comm_threads_min_bytes: int | None = None,
         spin_us: int | None = None,
         stream_stores: str | None = None,
         oneshot_bytes: int | None = None,
@@ -141,8 +138,8 @@ class Group:
     ) -> Group:
         """``machine_ranks``: ranks of the job on this machine whatever their host ids say
         (default ``world_size``); TCP waits spin briefly only while each has a core.
-        ``lanes``: threads per rank for the memory passes of blocking shared-memory ops of at
-        least ``lanes_min_bytes`` (default 1 MiB); 1 for none.
+        ``comm_threads``: threads per rank for the memory passes of blocking shared-memory ops of at
+        least ``comm_threads_min_bytes`` (default 1 MiB); 1 for none.
 
         The engine reads no environment; these settings (``shardline.config``) arrive as
         arguments, ``None`` keeping the engine's default:
@@ -296,15 +293,21 @@ class ShardReader:
         """Whether ``close()`` was called."""
 
     def header(self) -> _ShardHeader:
-        """The validated header, as ``read_shard_header`` returns it."""
+        """The validated header.
+
+        Returns:
+            ``{"metadata": {...}, "tensors": {name: {"dtype", "shape", "offset", "raw_bytes",
+            "stored_bytes", "compressed"}}}``, tensors in file order; dtype and shape are the
+            real ones for compressed tensors too.
+        """
 
     def read_range(
         self, key: str, byte_offset: int, out_buffer: _Memory, verify: bool = True
     ) -> None:
         """Copies raw bytes ``[byte_offset, byte_offset + len(out_buffer))`` of tensor ``key``
-        into ``out_buffer`` (writable, C-contiguous), as ``read_tensor_range`` does: decodes
-        the frames the range touches (in parallel for large ranges) with the GIL released;
-        with ``verify``, checks the CRC32C of every chunk or frame touched, whole.
+        into ``out_buffer`` (writable, C-contiguous): decodes the frames the range touches (in
+        parallel for large ranges) with the GIL released; with ``verify``, checks the CRC32C of
+        every chunk or frame touched, whole.
 
         Raises:
             InvalidArgumentError: No such tensor, the range lies outside it, or the reader
@@ -332,40 +335,6 @@ class ShardReader:
         exc_value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None: ...
-
-def read_shard_header(path: str) -> _ShardHeader:
-    """Reads and fully validates a shard's header (opens the file for this call only; keep a
-    ``ShardReader`` to read the same file repeatedly).
-
-    Returns:
-        ``{"metadata": {...}, "tensors": {name: {"dtype", "shape", "offset", "raw_bytes",
-        "stored_bytes", "compressed"}}}``, tensors in file order; dtype and shape are the
-        real ones for compressed tensors too.
-
-    Raises:
-        CheckpointError: The file is missing, truncated or malformed (the message names the
-            file, the tensor and what is wrong).
-    """
-
-def read_tensor_range(path: str, name: str, start: int, out: _Memory, verify: bool = True) -> None:
-    """Copies raw bytes ``[start, start + len(out))`` of tensor ``name`` into ``out``.
-
-    Opens the file for this call only (``ShardReader.read_range`` reads from a file opened
-    once). Decodes the frames the range touches (in parallel for large ranges) with the GIL
-    released; with ``verify``, checks the CRC32C of every chunk or frame touched, whole.
-
-    Raises:
-        InvalidArgumentError: No such tensor, or the range lies outside it.
-        CheckpointError: The file is malformed or a checksum fails (the message names the
-            file, the tensor and the chunk).
-    """
-
-def verify_shard(path: str) -> None:
-    """Checks every checksum of every tensor in a shard file, on all cores.
-
-    Raises:
-        CheckpointError: The file is malformed, has no checksums, or a checksum fails.
-    """
 
 def onebit_encode(
     values: Any, codes: Any, length: int, block: int, feedback: bool, threads: int = 1

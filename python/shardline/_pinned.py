@@ -3,7 +3,7 @@
 torch's pinned allocations (``torch.empty(..., pin_memory=True)``, ``Tensor.pin_memory()``) go
 through its caching host allocator, which rounds every block up to a power of two and keeps
 freed blocks: a 300 MiB shard takes 512 MiB of host memory, a 1025 MiB one 2 GiB
-(``benches/results/probe-pinned.txt``). For the long-lived buffers of offload (shards, their
+(``benches/probe_pinned.py``). For the long-lived buffers of offload (shards, their
 gradients) and of asynchronous checkpoints, that waste decides how large a model fits.
 
 ``pinned_empty`` maps anonymous memory of the exact size (pages, zero-filled) and page-locks it

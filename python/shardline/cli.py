@@ -8,11 +8,18 @@ recorder's dumps and says who holds a job up.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from shardline.errors import InvalidArgumentError
+import torch
+
+from shardline import checkpoint
+from shardline._version import __version__
+from shardline.comm import why
+from shardline.errors import CheckpointError, InvalidArgumentError
 from shardline.launch import DEFAULT_GRACE_PERIOD_S, LaunchConfig, launch
 
 __all__ = ["build_parser", "main"]
@@ -49,12 +56,8 @@ def _nnodes(text: str) -> tuple[int | None, int]:
 
 def _version() -> str:
     """``shardline X, engine Y, torch Z``."""
-    import torch  # noqa: PLC0415  # only for --version: `shardline run` starts without it
-
-    from shardline import __version__  # noqa: PLC0415
-
     try:
-        from shardline import _native  # noqa: PLC0415
+        from shardline import _native  # noqa: PLC0415  (the package works without the engine)
 
         engine = _native.__version__
     except ImportError:
@@ -191,10 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _why(ns: argparse.Namespace) -> int:
-    from pathlib import Path  # noqa: PLC0415
-
-    from shardline.comm import why  # noqa: PLC0415
-
     try:
         dumps = why.load_dumps(Path(ns.dir))
     except ValueError as exc:
@@ -209,12 +208,6 @@ def _why(ns: argparse.Namespace) -> int:
 
 
 def _ckpt(ns: argparse.Namespace) -> int:
-    import json  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
-
-    from shardline import checkpoint  # noqa: PLC0415
-    from shardline.errors import CheckpointError  # noqa: PLC0415
-
     path = Path(ns.path)
     try:
         if not (path / "COMMIT").exists() and (found := checkpoint.latest(path)) is not None:

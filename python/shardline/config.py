@@ -1,13 +1,21 @@
-"""Every ``SHARDLINE_*`` setting: declared once here, validated by name, read at the API edge.
+"""Every environment variable shardline reads: declared once here, read only through here.
 
-Each variable has one row in ``SETTINGS`` (name, what a value looks like, default, meaning).
-Code reads a setting only through ``get(name)`` (or ``raw(name)`` for the text as given), at
-the moment its API call starts (``init``, creating a group, ``save``), and passes the value down
-as an argument: the Rust engine reads no environment. A bad value fails with an
-``InvalidArgumentError`` that names the variable, its value and what it should be.
+Each ``SHARDLINE_*`` variable has one row in ``SETTINGS`` (name, what a value looks like,
+default, meaning). Code reads a setting only through ``get(name)`` (or ``raw(name)`` for the
+text as given), at the moment its API call starts (``init``, creating a group, ``save``), and
+passes the value down as an argument: the Rust engine reads no environment. A bad value fails
+with an ``InvalidArgumentError`` that names the variable, its value and what it should be.
+``default_timeout()`` is ``SHARDLINE_TIMEOUT`` as seconds: the deadline of a group created
+without a timeout (every other wait of a group takes that group's ``timeout``).
 
-The docs' settings page (``docs/settings.md``) is this table (``markdown_table()`` renders
-it; a test keeps the two equal).
+The variables launchers set (torchrun's, SLURM's: ``RANK``, ``MASTER_ADDR``, ``SLURM_PROCID``
+...) are listed in ``LAUNCHER_VARIABLES`` and read through ``env_var(name)``, as set; the
+code that reads one parses it and words its own errors. Every accessor takes an optional
+``env`` mapping to read instead of ``os.environ`` (tests, a launcher's environment). A test
+(``tests/test_config.py``) fails on any read of ``os.environ`` outside this module.
+
+The docs' settings page (``docs/settings.md``) is the ``SETTINGS`` table
+(``markdown_table()`` renders it; a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -15,11 +23,22 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from shardline.errors import InvalidArgumentError
 
-__all__ = ["SETTINGS", "Setting", "get", "markdown_table", "raw", "setting"]
+__all__ = [
+    "LAUNCHER_VARIABLES",
+    "SETTINGS",
+    "Setting",
+    "default_timeout",
+    "env_required",
+    "env_var",
+    "get",
+    "markdown_table",
+    "raw",
+    "setting",
+]
 
 BACKENDS = ("native", "gloo", "nccl", "mpi")
 
@@ -197,7 +216,7 @@ SETTINGS: tuple[Setting, ...] = (
         "SHARDLINE_SHM_SLOT_BYTES",
         "bytes, at least 4096",
         "by machine",
-        "Bytes per shared-memory slot (4 MiB on few cores, 1 MiB with helper threads, else "
+        "Bytes per shared-memory slot (4 MiB on few cores, 1 MiB with 4 comm threads, else "
         "256 KiB).",
         _integer(4096, "an integer of at least 4096 (bytes per shared-memory slot, page-sized)"),
     ),
@@ -212,7 +231,7 @@ SETTINGS: tuple[Setting, ...] = (
         "SHARDLINE_COMM_THREADS_MIN_BYTES",
         "bytes",
         "1 MiB with 4 threads, else 4 MiB",
-        "The smallest op the helper threads split.",
+        "The smallest op the comm threads split.",
         _integer(0, "an integer of at least 0 (bytes)"),
     ),
     Setting(
@@ -358,6 +377,76 @@ def get(name: str, env: Mapping[str, str] | None = None) -> Any:
         return s.parse(text)
     except _Invalid as exc:
         raise InvalidArgumentError(f"{name}={text!r} {exc}") from None
+
+
+def default_timeout() -> float:
+    """``SHARDLINE_TIMEOUT`` in seconds (300 when unset): a new group's deadline by default.
+
+    Raises:
+        InvalidArgumentError: the value is not a positive number of seconds.
+    """
+    return float(get("SHARDLINE_TIMEOUT"))
+
+
+# -- the launchers' variables ------------------------------------------------------------------
+
+LAUNCHER_VARIABLES: dict[str, str] = {
+    "RANK": "the global rank (torchrun, `shardline run`)",
+    "WORLD_SIZE": "ranks in the job",
+    "LOCAL_RANK": "the rank among this host's processes",
+    "LOCAL_WORLD_SIZE": "processes on this host",
+    "MASTER_ADDR": "host of the rendezvous store",
+    "MASTER_PORT": "port of the rendezvous store",
+    "TORCHELASTIC_USE_AGENT_STORE": "`True`: the launcher hosts the store at MASTER_ADDR:PORT",
+    "TORCHELASTIC_RESTART_COUNT": "which attempt of the launcher this is",
+    "TORCHELASTIC_RUN_ID": "the job's id under torchrun",
+    "SLURM_PROCID": "the global rank under srun",
+    "SLURM_NTASKS": "ranks in the job under srun",
+    "SLURM_LOCALID": "the rank among this node's tasks under srun",
+    "SLURM_NODEID": "this node's index in the allocation",
+    "SLURM_TASKS_PER_NODE": "tasks per node, e.g. `4(x2),3`",
+    "SLURM_LAUNCH_NODE_IPADDR": "address of the node srun ran on",
+    "SLURM_JOB_NODELIST": "the allocation's hosts, e.g. `gpu[007-010]`",
+}
+"""The variables of torchrun, ``shardline run`` and SLURM that shardline reads, and what each
+says. ``env_var`` refuses a name missing here."""
+
+
+def _launcher_variable(name: str) -> str:
+    if name not in LAUNCHER_VARIABLES:
+        where = "get/raw (a setting)" if name in _BY_NAME else "LAUNCHER_VARIABLES"
+        raise KeyError(f"{name} is not a launcher variable of shardline.config; see {where}")
+    return name
+
+
+@overload
+def env_var(
+    name: str, env: Mapping[str, str] | None = None, default: None = None
+) -> str | None: ...
+@overload
+def env_var(name: str, env: Mapping[str, str] | None = None, *, default: str) -> str: ...
+@overload
+def env_var(name: str, env: Mapping[str, str] | None, default: str) -> str: ...
+def env_var(
+    name: str, env: Mapping[str, str] | None = None, default: str | None = None
+) -> str | None:
+    """The text of launcher variable ``name`` exactly as set (not stripped), else ``default``.
+
+    Args:
+        name: A variable of ``LAUNCHER_VARIABLES`` (``KeyError`` for any other name).
+        env: Variables to read; ``os.environ`` by default.
+        default: What an unset variable gives (an empty one gives ``""``, as set).
+    """
+    return (os.environ if env is None else env).get(_launcher_variable(name), default)
+
+
+def env_required(name: str, env: Mapping[str, str] | None = None) -> str:
+    """The text of launcher variable ``name``, which the caller's launcher always sets.
+
+    Raises:
+        KeyError: ``name`` is unset (as ``os.environ[name]`` does), or not a launcher variable.
+    """
+    return (os.environ if env is None else env)[_launcher_variable(name)]
 
 
 def markdown_table() -> str:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from shardline.comm import collectives
+from shardline.comm import world as comm_world
 from shardline.errors import InvalidArgumentError, ShardlineError
 
 __all__ = ["DistributedSampler"]
@@ -323,7 +324,7 @@ def _length(dataset_or_len: Sized | int) -> int:
 
 def _replicas(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     if num_replicas is None or rank is None:
-        if collectives.is_initialized():
+        if comm_world.is_initialized():
             world, me = collectives.get_world_size(), collectives.get_rank()
         elif dist.is_available() and dist.is_initialized():
             world, me = dist.get_world_size(), dist.get_rank()

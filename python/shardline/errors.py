@@ -35,9 +35,10 @@ class ShardlineError(Exception):
 
 
 class CollectiveTimeoutError(ShardlineError, TimeoutError):
-    """A collective passed its deadline (``SHARDLINE_TIMEOUT``, default 300 s).
+    """A collective passed its deadline: its group's ``timeout``.
 
-    The message names the op and the ranks that had not arrived.
+    That is ``init(timeout=...)``'s, else ``SHARDLINE_TIMEOUT``, else 300 s. The message names
+    the op and the ranks that had not arrived.
     """
 
 

@@ -15,20 +15,20 @@ fn run_ranks<T: Send + 'static>(
     slot: usize,
     body: impl Fn(&Communicator, usize) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    run_ranks_lanes(n, slot, 1, body)
+    run_ranks_threads(n, slot, 1, body)
 }
 
-/// [`run_ranks`] with `lanes` helper threads per rank on every op (no size threshold).
-fn run_ranks_lanes<T: Send + 'static>(
+/// [`run_ranks`] with `comm_threads` helper threads per rank on every op (no size threshold).
+fn run_ranks_threads<T: Send + 'static>(
     n: usize,
     slot: usize,
-    lanes: usize,
+    comm_threads: usize,
     body: impl Fn(&Communicator, usize) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
     let tweak = move |cfg: &mut CommConfig| {
         cfg.oneshot_bytes = Some(1024);
-        cfg.lanes = lanes;
-        cfg.lanes_min_bytes = 0;
+        cfg.comm_threads = comm_threads;
+        cfg.comm_threads_min_bytes = 0;
     };
     run_ranks_with(n, slot, tweak, body)
 }
@@ -270,10 +270,10 @@ fn reduce_scatter_all_gather_broadcast_scatter_gather_all_to_all() {
 fn all_gather_where_ranks_need_different_numbers_of_rounds() {
     // 4 KiB slots hold 1024 floats: rank 0 needs 3 rounds, rank 1 one, rank 2 none.
     for n in 2..=3 {
-        for lanes in [1, 2] {
+        for comm_threads in [1, 2] {
             let counts: Vec<usize> = [3000usize, 500, 0][..n].to_vec();
             let c2 = counts.clone();
-            let out = run_ranks_lanes(n, 4096, lanes, move |c, r| {
+            let out = run_ranks_threads(n, 4096, comm_threads, move |c, r| {
                 let mut mine = f32s(&input(r, c2[r]));
                 let mut ag = vec![0u8; c2.iter().sum::<usize>() * 4];
                 let op = Op::AllGather {
@@ -287,7 +287,11 @@ fn all_gather_where_ranks_need_different_numbers_of_rounds() {
             });
             let want: Vec<f32> = (0..n).flat_map(|q| input(q, counts[q])).collect();
             for (r, ag) in out.into_iter().enumerate() {
-                assert_eq!(ag, f32s(&want), "n={n} lanes={lanes} rank {r}");
+                assert_eq!(
+                    ag,
+                    f32s(&want),
+                    "n={n} comm_threads={comm_threads} rank {r}"
+                );
             }
         }
     }
@@ -299,9 +303,9 @@ fn large_ops_split_over_helper_threads_equal_the_reference() {
     // chunk shorter than the slot, blocks not a multiple of the element count per piece.
     let slot = 256 * 1024;
     for n in 1..=3 {
-        for lanes in [2, 3] {
+        for comm_threads in [2, 3] {
             let (len, block) = (300_001usize, 70_003usize);
-            let out = run_ranks_lanes(n, slot, lanes, move |c, r| {
+            let out = run_ranks_threads(n, slot, comm_threads, move |c, r| {
                 let mut ar = f32s(&input(r, len));
                 let op = Op::AllReduce {
                     buf: RawBuf::from_slice(&mut ar),
@@ -356,7 +360,7 @@ fn large_ops_split_over_helper_threads_equal_the_reference() {
                 .collect();
             let blocks: Vec<Vec<f32>> = (0..n).map(|q| input(q, block * n)).collect();
             for (r, (ar, red, rs, ag, bc)) in out.into_iter().enumerate() {
-                let what = format!("n={n} lanes={lanes} rank {r}");
+                let what = format!("n={n} comm_threads={comm_threads} rank {r}");
                 assert_eq!(ar, f32s(&sum), "all_reduce {what}");
                 if r == n - 1 {
                     assert_eq!(red, f32s(&max), "reduce {what}");

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shardline as sl
-from shardline.comm.collectives import default_group
+from shardline.comm.world import default_group
 
 
 def inputs(rank: int, n: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

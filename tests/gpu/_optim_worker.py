@@ -69,7 +69,7 @@ def main() -> int:
         "local_sgd sync_every=1": lambda: build("local_sgd", sync_every=1),
         "async staleness=0": lambda: build("async", staleness=0, servers=world),
         "ddp + PowerSGD full rank": lambda: build(
-            "ddp", compression=sl.optim.PowerSGD(rank=64, min_compression_rate=0)
+            "ddp", compression=sl.compression.PowerSGD(rank=64, min_compression_rate=0)
         ),
     }
     for name, make in runs.items():

@@ -12,7 +12,9 @@ the launcher's tests (``shardline run`` starts its workers with ``subprocess``) 
 ``ForkedProcess`` offers the part of ``subprocess.Popen`` the tests use: ``pid``,
 ``poll``, ``wait``, ``communicate``, ``send_signal``, ``kill``, ``returncode`` and a
 line-readable ``stdout``. Output goes to files rather than pipes (a fork server cannot hand
-pipe ends over), read back when the rank ends.
+pipe ends over), read back when the rank ends. ``ExecProcess`` is the same surface over a
+fresh interpreter: ranks under ``TEST_FRESH_RANKS=1``, the benches' ranks (which measure a
+process of their own), and command lines that cannot be forked (``-m``, ``-c``, a stdin).
 """
 
 from __future__ import annotations
@@ -111,8 +113,84 @@ def _run_script(
     os._exit(code)
 
 
-class ForkedProcess:
-    """A rank forked from the server, with the ``subprocess.Popen`` surface the tests use."""
+class RankProcess:
+    """A child process whose stdout and stderr go to files, with the ``subprocess.Popen``
+    surface the tests use; ``ForkedProcess`` and ``ExecProcess`` start it."""
+
+    def __init__(self, output: tuple[Path | None, Path | None] | None, new_session: bool) -> None:
+        """``output``: the stdout and stderr files (kept; ``None`` for one: this process's own
+        stream), or ``None`` for files of its own (deleted by ``communicate``)."""
+        self._dir: str | None = None
+        if output is None:
+            self._dir = tempfile.mkdtemp(prefix="shardline-rank-")
+            output = (Path(self._dir, "stdout"), Path(self._dir, "stderr"))
+        self._out = None if output[0] is None else str(output[0])
+        self._err = None if output[1] is None else str(output[1])
+        for path in (self._out, self._err):
+            if path is not None:
+                Path(path).touch()  # a rank killed before it opened them still has both
+        self.new_session = new_session
+        self.pid: int = 0
+        self.returncode: int | None = None
+        self._output: tuple[str, str] | None = None
+        self._stdout: IO[str] | None = None
+
+    @property
+    def stdout(self) -> IO[str]:
+        """The rank's stdout, readable while it runs (closed by ``communicate``)."""
+        if self._stdout is None:
+            if self._out is None:
+                raise ValueError("this process writes to this process's stdout")
+            self._stdout = open(self._out)  # noqa: SIM115
+        return self._stdout
+
+    def poll(self) -> int | None:
+        """The exit status (negative: killed by that signal), or ``None`` while it runs."""
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Waits for the rank to end; ``subprocess.TimeoutExpired`` past ``timeout``."""
+        raise NotImplementedError
+
+    def read(self) -> tuple[str, str]:
+        """What the rank wrote to stdout and stderr so far (all of it once it was collected)."""
+        if self._output is not None:
+            return self._output
+        return tuple(  # type: ignore[return-value]
+            "" if p is None else Path(p).read_text(errors="replace") for p in (self._out, self._err)
+        )
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Waits, then returns everything the rank wrote to stdout and stderr."""
+        self.wait(timeout)
+        if self._output is None:
+            if self._stdout is not None:
+                self._stdout.close()
+            self._output = self.read()
+            if self._dir is not None:
+                for path in (self._out, self._err):
+                    if path is not None:
+                        Path(path).unlink()
+                os.rmdir(self._dir)
+        return self._output
+
+    def send_signal(self, signum: int) -> None:
+        """Sends ``signum`` to the rank (to its whole session when it leads one), if it still
+        runs."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                if self.new_session:
+                    os.killpg(self.pid, signum)
+                else:
+                    os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        """SIGKILL."""
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedProcess(RankProcess):
+    """A rank forked from the server: ``python script *argv`` without the interpreter's start."""
 
     def __init__(
         self,
@@ -128,13 +206,8 @@ class ForkedProcess:
         ``output`` (kept) or to files of its own (deleted by ``communicate``); with
         ``new_session`` it leads a session of its own (``start_new_session``), with ``netns``
         it runs in that network namespace (``ip netns exec``)."""
-        self._dir: str | None = None
-        if output is None:
-            self._dir = tempfile.mkdtemp(prefix="shardline-rank-")
-            output = (Path(self._dir, "stdout"), Path(self._dir, "stderr"))
-        self._out, self._err = str(output[0]), str(output[1])
-        for path in (self._out, self._err):
-            Path(path).touch()  # a rank killed before it opened them still has both
+        super().__init__(output, new_session)
+        assert self._out is not None and self._err is not None
         self._proc: BaseProcess = _context().Process(
             target=_run_script,
             args=(str(script), argv, env, self._out, self._err, new_session, netns),
@@ -142,17 +215,7 @@ class ForkedProcess:
         )
         self._proc.start()
         assert self._proc.pid is not None
-        self.pid: int = self._proc.pid
-        self.returncode: int | None = None
-        self._output: tuple[str, str] | None = None
-        self._stdout: IO[str] | None = None
-
-    @property
-    def stdout(self) -> IO[str]:
-        """The rank's stdout, readable while it runs (closed by ``communicate``)."""
-        if self._stdout is None:
-            self._stdout = open(self._out)  # noqa: SIM115
-        return self._stdout
+        self.pid = self._proc.pid
 
     def poll(self) -> int | None:
         """The exit status (negative: killed by that signal), or ``None`` while it runs."""
@@ -168,25 +231,48 @@ class ForkedProcess:
         assert self.returncode is not None
         return self.returncode
 
-    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        """Waits, then returns everything the rank wrote to stdout and stderr."""
-        self.wait(timeout)
-        if self._output is None:
-            if self._stdout is not None:
-                self._stdout.close()
-            self._output = (Path(self._out).read_text(), Path(self._err).read_text())
-            if self._dir is not None:
-                for path in (self._out, self._err):
-                    Path(path).unlink()
-                os.rmdir(self._dir)
-        return self._output
 
-    def send_signal(self, signum: int) -> None:
-        """Sends ``signum`` to the rank, if it still runs."""
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
+class ExecProcess(RankProcess):
+    """A fresh interpreter (or any command line), its output in files like a forked rank's."""
 
-    def kill(self) -> None:
-        """SIGKILL."""
-        self.send_signal(signal.SIGKILL)
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        output: tuple[Path | None, Path | None] | None = None,
+        new_session: bool = False,
+        netns: str | None = None,
+        stdin: bool = False,
+    ) -> None:
+        """Starts ``argv`` with environment ``env``, output as ``RankProcess`` says; with
+        ``netns`` under ``ip netns exec``; with ``stdin`` its standard input is a pipe
+        (``self.stdin``), else empty."""
+        super().__init__(output, new_session)
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
+        with contextlib.ExitStack() as files:
+            out, err = (
+                None if p is None else files.enter_context(open(p, "wb"))
+                for p in (self._out, self._err)
+            )
+            self._popen = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=new_session,
+            )
+        self.pid = self._popen.pid
+        self.stdin: IO[bytes] | None = self._popen.stdin
+
+    def poll(self) -> int | None:
+        """The exit status (negative: killed by that signal), or ``None`` while it runs."""
+        self.returncode = self._popen.poll()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Waits for the process to end; ``subprocess.TimeoutExpired`` past ``timeout``."""
+        self.returncode = self._popen.wait(timeout)
+        return self.returncode

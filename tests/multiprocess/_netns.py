@@ -1,32 +1,37 @@
-"""Simulated hosts for tests: network namespaces joined by veth pairs, built and removed here.
+"""Simulated hosts, for the tests and the benches: network namespaces on one switch.
 
-``Hosts`` makes namespace ``a`` (10.77.0.1) and ``b`` (10.77.0.2) on one veth pair, and
-optionally a third, ``c`` (10.77.1.2), linked to ``a`` only and routed to 10.77.0.0/24 through
-it: a stranger on the network. Processes started with ``Hosts.popen(host, ...)`` run inside a
-namespace (``ip netns exec``) with their output in files that can be read while they run.
-``close()`` kills every process started here, deletes the namespaces (their links go with
-them) and says which ``/dev/shm`` entries of ours appeared and were not removed.
+Host ``h`` (the i-th of ``names``) is namespace ``<tag><h>`` with address ``<subnet>.<i+1>``
+on interface ``<tag>e<h>``, a veth whose other end is a port of a bridge in the switch
+namespace ``<tag>sw``. ``shape("1gbit")`` puts a token-bucket filter (Linux traffic control)
+on both ends of every link, so each host sends and receives at most that rate; ``cut(h)``
+takes ``h``'s link down. Processes started with ``Hosts.popen(host, ...)`` run inside a
+namespace with their output in files that can be read while they run; ranks of a job go
+into them with ``_launch.start(..., netns=lambda r: hosts.ns(...))``. ``close()`` kills every
+process started here, deletes the namespaces (their links and filters go with them) and says
+which ``/dev/shm`` entries of ours appeared and were not removed.
+
+Built with the ``ip`` and ``tc`` tools (iproute2); needs root. Traffic stays inside these
+namespaces.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tests.multiprocess._forkserver import FRESH_INTERPRETERS, ForkedProcess
+from tests.multiprocess._launch import Rank, kill_all, report, spawn
 
-ADDRS = {"a": "10.77.0.1", "b": "10.77.0.2", "c": "10.77.1.2"}
+__all__ = ["Hosts", "namespaces_allowed"]
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
+def _run(tool: str, *args: str, check: bool = True) -> str:
+    done = subprocess.run([tool, *args], check=check, capture_output=True, text=True, timeout=20)
+    return done.stdout
 
 
 def _shm_entries() -> set[str]:
@@ -40,138 +45,124 @@ def _shm_entries() -> set[str]:
     return left
 
 
-@dataclass
-class Proc:
-    """A process inside a namespace; its output goes to files read by ``out``/``err``."""
-
-    name: str
-    host: str
-    popen: subprocess.Popen[bytes] | ForkedProcess
-    out_path: Path
-    err_path: Path
-
-    @property
-    def out(self) -> str:
-        return self.out_path.read_text(errors="replace")
-
-    @property
-    def err(self) -> str:
-        return self.err_path.read_text(errors="replace")
-
-    @property
-    def rc(self) -> int | None:
-        return self.popen.poll()
-
-
-@dataclass
 class Hosts:
-    """Namespaces ``a``, ``b`` (and ``c`` when ``stranger``) and the processes run in them."""
+    """Hosts ``names`` on one switch, and the processes run in them (module docstring)."""
 
-    stranger: bool = False
-    tag: str = field(default_factory=lambda: f"sl{os.getpid() % 100000}")
-    procs: list[Proc] = field(default_factory=list)
-    _tmp: tempfile.TemporaryDirectory[str] = field(
-        default_factory=lambda: tempfile.TemporaryDirectory(prefix="shardline-hosts-")
-    )
-    _made: list[str] = field(default_factory=list)
-    _shm_before: set[str] = field(default_factory=set)
+    def __init__(
+        self, names: Sequence[str] = ("a", "b"), *, tag: str | None = None, subnet: str = "10.77.0"
+    ) -> None:
+        self.names = list(names)
+        self.tag = tag or f"sl{os.getpid() % 100000}"
+        self.subnet = subnet
+        self.procs: list[Rank] = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="shardline-hosts-")
+        self._made: list[str] = []
+        self._shm_before: set[str] = set()
 
     def ns(self, host: str) -> str:
-        """The namespace name of ``host``."""
+        """The namespace of ``host``."""
         return f"{self.tag}{host}"
 
-    def link(self, host: str) -> str:
-        """The name of ``host``'s interface towards ``a`` (``b`` and ``c``) or ``b`` (``a``)."""
-        return f"{self.tag}v{host}"
+    @property
+    def switch(self) -> str:
+        """The switch's namespace."""
+        return f"{self.tag}sw"
+
+    def ifname(self, host: str) -> str:
+        """``host``'s interface (inside its namespace)."""
+        return f"{self.tag}e{host}"
+
+    def _port(self, host: str) -> str:
+        return f"{self.tag}p{host}"
+
+    def addr(self, host: str) -> str:
+        """``host``'s address."""
+        return f"{self.subnet}.{self.names.index(host) + 1}"
 
     def open(self) -> Hosts:
-        """Builds the namespaces and links (``ip`` must be allowed: root)."""
+        """Builds the switch, the hosts and their links (removing leftovers of an interrupted
+        run of the same tag first)."""
         self._shm_before = _shm_entries()
-        names = ["a", "b", "c"] if self.stranger else ["a", "b"]
-        for host in names:
-            _ip("netns", "add", self.ns(host))
-            self._made.append(self.ns(host))
-            _ip("-n", self.ns(host), "link", "set", "lo", "up")
-        a, b = self.ns("a"), self.ns("b")
-        _ip("link", "add", self.link("a"), "netns", a, "type", "veth", "peer", "name",
-            self.link("b"), "netns", b)  # fmt: skip
-        _ip("-n", a, "addr", "add", f"{ADDRS['a']}/24", "dev", self.link("a"))
-        _ip("-n", b, "addr", "add", f"{ADDRS['b']}/24", "dev", self.link("b"))
-        for host in ("a", "b"):
-            _ip("-n", self.ns(host), "link", "set", self.link(host), "up")
-        if self.stranger:
-            c, ca = self.ns("c"), f"{self.tag}vca"
-            _ip("link", "add", self.link("c"), "netns", c, "type", "veth", "peer", "name", ca,
-                "netns", a)  # fmt: skip
-            _ip("-n", a, "addr", "add", "10.77.1.1/24", "dev", ca)
-            _ip("-n", c, "addr", "add", f"{ADDRS['c']}/24", "dev", self.link("c"))
-            _ip("-n", a, "link", "set", ca, "up")
-            _ip("-n", c, "link", "set", self.link("c"), "up")
-            _ip("-n", c, "route", "add", "10.77.0.0/24", "via", "10.77.1.1")
+        self._delete([self.switch, *map(self.ns, self.names)])
+        sw = self.switch
+        _run("ip", "netns", "add", sw)
+        self._made.append(sw)
+        _run("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", sw, "link", "set", "br0", "up")
+        for host in self.names:
+            ns, dev, port = self.ns(host), self.ifname(host), self._port(host)
+            _run("ip", "netns", "add", ns)
+            self._made.append(ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port,
+                 "netns", sw)  # fmt: skip
+            _run("ip", "-n", ns, "addr", "add", f"{self.addr(host)}/24", "dev", dev)
+            _run("ip", "-n", ns, "link", "set", dev, "up")
+            _run("ip", "-n", sw, "link", "set", port, "master", "br0")
+            _run("ip", "-n", sw, "link", "set", port, "up")
         return self
 
-    def cut(self) -> None:
-        """Takes ``b``'s end of the a-b link down: from now on nothing passes between them."""
-        _ip("-n", self.ns("b"), "link", "set", self.link("b"), "down")
+    def shape(self, rate: str | None) -> None:
+        """Limits every link to ``rate`` each way (``"1gbit"``, ``"10gbit"``; ``None``: none)."""
+        gbit = float(rate.removesuffix("gbit")) if rate and rate.endswith("gbit") else 1.0
+        burst = int(max(2.0, 2 * gbit) * (1 << 20))  # >= rate / HZ at HZ 250, with margin
+        for host in self.names:
+            for ns, dev in ((self.ns(host), self.ifname(host)), (self.switch, self._port(host))):
+                if rate is None:
+                    _run("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
+                else:
+                    _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "handle", "1:",
+                         "tbf", "rate", rate, "burst", str(burst), "latency", "200ms")  # fmt: skip
+
+    def cut(self, host: str = "b") -> None:
+        """Takes ``host``'s link down: from now on nothing passes between it and the others."""
+        _run("ip", "-n", self.ns(host), "link", "set", self.ifname(host), "down")
+
+    def tx_rx(self, host: str) -> tuple[int, int]:
+        """Bytes ``host``'s interface has sent and received so far."""
+        return nic_bytes(self._proc_net(host, "dev"), self.ifname(host))
 
     def popen(
-        self, host: str, name: str, args: list[str], env: dict[str, str], stdin: bool = False
-    ) -> Proc:
-        """Starts ``args`` (a Python command line when it starts with ``-``) in ``host``; with
-        ``stdin``, its standard input is a pipe (``proc.popen.stdin``)."""
-        argv = [sys.executable, *args] if args[0].startswith("-") else args
+        self, host: str, name: str, args: list[str], env: Mapping[str, str], stdin: bool = False
+    ) -> Rank:
+        """Starts ``python *args`` in ``host`` (``_launch.spawn``: forked when it can be), in a
+        session of its own; with ``stdin``, its standard input is a pipe (``proc.stdin``)."""
         out = Path(self._tmp.name) / f"{name}.out"
         err = Path(self._tmp.name) / f"{name}.err"
-        popen: subprocess.Popen[bytes] | ForkedProcess
-        if args[0] == "-u" and args[1].endswith(".py") and not stdin and not FRESH_INTERPRETERS:
-            # ``python -u script.py ...``: forked from the test fork server instead, its
-            # output line-buffered into the same files.
-            popen = ForkedProcess(args[1], args[2:], env, output=(out, err), new_session=True,
-                                  netns=self.ns(host))  # fmt: skip
-        else:
-            with out.open("wb") as o, err.open("wb") as e:
-                popen = subprocess.Popen(
-                    ["ip", "netns", "exec", self.ns(host), *argv],
-                    env=env,
-                    stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                    stdout=o,
-                    stderr=e,
-                    start_new_session=True,
-                )
-        proc = Proc(name, host, popen, out, err)
-        self.procs.append(proc)
-        return proc
+        proc = spawn(
+            args, env, output=(out, err), new_session=True, netns=self.ns(host), stdin=stdin
+        )
+        rank = Rank(-1, proc, name=name, host=host)
+        self.procs.append(rank)
+        return rank
+
+    def _proc_net(self, host: str, table: str) -> str:
+        """``/proc/net/<table>`` as ``host`` sees it, read through a live process of ours there
+        when there is one (fast), else ``ip netns exec``."""
+        inside = [p for p in self.procs if p.host == host and p.rc is None]
+        with contextlib.suppress(OSError):
+            if inside:
+                return Path(f"/proc/{inside[0].proc.pid}/net/{table}").read_text()
+        return _run("ip", "netns", "exec", self.ns(host), "cat", f"/proc/net/{table}", check=False)
 
     def listening_ports(self, host: str) -> list[int]:
-        """TCP ports listening in ``host`` (state 0A in its ``/proc/net/tcp``), read through a
-        live process of ours there when there is one (fast), else ``ip netns exec``."""
-        inside = [p for p in self.procs if p.host == host and p.rc is None]
-        texts = []
-        for path in ("tcp", "tcp6"):
-            try:
-                if not inside:
-                    raise OSError("no process of ours in the namespace")
-                texts.append(Path(f"/proc/{inside[0].popen.pid}/net/{path}").read_text())
-            except OSError:
-                cmd = ["ip", "netns", "exec", self.ns(host), "cat", f"/proc/net/{path}"]
-                done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-                texts.append(done.stdout)
+        """TCP ports listening in ``host`` (state 0A in its ``/proc/net/tcp``)."""
         ports = []
-        for text in texts:
-            for line in text.splitlines()[1:]:
+        for table in ("tcp", "tcp6"):
+            for line in self._proc_net(host, table).splitlines()[1:]:
                 cols = line.split()
                 if len(cols) > 3 and cols[3] == "0A":
                     ports.append(int(cols[1].rsplit(":", 1)[1], 16))
         return sorted(set(ports))
 
-    def wait(self, procs: list[Proc], timeout: float) -> list[str]:
+    def wait(self, procs: list[Rank], timeout: float) -> list[str]:
         """Waits for ``procs``; kills every process here past ``timeout``; the names of those
         that were still running then."""
         deadline = time.monotonic() + timeout
         hung = []
         for p in procs:
             try:
-                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 hung.append(p.name)
         if hung:
@@ -180,27 +171,36 @@ class Hosts:
 
     def kill(self) -> None:
         """SIGKILLs every process started here (whole sessions: launchers and workers)."""
-        for p in self.procs:
-            if p.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.popen.pid, signal.SIGKILL)
-                p.popen.wait()
+        kill_all(self.procs)
 
-    def report(self, procs: list[Proc] | None = None) -> str:
+    def report(self, procs: list[Rank] | None = None) -> str:
         """Every process's exit status and output."""
-        return "\n".join(
-            f"--- {p.name} (rc={p.rc}) ---\nstdout:\n{p.out}\nstderr:\n{p.err[-4000:]}"
-            for p in (procs if procs is not None else self.procs)
-        )
+        return report(procs if procs is not None else self.procs, err_limit=4000)
 
     def close(self) -> list[str]:
         """Kills what runs, deletes the namespaces; the ``/dev/shm`` entries left behind."""
         self.kill()
-        for ns in self._made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+        self._delete(self._made)
         self._made.clear()
         self._tmp.cleanup()
         return sorted(_shm_entries() - self._shm_before)
+
+    @staticmethod
+    def _delete(names: list[str]) -> None:
+        listed = set(_run("ip", "netns", "list", check=False).split())
+        for ns in names:
+            if ns in listed:
+                _run("ip", "netns", "del", ns, check=False)
+
+
+def nic_bytes(proc_net_dev: str, ifname: str) -> tuple[int, int]:
+    """Bytes sent and received by ``ifname``, from the text of a ``/proc/net/dev``."""
+    for line in proc_net_dev.splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == ifname:
+            cols = counters.split()
+            return int(cols[8]), int(cols[0])
+    raise KeyError(f"no interface {ifname!r} in /proc/net/dev")
 
 
 def namespaces_allowed() -> str | None:
@@ -209,9 +209,9 @@ def namespaces_allowed() -> str | None:
         return "creating network namespaces needs root"
     probe = f"slprobe{os.getpid() % 100000}"
     try:
-        _ip("netns", "add", probe)
+        _run("ip", "netns", "add", probe)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         return f"`ip netns add` is refused here: {str(detail).strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    _run("ip", "netns", "del", probe, check=False)
     return None

@@ -11,9 +11,9 @@ import sys
 
 import torch
 
+from shardline.compression import registry
+from shardline.compression.quantize import Int8
 from shardline.examples import train
-from shardline.optim import _registry
-from shardline.optim.quantize import Int8
 
 
 class Silent(Int8):
@@ -27,5 +27,5 @@ class Silent(Int8):
 
 
 if __name__ == "__main__":
-    _registry.BY_NAME["silent"] = lambda: Silent(warmup_steps=0)
+    registry.BY_NAME["silent"] = lambda: Silent(warmup_steps=0)
     sys.exit(train.main(["--compression", "silent", *sys.argv[1:]]))

@@ -1,4 +1,4 @@
-"""Two real hosts' worth of networking: jobs across network namespaces joined by a veth pair.
+"""Two real hosts' worth of networking: jobs across network namespaces on one switch.
 
 Host ``a`` is 10.77.0.1 (the master), host ``b`` 10.77.0.2, each with its own
 ``SHARDLINE_HOST_ID``, so ranks of one host share memory and the hosts talk TCP. The tests
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiprocess._launch import PYTHONPATH, free_port
-from tests.multiprocess._netns import ADDRS, Hosts, Proc, namespaces_allowed
+from tests.multiprocess._launch import PYTHONPATH, Rank, free_port
+from tests.multiprocess._netns import Hosts, namespaces_allowed
 
 _REFUSED = namespaces_allowed()
 pytestmark = [
@@ -48,9 +48,9 @@ def _env(host: str, **extra: str) -> dict[str, str]:
 
 @pytest.fixture
 def hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
-    """Hosts ``a`` and ``b``; also ``c`` (a stranger routed through ``a``) when the test is
-    parametrised indirectly with ``stranger=True``."""
-    h = Hosts(stranger=getattr(request, "param", False)).open()
+    """Hosts ``a`` and ``b``; also ``c`` (a stranger on the same switch) when the test is
+    parametrised indirectly with ``"abc"``."""
+    h = Hosts(getattr(request, "param", "ab")).open()
     try:
         yield h
     finally:
@@ -65,7 +65,7 @@ def _ranks(
     per_host: int = 2,
     per_rank: dict[int, dict[str, str]] | None = None,
     **extra: str,
-) -> list[Proc]:
+) -> list[Rank]:
     """``2 * per_host`` ranks of ``scenario`` started without a launcher (rank 0 hosts the
     store on 10.77.0.1), the first ``per_host`` on host a; ``per_rank`` adds variables."""
     world = 2 * per_host
@@ -74,7 +74,7 @@ def _ranks(
         host = "a" if rank < per_host else "b"
         env = _env(
             host,
-            MASTER_ADDR=ADDRS["a"],
+            MASTER_ADDR=hosts.addr("a"),
             MASTER_PORT=str(port),
             RANK=str(rank),
             WORLD_SIZE=str(world),
@@ -87,19 +87,19 @@ def _ranks(
     return procs
 
 
-def _launchers(hosts: Hosts, args: list[str], port: int, secret_b: str = SECRET) -> list[Proc]:
+def _launchers(hosts: Hosts, args: list[str], port: int, secret_b: str = SECRET) -> list[Rank]:
     """``shardline run --nnodes 2`` on each host (2 ranks each), master on host a."""
     procs = []
     for node, host in enumerate("ab"):
         cmd = ["-m", "shardline", "run", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "2", "--master-addr", ADDRS["a"], "--master-port",
+               "--nproc-per-node", "2", "--master-addr", hosts.addr("a"), "--master-port",
                str(port), *args]  # fmt: skip
         env = _env(host, **({"SHARDLINE_SECRET": secret_b} if host == "b" else {}))
         procs.append(hosts.popen(host, f"node{node}", cmd, env))
     return procs
 
 
-def _failures(procs: list[Proc]) -> dict[str, list[tuple[float, str, str]]]:
+def _failures(procs: list[Rank]) -> dict[str, list[tuple[float, str, str]]]:
     return {
         p.name: [(float(t), kind, msg) for t, kind, msg in FAILED.findall(p.out)] for p in procs
     }
@@ -152,7 +152,7 @@ def test_wrong_secret_on_one_host_fails_both_within_5_s(hosts: Hosts) -> None:
 
 
 def test_link_cut_mid_training_is_peer_lost_within_the_keepalive_bound(hosts: Hosts) -> None:
-    """The a-b link goes down while 2 + 2 ranks all-reduce (deadline 120 s, keep-alive 3 s):
+    """Host b's link goes down while 2 + 2 ranks all-reduce (deadline 120 s, keep-alive 3 s):
     every rank raises PeerLostError within the keep-alive bound, naming a rank of the other
     host, and a host's own ranks stop with it."""
     procs = _ranks(hosts, "all_reduce_loop", free_port(), SHARDLINE_KEEPALIVE=str(KEEPALIVE_S))
@@ -177,7 +177,7 @@ def test_link_cut_mid_training_is_peer_lost_within_the_keepalive_bound(hosts: Ho
         assert when - cut_at < KEEPALIVE_S + KEEPALIVE_S / 6 + 1.0, (rank, when - cut_at, text)
 
 
-@pytest.mark.parametrize("hosts", [True], indirect=True, ids=["stranger"])
+@pytest.mark.parametrize("hosts", ["abc"], indirect=True, ids=["stranger"])
 def test_garbage_and_port_scan_from_a_third_host_leave_the_job_unharmed(hosts: Hosts) -> None:
     """Host c attacks every port that opens on host a, the moment it opens, while the job
     starts and while it trains (making a new group every 25 steps): connections that close at
@@ -187,18 +187,19 @@ def test_garbage_and_port_scan_from_a_third_host_leave_the_job_unharmed(hosts: H
     procs = _ranks(
         hosts, "all_reduce_loop", free_port(), WORKER_STEPS="200", WORKER_NEW_GROUP_EVERY="25"
     )
-    scanner = hosts.popen("c", "scanner", ["-u", "-c", _SCANNER, ADDRS["a"]], _env("c"), stdin=True)
-    assert scanner.popen.stdin is not None
+    scanner = hosts.popen("c", "scanner", ["-u", "-c", _SCANNER, hosts.addr("a")], _env("c"), True)
+    stdin = getattr(scanner.proc, "stdin", None)
+    assert stdin is not None
     seen: set[int] = set()
     deadline = time.monotonic() + 120
     while any(p.rc is None for p in procs) and time.monotonic() < deadline:
         fresh = [port for port in hosts.listening_ports("a") if port not in seen]
         if fresh:
             seen.update(fresh)
-            scanner.popen.stdin.write("".join(f"{port}\n" for port in fresh).encode())
-            scanner.popen.stdin.flush()
+            stdin.write("".join(f"{port}\n" for port in fresh).encode())
+            stdin.flush()
         time.sleep(0.005)
-    scanner.popen.stdin.close()
+    stdin.close()
     hung = hosts.wait([*procs, scanner], timeout=60)
     text = hosts.report()
     assert not hung and scanner.rc == 0, text
@@ -233,8 +234,8 @@ for s in silent:
 
 def test_namespaces_are_cleaned_up() -> None:
     """After a ``Hosts`` closes, its namespaces are gone (links go with them)."""
-    h = Hosts(stranger=True).open()
-    names = [h.ns(x) for x in "abc"]
+    h = Hosts("abc").open()
+    names = [h.switch, *(h.ns(x) for x in "abc")]
     h.popen("a", "sleeper", ["-c", "import time; time.sleep(60)"], _env("a"))
     assert not h.close()
     listed = subprocess.run(

@@ -1,10 +1,10 @@
 """What `shardline run` and its workers say: a rank that left normally, an elastic job's labels.
 
 Each test runs real launchers on loopback with a small script written to ``tmp_path`` and
-checks the words users read: the error of a rank whose peer exited normally (issue 39 item
-10), and in an elastic job the rank labels, the incarnation a replacement sees, the advice on
-a node join and the ``--nnodes`` the launcher names (issue 39 item 8). Every launcher has a
-hard deadline and is killed, with its workers, at the end.
+checks the words users read: the error of a rank whose peer exited normally, and in an
+elastic job the rank labels, the incarnation a replacement sees, the advice on a node join and
+the ``--nnodes`` the launcher names. Every launcher has a hard deadline and is killed, with
+its workers, at the end.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from shardline import _native, dtypes
-from shardline.checkpoint._state import Piece, dtype_name, flat_index
+from shardline.checkpoint.pieces import Piece, dtype_name, flat_index
 from shardline.errors import CheckpointError
 
 __all__ = [

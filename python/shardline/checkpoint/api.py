@@ -26,8 +26,7 @@ from torch import nn
 from shardline import config
 from shardline._pinned import pinned_empty
 from shardline._progress import Progress, wanted
-from shardline.checkpoint._load_plan import Read, plan_model, plan_optimizer
-from shardline.checkpoint._state import Piece, model_pieces, optimizer_pieces
+from shardline._version import __version__
 from shardline.checkpoint._store import (
     INDEX,
     Checkpoint,
@@ -39,7 +38,10 @@ from shardline.checkpoint._store import (
     write_rank,
 )
 from shardline.checkpoint.maintenance import rotate
+from shardline.checkpoint.pieces import Piece, model_pieces, optimizer_pieces
+from shardline.checkpoint.reshard import Read, plan_model, plan_optimizer
 from shardline.comm.group import ProcessGroup
+from shardline.comm.world import default_group, is_initialized
 from shardline.errors import CheckpointError
 from shardline.parallel import contract
 
@@ -49,15 +51,17 @@ _pending: SaveHandle | None = None
 _pending_lock = threading.Lock()
 
 
-def _timeout() -> float:
-    return float(config.get("SHARDLINE_TIMEOUT"))
+def _timeout(group: ProcessGroup | None) -> float:
+    """How long a save waits for the other ranks: the group's ``timeout``.
+
+    One process (no group) waits for nobody; ``SHARDLINE_TIMEOUT`` (else 300 s) bounds it.
+    """
+    return group.timeout if group is not None else config.default_timeout()
 
 
 def _group(group: ProcessGroup | None) -> ProcessGroup | None:
     if group is not None:
         return group
-    from shardline.comm.world import default_group, is_initialized  # noqa: PLC0415
-
     return default_group() if is_initialized() else None
 
 
@@ -160,9 +164,15 @@ def save(
             synchronous saves that take more than 2 s (``SHARDLINE_PROGRESS=0`` turns it
             off, ``=1`` shows it at once); ``True``/``False``: always/never.
         group: The ranks; the default group (or one process when none was initialised).
+            Its ``timeout`` bounds the waits for the other ranks: rank 0's for every rank's
+            shard, the others' for rank 0's commit.
 
     Returns:
         A ``SaveHandle``; for a synchronous save it is already done.
+
+    Raises:
+        CheckpointError: a rank failed, or one did not write its shard (rank 0 did not
+            commit) within the group's ``timeout``; the previous checkpoint is intact.
     """
     global _pending  # noqa: PLW0603  # one save in flight per process
     with _pending_lock:
@@ -205,8 +215,6 @@ def save(
         if on_gpu:
             torch.cuda.synchronize()  # the non-blocking copies into pinned buffers
     rng = _capture_rng()
-    from shardline import __version__  # noqa: PLC0415  # (shardline imports this module)
-
     header = {
         "writer": f"shardline {__version__}",
         "nonce": nonce,
@@ -234,8 +242,10 @@ def save(
         "optimizer_values": optim_json["values"] if optim_json is not None else {},
     }
 
+    timeout = _timeout(g)
+
     def job() -> None:
-        deadline = time.monotonic() + _timeout()
+        deadline = time.monotonic() + timeout
         # Compressed files end smaller than the state: show bytes written, not a fraction.
         bar = Progress(
             what,
@@ -248,7 +258,7 @@ def save(
             try:
                 write_rank(partial, rank, mine, compress, manifest)
                 if rank == 0:
-                    commit(partial, final, world, header, deadline)
+                    _commit(partial, final, world, header, deadline, timeout)
             except BaseException as exc:  # the other ranks stop waiting, with the reason
                 mark_failed(partial, rank, f"{type(exc).__name__}: {exc}")
                 raise
@@ -256,7 +266,7 @@ def save(
                 if keep_last is not None:
                     rotate(final, keep_last)
             else:
-                _wait_commit(final, partial, nonce, deadline)
+                _wait_commit(final, partial, nonce, deadline, timeout)
         except BaseException:
             bar.close(ok=False)
             raise
@@ -294,7 +304,20 @@ def _staged(p: Piece) -> torch.Tensor:
     return buf
 
 
-def _wait_commit(final: Path, partial: Path, nonce: int, deadline: float) -> None:
+def _commit(
+    partial: Path, final: Path, world: int, header: dict[str, Any], deadline: float, timeout: float
+) -> None:
+    """Rank 0's ``commit``: past ``deadline``, its error names ``timeout`` (the group's)."""
+    try:
+        commit(partial, final, world, header, deadline)
+    except CheckpointError as exc:
+        if time.monotonic() <= deadline:
+            raise
+        raise CheckpointError(f"{exc} (waited {timeout:g} s, the group's timeout)") from None
+
+
+def _wait_commit(final: Path, partial: Path, nonce: int, deadline: float, timeout: float) -> None:
+    """A rank other than 0: waits until rank 0 committed, at most until ``deadline``."""
     while True:
         if is_committed(final):
             try:
@@ -305,8 +328,8 @@ def _wait_commit(final: Path, partial: Path, nonce: int, deadline: float) -> Non
         raise_if_failed(partial, final)
         if time.monotonic() > deadline:
             raise CheckpointError(
-                f"checkpoint {final}: rank 0 did not commit in time (is it alive?); the "
-                "previous checkpoint there, if any, is intact"
+                f"checkpoint {final}: rank 0 did not commit within {timeout:g} s (the group's "
+                "timeout; is it alive?); the previous checkpoint there, if any, is intact"
             )
         time.sleep(0.01)
 

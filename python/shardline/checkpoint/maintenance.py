@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from shardline import _native
-from shardline.checkpoint._state import dtype_name
 from shardline.checkpoint._store import INDEX, Checkpoint, is_committed
+from shardline.checkpoint.pieces import dtype_name
 from shardline.errors import CheckpointError
 
 __all__ = ["consolidate", "info", "latest", "rotate", "verify"]

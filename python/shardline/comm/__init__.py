@@ -21,16 +21,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardline.comm.group import ProcessGroup
-from shardline.comm.rendezvous import host_identity, timeout_seconds
+from shardline.comm.rendezvous.env import host_identity, timeout_seconds
 from shardline.comm.work import Work
+from shardline.config import BACKENDS
 from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
-__all__ = ["BACKENDS", "ProcessGroup", "Work", "init_process_group"]
-
-BACKENDS = ("native", "gloo", "nccl", "mpi")
+__all__ = ["ProcessGroup", "Work", "init_process_group"]
 
 
 def init_process_group(
@@ -59,7 +58,9 @@ def init_process_group(
         host_id: This rank's host identity; ``rendezvous.host_identity()`` when ``None``.
             Ranks with equal ids use shared memory, others TCP.
         name: Group name; namespaces store keys, so two groups on one store need two names.
-        timeout: Deadline of every blocking wait (default ``SHARDLINE_TIMEOUT`` or 300 s).
+        timeout: Deadline of every blocking wait (default ``SHARDLINE_TIMEOUT`` or 300 s): the
+            group's ``timeout``, which its sub-groups inherit and work on the group (a
+            checkpoint's commit, async SGD) waits by.
         secret: Job secret for TCP authentication; from ``SHARDLINE_SECRET`` when ``None``.
         master_addr: The store's host, to pick the address other hosts reach this rank at.
         device: The nccl backend's GPU (``"cuda:1"``, ``1``, a ``torch.device``); ``None``
@@ -74,7 +75,9 @@ def init_process_group(
         # a bad rank fails all ranks instead of leaving the others waiting in MPI.
         from shardline.comm.backends import mpi  # noqa: PLC0415
 
-        return ProcessGroup(mpi.create(store, rank, world_size, name=name, timeout=seconds))
+        return ProcessGroup(
+            mpi.create(store, rank, world_size, name=name, timeout=seconds), timeout=seconds
+        )
     if not 0 <= rank < world_size:
         raise ShardlineError(f"rank {rank} is outside [0, world_size={world_size})")
     if master_addr is None:
@@ -96,13 +99,16 @@ def init_process_group(
             secret=secret,
             master_addr=master_addr,
         )
-        return ProcessGroup(impl)
+        return ProcessGroup(impl, timeout=seconds)
     if backend == "gloo":
         from shardline.comm.backends import gloo  # noqa: PLC0415
 
-        return ProcessGroup(gloo.create(store, rank, world_size, name=name, timeout=seconds))
+        return ProcessGroup(
+            gloo.create(store, rank, world_size, name=name, timeout=seconds), timeout=seconds
+        )
     from shardline.comm.backends import nccl  # noqa: PLC0415
 
     return ProcessGroup(
-        nccl.create(store, rank, world_size, name=name, timeout=seconds, device=device)
+        nccl.create(store, rank, world_size, name=name, timeout=seconds, device=device),
+        timeout=seconds,
     )

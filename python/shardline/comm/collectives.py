@@ -2,8 +2,7 @@
 
 Each function takes ``group=None`` (the default group from ``init``) and mirrors the
 ``ProcessGroup`` method of the same name. The job's lifetime (``init``, ``shutdown``,
-``is_initialized``, ``default_group``, ``choose_backend``) lives in ``shardline.comm.world``;
-its names are importable from here too, where they used to live.
+``is_initialized``, ``default_group``, ``choose_backend``) lives in ``shardline.comm.world``.
 """
 
 from __future__ import annotations
@@ -11,20 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shardline.comm._buffers import TensorLike
-
-# Moved to shardline.comm.world (and generations); these names keep old import paths working.
-from shardline.comm.generations import (
-    agree_on_backend as _agree_on_backend,  # noqa: F401  # tests import it from here
-)
 from shardline.comm.group import ProcessGroup, TensorList
 from shardline.comm.work import Work
-from shardline.comm.world import (
-    choose_backend,
-    default_group,
-    init,
-    is_initialized,
-    shutdown,
-)
+from shardline.comm.world import default_group
 
 __all__ = [
     "all_gather",
@@ -32,20 +20,15 @@ __all__ = [
     "all_to_all",
     "barrier",
     "broadcast",
-    "choose_backend",
-    "default_group",
     "gather",
     "get_rank",
     "get_world_size",
-    "init",
-    "is_initialized",
     "new_group",
     "recv",
     "reduce",
     "reduce_scatter",
     "scatter",
     "send",
-    "shutdown",
 ]
 
 

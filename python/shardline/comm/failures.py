@@ -32,11 +32,14 @@ from shardline.errors import (
 )
 
 if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
     from shardline.comm.group import ProcessGroup
 
-__all__ = ["explained", "note_left"]
+__all__ = ["explained", "note_left", "use_job_store"]
 
 _LEFT = "shardline/left/{rank}"
+_job_store: Store | None = None  # the job's store, from init
 _ASK_S = 2.0  # how long a rank that lost a peer asks the store for its note, at most
 # The engine's words for a peer that is gone, and the group rank each names (shared memory;
 # TCP), then the advice that follows them, which a note replaces.
@@ -88,10 +91,18 @@ def _bounded(call: Any) -> object:
     return out[0] if out and not helper.is_alive() else None
 
 
+def use_job_store(store: Store | None) -> None:
+    """Sets the job's store, for notes of ranks that left and ``why``.
+
+    ``init`` calls it when it joins a job, ``shutdown`` with ``None``. How long ``why`` asks
+    the other ranks follows the timeout of the group whose op timed out.
+    """
+    global _job_store  # noqa: PLW0603
+    _job_store = store
+
+
 def _said_left(group: ProcessGroup, exc: PeerLostError, record: list[object] | None) -> None:
     """Rewrites ``exc`` in place when the rank it lost left normally (its note says so)."""
-    from shardline.comm import world  # noqa: PLC0415 (world imports the group module)
-
     text = str(exc.args[0]) if exc.args else ""
     if record is not None:
         collective = record[flight.PEER] is None
@@ -99,13 +110,13 @@ def _said_left(group: ProcessGroup, exc: PeerLostError, record: list[object] | N
         collective = re.search(r"point-to-point|during (send|recv)\(", text) is None
     advice = next((a for a in _ADVICE if a in text), None)
     found = next((m for p in _GONE if (m := p.search(text)) is not None), None)
-    job = world.job_store()
+    job = _job_store
     if advice is None or found is None or job is None:
         return
     lost = int(found.group(1))  # a rank of the group: the note is under its job rank
     if lost >= len(group.global_ranks):
         return
-    how = _HOW.get(_left_note(job[0], group.global_ranks[lost]) or "")
+    how = _HOW.get(_left_note(job, group.global_ranks[lost]) or "")
     if how is None:
         return
     if collective:
@@ -135,13 +146,10 @@ def explained(
     out = exc
     collective = record is not None and record[flight.PEER] is None
     if isinstance(exc, CollectiveTimeoutError) and collective:
-        from shardline.comm import world  # noqa: PLC0415 (world imports the group module)
-
-        job = world.job_store()
-        if job is not None:
-            store, timeout = job
+        store = _job_store
+        if store is not None:
             assert record is not None
-            sentence = why.diagnose(group, record, store, timeout)
+            sentence = why.diagnose(group, record, store, group.timeout)
             if sentence:
                 out = CollectiveTimeoutError(f"{exc}\nwho holds it up: {sentence}")
     op = record[flight.OP] if record is not None else "an op"

@@ -28,6 +28,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from shardline import config
+
 __all__ = ["RECORDER", "FlightRecorder", "default_dir"]
 
 # A record: [group, number, op, numel, dtype, peer, start, end, state]; end is None while the
@@ -39,8 +41,9 @@ ANY_SOURCE = -1
 
 def default_dir() -> Path:
     """Where dumps go when ``SHARDLINE_FLIGHT_DIR`` is unset: one folder per job."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID") or "{}-{}".format(
-        os.environ.get("MASTER_ADDR", "local"), os.environ.get("MASTER_PORT", "0")
+    job = config.env_var("TORCHELASTIC_RUN_ID") or "{}-{}".format(
+        config.env_var("MASTER_ADDR", default="local"),
+        config.env_var("MASTER_PORT", default="0"),
     )
     return Path(tempfile.gettempdir()) / "shardline-flight" / job
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 
+from shardline import config
 from shardline.comm import _shapes as shapes
 from shardline.comm import failures, flight, traffic
 from shardline.comm._buffers import (
@@ -45,6 +47,8 @@ class ProcessGroup:
 
     Create one with ``shardline.init()`` (the default group), ``init_process_group()`` or
     ``new_group()``. Every rank of the group must call the same collectives in the same order.
+    The group's ``timeout`` bounds every blocking wait of its ranks: its collectives, and the
+    waits of what runs on it (a checkpoint's commit, an async SGD round, ...).
     Inputs are contiguous CPU tensors or numpy arrays, used in place (zero copy); list-shaped
     outputs are filled from a flat buffer. On the ``nccl`` backend they are CUDA tensors on
     the group's ``device`` instead.
@@ -57,6 +61,7 @@ class ProcessGroup:
         name: Unique name of the group (``"world"``, ``"world.0"``, ...).
         ranks: Ranks of the parent group that form this one (``None`` for a root group).
         global_ranks: The job's rank of each of this group's ranks.
+        timeout: Seconds a blocking wait of this group may take (read-only; see ``timeout``).
     """
 
     def __init__(
@@ -65,8 +70,26 @@ class ProcessGroup:
         *,
         ranks: Sequence[int] | None = None,
         global_ranks: Sequence[int] | None = None,
+        timeout: float | None = None,
     ) -> None:
+        """Wraps ``impl``, a backend's group that runs with deadline ``timeout`` (seconds).
+
+        Args:
+            impl: The backend's group.
+            ranks: Ranks of the parent group that form this one (``None``: a root group).
+            global_ranks: The job's rank of each rank; ``range(world_size)`` by default.
+            timeout: The deadline ``impl`` was created with; ``SHARDLINE_TIMEOUT`` or 300 s
+                when ``None``.
+
+        Raises:
+            InvalidArgumentError: ``timeout`` is not a positive number of seconds.
+        """
+        seconds = config.default_timeout() if timeout is None else float(timeout)
+        if not seconds > 0:
+            raise InvalidArgumentError(f"timeout must be positive, got {seconds} s")
+        self._timeout = seconds
         self._impl = impl
+        self._wait_blocking = not getattr(impl, "completes_blocking_ops", False)
         self.rank = impl.rank
         self.world_size = impl.world_size
         self.backend = impl.name
@@ -94,6 +117,17 @@ class ProcessGroup:
             f"ProcessGroup(name={self.name!r}, backend={self.backend!r}, rank={self.rank}, "
             f"world_size={self.world_size}, transport={self.transport!r})"
         )
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a blocking wait of this group may take, fixed when the group was created.
+
+        ``init(timeout=...)`` or ``init_process_group(timeout=...)`` sets it (else
+        ``SHARDLINE_TIMEOUT``, else 300 s); a sub-group inherits its parent's unless
+        ``new_group`` is given one. It bounds the group's collectives and the waits of work
+        that runs on the group: a checkpoint's commit, async SGD's rounds.
+        """
+        return self._timeout
 
     @property
     def transport(self) -> str:
@@ -130,7 +164,9 @@ class ProcessGroup:
             # Blocking calls run inline on the caller in the native engine (no thread
             # hand-off); the caller's frame keeps the tensors alive meanwhile.
             try:
-                start(False).wait()
+                handle = start(False)
+                if self._wait_blocking:
+                    handle.wait()
             except ShardlineError as exc:
                 out = self._failed(record, exc)
                 if out is exc:
@@ -529,7 +565,11 @@ class ProcessGroup:
     # -- groups ------------------------------------------------------------------------------
 
     def new_group(
-        self, ranks: Sequence[int], *, overlap_compute: bool = False
+        self,
+        ranks: Sequence[int],
+        *,
+        overlap_compute: bool = False,
+        timeout: timedelta | float | None = None,
     ) -> ProcessGroup | None:
         """Creates a sub-group of ``ranks`` (ranks of this group).
 
@@ -539,7 +579,11 @@ class ProcessGroup:
         ``overlap_compute`` says the group's collectives will run beside compute: on NCCL they
         then take fewer thread blocks (``SHARDLINE_NCCL_OVERLAP_CTAS``, default 8), so fewer
         SMs are taken from the kernels they overlap; CPU backends ignore it.
+
+        The sub-group's ``timeout`` is this group's unless ``timeout`` (seconds or a
+        ``timedelta``) is given.
         """
+        seconds = self._timeout if timeout is None else _seconds(timeout, self.rank)
         members = sorted({int(r) for r in ranks})
         if len(members) != len(list(ranks)) or not members:
             raise InvalidArgumentError(
@@ -551,9 +595,17 @@ class ProcessGroup:
         self._num_subgroups += 1
         if self.rank not in members:
             return None
-        impl = self._impl.subgroup(name, members, overlap_compute=overlap_compute)
+        if timeout is None:  # the backend's sub-group keeps its parent's deadline
+            impl = self._impl.subgroup(name, members, overlap_compute=overlap_compute)
+        else:
+            impl = self._impl.subgroup(
+                name, members, overlap_compute=overlap_compute, timeout=seconds
+            )
         child = ProcessGroup(
-            impl, ranks=members, global_ranks=[self.global_ranks[r] for r in members]
+            impl,
+            ranks=members,
+            global_ranks=[self.global_ranks[r] for r in members],
+            timeout=seconds,
         )
         self._children.append(child)
         return child
@@ -574,6 +626,16 @@ class ProcessGroup:
         self._closed = True
         self._impl.close()
         self._pending.clear()
+
+
+def _seconds(timeout: timedelta | float, rank: int) -> float:
+    """``timeout`` in seconds; ``InvalidArgumentError`` unless it is positive."""
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not seconds > 0:
+        raise InvalidArgumentError(
+            f"new_group on rank {rank}: timeout must be positive, got {seconds} s"
+        )
+    return seconds
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from itertools import product
 
 from shardline.comm.group import ProcessGroup
+from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
 
 __all__ = ["DeviceMesh"]
@@ -23,6 +25,8 @@ class DeviceMesh:
         shape: Sizes per axis, as a tuple (``(2, 4)``) or a mapping ``{"dp": 2, "tp": 4}``.
         axis_names: Names for a tuple shape; default ``("axis0", "axis1", ...)``.
         group: The group to lay out; the default group when ``None``.
+        timeout: The per-axis groups' ``timeout`` (seconds or a ``timedelta``); ``group``'s
+            when ``None``.
 
     Raises:
         InvalidArgumentError: the shape does not multiply to the group's size, or names clash.
@@ -34,6 +38,7 @@ class DeviceMesh:
         axis_names: Sequence[str] | None = None,
         *,
         group: ProcessGroup | None = None,
+        timeout: timedelta | float | None = None,
     ) -> None:
         if isinstance(shape, Mapping):
             if axis_names is not None:
@@ -46,8 +51,6 @@ class DeviceMesh:
             else tuple(f"axis{i}" for i in range(len(dims)))
         )
         if group is None:
-            from shardline.comm.world import default_group  # noqa: PLC0415
-
             group = default_group()
         if len(names) != len(dims) or len(set(names)) != len(names):
             raise InvalidArgumentError(
@@ -70,7 +73,7 @@ class DeviceMesh:
                 ranks = [
                     _ravel((*fixed[:axis], k, *fixed[axis + 1 :]), dims) for k in range(dims[axis])
                 ]
-                sub = group.new_group(ranks)
+                sub = group.new_group(ranks, timeout=timeout)
                 if sub is not None:
                     self._groups[name] = sub
 

@@ -48,8 +48,9 @@ class Traffic:
     def add(self, op: str, sent: float, received: float) -> None:
         """Counts one call of ``op`` moving ``sent`` and ``received`` bytes."""
         with self._lock:
-            row = self._ops.get(op)
-            if row is None:
+            try:
+                row = self._ops[op]
+            except KeyError:
                 row = self._ops[op] = OpTraffic()
             row.calls += 1
             row.sent += int(sent)

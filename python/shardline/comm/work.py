@@ -45,7 +45,9 @@ class Backend(Protocol):
     already consistent, on the backend's ``device`` (an optional attribute; CPU when absent,
     ``cuda:N`` for nccl); every method starts the op and returns without waiting. ``recv``
     with ``src=None`` takes the first message with its tag from any rank; its handle's
-    ``source`` then says which.
+    ``source`` then says which. A backend whose ``async_op=False`` calls return only once the
+    op has ended says so with ``completes_blocking_ops = True``: the group then does not wait
+    on their handles a second time.
     """
 
     name: str
@@ -77,7 +79,12 @@ class Backend(Protocol):
         self, t: torch.Tensor, src: int | None, *, tag: int = 0, async_op: bool = True
     ) -> Handle: ...
     def subgroup(
-        self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False
+        self,
+        name: str,
+        ranks: Sequence[int],
+        *,
+        overlap_compute: bool = False,
+        timeout: float | None = None,
     ) -> Backend: ...
     def abort(self, reason: str) -> None: ...
     def close(self) -> None: ...

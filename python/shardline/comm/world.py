@@ -27,22 +27,23 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardline import config
-from shardline.comm import BACKENDS, failures, generations, init_process_group, membership
-from shardline.comm.backends._store import (
-    StoreClient,
-    linger_after_failure,
-    publish_failure,
-)
+from shardline.comm import failures, init_process_group
 from shardline.comm.flight import RECORDER
-from shardline.comm.generations import ElasticJob
 from shardline.comm.group import ProcessGroup
-from shardline.comm.membership import Generation
-from shardline.comm.rendezvous import (
+from shardline.comm.rendezvous import generations, membership
+from shardline.comm.rendezvous.env import (
     create_store,
     host_identity,
     launcher_hosts_store,
     read_env,
     timeout_seconds,
+)
+from shardline.comm.rendezvous.generations import ElasticJob
+from shardline.comm.rendezvous.membership import Generation
+from shardline.comm.rendezvous.store import (
+    StoreClient,
+    linger_after_failure,
+    publish_failure,
 )
 from shardline.errors import CollectiveTimeoutError, PeerLostError, ShardlineError
 
@@ -54,10 +55,10 @@ __all__ = [
     "default_group",
     "elastic_generation",
     "elastic_slot",
+    "elastic_store",
     "host_group",
     "init",
     "is_initialized",
-    "joined_running_job",
     "reform",
     "shutdown",
 ]
@@ -167,9 +168,9 @@ def choose_backend(
         ShardlineError: an unknown backend or ``SHARDLINE_DEVICE``.
     """
     if backend:
-        if backend not in BACKENDS:
+        if backend not in config.BACKENDS:
             raise ShardlineError(
-                f"backend={backend!r} is not a backend; use one of {', '.join(BACKENDS)}"
+                f"backend={backend!r} is not a backend; use one of {', '.join(config.BACKENDS)}"
             )
         return backend
     named: str | None = config.get("SHARDLINE_BACKEND", env)
@@ -188,7 +189,7 @@ def choose_backend(
 def init(backend: str | None = None, timeout: timedelta | float | None = None) -> ProcessGroup:
     """Joins the job described by the environment and creates the default group.
 
-    Reads torchrun's env:// variables or SLURM's (see ``shardline.comm.rendezvous``), opens
+    Reads torchrun's env:// variables or SLURM's (see ``shardline.comm.rendezvous.env``), opens
     the TCPStore (a client of the launcher's under ``shardline run`` or torchrun, else hosted
     by rank 0), and connects every rank. With ``backend="mpi"`` the ranks are MPI's and no
     store is opened: plain ``mpirun -n 4 python train.py`` works, and where
@@ -201,6 +202,9 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
             GPU and ``SHARDLINE_DEVICE`` is not ``cpu``, else native). Every rank must end up
             with the same backend; ranks that disagree with rank 0 fail here.
         timeout: Deadline of every blocking wait; ``SHARDLINE_TIMEOUT`` or 300 s by default.
+            It is the default group's ``timeout``: its sub-groups (``new_group``,
+            ``DeviceMesh``) inherit it, and work on the group waits by it (a checkpoint's
+            commit, async SGD's rounds).
 
     Returns:
         The default group.
@@ -260,12 +264,13 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
                 device=device,
             )
         except Exception as exc:
-            # See [Note: a rank that fails while joining] in comm.backends._store.
+            # See [Note: a rank that fails while joining] in comm.rendezvous.store.
             publish_failure(store, info.rank, exc)
             if job.leave_together and info.rank == 0:
                 linger_after_failure(store, info.world_size)
             raise
         _default, _job = group, job
+        failures.use_job_store(job.store)
         _start_recorder(group)
         return group
 
@@ -279,7 +284,8 @@ def _init_elastic(
 
     generations.die_with_launcher()
     seconds = timeout_seconds(timeout)
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    addr = config.env_var("MASTER_ADDR", default="127.0.0.1")
+    port = int(config.env_required("MASTER_PORT"))
     try:
         store = dist.TCPStore(  # type: ignore[attr-defined]
             addr, port, None, False, timedelta(seconds=seconds)
@@ -301,18 +307,15 @@ def _init_elastic(
     else:
         slot = str(config.raw("SHARDLINE_ELASTIC_SLOT"))
         incarnation = int(config.get("SHARDLINE_ELASTIC_INCARNATION"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(config.env_var("LOCAL_RANK", default="0"))
     gen = generations.or_exit(lambda: membership.join(store, slot, incarnation, seconds))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_world = int(config.env_var("LOCAL_WORLD_SIZE", default="1"))
     chosen = choose_backend(backend, local_world_size=local_world)
-    state = ElasticJob(store, slot, incarnation, gen, chosen, seconds, local_rank,
-                     joined_late=gen.number > 1)  # fmt: skip
+    state = ElasticJob(store, slot, incarnation, gen, chosen, seconds, local_rank)
     group = generations.form_newest(state, explicit=explicit)
-    # Late: the job has trained (a commit was made), so the others will restore for this
-    # process; a generation after the first that formed before any commit starts afresh.
-    state.joined_late = membership.marked(store, "trained")
     _elastic = state
     _job = _Job(store, group.rank, group.world_size, leave_together=False, timeout=seconds)
+    failures.use_job_store(store)
     return group
 
 
@@ -342,26 +345,10 @@ def elastic_slot() -> tuple[str, int] | None:
     return (e.slot, e.incarnation) if e is not None else None
 
 
-def joined_running_job() -> bool:
-    """Whether this process joined an elastic job after its first generation.
-
-    ``distribute`` then skips its start-up collectives (the survivors do not run them: the
-    state comes from their restore in ``shardline.elastic.run``).
-    """
-    return _elastic is not None and _elastic.joined_late
-
-
-def mark_job(what: str) -> None:
-    """In an elastic job, sets the job-wide flag ``what`` (``"trained"``, ``"finished"``)."""
+def elastic_store() -> Store | None:
+    """In an elastic job, the store its launchers host (membership, generations); else ``None``."""
     e = _elastic
-    if e is not None:
-        membership.mark(e.store, what)
-
-
-def settled() -> None:
-    """This process has taken part in a restore: later ``distribute`` calls sync as usual."""
-    if _elastic is not None:
-        _elastic.joined_late = False
+    return e.store if e is not None else None
 
 
 def membership_changed() -> bool:
@@ -412,6 +399,7 @@ def reform() -> ProcessGroup:
         _default = group
         _job = _Job(e.store, group.rank, group.world_size, leave_together=False,
                     timeout=e.timeout)  # fmt: skip
+        failures.use_job_store(e.store)
     _start_recorder(group)
     return group
 
@@ -428,12 +416,6 @@ def _start_recorder(group: ProcessGroup) -> None:
     RECORDER.install_signal_handler()
 
 
-def job_store() -> tuple[Store, float] | None:
-    """The job's store and op deadline (seconds), once ``init`` joined one; else None."""
-    job = _job
-    return (job.store, job.timeout) if job is not None else None
-
-
 def _init_mpi(timeout: timedelta | float | None) -> ProcessGroup:
     """The default group on MPI: ranks from MPI, checked against RANK/WORLD_SIZE if set."""
     from shardline.comm.backends import mpi  # noqa: PLC0415
@@ -441,7 +423,7 @@ def _init_mpi(timeout: timedelta | float | None) -> ProcessGroup:
     rank, world_size = mpi.mpi_rank_and_size()
     # A launcher's RANK/WORLD_SIZE, if any, must agree with MPI's (mpi.create checks that).
     for name in ("RANK", "WORLD_SIZE"):
-        raw = os.environ.get(name, "").strip()
+        raw = (config.env_var(name) or "").strip()
         if not raw:
             continue
         try:
@@ -473,15 +455,16 @@ def shutdown() -> None:
     Collective where rank 0 hosts the rendezvous store (plain env:// or srun; not under
     ``shardline run`` or torchrun, whose launcher hosts it): every rank checks out through
     the store, and rank 0 returns only once the others have, so the store outlives every rank
-    that still creates groups through it. Rank 0 waits the group's timeout at most
-    (``SHARDLINE_TIMEOUT``), then logs which ranks did not check out (logger ``"shardline"``)
-    and returns; it does not wait once an op here raised ``PeerLostError`` (a dead rank
-    never checks out). A rank that exits without ``shutdown`` checks out at exit.
+    that still creates groups through it. Rank 0 waits the group's ``timeout`` at most
+    (``init``'s, else ``SHARDLINE_TIMEOUT``), then logs which ranks did not check out (logger
+    ``"shardline"``) and returns; it does not wait once an op here raised ``PeerLostError`` (a
+    dead rank never checks out). A rank that exits without ``shutdown`` checks out at exit.
     """
     global _default, _job
     with _lock:
         group, _default = _default, None
         job, _job = _job, None
+        failures.use_job_store(None)
         if group is None:
             return
         if job is not None and _elastic is None:

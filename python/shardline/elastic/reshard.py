@@ -3,8 +3,9 @@
 After a membership change the ranks of the new group hold, between them, the commit of every
 rank of the old one (their own, or the copy they hold for their buddy). ``load`` puts it into
 the new layout through the same checks and reads as ``sl.checkpoint.load``: the commits are
-described as an in-memory checkpoint (``_MemoryCheckpoint``: chunks instead of shard files),
-each rank plans its reads from the strategy contract (``checkpoint._load_plan``), asks for
+described as an in-memory checkpoint (``checkpoint.reshard.InMemoryCheckpoint``: chunks
+instead of shard files),
+each rank plans its reads from the strategy contract (``checkpoint.reshard``), asks for
 the chunks its reads overlap (its own first, so a rank whose shard did not move receives
 nothing), and the holders send them point to point, one at a time in one global order (no
 rank waits on another that waits on it). Nothing here knows a strategy.
@@ -15,16 +16,20 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from shardline import dtypes
-from shardline.checkpoint._load_plan import Read, plan_model, plan_optimizer
-from shardline.checkpoint._state import Piece, flat_index, jsonable_groups, pieces_of
-from shardline.checkpoint._store import Checkpoint
+from shardline.checkpoint.pieces import Piece, jsonable_groups, pieces_of
+from shardline.checkpoint.reshard import (
+    InMemoryCheckpoint,
+    Read,
+    chunks_for,
+    plan_model,
+    plan_optimizer,
+)
 from shardline.comm.group import ProcessGroup
 from shardline.comm.objects import all_gather_object
 from shardline.parallel.contract import Local
@@ -106,84 +111,6 @@ def _merge(into: dict[str, Any] | None, more: dict[str, Any] | None) -> dict[str
     return into
 
 
-class _Reader:
-    """Stands for a shard file: byte ranges out of chunks held in memory."""
-
-    def __init__(self, chunks: dict[str, torch.Tensor]) -> None:
-        self.chunks = chunks
-
-    def read_range(self, file_key: str, offset: int, dst: Any, verify: bool) -> None:
-        if not len(dst):
-            return
-        src = self.chunks[file_key].reshape(-1).view(torch.uint8).numpy()
-        dst[:] = src[offset : offset + len(dst)]
-
-
-class _MemoryCheckpoint(Checkpoint):
-    """A checkpoint whose chunks are tensors some rank of the group holds (see the docstring)."""
-
-    def __init__(self, index: dict[str, Any], label: str) -> None:  # no super(): no files
-        self.path = Path(label)
-        self.index = index
-        self.tensors = index["tensors"]
-        self.aliases = index.get("aliases", {})
-        self.have: dict[str, torch.Tensor] = {}
-        self._closed = False
-
-    def reader(self, file: str) -> Any:
-        return _Reader(self.have)
-
-    def close(self) -> None:
-        self.have.clear()
-
-
-def _span(
-    where: int | tuple[int, ...], out: torch.Tensor, shape: tuple[int, ...]
-) -> tuple[int, int]:
-    """The flat range ``[lo, hi)`` a read covers (a block's: from its first to its last)."""
-    if isinstance(where, tuple):
-        if out.numel() == 0:
-            return 0, 0
-        last = tuple(o + n - 1 for o, n in zip(where, out.shape, strict=True))
-        return flat_index(shape, where), flat_index(shape, last) + 1
-    return where, where + out.numel()
-
-
-def _covers(covered: list[tuple[int, int]], a: int, b: int) -> bool:
-    """Whether the union of ``covered`` holds ``[a, b)``."""
-    at = a
-    for x, y in sorted(covered):
-        if x > at:
-            break
-        at = max(at, y)
-    return at >= b
-
-
-def _choose(chunks: list[dict[str, Any]], lo: int, hi: int, me: int) -> list[dict[str, Any]]:
-    """The chunks that give ``[lo, hi)``: this rank's first, one copy of each range.
-
-    A block's chunks are all taken (their flat spans overlap without covering each other).
-    """
-    near = sorted((c for c in chunks if c["end"] > lo and c["start"] < hi),
-                  key=lambda c: (c["holder"] != me, c["holder"]))  # fmt: skip
-    picked: list[dict[str, Any]] = []
-    seen: set[tuple[Any, ...]] = set()
-    covered: list[tuple[int, int]] = []
-    for c in near:
-        box = c.get("box")
-        sig = (c["start"], c["end"], tuple(box["offsets"]) if box else ())
-        if sig in seen:
-            continue
-        if box is None:
-            a, b = max(lo, c["start"]), min(hi, c["end"])
-            if _covers(covered, a, b):
-                continue
-            covered.append((a, b))
-        seen.add(sig)
-        picked.append(c)
-    return picked
-
-
 def load(
     group: ProcessGroup,
     mine: list[Commit],
@@ -211,7 +138,7 @@ def load(
                 chunk["box"] = {"offsets": e["box"], "shape": e["bshape"]}
             entry["chunks"].append(chunk)
     index = {"tensors": tensors, "aliases": aliases, "optimizer": optim}
-    ck = _MemoryCheckpoint(index, f"the commits of the previous generation (rank {group.rank})")
+    ck = InMemoryCheckpoint(index, f"the commits of the previous generation (rank {group.rank})")
     reads: list[Read] = []
     finish = []
     if model is not None:
@@ -228,8 +155,7 @@ def load(
     for key, out, where in reads:
         stored = ck.resolve(key)
         entry = tensors[stored]
-        lo, hi = _span(where, out, tuple(entry["shape"]))
-        for c in _choose(entry["chunks"], lo, hi, group.rank):
+        for c in chunks_for(entry, out, where, group.rank):
             wanted[c["file_key"]] = c
             chosen.setdefault(stored, []).append(c)
     for stored, picked in chosen.items():

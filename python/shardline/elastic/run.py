@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 from shardline.comm import world
+from shardline.elastic import job
 from shardline.elastic import state as _state
 from shardline.elastic.state import State
 from shardline.errors import (
@@ -82,7 +83,7 @@ def run(fn: Any = None, *, on_change: OnChange | None = None) -> Any:
                     f"shardline.elastic.run: {train.__name__}'s first argument must be an "
                     f"elastic.State, not {type(state).__name__}"
                 )
-            rejoin = world.joined_running_job()  # a newcomer restores with the survivors
+            rejoin = job.joined_running_job()  # a newcomer restores with the survivors
             reform = False
             _state._runs += 1  # State.commit's MembershipChanged then gives no advice
             try:
@@ -92,7 +93,7 @@ def run(fn: Any = None, *, on_change: OnChange | None = None) -> Any:
                             _change(state, reform, on_change)
                             rejoin = reform = False
                         result = train(state, *args, **kwargs)
-                        world.mark_job("finished")  # no new generation now; joiners leave
+                        job.mark("finished")  # no new generation now; joiners leave
                         return result
                     except (PeerLostError, CommunicatorClosedError, MembershipChanged) as exc:
                         if world.elastic_generation() is None:
@@ -118,7 +119,7 @@ def _change(state: State, reform: bool, on_change: OnChange | None) -> None:
     gen = world.elastic_generation()
     assert gen is not None
     state._rejoin(group)
-    world.settled()
+    job.settled()
     _log.warning(
         "elastic: generation %d: %d -> %d ranks, state of commit #%d restored (%s) in %.2f s",
         gen.number, gen.previous_size, gen.world_size, state.commits, state.restored_from,

@@ -36,10 +36,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardline import checkpoint
+from shardline.checkpoint.pieces import global_shape
 from shardline.comm import world
 from shardline.comm.group import ProcessGroup
 from shardline.comm.objects import all_gather_object, broadcast_object
-from shardline.elastic import buddy, reshard
+from shardline.elastic import buddy, job, reshard
 from shardline.errors import InvalidArgumentError, MembershipChanged
 from shardline.parallel import contract
 from shardline.parallel.contract import Box, FlatRange, Local, Shard
@@ -199,7 +201,7 @@ class State:
         g = self.group
         if world.elastic_generation() is not None:
             if not self._marked:
-                world.mark_job("trained")  # a process joining later restores with the others
+                job.mark("trained")  # a process joining later restores with the others
                 self._marked = True
             # Every rank learns of a new member at the same step: rank 0 asks the store (one
             # round trip per commit, not one per rank) and the flag is all-reduced.
@@ -438,8 +440,6 @@ class State:
             raise InvalidArgumentError(
                 "elastic.State.save: no checkpoint_dir; pass State(checkpoint_dir=...)"
             )
-        from shardline import checkpoint  # noqa: PLC0415 (checkpoint imports parallel)
-
         extra = {"elastic_fields": self._fields}
         if self.sampler is not None:
             extra["elastic_sampler"] = self.sampler.state_dict()
@@ -459,13 +459,9 @@ class State:
     def _latest(self) -> Path | None:
         if self.checkpoint_dir is None:
             return None
-        from shardline import checkpoint  # noqa: PLC0415
-
         return checkpoint.latest(self.checkpoint_dir)
 
     def _load_latest(self) -> None:
-        from shardline import checkpoint  # noqa: PLC0415
-
         path = self._latest()
         assert path is not None
         if self.optimizer is not None:
@@ -493,8 +489,6 @@ def _signature(model: nn.Module | None) -> str:
     """The model's parameter names and global shapes, hashed: the same model on every rank."""
     if model is None:
         return ""
-    from shardline.checkpoint._state import global_shape  # noqa: PLC0415
-
     sd = contract.sharded_state_dict(model)
     text = repr(sorted((n, global_shape(v)) for n, v in sd.items() if not isinstance(v, Local)))
     return hashlib.sha256(text.encode()).hexdigest()

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import sys
 import time
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 
 import shardline as sl
+from shardline import config
 from shardline.data import DistributedSampler
 
 __all__ = ["Config", "TinyGPT", "as_sequential", "corpus", "lm_loss", "main"]
@@ -420,11 +420,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
 def main(argv: list[str] | None = None) -> int:
     """Trains, prints the summary on rank 0, returns the exit code."""
     cfg, args = parse_args(argv)
-    distributed = "RANK" in os.environ or "SLURM_PROCID" in os.environ
+    distributed = config.env_var("RANK") is not None or config.env_var("SLURM_PROCID") is not None
     cuda = args.device == "cuda"
     device = torch.device("cpu")
     if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", int(config.env_var("LOCAL_RANK", default="0")))
         torch.cuda.set_device(device)
     if distributed:
         group = sl.init(backend=args.backend or ("nccl" if cuda else "native"))

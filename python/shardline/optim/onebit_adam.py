@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardline.comm.coalesced import broadcast_coalesced
 from shardline.comm.group import ProcessGroup
+from shardline.comm.world import default_group
+from shardline.compression.codec import Compressor, Entry
+from shardline.compression.quantize import OneBit
 from shardline.errors import InvalidArgumentError
-from shardline.optim.compression import Compressor, Entry
-from shardline.optim.quantize import OneBit
-from shardline.parallel._common import broadcast_coalesced, default_group
 
 __all__ = ["OneBitAdam"]
 

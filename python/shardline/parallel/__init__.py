@@ -13,15 +13,16 @@
   interleaved, zero-bubble).
 - ``tensor``: tensor parallelism (column/row-parallel linears, vocabulary-parallel embedding
   and loss, sequence parallelism) and ``tensor_parallel``, which rewrites a model's layers.
-- ``comm_hooks``: how a gradient bucket is reduced (``fp16``/``bf16`` compression, your own).
+- ``replica``: local SGD, DiLoCo, asynchronous SGD, Hogwild; ``recompute``: activation
+  recomputation in backward and the activation store across ranks.
 """
 
 from __future__ import annotations
 
-from shardline.parallel import comm_hooks, contract
+from shardline.parallel import contract
 from shardline.parallel.api import as_distributed, distribute
 from shardline.parallel.clip import clip_grad_norm_
-from shardline.parallel.contract import BlockShard, Box, FlatRange, Local, Shard, ShardedTensor
+from shardline.parallel.contract import Box, FlatRange, Local, Shard
 from shardline.parallel.data import DistributedDataParallel, ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import register_optimizer
 from shardline.parallel.fit import choose_strategy
@@ -33,7 +34,6 @@ from shardline.parallel.tensor import tensor_parallel
 
 __all__ = [
     "STRATEGIES",
-    "BlockShard",
     "Box",
     "DistributedDataParallel",
     "FlatRange",
@@ -43,11 +43,9 @@ __all__ = [
     "PipelineModule",
     "Shard",
     "ShardedDataParallel",
-    "ShardedTensor",
     "as_distributed",
     "choose_strategy",
     "clip_grad_norm_",
-    "comm_hooks",
     "contract",
     "distribute",
     "estimate_memory",

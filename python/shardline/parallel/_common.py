@@ -1,6 +1,6 @@
 """Pieces every data-parallel wrapper needs.
 
-The same-model check, coalesced broadcasts, the global gradient norm, and hooks that do not
+The same-model check, the global gradient norm, and hooks that do not
 keep the wrapper alive.
 """
 
@@ -21,11 +21,9 @@ from shardline.parallel.contract import Shard, param_layouts
 
 __all__ = [
     "ModelParallel",
-    "broadcast_coalesced",
     "check_same_model",
     "clip_to_global_norm_",
     "copies_over",
-    "default_group",
     "remove_hooks_when_collected",
     "weak_method",
 ]
@@ -81,13 +79,6 @@ def clip_to_global_norm_(
     return norm
 
 
-def default_group() -> ProcessGroup:
-    """The group of ``shardline.init()`` (imported late: comm imports parallel users)."""
-    from shardline.comm.world import default_group as get  # noqa: PLC0415
-
-    return get()
-
-
 def check_same_model(
     group: ProcessGroup,
     names: Sequence[str],
@@ -126,48 +117,6 @@ def check_same_model(
                 + (" (same counts, different names/shapes/dtypes)" if a[:2] == b[:2] else "")
                 + "; build the same model on every rank before wrapping it"
             )
-
-
-def broadcast_coalesced(
-    group: ProcessGroup, tensors: Sequence[torch.Tensor], src: int, cap_bytes: int
-) -> None:
-    """Broadcasts tensors from ``src``, coalesced into flat chunks of about ``cap_bytes``.
-
-    Tensors on another device than the group's (a model kept in host memory under nccl) travel
-    through a chunk-sized copy on the group's device.
-    """
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype in sorted(by_dtype, key=str):
-        chunk: list[torch.Tensor] = []
-        size = 0
-        for t in by_dtype[dtype]:
-            nbytes = t.numel() * t.element_size()
-            if chunk and size + nbytes > cap_bytes:
-                _broadcast_chunk(group, chunk, src)
-                chunk, size = [], 0
-            chunk.append(t)
-            size += nbytes
-        if chunk:
-            _broadcast_chunk(group, chunk, src)
-
-
-def _broadcast_chunk(group: ProcessGroup, chunk: list[torch.Tensor], src: int) -> None:
-    here = chunk[0].device == group.device
-    if len(chunk) == 1 and chunk[0].is_contiguous() and here:
-        group.broadcast(chunk[0], src=src)
-        return
-    flat = torch.cat([t.reshape(-1) for t in chunk])
-    if not here:
-        flat = flat.to(group.device)
-    group.broadcast(flat, src=src)
-    offset = 0
-    with torch.no_grad():
-        for t in chunk:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
 
 
 def weak_method(obj: object, name: str, *bound: Any) -> Callable[..., Any]:

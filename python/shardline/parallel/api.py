@@ -10,18 +10,19 @@ from torch import nn
 
 from shardline.comm.group import ProcessGroup
 from shardline.comm.mesh import DeviceMesh
+from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
-from shardline.parallel._common import default_group
 from shardline.parallel.compose import compose
 from shardline.parallel.data.ddp import DistributedDataParallel
 from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
 from shardline.parallel.fit import choose_strategy
 from shardline.parallel.precision import MixedPrecision
-from shardline.parallel.strategies import BY_MEMORY, STRATEGIES
+from shardline.parallel.recompute.blocks import recompute_blocks
+from shardline.parallel.strategies import BY_MEMORY
 
-__all__ = ["STRATEGIES", "as_distributed", "distribute"]
+__all__ = ["as_distributed", "distribute"]
 
 _log = logging.getLogger("shardline")
 
@@ -43,10 +44,11 @@ def distribute(
         optimizer: A plain optimizer over ``model``'s parameters, or ``None``.
         strategy: ``"ddp"``; ``"zero1"``, ``"zero2"``, ``"zero3"`` (``"fsdp"`` is zero3): see
             ``ShardedDataParallel``; ``"local_sgd"`` (``sync_every``, ``outer_optimizer``):
-            see ``shardline.optim.local_sgd``; ``"async"`` (``staleness``, ``on_stale``,
-            ``servers``): see ``shardline.optim.async_sgd`` (the optimizer returned is then an
-            ``AsyncOptimizer``, whose ``step`` pushes and pulls); ``"hogwild"``: see
-            ``shardline.optim.hogwild``. With ``mesh``, a strategy per axis:
+            see ``shardline.parallel.replica.local_sgd``; ``"async"`` (``staleness``,
+            ``on_stale``, ``servers``): see ``shardline.parallel.replica.async_sgd`` (the
+            optimizer returned is then an ``AsyncOptimizer``, whose ``step`` pushes and
+            pulls); ``"hogwild"``: see ``shardline.parallel.replica.hogwild``. With ``mesh``,
+            a strategy per axis:
             ``{"dp": "zero3", "pp": "1f1b", "tp": "auto"}``: a pipeline schedule on ``pp``,
             tensor parallelism on ``tp`` (``"auto"`` or a plan, as ``sl.tensor_parallel``
             takes), and DDP or ZeRO-1/2/3 keeping the replicas on ``dp`` (or HSDP's
@@ -57,7 +59,7 @@ def distribute(
         mesh: A ``DeviceMesh`` whose axes are the strategy's (``"dp"``, ``"pp"``, ``"tp"``,
             ``"dp_replicate"``, ``"dp_shard"``), for composition.
         recompute: ``"selective"`` or ``"full"``: the model's repeated blocks recompute their
-            activations in backward (``checkpoint.activations.recompute_blocks``), for less
+            activations in backward (``parallel.recompute.recompute_blocks``), for less
             memory per rank at the same results, bit for bit; ``None`` keeps them all. Under
             ZeRO each block is then one unit (``unit_mb`` sizes the rest).
         **options: Passed to the strategy (for DDP: ``bucket_cap_mb``, ``broadcast_buffers``,
@@ -76,9 +78,6 @@ def distribute(
     if mesh is None and not isinstance(strategy, dict):  # (before the model changes)
         _check_options(strategies.strategy(strategy).name, options)
     if recompute is not None:
-        # (checkpoint imports parallel's planner: import it on use, not at load)
-        from shardline.checkpoint.activations.blocks import recompute_blocks  # noqa: PLC0415
-
         recompute_blocks(model, recompute)
     if mesh is not None or isinstance(strategy, dict):
         return compose(model, optimizer, strategy, mesh, options)

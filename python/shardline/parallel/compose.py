@@ -1,7 +1,7 @@
 """Strategies composed on one ``DeviceMesh`` (data x pipeline x tensor), for ``distribute(mesh=)``.
 
 - ``{"dp": ..., "pp": schedule}``: the pipeline splits the model on ``pp``; its replicas on
-  ``dp`` are kept by DDP or sharded by ZeRO (``pipeline/zero.py``).
+  ``dp`` are kept by DDP or sharded by ZeRO, per chunk (``pipeline/replicas.py``).
 - ``{"dp": "ddp" | "zero1" | "zero2" | "zero3", "tp": plan}``: tensor parallelism on ``tp``
   (``sl.tensor_parallel``), then DDP or ZeRO over the replicas on ``dp``: each tp slice is
   averaged with (ZeRO: sharded over) the same slice of the others. ``clip_grad_norm_`` of
@@ -26,7 +26,11 @@ from torch import nn
 
 from shardline.comm.mesh import DeviceMesh
 from shardline.errors import InvalidArgumentError
+from shardline.parallel import strategies
 from shardline.parallel._common import ModelParallel, copies_over
+from shardline.parallel.data.zero.optimizers import check_optimizer
+from shardline.parallel.pipeline import pipeline
+from shardline.parallel.tensor import tensor_parallel
 
 __all__ = ["compose"]
 
@@ -102,8 +106,6 @@ def _pipeline(
     dp: str | None,
     options: dict[str, Any],
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    from shardline.parallel.pipeline import pipeline  # noqa: PLC0415
-
     options.pop("sequence_parallel", None)  # off here: refused above when on
     tp = "tp" in strategy
     before = _names_of(model, optimizer) if tp else {}
@@ -162,10 +164,6 @@ def _layers(
 
     HSDP: ZeRO on ``dp_shard``, its gradient parts averaged over ``dp_replicate``.
     """
-    from shardline.parallel import strategies  # noqa: PLC0415
-    from shardline.parallel.data.zero.optimizers import check_optimizer  # noqa: PLC0415
-    from shardline.parallel.tensor import tensor_parallel  # noqa: PLC0415
-
     before = _names_of(model, optimizer) if "tp" in strategy else {}
     groups = optimizer.param_groups if optimizer is not None else []
     sp = bool(options.pop("sequence_parallel", False))  # checked against the axes above

@@ -54,12 +54,10 @@ if TYPE_CHECKING:
     from shardline.comm.group import ProcessGroup
 
 __all__ = [
-    "BlockShard",
     "Box",
     "FlatRange",
     "Local",
     "Shard",
-    "ShardedTensor",
     "composed_state_dict",
     "groups_by_name",
     "layout",
@@ -142,37 +140,6 @@ class Shard:
         """Elements held here, over all pieces."""
         return sum(p.tensor.numel() for p in self.pieces)
 
-    # One-piece shards, as the ZeRO and tensor-parallel code of earlier versions returned them.
-
-    def _only(self) -> Box | FlatRange:
-        if len(self.pieces) != 1:
-            raise InvalidArgumentError(
-                f"this Shard of {list(self.global_shape)} has {len(self.pieces)} pieces; read "
-                ".pieces"
-            )
-        return self.pieces[0]
-
-    @property
-    def local(self) -> torch.Tensor:
-        """The one piece's values."""
-        return self._only().tensor
-
-    @property
-    def offset(self) -> int:
-        """Where the one flat piece starts in the flattened tensor."""
-        piece = self._only()
-        if not isinstance(piece, FlatRange):
-            raise InvalidArgumentError("this Shard holds a block; read .offsets")
-        return piece.start
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        """Where the one block piece starts, per dimension."""
-        piece = self._only()
-        if not isinstance(piece, Box):
-            raise InvalidArgumentError("this Shard holds a flat range; read .offset")
-        return piece.offsets
-
     def __repr__(self) -> str:
         parts = ", ".join(
             f"box{list(p.offsets)}+{list(p.tensor.shape)}"
@@ -181,26 +148,6 @@ class Shard:
             for p in self.pieces
         )
         return f"Shard(shape={list(self.global_shape)}, pieces=[{parts}])"
-
-
-class BlockShard(Shard):
-    """A one-block ``Shard`` (the tensor-parallel name of earlier versions)."""
-
-    __slots__ = ()
-
-    def __init__(
-        self, local: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int]
-    ) -> None:
-        super().__init__(global_shape, [Box(local, tuple(int(o) for o in offsets))])
-
-
-class ShardedTensor(Shard):
-    """A one-range ``Shard`` (ZeRO's name of earlier versions)."""
-
-    __slots__ = ()
-
-    def __init__(self, local: torch.Tensor, global_shape: Sequence[int], offset: int) -> None:
-        super().__init__(global_shape, [FlatRange(local, int(offset))])
 
 
 @dataclass(frozen=True)
@@ -388,7 +335,7 @@ def state_like(where: Any, value: torch.Tensor, param: torch.Tensor) -> Shard | 
     """
     if not (isinstance(where, Shard) and value.dim() > 0):
         return None
-    if len(where.pieces) == 1 and value.shape == where.local.shape:
+    if len(where.pieces) == 1 and value.shape == where.pieces[0].tensor.shape:
         return where.like([value])
     views = [_view_like(value, piece.tensor, param) for piece in where.pieces]
     if where.pieces and all(x is not None for x in views):
@@ -441,7 +388,7 @@ def _assembled(value: Any, where: Any, param: torch.Tensor) -> Any:
     if not isinstance(value, Shard):
         return value
     if len(value.pieces) == 1:
-        return value.local
+        return value.pieces[0].tensor
     out = torch.empty_like(param, dtype=value.pieces[0].tensor.dtype)
     assert isinstance(where, Shard) and len(where.pieces) == len(value.pieces)
     for mine, got in zip(where.pieces, value.pieces, strict=True):

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardline import config
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
 from shardline.parallel.data.zero.grouping import default_units
@@ -52,7 +53,7 @@ def available_memory(device: torch.device | str | int = "cpu") -> int:
         raise InvalidArgumentError(
             f"available_memory() knows cpu and cuda devices, not {dev.type!r}"
         )
-    raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    raw = config.env_var("LOCAL_WORLD_SIZE", default="1")
     try:
         local = int(raw)
     except ValueError:

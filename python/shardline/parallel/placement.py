@@ -24,7 +24,7 @@ import torch
 
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import contract
-from shardline.parallel.contract import Box, Shard, ShardedTensor
+from shardline.parallel.contract import Box, Shard
 
 __all__ = ["Placement", "flat_boxes", "place", "placements_of"]
 
@@ -167,7 +167,7 @@ def place(
     Through ``placement`` (boxes of the global tensor), or as one flat range of the local one.
     """
     if placement is None:
-        return ShardedTensor(flat, shape, start)
+        return Shard.flat(flat, shape, start)
     return placement.shard(flat.reshape(-1), start)
 
 

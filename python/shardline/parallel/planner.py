@@ -55,9 +55,10 @@ from shardline.parallel.data.zero.grouping import (
 from shardline.parallel.data.zero.schedule import _MAX_INFLIGHT
 from shardline.parallel.memory_estimate import _COMPONENTS, MemoryEstimate, format_bytes
 from shardline.parallel.precision import MixedPrecision
+from shardline.parallel.recompute.blocks import check_policy, kept_under_recompute
 
 if TYPE_CHECKING:
-    from shardline.optim.compression import Compressor
+    from shardline.compression.codec import Compressor
 
 __all__ = [
     "OPTIMIZERS",
@@ -297,9 +298,6 @@ def estimate_memory(
             f"estimate_memory: offload is an option of the ZeRO strategies, not {name}"
         )
     check_units(units, "estimate_memory")
-    # (checkpoint imports this module's format_bytes: import it on use, not at load)
-    from shardline.checkpoint.activations.blocks import check_policy  # noqa: PLC0415
-
     check_policy(recompute, "estimate_memory")
     k = optimizer_states(optimizer)
     notes: list[str] = []
@@ -499,8 +497,6 @@ def estimate_activations(
         mixed_precision: The policy whose compute dtype the forward runs in.
         recompute: ``"selective"`` or ``"full"``, as given to ``distribute``.
     """
-    # (checkpoint imports this module's format_bytes: import it on use, not at load)
-    from shardline.checkpoint.activations.blocks import kept_under_recompute  # noqa: PLC0415
 
     def meta(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
         dtype = t.dtype

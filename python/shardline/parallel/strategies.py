@@ -14,11 +14,11 @@ from typing import Any
 from torch import nn
 
 from shardline.errors import InvalidArgumentError
-from shardline.optim.async_sgd import AsyncSGD
-from shardline.optim.hogwild import HogwildSGD
-from shardline.optim.local_sgd import LocalSGD
 from shardline.parallel.data.ddp import DistributedDataParallel
 from shardline.parallel.data.zero import ShardedDataParallel
+from shardline.parallel.replica.async_sgd import AsyncSGD
+from shardline.parallel.replica.hogwild import HogwildSGD
+from shardline.parallel.replica.local_sgd import LocalSGD
 
 __all__ = ["BY_MEMORY", "STRATEGIES", "Strategy", "options_of", "strategy"]
 

@@ -5,15 +5,15 @@
 //!   large ones, double-buffered so no extra barrier is needed.
 //! - [`tuning`]: where all-reduce on the arena switches from one-shot to two-phase, measured
 //!   on each communicator's own ranks by its first all-reduce.
-//! - [`lanes`]: helper threads that split a rank's large memory passes on the arena when the
-//!   machine has cores to spare.
+//! - [`comm_threads`]: threads that split a rank's large memory passes on the arena when the
+//!   machine has cores to spare (`SHARDLINE_COMM_THREADS`).
 //! - [`ring`]: ring reduce-scatter / all-gather / all-reduce over any
 //!   [`P2p`](crate::transport::p2p::P2p).
 //! - [`direct`]: rooted ops, all-to-all and barrier over any
 //!   [`P2p`](crate::transport::p2p::P2p).
 
 pub mod arena;
+pub mod comm_threads;
 pub mod direct;
-pub mod lanes;
 pub mod ring;
 pub mod tuning;

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use crate::collectives::lanes;
+use crate::collectives::comm_threads;
 use crate::error::{Error, Result};
 use crate::memcpy::StreamMode;
 use crate::transport::tcp::Cancel;
@@ -38,9 +38,9 @@ pub struct CommConfig {
     /// TCP waits spin only while every one of them has a core.
     pub machine_ranks: usize,
     /// Threads per rank for the memory passes of large shared-memory ops (1: none).
-    pub lanes: usize,
-    /// Shared-memory ops of at least this many bytes use the lanes.
-    pub lanes_min_bytes: usize,
+    pub comm_threads: usize,
+    /// Shared-memory ops of at least this many bytes use the comm_threads.
+    pub comm_threads_min_bytes: usize,
     /// How long shared-memory and TCP waits spin before they sleep, in microseconds, while
     /// every rank has a core (`SHARDLINE_SPIN_US`); ranks that outnumber the cores spin
     /// [`wait::OVERSUBSCRIBED_SPIN`] whatever this says.
@@ -74,8 +74,8 @@ impl CommConfig {
             timeout: Duration::from_secs(300),
             oneshot_bytes: None,
             machine_ranks: world,
-            lanes: 1,
-            lanes_min_bytes: lanes::DEFAULT_MIN_BYTES,
+            comm_threads: 1,
+            comm_threads_min_bytes: comm_threads::DEFAULT_MIN_BYTES,
             spin_us: DEFAULT_SPIN_US,
             stream_stores: StreamMode::default(),
             keepalive: DEFAULT_KEEPALIVE,
@@ -114,7 +114,7 @@ mod tests {
         assert_eq!(cfg.spin_us, 50);
         assert_eq!(cfg.stream_stores, StreamMode::CopyIn);
         assert_eq!(cfg.oneshot_bytes, None);
-        assert_eq!(cfg.lanes_min_bytes, lanes::DEFAULT_MIN_BYTES);
+        assert_eq!(cfg.comm_threads_min_bytes, comm_threads::DEFAULT_MIN_BYTES);
         assert_eq!(cfg.keepalive, Duration::from_secs(30));
         assert!(cfg.validate().is_ok());
     }

@@ -14,7 +14,7 @@ use super::mailbox::{Links, Mailbox, PARK_LIMIT};
 use super::op::Op;
 use super::work::Outcome;
 use crate::collectives::arena::{self, ArenaComm};
-use crate::collectives::lanes::Lanes;
+use crate::collectives::comm_threads::CommThreads;
 use crate::collectives::{direct, ring};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -146,9 +146,13 @@ impl Router {
         }
         let comm = match arena.clone() {
             Some(a) => {
-                let lanes = Lanes::new(cfg.lanes, cfg.lanes_min_bytes, &format!("sl-r{rank}"));
+                let comm_threads = CommThreads::new(
+                    cfg.comm_threads,
+                    cfg.comm_threads_min_bytes,
+                    &format!("sl-r{rank}"),
+                );
                 let fixed = cfg.oneshot_bytes.unwrap_or(arena::DEFAULT_ONESHOT_BYTES);
-                let mut comm = ArenaComm::new(a, fixed, lanes, cfg.stream_stores);
+                let mut comm = ArenaComm::new(a, fixed, comm_threads, cfg.stream_stores);
                 // Measured unless set, or unless the ranks outnumber the cores: then times
                 // say more about the scheduler than about the algorithms, and one phase (one
                 // wait for every rank to be scheduled) beats two.

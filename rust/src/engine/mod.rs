@@ -399,9 +399,9 @@ mod tests {
                     cfg.stream_stores = mode;
                     cfg.spin_us = 7;
                     cfg.oneshot_bytes = Some(4096);
-                    cfg.lanes = 3;
+                    cfg.comm_threads = 3;
                     // Never split: streaming applies only to ops on one thread.
-                    cfg.lanes_min_bytes = usize::MAX;
+                    cfg.comm_threads_min_bytes = usize::MAX;
                 },
                 |c| {
                     let seen = {
@@ -415,7 +415,7 @@ mod tests {
                             a.stream_mode(),
                             a.oneshot_bytes(),
                             spin,
-                            a.lanes().threads(),
+                            a.comm_threads().threads(),
                         )
                     };
                     // A 1 MiB all_reduce: chunked (above oneshot_bytes), each rank's part

@@ -177,7 +177,7 @@ impl PyGroup {
 #[pymethods]
 impl PyGroup {
     #[new]
-    #[pyo3(signature = (rank, world_size, *, name, secret, host_ids, addrs, listener, arena_path, timeout, machine_ranks=None, lanes=1, lanes_min_bytes=None, spin_us=None, stream_stores=None, oneshot_bytes=None, keepalive=None, cancel=None))]
+    #[pyo3(signature = (rank, world_size, *, name, secret, host_ids, addrs, listener, arena_path, timeout, machine_ranks=None, comm_threads=1, comm_threads_min_bytes=None, spin_us=None, stream_stores=None, oneshot_bytes=None, keepalive=None, cancel=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -191,8 +191,8 @@ impl PyGroup {
         arena_path: Option<String>,
         timeout: f64,
         machine_ranks: Option<usize>,
-        lanes: usize,
-        lanes_min_bytes: Option<usize>,
+        comm_threads: usize,
+        comm_threads_min_bytes: Option<usize>,
         spin_us: Option<i64>,
         stream_stores: Option<&str>,
         oneshot_bytes: Option<i64>,
@@ -221,9 +221,9 @@ impl PyGroup {
         cfg.arena_path = arena_path;
         cfg.timeout = Duration::from_secs_f64(timeout);
         cfg.machine_ranks = machine_ranks.unwrap_or(world_size).max(1);
-        cfg.lanes = lanes.max(1);
-        if let Some(bytes) = lanes_min_bytes {
-            cfg.lanes_min_bytes = bytes;
+        cfg.comm_threads = comm_threads.max(1);
+        if let Some(bytes) = comm_threads_min_bytes {
+            cfg.comm_threads_min_bytes = bytes;
         }
         if let Some(seconds) = keepalive {
             if !(seconds.is_finite() && seconds >= 0.0) {

@@ -4,7 +4,7 @@
 //! - [`buffer`]: caller memory in, zero copy.
 //! - [`group`]: `Group`, `Work`, `Listener` and the arena helpers over [`crate::engine`].
 //! - [`kernels`]: compute kernels over caller tensors (the 1-bit codec, CPU optimizer steps).
-//! - [`shard`]: `ShardReader` and the shard-file functions over [`crate::shard`].
+//! - [`shard`]: `write_shard` and `ShardReader` over [`crate::shard`].
 //! - [`symmetric`]: symmetric memory (segment files, a group's allocations).
 //!
 //! Every setting arrives as an argument: nothing here reads the environment.
@@ -34,9 +34,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(symmetric::symmetric_register, m)?)?;
     m.add_class::<shard::PyShardReader>()?;
     m.add_function(wrap_pyfunction!(shard::write_shard, m)?)?;
-    m.add_function(wrap_pyfunction!(shard::read_shard_header, m)?)?;
-    m.add_function(wrap_pyfunction!(shard::read_tensor_range, m)?)?;
-    m.add_function(wrap_pyfunction!(shard::verify_shard, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::onebit_encode, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::onebit_encode_chunks, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::onebit_decode, m)?)?;

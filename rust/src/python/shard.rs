@@ -1,7 +1,6 @@
-//! Checkpoint shard files: thin adapters over [`crate::shard`]. `ShardReader` is one open
-//! file (mapped, its header validated once) serving reads; the module-level functions open
-//! one for a single call. Buffers are borrowed zero copy and every read or write runs with
-//! the GIL released.
+//! Checkpoint shard files: thin adapters over [`crate::shard`]. `write_shard` writes one;
+//! `ShardReader` is one open file (mapped, its header validated once) serving reads. Buffers
+//! are borrowed zero copy and every read or write runs with the GIL released.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -253,38 +252,4 @@ impl PyShardReader {
         let state = if self.closed() { "closed" } else { "open" };
         format!("<shardline._native.ShardReader {:?} ({state})>", self.path)
     }
-}
-
-/// Reads and validates a shard's header (see `_native.pyi`).
-#[pyfunction]
-pub fn read_shard_header<'py>(py: Python<'py>, path: &str) -> PyResult<Bound<'py, PyDict>> {
-    header_dict(py, open(py, path)?.header())
-}
-
-/// Copies raw bytes `[start, start + len(out))` of one tensor into `out` (see `_native.pyi`).
-#[pyfunction]
-#[pyo3(signature = (path, name, start, out, verify = true))]
-pub fn read_tensor_range(
-    py: Python<'_>,
-    path: &str,
-    name: &str,
-    start: i64,
-    out: &Bound<'_, PyAny>,
-    verify: bool,
-) -> PyResult<()> {
-    let start = non_negative(start, "start")?;
-    let mut held = hold(out, true, "out")?;
-    let dst = bytes_of_mut(&mut held);
-    py.detach(|| {
-        let reader = ShardReader::open(path)?;
-        reader.view().read_range(name, start, dst, verify, 0)
-    })
-    .py_err()
-}
-
-/// Checks every checksum in a shard file (see `_native.pyi`).
-#[pyfunction]
-pub fn verify_shard(py: Python<'_>, path: &str) -> PyResult<()> {
-    py.detach(|| ShardReader::open(path)?.view().verify(0))
-        .py_err()
 }

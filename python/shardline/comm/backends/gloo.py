@@ -23,7 +23,7 @@ from shardline.comm.backends._common import (
     scatter_args,
 )
 from shardline.comm.backends._deferred import Deferred
-from shardline.comm.backends._store import StoreClient, store_barrier
+from shardline.comm.rendezvous.store import StoreClient, store_barrier
 from shardline.comm.work import Counts, seconds
 
 if TYPE_CHECKING:
@@ -146,11 +146,20 @@ class GlooBackend:
         return Deferred([self._pg.recv([as_bytes(t)], src, tag)], source=lambda _: src)
 
     def subgroup(
-        self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False
+        self,
+        name: str,
+        ranks: Sequence[int],
+        *,
+        overlap_compute: bool = False,
+        timeout: float | None = None,
     ) -> GlooBackend:
         del overlap_compute  # a hint for GPU backends; CPU collectives take no SMs
         return GlooBackend(
-            self._store, list(ranks).index(self.rank), len(ranks), name=name, timeout=self._timeout
+            self._store,
+            list(ranks).index(self.rank),
+            len(ranks),
+            name=name,
+            timeout=self._timeout if timeout is None else timeout,
         )
 
     def abort(self, reason: str) -> None:

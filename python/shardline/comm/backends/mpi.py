@@ -313,7 +313,12 @@ class MpiBackend:
     # -- groups ------------------------------------------------------------------------------
 
     def subgroup(
-        self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False
+        self,
+        name: str,
+        ranks: Sequence[int],
+        *,
+        overlap_compute: bool = False,
+        timeout: float | None = None,
     ) -> MpiBackend:
         del overlap_compute  # a hint for GPU backends; CPU collectives take no SMs
         # MPI_Comm_create_group is collective over the members only, as new_group needs.
@@ -321,7 +326,8 @@ class MpiBackend:
         tag = zlib.crc32(name.encode()) & 0x7FFF
         comm = self._comm.Create_group(members, tag)
         members.Free()
-        return MpiBackend(self.MPI, comm, name=name, timeout=self.timeout)
+        limit = self.timeout if timeout is None else timeout
+        return MpiBackend(self.MPI, comm, name=name, timeout=limit)
 
     def abort(self, reason: str) -> None:
         # MPI cannot fail a peer's pending op short of MPI_Abort, which ends the whole job:

@@ -26,8 +26,8 @@ import torch
 
 from shardline import config
 from shardline.comm._buffers import dtype_name
-from shardline.comm.backends._store import StoreClient, exchange, store_barrier
-from shardline.comm.rendezvous import job_secret, machine_identity
+from shardline.comm.rendezvous.env import job_secret, machine_identity
+from shardline.comm.rendezvous.store import StoreClient, exchange, store_barrier
 from shardline.comm.work import Counts
 from shardline.errors import ShardlineError
 
@@ -43,12 +43,12 @@ __all__ = ["NativeBackend", "bind_address", "create"]
 # boundary is a sync point that may wait for a descheduled rank, so fewer, larger chunks win.
 DEFAULT_SLOT_BYTES = 256 << 10
 FEW_CORES_SLOT_BYTES = 4 << 20
-# With 4 helper threads per rank (below), each phase's passes are split four ways, and 256 KiB
+# With 4 comm threads per rank (below), each phase's passes are split four ways, and 256 KiB
 # slots leave pieces too small to pay for the split: with the helpers, 1 MiB slots made 2- and
 # 4-rank ops of 16-64 MiB 1.1-1.6x faster than 256 KiB ones on a 16-core host. Async ops
 # (DDP's) use the larger slots too, on one thread, at a small cost: DDP at 2 ranks ran about
 # 4 % slower than with 256 KiB.
-LANES_SLOT_BYTES = 1 << 20
+THREADS_SLOT_BYTES = 1 << 20
 
 
 def _native_module() -> Any:
@@ -90,17 +90,17 @@ def _env_int(name: str, default: int) -> int:
 
 def _job_ranks_on_node() -> int:
     """``LOCAL_WORLD_SIZE`` (the launcher's ranks on this node), 0 when unset or malformed."""
-    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    raw = (config.env_var("LOCAL_WORLD_SIZE") or "").strip()
     return int(raw) if raw.isdigit() else 0
 
 
-def _slot_bytes(local_ranks: int, lanes: int = 1) -> int:
+def _slot_bytes(local_ranks: int, threads: int = 1) -> int:
     """``SHARDLINE_SHM_SLOT_BYTES``, else a size chosen for the machine (see the constants)."""
     cores = len(os.sched_getaffinity(0))
     if cores <= 4 or local_ranks > cores:
         default = FEW_CORES_SLOT_BYTES
     else:
-        default = LANES_SLOT_BYTES if lanes >= MAX_COMM_THREADS else DEFAULT_SLOT_BYTES
+        default = THREADS_SLOT_BYTES if threads >= MAX_COMM_THREADS else DEFAULT_SLOT_BYTES
     return _env_int("SHARDLINE_SHM_SLOT_BYTES", default)
 
 
@@ -114,8 +114,8 @@ MAX_COMM_THREADS = 4
 # Ops below these sizes run on one thread: with 1 MiB slots (4 threads) a 1 MiB op is already
 # split well; with 256 KiB slots (2-3 threads, set by hand) 1 MiB ops got slower (8 ranks:
 # 206 -> 305 us).
-LANES_MIN_BYTES = 1 << 20
-FEW_LANES_MIN_BYTES = 4 << 20
+THREADS_MIN_BYTES = 1 << 20
+FEW_THREADS_MIN_BYTES = 4 << 20
 
 
 def comm_threads(machine_ranks: int) -> int:
@@ -131,13 +131,13 @@ def comm_threads(machine_ranks: int) -> int:
     return _env_int("SHARDLINE_COMM_THREADS", default)
 
 
-def lanes_min_bytes(lanes: int) -> int:
-    """Bytes of the smallest op that uses the helper threads.
+def comm_threads_min_bytes(threads: int) -> int:
+    """Bytes of the smallest op that uses the comm threads.
 
-    ``SHARDLINE_COMM_THREADS_MIN_BYTES`` if set; else ``LANES_MIN_BYTES`` with 4 threads per
-    rank and ``FEW_LANES_MIN_BYTES`` with fewer.
+    ``SHARDLINE_COMM_THREADS_MIN_BYTES`` if set; else ``THREADS_MIN_BYTES`` with 4 threads per
+    rank and ``FEW_THREADS_MIN_BYTES`` with fewer.
     """
-    default = LANES_MIN_BYTES if lanes >= MAX_COMM_THREADS else FEW_LANES_MIN_BYTES
+    default = THREADS_MIN_BYTES if threads >= MAX_COMM_THREADS else FEW_THREADS_MIN_BYTES
     return _env_int("SHARDLINE_COMM_THREADS_MIN_BYTES", default)
 
 
@@ -145,6 +145,7 @@ class NativeBackend:
     """Adapter from checked tensors to the engine's byte buffers (zero copy)."""
 
     name = "native"
+    completes_blocking_ops = True  # async_op=False runs the op inline, to its end
 
     def __init__(
         self,
@@ -216,7 +217,12 @@ class NativeBackend:
         return self._g.recv(t, dtype_name(t), src, async_op=async_op, tag=tag)
 
     def subgroup(
-        self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False
+        self,
+        name: str,
+        ranks: Sequence[int],
+        *,
+        overlap_compute: bool = False,
+        timeout: float | None = None,
     ) -> NativeBackend:
         del overlap_compute  # a hint for GPU backends; CPU collectives take no SMs
         return create(
@@ -225,7 +231,7 @@ class NativeBackend:
             len(ranks),
             name=name,
             host_id=self._host_id,
-            timeout=self._timeout,
+            timeout=self._timeout if timeout is None else timeout,
             secret=self._secret,
             master_addr=self._master_addr,
         )
@@ -272,7 +278,7 @@ def create(
     machine_ranks = machines.count(machines[rank])
     # A sub-group's ranks share the machine with the rest of the job: count the job's.
     job_local = _job_ranks_on_node()
-    lanes = comm_threads(max(machine_ranks, job_local))
+    threads = comm_threads(max(machine_ranks, job_local))
     if secret is None:
         secret = job_secret(client, rank, host_ids, key=f"{prefix}/secret")
     listener = None
@@ -292,7 +298,7 @@ def create(
         if rank == local[0]:
             native.arena_sweep()
             arena_path = f"/dev/shm/shardline-{os.getpid()}-{secrets.token_hex(8)}"
-            native.arena_create(arena_path, len(local), _slot_bytes(len(local), lanes))
+            native.arena_create(arena_path, len(local), _slot_bytes(len(local), threads))
             created = True
             client.set(key, arena_path, "publishing its host's shared-memory arena")
         else:
@@ -309,8 +315,8 @@ def create(
             arena_path=arena_path,
             timeout=timeout,
             machine_ranks=machine_ranks,
-            lanes=lanes,
-            lanes_min_bytes=lanes_min_bytes(lanes),
+            comm_threads=threads,
+            comm_threads_min_bytes=comm_threads_min_bytes(threads),
             spin_us=config.get("SHARDLINE_SPIN_US"),
             stream_stores=config.get("SHARDLINE_STREAM_STORES"),
             oneshot_bytes=config.get("SHARDLINE_ONESHOT_BYTES"),

@@ -18,7 +18,6 @@ serialisation (``TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING=false`` hi
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
@@ -37,7 +36,7 @@ from shardline.comm.backends._common import (
     scatter_args,
 )
 from shardline.comm.backends._deferred import DONE, Deferred
-from shardline.comm.backends._store import StoreClient, store_barrier
+from shardline.comm.rendezvous.store import StoreClient, store_barrier
 from shardline.comm.work import Counts, seconds
 from shardline.errors import (
     CollectiveTimeoutError,
@@ -80,7 +79,8 @@ def default_device(local_rank: int | None = None) -> torch.device:
         source = f"SHARDLINE_DEVICE={spec}"
     else:
         if local_rank is None:
-            local_rank = _index(os.environ.get("LOCAL_RANK", "0") or "0", "LOCAL_RANK", None)
+            given = config.env_var("LOCAL_RANK", default="0") or "0"
+            local_rank = _index(given, "LOCAL_RANK", None)
         index, source = local_rank, f"LOCAL_RANK={local_rank}"
     count = torch.cuda.device_count()
     if not 0 <= index < count:
@@ -331,14 +331,19 @@ class NcclBackend:
         return self._run("recv", self._pg.recv, ([as_bytes(t)], src, tag), async_op)
 
     def subgroup(
-        self, name: str, ranks: Sequence[int], *, overlap_compute: bool = False
+        self,
+        name: str,
+        ranks: Sequence[int],
+        *,
+        overlap_compute: bool = False,
+        timeout: float | None = None,
     ) -> NcclBackend:
         return NcclBackend(
             self._store,
             list(ranks).index(self.rank),
             len(ranks),
             name=name,
-            timeout=self._timeout,
+            timeout=self._timeout if timeout is None else timeout,
             device=self.device,
             overlap_compute=overlap_compute,
         )

@@ -30,7 +30,6 @@ The package, one role per file:
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -39,12 +38,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from shardline.comm.rendezvous import host_identity, timeout_seconds
-from shardline.comm.torch_backend.process_group import (
-    BACKEND_NAME,
-    ShardlineProcessGroup,
-    _reduce_op,  # noqa: F401  # reached as torch_backend._reduce_op before the split
-)
+from shardline import config
+from shardline.comm import init_process_group
+from shardline.comm.rendezvous.env import host_identity, timeout_seconds
+from shardline.comm.torch_backend.process_group import BACKEND_NAME, ShardlineProcessGroup
 from shardline.comm.torch_backend.work import ShardlineWork
 from shardline.errors import ShardlineError
 
@@ -155,7 +152,7 @@ def _master_addr(store: Store) -> str | None:
     while isinstance(inner, dist.PrefixStore):  # type: ignore[attr-defined]
         inner = inner.underlying_store
     host = getattr(inner, "host", None)
-    return str(host) if host else os.environ.get("MASTER_ADDR") or None
+    return str(host) if host else config.env_var("MASTER_ADDR") or None
 
 
 def _create_group(opts: Any, backend_options: object | None = None) -> ShardlineProcessGroup:
@@ -167,8 +164,6 @@ def _create_group(opts: Any, backend_options: object | None = None) -> Shardline
         backend_options: ``init_process_group(pg_options=...)``; unused.
     """
     del backend_options  # no options of our own yet
-    from shardline.comm import init_process_group  # noqa: PLC0415  # lazy: no import cycle
-
     store: Store = opts.store
     group_id = str(getattr(opts, "group_id", "") or "0")
     timeout = _engine_timeout(getattr(opts, "timeout", None))

@@ -111,13 +111,16 @@ class ShardlineProcessGroup(_ProcessGroupBase):
     def __init__(
         self, group: ProcessGroup, *, store: Store | None = None, timeout: float | None = None
     ) -> None:
-        """Wraps ``group``; ``store`` and ``timeout`` (seconds) are the ones torch gave it."""
+        """Wraps ``group``; ``store`` and ``timeout`` (seconds) are the ones torch gave it.
+
+        ``timeout`` is ``group.timeout`` when ``None``.
+        """
         super().__init__(group.rank, group.world_size)
         self.group = group
         self._group_name = group.name
         self._group_desc = "undefined"
         self._store = store
-        self._timeout = timeout
+        self._timeout = group.timeout if timeout is None else timeout
         self._monitored_calls = 0
         cpu_backend.attach(self)
 
@@ -373,7 +376,7 @@ class ShardlineProcessGroup(_ProcessGroupBase):
                 "monitored_barrier needs the store torch creates a group with; create the "
                 "group with torch.distributed.init_process_group or new_group"
             )
-        group_timeout = self._timeout if self._timeout is not None else 300.0
+        group_timeout = self._timeout
         if timeout is None:
             limit = group_timeout
         else:

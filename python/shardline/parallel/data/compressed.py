@@ -14,13 +14,14 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from shardline.comm import traffic
+from shardline.compression.registry import resolve
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.contract import Local
 
 if TYPE_CHECKING:
     import torch
 
-    from shardline.optim.compression import Compressor, Entry
+    from shardline.compression.codec import Compressor, Entry
 
 __all__ = [
     "PREFIX",
@@ -56,8 +57,6 @@ def resolve_compression(value: object, comm_hook: object) -> Compressor | None:
         raise InvalidArgumentError(
             "pass either compression= or comm_hook=, not both: a compressor replaces the hook"
         )
-    from shardline.optim.compression import resolve  # noqa: PLC0415 (optim sits above parallel)
-
     return resolve(value)  # type: ignore[arg-type]
 
 

@@ -24,6 +24,9 @@ world size).
 
 Elastic training: ``regroup(group)`` moves the wrapper onto a new group in place, as a fresh
 wrapper on that group would start (see its docstring).
+
+Steps a caller drives (a pipeline stage running micro-batches on the inner module):
+``accumulate()``, the micro-batches, then ``reduce_grads()`` once (``ddp_accumulate``).
 """
 
 from __future__ import annotations
@@ -37,20 +40,20 @@ from torch import nn
 from torch.autograd import Variable
 
 from shardline.comm import traffic
+from shardline.comm.coalesced import broadcast_coalesced
 from shardline.comm.group import ProcessGroup
+from shardline.comm.world import default_group
+from shardline.compression.codec import Compressor, Entry
+from shardline.compression.hooks import CommHook, allreduce_hook, resolve_hook
 from shardline.errors import InvalidArgumentError, ShardlineError
-from shardline.optim.compression import Compressor, Entry
 from shardline.parallel import contract
 from shardline.parallel._common import (
     ModelParallel,
-    broadcast_coalesced,
     check_same_model,
     clip_to_global_norm_,
-    default_group,
     remove_hooks_when_collected,
     weak_method,
 )
-from shardline.parallel.comm_hooks import CommHook, allreduce_hook, resolve_hook
 from shardline.parallel.data.compressed import (
     charged,
     comm_stats,
@@ -58,22 +61,17 @@ from shardline.parallel.data.compressed import (
     split_state,
     state_entries,
 )
+from shardline.parallel.data.ddp_accumulate import CallerSteps
 from shardline.parallel.data.ddp_buckets import Bucket, StepState, build_buckets
 from shardline.parallel.data.ddp_join import JoinUneven
+from shardline.parallel.joining import is_joining
 
 __all__ = ["DistributedDataParallel"]
 
 _MIB = 1 << 20
 
 
-def _joined_running_job() -> bool:
-    """Whether this process joined a running elastic job and has not restored yet."""
-    from shardline.comm import world  # noqa: PLC0415  (comm imports users of this package)
-
-    return world.joined_running_job()
-
-
-class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
+class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module):
     """Replicates ``module`` on every rank of ``group`` and averages gradients in backward.
 
     Args:
@@ -87,7 +85,7 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
             forward that will be followed by a synchronised backward.
         comm_hook: How a bucket is reduced: ``None`` (all-reduce in the gradient dtype),
             ``"fp16"`` or ``"bf16"`` (compressed on the wire), or a callable (see
-            ``shardline.parallel.comm_hooks``).
+            ``shardline.compression.hooks``).
         init_sync: Broadcast rank 0's parameters and buffers now.
         gradient_as_bucket_view: After the reduction, make each ``param.grad`` a view into its
             bucket instead of copying the result back (saves one pass over all gradients per
@@ -96,10 +94,10 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
         in_place_mb: Gradients of at least this many MiB (under the default hook) are
             reduced where autograd left them, with the division by the world size fused into
             the reduction: no copy into a bucket and none back. ``float("inf")`` packs all.
-        compression: A gradient compressor (``sl.optim.PowerSGD(rank=4)``, ``sl.optim.Int8()``,
-            ...) or its name (``"powersgd"``, ``"int8"``, ``"fp8"``, ``"topk"``, ``"onebit"``):
-            each bucket is reduced compressed, with error feedback; its state is saved in
-            checkpoints per rank. Not together with ``comm_hook``.
+        compression: A gradient compressor (``sl.compression.PowerSGD(rank=4)``,
+            ``sl.compression.Int8()``, ...) or its name (``"powersgd"``, ``"int8"``, ``"fp8"``,
+            ``"topk"``, ``"onebit"``): each bucket is reduced compressed, with error feedback;
+            its state is saved in checkpoints per rank. Not together with ``comm_hook``.
 
     Raises:
         InvalidArgumentError: parameters differ across ranks (names the ranks), sparse or
@@ -159,7 +157,7 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
                 )
         # A process joining a running elastic job skips the start-up collectives: the ranks
         # already there move with regroup(), which runs none; the values come with the restore.
-        joining = _joined_running_job()
+        joining = is_joining()
         if not joining:
             self._check_same_model()
 
@@ -172,6 +170,7 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
         self._rebuilt = False
         self._join_active = False
         self._join_src: int | None = None
+        self._held = False  # accumulate() .. reduce_grads() (ddp_accumulate)
         self._buckets: list[Bucket] = []
         self._slot: list[tuple[int, int]] = []  # param index -> (bucket, slot)
         self._build_buckets(list(reversed(range(len(self._params)))))
@@ -330,7 +329,7 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
 
         Afterwards the wrapper is as a fresh one on ``group`` with the same options in a
         process joining a running elastic job (which skips the start-up collectives,
-        ``shardline.comm.world.joined_running_job``): buckets in reverse registration order,
+        ``shardline.parallel.joining``): buckets in reverse registration order,
         rebuilt after the first synchronised backward in the order the new rank 0 saw
         gradients; buffers broadcast before the first forward. So survivors and joiners
         issue the same collectives. (Gradients are divided by ``group.world_size``, read at
@@ -367,6 +366,7 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
         self._require_sync = self._sync_next_backward = True
         self._buffers_due = True  # the constructor broadcasts buffers before the first forward
         self._awaiting_backward, self._step, self._join_src = False, None, None
+        self._held = False
         self._used_since_sync = [False] * len(self._params)
         for p in self._params:
             p.grad = None  # may view an old bucket, or hold the failed step's sum
@@ -414,6 +414,8 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
     # -- backward --------------------------------------------------------------------------------
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        if self._held:  # accumulate(): the caller reduces (ddp_accumulate)
+            return
         self._used_since_sync[i] = True
         if not self._sync_next_backward:
             return
@@ -536,24 +538,7 @@ class DistributedDataParallel(JoinUneven, ModelParallel, nn.Module):
             used = self._used_since_sync
             if not all(used):
                 used = [bool(u) for u in used_t.tolist()]
-            for i, p in enumerate(self._params):
-                if not used[i]:
-                    continue  # no rank used it: leave its gradient alone
-                b, s = self._slot[i]
-                if self._buckets[b].in_place:
-                    reduced = self._buckets[b].flat.view(p.shape)
-                    if p.grad is None or p.grad.data_ptr() != reduced.data_ptr():
-                        p.grad = reduced
-                    self._buckets[b].flat = self._buckets[b].flat[:0]  # drop the reference
-                    continue
-                view = self._buckets[b].view(s, p)
-                if self.gradient_as_bucket_view:
-                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                        p.grad = view  # no copy back; autograd accumulates here next time
-                elif p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
+            self.write_back(used)
             self._synced_steps += 1
             if self._compression is not None:
                 self._compression.advance()

@@ -19,6 +19,7 @@ from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import copies_over
 from shardline.parallel.pipeline.materialize import is_meta, materialize
+from shardline.parallel.pipeline.replicas import ZERO_STAGES
 from shardline.parallel.pipeline.runtime import PipelineModule
 from shardline.parallel.pipeline.schedules import SCHEDULES, Action, build
 from shardline.parallel.pipeline.split import (
@@ -30,8 +31,6 @@ from shardline.parallel.pipeline.split import (
 )
 from shardline.parallel.pipeline.state import find_tied, tensor_infos
 from shardline.parallel.pipeline.trace import rank_stages, strip, trace_split
-from shardline.parallel.pipeline.zero import ZERO_STAGES
-from shardline.parallel.placement import placements_of
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.tensor.auto import (
     auto_plan,
@@ -92,11 +91,12 @@ def pipeline(
             gradients are averaged over it.
         dp_strategy: What the replicas share: ``"ddp"`` (everything replicated), or
             ``"zero1"``, ``"zero2"``, ``"zero3"``: the optimizer state, also the gradients,
-            also the parameters between steps, sharded over ``dp_group``
-            (``pipeline.zero``).
+            also the parameters between steps, sharded over ``dp_group``: each of this
+            rank's chunks wrapped by ``parallel.data``'s ``DistributedDataParallel`` or
+            ``ShardedDataParallel`` (``pipeline.replicas``).
         recompute: Activation checkpointing per stage: between a micro-batch's forward and
             backward a stage keeps only its input (the boundary activation); backward
-            recomputes the rest (``shardline.checkpoint.activations.checkpoint``: the same
+            recomputes the rest (``shardline.parallel.recompute.checkpoint``: the same
             RNG, so dropout matches).
         init_fn: For a model built on the meta device (``pipeline.materialize``): called on
             each of this rank's children once it has storage; ``None`` calls
@@ -176,11 +176,11 @@ def pipeline(
     if meta:
         where = torch.device(device) if device is not None else _default_device(g)
         materialize(((n, by_name[n]) for n in sorted(mine)), where, init_fn)
-    placements, copies = None, None
+    copies = None
     if tp is not None and plan is not None:
         tensor_parallel(model, tp, {n: v for n, v in plan.items() if n.split(".")[0] in mine})
         by_name = {n: model.get_submodule(n) for n in mine}  # a child may be rewritten itself
-        placements, copies = placements_of(model), copies_over(tp, model)
+        copies = copies_over(tp, model)
     stage = PipelineModule(
         parts,
         {name: by_name[name] for name in mine},
@@ -198,7 +198,6 @@ def pipeline(
         synchronize=meta,
         mixed_precision=mixed_precision,
         compile=compile,
-        placements=placements,
     )
     if tp is not None and copies is not None:
         stage.set_model_parallel(tp, copies)

@@ -16,6 +16,7 @@ receiver produced.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -28,19 +29,14 @@ from shardline.parallel.pipeline import boundary
 from shardline.parallel.pipeline.actions import Action, stage_rank
 from shardline.parallel.pipeline.clock import StepTimes
 from shardline.parallel.pipeline.messages import Key, StageMessages, Step
+from shardline.parallel.pipeline.replicas import StageReplicas
 from shardline.parallel.pipeline.split_backward import input_pass, weight_pass
 from shardline.parallel.pipeline.stage_state import PipelineState
-from shardline.parallel.pipeline.state import (
-    TensorInfo,
-    Tied,
-    average_replicas,
-    sum_tied_grads,
-    sync_copies,
-)
+from shardline.parallel.pipeline.state import TensorInfo, Tied, sum_tied_grads, sync_copies
 from shardline.parallel.pipeline.trace import positional
-from shardline.parallel.pipeline.zero import ZERO_STAGES, StageShards
-from shardline.parallel.placement import Placement
 from shardline.parallel.precision import MixedPrecision
+from shardline.parallel.recompute import checkpoint
+from shardline.parallel.recompute.store import ACTIVE
 
 __all__ = ["PipelineModule"]
 
@@ -83,7 +79,6 @@ class PipelineModule(StageMessages, PipelineState):
         stage_modules: dict[int, nn.Module] | None = None,
         mixed_precision: MixedPrecision | None = None,
         compile: bool | dict[str, Any] = False,
-        placements: dict[str, Placement] | None = None,
     ) -> None:
         super().__init__()
         p, r = group.world_size, group.rank
@@ -115,9 +110,10 @@ class PipelineModule(StageMessages, PipelineState):
                 self.add_module(name, children[name])
         self._stage_modules: dict[int, nn.Module]
         self._spread = stage_modules is not None  # traced stages take several arguments
-        if stage_modules is None:
+        if stage_modules is None:  # the children under their names, as in the model
             self._stage_modules = {
-                s: nn.Sequential(*(children[n] for n in parts[s])) for s in self.stages
+                s: nn.Sequential(OrderedDict((n, children[n]) for n in parts[s]))
+                for s in self.stages
             }
         else:  # traced stages (pipeline.trace): tensors of the graph's root are ours too
             self._stage_modules = stage_modules
@@ -133,6 +129,7 @@ class PipelineModule(StageMessages, PipelineState):
                 "stage's backward is one fused node, which cannot be split into input and "
                 "weight passes; use '1f1b', 'gpipe' or 'interleaved' with compile="
             )
+        plain = dict(self._stage_modules)  # what data parallelism wraps (compiled or not)
         if compile:  # the same parameters and names: only what runs them changes
             options = compile if isinstance(compile, dict) else {}
             self._stage_modules = {
@@ -144,7 +141,7 @@ class PipelineModule(StageMessages, PipelineState):
         self._orders: dict[bool, dict[tuple[str, int], list[Key]]] = {}
         self._infos = infos
         self._tied = tied
-        self._shards: StageShards | None = None  # ZeRO's, set below
+        self._replicas: StageReplicas | None = None  # data parallelism's, set below
         # Where received activations and gradients go: the device of this rank's stages.
         first = next(iter(self.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")
@@ -154,10 +151,12 @@ class PipelineModule(StageMessages, PipelineState):
             t.group = group.new_group(t.ranks) if len(t.ranks) > 1 else None
         if synchronize:  # initialised per rank (a meta model): make the copies equal
             sync_copies(self, tied, r, self._dp)
-        # ZeRO over the replicas (pipeline.zero): the optimizer steps this rank's parts.
-        if self._dp is not None and dp_strategy != "ddp":
-            self._shards = StageShards(self, self._dp, ZERO_STAGES[dp_strategy], placements,
-                                       compute=self._autocast)  # fmt: skip
+        # DDP or ZeRO over the replicas, per chunk (pipeline.replicas; ZeRO: the optimizer
+        # steps this rank's parts).
+        if self._dp is not None:
+            chunks = [plain[s] for s in self.stages]
+            self._replicas = StageReplicas(chunks, self, self._dp, dp_strategy,
+                                           compute=self._autocast)  # fmt: skip
         # One communicator per direction, and per direction for the wrap-around (Note).
         ranks = list(range(p))
         self._comms: dict[str, ProcessGroup | None] = {"fwd": None, "bwd": None}
@@ -209,8 +208,6 @@ class PipelineModule(StageMessages, PipelineState):
         with torch.set_grad_enabled(st.train), self._amp():
             if st.train and self.recompute:
                 # Only the stage's input is kept; backward recomputes the rest (same RNG).
-                from shardline.checkpoint.activations import checkpoint  # noqa: PLC0415
-
                 out = checkpoint(self._stage_modules[s], *args)
             else:
                 out = self._stage_modules[s](*args)
@@ -255,8 +252,6 @@ class PipelineModule(StageMessages, PipelineState):
         (what recompute keeps) is stage ``s``'s boundary there until the micro-batch's
         backward, so the manager's stage calls and memory counts see it.
         """
-        from shardline.checkpoint.activations.store import ACTIVE  # noqa: PLC0415
-
         manager = ACTIVE.get()
         if manager is None:
             return
@@ -317,8 +312,8 @@ class PipelineModule(StageMessages, PipelineState):
         state = st.split.pop((s, i), None)
         if state is not None:
             weight_pass(roots, seeds, state)
-            if self._shards is not None:  # set .grad by hand: no accumulation hook ran
-                self._shards.fold()
+            if self._replicas is not None:  # set .grad by hand: no accumulation hook ran
+                self._replicas.fold()
         elif roots:  # the first stage: no input pass ran, one whole backward
             params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
             if params:
@@ -389,8 +384,8 @@ class PipelineModule(StageMessages, PipelineState):
             inbox=self._inboxes(actions, train),
             times=times,
         )
-        if self._shards is not None:  # after an optimizer step, or ZeRO-3 between steps
-            self._shards.gather(train)
+        if self._replicas is not None and train:  # ZeRO: whole parameters, once per step
+            self._replicas.begin()
         run = {"F": self._forward, "B": self._backward, "I": self._input_grad,
                "W": self._weight_grad}  # fmt: skip
         with self._one_cast():
@@ -443,15 +438,16 @@ class PipelineModule(StageMessages, PipelineState):
         times = StepTimes.on(self._device)
         st = self._guarded(self._actions, True, inputs, target, times)
         self.peak_activations = dict(st.peak)
-        if self._shards is not None:  # tied copies summed first: their parts differ by stage
-            sum_tied_grads(self, self._tied, self._group.rank, self._shards.whole_grad)
-            self._shards.reduce()
+        replicas = self._replicas
+        if replicas is not None and replicas.zero:  # tied copies summed first: parts differ
+            sum_tied_grads(self, self._tied, self._group.rank, replicas.whole_grad)
+            replicas.reduce()
         else:
             # DDP: each rank averages over its replicas as soon as its own last backward is
             # done, while earlier stages are still in their cool-down; the tied sum waits for
             # the first stage. Both are linear, so the order does not change the result.
-            if self._dp is not None:
-                average_replicas(self, self._dp)
+            if replicas is not None:
+                replicas.reduce()
             sum_tied_grads(self, self._tied, self._group.rank)
         loss = torch.zeros((), dtype=torch.float32, device=self._device)
         if st.loss_sum is not None:

@@ -4,7 +4,7 @@
 (``runtime``): its parameters (with ZeRO on the replicas, the 1-D parts the optimizer steps),
 gradient clipping across stages and replicas, whole-model state dicts, and the four contract
 methods with ``layout()`` (the strategy contract). The functions it calls are in ``state`` (tied
-weights, whole-tensor ``Shard``s) and ``zero`` (ZeRO's parts).
+weights, whole-tensor ``Shard``s) and ``replicas`` (the data-parallel wrappers: ZeRO's parts).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import nn
 from shardline.comm.group import ProcessGroup
 from shardline.parallel._common import ModelParallel
 from shardline.parallel.contract import Shard, load_optim_by_name
+from shardline.parallel.pipeline.replicas import StageReplicas
 from shardline.parallel.pipeline.state import (
     TensorInfo,
     Tied,
@@ -28,7 +29,6 @@ from shardline.parallel.pipeline.state import (
     sharded_optim_state,
     sharded_state,
 )
-from shardline.parallel.pipeline.zero import StageShards
 
 __all__ = ["PipelineState"]
 
@@ -42,7 +42,7 @@ class PipelineState(ModelParallel, nn.Module):
     _group: ProcessGroup
     _p: int
     _dp: ProcessGroup | None
-    _shards: StageShards | None
+    _replicas: StageReplicas | None
     _tied: list[Tied]
     _infos: dict[str, TensorInfo]
     dp_strategy: str | None
@@ -60,22 +60,28 @@ class PipelineState(ModelParallel, nn.Module):
         ``opt.step()``, as ``torch.nn.utils.clip_grad_norm_``.
         """
         groups = self._norm_groups(self._group)  # with tensor parallelism, its group too
-        if self._shards is not None:
-            skip = {n for t in self._tied if self._group.rank != min(t.ranks) for n in t.names}
-            return self._shards.clip_grad_norm_(groups, skip, max_norm, norm_type, self._copies)
+        if self._zero is not None:  # each replica holds parts: summed over them too
+            groups = [*groups, self._zero.dp]
         return clip_grad_norm(self, self._tied, groups, max_norm, norm_type, self._copies)
+
+    @property
+    def _zero(self) -> StageReplicas | None:
+        """The replicas when ZeRO shards them (the optimizer steps parts), else ``None``."""
+        replicas = self._replicas
+        return replicas if replicas is not None and replicas.zero else None
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the model's names.
 
-        With ZeRO on the replicas: the 1-D parts this rank's optimizer steps (``pipeline.zero``).
+        With ZeRO on the replicas: the 1-D parts this rank's optimizer steps
+        (``pipeline.replicas``).
         """
-        if self._shards is None:
+        if self._zero is None:
             yield from super().named_parameters(prefix, recurse, remove_duplicate)
         else:
-            yield from self._shards.named_locals(prefix)
+            yield from self._zero.named_locals(prefix)
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind.
@@ -83,8 +89,8 @@ class PipelineState(ModelParallel, nn.Module):
         Whole parameters (``params``), optimizer-side copies (``master``: ZeRO's parts, else 0)
         and gradients (``grads``).
         """
-        if self._shards is not None:
-            return self._shards.memory_stats()
+        if self._zero is not None:
+            return self._zero.memory_stats()
         params = list(super().parameters())
         return {
             "params": sum(p.numel() * p.element_size() for p in params),
@@ -97,14 +103,13 @@ class PipelineState(ModelParallel, nn.Module):
 
         With ZeRO, their parts; groups and hyperparameters stay. Returns the same optimizer.
         """
-        if self._shards is not None:
-            self._shards.bind(optimizer)
-            return optimizer
-        kept = {id(p) for p in self.parameters()}
+        kept = {id(p) for _, p in nn.Module.named_parameters(self)}  # the whole ones
         for g in optimizer.param_groups:
             g["params"] = [p for p in g["params"] if id(p) in kept]
         for p in [p for p in optimizer.state if id(p) not in kept]:
             del optimizer.state[p]
+        if self._zero is not None:
+            self._zero.bind(optimizer)
         return optimizer
 
     # -- state -------------------------------------------------------------------------------
@@ -124,17 +129,16 @@ class PipelineState(ModelParallel, nn.Module):
 
         Each rank loads the tensors of its stages.
         """
-        with self._whole():
+        with self._whole(writeback=True):  # ZeRO: the parts are taken from the loaded values
             mine = super().state_dict()
-            out = super().load_state_dict(
+            return super().load_state_dict(
                 {k: v for k, v in state_dict.items() if k in mine}, strict=strict, assign=assign
             )
-            if self._shards is not None:
-                self._shards.refresh_parts()
-        return out
 
-    def _whole(self) -> contextlib.AbstractContextManager[None]:
-        return self._shards.whole() if self._shards is not None else contextlib.nullcontext()
+    def _whole(self, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
+        """ZeRO: whole parameters with their master values inside; else nothing to do."""
+        zero = self._zero
+        return zero.whole(writeback) if zero is not None else contextlib.nullcontext()
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """The strategy contract: every tensor of the model, as a ``Shard``.
@@ -142,9 +146,9 @@ class PipelineState(ModelParallel, nn.Module):
         A whole-tensor one where this rank holds it, an empty one elsewhere (see
         ``pipeline.state``).
         """
-        out = sharded_state(self, self._infos, params=self._shards is None)
-        if self._shards is not None:
-            out.update(self._shards.sharded_params(self._shapes()))
+        out = sharded_state(self, self._infos, params=self._zero is None)
+        if self._zero is not None:
+            out.update(self._zero.sharded_params())
         for t in self._tied:  # a tied weight held here: one value under all of its names
             held = next(
                 (out[n] for n in t.names if isinstance(out[n], Shard) and out[n].pieces), None
@@ -163,15 +167,12 @@ class PipelineState(ModelParallel, nn.Module):
 
     def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
         """The strategy contract: takes this rank's tensors back."""
-        if self._shards is None:
+        if self._zero is None:
             load_sharded_state(self, sd)
             return
-        parts = {n for n, _ in self._shards.named_locals()}
+        parts = {n for n, _ in self._zero.named_locals()}
         load_sharded_state(self, {k: v for k, v in sd.items() if k not in parts}, params=False)
-        self._shards.load_params({k: v for k, v in sd.items() if k in parts})
-
-    def _shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: info.shape for name, info in self._infos.items()}
+        self._zero.load_params({k: v for k, v in sd.items() if k in parts})
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The strategy contract: this rank's optimizer state by parameter name.
@@ -179,8 +180,8 @@ class PipelineState(ModelParallel, nn.Module):
         Every tensor is a ``Shard`` of the whole tensor (see ``pipeline.state``).
         """
         state = None
-        if self._shards is not None:
-            state = self._shards.sharded_optim_state(optimizer, self._shapes())
+        if self._zero is not None:
+            state = self._zero.sharded_optim_state(optimizer)
         out = sharded_optim_state(self, optimizer, self._group, state)
         canon = self._canonical()
         out["state"] = {canon.get(n, n): v for n, v in out["state"].items()}

@@ -22,10 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardline.comm.coalesced import broadcast_coalesced
 from shardline.comm.group import ProcessGroup
 from shardline.comm.objects import all_gather_object
 from shardline.errors import InvalidArgumentError
-from shardline.parallel._common import broadcast_coalesced, clip_to_global_norm_
+from shardline.parallel._common import clip_to_global_norm_
 from shardline.parallel.contract import (
     Shard,
     composed_state_dict,
@@ -38,7 +39,6 @@ from shardline.parallel.contract import (
 __all__ = [
     "TensorInfo",
     "Tied",
-    "average_replicas",
     "clip_grad_norm",
     "find_tied",
     "full_state_dict",
@@ -142,26 +142,6 @@ def sync_copies(module: nn.Module, tied: list[Tied], rank: int, dp: ProcessGroup
             broadcast_coalesced(dp, tensors, 0, 25 << 20)
 
 
-def average_replicas(module: nn.Module, dp: ProcessGroup) -> None:
-    """Averages this rank's gradients over the data-parallel replicas of its stages.
-
-    One all-reduce per dtype, once per step, after the last micro-batch.
-    """
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param in module.parameters():
-        if param.requires_grad:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dp.all_reduce(flat, op="avg")
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
 def clip_grad_norm(
     module: nn.Module,
     tied: list[Tied],
@@ -174,11 +154,13 @@ def clip_grad_norm(
 
     ``groups``: the pipeline's, then (tensor parallelism inside the stages) the model's own,
     whose ``copies[name]`` ranks hold equal copies of a parameter. Each tensor counts once:
-    a tied weight on the lowest of its ranks only. Data-parallel replicas hold equal gradients
-    after a step, so they are not summed over.
+    a tied weight on the lowest of its ranks only. DDP replicas hold equal gradients after a
+    step, so they are not summed over; ZeRO's parts are (its group among ``groups``).
     """
     skip = {n for t in tied if groups[0].rank != min(t.ranks) for n in t.names}
-    named = [(n, g) for n, p in module.named_parameters() if (g := p.grad) is not None]
+    named = [
+        (n, g) for n, p in module.named_parameters() if (g := p.grad) is not None and g.numel()
+    ]
     grads = [g for _, g in named]
     counted = [(n, g) for n, g in named if n not in skip]
     device = grads[0].device if grads else None

@@ -246,7 +246,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.sequence_parallel, self.transposed = sequence_parallel, transposed
         self.replicas, self.share, self.input_shared = replicas, share, input_shared
         # Set by the shared input's hook for one call: (its Deferred, this layer's index).
-        self.deferred: tuple[overlap.Deferred, int] | None = None
+        self.deferred: tuple[overlap.SharedInputCall, int] | None = None
         local = out_features // (t // replicas)
         shape = (in_features, local) if transposed else (local, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))

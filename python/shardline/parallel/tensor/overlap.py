@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from shardline.comm.group import ProcessGroup
 from shardline.parallel.tensor.regions import eager_region
 
-__all__ = ["Deferred", "deferred_linear", "shared_copy"]
+__all__ = ["SharedInputCall", "deferred_linear", "shared_copy"]
 
 
-class Deferred:
+class SharedInputCall:
     """One forward call of a module whose column layers share an input.
 
     ``params`` lists each layer's weight and bias (``None`` without one) as the hook saw them;
@@ -51,14 +51,14 @@ class Deferred:
 class _SharedCopy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, group: ProcessGroup, deferred: Deferred, *params: Any
+        ctx: Any, x: torch.Tensor, group: ProcessGroup, deferred: SharedInputCall, *params: Any
     ) -> torch.Tensor:
         ctx.group, ctx.deferred = group, deferred
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        deferred: Deferred = ctx.deferred
+        deferred: SharedInputCall = ctx.deferred
         out = grad.clone(memory_format=torch.contiguous_format)
         work = ctx.group.all_reduce(out, async_op=True)
         grads: list[torch.Tensor | None] = []
@@ -82,7 +82,7 @@ class _DeferredLinear(torch.autograd.Function):
         x: torch.Tensor,
         w: torch.Tensor,
         b: torch.Tensor | None,
-        deferred: Deferred,
+        deferred: SharedInputCall,
         index: int,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, w)
@@ -97,7 +97,7 @@ class _DeferredLinear(torch.autograd.Function):
 
 
 @eager_region
-def shared_copy(x: torch.Tensor, group: ProcessGroup, deferred: Deferred) -> torch.Tensor:
+def shared_copy(x: torch.Tensor, group: ProcessGroup, deferred: SharedInputCall) -> torch.Tensor:
     """``copy_to`` for a shared input whose layers defer their weight gradients to it."""
     out: torch.Tensor = _SharedCopy.apply(x, group, deferred, *deferred.params)
     return out
@@ -108,7 +108,7 @@ def deferred_linear(
     x: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
-    deferred: Deferred,
+    deferred: SharedInputCall,
     index: int,
 ) -> torch.Tensor:
     """``F.linear`` whose backward leaves the weight gradient to ``shared_copy``'s."""

@@ -43,10 +43,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardline.comm.coalesced import broadcast_coalesced
 from shardline.comm.group import ProcessGroup
 from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
-from shardline.parallel._common import broadcast_coalesced
 from shardline.parallel.replaced import mark_replaced
 from shardline.parallel.tensor import overlap
 from shardline.parallel.tensor.attention import ParallelMultiheadAttention, unsupported
@@ -125,7 +125,7 @@ def _shared_input(module: nn.Module, group: ProcessGroup) -> Any:
                       if isinstance(m, ColumnParallelLinear) and m.can_defer()]  # fmt: skip
         if not layers or not overlap.plain_call(x):
             return copy_to(x, group)
-        deferred = overlap.Deferred([t for m in layers for t in (m.weight, m.bias)])
+        deferred = overlap.SharedInputCall([t for m in layers for t in (m.weight, m.bias)])
         for i, m in enumerate(layers):
             m.deferred = (deferred, i)
         return overlap.shared_copy(x, group, deferred)

@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use super::ArenaComm;
-use crate::collectives::{lanes, tuning};
+use crate::collectives::{comm_threads, tuning};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::memcpy::{copy_piece_to_shared, reduce_piece_to_shared};
@@ -62,7 +62,7 @@ impl ArenaComm {
                     .flatten()
                 {
                     let len = buf.len();
-                    return self.with_lanes(len, |c, ways| {
+                    return self.with_comm_threads(len, |c, ways| {
                         c.all_reduce_symmetric(place, len, dtype, op, sig, deadline, ways)
                     });
                 }
@@ -74,7 +74,7 @@ impl ArenaComm {
             }
         };
         if algo == AllReduceAlgo::TwoPhase {
-            return self.with_lanes(buf.len(), |c, ways| {
+            return self.with_comm_threads(buf.len(), |c, ways| {
                 c.all_reduce_chunked(buf, dtype, op, sig, only_root, deadline, ways)
             });
         }
@@ -129,9 +129,9 @@ impl ArenaComm {
                 let (head, rest) = s[..len].split_at_mut(lo);
                 let tail = &mut rest[hi - lo..];
                 let runs = vec![(head, 0, stream_lo), (tail, hi, stream_hi)];
-                lanes::each(runs, ways, |_, (dst, at, stream)| {
+                comm_threads::each(runs, ways, |_, (dst, at, stream)| {
                     let from = &src[at..at + dst.len()];
-                    lanes::copy(dst, from, ways, |d, s| copy_piece_to_shared(d, s, stream));
+                    comm_threads::copy(dst, from, ways, |d, s| copy_piece_to_shared(d, s, stream));
                 });
             })?;
             if first && !self.symmetric.is_empty() {
@@ -153,7 +153,7 @@ impl ArenaComm {
                     })
                     .collect();
                 let stream = ways == 1 && self.stream.reduction_streams_to_shared(hi - lo);
-                lanes::reduce(&mut arena.my_slot(next)[lo..hi], &srcs, ways, |d, ss| {
+                comm_threads::reduce(&mut arena.my_slot(next)[lo..hi], &srcs, ways, |d, ss| {
                     reduce_piece_to_shared(d, ss, dtype, op, stream);
                 });
             }
@@ -162,7 +162,7 @@ impl ArenaComm {
             if only_root.is_none_or(|r| r == me) {
                 let arena = &*self.arena;
                 let slots: Vec<&[u8]> = (0..n).map(|r| arena.slot(r, parity)).collect();
-                lanes::split(&mut buf[off..off + len], ways, |a, d| {
+                comm_threads::split(&mut buf[off..off + len], ways, |a, d| {
                     let b = a + d.len();
                     for (r, slot) in slots.iter().enumerate() {
                         let (lo, hi) = part(len, es, n, r);

@@ -11,7 +11,7 @@
 
 use std::time::Instant;
 
-use crate::collectives::lanes::{self, Lanes};
+use crate::collectives::comm_threads::{self, CommThreads};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::memcpy::StreamMode;
@@ -36,10 +36,10 @@ pub struct ArenaComm {
     oneshot_bytes: usize,
     /// Whether the first all-reduce measures `oneshot_bytes` first ([`super::tuning`]).
     tune_oneshot: bool,
-    lanes: Lanes,
+    comm_threads: CommThreads,
     /// Which copies into the slots use streaming stores.
     stream: StreamMode,
-    /// Whether the op in progress may use the lanes (see [`ArenaComm::allow_helpers`]).
+    /// Whether the op in progress may use the comm_threads (see [`ArenaComm::allow_helpers`]).
     helpers: bool,
     /// Symmetric allocations, in the order every local rank registered them.
     symmetric: Vec<symmetric::Allocation>,
@@ -54,15 +54,20 @@ fn piece_bytes(slot: usize, n: usize, es: usize) -> usize {
 
 impl ArenaComm {
     /// Wraps a mapped arena: all-reduces up to `oneshot_bytes` are one-shot, large ops split
-    /// their memory passes over `lanes`, and `stream` says which copies into the slots use
+    /// their memory passes over `comm_threads`, and `stream` says which copies into the slots use
     /// streaming stores.
-    pub fn new(arena: Arc<Arena>, oneshot_bytes: usize, lanes: Lanes, stream: StreamMode) -> Self {
+    pub fn new(
+        arena: Arc<Arena>,
+        oneshot_bytes: usize,
+        comm_threads: CommThreads,
+        stream: StreamMode,
+    ) -> Self {
         ArenaComm {
             arena,
             phase: 0,
             oneshot_bytes,
             tune_oneshot: false,
-            lanes,
+            comm_threads,
             stream,
             helpers: true,
             symmetric: Vec::new(),
@@ -93,8 +98,8 @@ impl ArenaComm {
     }
 
     /// The helper threads.
-    pub fn lanes(&self) -> &Lanes {
-        &self.lanes
+    pub fn comm_threads(&self) -> &CommThreads {
+        &self.comm_threads
     }
 
     /// Whether the next ops may split their passes over the helper threads: yes for ops the
@@ -105,19 +110,19 @@ impl ArenaComm {
 
     /// Runs `body(self, ways)`: on the helper pool, split `ways` ways, for an op of `bytes`
     /// that is large enough, else on this thread with `ways` = 1.
-    fn with_lanes<R: Send>(
+    fn with_comm_threads<R: Send>(
         &mut self,
         bytes: usize,
         body: impl FnOnce(&mut Self, usize) -> R + Send,
     ) -> R {
         let pool = if self.helpers {
-            self.lanes.pool_for(bytes)
+            self.comm_threads.pool_for(bytes)
         } else {
             None
         };
         match pool {
             Some(pool) => {
-                let ways = self.lanes.threads();
+                let ways = self.comm_threads.threads();
                 pool.install(|| body(self, ways))
             }
             None => body(self, 1),
@@ -180,7 +185,7 @@ impl ArenaComm {
         sig: &OpSig,
         deadline: Instant,
     ) -> Result<()> {
-        self.with_lanes(inp.len(), |c, ways| {
+        self.with_comm_threads(inp.len(), |c, ways| {
             c.reduce_scatter_ways(out, inp, dtype, op, sig, deadline, ways)
         })
     }
@@ -205,7 +210,7 @@ impl ArenaComm {
             let len = piece.min(block - off);
             let parity = self.step(sig, first.then_some(0), deadline, |s| {
                 // Destination d's piece goes to [d * piece, d * piece + len) of the slot.
-                lanes::split(&mut s[..n * piece], ways, |a, dst| {
+                comm_threads::split(&mut s[..n * piece], ways, |a, dst| {
                     let b = a + dst.len();
                     for d in 0..n {
                         let (x, y) = ((d * piece).max(a), (d * piece + len).min(b));
@@ -221,7 +226,7 @@ impl ArenaComm {
             let srcs: Vec<&[u8]> = (0..n)
                 .map(|r| &arena.slot(r, parity)[me * piece..me * piece + len])
                 .collect();
-            lanes::reduce(&mut out[off..off + len], &srcs, ways, |d, ss| {
+            comm_threads::reduce(&mut out[off..off + len], &srcs, ways, |d, ss| {
                 reduce::reduce_slices(d, ss, dtype, op);
             });
             off += len;
@@ -241,7 +246,7 @@ impl ArenaComm {
         only_root: Option<usize>,
         deadline: Instant,
     ) -> Result<()> {
-        self.with_lanes(out.len().max(inp.len()), |c, ways| {
+        self.with_comm_threads(out.len().max(inp.len()), |c, ways| {
             c.all_gather_ways(out, inp, counts, sig, only_root, deadline, ways)
         })
     }
@@ -276,7 +281,7 @@ impl ArenaComm {
             let parity = self.step(sig, (it == 0).then_some(inp.len() as u64), deadline, |s| {
                 // A rank whose block ends before this round's offset sends nothing.
                 let src = &inp[off.min(inp.len())..][..mine];
-                lanes::copy(&mut s[..mine], src, ways, <[u8]>::copy_from_slice);
+                comm_threads::copy(&mut s[..mine], src, ways, <[u8]>::copy_from_slice);
             })?;
             if it == 0 {
                 for (r, &expect) in counts.iter().enumerate() {
@@ -308,8 +313,8 @@ impl ArenaComm {
                     rest = tail;
                     at = start + len;
                 }
-                lanes::each(regions, ways, |_, (dst, src)| {
-                    lanes::copy(dst, src, ways, <[u8]>::copy_from_slice);
+                comm_threads::each(regions, ways, |_, (dst, src)| {
+                    comm_threads::copy(dst, src, ways, <[u8]>::copy_from_slice);
                 });
             }
         }
@@ -324,7 +329,7 @@ impl ArenaComm {
         sig: &OpSig,
         deadline: Instant,
     ) -> Result<()> {
-        self.with_lanes(buf.len(), |c, ways| {
+        self.with_comm_threads(buf.len(), |c, ways| {
             c.broadcast_ways(buf, root, sig, deadline, ways)
         })
     }
@@ -347,13 +352,13 @@ impl ArenaComm {
             let src = &buf[off..off + len];
             let parity = self.step(sig, first.then_some(0), deadline, |s| {
                 if me == root {
-                    lanes::copy(&mut s[..len], src, ways, <[u8]>::copy_from_slice);
+                    comm_threads::copy(&mut s[..len], src, ways, <[u8]>::copy_from_slice);
                 }
             })?;
             first = false;
             if me != root {
                 let slot = &self.arena.slot(root, parity)[..len];
-                lanes::copy(
+                comm_threads::copy(
                     &mut buf[off..off + len],
                     slot,
                     ways,

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::ArenaComm;
-use crate::collectives::lanes;
+use crate::collectives::comm_threads;
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::{self, ReduceOp};
@@ -156,7 +156,7 @@ impl ArenaComm {
             .collect();
         let per_lane = blocks.len().div_ceil(ways.max(1)).max(1);
         let runs: Vec<&[(usize, usize)]> = blocks.chunks(per_lane).collect();
-        lanes::each(runs, ways, |_, run| {
+        comm_threads::each(runs, ways, |_, run| {
             let mut tmp = vec![0u8; block];
             for &(a, b) in run {
                 let out = &mut tmp[..b - a];

@@ -3,9 +3,11 @@
 ``ShardedDataParallel`` is built in layers, each a file with one role, each a class deriving
 from the one below: ``ZeroBase`` (these fields) -> ``UnitLayout`` (``layout.py``: units from a
 plan, re-formed in execution order) -> ``GatherReduceSchedule`` (``schedule.py``: forward and
-backward hooks, all-gathers and reductions) -> ``ShardedStateDicts`` (``state_dicts.py``: full
-and sharded state dicts, the strategy contract) -> ``ShardedDataParallel`` (``wrapper.py``:
-construction and the public API). The fields are set in ``ShardedDataParallel.__init__``.
+backward hooks, all-gathers and reductions) -> ``HeldSteps`` (``held.py``: steps a caller
+drives, parameters held whole over its micro-batches) -> ``ShardedStateDicts``
+(``state_dicts.py``: full and sharded state dicts, the strategy contract) ->
+``ShardedDataParallel`` (``wrapper.py``: construction and the public API). The fields are set
+in ``ShardedDataParallel.__init__``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from shardline.parallel.placement import Placement
 from shardline.parallel.precision import MixedPrecision
 
 if TYPE_CHECKING:
-    from shardline.optim.compression import Compressor
+    from shardline.compression.codec import Compressor
 
 __all__ = ["TrainingState", "Waitable", "ZeroBase"]
 
@@ -60,6 +62,7 @@ class ZeroBase(nn.Module):
     offload: str | None  # "optimizer" or "cpu": shards and optimizer state in host memory
     _device: torch.device  # where compute runs (the group's GPU for a host-kept model)
     _host_model: bool  # offload with the model built in host memory: units laid out one by one
+    _own_groups: bool  # the two below are communicators of their own (else ``group``)
     _gather_group: ProcessGroup  # all-gathers, in their own order
     _reduce_group: ProcessGroup  # gradient reductions, in their own order
     _replicate: ProcessGroup | None  # HSDP: the replicas this rank's shards are averaged over
@@ -102,3 +105,6 @@ class ZeroBase(nn.Module):
     _drop: list[Unit]  # gathered in backward only to keep ranks in step
     _releasable: list[Unit]  # done in backward, freed at the next event
     _graph_done: bool  # the last forward's graph was fully used by a backward
+    # a step the caller drives (held.py)
+    _held: bool  # units kept whole by unshard(); the module hooks stand aside
+    _accumulating: bool  # ... and gradients add up whole until reduce_grads()

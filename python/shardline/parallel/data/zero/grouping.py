@@ -11,11 +11,12 @@ sizes, without user wrapping:
   modules that ran just before it, fewer than ``threshold`` bytes, join its unit rather than
   forming a tiny unit of their own: one collective fewer for each LayerNorm);
 - *blocks* (the modules that recompute their activations in backward,
-  ``checkpoint.activations.recompute_blocks``) are each one unit, whatever their size: their
+  ``parallel.recompute.recompute_blocks``) are each one unit, whatever their size: their
   backward recomputes a norm's or an activation's output, which needs that module's
   parameters, right before the consumer's gradient; in a unit of their own those would be
   gathered (and waited for) one unit early, and on a 1B GPT in fp32 on 4 H200s the waits cost
-  18 ms a step where one unit per block cost 9 (``benches/results/zero-cuda-4xh200-xl-fp32-sel*``);
+  18 ms a step where one unit per block cost 9
+  (``benches/results/zero-cuda-4xh200-xl-fp32-sel2.txt``, ``-sel3.txt``);
 - a unit never mixes dtypes (a flat buffer has one dtype);
 - a unit never mixes *whole* modules (whose parameters an optimizer needs whole: see
   ``optimizers``) with others; each whole unit is given to one rank, largest first to the
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from shardline.errors import InvalidArgumentError
+from shardline.parallel.recompute.blocks import find_blocks, recomputing_blocks
 
 __all__ = [
     "CUDA_UNIT_MB",
@@ -80,9 +82,8 @@ def default_units(device: torch.device, offload: str | None = None) -> str:
     H200s, 1.03x on a 1B one, level in fp32, at the same peak to 0.7 %
     (``benches/results/zero-cuda-2xh200-*-blocks``): fewer, larger gathers and reductions,
     and fewer hooks. With offload, memory is the point and smaller units peak lower: on a 3B
-    GPT 10.9 GB with 32 MiB units against 11.9 GB with blocks (FSDP2: 11.3 GB;
-    ``zero-cuda-3b-offload-2gpu-blocks``). On CPU small units let the engine's reductions
-    overlap backward sooner.
+    GPT 10.9 GB with 32 MiB units against 11.9 GB with blocks (FSDP2: 11.3 GB). On CPU small
+    units let the engine's reductions overlap backward sooner.
     """
     return "blocks" if device.type == "cuda" and offload is None else "size"
 
@@ -105,12 +106,6 @@ def unit_blocks(
     and none of those, the model's repeated blocks (``find_blocks``) when each holds at least
     ``min_bytes`` of parameters (smaller ones are merged by size, as other modules are).
     """
-    # (checkpoint imports parallel modules: import it on use, not at load)
-    from shardline.checkpoint.activations.blocks import (  # noqa: PLC0415
-        find_blocks,
-        recomputing_blocks,
-    )
-
     blocks = recomputing_blocks(model, policy)
     if units == "blocks" and not blocks:
         found = find_blocks(model)

@@ -23,7 +23,7 @@ from shardline.parallel.data.zero.layout import UnitLayout
 from shardline.parallel.data.zero.units import GradState, ParamState, Unit, copy_stream
 
 if TYPE_CHECKING:
-    from shardline.optim.compression import Compressor
+    from shardline.compression.codec import Compressor
 
 __all__ = ["Finishing", "GatherReduceSchedule"]
 
@@ -140,6 +140,8 @@ class GatherReduceSchedule(UnitLayout):
         self._wait(u)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self._held:  # whole already, for a caller's step (held.py)
+            return
         if torch._C._current_graph_task_id() != -1:  # recomputed in backward (checkpointing)
             if self.stage == 3:
                 self._flush_releases()
@@ -161,6 +163,8 @@ class GatherReduceSchedule(UnitLayout):
         self._unit_stack.append(units)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._held:
+            return
         if torch._C._current_graph_task_id() != -1 or self._state is not TrainingState.FORWARD:
             return
         units = self._module_units[module]
@@ -301,6 +305,9 @@ class GatherReduceSchedule(UnitLayout):
             self._release(self._releasable.pop())
 
     def _grad_hook(self, param: torch.Tensor) -> None:
+        if self._held:  # a caller's step (held.py): the gradient adds into the step's buffer
+            self._fold(param)
+            return
         self._queue_final()
         self._flush_releases()
         grad = param.grad
@@ -323,6 +330,22 @@ class GatherReduceSchedule(UnitLayout):
             self._maybe_release(u)
             if self._sync_backward:
                 self._launch_ready()
+
+    def _fold(self, p: torch.Tensor) -> None:
+        """Held steps (``held``): adds ``p``'s ``.grad`` into its unit's buffer.
+
+        Unless it is a view of it, as ``unshard`` made it (autograd then adds in place).
+        """
+        g = p.grad
+        if g is None:
+            return
+        u = self._unit_of[id(p)]
+        if u.grad_full is None or g._base is u.grad_full:
+            return
+        o = u.offsets[self._slot[id(p)]]
+        with torch.no_grad():
+            u.grad_full[o : o + p.numel()].view(g.shape).add_(g)
+        p.grad = None
 
     def _touch(self, u: Unit) -> None:
         """First gradient (or the final flush) of ``u`` in this backward."""

@@ -25,14 +25,14 @@ from shardline.parallel.contract import (
     named_tensors,
 )
 from shardline.parallel.data.compressed import split_state, state_entries
-from shardline.parallel.data.zero.schedule import GatherReduceSchedule
+from shardline.parallel.data.zero.held import HeldSteps
 from shardline.parallel.data.zero.units import ParamState, Unit
 from shardline.parallel.placement import Placement, place
 
 __all__ = ["ShardedStateDicts"]
 
 
-class ShardedStateDicts(GatherReduceSchedule):
+class ShardedStateDicts(HeldSteps):
     """Full and sharded state dicts (see the module docstring)."""
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
@@ -246,7 +246,7 @@ class ShardedStateDicts(GatherReduceSchedule):
     def _unplaced(self, name: str, value: Shard, loc: torch.Tensor) -> torch.Tensor:
         """A state tensor shaped like ``loc`` from ``_placed``'s pieces."""
         if len(value.pieces) == 1:
-            return value.local.view(loc.shape)
+            return value.pieces[0].tensor.view(loc.shape)
         u, i = self._where(name)
         out = torch.empty(loc.numel(), dtype=value.pieces[0].tensor.dtype, device=loc.device)
         mine = self._placed(name, out, u.local_ranges[i][0], u.params[i])

@@ -42,7 +42,7 @@ from torch import nn
 
 from shardline._pinned import pinned_empty
 from shardline.comm.work import Work
-from shardline.optim.compression import Entry
+from shardline.compression.codec import Entry
 
 __all__ = ["GradState", "ParamState", "Unit", "copy_stream"]
 

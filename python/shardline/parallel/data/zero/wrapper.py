@@ -56,15 +56,15 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from shardline.comm.coalesced import broadcast_coalesced
 from shardline.comm.group import ProcessGroup
-from shardline.errors import InvalidArgumentError
-from shardline.optim.compression import Compressor
+from shardline.comm.world import default_group
+from shardline.compression.codec import Compressor
+from shardline.errors import InvalidArgumentError, ShardlineError
 from shardline.parallel._common import (
     ModelParallel,
-    broadcast_coalesced,
     check_same_model,
     clip_to_global_norm_,
-    default_group,
     remove_hooks_when_collected,
     weak_method,
 )
@@ -81,6 +81,7 @@ from shardline.parallel.data.zero.grouping import (
 from shardline.parallel.data.zero.optimizers import Layout, check_optimizer, rule_for
 from shardline.parallel.data.zero.state_dicts import ShardedStateDicts
 from shardline.parallel.data.zero.units import Unit
+from shardline.parallel.joining import is_joining
 from shardline.parallel.placement import placements_of
 from shardline.parallel.precision import MixedPrecision
 
@@ -89,16 +90,6 @@ __all__ = ["ShardedDataParallel"]
 _log = logging.getLogger("shardline")
 
 _MIB = 1 << 20
-
-
-def _joined_running_job() -> bool:
-    """Whether this process joined a running elastic job and has not restored yet.
-
-    Imported late: ``shardline.comm`` imports modules that use the parallel package.
-    """
-    from shardline.comm import world  # noqa: PLC0415
-
-    return world.joined_running_job()
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
@@ -120,7 +111,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
             CPU, 32 MiB on CUDA, less for a model under 256 MiB (``grouping.default_unit_mb``).
         units: ``"size"``: units are layers merged up to ``unit_mb``, except that each block
             recomputing in backward is one unit; ``"blocks"``: also every repeated block of
-            the model (``checkpoint.activations.find_blocks``: FSDP2's ``fully_shard`` per
+            the model (``parallel.recompute.find_blocks``: FSDP2's ``fully_shard`` per
             block) is one unit when the blocks hold at least ``unit_mb`` each (smaller ones
             merge by size). ``None``: ``"blocks"`` on CUDA without offload, else ``"size"``
             (``grouping.default_units``).
@@ -134,7 +125,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
             replicas (one per replica, each sharding over its own ``group``). Gradient parts
             are averaged over it after each reduction; the model starts as its rank 0's.
             ``sl.distribute(mesh={"dp_replicate": r, "dp_shard": s})`` passes it.
-        compression: A gradient compressor (``sl.optim.PowerSGD(rank=4)``, ...) or its name:
+        compression: A gradient compressor (``sl.compression.PowerSGD(rank=4)``, ...) or its name:
             ZeRO-1's all-reduce and ZeRO-2/3's reduce-scatter run compressed, with error
             feedback (whose residual covers the whole unit: ``sl.estimate_memory`` counts it).
             Units kept whole for their optimizer are reduced uncompressed.
@@ -147,6 +138,10 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
             With offload under nccl the model may be passed in host memory (one larger than
             the GPU): stage 3 then lays it out on the GPU one unit at a time, each freed before
             the next, and moves its buffers to the GPU; the inputs go to the GPU as usual.
+        own_groups: All-gathers and reductions on two communicators of their own, so that they
+            overlap compute in their own orders. ``False``: on ``group`` itself, for a caller
+            that issues them between computations (a pipeline stage's ``unshard`` and
+            ``reduce_grads``, once per step: ``held``).
 
     ``state_dict()`` returns full tensors under the plain model's names on every rank (a
     collective: every rank must call it); ``sharded_state_dict()`` returns this rank's shards.
@@ -171,6 +166,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         compression: str | Compressor | None = None,
         offload: str | None = None,
         units: str | None = None,
+        own_groups: bool = True,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
@@ -199,7 +195,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         # A process joining a running elastic job skips the start-up collectives: the ranks
         # already there move with regroup(), which runs none, and the values come with the
         # restore that follows.
-        joining = _joined_running_job()
+        joining = is_joining()
         self._device = named[0][1].device
         # A model kept in host memory with offload under nccl (one larger than the GPU): its
         # units are laid out on the GPU one at a time, each freed before the next (stage 3).
@@ -227,12 +223,8 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
                     broadcast_coalesced(g, tensors, 0, 25 * _MIB)
         # Two more communicators, so all-gathers and reductions each keep their own order;
         # their collectives overlap forward and backward compute.
-        ranks = list(range(self.group.world_size))
-        gather_group = self.group.new_group(ranks, overlap_compute=True)
-        reduce_group = self.group.new_group(ranks, overlap_compute=True)
-        assert gather_group is not None and reduce_group is not None
-        self._gather_group: ProcessGroup = gather_group
-        self._reduce_group: ProcessGroup = reduce_group
+        self._own_groups = own_groups
+        self._gather_group, self._reduce_group = self._new_groups(self.group)
 
         # Parameters that are slices of bigger tensors (tensor parallelism inside): where they
         # lie, for checkpoints and full state dicts (read now, while they hold values).
@@ -282,6 +274,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         self._drop: list[Unit] = []  # gathered in backward only to keep ranks in step
         self._releasable: list[Unit] = []  # done in backward, freed at the next event
         self._graph_done = True
+        self._held = self._accumulating = False  # a step the caller drives (held.py)
         me = weakref.ref(self)
 
         def before_step(opt: torch.optim.Optimizer, *_: Any) -> None:
@@ -302,6 +295,11 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the wrapped module, gathering units as its modules need them."""
+        if self._held:
+            raise ShardlineError(
+                "ShardedDataParallel: forward() while unshard() holds the parameters; run the "
+                "inner module, or call reduce_grads() / reshard() first"
+            )
         self._begin_forward()
         cdt = self.mixed_precision.param_dtype
         if cdt is not None:
@@ -403,7 +401,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         they are counted), over its gather, reduce and (HSDP) replica groups.
         """
         groups = [self._gather_group, self._reduce_group, self._replicate]
-        counts = [g.traffic() for g in groups if g is not None]
+        counts = [g.traffic() for g in {id(g): g for g in groups if g is not None}.values()]
         return comm_stats(counts, self._compression, self._synced_steps)
 
     def memory_stats(self) -> dict[str, int]:
@@ -417,16 +415,20 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
                 out[k] += v
         return out
 
-    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def bind_optimizer(
+        self, optimizer: torch.optim.Optimizer, *, shared: bool = False
+    ) -> torch.optim.Optimizer:
         """Points an optimizer built over the plain model's parameters at the local shards.
 
         Param groups and their hyperparameters are kept; the same optimizer object is returned.
         State the optimizer made when it was built (Adagrad's) is cut to the shards; an
-        optimizer that looks at whole parameters gets them whole (``optimizers``).
+        optimizer that looks at whole parameters gets them whole (``optimizers``). ``shared``:
+        the optimizer's other tensors are left as they are (other wrappers bind them: the
+        chunks of a pipeline rank).
 
         Raises:
-            InvalidArgumentError: the optimizer holds foreign tensors, has stepped already, or
-                cannot be sharded by ZeRO (the message says what works instead).
+            InvalidArgumentError: the optimizer holds foreign tensors (unless ``shared``), has
+                stepped already, or cannot be sharded by ZeRO (the message says what works).
         """
         check_optimizer(optimizer, self.stage)
         local_of = {
@@ -434,15 +436,16 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         }
         for g in optimizer.param_groups:
             foreign = [p for p in g["params"] if id(p) not in local_of]
-            if foreign:
+            if foreign and not shared:
                 raise InvalidArgumentError(
                     f"distribute(): the optimizer holds {len(foreign)} tensors that are not "
                     "parameters of the model; build the optimizer from model.parameters()"
                 )
         built = {id(p): dict(entries) for p, entries in optimizer.state.items() if entries}
         for g in optimizer.param_groups:
-            g["params"] = [local_of[id(p)] for p in g["params"]]
-        optimizer.state.clear()
+            g["params"] = [local_of.get(id(p), p) for p in g["params"]]
+        for p in [p for p in optimizer.state if id(p) in local_of]:
+            del optimizer.state[p]
         self._optimizer = optimizer
         self._apply_optimizer_layout(optimizer, stepping=False)
         for u in self._units:  # the layout is final now: cut the built state to it
@@ -483,7 +486,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
                 "optimizer, ...) or build it before its first step"
             )
         self._whole_reasons[type(optimizer).__name__] = rule.reason
-        if _joined_running_job() and not stepping:
+        if is_joining() and not stepping:
             # Joining a running elastic job: the values come with the restore, and the ranks
             # already there lay the same plan out in regroup() without communicating.
             self._reinstall(want)
@@ -510,7 +513,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         The rule that keeps every rank's units identical: afterwards the wrapper is laid out
         as a fresh ``distribute(module, optimizer, strategy=..., group=group)`` is, with the
         same options, in a process joining a running elastic job (which skips the start-up
-        collectives, ``shardline.comm.world.joined_running_job``): units planned in
+        collectives, ``shardline.parallel.joining``): units planned in
         registration order for the new world size (whole units of an optimizer needing whole
         parameters given to ranks by it), the order the old group's first backward re-formed
         them in dropped, and re-forming after the first synchronised backward armed again.
@@ -545,11 +548,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
                 "by elastic regroup yet; use ZeRO over a plain module"
             )
         self.group = group
-        ranks = list(range(group.world_size))
-        gather_group = group.new_group(ranks, overlap_compute=True)
-        reduce_group = group.new_group(ranks, overlap_compute=True)
-        assert gather_group is not None and reduce_group is not None
-        self._gather_group, self._reduce_group = gather_group, reduce_group
+        self._gather_group, self._reduce_group = self._new_groups(group)
         opt = self._optimizer
         for known in {*self._checked_optimizers, *([opt] if opt is not None else [])}:
             for loc in self.parameters():
@@ -577,8 +576,19 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         self._state = TrainingState.IDLE
         self._unit_stack, self._drop, self._releasable = [], [], []
         self._graph_done = True
+        self._held = self._accumulating = False
         if group.rank == 0:
             _log.info("%s", self.plan())
+
+    def _new_groups(self, group: ProcessGroup) -> tuple[ProcessGroup, ProcessGroup]:
+        """The all-gathers' and the reductions' communicators (``own_groups``), or ``group``."""
+        if not self._own_groups:
+            return group, group
+        ranks = list(range(group.world_size))
+        gather_group = group.new_group(ranks, overlap_compute=True)
+        reduce_group = group.new_group(ranks, overlap_compute=True)
+        assert gather_group is not None and reduce_group is not None
+        return gather_group, reduce_group
 
     def remove_hooks(self) -> None:
         """Detaches every hook (the wrapper stops working)."""
