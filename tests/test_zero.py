@@ -883,14 +883,14 @@ def test_backward_holds_few_units_gathered(frozen: str) -> None:
                 layer.requires_grad_(False)
         model = ShardedDataParallel(net, stage=3, group=g, unit_mb=0)
         peak = 0
-        pre_backward = model._pre_backward
+        pre_backward = model._schedule._pre_backward
 
         def probe(units: list[Any]) -> None:  # called for every saved tensor backward uses
             nonlocal peak
             pre_backward(units)
             peak = max(peak, sum(u.full.untyped_storage().nbytes() > 0 for u in model._units))
 
-        model._pre_backward = probe  # type: ignore[method-assign]
+        model._schedule._pre_backward = probe  # type: ignore[method-assign]
         x = torch.randn(4, 64, requires_grad=True)
         for _ in range(2):
             model(x, skip=g.rank).square().mean().backward()

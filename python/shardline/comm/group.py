@@ -17,7 +17,7 @@ import torch
 
 from shardline import config
 from shardline.comm import _shapes as shapes
-from shardline.comm import failures, flight, traffic
+from shardline.comm import failures, p2p, traffic
 from shardline.comm._buffers import (
     as_tensor,
     check_numel,
@@ -474,19 +474,7 @@ class ProcessGroup:
         ``recv`` takes the first one with its tag, so differently tagged messages may be
         received in any order (as with Gloo and MPI).
         """
-        t = self._t(tensor, "send(tensor)")
-        self._check_rank("send", "dst", dst)
-        if dst == self.rank:
-            raise InvalidArgumentError(f"send on rank {self.rank}: dst is this rank itself")
-        tag = self._tag("send", tag)
-        self._count("send", (_nbytes(t), 0))
-        return self._submit(
-            "send",
-            lambda a: self._impl.send(t, dst, tag=tag, async_op=a),
-            (tensor, t),
-            async_op,
-            peer=dst,
-        )
+        return p2p.send(self, tensor, dst, async_op, tag)
 
     def recv(
         self, tensor: TensorLike, src: int | None = None, async_op: bool = False, *, tag: int = 0
@@ -500,39 +488,7 @@ class ProcessGroup:
             The rank the message came from; with ``async_op``, a ``Work`` whose ``source``
             says it once the receive is done.
         """
-        t = self._t(tensor, "recv(tensor)")
-        if src is not None:
-            self._check_rank("recv", "src", src)
-            if src == self.rank:
-                raise InvalidArgumentError(f"recv on rank {self.rank}: src is this rank itself")
-        tag = self._tag("recv", tag)
-        self._count("recv", (0, _nbytes(t)))
-        started: list[Handle] = []
-
-        def start(a: bool) -> Handle:
-            started.append(self._impl.recv(t, src, tag=tag, async_op=a))
-            return started[-1]
-
-        peer = flight.ANY_SOURCE if src is None else src
-        work = self._submit("recv", start, (tensor, t), async_op, peer=peer)
-        if work is not None:
-            return work
-        if src is not None:
-            return src
-        source = started[0].source
-        if source is None:  # every backend that receives from any source says from whom
-            raise ShardlineError(
-                f"recv on rank {self.rank}: backend {self.backend!r} did not say which rank "
-                "sent the message; please report it"
-            )
-        return source
-
-    def _tag(self, op: str, tag: int) -> int:
-        if not isinstance(tag, int) or not 0 <= tag < 2**32:
-            raise InvalidArgumentError(
-                f"{op} on rank {self.rank}: tag={tag!r} must be an integer from 0 to 2**32 - 1"
-            )
-        return tag
+        return p2p.recv(self, tensor, src, async_op, tag)
 
     # -- traffic -----------------------------------------------------------------------------
 

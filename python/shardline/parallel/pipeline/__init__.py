@@ -29,7 +29,7 @@ from shardline.parallel.pipeline.split import (
     keep_only,
     named_parts,
 )
-from shardline.parallel.pipeline.state import find_tied, tensor_infos
+from shardline.parallel.pipeline.tied import find_tied, tensor_infos
 from shardline.parallel.pipeline.trace import rank_stages, strip, trace_split
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.tensor.auto import (

@@ -32,7 +32,7 @@ from shardline.parallel.pipeline.messages import Key, StageMessages, Step
 from shardline.parallel.pipeline.replicas import StageReplicas
 from shardline.parallel.pipeline.split_backward import input_pass, weight_pass
 from shardline.parallel.pipeline.stage_state import PipelineState
-from shardline.parallel.pipeline.state import TensorInfo, Tied, sum_tied_grads, sync_copies
+from shardline.parallel.pipeline.tied import TensorInfo, Tied, sum_tied_grads, sync_copies
 from shardline.parallel.pipeline.trace import positional
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute import checkpoint

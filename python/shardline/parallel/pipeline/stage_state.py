@@ -20,15 +20,14 @@ from shardline.comm.group import ProcessGroup
 from shardline.parallel._common import ModelParallel
 from shardline.parallel.contract import Shard, load_optim_by_name
 from shardline.parallel.pipeline.replicas import StageReplicas
-from shardline.parallel.pipeline.state import (
-    TensorInfo,
-    Tied,
+from shardline.parallel.pipeline.state_dicts import (
     clip_grad_norm,
     full_state_dict,
     load_sharded_state,
     sharded_optim_state,
     sharded_state,
 )
+from shardline.parallel.pipeline.tied import TensorInfo, Tied
 
 __all__ = ["PipelineState"]
 
@@ -144,7 +143,7 @@ class PipelineState(ModelParallel, nn.Module):
         """The strategy contract: every tensor of the model, as a ``Shard``.
 
         A whole-tensor one where this rank holds it, an empty one elsewhere (see
-        ``pipeline.state``).
+        ``pipeline.state_dicts``).
         """
         out = sharded_state(self, self._infos, params=self._zero is None)
         if self._zero is not None:
@@ -177,7 +176,7 @@ class PipelineState(ModelParallel, nn.Module):
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The strategy contract: this rank's optimizer state by parameter name.
 
-        Every tensor is a ``Shard`` of the whole tensor (see ``pipeline.state``).
+        Every tensor is a ``Shard`` of the whole tensor (see ``pipeline.state_dicts``).
         """
         state = None
         if self._zero is not None:

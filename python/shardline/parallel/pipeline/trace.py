@@ -38,7 +38,7 @@ from torch import fx, nn
 
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.pipeline import boundary
-from shardline.parallel.pipeline.state import Tied
+from shardline.parallel.pipeline.tied import Tied
 
 __all__ = ["TracedSplit", "positional", "rank_stages", "strip", "trace_split"]
 

@@ -1,13 +1,16 @@
 """The fields every part of ``ShardedDataParallel`` shares, declared once with their types.
 
-``ShardedDataParallel`` is built in layers, each a file with one role, each a class deriving
-from the one below: ``ZeroBase`` (these fields) -> ``UnitLayout`` (``layout.py``: units from a
-plan, re-formed in execution order) -> ``GatherReduceSchedule`` (``schedule.py``: forward and
-backward hooks, all-gathers and reductions) -> ``HeldSteps`` (``held.py``: steps a caller
-drives, parameters held whole over its micro-batches) -> ``ShardedStateDicts``
-(``state_dicts.py``: full and sharded state dicts, the strategy contract) ->
-``ShardedDataParallel`` (``wrapper.py``: construction and the public API). The fields are set
-in ``ShardedDataParallel.__init__``.
+``ShardedDataParallel`` (``wrapper.py``: construction and the public API) is an ``nn.Module``
+deriving from ``ZeroBase`` (these fields, shared state) and owning one object per role, each
+reaching the fields through a weak reference (so the wrapper is freed as before):
+``UnitLayout`` (``layout.py``: units from a plan, re-formed in execution order),
+``GatherReduceSchedule`` (``schedule.py``: forward and backward hooks, all-gathers and
+reductions; the hooks call it), ``HeldSteps`` (``held.py``: steps a caller drives, parameters
+held whole over its micro-batches, through the schedule), ``StateDicts`` (``state_dicts.py``:
+full and sharded state dicts, the strategy contract) and ``OptimizerBinding``
+(``binding.py``: optimizers pointed at the shards, whole parameters for those that need
+them). The wrapper delegates its public methods to them. The fields are set in
+``ShardedDataParallel.__init__``.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class ZeroBase(nn.Module):
     _rs_order: list[Unit]  # backward's reduction order
     _order: list[str]  # module names in the order the units were planned for
     _whole: frozenset[str]  # parameters kept whole (for their optimizer: optimizers.py)
+    _whole_reasons: dict[str, str]  # optimizer class -> why it needs whole parameters
     _checked_optimizers: weakref.WeakSet[torch.optim.Optimizer]  # layouts applied for them
     _trace: list[str] | None  # module names in the order the first forward ran
     _traced: bool

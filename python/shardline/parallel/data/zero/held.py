@@ -26,20 +26,42 @@ gradients reduced after the last micro-batch):
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
 
 from shardline.errors import InvalidArgumentError, ShardlineError
-from shardline.parallel.data.zero.base import TrainingState
+from shardline.parallel.data.zero.base import TrainingState, ZeroBase
+from shardline.parallel.data.zero.layout import UnitLayout
 from shardline.parallel.data.zero.schedule import GatherReduceSchedule
 from shardline.parallel.data.zero.units import GradState, ParamState, Unit
 
 __all__ = ["HeldSteps"]
 
 
-class HeldSteps(GatherReduceSchedule):
-    """``unshard``, ``whole_grad``, ``reduce_grads``, ``reshard`` (see the module docstring)."""
+class HeldSteps:
+    """``unshard``, ``whole_grad``, ``reduce_grads``, ``reshard`` (see the module docstring).
+
+    A part of ``ShardedDataParallel``, which delegates to it: it drives the wrapper's schedule
+    (``GatherReduceSchedule``: its gathers and reductions) on the wrapper's units, which it
+    reaches through a weak reference, so the wrapper is freed as before. The hold's flags
+    (``_held``, ``_accumulating``) stay the wrapper's: the schedule's hooks read them.
+    """
+
+    def __init__(
+        self, wrapper: ZeroBase, layout: UnitLayout, schedule: GatherReduceSchedule
+    ) -> None:
+        self._wrapper = weakref.ref(wrapper)
+        self._layout = layout  # the wrapper's: master values gathered
+        self._schedule = schedule  # the wrapper's: its gathers and reductions
+
+    @property
+    def _w(self) -> ZeroBase:
+        """The wrapper whose units are held."""
+        w = self._wrapper()
+        assert w is not None, "the ShardedDataParallel of these steps was freed"
+        return w
 
     def unshard(self, *, accumulate: bool = False) -> None:
         """Makes every unit whole and keeps it so until ``reduce_grads()`` or ``reshard()``.
@@ -52,24 +74,25 @@ class HeldSteps(GatherReduceSchedule):
             ShardlineError: called during the wrapper's own forward or backward, or while
                 gradients of an earlier hold are still accumulating.
         """
-        if self._state is not TrainingState.IDLE or self._accumulating:
+        w = self._w
+        if w._state is not TrainingState.IDLE or w._accumulating:
             raise ShardlineError(
                 "ShardedDataParallel.unshard() during a forward, a backward, or a hold whose "
                 "gradients were not reduced yet; call reduce_grads() first"
             )
-        regather = self._needs_gather
-        for u in self._units:
+        regather = w._needs_gather
+        for u in w._units:
             if u.param_state is ParamState.SHARDED or regather:
-                self._gather(u)
-        self._needs_gather = False
-        for u in self._units:
-            self._wait(u)
-        self._held = True
+                self._schedule._gather(u)
+        w._needs_gather = False
+        for u in w._units:
+            self._schedule._wait(u)
+        w._held = True
         if accumulate:
-            for u in self._units:
+            for u in w._units:
                 if u.trainable:
                     self._open_grads(u)
-            self._accumulating = True
+            w._accumulating = True
 
     def _open_grads(self, u: Unit) -> None:
         """A zeroed flat buffer for ``u``'s step, its parameters' ``.grad`` viewing it.
@@ -95,9 +118,10 @@ class HeldSteps(GatherReduceSchedule):
         Needed only where ``.grad`` was assigned directly during an accumulating hold (a
         pipeline's zero-bubble weight pass); autograd's own are taken as they come.
         """
-        for u in self._units:
+        w = self._w
+        for u in w._units:
             for p in u.params:
-                self._fold(p)
+                self._schedule._fold(p)
 
     def whole_grad(self, p: torch.Tensor) -> torch.Tensor:
         """The step's whole gradient of the (whole) parameter ``p`` so far, in the reduce dtype.
@@ -108,13 +132,14 @@ class HeldSteps(GatherReduceSchedule):
             InvalidArgumentError: ``p`` is not a parameter of the wrapped module.
             ShardlineError: outside an accumulating hold.
         """
-        u = self._unit_of.get(id(p))
+        w = self._w
+        u = w._unit_of.get(id(p))
         if u is None:
             raise InvalidArgumentError("whole_grad: not a parameter of the wrapped module")
-        if not self._accumulating or u.grad_full is None:
+        if not w._accumulating or u.grad_full is None:
             raise ShardlineError("whole_grad() is for a hold started by unshard(accumulate=True)")
-        self._fold(p)
-        o = u.offsets[self._slot[id(p)]]
+        self._schedule._fold(p)
+        o = u.offsets[w._slot[id(p)]]
         return u.grad_full[o : o + p.numel()].view(p.shape)
 
     def reduce_grads(self) -> None:
@@ -125,24 +150,25 @@ class HeldSteps(GatherReduceSchedule):
         Raises:
             ShardlineError: no accumulating hold is open.
         """
-        if not self._accumulating:
+        w = self._w
+        if not w._accumulating:
             raise ShardlineError("reduce_grads() without unshard(accumulate=True) before it")
         self.fold_grads()
-        for u in self._units:
+        for u in w._units:
             for p in u.params:
                 p.grad = None  # the whole gradients: their buffer is reduced below
-        self._accumulating = False
+        w._accumulating = False
         before: dict[int, torch.Tensor | None] = {}
-        for u in self._rs_order:
-            if self.stage == 1 and u.owner is None and u.offload is None:
+        for u in w._rs_order:
+            if w.stage == 1 and u.owner is None and u.offload is None:
                 before[u.index] = u.shard_grad if u.locals_have_grads() else None
-            self._launch(u)
-        while self._inflight:
-            self._finish(*self._inflight.pop(0))
-        self._finish_replicas()
-        if self.offload is not None and self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-        for u in self._rs_order:
+            self._schedule._launch(u)
+        while w._inflight:
+            self._schedule._finish(*w._inflight.pop(0))
+        self._schedule._finish_replicas()
+        if w.offload is not None and w._device.type == "cuda":
+            torch.cuda.synchronize(w._device)
+        for u in w._rs_order:
             if u.index in before:  # ZeRO-1: keep the part, drop the whole buffer
                 part, held = u.shard_grad, before[u.index]
                 assert part is not None
@@ -152,11 +178,11 @@ class HeldSteps(GatherReduceSchedule):
                     u.shard_grad = part.clone()
                 u.grad_full = None
                 u.grad_filled = []
-        for u in self._units:
+        for u in w._units:
             u.publish_grads()
-        self._synced_steps += 1
-        if self._compression is not None:
-            self._compression.advance()
+        w._synced_steps += 1
+        if w._compression is not None:
+            w._compression.advance()
         self.reshard()
 
     def reshard(self) -> None:
@@ -165,12 +191,13 @@ class HeldSteps(GatherReduceSchedule):
         Raises:
             ShardlineError: gradients are still accumulating (``reduce_grads()`` ends that).
         """
-        if self._accumulating:
+        w = self._w
+        if w._accumulating:
             raise ShardlineError("reshard() during an accumulating hold; call reduce_grads()")
-        self._held = False
-        if self.stage == 3:
-            for u in self._units:
-                self._release(u)
+        w._held = False
+        if w.stage == 3:
+            for u in w._units:
+                self._schedule._release(u)
 
     @contextlib.contextmanager
     def whole_parameters(self, *, writeback: bool = False) -> Iterator[None]:
@@ -181,29 +208,30 @@ class HeldSteps(GatherReduceSchedule):
         dtype already. ``writeback``: values written into them inside are
         this rank's parts afterwards (a full state dict loaded).
         """
+        w = self._w
         shown: dict[torch.nn.Parameter, torch.Tensor] = {}
         values: list[torch.Tensor] = []
-        held, self._held = self._held, True  # the module may run inside: hooks stand aside
-        for u in self._units:
+        held, w._held = w._held, True  # the module may run inside: hooks stand aside
+        for u in w._units:
             current = (
                 u.param_state is ParamState.GATHERED
                 and u.cdtype == u.wdtype
-                and not self._needs_gather
+                and not w._needs_gather
             )
-            values.append(u.full if current else self._gather_master(u))
+            values.append(u.full if current else self._layout._gather_master(u))
             for p, o in zip(u.params, u.offsets, strict=True):
                 shown[p] = p.data
                 p.data = values[-1][o : o + p.numel()].view(p.shape)
         try:
             yield
         finally:
-            self._held = held
+            w._held = held
             for p, data in shown.items():
                 p.data = data
             if writeback:
                 with torch.no_grad():
-                    for u, v in zip(self._units, values, strict=True):
+                    for u, v in zip(w._units, values, strict=True):
                         if u.hi > u.lo and not (u.shard_is_view and v is u.full):
                             u.shard.copy_(v[u.lo : u.hi])
                         u.dev_shard = None  # offload: the device copy is stale
-                self._needs_gather = self.stage < 3
+                w._needs_gather = w.stage < 3

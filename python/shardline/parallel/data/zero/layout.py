@@ -11,18 +11,44 @@ units out afresh, reading nothing from the old ones and communicating nothing (`
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch import nn
 
 from shardline.parallel.data.zero.base import ZeroBase
 from shardline.parallel.data.zero.grouping import UnitPlan, plan_units
 from shardline.parallel.data.zero.units import Unit
 from shardline.parallel.replaced import mark_replaced
 
-__all__ = ["UnitLayout"]
+__all__ = ["UnitLayout", "move_buffers"]
 
 
-class UnitLayout(ZeroBase):
-    """Building and re-forming the units (see the module docstring)."""
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Moves ``module``'s buffers (not its parameters) to ``device`` (a host-kept model)."""
+    for mod in module.modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and buf.device != device:
+                mod._buffers[name] = buf.to(device)
+
+
+class UnitLayout:
+    """Building and re-forming the units (see the module docstring).
+
+    A part of ``ShardedDataParallel``, which owns it: it lays the units out into the
+    wrapper's fields (``base.ZeroBase``), which it reaches through a weak reference, so the
+    wrapper is freed as before.
+    """
+
+    def __init__(self, wrapper: ZeroBase) -> None:
+        self._wrapper = weakref.ref(wrapper)
+
+    @property
+    def _w(self) -> ZeroBase:
+        """The wrapper whose units these are."""
+        w = self._wrapper()
+        assert w is not None, "the ShardedDataParallel of this layout was freed"
+        return w
 
     def _install(self, plan: UnitPlan, order: list[str]) -> None:
         """Builds the units of ``plan`` and everything derived from them.
@@ -30,50 +56,51 @@ class UnitLayout(ZeroBase):
         The parameters' current values (``.data``) are laid out; ``order`` (module names as
         they ran) fixes the backward order of units, registration order when empty.
         """
-        mp = self.mixed_precision
-        self._plan = plan
-        self._order = list(order)
-        self._bw_gathered = set()
-        self._units = []
+        w = self._w
+        mp = w.mixed_precision
+        w._plan = plan
+        w._order = list(order)
+        w._bw_gathered = set()
+        w._units = []
         for spec in plan.units:
             unit = Unit(
                 index=spec.index,
                 names=list(spec.params),
-                params=[self._by_name[n] for n in spec.params],
-                world_size=self.group.world_size,
-                rank=self.group.rank,
+                params=[w._by_name[n] for n in spec.params],
+                world_size=w.group.world_size,
+                rank=w.group.rank,
                 cdtype=mp.compute_dtype(spec.dtype),
                 wdtype=mp.master_dtype(spec.dtype),
                 rdtype=mp.reduction_dtype(spec.dtype),
                 modules=list(spec.modules),
                 owner=spec.owner,
-                offload=self.offload,
+                offload=w.offload,
             )
-            unit.build(self._device, shard_is_view=self.stage < 3 and unit.cdtype == unit.wdtype)
-            if self.stage == 3 and self._host_model:
+            unit.build(w._device, shard_is_view=w.stage < 3 and unit.cdtype == unit.wdtype)
+            if w.stage == 3 and w._host_model:
                 unit.free()  # the model is in host memory: one unit on the GPU at a time
-            self._units.append(unit)
-        self._unit_of = {id(p): u for u in self._units for p in u.params}
-        self._slot = {id(p): i for u in self._units for i, p in enumerate(u.params)}
-        self._local_ids = {id(loc) for u in self._units for loc in u.locals}
+            w._units.append(unit)
+        w._unit_of = {id(p): u for u in w._units for p in u.params}
+        w._slot = {id(p): i for u in w._units for i, p in enumerate(u.params)}
+        w._local_ids = {id(loc) for u in w._units for loc in u.locals}
         mark_replaced(
             (
                 (name, p)
-                for u in self._units
+                for u in w._units
                 for name, p in zip(u.names, u.params, strict=True)
-                if id(p) not in self._local_ids
+                if id(p) not in w._local_ids
             ),
-            f"sl.distribute(strategy='zero{self.stage}')",
+            f"sl.distribute(strategy='zero{w.stage}')",
         )
         position = {name: i for i, name in enumerate(order)}
-        self._module_units = {}
+        w._module_units = {}
         last_use: dict[int, float] = {}
-        for pos, (mname, mod) in enumerate(self.module.named_modules(remove_duplicate=False)):
+        for pos, (mname, mod) in enumerate(w.module.named_modules(remove_duplicate=False)):
             units = sorted(
                 {
                     u.index: u
                     for p in mod.parameters(recurse=False)
-                    if (u := self._unit_of.get(id(p))) is not None
+                    if (u := w._unit_of.get(id(p))) is not None
                 }.values(),
                 key=lambda u: u.index,
             )
@@ -82,17 +109,33 @@ class UnitLayout(ZeroBase):
             where = position.get(mname, len(position) + pos)
             for u in units:
                 last_use[u.index] = max(last_use.get(u.index, -1), where)
-            if mod not in self._module_units:
-                self._module_units[mod] = units
+            if mod not in w._module_units:
+                w._module_units[mod] = units
                 for u in units:
                     u.expected_uses += 1
         # Backward gathers units in the reverse order of their last use in forward.
-        self._bw_order = sorted(self._units, key=lambda u: (-last_use[u.index], -u.index))
-        self._bw_pos = {u.index: i for i, u in enumerate(self._bw_order)}
-        self._rs_order = [u for u in reversed(self._units) if u.trainable]
-        if self.stage == 3:
-            for u in self._units:
+        w._bw_order = sorted(w._units, key=lambda u: (-last_use[u.index], -u.index))
+        w._bw_pos = {u.index: i for i, u in enumerate(w._bw_order)}
+        w._rs_order = [u for u in reversed(w._units) if u.trainable]
+        if w.stage == 3:
+            for u in w._units:
                 u.free()
+
+    def plan(self) -> str:
+        """The units: ``N layers -> U units, G all-gathers per step``, then one row per unit.
+
+        Units kept whole for an optimizer are marked with their rank, and the optimizer and
+        its reason are named.
+        """
+        w = self._w
+        head = f"ShardedDataParallel stage {w.stage} on {w.group.world_size} ranks"
+        text = f"{head}: {w._plan.table(w.stage)}"
+        for name, why in w._whole_reasons.items():
+            text += (
+                f"\n  {name} steps whole parameters ({why}): each of its units is held, "
+                "stepped and broadcast by one rank"
+            )
+        return text
 
     def _gather_master(self, u: Unit) -> torch.Tensor:
         """Every rank's master shard of ``u``, concatenated (a fresh tensor)."""
@@ -103,20 +146,22 @@ class UnitLayout(ZeroBase):
 
         ``None`` counts as zeros. A whole unit's comes from its owner.
         """
-        out = torch.zeros(u.padded, dtype=dtype, device=self._device)
+        w = self._w
+        out = torch.zeros(u.padded, dtype=dtype, device=w._device)
         if u.owner is not None:
             if u.rank == u.owner and mine is not None:
                 out[: u.numel].copy_(mine.reshape(-1))
-            self.group.broadcast(out, src=u.owner)
+            w.group.broadcast(out, src=u.owner)
             return out
-        part = torch.zeros(u.shard_numel, dtype=dtype, device=self._device)
+        part = torch.zeros(u.shard_numel, dtype=dtype, device=w._device)
         if mine is not None:
             part.copy_(mine.reshape(-1))
-        self.group.all_gather(out, part)
+        w.group.all_gather(out, part)
         return out
 
     def _optimizer_has_state(self) -> bool:
-        opt = self._optimizer
+        w = self._w
+        opt = w._optimizer
         return opt is not None and any(opt.state.values())
 
     @torch.no_grad()
@@ -128,16 +173,17 @@ class UnitLayout(ZeroBase):
         over them stays valid; parameters and the reduced gradients move to the new layout,
         one old unit materialised at a time.
         """
-        names = [self._module_names[m] for m in self._module_units]
+        w = self._w
+        names = [w._module_names[m] for m in w._module_units]
         index = {n: i for i, n in enumerate(names)}
         mine = [index[n] for n in dict.fromkeys(trace) if n in index]
         mine += [i for i in range(len(names)) if i not in set(mine)]
-        order_t = torch.tensor(mine, dtype=torch.int64, device=self._device)
-        if self._replicate is not None:  # every replica lays its units out the same way
-            self._replicate.broadcast(order_t, src=0)
-        self.group.broadcast(order_t, src=0)
+        order_t = torch.tensor(mine, dtype=torch.int64, device=w._device)
+        if w._replicate is not None:  # every replica lays its units out the same way
+            w._replicate.broadcast(order_t, src=0)
+        w.group.broadcast(order_t, src=0)
         order = [names[i] for i in order_t.tolist()]
-        self._relayout(order, self._whole)
+        self._relayout(order, w._whole)
 
     @torch.no_grad()
     def _relayout(self, order: list[str], whole: frozenset[str]) -> None:
@@ -146,21 +192,22 @@ class UnitLayout(ZeroBase):
         Values and reduced gradients move one old unit at a time; nothing happens when the
         plan is the same. A collective: every rank calls it with the same arguments.
         """
+        w = self._w
         plan = plan_units(
-            self.module,
-            self._plan.threshold,
+            w.module,
+            w._plan.threshold,
             order,
-            dtypes=self._dtypes,
+            dtypes=w._dtypes,
             whole=whole,
-            world_size=self.group.world_size,
-            blocks=self._plan.blocks,
+            world_size=w.group.world_size,
+            blocks=w._plan.blocks,
         )
-        self._whole = whole
+        w._whole = whole
         if [(u.params, u.owner) for u in plan.units] == [
-            (u.params, u.owner) for u in self._plan.units
+            (u.params, u.owner) for u in w._plan.units
         ]:
             return
-        old_units, old_unit_of, old_slot = self._units, self._unit_of, self._slot
+        old_units, old_unit_of, old_slot = w._units, w._unit_of, w._slot
         old_locals = {
             id(p): loc for u in old_units for p, loc in zip(u.params, u.locals, strict=True)
         }
@@ -175,7 +222,7 @@ class UnitLayout(ZeroBase):
         grads: dict[int, torch.Tensor] = {}
         for spec in plan.units:  # point every parameter at its master values, unit by unit
             for name in spec.params:
-                p = self._by_name[name]
+                p = w._by_name[name]
                 old = old_unit_of[id(p)]
                 o, n = old.offsets[old_slot[id(p)]], p.numel()
                 values, grad = materialise(old)
@@ -186,19 +233,19 @@ class UnitLayout(ZeroBase):
                     grads[id(p)] = grad[o : o + n].clone()
         cache.clear()
         self._install(plan, order)
-        for u in self._units:
+        for u in w._units:
             fresh = u.locals
             u.locals = [old_locals[id(p)] for p in u.params]
             for loc, new in zip(u.locals, fresh, strict=True):
                 loc.data = new.data
-        self._local_ids = {id(loc) for loc in old_locals.values()}
-        for u in self._units:
+        w._local_ids = {id(loc) for loc in old_locals.values()}
+        for u in w._units:
             if not any(id(p) in grads for p in u.params):
                 u.publish_grads()  # drops gradients shown for the old layout, if any
                 continue
-            keep_full = self.stage == 1 and u.owner is None
+            keep_full = w.stage == 1 and u.owner is None
             full = torch.zeros(u.padded, dtype=u.rdtype if keep_full else u.wdtype)
-            full = full.to(self._device)
+            full = full.to(w._device)
             for p, o in zip(u.params, u.offsets, strict=True):
                 if id(p) in grads:
                     full[o : o + p.numel()].copy_(grads[id(p)])
@@ -214,7 +261,8 @@ class UnitLayout(ZeroBase):
     @property
     def _param_home(self) -> torch.device:
         """Where parameters wait between two layouts: the host for a host-kept model."""
-        return torch.device("cpu") if self._host_model else self._device
+        w = self._w
+        return torch.device("cpu") if w._host_model else w._device
 
     @torch.no_grad()
     def _reinstall(self, whole: frozenset[str]) -> None:
@@ -225,39 +273,41 @@ class UnitLayout(ZeroBase):
         gathered storage) and without communicating. The local parameter objects are kept (an
         optimizer holds them); gradients are dropped.
         """
+        w = self._w
         plan = plan_units(
-            self.module,
-            self._plan.threshold,
-            dtypes=self._dtypes,
+            w.module,
+            w._plan.threshold,
+            dtypes=w._dtypes,
             whole=whole,
-            world_size=self.group.world_size,
-            blocks=self._plan.blocks,
+            world_size=w.group.world_size,
+            blocks=w._plan.blocks,
         )
         old_locals = {
-            id(p): loc for u in self._units for p, loc in zip(u.params, u.locals, strict=True)
+            id(p): loc for u in w._units for p, loc in zip(u.params, u.locals, strict=True)
         }
-        for name, p in self._by_name.items():
+        for name, p in w._by_name.items():
             p.grad = None
             # The original dtype, as a fresh wrapper's model has it (not the compute dtype).
-            p.data = torch.zeros(p.shape, dtype=self._dtypes[name], device=self._param_home)
+            p.data = torch.zeros(p.shape, dtype=w._dtypes[name], device=self._param_home)
         for loc in old_locals.values():
             loc.grad = None  # shaped for the old layout
-        self._whole = whole
+        w._whole = whole
         self._install(plan, [])
-        for u in self._units:  # as in _relayout: an optimizer holds the old local objects
+        for u in w._units:  # as in _relayout: an optimizer holds the old local objects
             fresh = u.locals
             u.locals = [old_locals[id(p)] for p in u.params]
             for loc, new in zip(u.locals, fresh, strict=True):
                 loc.data = new.data
-        self._local_ids = {id(loc) for loc in old_locals.values()}
+        w._local_ids = {id(loc) for loc in old_locals.values()}
 
     def _full_grads(self, u: Unit) -> torch.Tensor | None:
         """``u``'s reduced gradients, full length (stage 1 keeps them; else all-gathered).
 
         A whole unit's are its owner's, at every stage.
         """
+        w = self._w
         if not u.trainable:
             return None
-        if self.stage == 1 and u.owner is None:
+        if w.stage == 1 and u.owner is None:
             return u.grad_full
         return self._gather_flat(u, u.shard_grad, u.wdtype)

@@ -10,6 +10,7 @@ elementwise optimizer state has the same range.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -25,30 +26,48 @@ from shardline.parallel.contract import (
     named_tensors,
 )
 from shardline.parallel.data.compressed import split_state, state_entries
-from shardline.parallel.data.zero.held import HeldSteps
+from shardline.parallel.data.zero.base import ZeroBase
+from shardline.parallel.data.zero.layout import UnitLayout
 from shardline.parallel.data.zero.units import ParamState, Unit
 from shardline.parallel.placement import Placement, place
 
-__all__ = ["ShardedStateDicts"]
+__all__ = ["StateDicts"]
 
 
-class ShardedStateDicts(HeldSteps):
-    """Full and sharded state dicts (see the module docstring)."""
+class StateDicts:
+    """Full and sharded state dicts of a wrapper's units (see the module docstring).
+
+    A part of ``ShardedDataParallel``, which delegates to it: it reads the wrapper's units
+    (the fields of ``base.ZeroBase``) through a weak reference, so the wrapper is freed as
+    before, and gathers master values through their ``UnitLayout``.
+    """
+
+    def __init__(self, wrapper: ZeroBase, layout: UnitLayout) -> None:
+        self._wrapper = weakref.ref(wrapper)
+        self._layout = layout  # the wrapper's: master values gathered
+
+    @property
+    def _w(self) -> ZeroBase:
+        """The wrapper whose units these state dicts describe."""
+        w = self._wrapper()
+        assert w is not None, "the ShardedDataParallel of these state dicts was freed"
+        return w
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """Full tensors under the plain model's names (collective: call it on every rank)."""
+        w = self._w
         full: dict[nn.Parameter, torch.Tensor] = {}
-        for u in self._units:
-            values = self._gather_master(u)
+        for u in w._units:
+            values = self._layout._gather_master(u)
             for p, name, o in zip(u.params, u.names, u.offsets, strict=True):
-                full[p] = values[o : o + p.numel()].view(p.shape).to(self._dtypes[name])
+                full[p] = values[o : o + p.numel()].view(p.shape).to(w._dtypes[name])
         # The module's own state_dict() over the gathered values: a tensor-parallel layer in it
         # then gathers its slices into the global tensors, as it does unwrapped.
         shown = {p: p.data for p in full}
         try:
             for p, value in full.items():
                 p.data = value
-            out = self.module.state_dict(*args, **kwargs)
+            out = w.module.state_dict(*args, **kwargs)
             # keep_vars=True would hand out the parameters, whose data is put back below.
             return type(out)(
                 (k, v.detach() if isinstance(v, nn.Parameter) else v) for k, v in out.items()
@@ -60,8 +79,9 @@ class ShardedStateDicts(HeldSteps):
     @torch.no_grad()
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Loads full tensors (as from the plain model's ``state_dict``) into the shards."""
-        expected = named_tensors(self.module)
-        names = {id(p): n for u in self._units for p, n in zip(u.params, u.names, strict=True)}
+        w = self._w
+        expected = named_tensors(w.module)
+        names = {id(p): n for u in w._units for p, n in zip(u.params, u.names, strict=True)}
         shapes = {
             k: self._global_shape(names[id(v)], v) if id(v) in names else tuple(v.shape)
             for k, v in expected.items()
@@ -90,14 +110,14 @@ class ShardedStateDicts(HeldSteps):
             if key not in state_dict:
                 continue
             src = state_dict[key]
-            u = self._unit_of.get(id(value))
+            u = w._unit_of.get(id(value))
             if u is None:
                 value.copy_(src)
                 continue
             i = next(j for j, p in enumerate(u.params) if p is value)
             name, (a, _b) = u.names[i], u.local_ranges[i]
             _fill(self._placed(name, u.locals[i].data, a, value), src.detach().to(u.wdtype))
-            if u.param_state is ParamState.GATHERED and self.stage < 3:
+            if u.param_state is ParamState.GATHERED and w.stage < 3:
                 o = u.offsets[i]
                 mine = self._placed(name, u.full[o : o + value.numel()], 0, value)
                 _fill(mine, src.detach().to(u.cdtype))
@@ -107,13 +127,14 @@ class ShardedStateDicts(HeldSteps):
 
     def layout(self) -> dict[str, Any]:
         """How this wrapper lays state out (recorded in checkpoints, for people to read)."""
-        mp = self.mixed_precision
-        sharded = ["optimizer_state", "gradients", "parameters"][: self.stage]
+        w = self._w
+        mp = w.mixed_precision
+        sharded = ["optimizer_state", "gradients", "parameters"][: w.stage]
         return {
-            "strategy": f"zero{self.stage}",
-            "mesh": {"dp": self.group.world_size},
+            "strategy": f"zero{w.stage}",
+            "mesh": {"dp": w.group.world_size},
             "sharded": sharded,
-            "whole_parameters": len(self._whole),
+            "whole_parameters": len(w._whole),
             "precision": {
                 "param_dtype": str(mp.param_dtype) if mp.param_dtype else None,
                 "reduce_dtype": str(mp.reduce_dtype) if mp.reduce_dtype else None,
@@ -128,9 +149,10 @@ class ShardedStateDicts(HeldSteps):
         ``Shard`` without pieces elsewhere. A parameter tied to another (one tensor under two
         names) gives the same object for both.
         """
+        w = self._w
         out: dict[str, Any] = {}
         shards: dict[int, Shard] = {}
-        for u in self._units:
+        for u in w._units:
             for p, name, loc, (a, _b) in zip(
                 u.params, u.names, u.locals, u.local_ranges, strict=True
             ):
@@ -138,16 +160,17 @@ class ShardedStateDicts(HeldSteps):
                     shards[id(p)] = Shard(self._global_shape(name, p), [])
                 else:
                     shards[id(p)] = self._placed(name, loc.detach(), a, p)
-        for key, value in named_tensors(self.module).items():
+        for key, value in named_tensors(w.module).items():
             out[key] = shards.get(id(value), value)
         buffers = [
-            (u.index, u.entries(), u.padded) for u in self._units if u.owner is None and u.trainable
+            (u.index, u.entries(), u.padded) for u in w._units if u.owner is None and u.trainable
         ]
-        out.update(state_entries(self._compression, buffers, self._device))
+        out.update(state_entries(w._compression, buffers, w._device))
         return out
 
     def _global_shape(self, name: str, p: torch.Tensor) -> tuple[int, ...]:
-        placement: Placement | None = self._placements.get(name)
+        w = self._w
+        placement: Placement | None = w._placements.get(name)
         return placement.global_shape if placement is not None else tuple(p.shape)
 
     def _placed(self, name: str, local: torch.Tensor, start: int, p: torch.Tensor) -> Shard:
@@ -156,7 +179,8 @@ class ShardedStateDicts(HeldSteps):
         Of the plain model's tensor; where ``p`` is itself a slice (a tensor-parallel weight),
         of the global one, through its placement (``parallel.placement``).
         """
-        return place(self._placements.get(name), local, start, p.shape)
+        w = self._w
+        return place(w._placements.get(name), local, start, p.shape)
 
     @torch.no_grad()
     def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
@@ -165,7 +189,8 @@ class ShardedStateDicts(HeldSteps):
         Values that are this wrapper's own tensors (a checkpoint filled them in place) are not
         copied.
         """
-        sd = split_state(sd, self._compression)
+        w = self._w
+        sd = split_state(sd, w._compression)
         mine = self.sharded_state_dict()
         unknown = sorted(set(sd) - set(mine))
         if unknown:
@@ -195,9 +220,10 @@ class ShardedStateDicts(HeldSteps):
         moments, ``step``) are ``Shard``s held by that rank alone. ``param_groups`` list
         parameter names instead of indices.
         """
+        w = self._w
         state: dict[str, dict[str, Any]] = {}
         names: dict[int, str] = {}
-        for u in self._units:
+        for u in w._units:
             for p, name, loc, (a, _b) in zip(
                 u.params, u.names, u.locals, u.local_ranges, strict=True
             ):
@@ -226,10 +252,9 @@ class ShardedStateDicts(HeldSteps):
 
         The unit layout is fixed from here on (no re-forming after the first backward).
         """
-        self._trace = None
-        local = {
-            name: loc for u in self._units for name, loc in zip(u.names, u.locals, strict=True)
-        }
+        w = self._w
+        w._trace = None
+        local = {name: loc for u in w._units for name, loc in zip(u.names, u.locals, strict=True)}
         unknown = sorted(set(sd["state"]) - set(local))
         if unknown:
             raise InvalidArgumentError(
@@ -255,7 +280,8 @@ class ShardedStateDicts(HeldSteps):
         return out.view(loc.shape)
 
     def _where(self, name: str) -> tuple[Unit, int]:
-        return next((u, i) for u in self._units for i, n in enumerate(u.names) if n == name)
+        w = self._w
+        return next((u, i) for u in w._units for i, n in enumerate(u.names) if n == name)
 
     def refresh(self) -> None:
         """Re-gathers parameters from the shards before the next forward.
@@ -263,18 +289,20 @@ class ShardedStateDicts(HeldSteps):
         Call it after writing into the local shards directly (a checkpoint loader does);
         ``load_state_dict`` and optimizer steps do it for you. Stage 3 always gathers.
         """
-        for u in self._units:
+        w = self._w
+        for u in w._units:
             u.dev_shard = None  # offload: the device copy is stale
-        if self.stage < 3:
-            self._needs_gather = True
+        if w.stage < 3:
+            w._needs_gather = True
 
     def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state with full tensors, keyed by parameter name (collective)."""
+        w = self._w
         local_name = {
-            id(loc): name for u in self._units for name, loc in zip(u.names, u.locals, strict=True)
+            id(loc): name for u in w._units for name, loc in zip(u.names, u.locals, strict=True)
         }
         state: dict[str, dict[str, Any]] = {}
-        for u in self._units:
+        for u in w._units:
             if u.owner is not None:
                 state.update(self._owner_state(u, optimizer))
                 continue
@@ -305,8 +333,9 @@ class ShardedStateDicts(HeldSteps):
 
         The unit layout is fixed from here on (no re-forming after the first backward).
         """
-        self._trace = None
-        by_name = {name: (u, i) for u in self._units for i, name in enumerate(u.names)}
+        w = self._w
+        w._trace = None
+        by_name = {name: (u, i) for u in w._units for i, name in enumerate(u.names)}
         unknown = [n for n in state_dict["state"] if n not in by_name]
         if unknown:
             raise InvalidArgumentError(
@@ -332,6 +361,7 @@ class ShardedStateDicts(HeldSteps):
 
     def _owner_state(self, u: Unit, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
         """A whole unit's optimizer state, as its owner holds it, on every rank (collective)."""
+        w = self._w
         assert u.owner is not None
         mine: dict[str, dict[str, Any]] | None = None
         if u.rank == u.owner:
@@ -343,16 +373,17 @@ class ShardedStateDicts(HeldSteps):
                 for name, loc in zip(u.names, u.locals, strict=True)
                 if optimizer.state.get(loc)
             }
-        got: dict[str, dict[str, Any]] = broadcast_object(mine, src=u.owner, group=self.group)
+        got: dict[str, dict[str, Any]] = broadcast_object(mine, src=u.owner, group=w.group)
         return {
             name: {
-                k: v.to(self._device) if torch.is_tensor(v) and v.dim() else v
+                k: v.to(w._device) if torch.is_tensor(v) and v.dim() else v
                 for k, v in entries.items()
             }
             for name, entries in got.items()
         }
 
     def _gather_state(self, u: Unit, optimizer: torch.optim.Optimizer, key: str) -> torch.Tensor:
+        w = self._w
         lo = u.lo
         flat: torch.Tensor | None = None
         for loc, o, (a, b) in zip(u.locals, u.offsets, u.local_ranges, strict=True):
@@ -360,12 +391,12 @@ class ShardedStateDicts(HeldSteps):
             if v is None or b <= a:
                 continue
             if flat is None:
-                flat = torch.zeros(u.shard_numel, dtype=v.dtype, device=self._device)
+                flat = torch.zeros(u.shard_numel, dtype=v.dtype, device=w._device)
             flat[o + a - lo : o + b - lo].copy_(v)
         if flat is None:
-            flat = torch.zeros(u.shard_numel, dtype=u.wdtype, device=self._device)
-        out = torch.empty(u.padded, dtype=flat.dtype, device=self._device)
-        self.group.all_gather(out, flat)
+            flat = torch.zeros(u.shard_numel, dtype=u.wdtype, device=w._device)
+        out = torch.empty(u.padded, dtype=flat.dtype, device=w._device)
+        w.group.all_gather(out, flat)
         return out
 
 

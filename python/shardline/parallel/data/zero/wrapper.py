@@ -69,7 +69,8 @@ from shardline.parallel._common import (
     weak_method,
 )
 from shardline.parallel.data.compressed import comm_stats, resolve_compression
-from shardline.parallel.data.zero.base import TrainingState
+from shardline.parallel.data.zero.base import TrainingState, ZeroBase
+from shardline.parallel.data.zero.binding import OptimizerBinding
 from shardline.parallel.data.zero.grouping import (
     check_units,
     default_unit_mb,
@@ -78,8 +79,11 @@ from shardline.parallel.data.zero.grouping import (
     plan_units,
     unit_blocks,
 )
-from shardline.parallel.data.zero.optimizers import Layout, check_optimizer, rule_for
-from shardline.parallel.data.zero.state_dicts import ShardedStateDicts
+from shardline.parallel.data.zero.held import HeldSteps
+from shardline.parallel.data.zero.layout import UnitLayout, move_buffers
+from shardline.parallel.data.zero.optimizers import Layout, rule_for
+from shardline.parallel.data.zero.schedule import GatherReduceSchedule
+from shardline.parallel.data.zero.state_dicts import StateDicts
 from shardline.parallel.data.zero.units import Unit
 from shardline.parallel.joining import is_joining
 from shardline.parallel.placement import placements_of
@@ -92,15 +96,7 @@ _log = logging.getLogger("shardline")
 _MIB = 1 << 20
 
 
-def _move_buffers(module: nn.Module, device: torch.device) -> None:
-    """Moves ``module``'s buffers (not its parameters) to ``device``."""
-    for mod in module.modules():
-        for name, buf in mod._buffers.items():
-            if buf is not None and buf.device != device:
-                mod._buffers[name] = buf.to(device)
-
-
-class ShardedDataParallel(ShardedStateDicts, ModelParallel):
+class ShardedDataParallel(ZeroBase, ModelParallel):
     """ZeRO stage 1, 2 or 3 around ``module`` (see the module docstring).
 
     Args:
@@ -204,7 +200,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         )
         if self._host_model:
             self._device = self.group.device
-            _move_buffers(module, self._device)
+            move_buffers(module, self._device)
         if not joining:
             check_same_model(
                 self.group,
@@ -244,13 +240,16 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         threshold = int(unit_mb * _MIB)
         rule = units or default_units(self._device, offload)
         blocks = unit_blocks(module, rule, min_bytes=threshold)
-        self._install(plan_units(module, threshold, blocks=blocks), [])
-        pre_forward = weak_method(self, "_pre_forward")
-        post_forward = weak_method(self, "_post_forward")
+        self._layout = UnitLayout(self)  # the units: laid out and re-formed (layout.py)
+        self._layout._install(plan_units(module, threshold, blocks=blocks), [])
+        # The gathers and reductions of each step: the hooks call the schedule (schedule.py).
+        self._schedule = GatherReduceSchedule(self, self._layout)
+        pre_forward = weak_method(self._schedule, "_pre_forward")
+        post_forward = weak_method(self._schedule, "_post_forward")
         for mod in self._module_units:
             self._handles.append(mod.register_forward_pre_hook(pre_forward))
             self._handles.append(mod.register_forward_hook(post_forward))
-        grad_hook = weak_method(self, "_grad_hook")
+        grad_hook = weak_method(self._schedule, "_grad_hook")
         for _, p in named:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(grad_hook))  # type: ignore[no-untyped-call]
@@ -275,17 +274,22 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         self._releasable: list[Unit] = []  # done in backward, freed at the next event
         self._graph_done = True
         self._held = self._accumulating = False  # a step the caller drives (held.py)
+        # The other parts, each with one role: state dicts (state_dicts.py), the steps a
+        # caller drives (held.py), optimizers pointed at the shards (binding.py).
+        self._state_dicts = StateDicts(self, self._layout)
+        self._held_steps = HeldSteps(self, self._layout, self._schedule)
+        self._binding = OptimizerBinding(self, self._layout)
         me = weakref.ref(self)
 
         def before_step(opt: torch.optim.Optimizer, *_: Any) -> None:
             wrapper = me()
             if wrapper is not None and opt not in wrapper._checked_optimizers:
-                wrapper._apply_optimizer_layout(opt, stepping=True)
+                wrapper._binding.apply_layout(opt, stepping=True)
 
         def after_step(opt: torch.optim.Optimizer, *_: Any) -> None:
             wrapper = me()
             if wrapper is not None:
-                wrapper._after_step(opt)
+                wrapper._schedule._after_step(opt)
 
         self._handles.append(register_optimizer_step_pre_hook(before_step))
         self._handles.append(register_optimizer_step_post_hook(after_step))
@@ -300,14 +304,14 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
                 "ShardedDataParallel: forward() while unshard() holds the parameters; run the "
                 "inner module, or call reduce_grads() / reshard() first"
             )
-        self._begin_forward()
+        self._schedule._begin_forward()
         cdt = self.mixed_precision.param_dtype
         if cdt is not None:
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(cdt) if t.is_floating_point() else t, (args, kwargs)
             )
         saved: contextlib.AbstractContextManager[Any] = (
-            torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            torch.autograd.graph.saved_tensors_hooks(self._schedule._pack, self._schedule._unpack)
             if self.stage == 3 and torch.is_grad_enabled()
             else contextlib.nullcontext()
         )
@@ -317,8 +321,85 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         finally:
             self._state = TrainingState.IDLE
             self._unit_stack.clear()
-        self._end_forward()
+        self._schedule._end_forward()
         return out
+
+    # -- steps a caller drives (``held.HeldSteps``) ---------------------------------------------
+
+    def unshard(self, *, accumulate: bool = False) -> None:
+        """Makes every unit whole and keeps it so until ``reduce_grads()`` or ``reshard()``.
+
+        ``accumulate``: the coming backwards' gradients add up whole, one buffer per unit.
+        """
+        self._held_steps.unshard(accumulate=accumulate)
+
+    def fold_grads(self) -> None:
+        """Adds gradients set by hand (not by autograd's accumulation) into the step's buffers."""
+        self._held_steps.fold_grads()
+
+    def whole_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """The step's whole gradient of the (whole) parameter ``p`` so far, in the reduce dtype."""
+        return self._held_steps.whole_grad(p)
+
+    def reduce_grads(self) -> None:
+        """Ends an accumulating hold: one reduction per unit, this rank's parts kept."""
+        self._held_steps.reduce_grads()
+
+    def reshard(self) -> None:
+        """Ends a hold: ZeRO-3 frees the whole parameters; the module hooks resume."""
+        self._held_steps.reshard()
+
+    def whole_parameters(
+        self, *, writeback: bool = False
+    ) -> contextlib.AbstractContextManager[None]:
+        """Inside, the module's parameters are whole and hold the master values."""
+        return self._held_steps.whole_parameters(writeback=writeback)
+
+    # -- state dicts (``state_dicts.StateDicts``) ------------------------------------------------
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Full tensors under the plain model's names (collective: call it on every rank)."""
+        return self._state_dicts.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Loads full tensors (as from the plain model's ``state_dict``) into the shards."""
+        return self._state_dicts.load_state_dict(state_dict, strict, assign)
+
+    def layout(self) -> dict[str, Any]:
+        """How this wrapper lays state out (recorded in checkpoints, for people to read)."""
+        return self._state_dicts.layout()
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards (one-range ``Shard``s) and buffers, under the plain model's names."""
+        return self._state_dicts.sharded_state_dict()
+
+    def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
+        """Takes ``sharded_state_dict()``'s shape back; parameters are re-gathered before use."""
+        self._state_dicts.load_sharded_state_dict(sd)
+
+    def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's optimizer state by parameter name, without communication."""
+        return self._state_dicts.sharded_optim_state_dict(optimizer)
+
+    def load_sharded_optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]
+    ) -> None:
+        """Takes ``sharded_optim_state_dict()``'s shape back into ``optimizer`` (this rank's)."""
+        self._state_dicts.load_sharded_optim_state_dict(optimizer, sd)
+
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state with full tensors, keyed by parameter name (collective)."""
+        return self._state_dicts.optim_state_dict(optimizer)
+
+    def load_optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> None:
+        """Loads ``optim_state_dict()`` output (full tensors by name) into this rank's shards."""
+        self._state_dicts.load_optim_state_dict(optimizer, state_dict)
+
+    def refresh(self) -> None:
+        """Re-gathers parameters from the shards before the next forward (after direct writes)."""
+        self._state_dicts.refresh()
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """This rank's local (sharded) parameters: what an optimizer should step."""
@@ -380,14 +461,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
         Units kept whole for an optimizer are marked with their rank, and the optimizer and
         its reason are named.
         """
-        head = f"ShardedDataParallel stage {self.stage} on {self.group.world_size} ranks"
-        text = f"{head}: {self._plan.table(self.stage)}"
-        for name, why in self._whole_reasons.items():
-            text += (
-                f"\n  {name} steps whole parameters ({why}): each of its units is held, "
-                "stepped and broadcast by one rank"
-            )
-        return text
+        return self._layout.plan()
 
     @property
     def compression(self) -> Compressor | None:
@@ -430,70 +504,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
             InvalidArgumentError: the optimizer holds foreign tensors (unless ``shared``), has
                 stepped already, or cannot be sharded by ZeRO (the message says what works).
         """
-        check_optimizer(optimizer, self.stage)
-        local_of = {
-            id(p): loc for u in self._units for p, loc in zip(u.params, u.locals, strict=True)
-        }
-        for g in optimizer.param_groups:
-            foreign = [p for p in g["params"] if id(p) not in local_of]
-            if foreign and not shared:
-                raise InvalidArgumentError(
-                    f"distribute(): the optimizer holds {len(foreign)} tensors that are not "
-                    "parameters of the model; build the optimizer from model.parameters()"
-                )
-        built = {id(p): dict(entries) for p, entries in optimizer.state.items() if entries}
-        for g in optimizer.param_groups:
-            g["params"] = [local_of.get(id(p), p) for p in g["params"]]
-        for p in [p for p in optimizer.state if id(p) in local_of]:
-            del optimizer.state[p]
-        self._optimizer = optimizer
-        self._apply_optimizer_layout(optimizer, stepping=False)
-        for u in self._units:  # the layout is final now: cut the built state to it
-            for p, loc, (a, b) in zip(u.params, u.locals, u.local_ranges, strict=True):
-                entries = built.get(id(p))
-                if entries is None or (u.owner is not None and u.owner != u.rank):
-                    continue
-                optimizer.state[loc] = {
-                    k: v.detach().reshape(-1)[a:b].clone().view(loc.shape)
-                    if torch.is_tensor(v) and v.shape == p.shape and v.dim() > 0
-                    else v
-                    for k, v in entries.items()
-                }
-        return optimizer
-
-    def _apply_optimizer_layout(self, optimizer: torch.optim.Optimizer, *, stepping: bool) -> None:
-        """Keeps the parameters of a per-parameter optimizer whole (a collective re-layout).
-
-        Runs when ``distribute()`` binds the optimizer, or before its first step (a global
-        step pre-hook) for one built after wrapping; optimizers over other parameters are
-        ignored.
-        """
-        names = {id(loc): n for u in self._units for n, loc in zip(u.names, u.locals, strict=True)}
-        mine = [names[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in names]
-        rule = rule_for(type(optimizer))
-        if mine and rule.layout is Layout.REFUSED:
-            check_optimizer(optimizer, self.stage)  # raises, saying what works instead
-        self._checked_optimizers.add(optimizer)
-        if not mine or rule.layout is not Layout.WHOLE:
-            return
-        want = self._whole | frozenset(mine)
-        if want == self._whole:
-            return
-        if stepping and any(optimizer.state.values()):
-            raise InvalidArgumentError(
-                f"{type(optimizer).__name__} needs whole parameters ({rule.reason}), but it "
-                "already holds state for the shards; pass it to shardline.distribute(model, "
-                "optimizer, ...) or build it before its first step"
-            )
-        self._whole_reasons[type(optimizer).__name__] = rule.reason
-        if is_joining() and not stepping:
-            # Joining a running elastic job: the values come with the restore, and the ranks
-            # already there lay the same plan out in regroup() without communicating.
-            self._reinstall(want)
-        else:
-            self._relayout(self._order, want)
-        if self.group.rank == 0:
-            _log.info("%s", self.plan())
+        return self._binding.bind_optimizer(optimizer, shared=shared)
 
     def regroup(self, group: ProcessGroup) -> None:
         """Moves the wrapper onto ``group`` in place (elastic training: ranks were lost or added).
@@ -566,7 +577,7 @@ class ShardedDataParallel(ShardedStateDicts, ModelParallel):
                 params = [p for g in opt.param_groups for p in g["params"] if id(p) in names]
                 whole = frozenset(names[id(p)] for p in params)
                 self._whole_reasons[type(opt).__name__] = rule.reason
-        self._reinstall(whole)
+        self._layout._reinstall(whole)
         self._trace, self._traced = [], False
         self._require_sync = True
         self._sync_backward = True
