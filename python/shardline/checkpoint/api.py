@@ -66,7 +66,7 @@ def _group(group: ProcessGroup | None) -> ProcessGroup | None:
 
 
 def _device(group: ProcessGroup) -> torch.device:
-    return torch.device(getattr(group._impl, "device", "cpu"))
+    return group.device
 
 
 class SaveHandle:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -129,6 +129,10 @@ class ProcessGroup:
         """
         return self._timeout
 
+    def engine(self) -> Any:
+        """The native engine's communicator under this group (symmetric memory); else None."""
+        return getattr(self._impl, "engine", None)
+
     @property
     def transport(self) -> str:
         """How ranks talk: ``"single"``, ``"shm"``, ``"tcp"``, ``"hierarchical"`` or ``"gloo"``."""
@@ -238,7 +242,7 @@ class ProcessGroup:
         """
         t = self._t(tensor, "all_reduce(tensor)")
         name = parse_op(op, dtype=t.dtype, what="all_reduce", rank=self.rank)
-        self._count("all_reduce", traffic.all_reduce(self.world_size, _nbytes(t)))
+        self._count("all_reduce", traffic.all_reduce(self.world_size, t.nbytes))
         return self._submit(
             "all_reduce",
             lambda a: self._impl.all_reduce(t, name, async_op=a),
@@ -273,7 +277,7 @@ class ProcessGroup:
             lambda: f"world_size {self.world_size} x output's {out.numel()}",
         )
         name = parse_op(op, dtype=out.dtype, what="reduce_scatter", rank=self.rank)
-        self._count("reduce_scatter", traffic.reduce_scatter(self.world_size, _nbytes(inp)))
+        self._count("reduce_scatter", traffic.reduce_scatter(self.world_size, inp.nbytes))
         return self._submit(
             "reduce_scatter",
             lambda a: self._impl.reduce_scatter(out, inp, name, async_op=a),
@@ -308,7 +312,7 @@ class ProcessGroup:
             equal = len(set(counts)) == 1
             self._count(
                 "all_gather",
-                traffic.all_gather(self.world_size, _nbytes(inp), _nbytes(flat)),
+                traffic.all_gather(self.world_size, inp.nbytes, flat.nbytes),
             )
             return self._submit(
                 "all_gather",
@@ -326,7 +330,7 @@ class ProcessGroup:
             out,
             lambda: f"world_size {self.world_size} x input's {inp.numel()}",
         )
-        self._count("all_gather", traffic.all_gather(self.world_size, _nbytes(inp), _nbytes(out)))
+        self._count("all_gather", traffic.all_gather(self.world_size, inp.nbytes, out.nbytes))
         return self._submit(
             "all_gather",
             lambda a: self._impl.all_gather(out, inp, None, async_op=a),
@@ -453,7 +457,7 @@ class ProcessGroup:
                 f"all_to_all on rank {self.rank}: {inp.numel()} elements do not split evenly "
                 f"among {self.world_size} ranks; pad the input to a multiple of world_size"
             )
-        self._count("all_to_all", traffic.all_to_all(self.world_size, _nbytes(inp)))
+        self._count("all_to_all", traffic.all_to_all(self.world_size, inp.nbytes))
         return self._submit(
             "all_to_all",
             lambda a: self._impl.all_to_all(out, inp, async_op=a),
@@ -516,7 +520,7 @@ class ProcessGroup:
     def _rooted(
         self, t: torch.Tensor, root: bool, *, to_root: bool, parts: bool
     ) -> tuple[float, float]:
-        return traffic.rooted(self.world_size, _nbytes(t), root=root, to_root=to_root, parts=parts)
+        return traffic.rooted(self.world_size, t.nbytes, root=root, to_root=to_root, parts=parts)
 
     # -- groups ------------------------------------------------------------------------------
 
@@ -592,7 +596,3 @@ def _seconds(timeout: timedelta | float, rank: int) -> float:
             f"new_group on rank {rank}: timeout must be positive, got {seconds} s"
         )
     return seconds
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

@@ -51,7 +51,7 @@ def symmetric_empty(
     shape = _shape(size)
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    native = getattr(g._impl, "_g", None)
+    native = g.engine()
     if g.transport != "shm" or not isinstance(native, _native.Group) or nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     path = f"/dev/shm/shardline-{os.getpid()}-symm-{secrets.token_hex(6)}"

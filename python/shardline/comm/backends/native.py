@@ -169,6 +169,11 @@ class NativeBackend:
         self.world_size = group.world_size
         self.transport = group.transport
 
+    @property
+    def engine(self) -> _native.Group:
+        """The engine's communicator this backend drives."""
+        return self._g
+
     def all_reduce(self, t: torch.Tensor, op: str, *, async_op: bool = True) -> _native.Work:
         return self._g.all_reduce(t, dtype_name(t), op, async_op=async_op)
 

@@ -45,18 +45,7 @@ class OptimizerBinding:
     def bind_optimizer(
         self, optimizer: torch.optim.Optimizer, *, shared: bool = False
     ) -> torch.optim.Optimizer:
-        """Points an optimizer built over the plain model's parameters at the local shards.
-
-        Param groups and their hyperparameters are kept; the same optimizer object is returned.
-        State the optimizer made when it was built (Adagrad's) is cut to the shards; an
-        optimizer that looks at whole parameters gets them whole (``optimizers``). ``shared``:
-        the optimizer's other tensors are left as they are (other wrappers bind them: the
-        chunks of a pipeline rank).
-
-        Raises:
-            InvalidArgumentError: the optimizer holds foreign tensors (unless ``shared``), has
-                stepped already, or cannot be sharded by ZeRO (the message says what works).
-        """
+        """``ShardedDataParallel.bind_optimizer``: see its documentation."""
         w = self._w
         check_optimizer(optimizer, w.stage)
         local_of = {id(p): loc for u in w._units for p, loc in zip(u.params, u.locals, strict=True)}
