@@ -163,6 +163,23 @@ PER_STEP = {
 }
 
 
+def _train_counting(
+    model: Any, opt: torch.optim.Optimizer, mesh: sl.DeviceMesh
+) -> list[dict[str, int]]:
+    """Trains this replica (``train_replica``); the collectives each step issued on ``dp``."""
+    group, counts = mesh.group("dp"), []
+    last = _calls(group)
+
+    def after() -> None:
+        nonlocal last
+        now = _calls(group)
+        counts.append(_delta(now, last))
+        last = now
+
+    train_replica(model, opt, mesh.local_rank("dp"), after)
+    return counts
+
+
 @pytest.mark.parametrize("dp", ["ddp", "zero1", "zero2", "zero3"])
 @pytest.mark.parametrize("m", [1, 4])
 def test_dp_x_pp_issues_the_same_collectives_per_step_for_any_number_of_micro_batches(
@@ -182,16 +199,7 @@ def test_dp_x_pp_issues_the_same_collectives_per_step_for_any_number_of_micro_ba
             strategy={"dp": dp, "pp": "1f1b"}, microbatches=m, loss_fn=loss_fn,
         )  # fmt: skip
         assert opt is not None
-        group, counts = mesh.group("dp"), []
-        last = _calls(group)
-
-        def after() -> None:
-            nonlocal last
-            now = _calls(group)
-            counts.append(_delta(now, last))
-            last = now
-
-        train_replica(model, opt, mesh.local_rank("dp"), after)
+        counts = _train_counting(model, opt, mesh)
         return counts, model.state_dict()
 
     for counts, full in run_ranks(4, body, timeout=90):
@@ -217,16 +225,7 @@ def test_interleaved_chunks_of_a_rank_are_reduced_together(dp: str) -> None:
             virtual_stages=2,
         )  # fmt: skip
         assert opt is not None
-        group, counts = mesh.group("dp"), []
-        last = _calls(group)
-
-        def after() -> None:
-            nonlocal last
-            now = _calls(group)
-            counts.append(_delta(now, last))
-            last = now
-
-        train_replica(model, opt, mesh.local_rank("dp"), after)
+        counts = _train_counting(model, opt, mesh)
         return len(model._replicas.wrappers), counts, model.state_dict()
 
     for wrappers, counts, full in run_ranks(4, body, timeout=90):

@@ -27,6 +27,16 @@ from tests._ranks import run_ranks
 NOW = 1_000_000.0
 
 
+def _why_cli(folder: Path) -> str:
+    """What ``shardline why FOLDER --ops 2`` prints (it must exit 0)."""
+    cli = subprocess.run(
+        [sys.executable, "-m", "shardline", "why", str(folder), "--ops", "2"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    return cli.stdout
+
+
 def test_a_silent_rank_is_named_with_the_op_the_others_wait_in() -> None:
     waiting = Where("all_reduce", 1533, NOW - 31, "running")
     got = explain({0: waiting, 1: waiting, 2: None, 3: waiting}, NOW)
@@ -75,12 +85,8 @@ def test_dumps_explain_the_newest_unfinished_collective(tmp_path: Path) -> None:
     assert got.startswith("rank 2 never entered all_reduce #5")
     assert got.endswith("ranks 0, 1, 3 wait in it since 31 s")
     # The command line reads the same folder.
-    cli = subprocess.run(
-        [sys.executable, "-m", "shardline", "why", str(tmp_path), "--ops", "2"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert cli.returncode == 0, cli.stderr
-    assert got in cli.stdout and "all_reduce #5: 4096 x float32" in cli.stdout, cli.stdout
+    out = _why_cli(tmp_path)
+    assert got in out and "all_reduce #5: 4096 x float32" in out, out
 
 
 def test_running_point_to_point_ops_are_named_not_called_finished(tmp_path: Path) -> None:
@@ -98,12 +104,8 @@ def test_running_point_to_point_ops_are_named_not_called_finished(tmp_path: Path
         "written: rank 0 waits in send #3 to rank 1 since 31 s; rank 1 waits in recv #3 from "
         "rank 0 since 30 s"
     )
-    cli = subprocess.run(
-        [sys.executable, "-m", "shardline", "why", str(tmp_path), "--ops", "2"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert cli.returncode == 0, cli.stderr
-    assert got in cli.stdout and "send #3 peer 1: 16 x float32" in cli.stdout, cli.stdout
+    out = _why_cli(tmp_path)
+    assert got in out and "send #3 peer 1: 16 x float32" in out, out
 
 
 def test_a_finished_job_says_so(tmp_path: Path) -> None:

@@ -110,3 +110,31 @@ class OptimizerBinding:
             self._layout._relayout(w._order, want)
         if w.group.rank == 0:
             _log.info("%s", self._layout.plan())
+
+    def forget_shards(self) -> frozenset[str]:
+        """Before ``regroup`` lays the units out again: optimizers forget the old shards.
+
+        Their state for the old shards is dropped, and the parameters kept whole are the bound
+        optimizer's, as ``bind_optimizer`` leaves a fresh wrapper; another optimizer is
+        checked again before its next step.
+
+        Returns:
+            The names of the parameters to keep whole.
+        """
+        w = self._w
+        opt = w._optimizer
+        for known in {*w._checked_optimizers, *([opt] if opt is not None else [])}:
+            for loc in w.parameters():
+                known.state.pop(loc, None)  # shaped for the old shards
+        w._whole_reasons = {}
+        w._checked_optimizers = weakref.WeakSet()
+        if opt is None:
+            return frozenset()
+        w._checked_optimizers.add(opt)
+        rule = rule_for(type(opt))
+        if rule.layout is not Layout.WHOLE:
+            return frozenset()
+        names = {id(loc): n for n, loc in w.named_parameters()}
+        w._whole_reasons[type(opt).__name__] = rule.reason
+        return frozenset(names[id(p)] for g in opt.param_groups for p in g["params"]
+                         if id(p) in names)  # fmt: skip

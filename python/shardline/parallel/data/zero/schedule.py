@@ -75,6 +75,24 @@ class GatherReduceSchedule:
         assert w is not None, "the ShardedDataParallel of this schedule was freed"
         return w
 
+    def reset(self) -> None:
+        """No step under way: a new wrapper's state, and ``regroup``'s.
+
+        What a failed step left in flight is dropped, not waited for.
+        """
+        w = self._w
+        w._require_sync = w._sync_backward = True
+        w._needs_gather = False  # stages 1/2: an optimizer stepped the shards
+        w._fwd_next = w._bw_next = w._rs_next = 0
+        w._inflight, w._replicating = [], []
+        w._bw_gathered = set()
+        w._state = TrainingState.IDLE
+        w._unit_stack = []  # units of the modules running now
+        w._drop = []  # gathered in backward only to keep ranks in step
+        w._releasable = []  # done in backward, freed at the next event
+        w._graph_done = True
+        w._held = w._accumulating = False  # a step the caller drives (held.py)
+
     # -- gathering -------------------------------------------------------------------------------
 
     def _gather(self, u: Unit) -> None:

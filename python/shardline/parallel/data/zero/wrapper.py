@@ -81,7 +81,6 @@ from shardline.parallel.data.zero.grouping import (
 )
 from shardline.parallel.data.zero.held import HeldSteps
 from shardline.parallel.data.zero.layout import UnitLayout, move_buffers
-from shardline.parallel.data.zero.optimizers import Layout, rule_for
 from shardline.parallel.data.zero.schedule import GatherReduceSchedule
 from shardline.parallel.data.zero.state_dicts import StateDicts
 from shardline.parallel.data.zero.units import Unit
@@ -211,7 +210,6 @@ class ShardedDataParallel(ZeroBase, ModelParallel):
             )
         replicas = replicate_group is not None and replicate_group.world_size > 1
         self._replicate = replicate_group if replicas else None
-        self._replicating = []
         if init_sync and not joining:
             tensors = [p.data for _, p in named] + [b for b in module.buffers() if b.numel() > 0]
             for g in (self._replicate, self.group):  # the replicas' first, then the shards'
@@ -259,21 +257,7 @@ class ShardedDataParallel(ZeroBase, ModelParallel):
         self._traced = False
         self._reorder = reorder
         self._optimizer: torch.optim.Optimizer | None = None
-        # per-forward / per-backward state
-        self._require_sync = True
-        self._sync_backward = True
-        self._needs_gather = False  # stages 1/2: an optimizer stepped the shards
-        self._fwd_next = 0
-        self._bw_next = 0
-        self._rs_next = 0
-        self._inflight = []
-        self._bw_gathered = set()
-        self._state = TrainingState.IDLE
-        self._unit_stack: list[list[Unit]] = []  # units of the modules running now
-        self._drop: list[Unit] = []  # gathered in backward only to keep ranks in step
-        self._releasable: list[Unit] = []  # done in backward, freed at the next event
-        self._graph_done = True
-        self._held = self._accumulating = False  # a step the caller drives (held.py)
+        self._schedule.reset()  # no step under way
         # The other parts, each with one role: state dicts (state_dicts.py), the steps a
         # caller drives (held.py), optimizers pointed at the shards (binding.py).
         self._state_dicts = StateDicts(self, self._layout)
@@ -560,34 +544,9 @@ class ShardedDataParallel(ZeroBase, ModelParallel):
             )
         self.group = group
         self._gather_group, self._reduce_group = self._new_groups(group)
-        opt = self._optimizer
-        for known in {*self._checked_optimizers, *([opt] if opt is not None else [])}:
-            for loc in self.parameters():
-                known.state.pop(loc, None)  # shaped for the old shards
-        # As bind_optimizer lays a fresh wrapper out: whole parameters are the bound
-        # optimizer's; another optimizer is checked again before its next step.
-        self._whole_reasons = {}
-        self._checked_optimizers = weakref.WeakSet()
-        whole: frozenset[str] = frozenset()
-        if opt is not None:
-            self._checked_optimizers.add(opt)
-            rule = rule_for(type(opt))
-            if rule.layout is Layout.WHOLE:
-                names = {id(loc): n for n, loc in self.named_parameters()}
-                params = [p for g in opt.param_groups for p in g["params"] if id(p) in names]
-                whole = frozenset(names[id(p)] for p in params)
-                self._whole_reasons[type(opt).__name__] = rule.reason
-        self._layout._reinstall(whole)
+        self._layout._reinstall(self._binding.forget_shards())
         self._trace, self._traced = [], False
-        self._require_sync = True
-        self._sync_backward = True
-        self._needs_gather = False
-        self._fwd_next = self._bw_next = self._rs_next = 0
-        self._inflight, self._replicating = [], []
-        self._state = TrainingState.IDLE
-        self._unit_stack, self._drop, self._releasable = [], [], []
-        self._graph_done = True
-        self._held = self._accumulating = False
+        self._schedule.reset()  # what a failed step left in flight is dropped
         if group.rank == 0:
             _log.info("%s", self.plan())
 
