@@ -1,14 +1,16 @@
-"""Symmetric memory (``sl.symmetric_empty``): all-reduces without a copy through the slots.
+"""Symmetric memory (``sl.symmetric_empty``, ``SymmetricArena``): all-reduce, reduce-scatter
+and all-gather without a copy through the slots.
 
 The result must be the rank-order reduction, bit for bit, as through the slots (the values
 round when added, so another order of additions would show); ranks that disagree about where
-their tensor is must fail, all of them, with a message that says so; and nothing may be left
-in ``/dev/shm``.
+their tensor is must fail, all of them, with a message that says so; nothing may be left in
+``/dev/shm``, and no mapping once the tensors are gone.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import subprocess
 from pathlib import Path
@@ -19,6 +21,7 @@ import torch
 import shardline as sl
 from shardline import _native
 from shardline.comm import ProcessGroup
+from shardline.comm.symmetric import SymmetricArena, wants_symmetric
 from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.usefixtures("native")
@@ -79,6 +82,151 @@ def test_all_reduce_in_symmetric_memory_equals_the_one_through_the_slots(
             if want is not None:
                 assert torch.equal(got, want), (rank, n, int((got != want).sum()))
     assert shm_files() <= before, f"left in /dev/shm: {shm_files() - before}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize(
+    ("dtype", "op"), [(torch.float32, "sum"), (torch.bfloat16, "avg"), (torch.int32, "max")]
+)
+def test_reduce_scatter_of_a_symmetric_input_equals_the_one_through_the_slots(
+    world: int, dtype: torch.dtype, op: str
+) -> None:
+    before = shm_files()
+
+    def body(g: ProcessGroup) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for n in SIZES:
+            inp = sl.symmetric_empty(world * n + 5, dtype=dtype, group=g)[5:]
+            inp.copy_(values(g.rank, world * n, dtype))
+            got, plain = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+            g.reduce_scatter(got, inp, op=op)
+            g.reduce_scatter(plain, values(g.rank, world * n, dtype), op=op)
+            out.append((got, plain))
+        return out
+
+    results = run_ranks(world, body)
+    for k, n in enumerate(SIZES):
+        wide = torch.float32 if dtype == torch.bfloat16 else dtype
+        inputs = [values(r, world * n, dtype).to(wide) for r in range(world)]
+        reduce = {"sum": torch.add, "max": torch.maximum}.get(op)  # avg: the slots' is the reference
+        total = None if reduce is None else functools.reduce(reduce, inputs).to(dtype)
+        for rank, per_size in enumerate(results):
+            got, plain = per_size[k]
+            assert torch.equal(got, plain), (world, n, rank, int((got != plain).sum()))
+            if total is not None:
+                assert torch.equal(got, total[rank * n : (rank + 1) * n]), (world, n, rank)
+    assert shm_files() <= before, f"left in /dev/shm: {shm_files() - before}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_all_gather_into_symmetric_memory_equals_numpy_concatenation(
+    world: int, dtype: torch.dtype
+) -> None:
+    def body(g: ProcessGroup) -> list[torch.Tensor]:
+        out = []
+        for n in SIZES:
+            t = sl.symmetric_empty(world * n + 3, dtype=dtype, group=g)[3:]
+            t.fill_(-1)
+            g.all_gather(t, values(g.rank, n, dtype))
+            out.append(t.clone())
+        return out
+
+    results = run_ranks(world, body)
+    for k, n in enumerate(SIZES):
+        want = torch.cat([values(r, n, dtype) for r in range(world)])
+        for rank, per_size in enumerate(results):
+            assert torch.equal(per_size[k], want), (world, n, rank)
+
+
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather"])
+def test_a_rank_outside_symmetric_memory_fails_every_rank_naming_it(op: str) -> None:
+    def body(g: ProcessGroup) -> str:
+        big = sl.symmetric_empty(3 * 1024, group=g)
+        small = torch.zeros(1024)
+        if g.rank == 1:
+            big = torch.zeros(3 * 1024)
+        call = (
+            (lambda: g.reduce_scatter(small, big))
+            if op == "reduce_scatter"
+            else (lambda: g.all_gather(big, small))
+        )
+        with pytest.raises(sl.ShardlineError) as caught:
+            call()
+        return f"{type(caught.value).__name__}: {caught.value}"
+
+    for message in run_ranks(3, body):
+        assert "symmetric memory" in message and "rank 1 passed" in message, message
+
+
+def mappings() -> int:
+    """Mappings of this process's (unlinked) symmetric segments."""
+    with open("/proc/self/maps") as maps:
+        return sum(f"/shardline-{os.getpid()}-symm-" in line for line in maps)
+
+
+def test_the_mappings_go_when_the_last_tensor_does() -> None:
+    before = mappings()
+
+    def body(g: ProcessGroup) -> int:
+        t = sl.symmetric_empty(1 << 16, group=g)
+        view = t[100:200]
+        g.all_reduce(t)
+        held = mappings()  # every rank (thread) maps every rank's segment
+        del t
+        gc.collect()
+        g.all_reduce(view)  # the view keeps the allocation
+        g.barrier()
+        del view
+        gc.collect()
+        g.barrier()
+        return held
+
+    held = run_ranks(3, body)
+    assert max(held) - before >= 3  # this rank's mappings of the three segments, at least
+    assert mappings() == before, "the engine kept the segments after their tensors went"
+
+
+def test_an_arena_hands_out_aligned_buffers_at_the_same_places() -> None:
+    sizes = [(5, torch.float32), (1000, torch.bfloat16), (3, torch.float64)]
+
+    def body(g: ProcessGroup) -> list[torch.Tensor]:
+        arena = SymmetricArena(SymmetricArena.bytes_for(sizes), group=g)
+        taken = [arena.take(n, dt) for n, dt in sizes]
+        base = taken[0].data_ptr()
+        assert [t.data_ptr() - base for t in taken] == [0, 64, 64 + 2048]
+        for t in taken:
+            assert not t.any()  # zero-filled
+            t.copy_(values(g.rank, t.numel(), t.dtype))
+            g.all_reduce(t)
+        with pytest.raises(sl.InvalidArgumentError, match="bytes_for"):
+            arena.take(1, torch.float32)
+        return taken
+
+    results = run_ranks(2, body)
+    for k, (n, dt) in enumerate(sizes):
+        wide = torch.float32 if dt == torch.bfloat16 else dt
+        want = (values(0, n, dt).to(wide) + values(1, n, dt).to(wide)).to(dt)
+        assert all(torch.equal(r[k], want) for r in results)
+
+
+def test_wants_symmetric_is_automatic_explicit_and_says_why_not() -> None:
+    def body(g: ProcessGroup) -> tuple[bool, bool, bool, str]:
+        cpu = torch.device("cpu")
+        auto = wants_symmetric(g, cpu, None, "DDP")
+        off = wants_symmetric(g, cpu, False, "DDP")
+        on = wants_symmetric(g, cpu, True, "DDP") if g.transport == "shm" else False
+        message = ""
+        if g.transport != "shm":
+            with pytest.raises(sl.InvalidArgumentError) as caught:
+                wants_symmetric(g, cpu, True, "DDP")
+            message = str(caught.value)
+        return auto, off, on, message
+
+    assert run_ranks(2, body) == [(True, False, True, "")] * 2
+    for auto, off, _, message in run_ranks(2, body, transport="tcp"):
+        assert not auto and not off
+        assert "DDP: symmetric=True" in message and "no shared memory" in message, message
 
 
 def test_avg_is_the_mean() -> None:

@@ -82,6 +82,9 @@ class SymmetricSegment:
     @property
     def nbytes(self) -> int:
         """Length in bytes."""
+    @property
+    def index(self) -> int:
+        """The allocation's index in its group (the same on every rank)."""
 
 def symmetric_create(path: str, nbytes: int) -> None:
     """Creates this rank's segment file (O_EXCL, mode 0600, zero-filled) of ``nbytes``."""
@@ -92,6 +95,9 @@ def symmetric_unlink(path: str) -> None:
 def symmetric_register(group: Group, paths: list[str], nbytes: int) -> SymmetricSegment:
     """Maps every rank's segment file of one allocation (``paths`` by group rank) into
     ``group``'s collectives; this rank's segment."""
+
+def symmetric_release(group: Group, index: int) -> None:
+    """Forgets allocation ``index`` of ``group`` on this rank (its mappings of the peers')."""
 
 @final
 class Work:

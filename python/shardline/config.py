@@ -282,6 +282,16 @@ SETTINGS: tuple[Setting, ...] = (
         8,
     ),
     Setting(
+        "SHARDLINE_SYMMETRIC",
+        "`0`, `1`",
+        "1",
+        "DDP's buckets and ZeRO's flat buffers in symmetric memory on CPU, where the group has "
+        "it (native engine, one host): their collectives copy nothing through the slots. `0`: "
+        "ordinary tensors (the wrappers' `symmetric=` argument decides per wrapper).",
+        _flag,
+        True,
+    ),
+    Setting(
         "SHARDLINE_PROGRESS",
         "`0`, `1`",
         "rank 0, after 2 s",

@@ -1,31 +1,42 @@
 """Symmetric memory: CPU tensors that every rank of a host can read and write directly.
 
 ``symmetric_empty(shape, dtype=..., group=...)`` returns a tensor in a ``/dev/shm`` segment of
-this rank that every other rank of the group has mapped too. An ``all_reduce`` of a tensor in
-symmetric memory (the same place on every rank) then needs no copy through the engine's
-shared-memory slots: rank ``i`` reduces part ``i`` from every rank's segment and writes the
-result into every rank's segment, reading each input byte once and writing each output byte
-once (the memory-traffic bound ``benches/bench_collectives.py`` prints). Any other op, and an
-all-reduce of ordinary tensors, works as before.
+this rank that every other rank of the group has mapped too. A collective whose buffer is in
+symmetric memory (the same place on every rank) needs no copy through the engine's
+shared-memory slots, since every rank reads its peers' data where they put it:
 
-Every rank of the group calls ``symmetric_empty`` with the same shape and dtype, in the same
-order (it is a collective). The memory stays mapped while the tensor (or a view of it) lives,
-and the group's engine keeps every rank's segment until the group is destroyed. On a group
-of one rank, one that spans hosts, or a backend other than the native engine, it returns an
-ordinary tensor: there is no shared memory to use.
+- ``all_reduce(t)``: rank ``i`` reduces part ``i`` from every rank's segment and writes the
+  result into every rank's segment;
+- ``reduce_scatter(out, t)`` (the input ``t`` symmetric): rank ``i`` reduces block ``i`` of
+  every rank's input into its ``out``;
+- ``all_gather(t, part)`` (the output ``t`` symmetric, equal parts): every rank's part is
+  copied from that rank's segment.
+
+Each reads every input byte once and writes every output byte once (the memory-traffic bound
+``benches/bench_collectives.py`` prints). Any other op, and ops on ordinary tensors, work as
+before. DDP's buckets and ZeRO's flat buffers live here by default on CPU (``symmetric=False``
+or ``SHARDLINE_SYMMETRIC=0`` turns that off; see ``wants_symmetric``).
+
+Every rank of the group calls ``symmetric_empty`` (or makes a ``SymmetricArena``) with the
+same sizes, in the same order (it is a collective). The memory stays mapped while a tensor on
+it (or a view of it) lives; when the last one goes, this rank's engine drops its mappings of
+the other ranks' segments too. On a group of one rank, one that spans hosts, or a backend
+other than the native engine, it returns an ordinary tensor: there is no shared memory to use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
 import secrets
+import weakref
 from collections.abc import Sequence
 
 import torch
 
-from shardline import _native
+from shardline import _native, config
 from shardline.comm.group import ProcessGroup
 from shardline.comm.objects import all_gather_object
 from shardline.comm.world import default_group
@@ -51,9 +62,106 @@ def symmetric_empty(
     shape = _shape(size)
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    native = g.engine()
-    if g.transport != "shm" or not isinstance(native, _native.Group) or nbytes == 0:
+    if not symmetric_available(g) or nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    return _symmetric_bytes(g, nbytes).view(dtype).view(shape)
+
+
+def symmetric_available(group: ProcessGroup) -> bool:
+    """Whether ``group`` has symmetric memory: the native engine, 2+ ranks on one host."""
+    return group.transport == "shm" and isinstance(group.engine(), _native.Group)
+
+
+def wants_symmetric(
+    group: ProcessGroup, device: torch.device, choice: bool | None, who: str
+) -> bool:
+    """Whether ``who``'s flat buffers go to symmetric memory.
+
+    ``choice`` ``None`` means where the group has it (CPU tensors, see ``symmetric_available``)
+    unless ``SHARDLINE_SYMMETRIC=0``; ``False`` never; ``True`` always, and an error that says
+    why where it cannot be.
+    """
+    if choice is None:
+        return (
+            device.type == "cpu"
+            and bool(config.get("SHARDLINE_SYMMETRIC"))
+            and symmetric_available(group)
+        )
+    if choice and (device.type != "cpu" or not symmetric_available(group)):
+        where = (
+            f"its tensors are on {device}"
+            if device.type != "cpu"
+            else f"its group {group.name!r} has no shared memory (transport "
+            f"{group.transport!r}, {group.world_size} rank(s))"
+        )
+        raise InvalidArgumentError(
+            f"{who}: symmetric=True, but {where}; symmetric memory is for CPU tensors of 2+ "
+            "ranks of the native engine on one host. Pass symmetric=None (automatic) or False"
+        )
+    return bool(choice)
+
+
+class SymmetricArena:
+    """One symmetric allocation cut into tensors, at the same offsets on every rank.
+
+    Making one is a collective of ``group`` (see ``symmetric_empty``); ``take`` is local and
+    hands out the next ``numel`` elements (64-byte aligned), so ranks that take the same
+    sizes in the same order get buffers at the same place, which is what the engine's
+    symmetric collectives need. The allocation lives while the arena or any tensor taken
+    from it does.
+
+    Args:
+        nbytes: Bytes to allocate (``SymmetricArena.bytes_for`` sizes a list of tensors).
+        group: The ranks that share it; the default group when ``None``.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, nbytes: int, group: ProcessGroup | None = None) -> None:
+        g = group if group is not None else default_group()
+        self.group = g
+        self._memory = (
+            _symmetric_bytes(g, nbytes)
+            if nbytes > 0 and symmetric_available(g)
+            else torch.empty(nbytes, dtype=torch.uint8)
+        )
+        self._used = 0
+
+    @classmethod
+    def bytes_for(cls, sizes: Sequence[tuple[int, torch.dtype]]) -> int:
+        """Bytes an arena needs to hand out tensors of these ``(numel, dtype)``."""
+        return sum(_aligned(n * _itemsize(dt), cls.ALIGN) for n, dt in sizes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated."""
+        return self._memory.numel()
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The next ``numel`` elements of ``dtype``, zero-filled."""
+        size = numel * _itemsize(dtype)
+        end = self._used + size
+        if end > self.nbytes:
+            raise InvalidArgumentError(
+                f"SymmetricArena: {size} more bytes asked of {self.nbytes} ({self._used} in "
+                "use); size it with SymmetricArena.bytes_for the tensors it will hold"
+            )
+        out = self._memory[self._used : end].view(dtype)
+        self._used = _aligned(end, self.ALIGN)
+        return out.zero_()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _aligned(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _symmetric_bytes(g: ProcessGroup, nbytes: int) -> torch.Tensor:
+    """``nbytes`` uint8 of symmetric memory on ``g`` (a collective)."""
+    native = g.engine()
     path = f"/dev/shm/shardline-{os.getpid()}-symm-{secrets.token_hex(6)}"
     _native.symmetric_create(path, nbytes)
     try:
@@ -76,7 +184,17 @@ def symmetric_empty(
         )
     memory = (ctypes.c_char * nbytes).from_address(segment.address)
     memory.segment = segment  # type: ignore[attr-defined]  # the mapping lives with the tensor
-    return torch.frombuffer(memory, dtype=dtype).view(shape)
+    # When the last tensor on it goes, so do this rank's mappings of the peers' segments.
+    weakref.finalize(memory, _release, weakref.ref(native), segment.index)
+    return torch.frombuffer(memory, dtype=torch.uint8)
+
+
+def _release(native: weakref.ref[_native.Group], index: int) -> None:
+    group = native()
+    if group is None:
+        return  # the group went first, with every mapping
+    with contextlib.suppress(ShardlineError):  # destroyed or aborted: the mappings went too
+        _native.symmetric_release(group, index)
 
 
 def _shape(size: tuple[int | Sequence[int], ...]) -> tuple[int, ...]:

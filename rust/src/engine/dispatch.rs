@@ -188,13 +188,23 @@ impl Router {
         &mut self,
         paths: &[String],
         len: usize,
-    ) -> Result<Arc<Segment>> {
+    ) -> Result<(usize, Arc<Segment>)> {
         match (self.arena.as_mut(), self.mode) {
             (Some(a), Mode::Shm) => a.register_symmetric(paths, len),
             _ => Err(Error::invalid(format!(
                 "symmetric memory needs a group whose ranks all share one host (this group is \
                  {:?}); allocate ordinary tensors on it",
                 self.mode
+            ))),
+        }
+    }
+
+    /// Forgets symmetric allocation `index` on this rank.
+    pub(super) fn release_symmetric(&mut self, index: usize) -> Result<()> {
+        match self.arena.as_mut() {
+            Some(a) => a.release_symmetric(index),
+            None => Err(Error::invalid(format!(
+                "no symmetric allocation #{index} on this group (it has no shared memory)"
             ))),
         }
     }

@@ -153,17 +153,23 @@ impl Communicator {
     }
 
     /// Maps one symmetric allocation: `paths` holds every rank's segment file (by group
-    /// rank), each `len` bytes; returns this rank's segment. All-reduces of buffers inside it
-    /// then skip the arena's slots when every rank passes the same place. Every rank registers
+    /// rank), each `len` bytes; returns its index and this rank's segment. Collectives on buffers
+    /// inside it then skip the arena's slots when every rank passes the same place. Every rank registers
     /// its allocations in the same order; waits for an op in progress.
     pub fn register_symmetric(
         &self,
         paths: &[String],
         len: usize,
-    ) -> Result<Arc<crate::transport::shm::segment::Segment>> {
+    ) -> Result<(usize, Arc<crate::transport::shm::segment::Segment>)> {
         lock(&self.shared.core)
             .router
             .register_symmetric(paths, len)
+    }
+
+    /// Forgets symmetric allocation `index` (what [`Self::register_symmetric`] returned) on
+    /// this rank, once no buffer of it is in use here; waits for an op in progress.
+    pub fn release_symmetric(&self, index: usize) -> Result<()> {
+        lock(&self.shared.core).router.release_symmetric(index)
     }
 
     /// Validates `op` and runs it: inline when blocking and nothing is queued, else on the

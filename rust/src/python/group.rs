@@ -116,7 +116,7 @@ impl PyWork {
 }
 
 /// A communicator: shared memory among ranks on one host, TCP between hosts.
-#[pyclass(name = "Group", module = "shardline._native")]
+#[pyclass(name = "Group", module = "shardline._native", weakref)]
 pub struct PyGroup {
     comm: Mutex<Option<Arc<Communicator>>>,
     rank: usize,

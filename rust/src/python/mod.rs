@@ -32,6 +32,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(symmetric::symmetric_create, m)?)?;
     m.add_function(wrap_pyfunction!(symmetric::symmetric_unlink, m)?)?;
     m.add_function(wrap_pyfunction!(symmetric::symmetric_register, m)?)?;
+    m.add_function(wrap_pyfunction!(symmetric::symmetric_release, m)?)?;
     m.add_class::<shard::PyShardReader>()?;
     m.add_function(wrap_pyfunction!(shard::write_shard, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::onebit_encode, m)?)?;

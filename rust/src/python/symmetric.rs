@@ -12,6 +12,7 @@ use crate::transport::shm::{self, segment};
 #[pyclass(name = "SymmetricSegment", module = "shardline._native", frozen)]
 pub struct PySegment {
     seg: Arc<segment::Segment>,
+    index: usize,
 }
 
 #[pymethods]
@@ -26,6 +27,12 @@ impl PySegment {
     #[getter]
     fn nbytes(&self) -> usize {
         self.seg.len()
+    }
+
+    /// The allocation's index in its group (the same on every rank).
+    #[getter]
+    fn index(&self) -> usize {
+        self.index
     }
 }
 
@@ -51,8 +58,16 @@ pub fn symmetric_register(
     nbytes: usize,
 ) -> PyResult<PySegment> {
     let comm = group.comm()?;
-    let seg = py
+    let (index, seg) = py
         .detach(|| comm.register_symmetric(&paths, nbytes))
         .py_err()?;
-    Ok(PySegment { seg })
+    Ok(PySegment { seg, index })
+}
+
+/// Forgets allocation `index` of `group` on this rank: its mappings of the other ranks'
+/// segments go (this rank's own stays while a tensor on it lives).
+#[pyfunction]
+pub fn symmetric_release(py: Python<'_>, group: &PyGroup, index: usize) -> PyResult<()> {
+    let comm = group.comm()?;
+    py.detach(|| comm.release_symmetric(index)).py_err()
 }

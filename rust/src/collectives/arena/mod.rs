@@ -42,7 +42,7 @@ pub struct ArenaComm {
     /// Whether the op in progress may use the comm_threads (see [`ArenaComm::allow_helpers`]).
     helpers: bool,
     /// Symmetric allocations, in the order every local rank registered them.
-    symmetric: Vec<symmetric::Allocation>,
+    symmetric: symmetric::Allocations,
 }
 
 /// Bytes of a per-destination piece when a slot is split `n` ways (element and cache aligned).
@@ -176,6 +176,7 @@ impl ArenaComm {
     }
 
     /// Reduce-scatter: `inp` holds n equal blocks; this rank's reduced block goes to `out`.
+    /// An input in symmetric memory is read where it is ([`symmetric`]).
     pub fn reduce_scatter(
         &mut self,
         out: &mut [u8],
@@ -185,6 +186,11 @@ impl ArenaComm {
         sig: &OpSig,
         deadline: Instant,
     ) -> Result<()> {
+        if let Some(place) = self.symmetric_place(inp) {
+            return self.with_comm_threads(inp.len(), |c, ways| {
+                c.reduce_scatter_symmetric(place, out, dtype, op, sig, deadline, ways)
+            });
+        }
         self.with_comm_threads(inp.len(), |c, ways| {
             c.reduce_scatter_ways(out, inp, dtype, op, sig, deadline, ways)
         })
@@ -221,6 +227,9 @@ impl ArenaComm {
                     }
                 });
             })?;
+            if first && !self.symmetric.is_empty() {
+                self.check_place_word(parity, 0, sig)?;
+            }
             first = false;
             let arena = &*self.arena;
             let srcs: Vec<&[u8]> = (0..n)
@@ -235,7 +244,9 @@ impl ArenaComm {
     }
 
     /// All-gather (or gather to `only_root`) of unequal byte counts `counts[r]` into `out`
-    /// (concatenated in rank order); `out` may be empty on non-roots when gathering.
+    /// (concatenated in rank order); `out` may be empty on non-roots when gathering. An
+    /// all-gather of equal counts into symmetric memory reads every block where its rank put
+    /// it ([`symmetric`]).
     #[allow(clippy::too_many_arguments)]
     pub fn all_gather(
         &mut self,
@@ -246,6 +257,17 @@ impl ArenaComm {
         only_root: Option<usize>,
         deadline: Instant,
     ) -> Result<()> {
+        let equal = counts.iter().all(|&c| c == inp.len()) && out.len() == counts.len() * inp.len();
+        if let Some(place) = only_root
+            .is_none()
+            .then(|| self.symmetric_place(out))
+            .flatten()
+            .filter(|_| equal)
+        {
+            return self.with_comm_threads(out.len(), |c, ways| {
+                c.all_gather_symmetric(place, out, inp, sig, deadline, ways)
+            });
+        }
         self.with_comm_threads(out.len().max(inp.len()), |c, ways| {
             c.all_gather_ways(out, inp, counts, sig, only_root, deadline, ways)
         })
@@ -284,6 +306,9 @@ impl ArenaComm {
                 comm_threads::copy(&mut s[..mine], src, ways, <[u8]>::copy_from_slice);
             })?;
             if it == 0 {
+                if !self.symmetric.is_empty() {
+                    self.check_no_symmetric_peer(parity, sig)?;
+                }
                 for (r, &expect) in counts.iter().enumerate() {
                     let (_, got) = self.arena.sig_of(r, parity)?;
                     if got as usize != expect {

@@ -1,16 +1,23 @@
-//! All-reduce on symmetric memory: no copy through the slots.
+//! Collectives on symmetric memory: no copy through the slots.
 //!
 //! Every rank of the host maps every rank's segment ([`crate::transport::shm::segment`]).
-//! When every rank all-reduces a buffer at the same offset of the same segment, rank `i`
-//! reduces part `i` of the buffer straight from the N ranks' segments and writes the result
-//! straight into the N segments: each byte of input is read once and each byte of output
-//! written once, the least memory traffic an all-reduce can have (the bound
-//! `bench_collectives.py` prints), where the two-phase all-reduce through the slots moves each
-//! byte about five times. Two phases order it: the first says every input is ready (and
-//! carries where the buffer is, so that ranks that disagree fail instead of reading garbage),
-//! the second that every part is written. Between them part `i` of every segment is touched
-//! by rank `i` alone. Parts are reduced in blocks small enough to stay in cache, in rank
-//! order, so the result has the same bits as the other algorithms'.
+//! When every rank passes a buffer at the same offset of the same allocation, each rank reads
+//! its peers' data straight from their segments:
+//!
+//! - all-reduce: rank `i` reduces part `i` of the buffer from the N segments and writes the
+//!   result into the N segments;
+//! - reduce-scatter (the input in symmetric memory): rank `i` reduces block `i` of the N
+//!   inputs into its own output;
+//! - all-gather (the output in symmetric memory): every rank puts its input into its own
+//!   block of its output, then copies every peer's block from that peer's segment.
+//!
+//! Each byte of input is read once and each byte of output written once, the least memory
+//! traffic these ops can have (the bound `bench_collectives.py` prints), where the slots add
+//! a copy in and (all-reduce) a copy out. Two phases order every op: the first says every
+//! input is ready (and carries where the buffer is, so that ranks that disagree fail instead
+//! of reading garbage), the second that every rank is done reading and writing, so the caller
+//! may reuse the buffer as soon as the op returns. Reductions run in rank order, so the
+//! results have the same bits as the other algorithms'.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -33,6 +40,10 @@ const SYMMETRIC: u64 = 1 << 63;
 pub(super) struct Allocation {
     files: Vec<Arc<Segment>>,
 }
+
+/// The registered allocations, by the index every local rank gave them (released ones stay
+/// as empty entries, so the indices, published with every op, keep meaning the same).
+pub(super) type Allocations = Vec<Option<Allocation>>;
 
 /// Where a buffer lies in symmetric memory: which allocation, at which offset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,9 +70,13 @@ unsafe impl Sync for Base {}
 
 impl ArenaComm {
     /// Maps every local rank's segment file of one symmetric allocation (`paths` by local
-    /// index, each `len` bytes) and remembers them; returns this rank's segment. Every local
-    /// rank registers its allocations in the same order.
-    pub fn register_symmetric(&mut self, paths: &[String], len: usize) -> Result<Arc<Segment>> {
+    /// index, each `len` bytes) and remembers them; returns the allocation's index and this
+    /// rank's segment. Every local rank registers its allocations in the same order.
+    pub fn register_symmetric(
+        &mut self,
+        paths: &[String],
+        len: usize,
+    ) -> Result<(usize, Arc<Segment>)> {
         if paths.len() != self.n() {
             return Err(Error::invalid(format!(
                 "symmetric memory needs one segment per local rank ({}), got {}",
@@ -74,18 +89,47 @@ impl ArenaComm {
             .map(|p| Segment::open(p, len).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;
         let mine = files[self.arena.me()].clone();
-        self.symmetric.push(Allocation { files });
-        Ok(mine)
+        self.symmetric.push(Some(Allocation { files }));
+        Ok((self.symmetric.len() - 1, mine))
+    }
+
+    /// Forgets allocation `index` (this rank no longer uses it): its mappings of every rank's
+    /// segment go once nothing else holds them. Ranks may release at different times; no op
+    /// may name the allocation afterwards (its buffers are gone on this rank).
+    pub fn release_symmetric(&mut self, index: usize) -> Result<()> {
+        match self.symmetric.get_mut(index) {
+            Some(entry @ Some(_)) => {
+                *entry = None;
+                Ok(())
+            }
+            _ => Err(Error::invalid(format!(
+                "no symmetric allocation #{index} is registered on this group (released twice?)"
+            ))),
+        }
     }
 
     /// Where `buf` lies in this rank's symmetric memory, if it does.
     pub(super) fn symmetric_place(&self, buf: &[u8]) -> Option<Place> {
+        if buf.is_empty() {
+            return None;
+        }
         let me = self.arena.me();
         self.symmetric.iter().enumerate().find_map(|(alloc, a)| {
-            a.files[me]
+            a.as_ref()?.files[me]
                 .offset_of(buf.as_ptr(), buf.len())
                 .map(|offset| Place { alloc, offset })
         })
+    }
+
+    /// Every rank's base address of the buffer at `place`, by local index.
+    fn bases(&self, place: Place) -> Vec<Base> {
+        self.symmetric[place.alloc]
+            .as_ref()
+            .expect("a place names a registered allocation")
+            .files
+            .iter()
+            .map(|f| Base(f.ptr().wrapping_add(place.offset)))
+            .collect()
     }
 
     /// Fails unless every rank published `mine` with this phase (an all-reduce on symmetric
@@ -143,11 +187,7 @@ impl ArenaComm {
         self.check_place_word(parity, place.word(), sig)?;
         let (n, me, es) = (self.n(), self.arena.me(), dtype.size());
         let (lo, hi) = super::all_reduce::part(len, es, n, me);
-        let bases: Vec<Base> = self.symmetric[place.alloc]
-            .files
-            .iter()
-            .map(|f| Base(f.ptr().wrapping_add(place.offset)))
-            .collect();
+        let bases = self.bases(place);
         // Blocks of our part, whole elements each, spread over the helpers.
         let block = BLOCK_BYTES - BLOCK_BYTES % es;
         let blocks: Vec<(usize, usize)> = (lo..hi)
@@ -181,6 +221,106 @@ impl ArenaComm {
             }
         });
         self.step(sig, None, deadline, |_| {})?;
+        Ok(())
+    }
+
+    /// The reduce-scatter of the `n * out.len()` bytes at `place` (this rank's input, in
+    /// symmetric memory): block `i` of every rank's input, reduced, into rank `i`'s `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn reduce_scatter_symmetric(
+        &mut self,
+        place: Place,
+        out: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        sig: &OpSig,
+        deadline: Instant,
+        ways: usize,
+    ) -> Result<()> {
+        let parity = self.step(sig, Some(place.word()), deadline, |_| {})?;
+        self.check_place_word(parity, place.word(), sig)?;
+        let block = out.len();
+        let mine = self.arena.me() * block;
+        let bases = self.bases(place);
+        comm_threads::split(out, ways, |a, dst| {
+            // SAFETY: every base maps at least `n * block` bytes past it (`symmetric_place`
+            // found this rank's input, of that length, inside its segment; every segment of
+            // one allocation has the same length, and the place word check made the offset
+            // equal on every rank). Between the two phases no rank writes its input, and
+            // `dst` is this rank's private output, never inside a segment's input range
+            // (the engine's buffers of one op do not overlap).
+            let srcs: Vec<&[u8]> = bases
+                .iter()
+                .map(|p| unsafe { std::slice::from_raw_parts(p.0.add(mine + a), dst.len()) })
+                .collect();
+            reduce::reduce_slices(dst, &srcs, dtype, op);
+        });
+        self.step(sig, None, deadline, |_| {})?;
+        Ok(())
+    }
+
+    /// The all-gather into `out` (at `place` of this rank's symmetric memory, `n` blocks of
+    /// `inp.len()` bytes): `inp` goes to this rank's own block, then every peer's block is
+    /// copied from the same block of that peer's segment.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn all_gather_symmetric(
+        &mut self,
+        place: Place,
+        out: &mut [u8],
+        inp: &[u8],
+        sig: &OpSig,
+        deadline: Instant,
+        ways: usize,
+    ) -> Result<()> {
+        let (n, me, block) = (self.n(), self.arena.me(), inp.len());
+        debug_assert_eq!(out.len(), n * block);
+        out[me * block..(me + 1) * block].copy_from_slice(inp);
+        let parity = self.step(sig, Some(place.word()), deadline, |_| {})?;
+        self.check_place_word(parity, place.word(), sig)?;
+        let bases = self.bases(place);
+        comm_threads::split(out, ways, |a, dst| {
+            let b = a + dst.len();
+            for (r, p) in bases.iter().enumerate() {
+                let (x, y) = ((r * block).max(a), ((r + 1) * block).min(b));
+                if r == me || x >= y {
+                    continue;
+                }
+                // SAFETY: `base + x .. base + y` lies inside rank `r`'s segment (every segment
+                // of the allocation has the length of this rank's, which holds `out` at the
+                // same offset). Rank `r` wrote its block `r` before the first phase and writes
+                // none of it before the second; this rank reads only peers' segments here and
+                // writes only its own `out`.
+                let src = unsafe { std::slice::from_raw_parts(p.0.add(x), y - x) };
+                dst[x - a..y - a].copy_from_slice(src);
+            }
+        });
+        self.step(sig, None, deadline, |_| {})?;
+        Ok(())
+    }
+
+    /// Fails unless no peer's word of this phase names symmetric memory: for ops through the
+    /// slots whose first word is not a place word (all-gather publishes its input's length).
+    pub(super) fn check_no_symmetric_peer(&self, parity: usize, sig: &OpSig) -> Result<()> {
+        let me = self.arena.me();
+        for r in 0..self.n() {
+            if r == me {
+                continue;
+            }
+            let (_, theirs) = self.arena.sig_of(r, parity)?;
+            if theirs & SYMMETRIC != 0 {
+                return Err(Error::new(
+                    ErrorKind::Mismatch,
+                    format!(
+                        "{sig}: rank {} passed an output in symmetric memory while rank {} \
+                         passed one outside it; on a host every rank must pass the same place \
+                         of its symmetric memory (shardline.symmetric_empty), or every rank a \
+                         tensor outside it",
+                        self.arena.global(r),
+                        self.arena.global(me)
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 }
