@@ -108,7 +108,7 @@ def test_reduce_scatter_of_a_symmetric_input_equals_the_one_through_the_slots(
     for k, n in enumerate(SIZES):
         wide = torch.float32 if dtype == torch.bfloat16 else dtype
         inputs = [values(r, world * n, dtype).to(wide) for r in range(world)]
-        reduce = {"sum": torch.add, "max": torch.maximum}.get(op)  # avg: the slots' is the reference
+        reduce = {"sum": torch.add, "max": torch.maximum}.get(op)  # avg: compared with slots
         total = None if reduce is None else functools.reduce(reduce, inputs).to(dtype)
         for rank, per_size in enumerate(results):
             got, plain = per_size[k]
