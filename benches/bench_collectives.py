@@ -13,12 +13,19 @@ nccl-tests: algbw = S/t with S the op's per-rank buffer (all_reduce, broadcast: 
 reduce_scatter: the input; all_gather: the output), busbw = algbw * factor (all_reduce
 2(N-1)/N, reduce_scatter and all_gather (N-1)/N, broadcast 1).
 
-Bounds, measured in the same run:
-  shm all_reduce:      T >= max(2S/B1, 2NS/B2)   B1 one core's copy bandwidth (read+write),
+Bounds, measured in the same run. On one host, the least memory traffic of an op reads
+every input byte once and writes every output byte once (what the engine does on symmetric
+memory); per rank that is c*S bytes moved (read + write), c = 2 for all_reduce (its part of
+every input, its part into every output), 1 + 1/N for reduce_scatter (its block of every input,
+its output), 2 for all_gather and broadcast. The same bound holds for every path (the slots,
+symmetric memory, Gloo), so % of bound means the same for all of them:
+  shm (every op):      T >= max(cS/B1, NcS/B2)   B1 one core's copy bandwidth (read+write),
                                                  B2 all ranks copying at once (sum)
     with T helper threads per rank (SHARDLINE_COMM_THREADS; default 4 when each rank has 4 cores):
-                       T >= max(2S/(T B1), 2NS/B3)  B3 all ranks copying on T threads each
+                       T >= max(cS/(T B1), NcS/B3)  B3 all ranks copying on T threads each
   TCP ring all_reduce: T >= 2(N-1)S/B_lo         B_lo one loopback TCP stream
+Measure from 16 MiB up, on a buffer larger than the last-level cache across all ranks: smaller
+ones stay in cache and beat a DRAM bound.
 
 Backends: ``native`` (ProcessGroup, shared memory), ``native-tcp`` (the same engine with the
 TCP path forced: a distinct host id per rank), ``gloo`` (raw ``ProcessGroupGloo`` calls, what
@@ -26,8 +33,9 @@ torch users get), ``native-raw`` (diagnostic: ``_native.Group`` called directly,
 layer), ``native-1t`` (the engine with one thread per rank: ``SHARDLINE_COMM_THREADS=1``),
 ``native-fixed`` (the engine with the one-shot all-reduce limit fixed at 256 KiB, as before it
 was measured per communicator: ``SHARDLINE_ONESHOT_BYTES=262144``), ``native-symm`` (the engine
-on buffers in symmetric memory, ``sl.symmetric_empty``: its all-reduce reads every input and
-writes every output once, with no copy through the slots; other ops as ``native``).
+on buffers in symmetric memory, ``sl.symmetric_empty``, what DDP's buckets and ZeRO's flat
+buffers use on CPU: its all-reduce, reduce-scatter and all-gather read every input and write
+every output once, with no copy through the slots; broadcast as ``native``).
 
 Each table ends with every native backend's all_reduce against its own reduce_scatter plus
 all_gather of the same buffer (the two-phase algorithm's parts run as separate ops), and the
@@ -66,7 +74,7 @@ OPS = (*SIZED_OPS, "barrier")
 BACKENDS = (
     "native", "native-tcp", "gloo", "native-raw", "native-1t", "native-fixed", "native-symm"
 )  # fmt: skip
-# Backends that are the native engine on shared memory (their all_reduce has the shm bound).
+# Backends that are the native engine on shared memory (their ops have the shm bound).
 SHM_NATIVE = ("native", "native-raw", "native-1t", "native-fixed", "native-symm")
 # Environment each engine variant is made under (restored afterwards).
 VARIANT_ENV = {
@@ -91,6 +99,11 @@ def bus_factor(op: str, n: int) -> float:
     if op in ("reduce_scatter", "all_gather"):
         return (n - 1) / n
     return 1.0
+
+
+def traffic_factor(op: str, n: int) -> float:
+    """c: bytes each rank must move (read + write), in units of the op's S, at the least."""
+    return 1 + 1 / n if op == "reduce_scatter" else 2.0
 
 
 def elements(op: str, size: int, n: int) -> int:
@@ -706,16 +719,24 @@ def derive(world: int, res: dict[str, Any]) -> None:
         bd["B2_copy_all_ranks_GBps"] * 1e9,
         bd["B_lo_tcp_GBps"] * 1e9,
     )
-    shm = shm_1t = 1 / max(2 / b1, 2 * world / b2)  # all_reduce algbw bound, B/s
     threads = bd.get("comm_threads", 1)
-    if threads > 1 and bd.get("B3_copy_all_threads_GBps"):
-        # The engine's helper threads: T cores per rank, all ranks' threads copying at once.
-        shm = 1 / max(2 / (threads * b1), 2 * world / (bd["B3_copy_all_threads_GBps"] * 1e9))
+    b3 = (bd.get("B3_copy_all_threads_GBps") or 0) * 1e9
+
+    def shm_bound(op: str, one_thread: bool) -> float:
+        """algbw bound (B/s): c*S moved per rank, by its threads and by all ranks at once."""
+        c = traffic_factor(op, world)
+        if threads > 1 and b3 and not one_thread:
+            return 1 / max(c / (threads * b1), c * world / b3)
+        return 1 / max(c / b1, c * world / b2)
+
+    shm = shm_bound("all_reduce", False)
     tcp = blo / (2 * (world - 1))
     bd["shm_all_reduce_algbw_bound_GBps"] = shm / 1e9
+    bd["shm_algbw_bound_GBps"] = {op: shm_bound(op, False) / 1e9 for op in SIZED_OPS}
     bd["tcp_ring_all_reduce_algbw_bound_GBps"] = tcp / 1e9
     bd["formulas"] = {
-        "shm_all_reduce": "T >= max(2S/B1, 2NS/B2)  (algbw <= 1/max(2/B1, 2N/B2))",
+        "shm": "T >= max(cS/B1, NcS/B2); c = 2 (all_reduce, all_gather, broadcast), "
+        "1 + 1/N (reduce_scatter): every input read once, every output written once",
         "tcp_ring_all_reduce": "T >= 2(N-1)S/B_lo  (algbw <= B_lo/(2(N-1)))",
     }
     gloo = {(c["op"], c["size"]): c["median_s"] for c in res["cells"] if c["backend"] == "gloo"}
@@ -733,9 +754,10 @@ def derive(world: int, res: dict[str, Any]) -> None:
         g = gloo.get((c["op"], c["size"]))
         if g and c["backend"] != "gloo":
             c["speedup_vs_gloo"] = g / t
-        if c["op"] == "all_reduce":
-            bound = shm_1t if c["backend"] == "native-1t" else shm
+        if c["op"] in SIZED_OPS:
+            bound = shm_bound(c["op"], c["backend"] == "native-1t")
             c["pct_shm_bound"] = 100 * c["algbw_GBps"] * 1e9 / bound
+        if c["op"] == "all_reduce":
             c["pct_tcp_bound"] = 100 * c["algbw_GBps"] * 1e9 / tcp
 
 
@@ -752,13 +774,15 @@ def table(world: int, res: dict[str, Any], ncores: int) -> str:
             if bd.get("B3_copy_all_threads_GBps")
             else ""
         ),
-        f"all_reduce algbw bounds: shm {bd['shm_all_reduce_algbw_bound_GBps']:.2f} GB/s "
+        "shm algbw bounds (every input read once, every output written once): "
+        + ", ".join(f"{op} {v:.2f}" for op, v in bd.get("shm_algbw_bound_GBps", {}).items())
+        + " GB/s "
         + (
-            f"[{bd['comm_threads']} threads per rank: T >= max(2S/(T B1), 2NS/B3)]"
+            f"[{bd['comm_threads']} threads per rank: T >= max(cS/(T B1), NcS/B3)]"
             if bd.get("B3_copy_all_threads_GBps")
-            else "[T >= max(2S/B1, 2NS/B2)]"
+            else "[T >= max(cS/B1, NcS/B2)]"
         )
-        + f", TCP ring {bd['tcp_ring_all_reduce_algbw_bound_GBps']:.2f}"
+        + f"; all_reduce TCP ring {bd['tcp_ring_all_reduce_algbw_bound_GBps']:.2f}"
         " GB/s [T >= 2(N-1)S/B_lo]",
     ]
     for b, g in res["groups"].items():
@@ -785,12 +809,10 @@ def table(world: int, res: dict[str, Any], ncores: int) -> str:
 
         sp = f(c["speedup_vs_gloo"], ".1f") + ("x" if c["speedup_vs_gloo"] else "")
         pct = "-"
-        if c["op"] == "all_reduce":
-            # shm bound for the shared-memory engine, TCP ring bound for TCP paths (gloo too)
-            if c["backend"] in SHM_NATIVE:
-                pct = f"{c['pct_shm_bound']:.0f}% shm"
-            else:
-                pct = f"{c['pct_tcp_bound']:.0f}% tcp"
+        if c["backend"] in SHM_NATIVE and c.get("pct_shm_bound") is not None:
+            pct = f"{c['pct_shm_bound']:.0f}% shm"  # the same bound for every shared-memory path
+        elif c["op"] == "all_reduce" and c.get("pct_tcp_bound") is not None:
+            pct = f"{c['pct_tcp_bound']:.0f}% tcp"  # TCP paths (gloo too)
         lines.append(
             f"{c['op']:<14} {size:>9} {c['backend']:<10} {c['latency_us']:>11.1f} "
             f"{f(c['algbw_GBps'], '.3f'):>10} {f(c['busbw_GBps'], '.3f'):>10} {sp:>8} {pct:>10} "
@@ -877,14 +899,15 @@ def _draw(plt: Any, results: dict[int, dict[str, Any]]) -> Any:
                 xs = [p[0] for p in pts]
                 ax_t.plot(xs, [p[1] for p in pts], styles.get(backend, "-"), label=backend)
                 ax_b.plot(xs, [p[2] for p in pts], styles.get(backend, "-"), label=backend)
+            f, bd = bus_factor(op, world), res["bounds"]
+            shm_bound = bd.get("shm_algbw_bound_GBps", {}).get(op)
+            if shm_bound is None and op == "all_reduce":  # results saved before per-op bounds
+                shm_bound = bd["shm_all_reduce_algbw_bound_GBps"]
+            if shm_bound is not None:
+                ax_b.axhline(shm_bound * f, color="C0", lw=0.8, ls=":", label="shm bound")
             if op == "all_reduce":
-                f = bus_factor(op, world)
-                bd = res["bounds"]
-                for key, color, label in (
-                    ("shm_all_reduce_algbw_bound_GBps", "C0", "shm bound"),
-                    ("tcp_ring_all_reduce_algbw_bound_GBps", "C1", "TCP ring bound"),
-                ):
-                    ax_b.axhline(bd[key] * f, color=color, lw=0.8, ls=":", label=label)
+                tcp_bound = bd["tcp_ring_all_reduce_algbw_bound_GBps"] * f
+                ax_b.axhline(tcp_bound, color="C1", lw=0.8, ls=":", label="TCP ring bound")
             sizes = sorted({c["size"] for c in res["cells"] if c["op"] == op})
             for ax, ylabel in ((ax_t, "median latency (us)"), (ax_b, "busbw (GB/s)")):
                 ax.set_xscale("log", base=2)
@@ -1060,9 +1083,10 @@ def main(argv: list[str]) -> int:
         f"{info['loadavg_end']}, {info['date_utc']}",
         "latency: median over repeats of the slowest rank's mean time per op; algbw = S/t, "
         "busbw = algbw x (2(N-1)/N all_reduce, (N-1)/N reduce_scatter/all_gather, 1 broadcast);"
-        " vs gloo = t_gloo/t; %bound: all_reduce algbw over the shm bound (native) or the TCP "
-        "ring bound (native-tcp, gloo), meaningful from ~16 MiB (smaller buffers stay in cache and "
-        "can beat a DRAM/stream bound); spread = (max - min) / median over repeats",
+        " vs gloo = t_gloo/t; %bound: algbw over the shm bound of the op (every native path on "
+        "shared memory) or the all_reduce TCP ring bound (native-tcp, gloo), meaningful from "
+        "~16 MiB (smaller buffers stay in cache and can beat a DRAM/stream bound); spread = "
+        "(max - min) / median over repeats",
     ]
     report = report + "\n\n" + "\n".join(footer) + "\n"
     doc = {

@@ -7,6 +7,7 @@ same model, seed and data split side by side in one rank.
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -32,6 +33,10 @@ pytestmark = pytest.mark.usefixtures("native")
 
 IN, HIDDEN, OUT = 12, 24, 5
 INF = float("inf")
+# How gradients reach the collective: large ones reduced where autograd left them, all copied
+# into ordinary buckets, or into buckets in symmetric memory (the default on one host).
+BUCKETS = [{"in_place_mb": 0.0, "symmetric": False}, {"in_place_mb": INF, "symmetric": False}, {}]
+BUCKET_IDS = ["in-place", "packed", "symmetric"]
 # Rank threads share torch's global generator: models are built under this lock.
 _INIT = threading.Lock()
 
@@ -121,9 +126,9 @@ def assert_equal_lists(a: list[torch.Tensor], b: list[torch.Tensor], exact: bool
 # -- parity ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("in_place_mb", [0.0, INF], ids=["in-place", "packed"])
+@pytest.mark.parametrize("buckets", BUCKETS, ids=BUCKET_IDS)
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_matches_torch_ddp(n: int, backend: str, in_place_mb: float) -> None:
+def test_matches_torch_ddp(n: int, backend: str, buckets: dict[str, Any]) -> None:
     """Bitwise at 2 ranks (a sum of two numbers), assert_close at 3 and 4; several buckets,
     gradients copied into buckets or reduced in place."""
 
@@ -134,9 +139,7 @@ def test_matches_torch_ddp(n: int, backend: str, in_place_mb: float) -> None:
 
     results = side_by_side(
         n,
-        lambda g: DistributedDataParallel(
-            mlp(), group=g, bucket_cap_mb=0.001, in_place_mb=in_place_mb
-        ),
+        lambda g: DistributedDataParallel(mlp(), group=g, bucket_cap_mb=0.001, **buckets),
         lambda pg: TorchDDP(mlp(), process_group=pg, bucket_cap_mb=0.001),
         run,
         backend=backend,
@@ -249,8 +252,8 @@ class Branchy(nn.Module):
         return head(torch.relu(self.trunk(x)))
 
 
-@pytest.mark.parametrize("in_place_mb", [0.0, INF], ids=["in-place", "packed"])
-def test_unused_parameters_need_no_flag(in_place_mb: float) -> None:
+@pytest.mark.parametrize("buckets", BUCKETS, ids=BUCKET_IDS)
+def test_unused_parameters_need_no_flag(buckets: dict[str, Any]) -> None:
     """Equal to torch's DDP with find_unused_parameters=True, which needs the flag."""
 
     def make(rank: int) -> Branchy:
@@ -271,7 +274,7 @@ def test_unused_parameters_need_no_flag(in_place_mb: float) -> None:
 
     results = side_by_side(
         2,
-        lambda g: DistributedDataParallel(make(g.rank), group=g, in_place_mb=in_place_mb),
+        lambda g: DistributedDataParallel(make(g.rank), group=g, **buckets),
         lambda pg: TorchDDP(make(pg.rank()), process_group=pg, find_unused_parameters=True),
         run,
     )
@@ -287,13 +290,11 @@ def test_unused_parameters_need_no_flag(in_place_mb: float) -> None:
     assert last[-1] is None and last[-2] is None and last[2] is not None and last[4] is not None
 
 
-@pytest.mark.parametrize("in_place_mb", [0.0, INF], ids=["in-place", "packed"])
-def test_no_sync_accumulation_equals_one_big_batch(in_place_mb: float) -> None:
+@pytest.mark.parametrize("buckets", BUCKETS, ids=BUCKET_IDS)
+def test_no_sync_accumulation_equals_one_big_batch(buckets: dict[str, Any]) -> None:
     def body(g: ProcessGroup) -> list[torch.Tensor]:
         torch.set_num_threads(1)
-        model = DistributedDataParallel(
-            mlp(), group=g, bucket_cap_mb=0.001, in_place_mb=in_place_mb
-        )
+        model = DistributedDataParallel(mlp(), group=g, bucket_cap_mb=0.001, **buckets)
         (x1, y1), (x2, y2) = batch(0, g.rank), batch(1, g.rank)
         with model.no_sync():
             (nn.functional.mse_loss(model(x1), y1, reduction="sum")).backward()
@@ -312,8 +313,8 @@ def test_no_sync_accumulation_equals_one_big_batch(in_place_mb: float) -> None:
 
 
 @pytest.mark.parametrize("counts", [[2, 5], [5, 2], [0, 3], [3, 3]])
-@pytest.mark.parametrize("in_place_mb", [0.0, INF], ids=["in-place", "packed"])
-def test_join_uneven_inputs(in_place_mb: float, counts: list[int]) -> None:
+@pytest.mark.parametrize("buckets", BUCKETS, ids=BUCKET_IDS)
+def test_join_uneven_inputs(buckets: dict[str, Any], counts: list[int]) -> None:
     """Ranks with different numbers of batches (none at all, too): no hang, and torch's Join
     semantics exactly.
 
@@ -326,7 +327,7 @@ def test_join_uneven_inputs(in_place_mb: float, counts: list[int]) -> None:
     def body(g: ProcessGroup) -> list[torch.Tensor]:
         torch.set_num_threads(1)
         model = DistributedDataParallel(
-            mlp(batchnorm=True), group=g, bucket_cap_mb=0.001, in_place_mb=in_place_mb
+            mlp(batchnorm=True), group=g, bucket_cap_mb=0.001, **buckets
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         with model.join():
@@ -422,13 +423,13 @@ def test_compression_hooks_within_tolerance(name: str) -> None:
         )
 
 
-@pytest.mark.parametrize("in_place_mb", [0.0, INF], ids=["in-place", "packed"])
-def test_gradient_nobody_used_is_left_alone(in_place_mb: float) -> None:
+@pytest.mark.parametrize("buckets", BUCKETS, ids=BUCKET_IDS)
+def test_gradient_nobody_used_is_left_alone(buckets: dict[str, Any]) -> None:
     """Gradients kept across steps (no zero_grad) of a head no rank uses stay bit for bit."""
 
     def body(g: ProcessGroup) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         torch.set_num_threads(1)
-        model = DistributedDataParallel(Branchy(), group=g, in_place_mb=in_place_mb)
+        model = DistributedDataParallel(Branchy(), group=g, **buckets)
         inner = model.module
         assert isinstance(inner, Branchy)
         for step in range(3):  # past the bucket rebuild, so grads alias buckets
@@ -546,7 +547,7 @@ def test_channels_last_conv_in_join_and_in_place() -> None:
 
     def body(g: ProcessGroup) -> list[torch.Tensor]:
         torch.set_num_threads(1)
-        model = DistributedDataParallel(make(), group=g, in_place_mb=0.0)
+        model = DistributedDataParallel(make(), group=g, in_place_mb=0.0, symmetric=False)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with model.join():
             for step in range(1 + g.rank):
@@ -644,7 +645,8 @@ def test_in_place_gradients_keep_the_ready_order() -> None:
     """Small gradients packed between in-place ones do not hold the later ones back."""
 
     def body(g: ProcessGroup) -> list[list[str]]:
-        model = DistributedDataParallel(Shuffled(), group=g, in_place_mb=1e-3)  # >= 1 KiB
+        # in place from 1 KiB (ordinary buckets: symmetric ones hold every gradient)
+        model = DistributedDataParallel(Shuffled(), group=g, in_place_mb=1e-3, symmetric=False)
         for step in range(2):
             x, y = batch(step, g.rank)
             nn.functional.mse_loss(model(x), y).backward()
@@ -738,3 +740,50 @@ def test_shut_down_group_is_reported() -> None:
             nn.functional.mse_loss(model(x), y).backward()
 
     run_ranks(1, body)
+
+
+def symmetric_mappings() -> int:
+    """Mappings of this process's symmetric segments (the ranks are its threads)."""
+    with open("/proc/self/maps") as maps:
+        return sum(f"/shardline-{os.getpid()}-symm-" in line for line in maps)
+
+
+def test_buckets_live_in_symmetric_memory_and_the_rebuild_frees_the_first_ones() -> None:
+    """On one host the default puts every bucket in one symmetric arena (no in-place
+    gradients); the gradients that view the buckets after the first step's rebuild keep their
+    values, and the first arena's mappings go with it."""
+    before = symmetric_mappings()
+
+    def body(g: ProcessGroup) -> tuple[bool, int, int, list[torch.Tensor]]:
+        model = DistributedDataParallel(mlp(), group=g, bucket_cap_mb=0.001, in_place_mb=0.0)
+        assert not any(b.in_place for b in model._buckets)
+        arenas = {b.flat.untyped_storage().data_ptr() for b in model._buckets}
+        train(model, g.rank, steps=1)
+        g.barrier()  # every rank has rebuilt
+        after_rebuild = symmetric_mappings()
+        g.barrier()
+        grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        # Every gradient views the new arena, with the values the step computed.
+        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}  # type: ignore[union-attr]
+        assert len(arenas) == 1 and len(storages) == 1 and storages != arenas
+        g.barrier()
+        return model.symmetric, after_rebuild, len(model._buckets), grads
+
+    results = run_ranks(3, body)
+    assert all(r[0] for r in results) and results[0][2] > 1
+    # 3 ranks each map the 3 segments of the one arena left: the first is gone on every rank
+    assert [r[1] - before for r in results] == [9, 9, 9]
+    assert symmetric_mappings() == before
+    # and the values are the reduced gradients (every rank holds the same)
+    for r in results[1:]:
+        assert_equal_lists(r[3], results[0][3], exact=True)
+
+
+def test_symmetric_true_where_there_is_none_says_why() -> None:
+    def body(g: ProcessGroup) -> str:
+        with pytest.raises(InvalidArgumentError) as caught:
+            DistributedDataParallel(mlp(), group=g, symmetric=True)
+        return str(caught.value)
+
+    for message in run_ranks(2, body, transport="tcp"):
+        assert "symmetric=True" in message and "no shared memory" in message, message

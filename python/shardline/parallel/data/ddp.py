@@ -42,6 +42,7 @@ from torch.autograd import Variable
 from shardline.comm import traffic
 from shardline.comm.coalesced import broadcast_coalesced
 from shardline.comm.group import ProcessGroup
+from shardline.comm.symmetric import SymmetricArena, wants_symmetric
 from shardline.comm.world import default_group
 from shardline.compression.codec import Compressor, Entry
 from shardline.compression.hooks import CommHook, allreduce_hook, resolve_hook
@@ -62,7 +63,12 @@ from shardline.parallel.data.compressed import (
     state_entries,
 )
 from shardline.parallel.data.ddp_accumulate import CallerSteps
-from shardline.parallel.data.ddp_buckets import Bucket, StepState, build_buckets
+from shardline.parallel.data.ddp_buckets import (
+    Bucket,
+    StepState,
+    build_buckets,
+    move_bucket_grads,
+)
 from shardline.parallel.data.ddp_join import JoinUneven
 from shardline.parallel.joining import is_joining
 
@@ -94,6 +100,12 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
         in_place_mb: Gradients of at least this many MiB (under the default hook) are
             reduced where autograd left them, with the division by the world size fused into
             the reduction: no copy into a bucket and none back. ``float("inf")`` packs all.
+            Not with symmetric buckets, which hold every gradient.
+        symmetric: Buckets in symmetric memory (``shardline.symmetric_empty``), whose
+            all-reduce reads every rank's bucket where it is, with no copy through the
+            engine's slots. ``None``: on CPU where the group has it (the native engine, one
+            host) unless ``SHARDLINE_SYMMETRIC=0``; ``False``: ordinary tensors; ``True``:
+            always (an error where it cannot be). ``self.symmetric`` says which it is.
         compression: A gradient compressor (``sl.compression.PowerSGD(rank=4)``,
             ``sl.compression.Int8()``, ...) or its name (``"powersgd"``, ``"int8"``, ``"fp8"``,
             ``"topk"``, ``"onebit"``): each bucket is reduced compressed, with error feedback;
@@ -120,6 +132,7 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
         gradient_as_bucket_view: bool = True,
         in_place_mb: float = 1.0,
         compression: str | Compressor | None = None,
+        symmetric: bool | None = None,
     ) -> None:
         super().__init__()
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
@@ -149,6 +162,10 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
         self._params = [p for _, p in named]
         self._buffers_list = [b for b in module.buffers() if b.numel() > 0]
         self._device = self._params[0].device if self._params else torch.device("cpu")
+        self._symmetric_choice = symmetric
+        self.symmetric = wants_symmetric(
+            self.group, self._device, symmetric, "DistributedDataParallel"
+        )
         for name, p in named:
             if p.is_sparse:
                 raise InvalidArgumentError(
@@ -360,6 +377,10 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
                 "supported by elastic regroup yet; use DDP or ZeRO over a plain module"
             )
         self.group = group
+        self.symmetric = wants_symmetric(
+            group, self._device, self._symmetric_choice, "DistributedDataParallel"
+        )
+        self._buckets = []  # of the old group: nothing to carry over
         # Everything per step goes back to what the constructor sets: a stale step of a
         # backward that failed on the old group would otherwise abort the new one at the next
         # forward, and the bucket order rank 0 of the old group saw is not the new rank 0's.
@@ -391,7 +412,17 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
         check_same_model(self.group, self._names, self._params, "DistributedDataParallel")
 
     def _build_buckets(self, order: list[int]) -> None:
-        """Packs parameters into per-dtype buckets following ``order`` (first ready first)."""
+        """Packs parameters into per-dtype buckets following ``order`` (first ready first).
+
+        Symmetric buckets come from one arena per build (a collective: every rank builds at
+        the same points). Gradients that view the old buckets move into the new ones, so the
+        old memory goes now, as torch's reducer does when it rebuilds.
+        """
+        alloc = None
+        if self.symmetric:
+            sizes = [(p.numel(), p.dtype) for p in self._params]
+            alloc = SymmetricArena(SymmetricArena.bytes_for(sizes), group=self.group).take
+        old = self._buckets
         self._buckets, self._slot = build_buckets(
             self._params,
             order,
@@ -399,12 +430,15 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
             self.first_bucket_bytes,
             self.bucket_cap_bytes,
             self._device,
+            alloc,
         )
+        move_bucket_grads(self._params, old, self._buckets, self._slot)
 
     def _in_place_ok(self, p: torch.Tensor) -> bool:
         """Large contiguous float gradients under the default hook skip the bucket copy."""
         return (
-            self._hook is allreduce_hook
+            not self.symmetric
+            and self._hook is allreduce_hook
             and self._compression is None
             and p.is_floating_point()
             and p.is_contiguous()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Bucket", "StepState", "build_buckets", "dense_permuted"]
+__all__ = ["Bucket", "StepState", "build_buckets", "dense_permuted", "move_bucket_grads"]
 
 
 @dataclass
@@ -67,11 +67,14 @@ def build_buckets(
     first_bytes: int,
     cap_bytes: int,
     device: torch.device,
+    alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None,
 ) -> tuple[list[Bucket], list[tuple[int, int]]]:
     """Buckets for ``params`` filled in ``order`` (first ready first), and each one's slot.
 
     The first bucket holds up to ``first_bytes`` (small, so communication starts early), the
-    others ``cap_bytes``. Returns the buckets and, per parameter, ``(bucket, slot)``.
+    others ``cap_bytes``. ``alloc(numel, dtype)`` gives each packed bucket its zero-filled
+    buffer (``torch.zeros`` on ``device`` when ``None``; DDP passes a symmetric arena's
+    ``take``). Returns the buckets and, per parameter, ``(bucket, slot)``.
     """
     open_: dict[torch.dtype, tuple[list[int], int]] = {}
     closed: list[tuple[torch.dtype, list[int]]] = []
@@ -106,6 +109,32 @@ def build_buckets(
             empty = torch.empty(0, dtype=dtype, device=device)
             buckets.append(Bucket(b, dtype, members, offsets, empty, in_place=True))
             continue
-        flat = torch.zeros(total, dtype=dtype, device=device)
+        flat = (
+            alloc(total, dtype)
+            if alloc is not None
+            else torch.zeros(total, dtype=dtype, device=device)
+        )
         buckets.append(Bucket(b, dtype, members, offsets, flat))
     return buckets, slot
+
+
+def move_bucket_grads(
+    params: Sequence[torch.Tensor],
+    old: Sequence[Bucket],
+    new: Sequence[Bucket],
+    slot: Sequence[tuple[int, int]],
+) -> None:
+    """Gradients that view ``old`` buckets (``gradient_as_bucket_view``) move into ``new``.
+
+    Their values are kept, and the old buffers are no longer held once the caller drops them.
+    """
+    held = {b.flat.untyped_storage().data_ptr() for b in old if b.flat.numel()}
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is None or g.untyped_storage().data_ptr() not in held:
+            continue
+        bucket = new[slot[i][0]]
+        if not bucket.in_place:
+            view = bucket.view(slot[i][1], p)
+            view.copy_(g)
+            p.grad = view
