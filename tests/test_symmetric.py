@@ -118,17 +118,24 @@ def test_reduce_scatter_of_a_symmetric_input_equals_the_one_through_the_slots(
     assert shm_files() <= before, f"left in /dev/shm: {shm_files() - before}"
 
 
+@pytest.mark.parametrize("where", ["output", "input"])
 @pytest.mark.parametrize("world", [2, 3, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
-def test_all_gather_into_symmetric_memory_equals_numpy_concatenation(
-    world: int, dtype: torch.dtype
+def test_all_gather_with_symmetric_memory_equals_the_concatenation(
+    world: int, dtype: torch.dtype, where: str
 ) -> None:
     def body(g: ProcessGroup) -> list[torch.Tensor]:
         out = []
         for n in SIZES:
-            t = sl.symmetric_empty(world * n + 3, dtype=dtype, group=g)[3:]
+            if where == "output":
+                t = sl.symmetric_empty(world * n + 3, dtype=dtype, group=g)[3:]
+                part = values(g.rank, n, dtype)
+            else:
+                t = torch.empty(world * n, dtype=dtype)
+                part = sl.symmetric_empty(n + 3, dtype=dtype, group=g)[3:]
+                part.copy_(values(g.rank, n, dtype))
             t.fill_(-1)
-            g.all_gather(t, values(g.rank, n, dtype))
+            g.all_gather(t, part)
             out.append(t.clone())
         return out
 
@@ -139,13 +146,17 @@ def test_all_gather_into_symmetric_memory_equals_numpy_concatenation(
             assert torch.equal(per_size[k], want), (world, n, rank)
 
 
-@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather output", "all_gather input"])
 def test_a_rank_outside_symmetric_memory_fails_every_rank_naming_it(op: str) -> None:
     def body(g: ProcessGroup) -> str:
-        big = sl.symmetric_empty(3 * 1024, group=g)
-        small = torch.zeros(1024)
-        if g.rank == 1:
-            big = torch.zeros(3 * 1024)
+        big, small = torch.zeros(3 * 1024), torch.zeros(1024)
+        if g.rank != 1:  # rank 1 passes ordinary tensors
+            if op == "all_gather input":
+                small = sl.symmetric_empty(1024, group=g)
+            else:
+                big = sl.symmetric_empty(3 * 1024, group=g)
+        else:  # the allocation is a collective: rank 1 makes it too, and does not use it
+            sl.symmetric_empty(1024 if op == "all_gather input" else 3 * 1024, group=g)
         call = (
             (lambda: g.reduce_scatter(small, big))
             if op == "reduce_scatter"

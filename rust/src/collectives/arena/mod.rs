@@ -245,8 +245,8 @@ impl ArenaComm {
 
     /// All-gather (or gather to `only_root`) of unequal byte counts `counts[r]` into `out`
     /// (concatenated in rank order); `out` may be empty on non-roots when gathering. An
-    /// all-gather of equal counts into symmetric memory reads every block where its rank put
-    /// it ([`symmetric`]).
+    /// all-gather of equal counts whose input (or else output) is in symmetric memory reads
+    /// every block where its rank put it ([`symmetric`]).
     #[allow(clippy::too_many_arguments)]
     pub fn all_gather(
         &mut self,
@@ -257,16 +257,20 @@ impl ArenaComm {
         only_root: Option<usize>,
         deadline: Instant,
     ) -> Result<()> {
-        let equal = counts.iter().all(|&c| c == inp.len()) && out.len() == counts.len() * inp.len();
-        if let Some(place) = only_root
-            .is_none()
-            .then(|| self.symmetric_place(out))
-            .flatten()
-            .filter(|_| equal)
-        {
-            return self.with_comm_threads(out.len(), |c, ways| {
-                c.all_gather_symmetric(place, out, inp, sig, deadline, ways)
-            });
+        let equal = only_root.is_none()
+            && counts.iter().all(|&c| c == inp.len())
+            && out.len() == counts.len() * inp.len();
+        if equal {
+            if let Some(place) = self.symmetric_place(inp) {
+                return self.with_comm_threads(out.len(), |c, ways| {
+                    c.all_gather_symmetric_input(place, out, inp.len(), sig, deadline, ways)
+                });
+            }
+            if let Some(place) = self.symmetric_place(out) {
+                return self.with_comm_threads(out.len(), |c, ways| {
+                    c.all_gather_symmetric(place, out, inp, sig, deadline, ways)
+                });
+            }
         }
         self.with_comm_threads(out.len().max(inp.len()), |c, ways| {
             c.all_gather_ways(out, inp, counts, sig, only_root, deadline, ways)

@@ -8,7 +8,9 @@
 //!   result into the N segments;
 //! - reduce-scatter (the input in symmetric memory): rank `i` reduces block `i` of the N
 //!   inputs into its own output;
-//! - all-gather (the output in symmetric memory): every rank puts its input into its own
+//! - all-gather, the input in symmetric memory: every rank copies every rank's input from
+//!   that rank's segment into its own output;
+//! - all-gather, the output in symmetric memory: every rank puts its input into its own
 //!   block of its output, then copies every peer's block from that peer's segment.
 //!
 //! Each byte of input is read once and each byte of output written once, the least memory
@@ -33,8 +35,11 @@ use crate::transport::shm::segment::Segment;
 /// Bytes reduced at a time per thread: N blocks of inputs and one of output stay in L2.
 const BLOCK_BYTES: usize = 32 * 1024;
 
-/// Marks the phase word of an all-reduce on symmetric memory (with the segment and offset).
+/// Marks the phase word of an op on symmetric memory (with the segment and offset).
 const SYMMETRIC: u64 = 1 << 63;
+/// Marks a place word that names the op's input where the op could name either buffer
+/// (all-gather), so that ranks that put different buffers there disagree.
+const INPUT: u64 = 1 << 62;
 
 /// The segments of one symmetric allocation: every local rank's, by local index.
 pub(super) struct Allocation {
@@ -56,6 +61,11 @@ impl Place {
     /// The word published with the op's signature: equal on every rank or the op fails.
     fn word(self) -> u64 {
         SYMMETRIC | ((self.alloc as u64 + 1) << 40) | self.offset as u64
+    }
+
+    /// The word of an all-gather whose input is at this place.
+    fn input_word(self) -> u64 {
+        self.word() | INPUT
     }
 }
 
@@ -147,8 +157,9 @@ impl ArenaComm {
                         "a tensor outside symmetric memory".to_string()
                     } else {
                         format!(
-                            "symmetric allocation #{} at byte {}",
-                            ((w & !SYMMETRIC) >> 40) - 1,
+                            "{}symmetric allocation #{} at byte {}",
+                            if w & INPUT != 0 { "an input in " } else { "" },
+                            ((w & !(SYMMETRIC | INPUT)) >> 40) - 1,
                             w & ((1 << 40) - 1)
                         )
                     }
@@ -298,6 +309,39 @@ impl ArenaComm {
         Ok(())
     }
 
+    /// The all-gather of the `n * inp.len()` bytes into `out`, `inp` at `place` of this
+    /// rank's symmetric memory: block `r` of `out` is copied from rank `r`'s segment.
+    pub(super) fn all_gather_symmetric_input(
+        &mut self,
+        place: Place,
+        out: &mut [u8],
+        block: usize,
+        sig: &OpSig,
+        deadline: Instant,
+        ways: usize,
+    ) -> Result<()> {
+        let parity = self.step(sig, Some(place.input_word()), deadline, |_| {})?;
+        self.check_place_word(parity, place.input_word(), sig)?;
+        let bases = self.bases(place);
+        comm_threads::split(out, ways, |a, dst| {
+            let b = a + dst.len();
+            for (r, p) in bases.iter().enumerate() {
+                let (x, y) = ((r * block).max(a), ((r + 1) * block).min(b));
+                if x >= y {
+                    continue;
+                }
+                // SAFETY: rank `r`'s input, `block` bytes at the place word's offset, lies in
+                // its segment (each segment of the allocation is as long as this rank's, which
+                // holds this rank's input there). No rank writes its input between the two
+                // phases, and `out` (private to this rank) is no input of this op.
+                let src = unsafe { std::slice::from_raw_parts(p.0.add(x - r * block), y - x) };
+                dst[x - a..y - a].copy_from_slice(src);
+            }
+        });
+        self.step(sig, None, deadline, |_| {})?;
+        Ok(())
+    }
+
     /// Fails unless no peer's word of this phase names symmetric memory: for ops through the
     /// slots whose first word is not a place word (all-gather publishes its input's length).
     pub(super) fn check_no_symmetric_peer(&self, parity: usize, sig: &OpSig) -> Result<()> {
@@ -311,10 +355,10 @@ impl ArenaComm {
                 return Err(Error::new(
                     ErrorKind::Mismatch,
                     format!(
-                        "{sig}: rank {} passed an output in symmetric memory while rank {} \
-                         passed one outside it; on a host every rank must pass the same place \
-                         of its symmetric memory (shardline.symmetric_empty), or every rank a \
-                         tensor outside it",
+                        "{sig}: rank {} passed a buffer in symmetric memory while rank {} \
+                         passed tensors outside it; on a host every rank must pass the same \
+                         place of its symmetric memory (shardline.symmetric_empty), or every \
+                         rank tensors outside it",
                         self.arena.global(r),
                         self.arena.global(me)
                     ),
