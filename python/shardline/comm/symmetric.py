@@ -64,7 +64,7 @@ def symmetric_empty(
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if not symmetric_available(g) or nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    return _symmetric_bytes(g, nbytes).view(dtype).view(shape)
+    return torch.frombuffer(_symmetric_memory(g, nbytes), dtype=dtype).view(shape)
 
 
 def symmetric_available(group: ProcessGroup) -> bool:
@@ -120,11 +120,9 @@ class SymmetricArena:
     def __init__(self, nbytes: int, group: ProcessGroup | None = None) -> None:
         g = group if group is not None else default_group()
         self.group = g
-        self._memory = (
-            _symmetric_bytes(g, nbytes)
-            if nbytes > 0 and symmetric_available(g)
-            else torch.empty(nbytes, dtype=torch.uint8)
-        )
+        self.nbytes = nbytes
+        self.symmetric = nbytes > 0 and symmetric_available(g)
+        self._memory = _symmetric_memory(g, nbytes) if self.symmetric else None
         self._used = 0
 
     @classmethod
@@ -132,13 +130,13 @@ class SymmetricArena:
         """Bytes an arena needs to hand out tensors of these ``(numel, dtype)``."""
         return sum(_aligned(n * _itemsize(dt), cls.ALIGN) for n, dt in sizes)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated."""
-        return self._memory.numel()
-
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The next ``numel`` elements of ``dtype``, zero-filled."""
+        """The next ``numel`` elements of ``dtype``, zero-filled.
+
+        Each is a tensor of its own (its own version counter, as autograd and in-place checks
+        expect of separate buffers), not a view of one big one. Where the group has no
+        symmetric memory, an ordinary tensor.
+        """
         size = numel * _itemsize(dtype)
         end = self._used + size
         if end > self.nbytes:
@@ -146,8 +144,12 @@ class SymmetricArena:
                 f"SymmetricArena: {size} more bytes asked of {self.nbytes} ({self._used} in "
                 "use); size it with SymmetricArena.bytes_for the tensors it will hold"
             )
-        out = self._memory[self._used : end].view(dtype)
-        self._used = _aligned(end, self.ALIGN)
+        offset, self._used = self._used, _aligned(end, self.ALIGN)
+        if self._memory is None:
+            return torch.zeros(numel, dtype=dtype)
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        out = torch.frombuffer(self._memory, dtype=dtype, count=numel, offset=offset)
         return out.zero_()
 
 
@@ -159,8 +161,8 @@ def _aligned(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _symmetric_bytes(g: ProcessGroup, nbytes: int) -> torch.Tensor:
-    """``nbytes`` uint8 of symmetric memory on ``g`` (a collective)."""
+def _symmetric_memory(g: ProcessGroup, nbytes: int) -> ctypes.Array[ctypes.c_char]:
+    """``nbytes`` of symmetric memory on ``g`` (a collective); tensors on it hold it alive."""
     native = g.engine()
     path = f"/dev/shm/shardline-{os.getpid()}-symm-{secrets.token_hex(6)}"
     _native.symmetric_create(path, nbytes)
@@ -186,7 +188,7 @@ def _symmetric_bytes(g: ProcessGroup, nbytes: int) -> torch.Tensor:
     memory.segment = segment  # type: ignore[attr-defined]  # the mapping lives with the tensor
     # When the last tensor on it goes, so do this rank's mappings of the peers' segments.
     weakref.finalize(memory, _release, weakref.ref(native), segment.index)
-    return torch.frombuffer(memory, dtype=torch.uint8)
+    return memory
 
 
 def _release(native: weakref.ref[_native.Group], index: int) -> None:

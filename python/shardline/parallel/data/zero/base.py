@@ -68,6 +68,8 @@ class ZeroBase(nn.Module):
     _own_groups: bool  # the two below are communicators of their own (else ``group``)
     _gather_group: ProcessGroup  # all-gathers, in their own order
     _reduce_group: ProcessGroup  # gradient reductions, in their own order
+    _symmetric_choice: bool | None  # the constructor's ``symmetric`` (see ``symmetric``)
+    symmetric: bool  # flat buffers in symmetric memory (CPU, one host; ``units.Unit.build``)
     _replicate: ProcessGroup | None  # HSDP: the replicas this rank's shards are averaged over
     _replicating: list[tuple[Unit, Work, torch.Tensor, bool]]  # ... averages in flight
     _by_name: dict[str, nn.Parameter]  # the plain model's parameters

@@ -16,6 +16,7 @@ import weakref
 import torch
 from torch import nn
 
+from shardline.comm.symmetric import SymmetricArena, symmetric_available, wants_symmetric
 from shardline.parallel.data.zero.base import ZeroBase
 from shardline.parallel.data.zero.grouping import UnitPlan, plan_units
 from shardline.parallel.data.zero.units import Unit
@@ -62,8 +63,8 @@ class UnitLayout:
         w._order = list(order)
         w._bw_gathered = set()
         w._units = []
-        for spec in plan.units:
-            unit = Unit(
+        units = [
+            Unit(
                 index=spec.index,
                 names=list(spec.params),
                 params=[w._by_name[n] for n in spec.params],
@@ -76,7 +77,16 @@ class UnitLayout:
                 owner=spec.owner,
                 offload=w.offload,
             )
-            unit.build(w._device, shard_is_view=w.stage < 3 and unit.cdtype == unit.wdtype)
+            for spec in plan.units
+        ]
+        arenas = self._arenas(units)
+        for unit in units:
+            unit.build(
+                w._device,
+                shard_is_view=w.stage < 3 and unit.cdtype == unit.wdtype,
+                stage=w.stage,
+                arenas=arenas,
+            )
             if w.stage == 3 and w._host_model:
                 unit.free()  # the model is in host memory: one unit on the GPU at a time
             w._units.append(unit)
@@ -244,8 +254,11 @@ class UnitLayout:
                 u.publish_grads()  # drops gradients shown for the old layout, if any
                 continue
             keep_full = w.stage == 1 and u.owner is None
-            full = torch.zeros(u.padded, dtype=u.rdtype if keep_full else u.wdtype)
-            full = full.to(w._device)
+            if keep_full and u.grad_home is not None:
+                full = u.grad_home.zero_()
+            else:
+                full = torch.zeros(u.padded, dtype=u.rdtype if keep_full else u.wdtype)
+                full = full.to(w._device)
             for p, o in zip(u.params, u.offsets, strict=True):
                 if id(p) in grads:
                     full[o : o + p.numel()].copy_(grads[id(p)])
@@ -257,6 +270,27 @@ class UnitLayout:
             else:
                 u.shard_grad = full[u.lo : u.hi].clone() if u.hi > u.lo else None
             u.publish_grads()
+
+    def _arenas(self, units: list[Unit]) -> tuple[SymmetricArena, SymmetricArena] | None:
+        """The arenas the units' long-lived buffers come from (symmetric memory), or None.
+
+        ``(gather, reduce)``, one on each group; making them is a collective of both.
+        """
+        w = self._w
+        w.symmetric = wants_symmetric(
+            w._gather_group, w._device, w._symmetric_choice, "ShardedDataParallel"
+        ) and symmetric_available(w._reduce_group)
+        if not w.symmetric:
+            return None
+        for u in units:
+            u.lay_out()
+        sizes = [u.symmetric_sizes(w.stage) for u in units]
+        return (
+            SymmetricArena(SymmetricArena.bytes_for([s for g, _ in sizes for s in g]),
+                           group=w._gather_group),
+            SymmetricArena(SymmetricArena.bytes_for([s for _, r in sizes for s in r]),
+                           group=w._reduce_group),
+        )  # fmt: skip
 
     @property
     def _param_home(self) -> torch.device:

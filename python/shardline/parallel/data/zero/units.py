@@ -28,6 +28,13 @@ to the device with the all-gathers they feed, so the compute stream never waits 
 ``full`` (compute dtype) holds the gathered parameters; the module's own parameters are views
 into it. For ZeRO-3 its storage is released (``resize_(0)``) between uses and re-allocated
 before the next all-gather, so the views (and tensors autograd saved) stay valid objects.
+
+On CPU, where the group has symmetric memory (``shardline.comm.symmetric``), the buffers that
+live as long as the unit come from the wrapper's arenas, so that their collectives read every
+rank's data where it is: ``full`` at stages 1 and 2 (the all-gather's output), the shard and
+its compute-dtype copy ``cast`` at stage 3 (the all-gather's input), and ``grad_home`` (where
+``grad_full`` lives) at stage 1 (the all-reduce's buffer). ZeRO-2 and 3 gradients, made and
+dropped every backward, stay ordinary tensors.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import torch
 from torch import nn
 
 from shardline._pinned import pinned_empty
+from shardline.comm.symmetric import SymmetricArena
 from shardline.comm.work import Work
 from shardline.compression.codec import Entry
 
@@ -107,6 +115,8 @@ class Unit:
     dev_shard: torch.Tensor | None = None  # offload="optimizer": the shard on the device
     host_grad: torch.Tensor | None = None  # offload: the pinned buffer shard_grad reuses
     grad_full: torch.Tensor | None = None
+    grad_home: torch.Tensor | None = None  # stage 1 in symmetric memory: grad_full's place
+    cast: torch.Tensor | None = None  # stage 3 in symmetric memory: the shard, compute dtype
     grad_filled: list[bool] = field(default_factory=list)
     held_grads: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # not yet in grad_full
     # state
@@ -129,11 +139,8 @@ class Unit:
 
     # -- layout ------------------------------------------------------------------------------
 
-    def build(self, device: torch.device, shard_is_view: bool) -> None:
-        """Lays the parameters out, copies their values in, and makes the local views.
-
-        The parameters' ``.data`` become views of ``full``; nothing is communicated here.
-        """
+    def lay_out(self) -> None:
+        """Places the parameters in the flat buffer (offsets, sizes); allocates nothing."""
         off = 0
         self.offsets = []
         for p in self.params:
@@ -144,13 +151,55 @@ class Unit:
             self.shard_numel = max(1, math.ceil(off / self.world_size))
         else:
             self.shard_numel = off if self.rank == self.owner else 0
+
+    def symmetric_sizes(self, stage: int) -> tuple[list[tuple[int, torch.dtype]], ...]:
+        """``(gather, reduce)``: what ``build`` takes from each arena at ``stage``, in order.
+
+        After ``lay_out``. The same on every rank: whole and offloaded units take none.
+        """
+        if self.owner is not None or self.offload is not None:
+            return [], []
+        if stage < 3:
+            gather = [(self.padded, self.cdtype)]  # full
+        else:
+            gather = [(self.shard_numel, self.wdtype)]  # shard
+            if self.cdtype != self.wdtype:
+                gather.append((self.shard_numel, self.cdtype))  # cast
+        return gather, [(self.padded, self.rdtype)] if stage == 1 else []
+
+    def build(
+        self,
+        device: torch.device,
+        shard_is_view: bool,
+        stage: int = 3,
+        arenas: tuple[SymmetricArena, SymmetricArena] | None = None,
+    ) -> None:
+        """Lays the parameters out, copies their values in, and makes the local views.
+
+        The parameters' ``.data`` become views of ``full``; nothing is communicated here.
+        With ``arenas`` (gather, reduce), what ``symmetric_sizes`` names comes from them.
+        """
+        self.lay_out()
         lo, hi = self.lo, self.hi
-        self.full = torch.zeros(self.padded, dtype=self.cdtype, device=device)
+        gather, reduce = self.symmetric_sizes(stage) if arenas is not None else ([], [])
+        if stage < 3 and gather:
+            assert arenas is not None
+            self.full = arenas[0].take(self.padded, self.cdtype)
+        else:
+            self.full = torch.zeros(self.padded, dtype=self.cdtype, device=device)
+        if reduce:
+            assert arenas is not None
+            self.grad_home = arenas[1].take(self.padded, self.rdtype)
         shard_is_view = shard_is_view and self.offload is None
         self.shard_is_view = shard_is_view
         if not shard_is_view:  # the master copy comes from the original values, not the cast
             if self.offload is not None and device.type == "cuda":
                 self.shard = pinned_empty(self.shard_numel, dtype=self.wdtype)
+            elif stage == 3 and gather:
+                assert arenas is not None
+                self.shard = arenas[0].take(self.shard_numel, self.wdtype)
+                if len(gather) > 1:
+                    self.cast = arenas[0].take(self.shard_numel, self.cdtype)
             else:
                 self.shard = torch.zeros(
                     self.shard_numel, dtype=self.wdtype, device="cpu" if self.offload else device
@@ -253,7 +302,8 @@ class Unit:
             return self.dev_shard
         if self.shard.dtype == self.cdtype:
             return self.shard
-        return self.shard.to(self.cdtype)
+        # In symmetric memory (``cast``) the all-gather reads it where it is.
+        return self.shard.to(self.cdtype) if self.cast is None else self.cast.copy_(self.shard)
 
     def keep_on_host(self, part: torch.Tensor, *, fresh: bool) -> None:
         """Offload: ``part`` (this rank's reduced gradient) into the host-side ``shard_grad``.
@@ -292,7 +342,11 @@ class Unit:
     def new_grad_window(self) -> None:
         """Makes ``grad_full`` hold every gradient of this backward so far (allocating it)."""
         if self.grad_full is None:
-            self.grad_full = torch.empty(self.padded, dtype=self.rdtype, device=self.full.device)
+            self.grad_full = (
+                self.grad_home
+                if self.grad_home is not None
+                else torch.empty(self.padded, dtype=self.rdtype, device=self.full.device)
+            )
             self.grad_filled = [False] * len(self.params)
         while self.held_grads:
             i, grad = self.held_grads.pop(0)

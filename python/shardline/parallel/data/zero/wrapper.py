@@ -137,6 +137,13 @@ class ShardedDataParallel(ZeroBase, ModelParallel):
             overlap compute in their own orders. ``False``: on ``group`` itself, for a caller
             that issues them between computations (a pipeline stage's ``unshard`` and
             ``reduce_grads``, once per step: ``held``).
+        symmetric: The unit buffers that live as long as the wrapper in symmetric memory
+            (``shardline.symmetric_empty``): stages 1 and 2 gather into it, stage 3 gathers
+            from it, stage 1 all-reduces its gradients in it; those collectives read every
+            rank's data where it is, with no copy through the engine's slots. ``None``: on CPU
+            where the groups have it (the native engine, one host) unless
+            ``SHARDLINE_SYMMETRIC=0``; ``False``: ordinary tensors; ``True``: always (an
+            error where it cannot be). ``self.symmetric`` says which it is.
 
     ``state_dict()`` returns full tensors under the plain model's names on every rank (a
     collective: every rank must call it); ``sharded_state_dict()`` returns this rank's shards.
@@ -162,6 +169,7 @@ class ShardedDataParallel(ZeroBase, ModelParallel):
         offload: str | None = None,
         units: str | None = None,
         own_groups: bool = True,
+        symmetric: bool | None = None,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
@@ -219,6 +227,7 @@ class ShardedDataParallel(ZeroBase, ModelParallel):
         # their collectives overlap forward and backward compute.
         self._own_groups = own_groups
         self._gather_group, self._reduce_group = self._new_groups(self.group)
+        self._symmetric_choice, self.symmetric = symmetric, False  # decided by the layout
 
         # Parameters that are slices of bigger tensors (tensor parallelism inside): where they
         # lie, for checkpoints and full state dicts (read now, while they hold values).

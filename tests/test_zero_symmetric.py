@@ -1,0 +1,98 @@
+"""ZeRO's flat buffers in symmetric memory (the default on CPU on one host).
+
+What lives as long as the wrapper goes there: ``full`` at stages 1 and 2 (the all-gather's
+output), the shard (and its compute-dtype copy) at stage 3 (the all-gather's input), the
+gradient buffer at stage 1 (the all-reduce's). The collectives add in the same rank order as
+through the slots, so training gives the same bits with ``symmetric=False``; with micro-batch
+accumulation, a frozen block, tied weights and clipping, and under bf16 compute.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import shardline as sl
+from shardline.comm import ProcessGroup
+from shardline.errors import InvalidArgumentError
+from shardline.parallel import MixedPrecision, ShardedDataParallel
+from tests._ranks import run_ranks
+from tests.test_zero import UNIT_MB, adamw, batch, lm_loss, make
+
+pytestmark = pytest.mark.usefixtures("native")
+
+
+def symmetric_ranges() -> list[tuple[int, int]]:
+    """Address ranges of this process's symmetric segments (the ranks are its threads)."""
+    with open("/proc/self/maps") as maps:
+        lines = [line for line in maps if f"/shardline-{os.getpid()}-symm-" in line]
+    return [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in lines]  # type: ignore[misc]
+
+
+def in_symmetric_memory(t: torch.Tensor) -> bool:
+    start = t.data_ptr()
+    return any(lo <= start and start + t.nbytes <= hi for lo, hi in symmetric_ranges())
+
+
+def train(g: ProcessGroup, stage: int, symmetric: bool | None, **kw: Any) -> tuple[
+    dict[str, torch.Tensor], ShardedDataParallel
+]:  # fmt: skip
+    torch.set_num_threads(1)
+    plain = make(frozen=True)
+    opt = adamw([(k, p) for k, p in plain.named_parameters() if p.requires_grad])
+    model, opt = sl.distribute(
+        plain, opt, strategy=f"zero{stage}", group=g, unit_mb=UNIT_MB, symmetric=symmetric, **kw
+    )
+    assert isinstance(model, ShardedDataParallel) and opt is not None
+    for step in range(4):
+        opt.zero_grad()
+        for m in range(2):  # two synchronised micro-batches: stage 1 adds into its buffer
+            x, y = batch(step, g.rank, m)
+            (lm_loss(model(x), y) / 2).backward()
+        model.clip_grad_norm_(0.05)
+        opt.step()
+    return model.state_dict(), model
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_symmetric_buffers_give_the_same_bits_as_ordinary_ones(stage: int, bf16: bool) -> None:
+    kw = {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)} if bf16 else {}
+
+    def body(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        ours, model = train(g, stage, None, **kw)
+        assert model.symmetric
+        for u in model._units:
+            if u.owner is not None:
+                continue
+            if stage < 3:
+                assert in_symmetric_memory(u.full), u.index
+            else:
+                assert in_symmetric_memory(u.shard) and not in_symmetric_memory(u.full)
+                assert (u.cast is not None) == bf16
+                assert u.cast is None or in_symmetric_memory(u.cast)
+            assert (u.grad_home is not None) == (stage == 1)
+            if u.grad_home is not None:
+                assert in_symmetric_memory(u.grad_home)
+        plain, model = train(g, stage, False, **kw)
+        assert not model.symmetric
+        assert not any(in_symmetric_memory(u.full) for u in model._units)
+        return ours, plain
+
+    for ours, plain in run_ranks(3, body, timeout=120):
+        assert ours.keys() == plain.keys()
+        for k, v in plain.items():
+            assert torch.equal(ours[k], v), k
+
+
+def test_symmetric_true_on_a_group_without_it_says_why() -> None:
+    def body(g: ProcessGroup) -> str:
+        with pytest.raises(InvalidArgumentError) as caught:
+            ShardedDataParallel(make(), group=g, symmetric=True)
+        return str(caught.value)
+
+    for message in run_ranks(2, body, transport="tcp"):
+        assert "ShardedDataParallel: symmetric=True" in message, message
