@@ -20,6 +20,8 @@ from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import MixedPrecision, ShardedDataParallel
 from tests._ranks import run_ranks
+from tests.test_pipeline import loss_fn, make_model as make_pipeline_model
+from tests.test_pipeline_mesh import train_replica
 from tests.test_zero import UNIT_MB, adamw, batch, lm_loss, make
 
 pytestmark = pytest.mark.usefixtures("native")
@@ -96,3 +98,32 @@ def test_symmetric_true_on_a_group_without_it_says_why() -> None:
 
     for message in run_ranks(2, body, transport="tcp"):
         assert "ShardedDataParallel: symmetric=True" in message, message
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_pipeline_of_zero_stages_gives_the_same_bits_with_symmetric_memory(
+    stage: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dp2 x pp2 with ZeRO per stage (held steps: ``unshard`` / ``reduce_grads``; the buffers
+    move to symmetric memory at the first hold); then again with ``SHARDLINE_SYMMETRIC=0``."""
+    def body(g: ProcessGroup) -> tuple[bool, list[torch.Tensor]]:
+        mesh = sl.DeviceMesh({"dp": 2, "pp": 2}, group=g)
+        pipe = sl.pipeline(make_pipeline_model(), mesh.group("pp"), schedule="1f1b", microbatches=4,
+                           loss_fn=loss_fn, dp_group=mesh.group("dp"),
+                           dp_strategy=f"zero{stage}")  # fmt: skip
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        pipe.bind_optimizer(opt)
+        train_replica(pipe, opt, mesh.local_rank("dp"))
+        zero = pipe._replicas._zero
+        ranges = [
+            (u.full if stage < 3 else u.shard) for z in zero for u in z._units if u.owner is None
+        ]
+        symmetric = all(z.symmetric for z in zero) and all(map(in_symmetric_memory, ranges))
+        return symmetric, [p.detach().clone() for p in pipe.parameters()]
+
+    ours = run_ranks(4, body, timeout=120)
+    monkeypatch.setenv("SHARDLINE_SYMMETRIC", "0")
+    plain = run_ranks(4, body, timeout=120)
+    for (symmetric, a), (ordinary, b) in zip(ours, plain, strict=True):
+        assert symmetric and not ordinary
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

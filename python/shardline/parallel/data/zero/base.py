@@ -69,7 +69,8 @@ class ZeroBase(nn.Module):
     _gather_group: ProcessGroup  # all-gathers, in their own order
     _reduce_group: ProcessGroup  # gradient reductions, in their own order
     _symmetric_choice: bool | None  # the constructor's ``symmetric`` (see ``symmetric``)
-    symmetric: bool  # flat buffers in symmetric memory (CPU, one host; ``units.Unit.build``)
+    symmetric: bool  # flat buffers in symmetric memory (CPU, one host; ``units.Unit.rehome``)
+    _symmetric_due: bool  # ... not moved there yet (``layout.UnitLayout.adopt_symmetric``)
     _replicate: ProcessGroup | None  # HSDP: the replicas this rank's shards are averaged over
     _replicating: list[tuple[Unit, Work, torch.Tensor, bool]]  # ... averages in flight
     _by_name: dict[str, nn.Parameter]  # the plain model's parameters

@@ -79,17 +79,18 @@ class UnitLayout:
             )
             for spec in plan.units
         ]
-        arenas = self._arenas(units)
         for unit in units:
-            unit.build(
-                w._device,
-                shard_is_view=w.stage < 3 and unit.cdtype == unit.wdtype,
-                stage=w.stage,
-                arenas=arenas,
-            )
+            unit.build(w._device, shard_is_view=w.stage < 3 and unit.cdtype == unit.wdtype)
             if w.stage == 3 and w._host_model:
                 unit.free()  # the model is in host memory: one unit on the GPU at a time
             w._units.append(unit)
+        # Symmetric memory is a collective to allocate, and layouts are not made in step on
+        # every rank (a process joining an elastic job lays out once more than the ranks it
+        # joins): the units move there before this layout's first collective (``adopt``).
+        w.symmetric = wants_symmetric(
+            w._gather_group, w._device, w._symmetric_choice, "ShardedDataParallel"
+        ) and symmetric_available(w._reduce_group)
+        w._symmetric_due = w.symmetric
         w._unit_of = {id(p): u for u in w._units for p in u.params}
         w._slot = {id(p): i for u in w._units for i, p in enumerate(u.params)}
         w._local_ids = {id(loc) for u in w._units for loc in u.locals}
@@ -254,11 +255,8 @@ class UnitLayout:
                 u.publish_grads()  # drops gradients shown for the old layout, if any
                 continue
             keep_full = w.stage == 1 and u.owner is None
-            if keep_full and u.grad_home is not None:
-                full = u.grad_home.zero_()
-            else:
-                full = torch.zeros(u.padded, dtype=u.rdtype if keep_full else u.wdtype)
-                full = full.to(w._device)
+            full = torch.zeros(u.padded, dtype=u.rdtype if keep_full else u.wdtype)
+            full = full.to(w._device)
             for p, o in zip(u.params, u.offsets, strict=True):
                 if id(p) in grads:
                     full[o : o + p.numel()].copy_(grads[id(p)])
@@ -271,26 +269,26 @@ class UnitLayout:
                 u.shard_grad = full[u.lo : u.hi].clone() if u.hi > u.lo else None
             u.publish_grads()
 
-    def _arenas(self, units: list[Unit]) -> tuple[SymmetricArena, SymmetricArena] | None:
-        """The arenas the units' long-lived buffers come from (symmetric memory), or None.
+    def adopt_symmetric(self) -> None:
+        """Moves the units' long-lived buffers to symmetric memory, once per layout.
 
-        ``(gather, reduce)``, one on each group; making them is a collective of both.
+        The schedule calls it before it issues the layout's first collective (a gather or a
+        reduction): every rank reaches that point in the same order, so the allocation (a
+        collective of the gather and reduce groups) matches up.
         """
         w = self._w
-        w.symmetric = wants_symmetric(
-            w._gather_group, w._device, w._symmetric_choice, "ShardedDataParallel"
-        ) and symmetric_available(w._reduce_group)
-        if not w.symmetric:
-            return None
-        for u in units:
-            u.lay_out()
-        sizes = [u.symmetric_sizes(w.stage) for u in units]
-        return (
+        if not w._symmetric_due:
+            return
+        w._symmetric_due = False
+        sizes = [u.symmetric_sizes(w.stage) for u in w._units]
+        arenas = (
             SymmetricArena(SymmetricArena.bytes_for([s for g, _ in sizes for s in g]),
                            group=w._gather_group),
             SymmetricArena(SymmetricArena.bytes_for([s for _, r in sizes for s in r]),
                            group=w._reduce_group),
         )  # fmt: skip
+        for u in w._units:
+            u.rehome(w.stage, arenas)
 
     @property
     def _param_home(self) -> torch.device:

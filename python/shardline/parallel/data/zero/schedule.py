@@ -102,6 +102,7 @@ class GatherReduceSchedule:
         skipping one here would pair this rank's next all-gather with another unit's.
         """
         w = self._w
+        self._layout.adopt_symmetric()  # before the layout's first collective
         self._wait(u)
         u.alloc()
         side = None
@@ -426,6 +427,7 @@ class GatherReduceSchedule:
 
     def _launch(self, u: Unit) -> None:
         w = self._w
+        self._layout.adopt_symmetric()  # before the layout's first collective
         self._touch(u)
         u.fill_missing()
         u.grad_state = GradState.REDUCING

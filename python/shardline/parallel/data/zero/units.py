@@ -30,11 +30,12 @@ into it. For ZeRO-3 its storage is released (``resize_(0)``) between uses and re
 before the next all-gather, so the views (and tensors autograd saved) stay valid objects.
 
 On CPU, where the group has symmetric memory (``shardline.comm.symmetric``), the buffers that
-live as long as the unit come from the wrapper's arenas, so that their collectives read every
-rank's data where it is: ``full`` at stages 1 and 2 (the all-gather's output), the shard and
-its compute-dtype copy ``cast`` at stage 3 (the all-gather's input), and ``grad_home`` (where
-``grad_full`` lives) at stage 1 (the all-reduce's buffer). ZeRO-2 and 3 gradients, made and
-dropped every backward, stay ordinary tensors.
+live as long as the unit move to the wrapper's arenas (``rehome``) before the layout's first
+collective, so that their collectives read every rank's data where it is: ``full`` at stages 1
+and 2 (the all-gather's output), the shard and its compute-dtype copy ``cast`` at stage 3 (the
+all-gather's input), and ``grad_home`` (where ``grad_full`` lives) at stage 1 (the
+all-reduce's buffer). ZeRO-2 and 3 gradients, made and dropped every backward, stay ordinary
+tensors.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class Unit:
             self.shard_numel = off if self.rank == self.owner else 0
 
     def symmetric_sizes(self, stage: int) -> tuple[list[tuple[int, torch.dtype]], ...]:
-        """``(gather, reduce)``: what ``build`` takes from each arena at ``stage``, in order.
+        """``(gather, reduce)``: what ``rehome`` takes from each arena at ``stage``, in order.
 
         After ``lay_out``. The same on every rank: whole and offloaded units take none.
         """
@@ -167,39 +168,19 @@ class Unit:
                 gather.append((self.shard_numel, self.cdtype))  # cast
         return gather, [(self.padded, self.rdtype)] if stage == 1 else []
 
-    def build(
-        self,
-        device: torch.device,
-        shard_is_view: bool,
-        stage: int = 3,
-        arenas: tuple[SymmetricArena, SymmetricArena] | None = None,
-    ) -> None:
+    def build(self, device: torch.device, shard_is_view: bool) -> None:
         """Lays the parameters out, copies their values in, and makes the local views.
 
         The parameters' ``.data`` become views of ``full``; nothing is communicated here.
-        With ``arenas`` (gather, reduce), what ``symmetric_sizes`` names comes from them.
         """
         self.lay_out()
         lo, hi = self.lo, self.hi
-        gather, reduce = self.symmetric_sizes(stage) if arenas is not None else ([], [])
-        if stage < 3 and gather:
-            assert arenas is not None
-            self.full = arenas[0].take(self.padded, self.cdtype)
-        else:
-            self.full = torch.zeros(self.padded, dtype=self.cdtype, device=device)
-        if reduce:
-            assert arenas is not None
-            self.grad_home = arenas[1].take(self.padded, self.rdtype)
+        self.full = torch.zeros(self.padded, dtype=self.cdtype, device=device)
         shard_is_view = shard_is_view and self.offload is None
         self.shard_is_view = shard_is_view
         if not shard_is_view:  # the master copy comes from the original values, not the cast
             if self.offload is not None and device.type == "cuda":
                 self.shard = pinned_empty(self.shard_numel, dtype=self.wdtype)
-            elif stage == 3 and gather:
-                assert arenas is not None
-                self.shard = arenas[0].take(self.shard_numel, self.wdtype)
-                if len(gather) > 1:
-                    self.cast = arenas[0].take(self.shard_numel, self.cdtype)
             else:
                 self.shard = torch.zeros(
                     self.shard_numel, dtype=self.wdtype, device="cpu" if self.offload else device
@@ -223,8 +204,17 @@ class Unit:
             p.data = self.full[o : o + p.numel()].view(p.shape)
 
     def _make_locals(self) -> None:
+        views = self._local_views()
+        self.locals = [
+            nn.Parameter(view, requires_grad=p.requires_grad)
+            for (view, _), p in zip(views, self.params, strict=True)
+        ]
+        self.local_ranges = [r for _, r in views]
+
+    def _local_views(self) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+        """Each parameter's view of the shard, and its range within the parameter."""
         lo, hi = self.lo, self.hi
-        self.locals, self.local_ranges = [], []
+        out = []
         for p, o in zip(self.params, self.offsets, strict=True):
             a, b = max(o, lo), min(o + p.numel(), hi)
             if b < a:
@@ -232,8 +222,51 @@ class Unit:
             view = self.shard[a - lo : b - lo]
             if self.owner is not None and b > a:  # a whole parameter keeps its shape
                 view = view.view(p.shape)
-            self.locals.append(nn.Parameter(view, requires_grad=p.requires_grad))
-            self.local_ranges.append((a - o, b - o) if b > a else (0, 0))
+            out.append((view, (a - o, b - o) if b > a else (0, 0)))
+        return out
+
+    @torch.no_grad()
+    def rehome(self, stage: int, arenas: tuple[SymmetricArena, SymmetricArena]) -> None:
+        """Moves what ``symmetric_sizes`` names into the arenas, values and views kept.
+
+        The parameters, the local parameters (an optimizer holds them) and shown gradients
+        keep their objects and values; only their memory moves. Runs before the layout's
+        first collective, so nothing is in flight.
+        """
+        gather, reduce = self.symmetric_sizes(stage)
+        if gather and stage < 3:
+            full = arenas[0].take(self.padded, self.cdtype)
+            full.copy_(self.full)
+            self.full = full
+            self._point_params()
+            if self.shard_is_view:
+                self.shard = full[self.lo : self.hi]
+                self._repoint_locals()
+        elif gather:
+            shard = arenas[0].take(self.shard_numel, self.wdtype)
+            shard.copy_(self.shard)
+            self.shard = shard
+            self._repoint_locals()
+            if len(gather) > 1:
+                self.cast = arenas[0].take(self.shard_numel, self.cdtype)
+        if not reduce:
+            return
+        home = arenas[1].take(self.padded, self.rdtype)
+        self.grad_home = home
+        old = self.grad_full
+        if old is None:
+            return  # the next backward's window opens there
+        home.copy_(old)
+        self.grad_full = home
+        sg = self.shard_grad
+        if sg is not None and sg.untyped_storage().data_ptr() == old.untyped_storage().data_ptr():
+            self.shard_grad = home[self.lo : self.hi]
+        if self.grad_state is GradState.PUBLISHED and self.locals_have_grads():
+            self.publish_grads()
+
+    def _repoint_locals(self) -> None:
+        for loc, (view, _) in zip(self.locals, self._local_views(), strict=True):
+            loc.data = view
 
     def entries(self) -> list[Entry]:
         """Each parameter's name, offset and shape in the flat gradient (for compressors)."""

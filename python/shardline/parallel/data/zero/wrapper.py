@@ -227,7 +227,7 @@ class ShardedDataParallel(ZeroBase, ModelParallel):
         # their collectives overlap forward and backward compute.
         self._own_groups = own_groups
         self._gather_group, self._reduce_group = self._new_groups(self.group)
-        self._symmetric_choice, self.symmetric = symmetric, False  # decided by the layout
+        self._symmetric_choice = symmetric  # the layout decides ``symmetric`` from it
 
         # Parameters that are slices of bigger tensors (tensor parallelism inside): where they
         # lie, for checkpoints and full state dicts (read now, while they hold values).
