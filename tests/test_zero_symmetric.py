@@ -20,7 +20,8 @@ from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import MixedPrecision, ShardedDataParallel
 from tests._ranks import run_ranks
-from tests.test_pipeline import loss_fn, make_model as make_pipeline_model
+from tests.test_pipeline import loss_fn
+from tests.test_pipeline import make_model as make_pipeline_model
 from tests.test_pipeline_mesh import train_replica
 from tests.test_zero import UNIT_MB, adamw, batch, lm_loss, make
 
@@ -106,6 +107,7 @@ def test_a_pipeline_of_zero_stages_gives_the_same_bits_with_symmetric_memory(
 ) -> None:
     """dp2 x pp2 with ZeRO per stage (held steps: ``unshard`` / ``reduce_grads``; the buffers
     move to symmetric memory at the first hold); then again with ``SHARDLINE_SYMMETRIC=0``."""
+
     def body(g: ProcessGroup) -> tuple[bool, list[torch.Tensor]]:
         mesh = sl.DeviceMesh({"dp": 2, "pp": 2}, group=g)
         pipe = sl.pipeline(make_pipeline_model(), mesh.group("pp"), schedule="1f1b", microbatches=4,
