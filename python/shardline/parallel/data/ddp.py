@@ -377,10 +377,10 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
                 "supported by elastic regroup yet; use DDP or ZeRO over a plain module"
             )
         self.group = group
+        # symmetric=True gives way where the new group has none: the job goes on
         self.symmetric = wants_symmetric(
-            group, self._device, self._symmetric_choice, "DistributedDataParallel"
+            group, self._device, None if self._symmetric_choice is not False else False, "DDP"
         )
-        self._buckets = []  # of the old group: nothing to carry over
         # Everything per step goes back to what the constructor sets: a stale step of a
         # backward that failed on the old group would otherwise abort the new one at the next
         # forward, and the bucket order rank 0 of the old group saw is not the new rank 0's.

@@ -476,9 +476,9 @@ class Unit:
         def size(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.untyped_storage().nbytes()
 
-        full = size(self.full)
+        full = size(self.full) + size(self.cast)  # the gathered values, and the shard's copy
         shard_own = 0 if self.shard_is_view else size(self.shard)
-        grad_own = size(self.grad_full) if self.grad_full is not None else 0
+        grad_own = size(self.grad_full if self.grad_full is not None else self.grad_home)
         sg = self.shard_grad
         sg_own = 0
         if sg is not None and not (

@@ -553,6 +553,8 @@ class ShardedDataParallel(ZeroBase, ModelParallel):
             )
         self.group = group
         self._gather_group, self._reduce_group = self._new_groups(group)
+        # symmetric=True gives way where the new group has none: the job goes on
+        self._symmetric_choice = None if self._symmetric_choice is not False else False
         self._layout._reinstall(self._binding.forget_shards())
         self._trace, self._traced = [], False
         self._schedule.reset()  # what a failed step left in flight is dropped
