@@ -13,6 +13,7 @@ import functools
 import gc
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ import shardline as sl
 from shardline import _native
 from shardline.comm import ProcessGroup
 from shardline.comm.symmetric import SymmetricArena, wants_symmetric
-from tests._ranks import run_ranks
+from tests._ranks import THREAD_PREFIX, run_ranks
 
 pytestmark = pytest.mark.usefixtures("native")
 # Ragged sizes: one element, less than a block, and several blocks per rank's part.
@@ -146,7 +147,42 @@ def test_all_gather_with_symmetric_memory_equals_the_concatenation(
             assert torch.equal(per_size[k], want), (world, n, rank)
 
 
-@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather output", "all_gather input"])
+@pytest.mark.parametrize(
+    "symmetric_ranks", [{0}, {1, 2}, {0, 1, 2}], ids=["one", "all-but-one", "all"]
+)
+def test_reduce_scatter_takes_each_input_where_its_rank_put_it(symmetric_ranks: set[int]) -> None:
+    """Inputs in symmetric memory on some ranks (each at an offset of its own: a pool's), the
+    others ordinary: every rank's block is the rank-order reduction, as through the slots,
+    in one chunk and in many (larger than the slots)."""
+    world = 3
+
+    def body(g: ProcessGroup) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for n in SIZES:
+            pool = sl.symmetric_empty(world * n + 64 * world, group=g)  # the same everywhere
+            at = 64 * (g.rank + 1)  # ... but a different offset on every rank
+            symmetric = g.rank in symmetric_ranks
+            inp = pool[at : at + world * n] if symmetric else torch.empty(world * n)
+            inp.copy_(values(g.rank, world * n, torch.float32))
+            got, plain = torch.empty(n), torch.empty(n)
+            g.reduce_scatter(got, inp, op="sum")
+            inp.fill_(-1)  # the op is over: this rank may reuse its input at once
+            g.reduce_scatter(plain, values(g.rank, world * n, torch.float32), op="sum")
+            out.append((got, plain))
+        return out
+
+    results = run_ranks(world, body)
+    for k, n in enumerate(SIZES):
+        total = functools.reduce(
+            torch.add, [values(r, world * n, torch.float32) for r in range(world)]
+        )
+        for rank, per_size in enumerate(results):
+            got, plain = per_size[k]
+            assert torch.equal(got, plain), (n, rank, int((got != plain).sum()))
+            assert torch.equal(got, total[rank * n : (rank + 1) * n]), (n, rank)
+
+
+@pytest.mark.parametrize("op", ["all_gather output", "all_gather input"])
 def test_a_rank_outside_symmetric_memory_fails_every_rank_naming_it(op: str) -> None:
     def body(g: ProcessGroup) -> str:
         big, small = torch.zeros(3 * 1024), torch.zeros(1024)
@@ -308,3 +344,35 @@ def test_too_little_room_in_dev_shm_is_an_error_not_a_crash(tmp_path: Path) -> N
         assert not list(small.iterdir()), "the failed segment's file was left behind"
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_no_room_on_one_rank_gives_every_rank_ordinary_tensors_or_one_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank that cannot make its segment (``/dev/shm`` full) does not leave the others
+    waiting: all of them learn it, and fall back together (DDP's automatic choice, with a
+    warning) or fail together (``symmetric=True``), naming the rank."""
+    create = _native.symmetric_create
+
+    def full_on_rank_1(path: str, nbytes: int) -> None:
+        if threading.current_thread().name == f"{THREAD_PREFIX}1":
+            raise sl.ShardlineError(f"no room for {nbytes} bytes in /dev/shm (test)")
+        create(path, nbytes)
+
+    monkeypatch.setattr(_native, "symmetric_create", full_on_rank_1)
+
+    def body(g: ProcessGroup) -> tuple[bool, bool, str]:
+        auto = sl.DistributedDataParallel(torch.nn.Linear(8, 8), group=g)
+        x = torch.full((4, 8), float(g.rank))
+        auto(x).sum().backward()  # trains on ordinary buckets
+        with pytest.raises(sl.ShardlineError) as caught:
+            sl.DistributedDataParallel(torch.nn.Linear(8, 8), group=g, symmetric=True)
+        arena = SymmetricArena(4096, group=g, required=False)
+        return auto.symmetric, arena.symmetric, str(caught.value)
+
+    with caplog.at_level("WARNING", logger="shardline"):
+        results = run_ranks(3, body)
+    for auto, arena, message in results:
+        assert not auto and not arena
+        assert "rank(s) 1" in message and "no room" in message, message
+    assert "could not be had on rank(s) [1]" in caplog.text

@@ -80,6 +80,9 @@ def test_symmetric_buffers_give_the_same_bits_as_ordinary_ones(stage: int, bf16:
             assert (u.grad_home is not None) == (stage == 1)
             if u.grad_home is not None:
                 assert in_symmetric_memory(u.grad_home)
+            assert (u.grad_pool is not None) == (stage > 1)
+            if u.grad_pool is not None:
+                assert u.grad_pool.in_use() == 0  # every reduced buffer went back
         plain, model = train(g, stage, False, **kw)
         assert not model.symmetric
         assert not any(in_symmetric_memory(u.full) for u in model._units)
@@ -129,3 +132,45 @@ def test_a_pipeline_of_zero_stages_gives_the_same_bits_with_symmetric_memory(
     for (symmetric, a), (ordinary, b) in zip(ours, plain, strict=True):
         assert symmetric and not ordinary
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero2_and_3_gradients_come_from_the_pool_while_it_has_room(stage: int) -> None:
+    """A ``no_sync`` backward leaves each unit's whole gradient in its buffer: some in the pool
+    (symmetric memory), the rest, once it is full, ordinary; the synchronised backward then
+    reduce-scatters both kinds, every buffer goes back, and the model has the bits of one
+    trained with ``symmetric=False``."""
+
+    def run(g: ProcessGroup, symmetric: bool | None) -> tuple[list[bool], int, dict[str, Any]]:
+        torch.set_num_threads(1)
+        plain = make()
+        opt = adamw(list(plain.named_parameters()))
+        model, opt = sl.distribute(plain, opt, strategy=f"zero{stage}", group=g,
+                                   unit_mb=UNIT_MB, symmetric=symmetric)  # fmt: skip
+        assert isinstance(model, ShardedDataParallel) and opt is not None
+        x, y = batch(0, g.rank, 0)  # a first step: the move to symmetric memory comes with
+        lm_loss(model(x), y).backward()  # the layout's first collective (ZeRO-2: a reduction)
+        opt.step()
+        opt.zero_grad()
+        with model.no_sync():
+            lm_loss(model(x), y).backward()
+        held = [
+            in_symmetric_memory(u.grad_full)
+            for u in model._units
+            if u.grad_full is not None and u.owner is None
+        ]
+        x, y = batch(0, g.rank, 1)
+        lm_loss(model(x), y).backward()
+        opt.step()
+        pools = [u.grad_pool for u in model._units if u.grad_pool is not None]
+        return held, sum(p.in_use() for p in pools), model.state_dict()
+
+    def body(g: ProcessGroup) -> tuple[list[bool], int, bool]:
+        held, in_use, ours = run(g, None)
+        _, _, plain = run(g, False)
+        return held, in_use, all(torch.equal(v, plain[k]) for k, v in ours.items())
+
+    for held, in_use, same in run_ranks(2, body, timeout=120):
+        assert any(held) and not all(held), held  # some from the pool, then ordinary ones
+        assert in_use == 0
+        assert same

@@ -7,15 +7,18 @@ shared-memory slots, since every rank reads its peers' data where they put it:
 
 - ``all_reduce(t)``: rank ``i`` reduces part ``i`` from every rank's segment and writes the
   result into every rank's segment;
-- ``reduce_scatter(out, t)`` (the input ``t`` symmetric): rank ``i`` reduces block ``i`` of
-  every rank's input into its ``out``;
+- ``reduce_scatter(out, t)`` (the input ``t`` symmetric, on any ranks and at any place):
+  rank ``i`` reduces block ``i`` of every rank's input into its ``out``, reading each
+  symmetric input where it is and the others through the slots;
 - ``all_gather(t, part)`` (the output ``t`` symmetric, equal parts): every rank's part is
   copied from that rank's segment.
 
 Each reads every input byte once and writes every output byte once (the memory-traffic bound
 ``benches/bench_collectives.py`` prints). Any other op, and ops on ordinary tensors, work as
 before. DDP's buckets and ZeRO's flat buffers live here by default on CPU (``symmetric=False``
-or ``SHARDLINE_SYMMETRIC=0`` turns that off; see ``wants_symmetric``).
+or ``SHARDLINE_SYMMETRIC=0`` turns that off; see ``wants_symmetric``). All-reduce and
+all-gather need every rank to pass the same place (``SymmetricArena`` hands out the same
+offsets on every rank); a reduce-scatter's inputs may come from a ``SymmetricPool``.
 
 Every rank of the group calls ``symmetric_empty`` (or makes a ``SymmetricArena``) with the
 same sizes, in the same order (it is a collective). The memory stays mapped while a tensor on
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import math
 import os
 import secrets
@@ -41,6 +45,8 @@ from shardline.comm.group import ProcessGroup
 from shardline.comm.objects import all_gather_object
 from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError, ShardlineError
+
+_log = logging.getLogger("shardline")
 
 
 def symmetric_empty(
@@ -64,7 +70,9 @@ def symmetric_empty(
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if not symmetric_available(g) or nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(_symmetric_memory(g, nbytes), dtype=dtype).view(shape)
+    memory = _symmetric_memory(g, nbytes)
+    assert memory is not None  # required: it raised otherwise
+    return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
 def symmetric_available(group: ProcessGroup) -> bool:
@@ -113,16 +121,21 @@ class SymmetricArena:
     Args:
         nbytes: Bytes to allocate (``SymmetricArena.bytes_for`` sizes a list of tensors).
         group: The ranks that share it; the default group when ``None``.
+        required: ``False``: where some rank cannot have it (no room in ``/dev/shm``), hand
+            out ordinary tensors (``symmetric`` False), with a warning, instead of raising.
     """
 
     ALIGN = 64
 
-    def __init__(self, nbytes: int, group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self, nbytes: int, group: ProcessGroup | None = None, *, required: bool = True
+    ) -> None:
         g = group if group is not None else default_group()
         self.group = g
         self.nbytes = nbytes
-        self.symmetric = nbytes > 0 and symmetric_available(g)
-        self._memory = _symmetric_memory(g, nbytes) if self.symmetric else None
+        wanted = nbytes > 0 and symmetric_available(g)
+        self._memory = _symmetric_memory(g, nbytes, required) if wanted else None
+        self.symmetric = self._memory is not None  # False: ordinary tensors (``required``)
         self._used = 0
 
     @classmethod
@@ -153,6 +166,57 @@ class SymmetricArena:
         return out.zero_()
 
 
+class SymmetricPool:
+    """Symmetric memory handed out and taken back, at offsets of each rank's own.
+
+    For buffers of ops that read each rank's buffer where that rank says it is (a
+    reduce-scatter's input: ranks need not agree on the offset, nor on whether it is in
+    symmetric memory at all). Making one is a collective of ``group``; ``take`` is local: the
+    first free range that fits, or ``None`` when none does (the caller then uses an ordinary
+    tensor). A range is free again once the last tensor on it, views included, is gone.
+
+    Args:
+        nbytes: Bytes to allocate.
+        group: The ranks that share it; the default group when ``None``.
+        required: ``False``: where some rank cannot have it, ``take`` always answers ``None``
+            (with a warning) instead of raising here.
+    """
+
+    ALIGN = 64
+
+    def __init__(
+        self, nbytes: int, group: ProcessGroup | None = None, *, required: bool = True
+    ) -> None:
+        g = group if group is not None else default_group()
+        self.group = g
+        self.nbytes = nbytes
+        wanted = nbytes > 0 and symmetric_available(g)
+        self._memory = _symmetric_memory(g, nbytes, required) if wanted else None
+        self._held: list[tuple[int, int, weakref.ref[ctypes.Array[ctypes.c_char]]]] = []
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """``numel`` elements of ``dtype`` (uninitialised), or ``None`` when nothing fits."""
+        size = numel * _itemsize(dtype)
+        if self._memory is None or size == 0:
+            return None
+        self._held = [h for h in self._held if h[2]() is not None]
+        at = 0
+        for lo, hi, _ in sorted(self._held, key=lambda h: h[0]):
+            if lo - at >= size:
+                break
+            at = max(at, _aligned(hi, self.ALIGN))
+        if at + size > self.nbytes:
+            return None
+        piece = (ctypes.c_char * size).from_address(ctypes.addressof(self._memory) + at)
+        piece.memory = self._memory  # type: ignore[attr-defined]  # the allocation lives on
+        self._held.append((at, at + size, weakref.ref(piece)))
+        return torch.frombuffer(piece, dtype=dtype)
+
+    def in_use(self) -> int:
+        """Bytes handed out and not yet free again."""
+        return sum(hi - lo for lo, hi, ref in self._held if ref() is not None)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -161,29 +225,54 @@ def _aligned(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _symmetric_memory(g: ProcessGroup, nbytes: int) -> ctypes.Array[ctypes.c_char]:
-    """``nbytes`` of symmetric memory on ``g`` (a collective); tensors on it hold it alive."""
+def _symmetric_memory(
+    g: ProcessGroup, nbytes: int, required: bool = True
+) -> ctypes.Array[ctypes.c_char] | None:
+    """``nbytes`` of symmetric memory on ``g`` (a collective); tensors on it hold it alive.
+
+    Every rank learns whether every rank made and mapped its segment, so all of them fail (or,
+    not ``required``, all return ``None``) together: none waits for a rank that gave up.
+    """
     native = g.engine()
     path = f"/dev/shm/shardline-{os.getpid()}-symm-{secrets.token_hex(6)}"
-    _native.symmetric_create(path, nbytes)
+    made: str | None = None
     try:
-        paths = all_gather_object(path, group=g)
-        error = None
-        try:
-            segment = _native.symmetric_register(native, paths, nbytes)
-        except ShardlineError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        # Every rank has mapped every segment (or failed) before any name goes.
-        errors = all_gather_object(error, group=g)
+        _native.symmetric_create(path, nbytes)
+    except ShardlineError as exc:  # no room in /dev/shm, most often
+        made = f"{type(exc).__name__}: {exc}"
+    segment = None
+    try:
+        entries = all_gather_object((path, made), group=g)
+        failed = [(r, e) for r, (_, e) in enumerate(entries) if e is not None]
+        if not failed:
+            error = None
+            try:
+                segment = _native.symmetric_register(native, [p for p, _ in entries], nbytes)
+            except ShardlineError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            # Every rank has mapped every segment (or failed) before any name goes.
+            errors = all_gather_object(error, group=g)
+            failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     finally:
-        _native.symmetric_unlink(path)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if made is None:
+            _native.symmetric_unlink(path)
     if failed:
+        if segment is not None:  # mapped here, not everywhere: this rank lets go of it
+            _native.symmetric_release(native, segment.index)
+        if not required:
+            _log.warning(
+                "symmetric memory: %d bytes could not be had on rank(s) %s (%s); using "
+                "ordinary tensors, whose collectives copy through the engine's slots. Give "
+                "/dev/shm more room (docker --shm-size) or pass symmetric=False",
+                nbytes, [r for r, _ in failed], failed[0][1],
+            )  # fmt: skip
+            return None
         raise ShardlineError(
             "symmetric_empty failed on rank(s) "
             + "; ".join(f"{r}: {e}" for r, e in failed)
             + f" (rank {g.rank} of group {g.name!r}); every rank must allocate the same size"
         )
+    assert segment is not None
     memory = (ctypes.c_char * nbytes).from_address(segment.address)
     memory.segment = segment  # type: ignore[attr-defined]  # the mapping lives with the tensor
     # When the last tensor on it goes, so do this rank's mappings of the peers' segments.

@@ -42,7 +42,7 @@ from torch.autograd import Variable
 from shardline.comm import traffic
 from shardline.comm.coalesced import broadcast_coalesced
 from shardline.comm.group import ProcessGroup
-from shardline.comm.symmetric import SymmetricArena, wants_symmetric
+from shardline.comm.symmetric import wants_symmetric
 from shardline.comm.world import default_group
 from shardline.compression.codec import Compressor, Entry
 from shardline.compression.hooks import CommHook, allreduce_hook, resolve_hook
@@ -68,6 +68,7 @@ from shardline.parallel.data.ddp_buckets import (
     StepState,
     build_buckets,
     move_bucket_grads,
+    symmetric_buckets,
 )
 from shardline.parallel.data.ddp_join import JoinUneven
 from shardline.parallel.joining import is_joining
@@ -163,9 +164,7 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
         self._buffers_list = [b for b in module.buffers() if b.numel() > 0]
         self._device = self._params[0].device if self._params else torch.device("cpu")
         self._symmetric_choice = symmetric
-        self.symmetric = wants_symmetric(
-            self.group, self._device, symmetric, "DistributedDataParallel"
-        )
+        self.symmetric = wants_symmetric(self.group, self._device, symmetric, "DDP")
         for name, p in named:
             if p.is_sparse:
                 raise InvalidArgumentError(
@@ -419,9 +418,9 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
         old memory goes now, as torch's reducer does when it rebuilds.
         """
         alloc = None
-        if self.symmetric:
-            sizes = [(p.numel(), p.dtype) for p in self._params]
-            alloc = SymmetricArena(SymmetricArena.bytes_for(sizes), group=self.group).take
+        if self.symmetric:  # automatic: ordinary buckets where some rank has no room
+            required = self._symmetric_choice is True
+            self.symmetric, alloc = symmetric_buckets(self._params, self.group, required)
         old = self._buckets
         self._buckets, self._slot = build_buckets(
             self._params,

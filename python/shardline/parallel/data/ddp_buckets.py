@@ -12,7 +12,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Bucket", "StepState", "build_buckets", "dense_permuted", "move_bucket_grads"]
+from shardline.comm.group import ProcessGroup
+from shardline.comm.symmetric import SymmetricArena
+
+__all__ = [
+    "Bucket",
+    "StepState",
+    "build_buckets",
+    "dense_permuted",
+    "move_bucket_grads",
+    "symmetric_buckets",
+]
 
 
 @dataclass
@@ -138,3 +148,16 @@ def move_bucket_grads(
             view = bucket.view(slot[i][1], p)
             view.copy_(g)
             p.grad = view
+
+
+def symmetric_buckets(
+    params: Sequence[torch.Tensor], group: ProcessGroup, required: bool
+) -> tuple[bool, Callable[[int, torch.dtype], torch.Tensor]]:
+    """``build_buckets``' ``alloc`` from one symmetric arena with room for every gradient.
+
+    A collective of ``group``. Returns whether the buffers are symmetric: not where some rank
+    has no room and ``required`` is false (ordinary ones then, with a warning).
+    """
+    sizes = [(p.numel(), p.dtype) for p in params]
+    arena = SymmetricArena(SymmetricArena.bytes_for(sizes), group=group, required=required)
+    return arena.symmetric, arena.take

@@ -7,21 +7,21 @@
 //! is ever added. Every op's first phase also publishes the op's signature, which every rank
 //! compares with everybody else's before touching data.
 //!
-//! All-reduce, one-shot or two-phase, is in [`all_reduce`]; the other ops are here.
+//! All-reduce, one-shot or two-phase, is in [`all_reduce`], reduce-scatter in
+//! [`reduce_scatter`], the ops on symmetric memory in [`symmetric`]; the other ops are here.
 
 use std::time::Instant;
 
 use crate::collectives::comm_threads::{self, CommThreads};
-use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::memcpy::StreamMode;
-use crate::reduce::{self, ReduceOp};
 use crate::signature::OpSig;
 use std::sync::Arc;
 
 use crate::transport::shm::Arena;
 
 mod all_reduce;
+mod reduce_scatter;
 pub mod symmetric;
 pub use all_reduce::AllReduceAlgo;
 
@@ -173,74 +173,6 @@ impl ArenaComm {
     /// Fails the arena for every rank.
     pub fn abort(&self, err: &Error) {
         self.arena.abort(err);
-    }
-
-    /// Reduce-scatter: `inp` holds n equal blocks; this rank's reduced block goes to `out`.
-    /// An input in symmetric memory is read where it is ([`symmetric`]).
-    pub fn reduce_scatter(
-        &mut self,
-        out: &mut [u8],
-        inp: &[u8],
-        dtype: DType,
-        op: ReduceOp,
-        sig: &OpSig,
-        deadline: Instant,
-    ) -> Result<()> {
-        if let Some(place) = self.symmetric_place(inp) {
-            return self.with_comm_threads(inp.len(), |c, ways| {
-                c.reduce_scatter_symmetric(place, out, dtype, op, sig, deadline, ways)
-            });
-        }
-        self.with_comm_threads(inp.len(), |c, ways| {
-            c.reduce_scatter_ways(out, inp, dtype, op, sig, deadline, ways)
-        })
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter_ways(
-        &mut self,
-        out: &mut [u8],
-        inp: &[u8],
-        dtype: DType,
-        op: ReduceOp,
-        sig: &OpSig,
-        deadline: Instant,
-        ways: usize,
-    ) -> Result<()> {
-        let (n, me) = (self.n(), self.arena.me());
-        let block = out.len();
-        let piece = piece_bytes(self.arena.slot_bytes(), n, dtype.size());
-        let mut off = 0;
-        let mut first = true;
-        while first || off < block {
-            let len = piece.min(block - off);
-            let parity = self.step(sig, first.then_some(0), deadline, |s| {
-                // Destination d's piece goes to [d * piece, d * piece + len) of the slot.
-                comm_threads::split(&mut s[..n * piece], ways, |a, dst| {
-                    let b = a + dst.len();
-                    for d in 0..n {
-                        let (x, y) = ((d * piece).max(a), (d * piece + len).min(b));
-                        if x < y {
-                            let from = d * block + off + x - d * piece;
-                            dst[x - a..y - a].copy_from_slice(&inp[from..from + y - x]);
-                        }
-                    }
-                });
-            })?;
-            if first && !self.symmetric.is_empty() {
-                self.check_place_word(parity, 0, sig)?;
-            }
-            first = false;
-            let arena = &*self.arena;
-            let srcs: Vec<&[u8]> = (0..n)
-                .map(|r| &arena.slot(r, parity)[me * piece..me * piece + len])
-                .collect();
-            comm_threads::reduce(&mut out[off..off + len], &srcs, ways, |d, ss| {
-                reduce::reduce_slices(d, ss, dtype, op);
-            });
-            off += len;
-        }
-        Ok(())
     }
 
     /// All-gather (or gather to `only_root`) of unequal byte counts `counts[r]` into `out`

@@ -6,8 +6,9 @@
 //!
 //! - all-reduce: rank `i` reduces part `i` of the buffer from the N segments and writes the
 //!   result into the N segments;
-//! - reduce-scatter (the input in symmetric memory): rank `i` reduces block `i` of the N
-//!   inputs into its own output;
+//! - reduce-scatter (inputs in symmetric memory, on any ranks and at any offsets): rank `i`
+//!   reduces block `i` of every input into its own output, reading each symmetric input where
+//!   it is and the others from the slots ([`super::reduce_scatter`]);
 //! - all-gather, the input in symmetric memory: every rank copies every rank's input from
 //!   that rank's segment into its own output;
 //! - all-gather, the output in symmetric memory: every rank puts its input into its own
@@ -59,7 +60,7 @@ pub(super) struct Place {
 
 impl Place {
     /// The word published with the op's signature: equal on every rank or the op fails.
-    fn word(self) -> u64 {
+    pub(super) fn word(self) -> u64 {
         SYMMETRIC | ((self.alloc as u64 + 1) << 40) | self.offset as u64
     }
 
@@ -71,7 +72,7 @@ impl Place {
 
 /// A pointer that may cross into the helper threads (they touch disjoint blocks).
 #[derive(Clone, Copy)]
-struct Base(*mut u8);
+pub(super) struct Base(pub(super) *mut u8);
 // SAFETY: the pointers are bases of mappings that outlive the op; the helpers each work on
 // their own byte ranges of them (see `all_reduce_symmetric`).
 unsafe impl Send for Base {}
@@ -129,6 +130,42 @@ impl ArenaComm {
                 .offset_of(buf.as_ptr(), buf.len())
                 .map(|offset| Place { alloc, offset })
         })
+    }
+
+    /// Where rank `r`'s buffer of `len` bytes is, from the word it published: `None` for a
+    /// buffer outside symmetric memory; an error for a place this rank cannot read (an
+    /// allocation it released, or bytes past the segment's end).
+    pub(super) fn base_of_word(
+        &self,
+        r: usize,
+        word: u64,
+        len: usize,
+        sig: &OpSig,
+    ) -> Result<Option<Base>> {
+        if word & SYMMETRIC == 0 {
+            return Ok(None);
+        }
+        let alloc = (((word & !(SYMMETRIC | INPUT)) >> 40) as usize).wrapping_sub(1);
+        let offset = (word & ((1 << 40) - 1)) as usize;
+        let file = self
+            .symmetric
+            .get(alloc)
+            .and_then(Option::as_ref)
+            .map(|a| &a.files[r])
+            .filter(|f| offset.checked_add(len).is_some_and(|end| end <= f.len()));
+        match file {
+            Some(f) => Ok(Some(Base(f.ptr().wrapping_add(offset)))),
+            None => Err(Error::new(
+                ErrorKind::Mismatch,
+                format!(
+                    "{sig}: rank {} passed symmetric allocation #{alloc} at byte {offset}, which \
+                     rank {} does not hold (released, or too short for {len} bytes); every \
+                     rank must keep a symmetric allocation while any rank uses it",
+                    self.arena.global(r),
+                    self.arena.global(self.arena.me())
+                ),
+            )),
+        }
     }
 
     /// Every rank's base address of the buffer at `place`, by local index.
@@ -230,41 +267,6 @@ impl ArenaComm {
                     dst.copy_from_slice(out);
                 }
             }
-        });
-        self.step(sig, None, deadline, |_| {})?;
-        Ok(())
-    }
-
-    /// The reduce-scatter of the `n * out.len()` bytes at `place` (this rank's input, in
-    /// symmetric memory): block `i` of every rank's input, reduced, into rank `i`'s `out`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn reduce_scatter_symmetric(
-        &mut self,
-        place: Place,
-        out: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        sig: &OpSig,
-        deadline: Instant,
-        ways: usize,
-    ) -> Result<()> {
-        let parity = self.step(sig, Some(place.word()), deadline, |_| {})?;
-        self.check_place_word(parity, place.word(), sig)?;
-        let block = out.len();
-        let mine = self.arena.me() * block;
-        let bases = self.bases(place);
-        comm_threads::split(out, ways, |a, dst| {
-            // SAFETY: every base maps at least `n * block` bytes past it (`symmetric_place`
-            // found this rank's input, of that length, inside its segment; every segment of
-            // one allocation has the same length, and the place word check made the offset
-            // equal on every rank). Between the two phases no rank writes its input, and
-            // `dst` is this rank's private output, never inside a segment's input range
-            // (the engine's buffers of one op do not overlap).
-            let srcs: Vec<&[u8]> = bases
-                .iter()
-                .map(|p| unsafe { std::slice::from_raw_parts(p.0.add(mine + a), dst.len()) })
-                .collect();
-            reduce::reduce_slices(dst, &srcs, dtype, op);
         });
         self.step(sig, None, deadline, |_| {})?;
         Ok(())

@@ -16,7 +16,12 @@ import weakref
 import torch
 from torch import nn
 
-from shardline.comm.symmetric import SymmetricArena, symmetric_available, wants_symmetric
+from shardline.comm.symmetric import (
+    SymmetricArena,
+    SymmetricPool,
+    symmetric_available,
+    wants_symmetric,
+)
 from shardline.parallel.data.zero.base import ZeroBase
 from shardline.parallel.data.zero.grouping import UnitPlan, plan_units
 from shardline.parallel.data.zero.units import Unit
@@ -31,6 +36,14 @@ def move_buffers(module: nn.Module, device: torch.device) -> None:
         for name, buf in mod._buffers.items():
             if buf is not None and buf.device != device:
                 mod._buffers[name] = buf.to(device)
+
+
+# Gradient buffers of the largest unit a ZeRO-2/3 pool in symmetric memory holds at once.
+_GRAD_POOL_BUFFERS = 3
+
+
+def _aligned(n: int) -> int:
+    return -(-n // SymmetricPool.ALIGN) * SymmetricPool.ALIGN
 
 
 class UnitLayout:
@@ -280,15 +293,29 @@ class UnitLayout:
         if not w._symmetric_due:
             return
         w._symmetric_due = False
+        required = w._symmetric_choice is True  # automatic: ordinary where a rank has no room
         sizes = [u.symmetric_sizes(w.stage) for u in w._units]
         arenas = (
             SymmetricArena(SymmetricArena.bytes_for([s for g, _ in sizes for s in g]),
-                           group=w._gather_group),
+                           group=w._gather_group, required=required),
             SymmetricArena(SymmetricArena.bytes_for([s for _, r in sizes for s in r]),
-                           group=w._reduce_group),
+                           group=w._reduce_group, required=required),
         )  # fmt: skip
+        w.symmetric = arenas[0].symmetric
+        if not w.symmetric:
+            return
         for u in w._units:
             u.rehome(w.stage, arenas)
+        if w.stage == 1:
+            return
+        # ZeRO-2/3 gradients: a pool with room for the buffer filling, the reductions in
+        # flight (schedule: one) and one more of the largest unit; past that, ordinary ones.
+        eligible = [u for u in w._units if u.symmetric_sizes(w.stage)[0]]
+        largest = max((u.padded * u.grad_itemsize for u in eligible), default=0)
+        pool = SymmetricPool(_GRAD_POOL_BUFFERS * _aligned(largest), group=w._reduce_group,
+                             required=required)  # fmt: skip
+        for u in eligible:
+            u.grad_pool = pool
 
     @property
     def _param_home(self) -> torch.device:

@@ -34,8 +34,10 @@ live as long as the unit move to the wrapper's arenas (``rehome``) before the la
 collective, so that their collectives read every rank's data where it is: ``full`` at stages 1
 and 2 (the all-gather's output), the shard and its compute-dtype copy ``cast`` at stage 3 (the
 all-gather's input), and ``grad_home`` (where ``grad_full`` lives) at stage 1 (the
-all-reduce's buffer). ZeRO-2 and 3 gradients, made and dropped every backward, stay ordinary
-tensors.
+all-reduce's buffer). ZeRO-2 and 3 gradient buffers, made and dropped every backward, come
+from a pool in symmetric memory while it has room (``grad_pool``; a reduce-scatter reads each
+rank's input where that rank put it, so the ranks need not agree on where), else they are
+ordinary tensors.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import torch
 from torch import nn
 
 from shardline._pinned import pinned_empty
-from shardline.comm.symmetric import SymmetricArena
+from shardline.comm.symmetric import SymmetricArena, SymmetricPool
 from shardline.comm.work import Work
 from shardline.compression.codec import Entry
 
@@ -118,6 +120,7 @@ class Unit:
     grad_full: torch.Tensor | None = None
     grad_home: torch.Tensor | None = None  # stage 1 in symmetric memory: grad_full's place
     cast: torch.Tensor | None = None  # stage 3 in symmetric memory: the shard, compute dtype
+    grad_pool: SymmetricPool | None = None  # stages 2, 3: where grad_full comes from, if room
     grad_filled: list[bool] = field(default_factory=list)
     held_grads: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # not yet in grad_full
     # state
@@ -276,6 +279,11 @@ class Unit:
         ]
 
     @property
+    def grad_itemsize(self) -> int:
+        """Bytes of one element of the gradient buffer (the reduction dtype)."""
+        return torch.empty((), dtype=self.rdtype).element_size()
+
+    @property
     def padded(self) -> int:
         """Elements of the full flat buffer (``world_size * shard_numel``; a whole unit's own)."""
         if self.owner is not None:
@@ -375,11 +383,12 @@ class Unit:
     def new_grad_window(self) -> None:
         """Makes ``grad_full`` hold every gradient of this backward so far (allocating it)."""
         if self.grad_full is None:
-            self.grad_full = (
-                self.grad_home
-                if self.grad_home is not None
-                else torch.empty(self.padded, dtype=self.rdtype, device=self.full.device)
-            )
+            buf = self.grad_home
+            if buf is None and self.grad_pool is not None:
+                buf = self.grad_pool.take(self.padded, self.rdtype)  # None when it is full
+            if buf is None:
+                buf = torch.empty(self.padded, dtype=self.rdtype, device=self.full.device)
+            self.grad_full = buf
             self.grad_filled = [False] * len(self.params)
         while self.held_grads:
             i, grad = self.held_grads.pop(0)
