@@ -216,6 +216,10 @@ class SymmetricPool:
         """Bytes handed out and not yet free again."""
         return sum(hi - lo for lo, hi, ref in self._held if ref() is not None)
 
+    def idle(self) -> int:
+        """Bytes held and not handed out (0 where the pool got no memory)."""
+        return 0 if self._memory is None else self.nbytes - self.in_use()
+
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()

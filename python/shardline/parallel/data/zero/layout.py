@@ -38,8 +38,10 @@ def move_buffers(module: nn.Module, device: torch.device) -> None:
                 mod._buffers[name] = buf.to(device)
 
 
-# Gradient buffers of the largest unit a ZeRO-2/3 pool in symmetric memory holds at once.
+# Gradient buffers of the largest unit a ZeRO-2/3 pool in symmetric memory holds at once, and
+# the largest unit gradient (bytes) it holds at all.
 _GRAD_POOL_BUFFERS = 3
+_GRAD_POOL_LARGEST = 64 << 20
 
 
 def _aligned(n: int) -> int:
@@ -306,11 +308,17 @@ class UnitLayout:
             return
         for u in w._units:
             u.rehome(w.stage, arenas)
-        if w.stage == 1:
-            return
+        if w.stage == 1 or not required:
+            return  # ZeRO-2/3 gradient buffers from a pool only when asked (symmetric=True)
         # ZeRO-2/3 gradients: a pool with room for the buffer filling, the reductions in
         # flight (schedule: one) and one more of the largest unit; past that, ordinary ones.
-        eligible = [u for u in w._units if u.symmetric_sizes(w.stage)[0]]
+        # Units of more than _GRAD_POOL_LARGEST bytes of gradients keep ordinary ones: the
+        # pool stays in memory between steps, and their reductions are long enough already.
+        eligible = [
+            u
+            for u in w._units
+            if u.symmetric_sizes(w.stage)[0] and u.padded * u.grad_itemsize <= _GRAD_POOL_LARGEST
+        ]
         largest = max((u.padded * u.grad_itemsize for u in eligible), default=0)
         pool = SymmetricPool(_GRAD_POOL_BUFFERS * _aligned(largest), group=w._reduce_group,
                              required=required)  # fmt: skip

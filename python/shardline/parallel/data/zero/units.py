@@ -35,9 +35,9 @@ collective, so that their collectives read every rank's data where it is: ``full
 and 2 (the all-gather's output), the shard and its compute-dtype copy ``cast`` at stage 3 (the
 all-gather's input), and ``grad_home`` (where ``grad_full`` lives) at stage 1 (the
 all-reduce's buffer). ZeRO-2 and 3 gradient buffers, made and dropped every backward, come
-from a pool in symmetric memory while it has room (``grad_pool``; a reduce-scatter reads each
-rank's input where that rank put it, so the ranks need not agree on where), else they are
-ordinary tensors.
+from a pool in symmetric memory while it has room when the wrapper asks for one (``grad_pool``;
+a reduce-scatter reads each rank's input where that rank put it, so the ranks need not agree
+on where), else they are ordinary tensors.
 """
 
 from __future__ import annotations

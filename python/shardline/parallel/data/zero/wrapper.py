@@ -142,8 +142,10 @@ class ShardedDataParallel(ZeroBase, ModelParallel):
             from it, stage 1 all-reduces its gradients in it; those collectives read every
             rank's data where it is, with no copy through the engine's slots. ``None``: on CPU
             where the groups have it (the native engine, one host) unless
-            ``SHARDLINE_SYMMETRIC=0``; ``False``: ordinary tensors; ``True``: always (an
-            error where it cannot be). ``self.symmetric`` says which it is.
+            ``SHARDLINE_SYMMETRIC=0``, ordinary tensors where a rank has no room; ``False``:
+            ordinary tensors; ``True``: always (an error where it cannot be), and ZeRO-2/3
+            gradient buffers from a pool there too (three of the largest unit's, for units of
+            up to 64 MiB of gradients, kept between steps). ``self.symmetric`` says which.
 
     ``state_dict()`` returns full tensors under the plain model's names on every rank (a
     collective: every rank must call it); ``sharded_state_dict()`` returns this rank's shards.
@@ -474,12 +476,15 @@ class ShardedDataParallel(ZeroBase, ModelParallel):
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds now: parameters, master copies and gradients on its device.
 
-        ``host``: what offload keeps in host memory (shards and their gradients).
+        ``host``: what offload keeps in host memory (shards and their gradients). ``grads``
+        counts the idle part of a ZeRO-2/3 gradient pool in symmetric memory too.
         """
         out = {"params": 0, "master": 0, "grads": 0, "host": 0}
         for u in self._units:
             for k, v in u.nbytes().items():
                 out[k] += v
+        pools = {id(u.grad_pool): u.grad_pool for u in self._units if u.grad_pool is not None}
+        out["grads"] += sum(pool.idle() for pool in pools.values())
         return out
 
     def bind_optimizer(
