@@ -1,7 +1,7 @@
 """ZeRO's flat buffers in symmetric memory (the default on CPU on one host).
 
 What lives as long as the wrapper goes there: ``full`` at stages 1 and 2 (the all-gather's
-output), the shard (and its compute-dtype copy) at stage 3 (the all-gather's input), the
+output), the shard at stage 3 when it is the all-gather's input (no mixed precision), the
 gradient buffer at stage 1 (the all-reduce's). The collectives add in the same rank order as
 through the slots, so training gives the same bits with ``symmetric=False``; with micro-batch
 accumulation, a frozen block, tied weights and clipping, and under bf16 compute.
@@ -67,16 +67,15 @@ def test_symmetric_buffers_give_the_same_bits_as_ordinary_ones(stage: int, bf16:
 
     def body(g: ProcessGroup) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         ours, model = train(g, stage, None, **kw)
-        assert model.symmetric
+        assert model.symmetric != (stage == 3 and bf16)  # there nothing stays to be moved
         for u in model._units:
             if u.owner is not None:
                 continue
             if stage < 3:
                 assert in_symmetric_memory(u.full), u.index
             else:
-                assert in_symmetric_memory(u.shard) and not in_symmetric_memory(u.full)
-                assert (u.cast is not None) == bf16
-                assert u.cast is None or in_symmetric_memory(u.cast)
+                # fp32: the shard is the all-gather's input; bf16: a cast made per gather is
+                assert in_symmetric_memory(u.shard) != bf16 and not in_symmetric_memory(u.full)
             assert (u.grad_home is not None) == (stage == 1)
             if u.grad_home is not None:
                 assert in_symmetric_memory(u.grad_home)

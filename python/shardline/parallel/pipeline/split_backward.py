@@ -138,7 +138,7 @@ def weight_pass(
             continue
         direct = _linear_grads(node, recorded, params) or _norm_grads(node, recorded, params)
         if direct is not None:  # a linear layer's or a norm's weight and bias: no graph walk
-            _accumulate(*direct)
+            _accumulate(*direct, fresh=True)
             continue
         edges = [GradientEdge(node, k) for k, g in enumerate(recorded) if g is not None]
         seeds = [g for g in recorded if g is not None]
@@ -224,12 +224,21 @@ def _norm_grads(
     return owned, grads
 
 
-def _accumulate(params: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> None:
+def _accumulate(
+    params: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...], fresh: bool = False
+) -> None:
+    """Adds ``grads`` into the parameters' ``.grad``, as autograd's accumulation does.
+
+    ``fresh``: each gradient is a new tensor of its own (computed here), so a parameter
+    without a ``.grad`` takes it as it is, as autograd takes a gradient it made; others (from
+    ``autograd.grad``, which may hand back a seed or a view of one) are copied first.
+    """
     with torch.no_grad():
         for p, g in zip(params, grads, strict=True):
             if g is None:
                 continue
             if p.grad is None:
-                p.grad = g.detach().clone()
+                own = fresh and g.is_contiguous() and (g.dtype, g.shape) == (p.dtype, p.shape)
+                p.grad = g.detach() if own else g.detach().clone()
             else:
                 p.grad += g

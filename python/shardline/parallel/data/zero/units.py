@@ -32,9 +32,10 @@ before the next all-gather, so the views (and tensors autograd saved) stay valid
 On CPU, where the group has symmetric memory (``shardline.comm.symmetric``), the buffers that
 live as long as the unit move to the wrapper's arenas (``rehome``) before the layout's first
 collective, so that their collectives read every rank's data where it is: ``full`` at stages 1
-and 2 (the all-gather's output), the shard and its compute-dtype copy ``cast`` at stage 3 (the
-all-gather's input), and ``grad_home`` (where ``grad_full`` lives) at stage 1 (the
-all-reduce's buffer). ZeRO-2 and 3 gradient buffers, made and dropped every backward, come
+and 2 (the all-gather's output), the shard at stage 3 when it is in the compute dtype (the
+all-gather's input; under mixed precision the input is a cast made per gather, which stays an
+ordinary tensor), and ``grad_home`` (where ``grad_full`` lives) at stage 1 (the all-reduce's
+buffer). ZeRO-2 and 3 gradient buffers, made and dropped every backward, come
 from a pool in symmetric memory while it has room when the wrapper asks for one (``grad_pool``;
 a reduce-scatter reads each rank's input where that rank put it, so the ranks need not agree
 on where), else they are ordinary tensors.
@@ -119,7 +120,6 @@ class Unit:
     host_grad: torch.Tensor | None = None  # offload: the pinned buffer shard_grad reuses
     grad_full: torch.Tensor | None = None
     grad_home: torch.Tensor | None = None  # stage 1 in symmetric memory: grad_full's place
-    cast: torch.Tensor | None = None  # stage 3 in symmetric memory: the shard, compute dtype
     grad_pool: SymmetricPool | None = None  # stages 2, 3: where grad_full comes from, if room
     grad_filled: list[bool] = field(default_factory=list)
     held_grads: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # not yet in grad_full
@@ -165,10 +165,10 @@ class Unit:
             return [], []
         if stage < 3:
             gather = [(self.padded, self.cdtype)]  # full
-        else:
-            gather = [(self.shard_numel, self.wdtype)]  # shard
-            if self.cdtype != self.wdtype:
-                gather.append((self.shard_numel, self.cdtype))  # cast
+        elif self.cdtype == self.wdtype:
+            gather = [(self.shard_numel, self.wdtype)]  # the shard: the all-gather's input
+        else:  # its compute-dtype copy is the input: kept, it would cost memory between steps
+            gather = []
         return gather, [(self.padded, self.rdtype)] if stage == 1 else []
 
     def build(self, device: torch.device, shard_is_view: bool) -> None:
@@ -250,8 +250,6 @@ class Unit:
             shard.copy_(self.shard)
             self.shard = shard
             self._repoint_locals()
-            if len(gather) > 1:
-                self.cast = arenas[0].take(self.shard_numel, self.cdtype)
         if not reduce:
             return
         home = arenas[1].take(self.padded, self.rdtype)
@@ -343,8 +341,7 @@ class Unit:
             return self.dev_shard
         if self.shard.dtype == self.cdtype:
             return self.shard
-        # In symmetric memory (``cast``) the all-gather reads it where it is.
-        return self.shard.to(self.cdtype) if self.cast is None else self.cast.copy_(self.shard)
+        return self.shard.to(self.cdtype)
 
     def keep_on_host(self, part: torch.Tensor, *, fresh: bool) -> None:
         """Offload: ``part`` (this rank's reduced gradient) into the host-side ``shard_grad``.
@@ -485,7 +482,7 @@ class Unit:
         def size(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.untyped_storage().nbytes()
 
-        full = size(self.full) + size(self.cast)  # the gathered values, and the shard's copy
+        full = size(self.full)
         shard_own = 0 if self.shard_is_view else size(self.shard)
         grad_own = size(self.grad_full if self.grad_full is not None else self.grad_home)
         sg = self.shard_grad

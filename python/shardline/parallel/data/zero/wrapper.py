@@ -139,8 +139,9 @@ class ShardedDataParallel(ZeroBase, ModelParallel):
             ``reduce_grads``, once per step: ``held``).
         symmetric: The unit buffers that live as long as the wrapper in symmetric memory
             (``shardline.symmetric_empty``): stages 1 and 2 gather into it, stage 3 gathers
-            from it, stage 1 all-reduces its gradients in it; those collectives read every
-            rank's data where it is, with no copy through the engine's slots. ``None``: on CPU
+            from it (without mixed precision), stage 1 all-reduces its gradients in it; those
+            collectives read every rank's data where it is, with no copy through the engine's
+            slots. ``None``: on CPU
             where the groups have it (the native engine, one host) unless
             ``SHARDLINE_SYMMETRIC=0``, ordinary tensors where a rank has no room; ``False``:
             ordinary tensors; ``True``: always (an error where it cannot be), and ZeRO-2/3
