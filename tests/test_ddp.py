@@ -7,7 +7,6 @@ same model, seed and data split side by side in one rank.
 from __future__ import annotations
 
 import copy
-import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from shardline.comm import ProcessGroup
 from shardline.errors import CommunicatorClosedError, InvalidArgumentError, ShardlineError
 from shardline.parallel import DistributedDataParallel
 from tests._ranks import new_store, run_ranks
+from tests._symmetric_maps import in_symmetric_memory, symmetric_ranges
 from tests.multiprocess._launch import report
 from tests.multiprocess._launch import run as run_processes
 
@@ -740,18 +740,6 @@ def test_shut_down_group_is_reported() -> None:
             nn.functional.mse_loss(model(x), y).backward()
 
     run_ranks(1, body)
-
-
-def symmetric_ranges() -> list[tuple[int, int]]:
-    """Address ranges of this process's symmetric segments (the ranks are its threads)."""
-    with open("/proc/self/maps") as maps:
-        lines = [line for line in maps if f"/shardline-{os.getpid()}-symm-" in line]
-    return [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in lines]  # type: ignore[misc]
-
-
-def in_symmetric_memory(t: torch.Tensor) -> bool:
-    start = t.data_ptr()
-    return any(lo <= start and start + t.nbytes <= hi for lo, hi in symmetric_ranges())
 
 
 def test_buckets_live_in_symmetric_memory_and_the_rebuild_frees_the_first_ones() -> None:

@@ -9,7 +9,6 @@ accumulation, a frozen block, tied weights and clipping, and under bf16 compute.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -20,24 +19,13 @@ from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import MixedPrecision, ShardedDataParallel
 from tests._ranks import run_ranks
+from tests._symmetric_maps import in_symmetric_memory
 from tests.test_pipeline import loss_fn
 from tests.test_pipeline import make_model as make_pipeline_model
 from tests.test_pipeline_mesh import train_replica
 from tests.test_zero import UNIT_MB, adamw, batch, lm_loss, make
 
 pytestmark = pytest.mark.usefixtures("native")
-
-
-def symmetric_ranges() -> list[tuple[int, int]]:
-    """Address ranges of this process's symmetric segments (the ranks are its threads)."""
-    with open("/proc/self/maps") as maps:
-        lines = [line for line in maps if f"/shardline-{os.getpid()}-symm-" in line]
-    return [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in lines]  # type: ignore[misc]
-
-
-def in_symmetric_memory(t: torch.Tensor) -> bool:
-    start = t.data_ptr()
-    return any(lo <= start and start + t.nbytes <= hi for lo, hi in symmetric_ranges())
 
 
 def train(g: ProcessGroup, stage: int, symmetric: bool | None, **kw: Any) -> tuple[

@@ -109,7 +109,27 @@ def wants_symmetric(
     return bool(choice)
 
 
-class SymmetricArena:
+class _Allocation:
+    """One collective allocation of ``nbytes`` of symmetric memory on ``group``.
+
+    ``symmetric`` False where there is none: a group without shared memory, zero bytes, or
+    (not ``required``) a rank without room, after a warning.
+    """
+
+    ALIGN = 64
+
+    def __init__(
+        self, nbytes: int, group: ProcessGroup | None = None, *, required: bool = True
+    ) -> None:
+        g = group if group is not None else default_group()
+        self.group = g
+        self.nbytes = nbytes
+        wanted = nbytes > 0 and symmetric_available(g)
+        self._memory = _symmetric_memory(g, nbytes, required) if wanted else None
+        self.symmetric = self._memory is not None
+
+
+class SymmetricArena(_Allocation):
     """One symmetric allocation cut into tensors, at the same offsets on every rank.
 
     Making one is a collective of ``group`` (see ``symmetric_empty``); ``take`` is local and
@@ -125,17 +145,10 @@ class SymmetricArena:
             out ordinary tensors (``symmetric`` False), with a warning, instead of raising.
     """
 
-    ALIGN = 64
-
     def __init__(
         self, nbytes: int, group: ProcessGroup | None = None, *, required: bool = True
     ) -> None:
-        g = group if group is not None else default_group()
-        self.group = g
-        self.nbytes = nbytes
-        wanted = nbytes > 0 and symmetric_available(g)
-        self._memory = _symmetric_memory(g, nbytes, required) if wanted else None
-        self.symmetric = self._memory is not None  # False: ordinary tensors (``required``)
+        super().__init__(nbytes, group, required=required)
         self._used = 0
 
     @classmethod
@@ -166,7 +179,7 @@ class SymmetricArena:
         return out.zero_()
 
 
-class SymmetricPool:
+class SymmetricPool(_Allocation):
     """Symmetric memory handed out and taken back, at offsets of each rank's own.
 
     For buffers of ops that read each rank's buffer where that rank says it is (a
@@ -182,16 +195,10 @@ class SymmetricPool:
             (with a warning) instead of raising here.
     """
 
-    ALIGN = 64
-
     def __init__(
         self, nbytes: int, group: ProcessGroup | None = None, *, required: bool = True
     ) -> None:
-        g = group if group is not None else default_group()
-        self.group = g
-        self.nbytes = nbytes
-        wanted = nbytes > 0 and symmetric_available(g)
-        self._memory = _symmetric_memory(g, nbytes, required) if wanted else None
+        super().__init__(nbytes, group, required=required)
         self._held: list[tuple[int, int, weakref.ref[ctypes.Array[ctypes.c_char]]]] = []
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
