@@ -10,8 +10,8 @@ shared-memory slots, since every rank reads its peers' data where they put it:
 - ``reduce_scatter(out, t)`` (the input ``t`` symmetric, on any ranks and at any place):
   rank ``i`` reduces block ``i`` of every rank's input into its ``out``, reading each
   symmetric input where it is and the others through the slots;
-- ``all_gather(t, part)`` (the output ``t`` symmetric, equal parts): every rank's part is
-  copied from that rank's segment.
+- ``all_gather(t, part)`` (equal parts; the input ``part`` or the output ``t`` symmetric):
+  every rank's part is copied from that rank's segment.
 
 Each reads every input byte once and writes every output byte once (the memory-traffic bound
 ``benches/bench_collectives.py`` prints). Any other op, and ops on ordinary tensors, work as
