@@ -105,8 +105,9 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
         symmetric: Buckets in symmetric memory (``shardline.symmetric_empty``), whose
             all-reduce reads every rank's bucket where it is, with no copy through the
             engine's slots. ``None``: on CPU where the group has it (the native engine, one
-            host) unless ``SHARDLINE_SYMMETRIC=0``; ``False``: ordinary tensors; ``True``:
-            always (an error where it cannot be). ``self.symmetric`` says which it is.
+            host) unless ``SHARDLINE_SYMMETRIC=0``, ordinary where a rank has no room (with a
+            warning); ``False``: ordinary tensors; ``True``: always (an error where it cannot
+            be). ``self.symmetric`` says which it is.
         compression: A gradient compressor (``sl.compression.PowerSGD(rank=4)``,
             ``sl.compression.Int8()``, ...) or its name (``"powersgd"``, ``"int8"``, ``"fp8"``,
             ``"topk"``, ``"onebit"``): each bucket is reduced compressed, with error feedback;
