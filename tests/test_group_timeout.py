@@ -67,8 +67,10 @@ def test_init_gives_the_default_group_its_timeout(monkeypatch: pytest.MonkeyPatc
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("SHARDLINE_TIMEOUT", "9")
-    for given, want in ((2.5, 2.5), (timedelta(seconds=4), 4.0), (None, 9.0)):
+    monkeypatch.setenv("SHARDLINE_TIMEOUT", "90")
+    # Long enough for the rendezvous too (rank 0 connects to the store it hosts within the
+    # timeout, which took over 4 s once on a loaded CI machine); distinct, so each is seen.
+    for given, want in ((25.5, 25.5), (timedelta(seconds=40), 40.0), (None, 90.0)):
         group = sl.init(backend="gloo", timeout=given)
         try:
             assert group.timeout == want
