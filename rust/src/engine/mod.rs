@@ -319,9 +319,13 @@ impl Core {
     /// A receive's outcome is the rank its message came from.
     fn run(&mut self, op: &Op, helpers: bool) -> Outcome {
         if self.broken.is_none() {
-            // A failed send on the send lane, or a peer's failure, aborted the arena.
+            // A failed send on the send lane, or a peer's failure, aborted the arena between
+            // two of this rank's ops: this op is the first to hear of it and raises it as it
+            // is, so a lost peer is a PeerLost error on every survivor, whether the survivor
+            // was inside an op or between two. Later ops say the group is unusable.
             if let Some(e) = self.router.aborted() {
                 self.fail(&e);
+                return Err(e);
             }
         }
         if let Some(e) = &self.broken {
