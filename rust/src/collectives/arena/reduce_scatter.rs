@@ -5,7 +5,7 @@
 //! (its place word, with the op's first phase) and copies nothing; the others copy their
 //! inputs through the slots, a chunk per phase, as before. Readers take each rank's chunk
 //! from where that rank said: so ranks need not agree on whether, or where, their inputs are
-//! in symmetric memory (ZeRO draws gradient buffers from a pool while it has room). When
+//! in symmetric memory (ZeRO-2/3 with symmetric=True draws gradient buffers from a pool). When
 //! every input is in symmetric memory, each rank reduces its whole block at once. A rank
 //! whose input was read in place may reuse it only once every reader is done: one phase more
 //! at the end, when any input was.
