@@ -7,15 +7,16 @@ import functools
 import gc
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from shardline.comm import ProcessGroup, init_process_group
 
-__all__ = ["SECRET", "THREAD_PREFIX", "built_once", "host_ids", "new_store", "run_ranks"]
+__all__ = ["SECRET", "THREAD_PREFIX", "built_once", "host_ids", "new_store", "run_ranks", "seeded"]
 
 SECRET = b"shardline-test-secret"
 THREAD_PREFIX = "shardline-rank-"
@@ -40,6 +41,19 @@ def built_once(fn: _F) -> _F:
             return cached(*args)
 
     return call  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """``torch.manual_seed(seed)`` then the block, one rank thread at a time.
+
+    Ranks are threads sharing torch's global generator: two that seed and then build a model
+    at once interleave their draws and get different weights (a test then compares a model
+    nobody built). Builders that seed the global generator run inside this.
+    """
+    with _BUILDING:
+        torch.manual_seed(seed)
+        yield
 
 
 def host_ids(n: int, transport: str) -> list[str]:

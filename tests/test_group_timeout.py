@@ -24,7 +24,7 @@ from shardline.checkpoint import api as checkpoint_api
 from shardline.comm import ProcessGroup
 from shardline.comm.mesh import DeviceMesh
 from shardline.errors import CheckpointError, CollectiveTimeoutError, InvalidArgumentError
-from tests._ranks import run_ranks
+from tests._ranks import run_ranks, seeded
 
 GROUP_S = 2.0  # the group's timeout in the tests that wait for a rank that never arrives
 LATE_S = 8.0  # the most such a wait may take beyond it (a loaded 2-core machine)
@@ -168,8 +168,8 @@ def test_an_async_sgd_round_waits_the_group_timeout() -> None:
     released = threading.Event()
 
     def body(g: ProcessGroup) -> tuple[float, str] | None:
-        torch.manual_seed(0)
-        model = nn.Linear(4, 3)
+        with seeded(0):
+            model = nn.Linear(4, 3)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         wrapped, stepper = sl.distribute(
             model, opt, strategy="async", group=g, staleness=0, on_stale="wait"

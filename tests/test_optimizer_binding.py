@@ -13,14 +13,14 @@ from torch import nn
 import shardline as sl
 from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError
-from tests._ranks import run_ranks
+from tests._ranks import run_ranks, seeded
 
 pytestmark = pytest.mark.usefixtures("native")
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    with seeded(0):
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:

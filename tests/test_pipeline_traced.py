@@ -294,8 +294,9 @@ def test_a_hugging_face_model_with_its_cache_on_is_traced_with_it_off(
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
     def build() -> nn.Module:
-        torch.manual_seed(0)
-        return transformers.GPT2LMHeadModel(config)
+        with _RNG:  # ranks are threads: one at a time through the global generator
+            torch.manual_seed(0)
+            return transformers.GPT2LMHeadModel(config)
 
     plain = build()
     with torch.no_grad():

@@ -29,7 +29,7 @@ from shardline.comm import ProcessGroup, init_process_group
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import ShardedDataParallel, contract, joining
 from shardline.parallel.data.ddp import DistributedDataParallel
-from tests._ranks import SECRET, new_store, run_ranks
+from tests._ranks import SECRET, new_store, run_ranks, seeded
 
 pytestmark = pytest.mark.usefixtures("native")
 
@@ -62,8 +62,7 @@ def _joined_running_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def make(seed: int) -> MLP:
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
+    with torch.random.fork_rng(), seeded(seed):
         return MLP()
 
 

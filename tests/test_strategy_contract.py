@@ -24,7 +24,7 @@ from shardline import checkpoint
 from shardline.comm import ProcessGroup
 from shardline.parallel import contract
 from shardline.parallel.contract import Box, FlatRange, Local, Shard
-from tests._ranks import run_ranks
+from tests._ranks import run_ranks, seeded
 
 pytestmark = pytest.mark.usefixtures("native")
 
@@ -32,8 +32,8 @@ ROWS = 4  # rows per block
 
 
 def make() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8))
+    with seeded(0):
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8))
 
 
 def grads(step: int, model: nn.Module) -> dict[str, torch.Tensor]:
