@@ -17,6 +17,8 @@ Table of contents:
 - ``compression``: gradient compression with error feedback (``compression.PowerSGD``,
   ``compression.Int8``, ``compression.TopK``, ...), passed as ``distribute(..., compression=)``;
   ``optim``: CPU optimizers stepped in Rust, 1-bit Adam.
+- ``trace``: a job's timeline (``SHARDLINE_TRACE``), read by ``shardline doctor`` (a hang's
+  culprit, a straggler, a mismatch) and ``shardline trace merge`` (a Perfetto trace).
 - ``checkpoint``: distributed checkpoints (``save``, ``load``, ``latest``, ...);
   ``parallel.recompute``: activation recomputation and the activation store across ranks.
 - ``DistributedSampler``: each rank's share of a dataset, resumable mid-epoch (``shardline.data``).
@@ -26,7 +28,7 @@ Table of contents:
 
 from __future__ import annotations
 
-from shardline import checkpoint, compression, elastic, optim
+from shardline import checkpoint, compression, elastic, optim, trace
 from shardline._version import __version__
 from shardline.comm import ProcessGroup, Work, init_process_group
 from shardline.comm import torch_backend as _torch_backend  # noqa: F401  # registers "shardline"
@@ -133,4 +135,5 @@ __all__ = [
     "shutdown",
     "symmetric_empty",
     "tensor_parallel",
+    "trace",
 ]

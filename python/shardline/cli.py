@@ -21,6 +21,8 @@ from shardline._version import __version__
 from shardline.comm import why
 from shardline.errors import CheckpointError, InvalidArgumentError
 from shardline.launch import DEFAULT_GRACE_PERIOD_S, LaunchConfig, launch
+from shardline.trace import doctor
+from shardline.trace import merge as trace_merge
 
 __all__ = ["build_parser", "main"]
 
@@ -190,7 +192,63 @@ def build_parser() -> argparse.ArgumentParser:
     why.add_argument("dir", help="the folder holding rank<r>.json (an error message names it)")
     why.add_argument("--ops", type=int, default=0, metavar="N",
                      help="also list each rank's last N ops")  # fmt: skip
+    doctor = commands.add_parser(
+        "doctor",
+        help="say what holds a traced job up: a hang's culprit, a straggler, a mismatch",
+        description="Read the folder a job traces into (SHARDLINE_TRACE=DIR), live or after "
+        "its end, and name: the rank a hung collective waits for (and why: gone, silent, in "
+        "another op, busy at file:line), ranks that called different ops, a rank slower than "
+        "the others, and settings that differ between ranks. Exit status 1 when it finds one.",
+    )
+    doctor.add_argument("dir", help="the job's SHARDLINE_TRACE folder")
+    doctor.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        help="the straggler check's window, in optimizer steps (20)",
+    )
+    doctor.add_argument(
+        "--slower",
+        type=float,
+        default=0.07,
+        help="how much slower a straggler is, as a fraction (0.07)",
+    )
+    doctor.add_argument(
+        "--hang-after",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="how long ranks must wait in a collective to call it a hang (2)",
+    )
+    trace = commands.add_parser("trace", help="work with a traced job's timelines")
+    trace_actions = trace.add_subparsers(dest="action", required=True, metavar="ACTION")
+    merge_cmd = trace_actions.add_parser(
+        "merge", help="every rank's timeline as one Chrome/Perfetto trace (ui.perfetto.dev)"
+    )
+    merge_cmd.add_argument("dir", help="the job's SHARDLINE_TRACE folder")
+    merge_cmd.add_argument("-o", "--out", default=None, help="where to write (DIR/trace.json)")
     return parser
+
+
+def _doctor(ns: argparse.Namespace) -> int:
+    try:
+        report = doctor.examine(ns.dir, steps=ns.steps, slower=ns.slower,
+                                hang_after=ns.hang_after)  # fmt: skip
+    except InvalidArgumentError as exc:
+        print(f"shardline doctor: error: {exc}", file=sys.stderr)
+        return 2
+    print(report.text())
+    return 1 if report.findings else 0
+
+
+def _trace(ns: argparse.Namespace) -> int:
+    try:
+        path = trace_merge.merge(ns.dir, ns.out)
+    except InvalidArgumentError as exc:
+        print(f"shardline trace merge: error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
 
 
 def _why(ns: argparse.Namespace) -> int:
@@ -241,10 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or an argparse error it already printed
         return exc.code if isinstance(exc.code, int) else 2
-    if ns.command == "ckpt":
-        return _ckpt(ns)
-    if ns.command == "why":
-        return _why(ns)
+    tools = {"ckpt": _ckpt, "why": _why, "doctor": _doctor, "trace": _trace}
+    if ns.command in tools:
+        return tools[ns.command](ns)
     try:
         config = LaunchConfig(
             target=ns.target,

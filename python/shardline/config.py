@@ -176,6 +176,22 @@ SETTINGS: tuple[Setting, ...] = (
         _text,
     ),
     Setting(
+        "SHARDLINE_TRACE",
+        "path",
+        "off",
+        "Where every rank writes its timeline (communication, steps, spans), its settings and "
+        "a heartbeat; read by `shardline doctor` and `shardline trace merge`.",
+        _text,
+    ),
+    Setting(
+        "SHARDLINE_TRACE_INTERVAL",
+        "seconds > 0",
+        "1",
+        "How often a traced rank writes its timeline and heartbeat out.",
+        _seconds,
+        1.0,
+    ),
+    Setting(
         "SHARDLINE_KEEPALIVE",
         "seconds, 0: off",
         "30",

@@ -39,9 +39,11 @@ PRELOAD = [
     "torch",
     "torch.distributed",
     "torch.nn.parallel",
+    "torch._dynamo",  # a rank's first optimizer imports it: seconds, in every rank
     "shardline",
     "tests.multiprocess._worker",
     "tests.multiprocess._liveness_worker",
+    "tests.multiprocess._doctor_worker",
 ]
 
 # Ranks as fresh interpreters (``python worker.py``) instead, for comparison or debugging.

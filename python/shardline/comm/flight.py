@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -30,11 +31,12 @@ from typing import Any
 
 from shardline import config
 
-__all__ = ["RECORDER", "FlightRecorder", "default_dir"]
+__all__ = ["RECORDER", "FlightRecorder", "callsite", "default_dir"]
 
-# A record: [group, number, op, numel, dtype, peer, start, end, state]; end is None while the
-# op runs, state "running", "done" or the error's class name.
-GROUP, SEQ, OP, NUMEL, DTYPE, PEER, START, END, STATE = range(9)
+# A record: [group, number, op, numel, dtype, peer, start, end, state, where]; end is None
+# while the op runs, state "running", "done" or the error's class name; where is the caller's
+# "file:line" when a tracer listens (``sink``), else None.
+GROUP, SEQ, OP, NUMEL, DTYPE, PEER, START, END, STATE, WHERE = range(10)
 ANY_SOURCE = -1
 """The peer of a receive from any source."""
 
@@ -59,6 +61,8 @@ class FlightRecorder:
         self.world_size: int | None = None
         self.directory: Path | None = None
         self.groups: dict[str, list[int]] = {}  # every group's members, by global rank
+        # A tracer's list (``shardline.trace``): every record also goes there, with its caller.
+        self.sink: list[list[Any]] | None = None
         self._lock = threading.RLock()  # a SIGUSR1 may arrive while this thread dumps
 
     def configure(
@@ -78,10 +82,15 @@ class FlightRecorder:
 
         ``dtype`` may be a ``torch.dtype``: it is turned into text only when dumped.
         """
-        if not self.enabled:
+        sink = self.sink
+        if not self.enabled and sink is None:
             return None
-        record = [group, seq, op, numel, dtype, peer, time.time(), None, "running"]
-        self.ops.append(record)
+        record = [group, seq, op, numel, dtype, peer, time.time(), None, "running", None]
+        if self.enabled:
+            self.ops.append(record)
+        if sink is not None:
+            record[WHERE] = callsite()
+            sink.append(record)
         return record
 
     @staticmethod
@@ -144,6 +153,40 @@ class FlightRecorder:
             return False
         signal.signal(signal.SIGUSR1, lambda *_: self.dump("SIGUSR1"))
         return True
+
+
+_libraries: tuple[str, ...] = ()
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """The folders of shardline's and torch's files, as their code objects name them."""
+    global _libraries  # noqa: PLW0603
+    if not _libraries:
+        dirs = {contextlib.__file__}  # a span's own ``with`` frames
+        for name in ("shardline", "torch"):
+            module = sys.modules.get(name)
+            path = getattr(module, "__file__", None)
+            if path:
+                dirs |= {str(Path(path).parent) + os.sep, str(Path(path).resolve().parent) + os.sep}
+        _libraries = tuple(dirs)
+    return _libraries
+
+
+def callsite(frame: Any = None) -> str | None:
+    """``"train.py:57"``: where the program called into shardline (or torch), from ``frame``.
+
+    The first frame, walking out from ``frame`` (the caller's caller by default), whose file
+    is neither shardline's nor torch's (nor frozen: ``<...>``): the user's line that issued
+    the op, even when the op runs inside ``loss.backward()`` or a strategy's hook.
+    """
+    skip = _libraries or _library_dirs()
+    f = frame if frame is not None else sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith(skip) and not name.startswith("<"):
+            return f"{name}:{f.f_lineno}"
+        f = f.f_back
+    return None
 
 
 RECORDER = FlightRecorder()

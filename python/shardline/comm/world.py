@@ -186,7 +186,12 @@ def choose_backend(
     return "nccl" if cuda_devices >= max(local_world_size, 1) else "native"
 
 
-def init(backend: str | None = None, timeout: timedelta | float | None = None) -> ProcessGroup:
+def init(
+    backend: str | None = None,
+    timeout: timedelta | float | None = None,
+    *,
+    trace: str | os.PathLike[str] | None = None,
+) -> ProcessGroup:
     """Joins the job described by the environment and creates the default group.
 
     Reads torchrun's env:// variables or SLURM's (see ``shardline.comm.rendezvous.env``), opens
@@ -205,6 +210,9 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
             It is the default group's ``timeout``: its sub-groups (``new_group``,
             ``DeviceMesh``) inherit it, and work on the group waits by it (a checkpoint's
             commit, async SGD's rounds).
+        trace: A folder where this rank writes its timeline, settings and heartbeat
+            (``shardline.trace``; read by ``shardline doctor`` and ``shardline trace merge``).
+            ``None`` takes ``SHARDLINE_TRACE``; unset, nothing is traced.
 
     Returns:
         The default group.
@@ -226,11 +234,11 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
         named = backend.strip().lower() if backend else config.get("SHARDLINE_BACKEND")
         if named == "mpi":  # MPI has its own rendezvous
             _default = _init_mpi(timeout)
-            _start_recorder(_default)
+            _start_recorder(_default, trace)
             return _default
         if config.raw("SHARDLINE_ELASTIC_SLOT") or config.raw("SHARDLINE_ELASTIC_STANDBY"):
             _default = _init_elastic(backend, timeout, explicit=bool(named))
-            _start_recorder(_default)
+            _start_recorder(_default, trace)
             return _default
         info = read_env()
         chosen = choose_backend(backend, local_world_size=info.local_world_size)
@@ -271,7 +279,7 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
             raise
         _default, _job = group, job
         failures.use_job_store(job.store)
-        _start_recorder(group)
+        _start_recorder(group, trace)
         return group
 
 
@@ -404,8 +412,11 @@ def reform() -> ProcessGroup:
     return group
 
 
-def _start_recorder(group: ProcessGroup) -> None:
-    """The flight recorder learns who this process is, and dumps on ``SIGUSR1``."""
+def _start_recorder(group: ProcessGroup, trace: str | os.PathLike[str] | None = None) -> None:
+    """The flight recorder learns who this process is and dumps on ``SIGUSR1``.
+
+    The tracer starts where ``trace`` or ``SHARDLINE_TRACE`` says (nothing when neither does).
+    """
     directory = config.get("SHARDLINE_FLIGHT_DIR")
     RECORDER.configure(
         rank=group.rank,
@@ -414,6 +425,11 @@ def _start_recorder(group: ProcessGroup) -> None:
         directory=Path(directory) if directory else None,
     )
     RECORDER.install_signal_handler()
+    where = trace if trace is not None else config.get("SHARDLINE_TRACE")
+    if where:
+        from shardline.trace import TRACER  # noqa: PLC0415
+
+        TRACER.start(where, rank=group.rank, world_size=group.world_size, backend=group.backend)
 
 
 def _init_mpi(timeout: timedelta | float | None) -> ProcessGroup:
@@ -469,6 +485,9 @@ def shutdown() -> None:
             return
         if job is not None and _elastic is None:
             failures.note_left(job.store, job.rank, "shutdown")
+        from shardline.trace import TRACER  # noqa: PLC0415
+
+        TRACER.stop(state="shutdown")
         try:
             group.shutdown()
         finally:

@@ -1,0 +1,378 @@
+"""``shardline doctor``: what holds a job up, read from its trace folder, live or after the end.
+
+Four checks, each a finding that names the rank:
+
+- **hang**: a collective that some ranks of its group wait in for longer than ``hang_after``
+  seconds while others are not in it. Each of those others is named with why: gone (its
+  process no longer exists), silent (its heartbeat stopped: stopped, or stuck in native
+  code holding the GIL), in another op (which, where), behind, or busy outside shardline at
+  the program's ``file:line``. The waiting ranks' op comes with its number and the line
+  that issued it.
+- **mismatch**: ranks that called different ops, or the same op on different sizes, under
+  one number of one group (a wrong op order).
+- **straggler**: over the last ``steps`` optimizer steps, a rank whose time outside
+  communication per step exceeds the median rank's by ``slower`` or more (the others then
+  wait for it inside every collective). A rank's own clock measures its own gaps, so
+  clocks of different hosts need not agree.
+- **settings**: versions, ``SHARDLINE_*`` settings and the program's notes
+  (``shardline.trace.note``; ``distribute`` notes its strategy) that differ between ranks.
+
+A live job's heartbeats are at most one interval old, so the doctor answers within a
+second or two of being asked.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardline.comm import flight
+from shardline.trace.folder import Rank, load
+
+__all__ = ["Finding", "Report", "examine"]
+
+# Settings that differ between ranks by design: never a finding.
+PER_RANK = {
+    "SHARDLINE_HOST_ID", "SHARDLINE_BIND_ADDR", "SHARDLINE_ELASTIC_SLOT",
+    "SHARDLINE_ELASTIC_INCARNATION", "SHARDLINE_ELASTIC_STANDBY", "SHARDLINE_PROGRESS",
+}  # fmt: skip
+
+
+MIN_STEPS = 5  # fewer steps say nothing about a straggler
+MIN_EXCESS = 5e-4  # seconds per step: less is noise, whatever the ratio
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem: its kind, the ranks it blames, and the sentence that says it."""
+
+    kind: str  # "hang", "mismatch", "straggler", "settings", "silent"
+    ranks: tuple[int, ...]
+    text: str
+
+
+@dataclass
+class Report:
+    """What ``examine`` found in a trace folder."""
+
+    ranks: int
+    live: bool  # a heartbeat is fresh: the job runs
+    steps: int  # the most optimizer steps a rank reported
+    findings: list[Finding] = field(default_factory=list)
+
+    def culprits(self, kind: str) -> set[int]:
+        """The ranks blamed by findings of ``kind``."""
+        return {r for f in self.findings if f.kind == kind for r in f.ranks}
+
+    def text(self) -> str:
+        """The report as the command prints it."""
+        head = (
+            f"{self.ranks} rank{'s' if self.ranks != 1 else ''} traced, "
+            f"{'running' if self.live else 'not running'}, {self.steps} steps"
+        )
+        if not self.findings:
+            return f"{head}: no hang, no straggler, no mismatch; settings agree"
+        return head + ":\n" + "\n".join(f"- {f.kind}: {f.text}" for f in self.findings)
+
+
+def examine(
+    directory: str | Path,
+    *,
+    steps: int = 20,
+    slower: float = 0.07,
+    hang_after: float = 2.0,
+    now: float | None = None,
+) -> Report:
+    """Reads ``directory`` (a job's ``SHARDLINE_TRACE``) and says what is wrong.
+
+    Args:
+        directory: The folder the job traced into.
+        steps: The straggler check's window: the last this many optimizer steps.
+        slower: A rank is a straggler when its time outside communication per step is at
+            least ``1 + slower`` times the median rank's.
+        hang_after: Seconds the waiting ranks must have waited before a hang is called.
+        now: The time to judge heartbeats by; the clock by default.
+    """
+    ranks = load(directory)
+    now = time.time() if now is None else now
+    beats = [float(r.now["time"]) for r in ranks.values() if r.now]
+    interval = max((float(r.now.get("interval", 1.0)) for r in ranks.values() if r.now),
+                   default=1.0)  # fmt: skip
+    stale = 2.5 * interval + 1.0
+    live = any(now - t <= stale and r.now.get("state") == "running"
+               for r in ranks.values() for t in [float(r.now.get("time", 0))] if r.now)  # fmt: skip
+    ref = now if live else max(beats, default=now)  # a finished job: as its last heartbeat saw
+    world = max((int(r.config.get("world_size", 0)) for r in ranks.values()), default=0)
+    report = Report(ranks=max(world, len(ranks)), live=live,
+                    steps=max((len(r.steps) for r in ranks.values()), default=0))  # fmt: skip
+    # A job that runs no more: a rank whose heartbeat still says "running" ended unannounced.
+    state = {r: _state(ranks.get(r), ref, stale if live else -1.0) for r in range(report.ranks)}
+    report.live = live = any(s["kind"] == "running" for s in state.values())
+    report.findings += _hang(ranks, state, ref, hang_after)
+    report.findings += _mismatch(ranks)
+    report.findings += _straggler(ranks, steps, slower)
+    report.findings += _settings(ranks)
+    if not any(f.kind == "hang" for f in report.findings):
+        for r, s in state.items():
+            if s["kind"] in ("gone", "silent", "missing"):
+                report.findings.append(Finding("silent", (r,), f"rank {r} {s['text']}"))
+    return report
+
+
+# -- each rank's state ---------------------------------------------------------------------------
+
+
+def _label(op: list[Any]) -> str:
+    group = "" if op[flight.GROUP] == "world" else f" of group {op[flight.GROUP]!r}"
+    return f"{op[flight.OP]} #{op[flight.SEQ]}{group}"
+
+
+def _at(op: list[Any]) -> str:
+    where = op[flight.WHERE] if len(op) > flight.WHERE else None
+    return f" (issued at {where})" if where else ""
+
+
+def _alive(pid: int, host: str) -> bool | None:
+    """Whether process ``pid`` of ``host`` exists; None when it is another host's."""
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _state(rank: Rank | None, ref: float, stale: float) -> dict[str, Any]:
+    """How a rank stands: its kind, its running ops, and a phrase for it.
+
+    The kind is "running", "gone", "silent", "exited" or "missing".
+    """
+    if rank is None or not rank.now:
+        return {"kind": "missing", "running": [], "text": "left no heartbeat (was it traced?)"}
+    now = rank.now
+    running = [op for op in now.get("running", []) if op[flight.END] is None]
+    last = rank.ops[-1] if rank.ops else None
+    after = f"; its last op, {_label(last)}, finished{_at(last)}" if last else ""
+    beat = float(now["time"])
+    if now.get("state") in ("shutdown", "exited"):
+        how = "shut down" if now["state"] == "shutdown" else "exited without shutdown"
+        return {"kind": "exited", "running": running, "time": beat, "text": f"{how}{after}"}
+    age = ref - beat
+    alive = _alive(int(now.get("pid", -1)), str(now.get("host", "")))
+    if age > stale or alive is False:
+        if alive is False:
+            text = (f"is gone: its process (pid {now['pid']} on {now['host']}) no longer "
+                    f"exists{after}")  # fmt: skip
+            return {"kind": "gone", "running": running, "time": beat, "text": text}
+        text = (f"does not answer: no heartbeat for {age:.0f} s (stopped, or stuck in native "
+                f"code that holds the GIL){after}")  # fmt: skip
+        return {"kind": "silent", "running": running, "time": beat, "text": text}
+    main = next((t for t in now.get("threads", []) if t.get("main")), None)
+    where = main.get("where") if main else None
+    return {"kind": "running", "running": running, "where": where, "time": beat,
+            "function": main.get("function") if main else None, "last": last}  # fmt: skip
+
+
+# -- hang ---------------------------------------------------------------------------------------
+
+
+def _members(ranks: dict[int, Rank], group: str, world: int) -> list[int]:
+    for r in ranks.values():
+        for source in (r.now.get("groups", {}), r.config.get("groups", {})):
+            if group in source:
+                return [int(x) for x in source[group]]
+    return list(range(world))
+
+
+def _hang(
+    ranks: dict[int, Rank], state: dict[int, dict[str, Any]], ref: float, hang_after: float
+) -> list[Finding]:
+    """A collective some members wait in, seen by their own heartbeats to last ``hang_after``.
+
+    Heartbeats are up to an interval old and not taken at one instant: a wait counts only as
+    long as the waiting rank's own heartbeat saw it, and a member outside it only when its
+    heartbeat is newer than the op's start (else it may have entered since).
+    """
+    waits: dict[tuple[str, int], list[tuple[int, list[Any]]]] = defaultdict(list)
+    for r, s in state.items():
+        for op in s["running"]:
+            if op[flight.PEER] is None:
+                waits[(op[flight.GROUP], op[flight.SEQ])].append((r, op))
+    for (group, seq), waiting in sorted(waits.items(), key=lambda kv: -len(kv[1])):
+        seen = [state[r].get("time", ref) - float(op[flight.START]) for r, op in waiting]
+        if min(seen) < hang_after:
+            continue
+        begun = max(float(op[flight.START]) for _, op in waiting)
+        inside = {r for r, _ in waiting}
+        members = _members(ranks, group, len(state))
+        out = [r for r in members if r not in inside]
+        if not out or any(
+            (state[r]["kind"] == "running" and state[r]["time"] <= begun)
+            or _passed(ranks.get(r), group, seq)
+            for r in out
+        ):
+            continue  # everyone is in it (a slow op), not yet seen outside it, or it is over
+        names = Counter(op[flight.OP] for _, op in waiting)
+        op_name, _ = names.most_common(1)[0]
+        first = next(op for _, op in waiting if op[flight.OP] == op_name)
+        parts = [_why_not_in(r, state[r], group, seq, first) for r in out]
+        waiters = sorted(inside)
+        parts.append(
+            f"{_ranks(waiters)} wait{'s' if len(waiters) == 1 else ''} in {_label(first)}"
+            f"{_at(first)} for {ref - min(float(op[flight.START]) for _, op in waiting):.1f} s"
+        )
+        return [Finding("hang", tuple(out), "; ".join(parts))]
+    return []
+
+
+def _passed(rank: Rank | None, group: str, seq: int) -> bool:
+    """Whether ``rank`` finished collective ``seq`` of ``group`` or a later one.
+
+    Then the op is over: a rank's heartbeat that shows it waiting predates the op's end.
+    """
+    return rank is not None and any(
+        o[flight.GROUP] == group and o[flight.PEER] is None and o[flight.SEQ] >= seq
+        for o in reversed(rank.ops)
+    )
+
+
+def _why_not_in(r: int, s: dict[str, Any], group: str, seq: int, op: list[Any]) -> str:
+    label = _label(op)
+    if s["kind"] != "running":
+        return f"rank {r} never entered {label}: it {s['text']}"
+    for mine in s["running"]:
+        if mine[flight.GROUP] == group and mine[flight.PEER] is None:
+            if mine[flight.SEQ] == seq:
+                return (f"rank {r} called {_label(mine)}{_at(mine)} where the others called "
+                        f"{op[flight.OP]} (the ranks call different ops)")  # fmt: skip
+            return f"rank {r} is behind: it waits in {_label(mine)}{_at(mine)}"
+    if s["running"]:
+        mine = s["running"][0]
+        return f"rank {r} never entered {label}: it waits in {_label(mine)}{_at(mine)}"
+    where = s.get("where")
+    fn = f" (in {s['function']})" if s.get("function") else ""
+    last = s.get("last")
+    after = f"; its last op, {_label(last)}, finished" if last else ""
+    at = f" it runs {where}{fn}," if where else ""
+    return f"rank {r} never entered {label}:{at} outside any collective{after}"
+
+
+def _ranks(rs: list[int]) -> str:
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, sorted(rs)))
+
+
+# -- mismatch -----------------------------------------------------------------------------------
+
+
+def _call(op: list[Any]) -> tuple[Any, ...]:
+    return op[flight.OP], op[flight.NUMEL], op[flight.DTYPE]
+
+
+def _mismatch(ranks: dict[int, Rank]) -> list[Finding]:
+    calls: dict[tuple[str, int], dict[int, list[Any]]] = defaultdict(dict)
+    for r, rank in ranks.items():
+        for op in rank.ops + [o for o in rank.now.get("running", []) if o[flight.END] is None]:
+            if op[flight.PEER] is None:
+                calls[(op[flight.GROUP], op[flight.SEQ])][r] = op
+    found = []
+    for key in sorted(calls, key=lambda k: min(float(o[flight.START]) for o in calls[k].values())):
+        by = calls[key]
+        shapes = Counter(_call(o) for o in by.values())
+        if len(shapes) < 2:
+            continue
+        common, _ = shapes.most_common(1)[0]
+        odd = sorted(r for r, o in by.items() if _call(o) != common)
+        usual = next(o for o in by.values() if _call(o) == common)
+        parts = []
+        for r in odd:
+            o = by[r]
+            other_op = o[flight.OP] != common[0]
+            size = f"{o[flight.NUMEL]} x {o[flight.DTYPE] or '-'}"
+            what = o[flight.OP] if other_op else f"{o[flight.OP]} of {size}"
+            want = common[0] if other_op else f"{common[1]} x {common[2] or '-'}"
+            parts.append(f"rank {r} called {what} as #{key[1]}{_at(o)} where the others called "
+                         f"{want}{_at(usual)}")  # fmt: skip
+        group = "" if key[0] == "world" else f" in group {key[0]!r}"
+        found.append(Finding("mismatch", tuple(odd), "; ".join(parts) + group))
+    return found
+
+
+# -- straggler ----------------------------------------------------------------------------------
+
+
+def _outside(rank: Rank, steps: int) -> float | None:
+    """Seconds per step this rank spent outside communication, over its last ``steps``."""
+    marks = rank.steps
+    if len(marks) < MIN_STEPS + 1:
+        return None
+    window = marks[-(steps + 1) :]
+    t0, t1 = float(window[0]["t1"]), float(window[-1]["t1"])
+    n = len(window) - 1
+    inside_window = [o for o in rank.ops if t0 <= o[flight.START] and o[flight.END] <= t1]
+    ops = sorted(inside_window, key=lambda o: float(o[flight.START]))
+    if not ops:
+        return None
+    inside, reach = 0.0, t0
+    for o in ops:  # the time covered by ops (overlapping ones count once)
+        s, e = max(float(o[flight.START]), reach), float(o[flight.END])
+        if e > s:
+            inside += e - s
+            reach = e
+    return ((t1 - t0) - inside) / n
+
+
+def _straggler(ranks: dict[int, Rank], steps: int, slower: float) -> list[Finding]:
+    per = {r: v for r, rank in ranks.items() if (v := _outside(rank, steps)) is not None}
+    if len(per) < 2:
+        return []
+    worst = max(per, key=lambda r: per[r])
+    others = statistics.median(v for r, v in per.items() if r != worst)
+    if per[worst] < (1 + slower) * others or per[worst] - others < MIN_EXCESS:
+        return []
+    n = min(steps, min(len(ranks[r].steps) for r in per) - 1)
+    text = (f"rank {worst} spends {per[worst] * 1e3:.1f} ms per step outside communication, "
+            f"{per[worst] / max(others, 1e-9) - 1:.0%} more than the other ranks' median "
+            f"({others * 1e3:.1f} ms) over the last {n} steps; they wait for it in every "
+            "collective")  # fmt: skip
+    return [Finding("straggler", (worst,), text)]
+
+
+# -- settings -----------------------------------------------------------------------------------
+
+
+def _settings(ranks: dict[int, Rank]) -> list[Finding]:
+    values: dict[str, dict[int, Any]] = defaultdict(dict)
+    for r, rank in ranks.items():
+        c = rank.config
+        if not c:
+            continue
+        for k, v in c.get("versions", {}).items():
+            values[f"{k} version"][r] = v
+        for k, v in c.get("settings", {}).items():
+            if k not in PER_RANK:
+                values[k][r] = v
+        for k, v in c.get("notes", {}).items():
+            values[k][r] = v
+        values["world_size"][r] = c.get("world_size")
+        values["backend"][r] = c.get("backend")
+    findings = []
+    for key, by in sorted(values.items()):
+        counts = Counter(repr(v) for v in by.values())
+        if len(counts) < 2:
+            continue
+        common, _ = counts.most_common(1)[0]
+        odd = sorted(r for r, v in by.items() if repr(v) != common)
+        usual = sorted(r for r in by if r not in odd)
+        text = "; ".join(f"rank {r} has {key}={by[r]!r}" for r in odd)
+        text += f" where {_ranks(usual)} {'has' if len(usual) == 1 else 'have'} {common}"
+        findings.append(Finding("settings", tuple(odd), text))
+    return findings

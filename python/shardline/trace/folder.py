@@ -1,0 +1,83 @@
+"""Reading a trace folder (``recorder``'s files): every rank's settings, heartbeat and events."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardline.errors import InvalidArgumentError
+
+__all__ = ["Rank", "load"]
+
+_FILE = re.compile(r"rank(\d+)\.(config\.json|now\.json|trace\.jsonl)$")
+
+
+@dataclass
+class Rank:
+    """What one rank left in the folder; a part it never wrote is empty."""
+
+    rank: int
+    config: dict[str, Any] = field(default_factory=dict)
+    now: dict[str, Any] = field(default_factory=dict)  # the last heartbeat
+    ops: list[list[Any]] = field(default_factory=list)  # finished ops, flight records
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    spans: list[dict[str, Any]] = field(default_factory=list)
+
+
+def load(directory: str | Path) -> dict[int, Rank]:
+    """Every rank's files in ``directory``, by rank.
+
+    Raises:
+        InvalidArgumentError: no such folder, no rank's file in it, or a file that is not
+            what the tracer writes (named, with what to do).
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise InvalidArgumentError(
+            f"{path} is not a folder; pass the folder the job traced into (SHARDLINE_TRACE)"
+        )
+    ranks: dict[int, Rank] = {}
+    for file in sorted(path.iterdir()):
+        m = _FILE.match(file.name)
+        if m is None:
+            continue
+        r = int(m.group(1))
+        rank = ranks.setdefault(r, Rank(r))
+        try:
+            if m.group(2) == "config.json":
+                rank.config = json.loads(file.read_text())
+            elif m.group(2) == "now.json":
+                rank.now = json.loads(file.read_text())
+            else:
+                _events(file, rank)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgumentError(
+                f"{file} is not a shardline trace file ({exc}); remove it or trace again"
+            ) from exc
+    if not ranks:
+        raise InvalidArgumentError(
+            f"{path} holds no rank's trace (rank<r>.config.json, .now.json, .trace.jsonl); was "
+            "the job started with SHARDLINE_TRACE set to it?"
+        )
+    return ranks
+
+
+def _events(file: Path, rank: Rank) -> None:
+    text = file.read_text()
+    lines = text.split("\n")
+    if lines and lines[-1] and not text.endswith("\n"):
+        lines = lines[:-1]  # a line being written as we read
+    for line in lines:
+        if not line:
+            continue
+        event = json.loads(line)
+        kind = event["k"]
+        if kind == "op":
+            rank.ops.append(event["r"])
+        elif kind == "step":
+            rank.steps.append(event)
+        elif kind == "span":
+            rank.spans.append(event)

@@ -1,0 +1,283 @@
+"""A rank's tracer: its timeline, its settings and a heartbeat, written into one folder.
+
+With ``SHARDLINE_TRACE=DIR`` (or ``shardline.init(trace=DIR)``) every rank writes, into
+``DIR``:
+
+- ``rank<r>.config.json`` once: who it is (host, pid), its versions, every ``SHARDLINE_*``
+  setting as it resolved, and what the program noted (``note``; ``distribute`` notes its
+  strategy). ``shardline doctor`` compares them across ranks.
+- ``rank<r>.trace.jsonl``, appended every ``SHARDLINE_TRACE_INTERVAL`` seconds by a thread of
+  its own: one line per finished event. Events are the flight recorder's records of every op
+  (group, number, op, size, start, end, how it ended, the user's ``file:line`` that issued
+  it), optimizer steps (``torch.optim``'s global step hooks: no change to the program) and
+  the program's own spans (``span``). ``shardline trace merge`` turns the ranks' files into one
+  Chrome/Perfetto trace.
+- ``rank<r>.now.json``, rewritten at the same pace: the heartbeat. The ops running now, and
+  where every thread that runs one (and the main thread) is in the program's code. The thread
+  writes it even while the main thread waits inside a collective (the GIL is released there),
+  so a live job's hang can be read from the folder within one interval; a rank whose
+  heartbeat stops is stopped or dead. Its ``state`` is ``running``, then ``shutdown`` (the
+  program called ``shardline.shutdown``) or ``exited`` (the interpreter exited without it).
+
+Cost: an op's record gains its caller (about half a microsecond); the thread wakes once per
+interval and writes what finished since.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from shardline import config
+from shardline._version import __version__
+from shardline.comm import flight
+from shardline.comm.flight import RECORDER
+
+__all__ = ["TRACER", "Tracer"]
+
+# Event lines of ``rank<r>.trace.jsonl``: {"k": "op", "r": <flight record>} for an op,
+# {"k": "step", "n": n, "t0": start, "t1": end} for an optimizer step,
+# {"k": "span", "name": name, "t0": start, "t1": end, "where": "file:line"} for a span.
+
+
+class Tracer:
+    """This process's tracer (one: ``TRACER``); see the module doc."""
+
+    def __init__(self) -> None:
+        self.directory: Path | None = None
+        self.rank: int | None = None
+        self.interval = 1.0
+        self._ops: list[list[Any]] = []  # the flight recorder's sink: records, as they start
+        self._events: list[dict[str, Any]] = []  # finished steps and spans
+        self._running: list[list[Any]] = []  # op records not finished at the last write
+        self._notes: dict[str, Any] = {}
+        self._steps = 0
+        self._step_start: float | None = None
+        self._hooks: list[Any] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._file: Any = None
+
+    @property
+    def active(self) -> bool:
+        """Whether this process traces now."""
+        return self.directory is not None
+
+    # -- starting and stopping -----------------------------------------------------------------
+
+    def start(
+        self, directory: str | os.PathLike[str], *, rank: int, world_size: int,
+        backend: str, interval: float | None = None,
+    ) -> None:  # fmt: skip
+        """Starts tracing this rank into ``directory`` (created if missing)."""
+        if self.active:
+            self.stop()
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.directory, self.rank = path, rank
+        self.interval = interval if interval is not None else config.get("SHARDLINE_TRACE_INTERVAL")
+        self._stop.clear()
+        self._steps, self._step_start = 0, None
+        settings = {s.name: _jsonable(config.get(s.name)) for s in config.SETTINGS}
+        if settings.get("SHARDLINE_SECRET"):  # never on disk: only whether it is set
+            settings["SHARDLINE_SECRET"] = "<set>"
+        info = {
+            "rank": rank,
+            "world_size": world_size,
+            "backend": backend,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+            "versions": _versions(),
+            "settings": settings,
+            "notes": dict(self._notes),
+            "groups": dict(RECORDER.groups),
+        }
+        _write_atomic(path / f"rank{rank}.config.json", info)
+        self._file = open(path / f"rank{rank}.trace.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        RECORDER.sink = self._ops
+        self._install_hooks()
+        self._thread = threading.Thread(target=self._loop, name="shardline-trace", daemon=True)
+        self._thread.start()
+        atexit.register(self._at_exit)
+
+    def stop(self, state: str = "shutdown") -> None:
+        """Writes what is left and the last heartbeat (saying ``state``), and stops tracing."""
+        if not self.active:
+            return
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self.flush(state=state)
+        RECORDER.sink = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._file is not None:
+            self._file.close()
+        self._file, self.directory, self._thread = None, None, None
+
+    def _at_exit(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stop(state="exited")
+
+    # -- what the program adds -------------------------------------------------------------------
+
+    def note(self, key: str, value: Any) -> None:
+        """Adds ``key: value`` to this rank's settings (compared across ranks by the doctor)."""
+        self._notes[key] = _jsonable(value)
+        if self.active:
+            assert self.directory is not None
+            path = self.directory / f"rank{self.rank}.config.json"
+            with contextlib.suppress(OSError, ValueError):
+                info = json.loads(path.read_text())
+                info["notes"] = dict(self._notes)
+                _write_atomic(path, info)
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """Times the block as ``name`` on this rank's timeline (nothing when not tracing)."""
+        if not self.active:
+            yield
+            return
+        where = flight.callsite(sys._getframe(2))
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._events.append(
+                    {"k": "span", "name": name, "t0": t0, "t1": time.time(), "where": where}
+                )
+
+    def _install_hooks(self) -> None:
+        from torch.optim.optimizer import (  # noqa: PLC0415
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        def pre(*_: Any) -> None:
+            self._step_start = time.time()
+
+        def post(*_: Any) -> None:
+            t1 = time.time()
+            with self._lock:
+                self._events.append(
+                    {"k": "step", "n": self._steps, "t0": self._step_start or t1, "t1": t1}
+                )
+                self._steps += 1
+
+        self._hooks = [register_optimizer_step_pre_hook(pre),
+                       register_optimizer_step_post_hook(post)]  # fmt: skip
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            with contextlib.suppress(Exception):  # a full disk must not stop training
+                self.flush()
+
+    def flush(self, state: str = "running") -> None:
+        """Appends the finished events to the timeline and rewrites the heartbeat now."""
+        if self.directory is None or self._file is None:
+            return
+        n = len(self._ops)  # the recorder appends from any thread: take the first n only
+        fresh = self._ops[:n]
+        del self._ops[:n]
+        with self._lock:
+            events, self._events = self._events, []
+        ops = self._running + fresh
+        done = [r for r in ops if r[flight.END] is not None]
+        self._running = [r for r in ops if r[flight.END] is None]
+        lines = [json.dumps({"k": "op", "r": _plain(r)}) for r in done]
+        lines += [json.dumps(e) for e in events]
+        if lines:
+            self._file.write("\n".join(lines) + "\n")
+            self._file.flush()
+        self._heartbeat(state)
+
+    def _heartbeat(self, state: str) -> None:
+        assert self.directory is not None
+        frames = sys._current_frames()
+        main = threading.main_thread().ident
+        threads = []
+        for t in threading.enumerate():
+            if t.ident is None or t.ident not in frames or t.name == "shardline-trace":
+                continue
+            where = flight.callsite(frames[t.ident])
+            if where is None and t.ident != main:
+                continue  # a thread of a library (the engine's, torch's): not the program's
+            threads.append({"name": t.name, "main": t.ident == main, "where": where,
+                            "function": _function(frames[t.ident])})  # fmt: skip
+        now = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "time": time.time(),
+            "interval": self.interval,
+            "state": state,
+            "steps": self._steps,
+            "running": [_plain(r) for r in self._running],
+            "groups": dict(RECORDER.groups),
+            "threads": threads,
+        }
+        _write_atomic(self.directory / f"rank{self.rank}.now.json", now)
+
+
+def _function(frame: Any) -> str | None:
+    """The innermost function of the program's code on a stack: ``step`` in ``train.py``."""
+    where = flight.callsite(frame)
+    f = frame
+    while f is not None:
+        if where == f"{f.f_code.co_filename}:{f.f_lineno}":
+            return str(f.f_code.co_name)
+        f = f.f_back
+    return None
+
+
+def _plain(record: list[Any]) -> list[Any]:
+    out = list(record)
+    dtype = out[flight.DTYPE]
+    out[flight.DTYPE] = "" if dtype is None else str(dtype).removeprefix("torch.")
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return repr(value)
+
+
+def _versions() -> dict[str, str]:
+    import torch  # noqa: PLC0415
+
+    return {
+        "shardline": __version__,
+        "torch": str(torch.__version__),
+        "python": platform.python_version(),
+        "cuda": str(torch.version.cuda),
+    }
+
+
+def _write_atomic(path: Path, value: Any) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
+
+
+TRACER = Tracer()

@@ -1,0 +1,148 @@
+"""One rank of the doctor's fault-injection tests: ``python _doctor_worker.py SCENARIO``.
+
+Every rank traces into ``SHARDLINE_TRACE``. The parent test drives the trials through files
+in ``DOCTOR_DIR``: a rank waits for ``go<t>`` before trial ``t`` and rank 0 writes
+``ready<t>`` when the trial's fault is in place; the culprit of each trial is the ``t``-th
+entry of ``DOCTOR_CULPRITS``.
+
+- ``hang``: per trial, the culprit stays out of an all-reduce (sleeping in ``hold``, or
+  stopped by ``SIGSTOP`` when ``DOCTOR_STOP`` is set; the parent continues it) while the
+  others wait in it, until the parent writes ``release<t>``.
+- ``wrong_op``: per trial, on a fresh group, the culprit calls a broadcast where the others
+  call an all-reduce (the engine raises a mismatch on every rank).
+- ``slow``: per trial, ``DOCTOR_STEPS`` optimizer steps in which the culprit computes 15 %
+  longer; each rank also notes ``trial<t>.lr``, which differs on the trial's second culprit
+  (``DOCTOR_ODD``).
+- ``kill``: a few steps, then the culprit kills itself (``SIGKILL``) before an all-reduce;
+  the survivors get ``PeerLostError`` and exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import shardline as sl
+
+DIR = Path(os.environ.get("DOCTOR_DIR", "."))
+CULPRITS = [int(c) for c in os.environ.get("DOCTOR_CULPRITS", "").split(",") if c]
+STEP_S = 0.02  # a step's compute (a sleep: steady on a loaded machine)
+
+
+def wait_for(name: str, timeout: float = 120.0) -> None:
+    """Polls for the parent's file ``name`` (no collective meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while not (DIR / name).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the test never wrote {name}")
+        time.sleep(0.01)
+
+
+def hold(trial: int) -> None:
+    """The culprit's fault: busy outside shardline until the parent releases it."""
+    while not (DIR / f"release{trial}").exists():
+        time.sleep(0.01)
+
+
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer, compute: float) -> None:
+    time.sleep(compute)
+    opt.zero_grad()
+    model(torch.ones(1, 4)).sum().backward()
+    for p in model.parameters():
+        assert p.grad is not None
+        sl.all_reduce(p.grad)
+    opt.step()
+
+
+def hang() -> None:
+    sl.init()
+    r = sl.get_rank()
+    t = torch.ones(8)
+    for trial, culprit in enumerate(CULPRITS):
+        wait_for(f"go{trial}")
+        sl.all_reduce(t)  # every rank at the same place
+        if r == culprit:
+            if r == 0:
+                (DIR / f"ready{trial}").touch()
+            if os.environ.get("DOCTOR_STOP"):
+                os.kill(os.getpid(), signal.SIGSTOP)
+                wait_for(f"release{trial}")
+            else:
+                hold(trial)
+        elif r == (1 if culprit == 0 else 0):
+            (DIR / f"ready{trial}").touch()
+        sl.all_reduce(t)
+    print("OK", flush=True)
+    sl.shutdown()
+
+
+def wrong_op() -> None:
+    sl.init()
+    r = sl.get_rank()
+    for trial, culprit in enumerate(CULPRITS):
+        g = sl.new_group(list(range(sl.get_world_size())))
+        t = torch.ones(8)
+        try:
+            if r == culprit:
+                g.broadcast(t, src=0)
+            else:
+                g.all_reduce(t)
+        except sl.CollectiveMismatchError:
+            pass
+        else:
+            raise AssertionError(f"trial {trial}: the mismatch was not detected")
+        sl.barrier()
+    sl.trace.flush()
+    print("OK", flush=True)
+    sl.shutdown()
+
+
+def slow() -> None:
+    sl.init()
+    r = sl.get_rank()
+    steps = int(os.environ.get("DOCTOR_STEPS", "24"))
+    odd = [int(c) for c in os.environ["DOCTOR_ODD"].split(",")]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for trial, culprit in enumerate(CULPRITS):
+        wait_for(f"go{trial}")
+        sl.trace.note(f"trial{trial}.lr", 0.2 if r == odd[trial] else 0.1)
+        for _ in range(steps):
+            step(model, opt, STEP_S * (1.15 if r == culprit else 1.0))
+        sl.trace.flush()
+        sl.barrier()
+        if r == 0:
+            (DIR / f"ready{trial}").touch()
+    print("OK", flush=True)
+    sl.shutdown()
+
+
+def kill() -> None:
+    sl.init()
+    r = sl.get_rank()
+    (culprit,) = CULPRITS
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        step(model, opt, 0.0)
+    sl.trace.flush()
+    sl.barrier()
+    if r == culprit:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        sl.all_reduce(torch.ones(8))
+    except sl.PeerLostError:
+        print("OK lost", flush=True)
+        return
+    raise AssertionError("the all-reduce with a dead rank returned")
+
+
+if __name__ == "__main__":
+    {"hang": hang, "wrong_op": wrong_op, "slow": slow, "kill": kill}[sys.argv[1]]()
