@@ -65,6 +65,11 @@ class FlightRecorder:
         self.sink: list[list[Any]] | None = None
         self._lock = threading.RLock()  # a SIGUSR1 may arrive while this thread dumps
 
+    @property
+    def listening(self) -> bool:
+        """Whether an op's record is wanted: the recorder is on, or a tracer listens."""
+        return self.enabled or self.sink is not None
+
     def configure(
         self, *, rank: int, world_size: int, capacity: int, directory: Path | None
     ) -> None:
@@ -156,19 +161,24 @@ class FlightRecorder:
 
 
 _libraries: tuple[str, ...] = ()
+_programs: tuple[str, ...] = ()  # shardline's own programs (the main job): the user's code
 
 
 def _library_dirs() -> tuple[str, ...]:
     """The folders of shardline's and torch's files, as their code objects name them."""
-    global _libraries  # noqa: PLW0603
+    global _libraries, _programs
     if not _libraries:
-        dirs = {contextlib.__file__}  # a span's own ``with`` frames
+        dirs, programs = {contextlib.__file__}, set()  # a span's own ``with`` frames
         for name in ("shardline", "torch"):
             module = sys.modules.get(name)
             path = getattr(module, "__file__", None)
-            if path:
-                dirs |= {str(Path(path).parent) + os.sep, str(Path(path).resolve().parent) + os.sep}
-        _libraries = tuple(dirs)
+            for folder in (
+                {str(Path(path).parent), str(Path(path).resolve().parent)} if path else ()
+            ):
+                dirs.add(folder + os.sep)
+                if name == "shardline":
+                    programs.add(os.path.join(folder, "examples") + os.sep)
+        _libraries, _programs = tuple(dirs), tuple(programs)
     return _libraries
 
 
@@ -176,14 +186,15 @@ def callsite(frame: Any = None) -> str | None:
     """``"train.py:57"``: where the program called into shardline (or torch), from ``frame``.
 
     The first frame, walking out from ``frame`` (the caller's caller by default), whose file
-    is neither shardline's nor torch's (nor frozen: ``<...>``): the user's line that issued
-    the op, even when the op runs inside ``loss.backward()`` or a strategy's hook.
+    is neither shardline's (but for its example programs) nor torch's (nor frozen:
+    ``<...>``): the user's line that issued the op, even when the op runs inside
+    ``loss.backward()`` or a strategy's hook.
     """
     skip = _libraries or _library_dirs()
     f = frame if frame is not None else sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        if not name.startswith(skip) and not name.startswith("<"):
+        if (not name.startswith(skip) or name.startswith(_programs)) and name[:1] != "<":
             return f"{name}:{f.f_lineno}"
         f = f.f_back
     return None

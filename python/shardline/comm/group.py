@@ -163,7 +163,7 @@ class ProcessGroup:
             raise CommunicatorClosedError(
                 f"{op} on rank {self.rank}: group {self.name!r} was shut down; create a new one"
             )
-        record = self._record(op, keepalive, peer) if RECORDER.enabled else None
+        record = self._record(op, keepalive, peer) if RECORDER.listening else None
         if not async_op:
             # Blocking calls run inline on the caller in the native engine (no thread
             # hand-off); the caller's frame keeps the tensors alive meanwhile.

@@ -65,9 +65,11 @@ class Tracer:
         self._step_start: float | None = None
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._file: Any = None
+        self._exit_registered = False
 
     @property
     def active(self) -> bool:
@@ -110,7 +112,9 @@ class Tracer:
         self._install_hooks()
         self._thread = threading.Thread(target=self._loop, name="shardline-trace", daemon=True)
         self._thread.start()
-        atexit.register(self._at_exit)
+        if not self._exit_registered:
+            atexit.register(self._at_exit)
+            self._exit_registered = True
 
     def stop(self, state: str = "shutdown") -> None:
         """Writes what is left and the last heartbeat (saying ``state``), and stops tracing."""
@@ -190,6 +194,10 @@ class Tracer:
 
     def flush(self, state: str = "running") -> None:
         """Appends the finished events to the timeline and rewrites the heartbeat now."""
+        with self._flushing:  # the thread's and the program's flushes, one at a time
+            self._flush(state)
+
+    def _flush(self, state: str) -> None:
         if self.directory is None or self._file is None:
             return
         n = len(self._ops)  # the recorder appends from any thread: take the first n only
