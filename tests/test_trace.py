@@ -14,9 +14,9 @@ import torch
 
 from shardline.comm import flight
 from shardline.comm.flight import RECORDER
+from shardline.comm.trace import doctor, merge
+from shardline.comm.trace.recorder import Tracer
 from shardline.errors import InvalidArgumentError
-from shardline.trace import doctor, merge
-from shardline.trace.recorder import Tracer
 
 
 @pytest.fixture

@@ -28,9 +28,9 @@ Table of contents:
 
 from __future__ import annotations
 
-from shardline import checkpoint, compression, elastic, optim, trace
+from shardline import checkpoint, compression, elastic, optim
 from shardline._version import __version__
-from shardline.comm import ProcessGroup, Work, init_process_group
+from shardline.comm import ProcessGroup, Work, init_process_group, trace
 from shardline.comm import torch_backend as _torch_backend  # noqa: F401  # registers "shardline"
 from shardline.comm.collectives import (
     all_gather,

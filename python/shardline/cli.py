@@ -19,10 +19,10 @@ import torch
 from shardline import checkpoint
 from shardline._version import __version__
 from shardline.comm import why
+from shardline.comm.trace import doctor
+from shardline.comm.trace import merge as trace_merge
 from shardline.errors import CheckpointError, InvalidArgumentError
 from shardline.launch import DEFAULT_GRACE_PERIOD_S, LaunchConfig, launch
-from shardline.trace import doctor
-from shardline.trace import merge as trace_merge
 
 __all__ = ["build_parser", "main"]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.trace import doctor, merge
+from shardline.comm.trace import doctor, merge
 from tests.multiprocess._launch import PYTHONPATH, finish, kill_all, report, start
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("native")]

@@ -45,6 +45,7 @@ from shardline.comm.rendezvous.store import (
     linger_after_failure,
     publish_failure,
 )
+from shardline.comm.trace.recorder import TRACER
 from shardline.errors import CollectiveTimeoutError, PeerLostError, ShardlineError
 
 if TYPE_CHECKING:
@@ -427,8 +428,6 @@ def _start_recorder(group: ProcessGroup, trace: str | os.PathLike[str] | None = 
     RECORDER.install_signal_handler()
     where = trace if trace is not None else config.get("SHARDLINE_TRACE")
     if where:
-        from shardline.trace import TRACER  # noqa: PLC0415
-
         TRACER.start(where, rank=group.rank, world_size=group.world_size, backend=group.backend)
 
 
@@ -485,8 +484,6 @@ def shutdown() -> None:
             return
         if job is not None and _elastic is None:
             failures.note_left(job.store, job.rank, "shutdown")
-        from shardline.trace import TRACER  # noqa: PLC0415
-
         TRACER.stop(state="shutdown")
         try:
             group.shutdown()

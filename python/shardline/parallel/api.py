@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardline.comm import trace
 from shardline.comm.group import ProcessGroup
 from shardline.comm.mesh import DeviceMesh
 from shardline.comm.world import default_group
@@ -77,6 +78,8 @@ def distribute(
     """
     if mesh is None and not isinstance(strategy, dict):  # (before the model changes)
         _check_options(strategies.strategy(strategy).name, options)
+    # Compared across ranks by ``shardline doctor`` when the job is traced.
+    trace.note("distribute", {"strategy": strategy, "recompute": recompute, **options})
     if recompute is not None:
         recompute_blocks(model, recompute)
     if mesh is not None or isinstance(strategy, dict):

@@ -38,10 +38,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
 from shardline import config
 from shardline._version import __version__
 from shardline.comm import flight
 from shardline.comm.flight import RECORDER
+from shardline.errors import ShardlineError
 
 __all__ = ["TRACER", "Tracer"]
 
@@ -91,7 +98,7 @@ class Tracer:
         self.interval = interval if interval is not None else config.get("SHARDLINE_TRACE_INTERVAL")
         self._stop.clear()
         self._steps, self._step_start = 0, None
-        settings = {s.name: _jsonable(config.get(s.name)) for s in config.SETTINGS}
+        settings = {s.name: _setting(s.name) for s in config.SETTINGS}
         if settings.get("SHARDLINE_SECRET"):  # never on disk: only whether it is set
             settings["SHARDLINE_SECRET"] = "<set>"
         info = {
@@ -107,7 +114,8 @@ class Tracer:
             "groups": dict(RECORDER.groups),
         }
         _write_atomic(path / f"rank{rank}.config.json", info)
-        self._file = open(path / f"rank{rank}.trace.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        # A job's rank starts its timeline afresh (a folder traced twice holds the last run).
+        self._file = open(path / f"rank{rank}.trace.jsonl", "w", encoding="utf-8")  # noqa: SIM115
         RECORDER.sink = self._ops
         self._install_hooks()
         self._thread = threading.Thread(target=self._loop, name="shardline-trace", daemon=True)
@@ -166,11 +174,6 @@ class Tracer:
                 )
 
     def _install_hooks(self) -> None:
-        from torch.optim.optimizer import (  # noqa: PLC0415
-            register_optimizer_step_post_hook,
-            register_optimizer_step_pre_hook,
-        )
-
         def pre(*_: Any) -> None:
             self._step_start = time.time()
 
@@ -261,6 +264,14 @@ def _plain(record: list[Any]) -> list[Any]:
     return out
 
 
+def _setting(name: str) -> Any:
+    """A setting's value as the program sees it; its text where it does not parse."""
+    try:
+        return _jsonable(config.get(name))
+    except ShardlineError:
+        return config.raw(name)
+
+
 def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -272,8 +283,6 @@ def _jsonable(value: Any) -> Any:
 
 
 def _versions() -> dict[str, str]:
-    import torch  # noqa: PLC0415
-
     return {
         "shardline": __version__,
         "torch": str(torch.__version__),

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shardline.comm import flight
-from shardline.trace.folder import load
+from shardline.comm.trace.folder import load
 
 __all__ = ["chrome_trace", "merge"]
 

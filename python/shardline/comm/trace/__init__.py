@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from shardline.trace.recorder import TRACER, Tracer
+from shardline.comm.trace.recorder import TRACER, Tracer
 
 __all__ = ["TRACER", "Tracer", "flush", "note", "span"]
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from shardline.comm import flight
-from shardline.trace.folder import Rank, load
+from shardline.comm.trace.folder import Rank, load
 
 __all__ = ["Finding", "Report", "examine"]
 
