@@ -70,11 +70,17 @@ def test_a_hung_collective_names_the_rank_that_stays_out(tmp_path: Path, how: st
             (tmp_path / f"go{trial}").touch()
             until(f"trial {trial} ready", lambda t=trial: (tmp_path / f"ready{t}").exists(), ranks)
 
-            def hung(op: str = f"all_reduce #{2 * trial + 1} ") -> doctor.Report | None:
+            def hung(op: str = f"all_reduce #{2 * trial + 1} ", c: int = culprit) -> object:
                 # This trial's hung op (heartbeats may still show the last trial's, released
-                # less than an interval ago).
+                # less than an interval ago). A report that blames anyone else is returned at
+                # once (and fails below); one that blames the culprit while its heartbeat
+                # still shows it on its way into ``hold`` (the line before) waits for the next.
                 rep = doctor.examine(trace, hang_after=0.5)
-                return rep if any(op in f.text for f in rep.findings if f.kind == "hang") else None
+                found = [f for f in rep.findings if f.kind == "hang" and op in f.text]
+                if not found:
+                    return None
+                settled = how == "stopped" or "(in hold)" in found[0].text
+                return rep if settled or rep.culprits("hang") != {c} else None
 
             rep = until(f"trial {trial}: a hang found", hung, ranks)
             assert isinstance(rep, doctor.Report) and rep.live

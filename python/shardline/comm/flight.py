@@ -61,7 +61,7 @@ class FlightRecorder:
         self.world_size: int | None = None
         self.directory: Path | None = None
         self.groups: dict[str, list[int]] = {}  # every group's members, by global rank
-        # A tracer's list (``shardline.trace``): every record also goes there, with its caller.
+        # A tracer's list (``shardline.comm.trace``): every record also goes there, with its caller.
         self.sink: list[list[Any]] | None = None
         self._lock = threading.RLock()  # a SIGUSR1 may arrive while this thread dumps
 

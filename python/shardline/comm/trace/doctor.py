@@ -208,7 +208,9 @@ def _hang(
             if op[flight.PEER] is None:
                 waits[(op[flight.GROUP], op[flight.SEQ])].append((r, op))
     for (group, seq), waiting in sorted(waits.items(), key=lambda kv: -len(kv[1])):
-        seen = [state[r].get("time", ref) - float(op[flight.START]) for r, op in waiting]
+        # (a waiting rank that went silent says nothing about how long the wait lasts)
+        live = [(r, op) for r, op in waiting if state[r]["kind"] == "running"] or waiting
+        seen = [state[r].get("time", ref) - float(op[flight.START]) for r, op in live]
         if min(seen) < hang_after:
             continue
         begun = max(float(op[flight.START]) for _, op in waiting)
@@ -218,13 +220,16 @@ def _hang(
         if not out or any(
             (state[r]["kind"] == "running" and state[r]["time"] <= begun)
             or _passed(ranks.get(r), group, seq)
+            or _finishing(state[r], group, seq, hang_after)
             for r in out
         ):
-            continue  # everyone is in it (a slow op), not yet seen outside it, or it is over
+            # Everyone is in it (a slow op), a member was not yet seen outside it, it is over,
+            # or a member still leaves the op before it (which the waiting ranks have left).
+            continue
         names = Counter(op[flight.OP] for _, op in waiting)
         op_name, _ = names.most_common(1)[0]
         first = next(op for _, op in waiting if op[flight.OP] == op_name)
-        parts = [_why_not_in(r, state[r], group, seq, first) for r in out]
+        parts = [_why_not_in(r, state[r], group, first) for r in out]
         waiters = sorted(inside)
         parts.append(
             f"{_ranks(waiters)} wait{'s' if len(waiters) == 1 else ''} in {_label(first)}"
@@ -232,6 +237,21 @@ def _hang(
         )
         return [Finding("hang", tuple(out), "; ".join(parts))]
     return []
+
+
+def _finishing(s: dict[str, Any], group: str, seq: int, hang_after: float) -> bool:
+    """Whether a live member is still leaving an earlier collective of ``group``.
+
+    The waiting ranks got past that op, so it ends on this member too, a moment later; one
+    that stays in it longer than ``hang_after`` is behind, and said so.
+    """
+    return s["kind"] == "running" and any(
+        op[flight.GROUP] == group
+        and op[flight.PEER] is None
+        and op[flight.SEQ] < seq
+        and s["time"] - float(op[flight.START]) < hang_after
+        for op in s["running"]
+    )
 
 
 def _passed(rank: Rank | None, group: str, seq: int) -> bool:
@@ -245,15 +265,12 @@ def _passed(rank: Rank | None, group: str, seq: int) -> bool:
     )
 
 
-def _why_not_in(r: int, s: dict[str, Any], group: str, seq: int, op: list[Any]) -> str:
+def _why_not_in(r: int, s: dict[str, Any], group: str, op: list[Any]) -> str:
     label = _label(op)
     if s["kind"] != "running":
         return f"rank {r} never entered {label}: it {s['text']}"
-    for mine in s["running"]:
+    for mine in s["running"]:  # (a rank in this op under another name waits in it too)
         if mine[flight.GROUP] == group and mine[flight.PEER] is None:
-            if mine[flight.SEQ] == seq:
-                return (f"rank {r} called {_label(mine)}{_at(mine)} where the others called "
-                        f"{op[flight.OP]} (the ranks call different ops)")  # fmt: skip
             return f"rank {r} is behind: it waits in {_label(mine)}{_at(mine)}"
     if s["running"]:
         mine = s["running"][0]
