@@ -11,8 +11,10 @@ entry of ``DOCTOR_CULPRITS``.
 - ``wrong_op``: per trial, on a fresh group, the culprit calls a broadcast where the others
   call an all-reduce (the engine raises a mismatch on every rank).
 - ``slow``: per trial, ``DOCTOR_STEPS`` optimizer steps in which the culprit computes 15 %
-  longer; each rank also notes ``trial<t>.lr``, which differs on the trial's second culprit
+  longer (or, with ``DOCTOR_THROTTLE``, runs a thread that keeps its interpreter busy); each
+  rank also notes ``trial<t>.lr``, which differs on the trial's second culprit
   (``DOCTOR_ODD``).
+- ``torch``: a few steps of plain ``torch.distributed`` on shardline's backend.
 - ``kill``: a few steps, then the culprit kills itself (``SIGKILL``) before an all-reduce;
   the survivors get ``PeerLostError`` and exit.
 """
@@ -22,10 +24,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import shardline as sl
 
@@ -102,6 +106,24 @@ def wrong_op() -> None:
     sl.shutdown()
 
 
+class Hog:
+    """A thread of the program that keeps the interpreter busy: the rank's own work then
+    waits for the GIL each time it takes it back (a throttled rank)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._thread.start()
+
+    def _spin(self) -> None:
+        while not self._done.is_set():
+            sum(range(1000))
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def slow() -> None:
     sl.init()
     r = sl.get_rank()
@@ -110,11 +132,16 @@ def slow() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    throttle = bool(os.environ.get("DOCTOR_THROTTLE"))
     for trial, culprit in enumerate(CULPRITS):
         wait_for(f"go{trial}")
         sl.trace.note(f"trial{trial}.lr", 0.2 if r == odd[trial] else 0.1)
+        hog = Hog() if throttle and r == culprit else None
         for _ in range(steps):
-            step(model, opt, STEP_S * (1.15 if r == culprit else 1.0))
+            slower = r == culprit and not throttle
+            step(model, opt, STEP_S * (1.15 if slower else 1.0))
+        if hog is not None:
+            hog.stop()
         sl.trace.flush()
         sl.barrier()
         if r == 0:
@@ -144,5 +171,25 @@ def kill() -> None:
     raise AssertionError("the all-reduce with a dead rank returned")
 
 
+def torch_backend() -> None:
+    """Plain ``torch.distributed`` on shardline's backend, traced all the same."""
+    dist.init_process_group("shardline")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(6):
+        opt.zero_grad()
+        model(torch.ones(1, 4)).sum().backward()
+        for p in model.parameters():
+            assert p.grad is not None
+            dist.all_reduce(p.grad)
+        opt.step()
+    dist.barrier()
+    dist.destroy_process_group()
+    print("OK", flush=True)
+
+
 if __name__ == "__main__":
-    {"hang": hang, "wrong_op": wrong_op, "slow": slow, "kill": kill}[sys.argv[1]]()
+    scenarios = {"hang": hang, "wrong_op": wrong_op, "slow": slow, "kill": kill,
+                 "torch": torch_backend}  # fmt: skip
+    scenarios[sys.argv[1]]()

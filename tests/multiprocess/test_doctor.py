@@ -116,9 +116,15 @@ def test_a_rank_that_calls_another_op_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_slow_rank_and_a_setting_that_differs_are_named(tmp_path: Path) -> None:
-    picks, odd = culprits(4), culprits(5)
-    ranks, trace = job(tmp_path, "slow", picks, DOCTOR_ODD=",".join(map(str, odd)))
+@pytest.mark.parametrize("how", ["sleep", "throttled"])
+def test_a_slow_rank_and_a_setting_that_differs_are_named(tmp_path: Path, how: str) -> None:
+    """The culprit computes 15 % longer (a sleep), or a thread of its own keeps its
+    interpreter busy (a throttled rank)."""
+    picks, odd = culprits(4 if how == "sleep" else 7), culprits(5 if how == "sleep" else 8)
+    env = {"DOCTOR_ODD": ",".join(map(str, odd))}
+    if how == "throttled":
+        env["DOCTOR_THROTTLE"] = "1"
+    ranks, trace = job(tmp_path, "slow", picks, **env)
     try:
         for trial, culprit in enumerate(picks):
             (tmp_path / f"go{trial}").touch()
@@ -165,3 +171,17 @@ def test_the_command_line_and_the_merged_trace(tmp_path: Path) -> None:
     assert ops and all(e["dur"] >= 0 and e["args"]["where"] for e in ops)
     steps = [e for e in doc["traceEvents"] if e.get("cat") == "step"]
     assert len(steps) == 3 * N  # three optimizer steps per rank
+
+
+def test_a_job_on_torch_distributed_with_shardlines_backend_is_traced(tmp_path: Path) -> None:
+    """``init_process_group("shardline")`` starts the tracer as ``sl.init`` does: every
+    all-reduce is on the timeline with the program's line, and a healthy job has no finding."""
+    ranks, trace = job(tmp_path, "torch", [])
+    finish(ranks, 60)
+    assert all(r.rc == 0 for r in ranks), report(ranks)
+    rep = doctor.examine(trace)
+    assert rep.findings == [] and rep.steps == 6, rep.text()
+    doc = merge.chrome_trace(trace)
+    reduces = [e for e in doc["traceEvents"] if e.get("name", "").startswith("all_reduce")]
+    assert len(reduces) == N * 6 * 2  # per rank: 6 steps x (weight, bias)
+    assert all("_doctor_worker.py:" in e["args"]["where"] for e in reduces)

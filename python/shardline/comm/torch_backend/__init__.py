@@ -43,6 +43,7 @@ from shardline.comm import init_process_group
 from shardline.comm.rendezvous.env import host_identity, timeout_seconds
 from shardline.comm.torch_backend.process_group import BACKEND_NAME, ShardlineProcessGroup
 from shardline.comm.torch_backend.work import ShardlineWork
+from shardline.comm.trace.recorder import TRACER
 from shardline.errors import ShardlineError
 
 if TYPE_CHECKING:
@@ -177,6 +178,9 @@ def _create_group(opts: Any, backend_options: object | None = None) -> Shardline
         timeout=timeout,
         master_addr=_master_addr(store),
     )
+    where = config.get("SHARDLINE_TRACE")
+    if where and not TRACER.active and not dist.is_initialized():  # the default group
+        TRACER.start(where, rank=group.rank, world_size=group.world_size, backend=BACKEND_NAME)
     return ShardlineProcessGroup(group, store=store, timeout=timeout)
 
 
