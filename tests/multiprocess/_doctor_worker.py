@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,13 +54,19 @@ def hold(trial: int) -> None:
         time.sleep(0.01)
 
 
-def step(model: torch.nn.Module, opt: torch.optim.Optimizer, compute: float) -> None:
+def step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    compute: float,
+    reduce: Callable[[torch.Tensor], object] = sl.all_reduce,
+) -> None:
+    """One training step: ``compute`` seconds of work, then each gradient all-reduced."""
     time.sleep(compute)
     opt.zero_grad()
     model(torch.ones(1, 4)).sum().backward()
     for p in model.parameters():
         assert p.grad is not None
-        sl.all_reduce(p.grad)
+        reduce(p.grad)
     opt.step()
 
 
@@ -178,12 +185,7 @@ def torch_backend() -> None:
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(6):
-        opt.zero_grad()
-        model(torch.ones(1, 4)).sum().backward()
-        for p in model.parameters():
-            assert p.grad is not None
-            dist.all_reduce(p.grad)
-        opt.step()
+        step(model, opt, 0.0, dist.all_reduce)
     dist.barrier()
     dist.destroy_process_group()
     print("OK", flush=True)
