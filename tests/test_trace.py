@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from shardline.errors import InvalidArgumentError
 
 
 @pytest.fixture
-def tracer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Tracer:
+def tracer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Tracer]:
     monkeypatch.setenv("SHARDLINE_SECRET", "do-not-write-me")
     t = Tracer()
     t.start(tmp_path, rank=0, world_size=1, backend="native", interval=60.0)

@@ -31,7 +31,7 @@ from typing import Any
 
 from shardline import config
 
-__all__ = ["RECORDER", "FlightRecorder", "callsite", "default_dir"]
+__all__ = ["RECORDER", "FlightRecorder", "callsite", "default_dir", "plain", "program_frame"]
 
 # A record: [group, number, op, numel, dtype, peer, start, end, state, where]; end is None
 # while the op runs, state "running", "done" or the error's class name; where is the caller's
@@ -109,13 +109,7 @@ class FlightRecorder:
         """A copy of the records, oldest first (dtypes as text: ``"float32"``)."""
         # deque.copy() runs in C without releasing the GIL: safe against appends from other
         # threads, which would break an iteration (``list(deque)``) midway.
-        out = [list(r) for r in self.ops.copy()]
-        for r in out:
-            if r[DTYPE] is None:
-                r[DTYPE] = ""
-            elif not isinstance(r[DTYPE], str):
-                r[DTYPE] = str(r[DTYPE]).removeprefix("torch.")
-        return out
+        return [plain(r) for r in self.ops.copy()]
 
     def snapshot(self, reason: str) -> dict[str, Any]:
         """What a dump holds: this process, the reason, and the records."""
@@ -182,6 +176,29 @@ def _library_dirs() -> tuple[str, ...]:
     return _libraries
 
 
+def plain(record: list[Any]) -> list[Any]:
+    """A copy of ``record`` fit for JSON: its dtype as text (``"float32"``, ``""`` for none)."""
+    out = list(record)
+    dtype = out[DTYPE]
+    if dtype is None:
+        out[DTYPE] = ""
+    elif not isinstance(dtype, str):
+        out[DTYPE] = str(dtype).removeprefix("torch.")
+    return out
+
+
+def program_frame(frame: Any) -> Any:
+    """The first frame out from ``frame`` in the program's own code (see ``callsite``)."""
+    skip = _libraries or _library_dirs()
+    f = frame
+    while f is not None:
+        name = f.f_code.co_filename
+        if (not name.startswith(skip) or name.startswith(_programs)) and name[:1] != "<":
+            return f
+        f = f.f_back
+    return None
+
+
 def callsite(frame: Any = None) -> str | None:
     """``"train.py:57"``: where the program called into shardline (or torch), from ``frame``.
 
@@ -190,14 +207,8 @@ def callsite(frame: Any = None) -> str | None:
     ``<...>``): the user's line that issued the op, even when the op runs inside
     ``loss.backward()`` or a strategy's hook.
     """
-    skip = _libraries or _library_dirs()
-    f = frame if frame is not None else sys._getframe(2)
-    while f is not None:
-        name = f.f_code.co_filename
-        if (not name.startswith(skip) or name.startswith(_programs)) and name[:1] != "<":
-            return f"{name}:{f.f_lineno}"
-        f = f.f_back
-    return None
+    f = program_frame(frame if frame is not None else sys._getframe(2))
+    return None if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
 RECORDER = FlightRecorder()

@@ -187,9 +187,8 @@ def _state(rank: Rank | None, ref: float, stale: float) -> dict[str, Any]:
 
 def _members(ranks: dict[int, Rank], group: str, world: int) -> list[int]:
     for r in ranks.values():
-        for source in (r.now.get("groups", {}), r.config.get("groups", {})):
-            if group in source:
-                return [int(x) for x in source[group]]
+        if group in r.now.get("groups", {}):
+            return [int(x) for x in r.now["groups"][group]]
     return list(range(world))
 
 

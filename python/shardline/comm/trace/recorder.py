@@ -77,6 +77,7 @@ class Tracer:
         self._thread: threading.Thread | None = None
         self._file: Any = None
         self._exit_registered = False
+        self._info: dict[str, Any] = {}  # what rank<r>.config.json holds
 
     @property
     def active(self) -> bool:
@@ -110,9 +111,9 @@ class Tracer:
             "started": time.time(),
             "versions": _versions(),
             "settings": settings,
-            "notes": dict(self._notes),
-            "groups": dict(RECORDER.groups),
+            "notes": self._notes,
         }
+        self._info = info
         _write_atomic(path / f"rank{rank}.config.json", info)
         # A job's rank starts its timeline afresh (a folder traced twice holds the last run).
         self._file = open(path / f"rank{rank}.trace.jsonl", "w", encoding="utf-8")  # noqa: SIM115
@@ -148,14 +149,11 @@ class Tracer:
 
     def note(self, key: str, value: Any) -> None:
         """Adds ``key: value`` to this rank's settings (compared across ranks by the doctor)."""
-        self._notes[key] = _jsonable(value)
+        self._notes[key] = _jsonable(value)  # (the written settings hold this dict)
         if self.active:
             assert self.directory is not None
-            path = self.directory / f"rank{self.rank}.config.json"
-            with contextlib.suppress(OSError, ValueError):
-                info = json.loads(path.read_text())
-                info["notes"] = dict(self._notes)
-                _write_atomic(path, info)
+            with contextlib.suppress(OSError):
+                _write_atomic(self.directory / f"rank{self.rank}.config.json", self._info)
 
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:
@@ -211,7 +209,7 @@ class Tracer:
         ops = self._running + fresh
         done = [r for r in ops if r[flight.END] is not None]
         self._running = [r for r in ops if r[flight.END] is None]
-        lines = [json.dumps({"k": "op", "r": _plain(r)}) for r in done]
+        lines = [json.dumps({"k": "op", "r": flight.plain(r)}) for r in done]
         lines += [json.dumps(e) for e in events]
         if lines:
             self._file.write("\n".join(lines) + "\n")
@@ -226,42 +224,25 @@ class Tracer:
         for t in threading.enumerate():
             if t.ident is None or t.ident not in frames or t.name == "shardline-trace":
                 continue
-            where = flight.callsite(frames[t.ident])
-            if where is None and t.ident != main:
+            f = flight.program_frame(frames[t.ident])
+            if f is None and t.ident != main:
                 continue  # a thread of a library (the engine's, torch's): not the program's
+            where = None if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
             threads.append({"name": t.name, "main": t.ident == main, "where": where,
-                            "function": _function(frames[t.ident])})  # fmt: skip
+                            "function": None if f is None else f.f_code.co_name})  # fmt: skip
         now = {
             "rank": self.rank,
             "pid": os.getpid(),
-            "host": socket.gethostname(),
+            "host": self._info["host"],
             "time": time.time(),
             "interval": self.interval,
             "state": state,
             "steps": self._steps,
-            "running": [_plain(r) for r in self._running],
+            "running": [flight.plain(r) for r in self._running],
             "groups": dict(RECORDER.groups),
             "threads": threads,
         }
         _write_atomic(self.directory / f"rank{self.rank}.now.json", now)
-
-
-def _function(frame: Any) -> str | None:
-    """The innermost function of the program's code on a stack: ``step`` in ``train.py``."""
-    where = flight.callsite(frame)
-    f = frame
-    while f is not None:
-        if where == f"{f.f_code.co_filename}:{f.f_lineno}":
-            return str(f.f_code.co_name)
-        f = f.f_back
-    return None
-
-
-def _plain(record: list[Any]) -> list[Any]:
-    out = list(record)
-    dtype = out[flight.DTYPE]
-    out[flight.DTYPE] = "" if dtype is None else str(dtype).removeprefix("torch.")
-    return out
 
 
 def _setting(name: str) -> Any:
