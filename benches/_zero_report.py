@@ -26,6 +26,9 @@ RECOMPUTE_IMPLS = ("zero3-sel", "zero2-sel", "fsdp2-sel")
 # (``grouping.default_units``: "blocks" on CUDA): every repeated block one unit, as FSDP2 shards
 # here (``fully_shard`` per block), or layers merged up to ``unit_mb``.
 UNIT_IMPLS = ("zero3-blocks", "zero3-size")
+# Not run by default: deterministic mode (``sl.distribute(..., deterministic=True)``: gradients
+# per sequence, summed in one fixed tree; the same bits at any world size), for its cost.
+DET_IMPLS = ("zero1-det", "zero2-det", "zero3-det")
 MIB = 2**20
 MEM_KEYS = (
     "persistent_bytes",

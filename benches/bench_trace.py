@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -27,26 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _mainjob
 import _report
 
 ROOT = Path(__file__).resolve().parents[1]
-SUMMARY = re.compile(r"summary: \d+ steps, ([\d,]+) tokens/s")
-
-
-def one_run(args: argparse.Namespace, trace: Path | None) -> float:
-    """Tokens/s of one main-job run, traced into ``trace`` or not."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
-    env.pop("SHARDLINE_TRACE", None)
-    if trace is not None:
-        env["SHARDLINE_TRACE"] = str(trace)
-    cmd = [sys.executable, "-m", "shardline", "run", "--nproc-per-node", str(args.nproc),
-           "-m", "shardline.examples.train", "--no-verify", "--steps", str(args.steps),
-           "--strategy", args.strategy, "--device", args.device]  # fmt: skip
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
-    m = SUMMARY.search(out.stdout)
-    if out.returncode != 0 or m is None:
-        raise SystemExit(f"the main job failed (rc {out.returncode}):\n{out.stdout}\n{out.stderr}")
-    return float(m.group(1).replace(",", ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,14 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
-    off: list[float] = []
-    on: list[float] = []
+    os.environ.pop("SHARDLINE_TRACE", None)  # each side says whether it traces
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.pairs):
-            first, second = ("off", "on") if i % 2 == 0 else ("on", "off")
-            for side in (first, second):
-                trace = Path(tmp) / f"trace{i}" if side == "on" else None
-                (on if side == "on" else off).append(one_run(args, trace))
+
+        def run(trace: Path | None) -> float:
+            env = {"SHARDLINE_TRACE": str(trace)} if trace is not None else {}
+            return _mainjob.tokens_per_s(args.nproc, args.steps, args.strategy, args.device,
+                                         env=env)  # fmt: skip
+
+        runs = _mainjob.alternate(
+            args.pairs,
+            {"off": lambda _i: run(None), "on": lambda i: run(Path(tmp) / f"trace{i}")},
+        )
+        off, on = runs["off"], runs["on"]
         t0 = time.perf_counter()
         last = Path(tmp) / f"trace{args.pairs - 1}"
         doctor = subprocess.run(

@@ -70,6 +70,7 @@ from typing import Any
 import _harness
 import _report
 from _zero_report import (
+    DET_IMPLS,
     IMPLS,
     MEM_KEYS,
     MIB,
@@ -82,6 +83,7 @@ from _zero_report import (
     table,
 )
 
+ALL_IMPLS = IMPLS + RECOMPUTE_IMPLS + UNIT_IMPLS + OFFLOAD_IMPLS + DET_IMPLS
 # (d_model, num_layers, num_heads, seq_len, batch_size per rank)
 SIZES = {
     "small": (256, 4, 4, 64, 8),  # 3.2M parameters, for 2 CPU cores
@@ -207,6 +209,9 @@ def build_impl(
             zero_kw = {**zero_kw, "recompute": "selective"}
         else:
             sl.parallel.recompute.recompute_blocks(model, "selective")
+    if name.endswith("-det"):
+        name = name.removesuffix("-det")
+        zero_kw = {**zero_kw, "deterministic": True}
     for rule in ("blocks", "size"):
         if name.endswith(f"-{rule}"):
             name = name.removesuffix(f"-{rule}")
@@ -242,6 +247,12 @@ def build_impl(
             from torch.distributed.fsdp import CPUOffloadPolicy  # noqa: PLC0415
 
             kw["offload_policy"] = CPUOffloadPolicy()
+        if device.type == "cpu":
+            # fully_shard's default mesh is on CUDA wherever CUDA exists: on a host with fewer
+            # GPUs than ranks, ranks past them fail in set_device. A CPU run says CPU.
+            from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+            kw["mesh"] = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
         for block in model.blocks:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
@@ -300,7 +311,7 @@ def worker(args: argparse.Namespace) -> int:
                 data[size].append((win[:, :-1].to(device), win[:, 1:].to(device)))
         return data[size]
 
-    impls = [i for i in IMPLS + RECOMPUTE_IMPLS + UNIT_IMPLS + OFFLOAD_IMPLS if i in args.impls]
+    impls = [i for i in ALL_IMPLS if i in args.impls]
     batch_of = {n: int(args.batch.get(n, batch)) for n in impls}  # "max": set below
 
     # One implementation, timed right after its memory pass, at the size's batch: it is handed
@@ -326,9 +337,11 @@ def worker(args: argparse.Namespace) -> int:
     rows: dict[str, dict[str, Any]] = {i: {} for i in impls}
 
     def failed(name: str, what: str) -> None:
+        # Every rank says so at once: a rank that failed alone leaves the others waiting in
+        # the implementation's next collective, and only its own output names the cause.
         errors[name] = f"{what}: {traceback.format_exc()}"
-        if rank == 0:
-            print(f"[world {world}] {name} failed during {what}:\n{errors[name]}", flush=True)
+        print(f"[world {world}, rank {rank}] {name} failed during {what}:\n{errors[name]}",
+              flush=True)  # fmt: skip
 
     times: dict[str, list[float]] = {}
     losses: dict[str, Any] = {}
@@ -522,7 +535,7 @@ def batch_spec(text: str) -> dict[str, int | str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    _harness.add_subset(p, "--impls", IMPLS + RECOMPUTE_IMPLS + UNIT_IMPLS + OFFLOAD_IMPLS)
+    _harness.add_subset(p, "--impls", ALL_IMPLS)
     p.set_defaults(impls=list(IMPLS))  # the offloads only when asked for
     p.add_argument("--size", default="small", choices=list(SIZES))
     p.add_argument(

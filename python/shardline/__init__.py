@@ -11,8 +11,9 @@ Table of contents:
 - ``symmetric_empty``: a CPU tensor every rank of the host maps, whose all-reduce copies
   nothing through the engine's slots.
 - ``distribute``, ``DistributedDataParallel``, ``ShardedDataParallel`` (ZeRO 1/2/3, FSDP),
-  ``MixedPrecision``: parallel strategies (``shardline.parallel``); ``as_distributed`` picks
-  one by memory, ``estimate_memory`` plans it before anything is allocated;
+  ``MixedPrecision``, ``make_deterministic``: parallel strategies (``shardline.parallel``);
+  ``as_distributed`` picks one by memory, ``estimate_memory`` plans it before anything is
+  allocated;
   ``register_optimizer``: how ZeRO shards an optimizer class it does not know.
 - ``compression``: gradient compression with error feedback (``compression.PowerSGD``,
   ``compression.Int8``, ``compression.TopK``, ...), passed as ``distribute(..., compression=)``;
@@ -76,6 +77,7 @@ from shardline.parallel import (
     clip_grad_norm_,
     distribute,
     estimate_memory,
+    make_deterministic,
     pipeline,
     register_optimizer,
     tensor_parallel,
@@ -123,6 +125,7 @@ __all__ = [
     "init",
     "init_process_group",
     "is_initialized",
+    "make_deterministic",
     "new_group",
     "optim",
     "pipeline",

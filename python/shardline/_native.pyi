@@ -424,3 +424,6 @@ def sgd_step(
         InvalidArgumentError: Buffers of different lengths, shared or misaligned memory, or
             momentum without a buffer.
     """
+
+def tree_sum(parts: Any, out: Any, units: int) -> None:
+    """Sums the ``units`` rows of float32 ``parts`` into ``out`` in the canonical tree."""

@@ -308,6 +308,16 @@ SETTINGS: tuple[Setting, ...] = (
         True,
     ),
     Setting(
+        "SHARDLINE_DETERMINISTIC",
+        "`0`, `1`",
+        "0",
+        "Deterministic mode: gradients summed per sample in one fixed tree over the batch, so "
+        "that one process, DDP and ZeRO-1/2/3 train to the same parameters, bit for bit, at "
+        "any power-of-two world size (`sl.distribute(deterministic=)` decides per call).",
+        _flag,
+        False,
+    ),
+    Setting(
         "SHARDLINE_PROGRESS",
         "`0`, `1`",
         "rank 0, after 2 s",

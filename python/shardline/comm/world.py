@@ -135,6 +135,7 @@ class _Job:
 _lock = threading.Lock()
 _default: ProcessGroup | None = None
 _job: _Job | None = None
+_settings: dict[str, bool | None] = {"deterministic": None}  # init()'s choices for this job
 _elastic: ElasticJob | None = None
 _atexit_registered = False
 
@@ -192,6 +193,7 @@ def init(
     timeout: timedelta | float | None = None,
     *,
     trace: str | os.PathLike[str] | None = None,
+    deterministic: bool | None = None,
 ) -> ProcessGroup:
     """Joins the job described by the environment and creates the default group.
 
@@ -214,6 +216,9 @@ def init(
         trace: A folder where this rank writes its timeline, settings and heartbeat
             (``shardline.trace``; read by ``shardline doctor`` and ``shardline trace merge``).
             ``None`` takes ``SHARDLINE_TRACE``; unset, nothing is traced.
+        deterministic: The default of ``sl.distribute(deterministic=)`` for this job: one
+            process and every power-of-two world size train to the same parameters, bit for
+            bit. ``None`` takes ``SHARDLINE_DETERMINISTIC``.
 
     Returns:
         The default group.
@@ -232,6 +237,7 @@ def init(
                 f"shardline is already initialised on rank {_default.rank}; call "
                 "shardline.shutdown() first"
             )
+        _settings["deterministic"] = deterministic
         named = backend.strip().lower() if backend else config.get("SHARDLINE_BACKEND")
         if named == "mpi":  # MPI has its own rendezvous
             _default = _init_mpi(timeout)
@@ -464,6 +470,15 @@ def default_group() -> ProcessGroup:
     return _default
 
 
+def deterministic_default() -> bool:
+    """Whether ``distribute`` runs in deterministic mode when not told.
+
+    ``init``'s choice, else ``SHARDLINE_DETERMINISTIC``.
+    """
+    chosen = _settings["deterministic"]
+    return bool(config.get("SHARDLINE_DETERMINISTIC")) if chosen is None else chosen
+
+
 def shutdown() -> None:
     """Shuts the default group down (waiting for queued ops) and leaves the job.
 
@@ -479,6 +494,7 @@ def shutdown() -> None:
     with _lock:
         group, _default = _default, None
         job, _job = _job, None
+        _settings["deterministic"] = None
         failures.use_job_store(None)
         if group is None:
             return

@@ -38,6 +38,7 @@ from torch import nn
 import shardline as sl
 from shardline import config
 from shardline.data import DistributedSampler
+from shardline.parallel.deterministic import make_deterministic
 
 __all__ = ["Config", "TinyGPT", "as_sequential", "corpus", "lm_loss", "main"]
 
@@ -107,6 +108,15 @@ class Block(nn.Module):
         return out
 
 
+def positions(idx: torch.Tensor) -> torch.Tensor:
+    """Each sample's positions, ``[batch, n]``.
+
+    One row per sample, so that the position embedding's gradient is summed per sample (what
+    deterministic mode needs) rather than over the batch by autograd.
+    """
+    return torch.arange(idx.shape[1], device=idx.device).expand(idx.shape[0], -1)
+
+
 class TinyGPT(nn.Module):
     """A GPT-style byte-level language model; the output layer shares the embedding."""
 
@@ -126,8 +136,7 @@ class TinyGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-byte cross-entropy of ``idx`` against ``targets``."""
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.blocks(self.tok(idx) + self.pos(pos))
+        x = self.blocks(self.tok(idx) + self.pos(positions(idx)))
         return self.loss_fn(self.head(self.ln(x)), targets)
 
 
@@ -139,7 +148,7 @@ class Embeddings(nn.Module):
         self.tok, self.pos = tok, pos
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        out: torch.Tensor = self.tok(idx) + self.pos(positions(idx))
         return out
 
 
@@ -256,6 +265,7 @@ def single_process_loss(
     microbatches: int = 1,
     pipeline: bool = False,
     tied_first: bool = False,
+    deterministic: bool = False,
 ) -> tuple[float, TinyGPT]:
     """Trains one process on the same global batches, summing gradients as the run did.
 
@@ -268,8 +278,12 @@ def single_process_loss(
     the micro-batches; replicas are averaged, after that sum (``tied_first``: ZeRO's order)
     or before it (DDP's). The order of the sums matters: around a loss spike, rounding
     differences between two equivalent runs can grow a thousandfold within ten steps.
+    ``deterministic``: the model sums in deterministic mode's tree, as the run did (the
+    result is then the run's, bit for bit).
     """
     model = build_model(cfg).to(tokens.device)
+    if deterministic:
+        make_deterministic(model)
     if pipeline:  # the last stage's copy of the tied weight, updated alongside the first's
         model.head.weight = nn.Parameter(model.tok.weight.detach().clone())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -407,6 +421,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         "under 1.1 x that of byte frequencies alone), its gap to one process reported",
     )
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic mode (ddp, zero1-3): gradients summed per sequence in one fixed "
+        "tree, so the run ends with the parameters of one process, bit for bit (verified "
+        "exactly); processes and --batch-size powers of two",
+    )
+    p.add_argument(
         "--no-verify",
         dest="verify",
         action="store_false",
@@ -444,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--pp {stages} does not divide {world_size} processes", file=sys.stderr)
         return 2
     pp = stages > 1 or strategy == "pp"
+    if args.deterministic and (pp or args.tp > 1 or strategy == "auto"):
+        print("--deterministic takes --strategy ddp, zero1, zero2, zero3 or fsdp (no --pp, "
+              "--tp)", file=sys.stderr)  # fmt: skip
+        return 2
     tp = args.tp if group is not None else 1
     if strategy == "pp" and tp > 1:
         stages = world_size // tp  # the ranks of one replica: stages x tp
@@ -503,7 +528,9 @@ def main(argv: list[str] | None = None) -> int:
             hook["compression"] = args.compression
         lossy = f"{args.compression} compression" if args.compression else ""
         lossy = lossy or (f"{args.comm_hook} comm hook" if "comm_hook" in hook else "")
-        model, _ = sl.distribute(model, opt, strategy=strategy, **hook)
+        model, _ = sl.distribute(
+            model, opt, strategy=strategy, deterministic=args.deterministic, **hook
+        )
     batches = rank_batches(n, replica, replicas, cfg, size)
     if rank == 0:
         print(
@@ -574,9 +601,13 @@ def main(argv: list[str] | None = None) -> int:
             tied_first = pp and dp != "ddp" and replicas > 1  # ZeRO's order of the sums
             reference, _ = single_process_loss(tokens, cfg, replicas, probe, size=size,
                                                microbatches=args.microbatches, pipeline=pp,
-                                               tied_first=tied_first)  # fmt: skip
+                                               tied_first=tied_first,
+                                               deterministic=args.deterministic)  # fmt: skip
             diff = abs(reference - final)
-            if lossy:  # another model: did it train (see compressed_verdict)
+            if args.deterministic:
+                ok = reference == final
+                verdict = "the same bits" if ok else "MISMATCH (deterministic mode)"
+            elif lossy:  # another model: did it train (see compressed_verdict)
                 floor = byte_loss(tokens, probe[1], cfg)
                 ok, verdict = compressed_verdict(lossy, final, reference, floor, same)
             else:

@@ -15,6 +15,8 @@
   and loss, sequence parallelism) and ``tensor_parallel``, which rewrites a model's layers.
 - ``replica``: local SGD, DiLoCo, asynchronous SGD, Hogwild; ``recompute``: activation
   recomputation in backward and the activation store across ranks.
+- ``deterministic``: deterministic mode, ``make_deterministic`` (per-sample gradients summed
+  in one fixed tree: the same parameters, bit for bit, at any world size).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from shardline.parallel.clip import clip_grad_norm_
 from shardline.parallel.contract import Box, FlatRange, Local, Shard
 from shardline.parallel.data import DistributedDataParallel, ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import register_optimizer
+from shardline.parallel.deterministic import make_deterministic
 from shardline.parallel.fit import choose_strategy
 from shardline.parallel.pipeline import PipelineModule, pipeline
 from shardline.parallel.planner import MemoryEstimate, estimate_memory
@@ -49,6 +52,7 @@ __all__ = [
     "contract",
     "distribute",
     "estimate_memory",
+    "make_deterministic",
     "pipeline",
     "register_optimizer",
     "tensor_parallel",

@@ -11,13 +11,15 @@ from torch import nn
 from shardline.comm import trace
 from shardline.comm.group import ProcessGroup
 from shardline.comm.mesh import DeviceMesh
-from shardline.comm.world import default_group
+from shardline.comm.tree import tree_group
+from shardline.comm.world import default_group, deterministic_default
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
 from shardline.parallel.compose import compose
 from shardline.parallel.data.ddp import DistributedDataParallel
 from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
+from shardline.parallel.deterministic import make_deterministic
 from shardline.parallel.fit import choose_strategy
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import recompute_blocks
@@ -36,6 +38,7 @@ def distribute(
     group: ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
     recompute: str | None = None,
+    deterministic: bool | None = None,
     **options: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Wraps ``model`` (and ``optimizer``) for data-parallel training on ``group``.
@@ -63,6 +66,12 @@ def distribute(
             activations in backward (``parallel.recompute.recompute_blocks``), for less
             memory per rank at the same results, bit for bit; ``None`` keeps them all. Under
             ZeRO each block is then one unit (``unit_mb`` sizes the rest).
+        deterministic: Train to the same parameters, bit for bit, as one process and as any
+            other power-of-two world size (DDP, ZeRO-1/2/3): gradients are computed per sample
+            and summed in one fixed tree (``shardline.parallel.deterministic``), on this
+            group's ranks too (``shardline.comm.tree.tree_group``). Rank ``r`` must hold
+            samples ``[r*b, (r+1)*b)`` of the global batch, ``b`` a power of two. ``None``
+            takes ``sl.init(deterministic=)``, else ``SHARDLINE_DETERMINISTIC``.
         **options: Passed to the strategy (for DDP: ``bucket_cap_mb``, ``broadcast_buffers``,
             ``comm_hook``, ...; for ZeRO: ``unit_mb``, ``prefetch``, ``mixed_precision``; for
             both: ``compression``, a ``shardline.optim`` compressor or its name).
@@ -78,8 +87,15 @@ def distribute(
     """
     if mesh is None and not isinstance(strategy, dict):  # (before the model changes)
         _check_options(strategies.strategy(strategy).name, options)
+    if deterministic is None:
+        deterministic = deterministic_default()
+    if deterministic:
+        model, group = _deterministic(model, strategy, group, mesh, recompute, options)
     # Compared across ranks by ``shardline doctor`` when the job is traced.
-    trace.note("distribute", {"strategy": strategy, "recompute": recompute, **options})
+    trace.note(
+        "distribute",
+        {"strategy": strategy, "recompute": recompute, "deterministic": deterministic, **options},
+    )
     if recompute is not None:
         recompute_blocks(model, recompute)
     if mesh is not None or isinstance(strategy, dict):
@@ -106,6 +122,35 @@ def distribute(
     if optimizer is not None and callable(bind):  # async: the loop's optimizer pushes and pulls
         return wrapped, bind(optimizer)
     return wrapped, optimizer
+
+
+def _deterministic(
+    model: nn.Module,
+    strategy: str | dict[str, str],
+    group: ProcessGroup | None,
+    mesh: DeviceMesh | None,
+    recompute: str | None,
+    options: dict[str, Any],
+) -> tuple[nn.Module, ProcessGroup]:
+    """The model with per-sample gradients and the group that sums ranks in the same tree."""
+    name = None if mesh is not None or isinstance(strategy, dict) else strategies.strategy(strategy)
+    if name is None or name.name not in _DETERMINISTIC:
+        raise InvalidArgumentError(
+            f"distribute(deterministic=True) covers {', '.join(sorted(_DETERMINISTIC))} so far, "
+            f"not {strategy!r}{' on a mesh' if mesh is not None else ''}; pipeline and tensor "
+            "parallelism sum in orders of their own"
+        )
+    changed = sorted(k for k in ("compression", "comm_hook") if options.get(k) is not None)
+    if changed or recompute is not None:
+        what = ", ".join([*changed, *(["recompute"] if recompute is not None else [])])
+        raise InvalidArgumentError(
+            f"distribute(deterministic=True): {what} changes what is summed or recomputes it "
+            "outside the per-sample gradients; leave it out in deterministic mode"
+        )
+    return make_deterministic(model), tree_group(group if group is not None else default_group())
+
+
+_DETERMINISTIC = frozenset({"ddp", "zero1", "zero2", "zero3", "fsdp"})
 
 
 def _check_options(strategy: str, options: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 //! - [`onebit`]: the 1-bit gradient codec (signs plus a mean magnitude per block), with its
 //!   error feedback fused into the encoding pass.
 //! - [`optim`]: Adam, AdamW and SGD steps over float32 buffers (optimizer state on the CPU).
+//! - [`tree`]: the canonical tree sum of deterministic mode.
 //!
 //! Kernels take little-endian bytes, like [`crate::reduce`], and split their work over a
 //! rayon pool of the size the caller asks for ([`pool`]): the Python layer passes torch's
@@ -10,6 +11,7 @@
 
 pub mod onebit;
 pub mod optim;
+pub mod tree;
 
 use std::sync::{Arc, Mutex};
 

@@ -40,5 +40,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::onebit_decode, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::adam_step, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::sgd_step, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::tree_sum, m)?)?;
     Ok(())
 }

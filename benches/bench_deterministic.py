@@ -1,0 +1,72 @@
+"""What deterministic mode costs the main job: ``--deterministic`` on and off, alternated.
+
+Runs the main job (``shardline run --nproc-per-node N -m shardline.examples.train``, its
+built-in model; ``--no-verify``) ``--pairs`` times per strategy with the default gradient sums
+and with deterministic mode (per-sequence gradients, summed in one fixed tree, on the ranks
+too), alternating, and prints each side's median tokens/s and the cost ``default / det - 1``.
+The bar is 10 %. That the two sides train the same model is the job's own ``verify`` line
+(without ``--no-verify``: the single-process replay, bit for bit) and
+``tests/test_deterministic.py``.
+
+    python benches/bench_deterministic.py                       # 2 processes, ddp and zero3
+    python benches/bench_deterministic.py --nproc 8 --strategies ddp zero1 zero2 zero3
+
+Writes ``benches/results/deterministic-<tag>.{txt,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _mainjob
+import _report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--strategies", nargs="+", default=["ddp", "zero3"])
+    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--tag", default=None)
+    args = p.parse_args(argv)
+    os.environ.pop("SHARDLINE_DETERMINISTIC", None)  # each side says which it is
+    lines = [
+        f"main job: {args.nproc} processes, cpu, {args.steps} steps, {args.pairs} pairs "
+        "alternated per strategy; cost = default / deterministic - 1 (bar 10 %)",
+        f"{'strategy':9} {'default tok/s':>14} {'det tok/s':>12} {'cost':>8}   "
+        "runs (default | det)",
+    ]
+    rows = {}
+    for strategy in args.strategies:
+
+        def run(flags: list[str], strategy: str = strategy) -> float:
+            return _mainjob.tokens_per_s(args.nproc, args.steps, strategy, "cpu", flags=flags)
+
+        got = _mainjob.alternate(
+            args.pairs, {"default": lambda _i: run([]), "det": lambda _i: run(["--deterministic"])}
+        )
+        a, b = statistics.median(got["default"]), statistics.median(got["det"])
+        rows[strategy] = {**got, "cost": a / b - 1}
+        runs = " ".join(f"{x:,.0f}" for x in got["default"]) + " | "
+        runs += " ".join(f"{x:,.0f}" for x in got["det"])
+        lines.append(f"{strategy:9} {a:14,.0f} {b:12,.0f} {a / b - 1:+8.2%}   {runs}")
+    tag = args.tag or f"cpu-{os.cpu_count()}c-{args.nproc}p"
+    _report.publish(
+        _report.RESULTS / f"deterministic-{tag}",
+        _report.header(Path(__file__).name, _report.machine("cpu")),
+        "\n".join(lines),
+        {"args": vars(args), "results": rows},
+        lambda _path: "no plot: a few numbers",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""One forward's per-unit gradients, by parameter, summed in the canonical tree once complete.
+
+Each use of a parameter in a forward (a tied embedding has two) gives, in backward, its
+per-unit gradients as a ``_Use`` that makes them a block of rows at a time. When the last use
+has given, the collector adds the uses' blocks unit by unit (in the order backward gave them)
+and sums the units of each block in the canonical tree (``shardline.comm.tree.tree_sum``).
+A block's size depends on the parameter's shape only, never on the number of units: every
+layout runs the same kernels on the same shapes, so a unit's gradient has the same bits in
+all of them, and the units' blocks stay in cache for the tree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardline.comm.tree import tree_sum
+from shardline.errors import InvalidArgumentError
+
+__all__ = ["Collector", "Dense", "Lookups", "Products"]
+
+# Elements per unit in one block of rows, by device: on CPU 16 units of 65536 fp32 are 4 MiB,
+# on a GPU whole layers' products fit and fewer blocks mean fewer kernel launches.
+BLOCK_ELEMENTS = {"cpu": 1 << 16, "cuda": 1 << 22}
+# Low-precision gradients are summed in float32 and rounded once, as one GEMM's output is.
+_WIDER = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
+class Use:
+    """One use's per-unit gradients of a parameter, ``[units, *shape]``, made by rows."""
+
+    def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of every unit's gradient, added into ``into`` if given."""
+        raise NotImplementedError
+
+
+class Dense(Use):
+    """Per-unit gradients already made (biases, norms: small)."""
+
+    def __init__(self, per_unit: torch.Tensor) -> None:
+        self.per_unit = per_unit
+
+    def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
+        """See ``Use.rows``."""
+        block = self.per_unit[:, start:stop]
+        return block if into is None else into.add_(block)
+
+
+class Products(Use):
+    """A linear layer's weight: unit ``u``'s gradient is ``dys[u].T @ xs[u]``."""
+
+    def __init__(self, dys: torch.Tensor, xs: torch.Tensor) -> None:
+        self.dys, self.xs = dys, xs
+
+    def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
+        """See ``Use.rows``."""
+        block = torch.bmm(self.dys[:, :, start:stop].transpose(1, 2), self.xs)
+        return block if into is None else into.add_(block)
+
+
+class Lookups(Use):
+    """An embedding's weight: each unit's output gradients added onto the rows it read."""
+
+    def __init__(
+        self, units: int, unit: torch.Tensor, idx: torch.Tensor, dy: torch.Tensor, rows: int
+    ) -> None:
+        self.units, self.unit, self.idx, self.dy, self.total = units, unit, idx, dy, rows
+        self._sorted = False
+
+    def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
+        """See ``Use.rows``."""
+        width = self.dy.shape[-1]
+        if into is None:
+            into = self.dy.new_zeros(self.units, stop - start, width)
+        unit, idx, dy = self.unit, self.idx, self.dy
+        if (start, stop) != (0, self.total):
+            if not self._sorted:  # blocks of rows: sorted once, stably, to slice by row
+                self.idx, order = torch.sort(idx, stable=True)
+                self.unit, self.dy, self._sorted = unit[order], dy[order], True
+            bounds = torch.tensor([start, stop], device=idx.device)
+            lo, hi = torch.searchsorted(self.idx, bounds).tolist()
+            unit, idx, dy = self.unit[lo:hi], self.idx[lo:hi], self.dy[lo:hi]
+        # index_add_ adds the gradients of one row in their order (the unit's tokens'),
+        # onto what the parameter's earlier uses gave.
+        into.view(-1, width).index_add_(0, unit * (stop - start) + (idx - start), dy)
+        return into
+
+
+class Collector:
+    """One forward's per-unit gradients, by parameter, until backward has all of them."""
+
+    def __init__(self, units: int, batch: int) -> None:
+        self.units = units
+        self.batch = batch
+        self._uses: dict[int, int] = {}
+        self._given: dict[int, list[Use]] = {}
+        self._params: dict[int, torch.Tensor] = {}
+
+    def use(self, param: torch.Tensor) -> int:
+        """Notes one use of ``param`` in this forward; its key for ``give``."""
+        key = id(param)
+        self._uses[key] = self._uses.get(key, 0) + 1
+        self._params[key] = param  # the id stays this tensor's until its last use has given
+        return key
+
+    def give(self, key: int, use: Use) -> torch.Tensor | None:
+        """Adds one use; once the last has come, the tree sum over units of their total."""
+        left = self._uses[key] - 1
+        if left:
+            self._uses[key] = left
+            self._given.setdefault(key, []).append(use)
+            return None
+        given = self._given.pop(key, None)
+        given = [use] if given is None else [*given, use]
+        param = self._params.pop(key)
+        del self._uses[key]
+        if param.dim() == 0:
+            raise InvalidArgumentError("deterministic mode: a 0-d parameter has no rows to sum")
+        n = param.shape[0]
+        per_unit = BLOCK_ELEMENTS.get(param.device.type, BLOCK_ELEMENTS["cuda"])
+        step = max(1, per_unit * n // max(1, param.numel()))
+        wide = _WIDER.get(param.dtype)
+        if step >= n:
+            grad = tree_sum(_total(given, 0, n, wide), fresh=True)
+            return grad if wide is None else grad.to(param.dtype)
+        grad = param.new_empty(param.shape)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            grad[start:stop] = tree_sum(_total(given, start, stop, wide), fresh=True)
+        return grad
+
+
+def _total(given: list[Use], start: int, stop: int, wide: torch.dtype | None) -> torch.Tensor:
+    block: torch.Tensor | None = None
+    for use in given:
+        if wide is None:
+            block = use.rows(start, stop, block)
+        else:  # each use's low-precision block, widened before it is added
+            part = use.rows(start, stop, None).to(wide)
+            block = part if block is None else block.add_(part)
+    assert block is not None
+    return block
