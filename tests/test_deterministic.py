@@ -188,3 +188,34 @@ def test_what_it_does_not_cover_is_refused_before_any_work() -> None:
         sl.distribute(model, strategy="local_sgd", deterministic=True)
     with pytest.raises(InvalidArgumentError, match="compression"):
         sl.distribute(model, strategy="ddp", deterministic=True, compression="int8")
+
+
+def test_a_copy_of_a_prepared_model_is_prepared_and_its_own() -> None:
+    model = make_deterministic(copy.deepcopy(pristine()))
+    twin = copy.deepcopy(model)
+    x, y = batches()[0]
+    twin(x, y).backward()
+    assert all(p.grad is None for p in model.parameters())  # the copy ran itself
+    model(x, y).backward()
+    pairs = zip(model.parameters(), twin.parameters(), strict=True)
+    assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
+    with pytest.raises(InvalidArgumentError, match="prepared with unit=1, not 2"):
+        make_deterministic(model, unit=2)
+
+
+def test_a_shared_weight_whose_uses_backward_does_not_all_reach_is_refused() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+            self.out = nn.Linear(4, 8, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            h = self.emb(idx)
+            self.out(h)  # a use whose output the loss ignores
+            return h.sum()
+
+    model = make_deterministic(Tied())
+    with pytest.raises(InvalidArgumentError, match="reached only some uses of 1 parameter"):
+        model(torch.randint(0, 8, (2, 3))).backward()

@@ -425,5 +425,8 @@ def sgd_step(
             momentum without a buffer.
     """
 
-def tree_sum(parts: Any, out: Any, units: int) -> None:
-    """Sums the ``units`` rows of float32 ``parts`` into ``out`` in the canonical tree."""
+def tree_sum(parts: Any, out: Any, units: int, threads: int = 1) -> None:
+    """Sums the ``units`` rows of float32 ``parts`` into ``out`` in the canonical tree.
+
+    On ``threads`` threads; the bits are the same for any number.
+    """

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["tree_group", "tree_sum"]
 
 _SUMS = ("sum", "avg")
+_THREADED = 1 << 16  # elements per row from which the engine's kernel sums on torch's threads
 
 
 def tree_sum(parts: torch.Tensor, *, fresh: bool = False) -> torch.Tensor:
@@ -53,7 +54,9 @@ def tree_sum(parts: torch.Tensor, *, fresh: bool = False) -> torch.Tensor:
     if parts.dtype == torch.float32 and parts.device.type == "cpu":
         # The engine's kernel adds in the same tree, in one pass with the rows in cache.
         out = torch.empty(parts.shape[1:], dtype=torch.float32)
-        _native.tree_sum(parts if parts.is_contiguous() else parts.contiguous(), out, n)
+        rows = parts if parts.is_contiguous() else parts.contiguous()
+        threads = torch.get_num_threads() if out.numel() >= _THREADED else 1
+        _native.tree_sum(rows, out, n, threads)
         return out
     return _torch_tree(parts)
 

@@ -9,13 +9,20 @@
 //! this is its one-pass form for CPU float32: the rows of a few columns at a time are summed
 //! in cache.
 
+use rayon::prelude::*;
+
 use crate::error::{Error, Result};
 
 /// Columns summed together: `units * COLUMNS` floats stay in the first-level cache.
 const COLUMNS: usize = 256;
 
 /// Sums the `units` rows of `parts` (row-major, `units * out.len()` values) into `out`.
-pub fn tree_sum(parts: &[f32], units: usize, out: &mut [f32]) -> Result<()> {
+///
+/// Columns are independent: with `parallel`, the threads of the pool this runs in
+/// ([`crate::kernels::run`]) each take their own runs of them; the bits do not depend on how
+/// many threads there are. Without it everything runs on the caller's thread (never on
+/// rayon's global pool, whose threads would compete with the other ranks on the machine).
+pub fn tree_sum(parts: &[f32], units: usize, out: &mut [f32], parallel: bool) -> Result<()> {
     let n = out.len();
     if units == 0 || parts.len() != units * n {
         return Err(Error::invalid(format!(
@@ -23,19 +30,33 @@ pub fn tree_sum(parts: &[f32], units: usize, out: &mut [f32]) -> Result<()> {
             parts.len()
         )));
     }
-    let mut scratch = vec![0f32; units * COLUMNS.min(n.max(1))];
-    let mut start = 0;
-    while start < n {
-        let width = COLUMNS.min(n - start);
+    if !parallel {
+        sum_columns(parts, units, n, 0, out);
+        return Ok(());
+    }
+    // Runs of columns big enough to be worth a task.
+    let run = (COLUMNS * 16).max(n.div_ceil(rayon::current_num_threads().max(1)));
+    out.par_chunks_mut(run).enumerate().for_each(|(i, piece)| {
+        sum_columns(parts, units, n, i * run, piece);
+    });
+    Ok(())
+}
+
+/// Columns `first..first + out.len()` of the tree sum, `COLUMNS` at a time in cache.
+fn sum_columns(parts: &[f32], units: usize, n: usize, first: usize, out: &mut [f32]) {
+    let mut scratch = vec![0f32; units * COLUMNS.min(out.len().max(1))];
+    let mut done = 0;
+    while done < out.len() {
+        let width = COLUMNS.min(out.len() - done);
+        let start = first + done;
         for u in 0..units {
             scratch[u * width..(u + 1) * width]
                 .copy_from_slice(&parts[u * n + start..u * n + start + width]);
         }
         let root = reduce(&mut scratch[..units * width], width, 0, units);
-        out[start..start + width].copy_from_slice(&scratch[root * width..(root + 1) * width]);
-        start += width;
+        out[done..done + width].copy_from_slice(&scratch[root * width..(root + 1) * width]);
+        done += width;
     }
-    Ok(())
 }
 
 /// Sums rows `lo..hi` of `rows` (each `width` long) in place; the row that holds the sum.
@@ -88,7 +109,7 @@ mod tests {
                     .collect();
                 let flat: Vec<f32> = rows.concat();
                 let mut out = vec![0f32; n];
-                tree_sum(&flat, units, &mut out).unwrap();
+                tree_sum(&flat, units, &mut out, false).unwrap();
                 let want = reference(&rows);
                 assert!(out
                     .iter()
@@ -109,18 +130,19 @@ mod tests {
             })
             .collect();
         let mut whole = vec![0f32; n];
-        tree_sum(&flat, b * w, &mut whole).unwrap();
+        tree_sum(&flat, b * w, &mut whole, false).unwrap();
         let mut blocks = vec![0f32; w * n];
         for r in 0..w {
             tree_sum(
                 &flat[r * b * n..(r + 1) * b * n],
                 b,
                 &mut blocks[r * n..(r + 1) * n],
+                false,
             )
             .unwrap();
         }
         let mut twice = vec![0f32; n];
-        tree_sum(&blocks, w, &mut twice).unwrap();
+        tree_sum(&blocks, w, &mut twice, false).unwrap();
         assert!(whole
             .iter()
             .zip(&twice)
@@ -128,9 +150,25 @@ mod tests {
     }
 
     #[test]
+    fn threads_give_the_same_bits() {
+        let (units, n) = (16usize, 100_000usize);
+        let flat: Vec<f32> = (0..units)
+            .flat_map(|u| test_values(n, u as u32 + 11))
+            .collect();
+        let mut one = vec![0f32; n];
+        tree_sum(&flat, units, &mut one, false).unwrap();
+        let mut four = vec![0f32; n];
+        crate::kernels::run(4, || tree_sum(&flat, units, &mut four, true)).unwrap();
+        assert!(one
+            .iter()
+            .zip(&four)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
+    #[test]
     fn a_wrong_size_is_refused() {
         let mut out = vec![0f32; 3];
-        assert!(tree_sum(&[0.0; 7], 2, &mut out).is_err());
-        assert!(tree_sum(&[], 0, &mut out).is_err());
+        assert!(tree_sum(&[0.0; 7], 2, &mut out, false).is_err());
+        assert!(tree_sum(&[], 0, &mut out, true).is_err());
     }
 }

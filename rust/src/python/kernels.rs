@@ -130,20 +130,28 @@ fn f32s_ro<'a>(bytes: &'a [u8], what: &str) -> PyResult<&'a [f32]> {
 }
 
 /// Sums the `units` rows of float32 `parts` (contiguous, `units * out.numel()` values) into
-/// `out` in the canonical tree (see `kernels::tree`).
+/// `out` in the canonical tree (see `kernels::tree`), on `threads` threads.
 #[pyfunction]
+#[pyo3(signature = (parts, out, units, threads=1))]
 pub fn tree_sum(
     py: Python<'_>,
     parts: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
     units: usize,
+    threads: usize,
 ) -> PyResult<()> {
     let p = hold(parts, false, "parts")?;
     let mut o = hold(out, true, "out")?;
     let (pb, ob) = (bytes_of(&p), bytes_of_mut(&mut o));
     disjoint(pb, ob, "parts and out")?;
     let (p, o) = (f32s_ro(pb, "parts")?, f32s(ob, "out")?);
-    py.detach(|| kernels::tree::tree_sum(p, units, o)).py_err()
+    if threads <= 1 {
+        return py
+            .detach(|| kernels::tree::tree_sum(p, units, o, false))
+            .py_err();
+    }
+    py.detach(|| kernels::run(threads, || kernels::tree::tree_sum(p, units, o, true)))
+        .py_err()
 }
 
 /// One Adam (or, with `decoupled`, AdamW) step of float32 `param` with `grad`, its moments

@@ -56,17 +56,24 @@ def make_deterministic(model: nn.Module, *, unit: int = 1) -> nn.Module:
     Train it as before, alone or under ``sl.distribute(..., deterministic=True)``, which calls
     this and reduces over ranks in the same tree. Larger units cost less (fewer per-unit
     gradients) and allow fewer layouts: every rank needs a power-of-two number of units.
+    The prepared model can be copied (``copy.deepcopy``): the copy is prepared too.
 
     Returns:
         ``model`` itself.
 
     Raises:
         InvalidArgumentError: a trainable parameter that belongs to another kind of layer
-            (named), an unsupported embedding option, or ``unit < 1``.
+            (named), an unsupported embedding option, ``unit < 1``, or a model prepared
+            before with another unit.
     """
     if unit < 1:
         raise InvalidArgumentError(f"make_deterministic: unit must be >= 1, got {unit}")
     if is_deterministic(model):
+        if getattr(model, _ATTR) != unit:
+            raise InvalidArgumentError(
+                f"make_deterministic: the model was prepared with unit={getattr(model, _ATTR)}, "
+                f"not {unit}; build a fresh model to change it"
+            )
         return model
     for name, m in model.named_modules():
         own = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad]
@@ -82,31 +89,37 @@ def make_deterministic(model: nn.Module, *, unit: int = 1) -> nn.Module:
             )
         check_layer(name, m)
         m._sl_name = name
-        m.forward = types.MethodType(LAYERS[kind], m)
-    plain = model.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if first is None or first.dim() == 0:
-            raise InvalidArgumentError(
-                "deterministic mode: the model's forward needs a tensor argument whose first "
-                "dimension is the batch"
-            )
-        batch = first.shape[0]
-        units, rest = divmod(batch, unit)
-        if rest or units & (units - 1):
-            raise InvalidArgumentError(
-                f"deterministic mode: a batch of {batch} samples is not a power-of-two number "
-                f"of units of {unit}; each rank (and each micro-batch) needs 2**k units so "
-                "that its sum is a subtree of the whole batch's"
-            )
-        previous = getattr(ACTIVE, "collector", None)
-        ACTIVE.collector = Collector(units, batch)
-        try:
-            return plain(*args, **kwargs)
-        finally:
-            ACTIVE.collector = previous
-
-    model.forward = forward
+        if m is not model:  # the root's forward is the batch's, below (it calls its layer's)
+            m.forward = types.MethodType(LAYERS[kind], m)
     setattr(model, _ATTR, unit)
+    # A bound method, not a closure: a deep copy of the model rebinds it to the copy.
+    model.forward = types.MethodType(_forward, model)
     return model
+
+
+def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The prepared model's forward: a collector for this batch, then the model's own."""
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        raise InvalidArgumentError(
+            "deterministic mode: the model's forward needs a tensor argument whose first "
+            "dimension is the batch"
+        )
+    unit: int = getattr(self, _ATTR)
+    batch = first.shape[0]
+    units, rest = divmod(batch, unit)
+    if rest or units < 1 or units & (units - 1):
+        raise InvalidArgumentError(
+            f"deterministic mode: a batch of {batch} samples is not a power-of-two number "
+            f"of units of {unit}; each rank (and each micro-batch) needs 2**k units so that "
+            "its sum is a subtree of the whole batch's"
+        )
+    own = LAYERS.get(type(self))  # the model is itself one layer
+    previous = getattr(ACTIVE, "collector", None)
+    ACTIVE.collector = Collector(units, batch)
+    try:
+        if own is not None:
+            return own(self, *args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        ACTIVE.collector = previous

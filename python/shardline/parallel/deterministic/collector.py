@@ -107,6 +107,8 @@ class Collector:
         left = self._uses[key] - 1
         if left:
             self._uses[key] = left
+            if not self._given:  # the first held parameter of this backward
+                torch.autograd.Variable._execution_engine.queue_callback(self._check_complete)
             self._given.setdefault(key, []).append(use)
             return None
         given = self._given.pop(key, None)
@@ -127,6 +129,19 @@ class Collector:
             stop = min(n, start + step)
             grad[start:stop] = tree_sum(_total(given, start, stop, wide), fresh=True)
         return grad
+
+
+    def _check_complete(self) -> None:
+        """At the end of backward: no parameter may be left with some of its uses given."""
+        held = [self._params[k] for k in self._given]
+        if held:
+            shapes = ", ".join(str(list(p.shape)) for p in held[:4])
+            raise InvalidArgumentError(
+                f"deterministic mode: backward reached only some uses of {len(held)} "
+                f"parameter(s) used several times in the forward (shapes {shapes}); their "
+                "gradient is the sum over all uses, so it was not made. Let the loss depend "
+                "on every use, or detach the uses it does not need"
+            )
 
 
 def _total(given: list[Use], start: int, stop: int, wide: torch.dtype | None) -> torch.Tensor:
