@@ -130,7 +130,6 @@ class Collector:
             grad[start:stop] = tree_sum(_total(given, start, stop, wide), fresh=True)
         return grad
 
-
     def _check_complete(self) -> None:
         """At the end of backward: no parameter may be left with some of its uses given."""
         held = [self._params[k] for k in self._given]
