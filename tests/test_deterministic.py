@@ -19,7 +19,7 @@ import shardline as sl
 from shardline.comm.tree import tree_group, tree_sum
 from shardline.errors import InvalidArgumentError
 from shardline.examples.train import Config, TinyGPT, corpus
-from shardline.parallel.deterministic import make_deterministic
+from shardline.parallel.deterministic import is_deterministic, make_deterministic
 from tests._ranks import built_once, run_ranks, seeded
 
 pytestmark = pytest.mark.timeout(180)
@@ -219,3 +219,26 @@ def test_a_shared_weight_whose_uses_backward_does_not_all_reach_is_refused() -> 
     model = make_deterministic(Tied())
     with pytest.raises(InvalidArgumentError, match="reached only some uses of 1 parameter"):
         model(torch.randint(0, 8, (2, 3))).backward()
+
+
+def test_shutting_a_tree_group_down_leaves_its_group_working() -> None:
+    def body(g: sl.ProcessGroup) -> float:
+        tree_group(g).shutdown()
+        t = torch.ones(3)
+        g.all_reduce(t)
+        return float(t[0])
+
+    assert run_ranks(3, body) == [3.0, 3.0, 3.0]
+
+
+def test_the_setting_makes_it_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDLINE_DETERMINISTIC", "1")
+
+    def body(g: sl.ProcessGroup) -> tuple[bool, bool]:
+        on, _ = sl.distribute(copy.deepcopy(pristine()), strategy="ddp", group=g)
+        off, _ = sl.distribute(
+            copy.deepcopy(pristine()), strategy="ddp", group=g, deterministic=False
+        )
+        return is_deterministic(on.module), is_deterministic(off.module)
+
+    assert run_ranks(2, body) == [(True, False), (True, False)]

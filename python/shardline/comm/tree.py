@@ -108,8 +108,9 @@ class TreeBackend:
 
     completes_blocking_ops = False  # every handle here is waited on
 
-    def __init__(self, inner: Backend) -> None:
+    def __init__(self, inner: Backend, *, owns: bool = False) -> None:
         self._inner = inner
+        self._owns = owns  # a sub-group's transport is its own; a tree group's is its parent's
         self.group_name = f"{getattr(inner, 'group_name', 'world')}+tree"
 
     def __getattr__(self, name: str) -> Any:
@@ -203,7 +204,12 @@ class TreeBackend:
         kw: dict[str, Any] = {"overlap_compute": overlap_compute}
         if timeout is not None:
             kw["timeout"] = timeout
-        return TreeBackend(self._inner.subgroup(name, ranks, **kw))
+        return TreeBackend(self._inner.subgroup(name, ranks, **kw), owns=True)
+
+    def close(self) -> None:
+        """Closes the transport if it is this group's own (not the group it was made from)."""
+        if self._owns:
+            self._inner.close()
 
 
 def tree_group(group: ProcessGroup) -> ProcessGroup:

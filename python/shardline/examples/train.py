@@ -457,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     probe = get_batch(tokens, list(range(n - cfg.batch_size, n)), cfg)  # same on every rank
 
     model: nn.Module = build_model(cfg).to(device)
+    if args.deterministic and group is None:  # one process: the same sums, no group to wrap
+        make_deterministic(model)
     num_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     strategy = args.strategy if group is not None else "none"

@@ -66,12 +66,14 @@ def distribute(
             activations in backward (``parallel.recompute.recompute_blocks``), for less
             memory per rank at the same results, bit for bit; ``None`` keeps them all. Under
             ZeRO each block is then one unit (``unit_mb`` sizes the rest).
-        deterministic: Train to the same parameters, bit for bit, as one process and as any
-            other power-of-two world size (DDP, ZeRO-1/2/3): gradients are computed per sample
-            and summed in one fixed tree (``shardline.parallel.deterministic``), on this
-            group's ranks too (``shardline.comm.tree.tree_group``). Rank ``r`` must hold
-            samples ``[r*b, (r+1)*b)`` of the global batch, ``b`` a power of two. ``None``
-            takes ``sl.init(deterministic=)``, else ``SHARDLINE_DETERMINISTIC``.
+        deterministic: Train to the same parameters, bit for bit, at every world size that
+            gives each rank a power-of-two block of the global batch, and as one process
+            when the whole batch is a power of two (DDP, ZeRO-1/2/3, float32 on CPU):
+            gradients are computed per sample and summed in one fixed tree
+            (``shardline.parallel.deterministic``), on this group's ranks too
+            (``shardline.comm.tree.tree_group``). Rank ``r`` must hold samples
+            ``[r*b, (r+1)*b)`` of the global batch. ``None`` takes
+            ``sl.init(deterministic=)``, else ``SHARDLINE_DETERMINISTIC``.
         **options: Passed to the strategy (for DDP: ``bucket_cap_mb``, ``broadcast_buffers``,
             ``comm_hook``, ...; for ZeRO: ``unit_mb``, ``prefetch``, ``mixed_precision``; for
             both: ``compression``, a ``shardline.optim`` compressor or its name).
@@ -146,6 +148,15 @@ def _deterministic(
         raise InvalidArgumentError(
             f"distribute(deterministic=True): {what} changes what is summed or recomputes it "
             "outside the per-sample gradients; leave it out in deterministic mode"
+        )
+    precision = options.get("mixed_precision")
+    low = (torch.float16, torch.bfloat16)
+    if precision is not None and getattr(precision, "param_dtype", None) in low:
+        _log.warning(
+            "distribute(deterministic=True) with %s compute: each rank's gradient sum is "
+            "rounded to it before the ranks' sum, so the bits depend on the world size (the "
+            "order of every sum is still fixed); compute in float32 for the same bits",
+            precision.param_dtype,
         )
     return make_deterministic(model), tree_group(group if group is not None else default_group())
 
