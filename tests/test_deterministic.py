@@ -242,3 +242,23 @@ def test_the_setting_makes_it_the_default(monkeypatch: pytest.MonkeyPatch) -> No
         return is_deterministic(on.module), is_deterministic(off.module)
 
     assert run_ranks(2, body) == [(True, False), (True, False)]
+
+
+def _by_definition(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The canonical tree, node by node: left the largest power of two below n, then the rest."""
+    if len(rows) == 1:
+        return rows[0]
+    left = 1 << ((len(rows) - 1).bit_length() - 1)
+    return _by_definition(rows[:left]) + _by_definition(rows[left:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 12, 16])
+def test_tree_sum_adds_in_the_canonical_tree(dtype: torch.dtype, n: int) -> None:
+    """Both paths (the engine's kernel for CPU float32, torch ops for the rest) against the
+    definition, on values whose sum depends on the order of the additions."""
+    gen = torch.Generator().manual_seed(n)
+    rows = torch.randn(n, 300, generator=gen, dtype=torch.float64)
+    rows *= torch.exp2(torch.randint(-12, 12, (n, 300), generator=gen).double())
+    rows = rows.to(dtype)
+    assert torch.equal(tree_sum(rows), _by_definition(list(rows)))
