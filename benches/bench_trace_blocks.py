@@ -15,6 +15,7 @@ Writes ``benches/results/trace-blocks-<tag>.{txt,json}``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -29,6 +30,7 @@ import torch
 from bench_zero import SIZES
 
 import shardline as sl
+from shardline.comm.trace import device as device_times
 from shardline.comm.trace.recorder import TRACER
 from shardline.examples.train import Config, TinyGPT
 
@@ -47,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(k, v)
     os.environ.pop("SHARDLINE_TRACE", None)  # the blocks say when it traces
     cuda = args.device == "cuda"
+    if cuda:
+        # What ``sl.init(trace=...)`` does for its NCCL groups, here for the whole run (the
+        # tracer comes and goes between blocks): NCCL records a start event per op, so both
+        # sides carry that one event record; the "on" blocks add our event and the reading.
+        device_times.enable_nccl_timing()
     group = sl.init(backend="nccl" if cuda else "native")
     d_model, layers, heads, seq_len, batch = SIZES[args.size]
     cfg = Config(d_model=d_model, num_layers=layers, num_heads=heads, seq_len=seq_len)
@@ -87,22 +94,28 @@ def main(argv: list[str] | None = None) -> int:
                 if side == "on":
                     TRACER.stop()
         with open(f"{tmp}/t/rank0.trace.jsonl") as f:
-            records = sum(1 for _ in f)
+            written = [json.loads(line) for line in f]
+    records = len(written)
+    on_gpu = sum(1 for e in written if "d" in e)
     sl.shutdown()
     a, b = statistics.median(res["off"]), statistics.median(res["on"])
+    # Each block against the other side's block beside it: drift between pairs cancels.
+    paired = statistics.median(on / off - 1 for on, off in zip(res["on"], res["off"], strict=True))
     lines = [
         f"zero3, 1 process, {args.device}, {args.size} GPT {args.dtype}, {args.blocks} blocks of "
         f"{args.steps} steps per side, alternated",
         f"tracing off: {a:.2f} ms/step (median; blocks {[round(v, 2) for v in res['off']]})",
         f"tracing on:  {b:.2f} ms/step (median; blocks {[round(v, 2) for v in res['on']]})",
-        f"overhead: {b / a - 1:+.2%} (on / off - 1; bar 1 %); {records} timeline lines written",
+        f"overhead: {b / a - 1:+.2%} (on / off - 1; bar 1 %); median of the pairs' ratios "
+        f"{paired:+.2%}",
+        f"{records} timeline lines written in the last block, {on_gpu} ops with GPU times",
     ]
     tag = args.tag or f"{args.device}-{args.size}-{args.dtype}"
     _report.publish(
         _report.RESULTS / f"trace-blocks-{tag}",
         _report.header(Path(__file__).name, _report.machine(args.device)),
         "\n".join(lines),
-        {"args": vars(args), **res, "overhead": b / a - 1},
+        {"args": vars(args), **res, "overhead": b / a - 1, "paired_overhead": paired},
         lambda _path: "no plot: two numbers",
     )
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 
 from shardline.comm import flight
 from shardline.comm.flight import RECORDER
-from shardline.comm.trace import doctor, merge
+from shardline.comm.trace import device, doctor, folder, merge
 from shardline.comm.trace.recorder import Tracer
 from shardline.errors import InvalidArgumentError
 
@@ -125,3 +126,126 @@ def test_a_folder_without_traces_and_a_corrupt_file_are_errors(tmp_path: Path) -
     (tmp_path / "rank0.config.json").write_text("{not json")
     with pytest.raises(InvalidArgumentError, match=r"rank0\.config\.json is not a shardline"):
         doctor.examine(tmp_path)
+
+
+# -- device times (NCCL ops, CUDA events): the bookkeeping, with stand-in events -----------------
+
+
+class _Event:
+    """A CUDA event's stand-in: ``at`` is its device time (seconds), ``None`` until then."""
+
+    def __init__(self, at: float | None) -> None:
+        self.at = at
+
+    def elapsed_time(self, end: _Event) -> float:
+        if self.at is None or end.at is None:
+            raise RuntimeError("not completed")
+        return (end.at - self.at) * 1e3
+
+
+class _Work:
+    """A torch ``Work``'s stand-in: NCCL's timing of it (``ms``), once it completed."""
+
+    def __init__(self, ms: float | None = None) -> None:
+        self.ms = ms
+
+    def _get_duration(self) -> float:
+        if self.ms is None:
+            raise RuntimeError("not completed")
+        return self.ms
+
+
+class _Clock:
+    def __init__(self, device: int) -> None:
+        self.offset = 1000.0 * (device + 1)  # device time 0 is wall time 1000 (GPU 0)
+
+    def wall_of(self, event: _Event) -> float:
+        assert event.at is not None
+        return self.offset + event.at
+
+
+def _timed(chain: str, at: float, work: _Work, queued: float | None = None) -> device.OpTiming:
+    """An asynchronous op of group ``chain``, queued when the caller's stream was at ``at``."""
+    when = time.time() if queued is None else queued
+    return device.OpTiming(0, chain, _Event(at), None, work, when)
+
+
+def test_device_times_chain_an_async_groups_ops_and_bracket_blocking_ones() -> None:
+    times = device.DeviceTimes(clock=_Clock)
+    a, b, c, blocking = ([] for _ in range(4))  # records: identity is all that matters
+    w_a, w_b, w_c = _Work(), _Work(), _Work()
+    times.add(a, _timed("g", 1.0, w_a))  # queued when the caller's stream reached 1.0
+    times.add(b, _timed("g", 1.5, w_b))  # queued before a ended: runs after it
+    times.add(c, _timed("h", 2.0, w_c))  # another group: its own stream
+    end = _Event(None)  # on the caller's stream, between two events
+    times.add(blocking, device.OpTiming(0, None, _Event(3.0), end, None, time.time()))
+    times.resolve()
+    assert all(times.waiting(r) for r in (a, b, c, blocking))
+    w_b.ms = 100.0  # b is done before a is read: still waits, in a's chain
+    w_c.ms, end.at = 250.0, 3.4
+    times.resolve()
+    assert times.waiting(a) and times.waiting(b) and not times.waiting(c)
+    assert times.pop(c) == (1002.0, 1002.25)
+    assert times.pop(blocking) == pytest.approx((1003.0, 1003.4))
+    w_a.ms = 800.0
+    times.resolve()
+    assert times.pop(a) == (1001.0, 1001.8)
+    assert times.pop(b) == pytest.approx((1001.8, 1001.9))  # after a, not at its queuing
+    assert times.pop(b) is None and not times.waiting(b)  # once
+
+
+def test_device_times_give_up_on_an_op_that_never_ends() -> None:
+    times = device.DeviceTimes(clock=_Clock)
+    stuck, after = [], []
+    times.add(stuck, _timed("g", 1.0, _Work(), queued=10.0))
+    times.add(after, _timed("g", 2.0, _Work(5.0), queued=10.0))
+    times.resolve(now=10.0 + device.GIVE_UP_S / 2)
+    assert times.waiting(stuck) and times.waiting(after)  # held behind the stuck one
+    times.resolve(now=10.0 + device.GIVE_UP_S + 1)
+    assert not times.waiting(stuck) and times.pop(stuck) is None
+    assert times.pop(after) == (1002.0, 1002.005)
+    times.finish(wait=0.0)  # nothing left: returns at once
+
+
+def test_an_op_timed_on_its_gpu_is_written_once_the_gpu_is_past_it(
+    tracer: Tracer, tmp_path: Path
+) -> None:
+    tracer.device = device.DeviceTimes(clock=_Clock)
+    RECORDER.device_sink = tracer.device.add
+    record = RECORDER.start("world", 0, "all_reduce", 8, torch.float32, None)
+    work = _Work()
+    RECORDER.timed(record, type("Handle", (), {"timing": _timed("world", 5.0, work)}))
+    RECORDER.finish(record)  # queued and returned on the host; the GPU is not there yet
+    tracer.flush()
+    assert not (tmp_path / "rank0.trace.jsonl").read_text()
+    now = json.loads((tmp_path / "rank0.now.json").read_text())
+    assert [o[flight.OP] for o in now["running"]] == ["all_reduce"]  # shown, ended on the host
+    work.ms = 20.0
+    tracer.flush()
+    (line,) = [json.loads(x) for x in (tmp_path / "rank0.trace.jsonl").read_text().splitlines()]
+    assert line["d"] == pytest.approx([1005.0, 1005.02])
+    ops = folder.load(tmp_path)[0].ops
+    assert folder.device_span(ops[0]) == pytest.approx((1005.0, 1005.02))
+    gpu = [e for e in merge.chrome_trace(tmp_path)["traceEvents"] if e.get("cat") == "gpu"]
+    assert [(e["tid"], e["name"], e["dur"]) for e in gpu] == [
+        ("gpu comm world", "all_reduce #0", pytest.approx(20000.0))
+    ]
+
+
+def test_the_straggler_check_reads_gpu_ops_at_their_device_times(tmp_path: Path) -> None:
+    """On GPUs the host queues a collective long before it runs: the host times of every rank
+    look alike, and only the device times show which rank's compute is slower."""
+    steps = [100.0 + 0.1 * k for k in range(25)]
+    for r in range(3):
+        _rank(tmp_path, r, {}, steps, 0.02)  # the same host times on every rank
+        gaps = 0.02 if r != 1 else 0.03  # rank 1 computes 10 ms longer per step on its GPU
+        lines = []
+        for line in (tmp_path / f"rank{r}.trace.jsonl").read_text().splitlines():
+            event = json.loads(line)
+            if event["k"] == "op":
+                t1 = event["r"][flight.END] + 0.001
+                event["d"] = [t1 - 0.1 + gaps, t1 - 0.001]
+            lines.append(json.dumps(event) + "\n")
+        (tmp_path / f"rank{r}.trace.jsonl").write_text("".join(lines))
+    rep = doctor.examine(tmp_path)
+    assert rep.culprits("straggler") == {1}, rep.text()

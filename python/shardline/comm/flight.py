@@ -63,6 +63,8 @@ class FlightRecorder:
         self.groups: dict[str, list[int]] = {}  # every group's members, by global rank
         # A tracer's list (``shardline.comm.trace``): every record also goes there, with its caller.
         self.sink: list[list[Any]] | None = None
+        # The tracer's taker of an op's GPU timing (``shardline.comm.trace.device``).
+        self.device_sink: Any = None
         self._lock = threading.RLock()  # a SIGUSR1 may arrive while this thread dumps
 
     @property
@@ -104,6 +106,12 @@ class FlightRecorder:
         if record is not None and record[END] is None:
             record[END] = time.time()
             record[STATE] = "done" if error is None else type(error).__name__
+
+    def timed(self, record: list[Any] | None, handle: Any) -> None:
+        """Hands the tracer the GPU timing of ``record``'s op, where its handle has one."""
+        timing = getattr(handle, "timing", None)
+        if timing is not None and record is not None and self.device_sink is not None:
+            self.device_sink(record, timing)
 
     def records(self) -> list[list[Any]]:
         """A copy of the records, oldest first (dtypes as text: ``"float32"``)."""

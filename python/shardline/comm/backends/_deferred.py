@@ -52,9 +52,14 @@ class Deferred:
         keep: Buffers the library reads or writes, kept alive until the op was waited for.
         source: For a receive, ``source(works)`` gives the rank its message came from, read
             once the op is done.
+
+    ``timing`` is the op's ``shardline.comm.trace.device.OpTiming`` where a backend times it
+    on its GPU for a tracer, else ``None``.
     """
 
-    __slots__ = ("_after", "_keep", "_source", "_test", "_translate", "_wait", "_works", "source")
+    __slots__ = (
+        "_after", "_keep", "_source", "_test", "_translate", "_wait", "_works", "source", "timing",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -75,6 +80,8 @@ class Deferred:
         self._after = after
         self._translate = translate
         self._keep: tuple[object, ...] | None = keep
+        # The op's timing on its GPU, set by a backend while a tracer listens.
+        self.timing: Any = None
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until the op is done and ``after`` ran; raises the op's error."""

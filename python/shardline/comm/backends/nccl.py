@@ -18,6 +18,7 @@ serialisation (``TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING=false`` hi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
@@ -36,7 +37,9 @@ from shardline.comm.backends._common import (
     scatter_args,
 )
 from shardline.comm.backends._deferred import DONE, Deferred
+from shardline.comm.flight import RECORDER
 from shardline.comm.rendezvous.store import StoreClient, store_barrier
+from shardline.comm.trace import device as device_times
 from shardline.comm.work import Counts, seconds
 from shardline.errors import (
     CollectiveTimeoutError,
@@ -173,6 +176,10 @@ class NcclBackend:
         self.world_size = world_size
         self.device = device
         torch.cuda.set_device(device)
+        self._gpu: int = device.index if device.index is not None else 0
+        if RECORDER.sink is not None:  # traced: NCCL times each op for the timeline
+            device_times.enable_nccl_timing()
+        self._nccl_timed = device_times.nccl_timing_enabled()
         prefixed = dist.PrefixStore(f"shardline/{name}/nccl", store)  # type: ignore[attr-defined]
         opts: Any = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout)
@@ -209,24 +216,44 @@ class NcclBackend:
     ) -> Deferred:
         """Queues ``fn(*args)`` (one torch op); a blocking call waits and returns ``DONE``.
 
-        The hot path of every collective: no closure is built, errors are translated.
+        The hot path of every collective: no closure is built, errors are translated. While
+        a tracer listens, the handle carries the op's ``timing`` on the GPU
+        (``shardline.comm.trace.device``).
         """
+        # While a tracer takes GPU times: an event before the op (see trace.device); an
+        # asynchronous op needs NCCL's timing too, which groups made while tracing have.
+        start = (
+            device_times.begin(self._gpu)
+            if RECORDER.device_sink is not None and (self._nccl_timed or not async_op)
+            else None
+        )
         try:
             work = fn(*args)
             if not async_op and work is not None:  # asyncOp=False: on the current stream
                 work.wait()
         except RuntimeError as exc:
             raise _translate(exc, what, self.rank) from exc
+        handle = DONE
         if async_op:
-            return Deferred(
+            handle = Deferred(
                 [work],
                 after=after,
                 translate=partial(_translate, what=what, rank=self.rank),
                 keep=keep,
             )
-        if after is not None:
+        elif after is not None:
             after()
-        return DONE
+        if start is not None:
+            if async_op:
+                timing = device_times.OpTiming(
+                    self._gpu, self.group_name, start, None, work, time.time()
+                )
+            else:
+                end = device_times.begin(self._gpu)
+                timing = device_times.OpTiming(self._gpu, None, start, end, None, time.time())
+                handle = Deferred()
+            handle.timing = timing
+        return handle
 
     def _options(self, kind: type, async_op: bool, op: str | None = None, root: int = -1) -> Any:
         """Torch's options object for one op, made once and kept (see ``_with_async``).

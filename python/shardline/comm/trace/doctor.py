@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from shardline.comm import flight
-from shardline.comm.trace.folder import Rank, load
+from shardline.comm.trace.folder import Rank, load, span
 
 __all__ = ["Finding", "Report", "examine"]
 
@@ -333,13 +333,13 @@ def _outside(rank: Rank, steps: int) -> float | None:
     window = marks[-(steps + 1) :]
     t0, t1 = float(window[0]["t1"]), float(window[-1]["t1"])
     n = len(window) - 1
-    inside_window = [o for o in rank.ops if t0 <= o[flight.START] and o[flight.END] <= t1]
-    ops = sorted(inside_window, key=lambda o: float(o[flight.START]))
-    if not ops:
+    # On a GPU an op's time is when it ran there (its host times say when it was queued).
+    spans = sorted(sp for o in rank.ops if t0 <= (sp := span(o))[0] and sp[1] <= t1)
+    if not spans:
         return None
     inside, reach = 0.0, t0
-    for o in ops:  # the time covered by ops (overlapping ones count once)
-        s, e = max(float(o[flight.START]), reach), float(o[flight.END])
+    for start, end in spans:  # the time covered by ops (overlapping ones count once)
+        s, e = max(start, reach), end
         if e > s:
             inside += e - s
             reach = e

@@ -8,9 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardline.comm import flight
 from shardline.errors import InvalidArgumentError
 
-__all__ = ["Rank", "load"]
+__all__ = ["DEVICE_END", "DEVICE_START", "Rank", "device_span", "load", "span"]
+
+# An op timed on its GPU: the loaded record gains its device start and end (wall clock) here.
+DEVICE_START, DEVICE_END = 10, 11
 
 _FILE = re.compile(r"rank(\d+)\.(config\.json|now\.json|trace\.jsonl)$")
 
@@ -76,8 +80,23 @@ def _events(file: Path, rank: Rank) -> None:
         event = json.loads(line)
         kind = event["k"]
         if kind == "op":
-            rank.ops.append(event["r"])
+            record = event["r"]
+            if "d" in event:
+                record = record + [None] * (DEVICE_START - len(record)) + list(event["d"])
+            rank.ops.append(record)
         elif kind == "step":
             rank.steps.append(event)
         elif kind == "span":
             rank.spans.append(event)
+
+
+def device_span(op: list[Any]) -> tuple[float, float] | None:
+    """When a loaded op ran on its GPU (wall clock), or ``None`` for one not timed there."""
+    if len(op) > DEVICE_END and op[DEVICE_START] is not None:
+        return float(op[DEVICE_START]), float(op[DEVICE_END])
+    return None
+
+
+def span(op: list[Any]) -> tuple[float, float]:
+    """When a loaded op took place: on its GPU where it was timed there, else on the host."""
+    return device_span(op) or (float(op[flight.START]), float(op[flight.END]))

@@ -2,9 +2,11 @@
 
 Open the JSON in https://ui.perfetto.dev or ``chrome://tracing``: one process per rank
 (``rank 3 (host)``), one track per group for its collectives, one for point-to-point
-messages, one for optimizer steps and one for the program's spans. An op's arguments say its
-size, dtype, peer, how it ended and the ``file:line`` that issued it. Times are each rank's
-wall clock, shown from the earliest event of the job.
+messages, one for optimizer steps and one for the program's spans. An op timed on its GPU
+(NCCL) also shows on a ``gpu <group>`` track at the time it ran there; its host track shows
+when the program queued it. An op's arguments say its size, dtype, peer, how it ended and the
+``file:line`` that issued it. Times are each rank's wall clock, shown from the earliest event
+of the job.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardline.comm import flight
-from shardline.comm.trace.folder import load
+from shardline.comm.trace.folder import device_span, load
 
 __all__ = ["chrome_trace", "merge"]
 
@@ -45,17 +47,24 @@ def chrome_trace(directory: str | Path) -> dict[str, Any]:
         for o in rank.ops:
             p2p = o[flight.PEER] is not None
             track = "p2p" if p2p else f"comm {o[flight.GROUP]}"
+            args = {
+                "group": o[flight.GROUP], "numel": o[flight.NUMEL], "dtype": o[flight.DTYPE],
+                "peer": o[flight.PEER], "state": o[flight.STATE],
+                "where": o[flight.WHERE] if len(o) > flight.WHERE else None,
+            }  # fmt: skip
+            name = f"{o[flight.OP]} #{o[flight.SEQ]}"
             events.append({
-                "ph": "X", "pid": r, "tid": track, "cat": "comm",
-                "name": f"{o[flight.OP]} #{o[flight.SEQ]}",
+                "ph": "X", "pid": r, "tid": track, "cat": "comm", "name": name,
                 "ts": us(float(o[flight.START])),
-                "dur": us(float(o[flight.END])) - us(float(o[flight.START])),
-                "args": {
-                    "group": o[flight.GROUP], "numel": o[flight.NUMEL],
-                    "dtype": o[flight.DTYPE], "peer": o[flight.PEER], "state": o[flight.STATE],
-                    "where": o[flight.WHERE] if len(o) > flight.WHERE else None,
-                },
+                "dur": us(float(o[flight.END])) - us(float(o[flight.START])), "args": args,
             })  # fmt: skip
+            on_device = device_span(o)
+            if on_device is not None:
+                events.append({
+                    "ph": "X", "pid": r, "tid": f"gpu {track}", "cat": "gpu", "name": name,
+                    "ts": us(on_device[0]), "dur": us(on_device[1]) - us(on_device[0]),
+                    "args": args,
+                })  # fmt: skip
         for e in rank.steps:
             events.append({"ph": "X", "pid": r, "tid": "optimizer", "cat": "step",
                            "name": f"step {e['n']}", "ts": us(float(e["t0"])),

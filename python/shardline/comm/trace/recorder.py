@@ -9,9 +9,10 @@ With ``SHARDLINE_TRACE=DIR`` (or ``shardline.init(trace=DIR)``) every rank write
 - ``rank<r>.trace.jsonl``, appended every ``SHARDLINE_TRACE_INTERVAL`` seconds by a thread of
   its own: one line per finished event. Events are the flight recorder's records of every op
   (group, number, op, size, start, end, how it ended, the user's ``file:line`` that issued
-  it), optimizer steps (``torch.optim``'s global step hooks: no change to the program) and
-  the program's own spans (``span``). ``shardline trace merge`` turns the ranks' files into one
-  Chrome/Perfetto trace.
+  it; an NCCL op also its start and end on the GPU, from CUDA events: ``device``), optimizer
+  steps (``torch.optim``'s global step hooks: no change to the program) and the program's own
+  spans (``span``). ``shardline trace merge`` turns the ranks' files into one Chrome/Perfetto
+  trace.
 - ``rank<r>.now.json``, rewritten at the same pace: the heartbeat. The ops running now, and
   where every thread that runs one (and the main thread) is in the program's code. The thread
   writes it even while the main thread waits inside a collective (the GIL is released there),
@@ -48,11 +49,13 @@ from shardline import config
 from shardline._version import __version__
 from shardline.comm import flight
 from shardline.comm.flight import RECORDER
+from shardline.comm.trace.device import DeviceTimes
 from shardline.errors import ShardlineError
 
 __all__ = ["TRACER", "Tracer"]
 
-# Event lines of ``rank<r>.trace.jsonl``: {"k": "op", "r": <flight record>} for an op,
+# Event lines of ``rank<r>.trace.jsonl``: {"k": "op", "r": <flight record>} for an op (with
+# "d": [device start, device end] for an op timed on its GPU),
 # {"k": "step", "n": n, "t0": start, "t1": end} for an optimizer step,
 # {"k": "span", "name": name, "t0": start, "t1": end, "where": "file:line"} for a span.
 
@@ -78,6 +81,7 @@ class Tracer:
         self._file: Any = None
         self._exit_registered = False
         self._info: dict[str, Any] = {}  # what rank<r>.config.json holds
+        self.device = DeviceTimes()  # NCCL ops' times on the GPU, read as they finish
 
     @property
     def active(self) -> bool:
@@ -118,6 +122,8 @@ class Tracer:
         # A job's rank starts its timeline afresh (a folder traced twice holds the last run).
         self._file = open(path / f"rank{rank}.trace.jsonl", "w", encoding="utf-8")  # noqa: SIM115
         RECORDER.sink = self._ops
+        self.device = DeviceTimes()
+        RECORDER.device_sink = self.device.add
         self._install_hooks()
         self._thread = threading.Thread(target=self._loop, name="shardline-trace", daemon=True)
         self._thread.start()
@@ -132,6 +138,9 @@ class Tracer:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        RECORDER.device_sink = None
+        with self._flushing, contextlib.suppress(Exception):
+            self.device.finish()  # the last ops' GPU times, before the last write
         self.flush(state=state)
         RECORDER.sink = None
         for h in self._hooks:
@@ -207,9 +216,12 @@ class Tracer:
         with self._lock:
             events, self._events = self._events, []
         ops = self._running + fresh
-        done = [r for r in ops if r[flight.END] is not None]
-        self._running = [r for r in ops if r[flight.END] is None]
-        lines = [json.dumps({"k": "op", "r": flight.plain(r)}) for r in done]
+        device = self.device
+        device.resolve()
+        # An op is written once it ended here and, when timed on a GPU, there too.
+        done = [r for r in ops if r[flight.END] is not None and not device.waiting(r)]
+        self._running = [r for r in ops if r[flight.END] is None or device.waiting(r)]
+        lines = [_op_line(r, device.pop(r)) for r in done]
         lines += [json.dumps(e) for e in events]
         if lines:
             self._file.write("\n".join(lines) + "\n")
@@ -243,6 +255,13 @@ class Tracer:
             "threads": threads,
         }
         _write_atomic(self.directory / f"rank{self.rank}.now.json", now)
+
+
+def _op_line(record: list[Any], on_device: tuple[float, float] | None) -> str:
+    event: dict[str, Any] = {"k": "op", "r": flight.plain(record)}
+    if on_device is not None:
+        event["d"] = list(on_device)
+    return json.dumps(event)
 
 
 def _setting(name: str) -> Any:

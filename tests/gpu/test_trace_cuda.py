@@ -1,0 +1,58 @@
+"""The timeline of a traced NCCL job: each op at the time it ran on the GPU, not when queued.
+
+Run with ``pytest tests/gpu -q`` on a host with a CUDA GPU (two ranks where it has two GPUs,
+else one); elsewhere the module is skipped with the reason. Each rank queues matrix products
+and an all-reduce behind them: the host returns from queuing at once, the GPU starts the
+all-reduce only when the products end. The host's own clock, waiting for the products,
+is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardline.comm import flight
+from shardline.comm.trace import doctor, folder, merge
+from tests.multiprocess._launch import finish, report, start
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+if GPUS < 1:
+    pytest.skip("needs a CUDA GPU, found none", allow_module_level=True)
+if not dist.is_nccl_available():
+    pytest.skip("this torch build has no NCCL", allow_module_level=True)
+
+pytestmark = pytest.mark.multiprocess
+WORKER = Path(__file__).with_name("_trace_worker.py")
+
+
+def test_nccl_ops_land_on_the_timeline_at_their_gpu_times(tmp_path: Path) -> None:
+    n = min(GPUS, 2)
+    env = {"SHARDLINE_TIMEOUT": "60", "SHARDLINE_BACKEND": "", "SHARDLINE_TRACE": str(tmp_path)}
+    ranks = finish(start(n, env=env, args=[str(WORKER)]), 120)
+    assert all(r.rc == 0 and "OK" in r.out for r in ranks), report(ranks)
+    loaded = folder.load(tmp_path)
+    for r in ranks:
+        seen = json.loads(next(x for x in r.out.splitlines() if x.startswith("{")))
+        big = [o for o in loaded[r.rank].ops if o[flight.OP] == "all_reduce"
+               and o[flight.NUMEL] == 16 << 20]  # fmt: skip
+        assert len(big) == 2, big
+        for op, name in zip(big, ("async", "blocking"), strict=True):
+            on_gpu = folder.device_span(op)
+            assert on_gpu is not None, f"rank {r.rank}: {name} all-reduce has no device time"
+            start_s, end_s = on_gpu
+            host = seen[name]
+            # Queued at once on the host; run on the GPU only after the products ended, as
+            # the host saw them end (within its wait's latency and the clock's calibration).
+            assert op[flight.START] == pytest.approx(host["queued"], abs=2e-3)
+            assert start_s - host["queued"] > 0.01, (r.rank, name, start_s, host)
+            assert start_s == pytest.approx(host["products_done"], abs=5e-3), (r.rank, name)
+            assert 0 < end_s - start_s < 1.0
+    doc = merge.chrome_trace(tmp_path)
+    gpu = {(e["pid"], e["tid"]) for e in doc["traceEvents"] if e.get("cat") == "gpu"}
+    assert {pid for pid, _ in gpu} == set(range(n)), gpu
+    assert doctor.examine(tmp_path).findings == []
