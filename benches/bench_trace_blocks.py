@@ -4,7 +4,10 @@ Separate runs of a short GPU job drift by more than the 1 % being measured (a ru
 moved 25-39 ms on an H200 between runs of the same command). Here one process (world size 1)
 trains ``bench_zero.py``'s GPT under ZeRO-3 and starts and stops the tracer between blocks
 of ``--steps`` steps, alternating which side goes first, so both sides see the same drift;
-it prints each side's median step time and ``on / off - 1``.
+it prints each side's median step time and ``on / off - 1``. The step times still drift by
+more than a percent between blocks: it also prints the CPU time per step of the program's
+thread on each side and of the tracer's thread, whose sum is what tracing costs a step that
+the host's launching bounds. ``--no-gpu-times`` traces without the NCCL ops' GPU times.
 
     python benches/bench_trace_blocks.py --device cuda              # medium GPT, bf16
     python benches/bench_trace_blocks.py --device cpu --size small --dtype fp32
@@ -30,6 +33,7 @@ import torch
 from bench_zero import SIZES
 
 import shardline as sl
+from shardline.comm.flight import RECORDER
 from shardline.comm.trace import device as device_times
 from shardline.comm.trace.recorder import TRACER
 from shardline.examples.train import Config, TinyGPT
@@ -41,7 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="medium", choices=list(SIZES))
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     p.add_argument("--blocks", type=int, default=8, help="blocks per side")
-    p.add_argument("--steps", type=int, default=20, help="steps per block")
+    p.add_argument(
+        "--steps", type=int, default=100,
+        help="steps per block (blocks longer than the tracer's 1 s interval)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-gpu-times", action="store_true",
+        help="trace without the NCCL ops' GPU times (host times only)",
+    )  # fmt: skip
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
@@ -71,28 +82,44 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randint(0, cfg.vocab, (batch, seq_len), device=device)
     y = torch.randint(0, cfg.vocab, (batch, seq_len), device=device)
 
-    def block(n: int) -> float:
+    def block(n: int, traced: str | None) -> tuple[float, float, float]:
+        """ms per step (wall), and per step the CPU ms of this thread and of the tracer's.
+
+        A traced block starts and stops the tracer inside its timing, so the tracer's last
+        write (what its thread had not written yet) counts too.
+        """
         if cuda:
             torch.cuda.synchronize()
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
+        if traced is not None:
+            TRACER.start(traced, rank=0, world_size=1, backend=group.backend)
+            if args.no_gpu_times:  # the tracer as it was before it read GPU times
+                RECORDER.device_sink = None
+        thread = TRACER._thread
+        clock = time.pthread_getcpuclockid(thread.ident) if thread and thread.ident else None
         for _ in range(n):
             opt.zero_grad(set_to_none=True)
             model(x, y).backward()
             opt.step()
+        tracer_cpu = time.clock_gettime(clock) if clock is not None else 0.0
+        if traced is not None:
+            TRACER.stop()
         if cuda:
             torch.cuda.synchronize()
-        return (time.perf_counter() - t) / n * 1e3
+        per = 1e3 / n
+        return (time.perf_counter() - t) * per, (time.thread_time() - cpu) * per, tracer_cpu * per
 
-    block(5)  # warm-up
+    block(5, None)  # warm-up
     res: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": [], "tracer": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.blocks):
             for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                wall, mine, tracer = block(args.steps, f"{tmp}/t" if side == "on" else None)
+                res[side].append(wall)
+                cpu[side].append(mine)
                 if side == "on":
-                    TRACER.start(f"{tmp}/t", rank=0, world_size=1, backend=group.backend)
-                res[side].append(block(args.steps))
-                if side == "on":
-                    TRACER.stop()
+                    cpu["tracer"].append(tracer)
         with open(f"{tmp}/t/rank0.trace.jsonl") as f:
             written = [json.loads(line) for line in f]
     records = len(written)
@@ -100,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     sl.shutdown()
     a, b = statistics.median(res["off"]), statistics.median(res["on"])
     # Each block against the other side's block beside it: drift between pairs cancels.
+    # The CPU time tracing adds: more on the program's thread, plus the tracer's own (when a
+    # step is bound by the host launching work, as here, that is what the step pays).
+    added = (
+        statistics.median(cpu["on"]) - statistics.median(cpu["off"])
+        + statistics.median(cpu["tracer"])
+    )  # fmt: skip
     paired = statistics.median(on / off - 1 for on, off in zip(res["on"], res["off"], strict=True))
     lines = [
         f"zero3, 1 process, {args.device}, {args.size} GPT {args.dtype}, {args.blocks} blocks of "
@@ -109,13 +142,24 @@ def main(argv: list[str] | None = None) -> int:
         f"overhead: {b / a - 1:+.2%} (on / off - 1; bar 1 %); median of the pairs' ratios "
         f"{paired:+.2%}",
         f"{records} timeline lines written in the last block, {on_gpu} ops with GPU times",
+        f"CPU per step (medians): the program's thread {statistics.median(cpu['off']):.2f} ms "
+        f"off, {statistics.median(cpu['on']):.2f} ms on; the tracer's thread "
+        f"{statistics.median(cpu['tracer']):.3f} ms; tracing's CPU: {added:.3f} ms per step, "
+        f"{added / a:+.2%} of the untraced step",
     ]
     tag = args.tag or f"{args.device}-{args.size}-{args.dtype}"
     _report.publish(
         _report.RESULTS / f"trace-blocks-{tag}",
         _report.header(Path(__file__).name, _report.machine(args.device)),
         "\n".join(lines),
-        {"args": vars(args), **res, "overhead": b / a - 1, "paired_overhead": paired},
+        {
+            "args": vars(args),
+            **res,
+            "cpu": cpu,
+            "overhead": b / a - 1,
+            "paired_overhead": paired,
+            "cpu_added_ms": added,
+        },
         lambda _path: "no plot: two numbers",
     )
     return 0

@@ -137,6 +137,9 @@ class _Event:
     def __init__(self, at: float | None) -> None:
         self.at = at
 
+    def query(self) -> bool:
+        return self.at is not None
+
     def elapsed_time(self, end: _Event) -> float:
         if self.at is None or end.at is None:
             raise RuntimeError("not completed")
@@ -148,6 +151,9 @@ class _Work:
 
     def __init__(self, ms: float | None = None) -> None:
         self.ms = ms
+
+    def is_completed(self) -> bool:
+        return self.ms is not None
 
     def _get_duration(self) -> float:
         if self.ms is None:
@@ -249,3 +255,21 @@ def test_the_straggler_check_reads_gpu_ops_at_their_device_times(tmp_path: Path)
         (tmp_path / f"rank{r}.trace.jsonl").write_text("".join(lines))
     rep = doctor.examine(tmp_path)
     assert rep.culprits("straggler") == {1}, rep.text()
+
+
+def test_gpu_times_are_taken_unless_turned_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = Tracer()
+    t.start(tmp_path / "on", rank=0, world_size=1, backend="nccl", interval=60.0)
+    try:
+        assert RECORDER.device_sink == t.device.add
+    finally:
+        t.stop()
+    assert RECORDER.device_sink is None
+    monkeypatch.setenv("SHARDLINE_TRACE_GPU", "0")
+    t.start(tmp_path / "off", rank=0, world_size=1, backend="nccl", interval=60.0)
+    try:
+        assert RECORDER.device_sink is None and RECORDER.sink is not None
+    finally:
+        t.stop()

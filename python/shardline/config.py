@@ -184,6 +184,15 @@ SETTINGS: tuple[Setting, ...] = (
         _text,
     ),
     Setting(
+        "SHARDLINE_TRACE_GPU",
+        "`0`, `1`",
+        "1",
+        "While tracing, also place each NCCL op at the time it ran on its GPU (CUDA events); "
+        "`0` keeps host times only (when each op was queued and waited for), at less cost.",
+        _flag,
+        True,
+    ),
+    Setting(
         "SHARDLINE_TRACE_INTERVAL",
         "seconds > 0",
         "1",

@@ -239,7 +239,9 @@ def init(
                 "shardline.shutdown() first"
             )
         _settings["deterministic"] = deterministic
-        if trace is not None or config.get("SHARDLINE_TRACE"):
+        if (trace is not None or config.get("SHARDLINE_TRACE")) and config.get(
+            "SHARDLINE_TRACE_GPU"
+        ):
             # NCCL groups made from now on time their ops on the GPU for the timeline.
             device_times.enable_nccl_timing()
         named = backend.strip().lower() if backend else config.get("SHARDLINE_BACKEND")

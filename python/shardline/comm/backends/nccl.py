@@ -177,7 +177,7 @@ class NcclBackend:
         self.device = device
         torch.cuda.set_device(device)
         self._gpu: int = device.index if device.index is not None else 0
-        if RECORDER.sink is not None:  # traced: NCCL times each op for the timeline
+        if RECORDER.device_sink is not None:  # traced on GPUs: NCCL times each op too
             device_times.enable_nccl_timing()
         self._nccl_timed = device_times.nccl_timing_enabled()
         prefixed = dist.PrefixStore(f"shardline/{name}/nccl", store)  # type: ignore[attr-defined]

@@ -186,8 +186,11 @@ class DeviceTimes:
     def _read(self, t: OpTiming, key: tuple[int, str] | None) -> tuple[float, float] | None:
         """The op's device start and end, or ``None`` while the GPU is not past it.
 
-        The GPU's clock refuses events that have not happened yet: no completion query first.
+        Asked first whether the GPU is past the op: reading an op it is not past raises, and
+        torch's error costs far more than the question.
         """
+        if not (t.end.query() if t.end is not None else t.work.is_completed()):
+            return None
         clock = self._clocks.get(t.device)
         if clock is None:
             clock = self._clocks[t.device] = self._make_clock(t.device)
@@ -196,7 +199,7 @@ class DeviceTimes:
                 length = float(t.start.elapsed_time(t.end)) / 1e3
             else:
                 length = float(t.work._get_duration()) / 1e3
-        except RuntimeError:
+        except RuntimeError:  # a failed op: NCCL has no timing of it
             return None
         start = clock.wall_of(t.start)
         if key is not None:

@@ -123,7 +123,8 @@ class Tracer:
         self._file = open(path / f"rank{rank}.trace.jsonl", "w", encoding="utf-8")  # noqa: SIM115
         RECORDER.sink = self._ops
         self.device = DeviceTimes()
-        RECORDER.device_sink = self.device.add
+        if config.get("SHARDLINE_TRACE_GPU"):
+            RECORDER.device_sink = self.device.add
         self._install_hooks()
         self._thread = threading.Thread(target=self._loop, name="shardline-trace", daemon=True)
         self._thread.start()
