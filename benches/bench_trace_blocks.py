@@ -18,7 +18,6 @@ Writes ``benches/results/trace-blocks-<tag>.{txt,json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,6 +34,7 @@ from bench_zero import SIZES
 import shardline as sl
 from shardline.comm.flight import RECORDER
 from shardline.comm.trace import device as device_times
+from shardline.comm.trace import folder
 from shardline.comm.trace.recorder import TRACER
 from shardline.examples.train import Config, TinyGPT
 
@@ -120,10 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                 cpu[side].append(mine)
                 if side == "on":
                     cpu["tracer"].append(tracer)
-        with open(f"{tmp}/t/rank0.trace.jsonl") as f:
-            written = [json.loads(line) for line in f]
-    records = len(written)
-    on_gpu = sum(1 for e in written if "d" in e)
+        ops = folder.load(f"{tmp}/t")[0].ops
+    records = len(ops)
+    on_gpu = sum(1 for o in ops if folder.device_span(o) is not None)
     sl.shutdown()
     a, b = statistics.median(res["off"]), statistics.median(res["on"])
     # Each block against the other side's block beside it: drift between pairs cancels.
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         f"tracing on:  {b:.2f} ms/step (median; blocks {[round(v, 2) for v in res['on']]})",
         f"overhead: {b / a - 1:+.2%} (on / off - 1; bar 1 %); median of the pairs' ratios "
         f"{paired:+.2%}",
-        f"{records} timeline lines written in the last block, {on_gpu} ops with GPU times",
+        f"{records} ops written in the last block, {on_gpu} with GPU times",
         f"CPU per step (medians): the program's thread {statistics.median(cpu['off']):.2f} ms "
         f"off, {statistics.median(cpu['on']):.2f} ms on; the tracer's thread "
         f"{statistics.median(cpu['tracer']):.3f} ms; tracing's CPU: {added:.3f} ms per step, "

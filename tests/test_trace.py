@@ -45,7 +45,7 @@ def test_ops_steps_and_spans_land_in_the_timeline_with_the_users_line(
     running = RECORDER.start("world", 1, "broadcast", 4, torch.int64, None)
     tracer.flush()
     events = [json.loads(x) for x in (tmp_path / "rank0.trace.jsonl").read_text().splitlines()]
-    (op,) = [e["r"] for e in events if e["k"] == "op"]
+    (op,) = [r for e in events if e["k"] == "ops" for r in e["r"]]
     assert op[flight.OP] == "all_reduce" and op[flight.DTYPE] == "float32"
     assert op[flight.WHERE] == f"{__file__}:{line}"
     assert [e["name"] for e in events if e["k"] == "span"] == ["forward"]
@@ -187,29 +187,52 @@ def test_device_times_chain_an_async_groups_ops_and_bracket_blocking_ones() -> N
     times.add(blocking, device.OpTiming(0, None, _Event(3.0), end, None, time.time()))
     times.resolve()
     assert all(times.waiting(r) for r in (a, b, c, blocking))
-    w_b.ms = 100.0  # b is done before a is read: still waits, in a's chain
-    w_c.ms, end.at = 250.0, 3.4
+    w_a.ms, w_c.ms, end.at = 800.0, 250.0, 3.4
     times.resolve()
-    assert times.waiting(a) and times.waiting(b) and not times.waiting(c)
+    assert not times.waiting(a) and times.waiting(b) and not times.waiting(c)
+    assert times.pop(a) == (1001.0, 1001.8)
     assert times.pop(c) == (1002.0, 1002.25)
     assert times.pop(blocking) == pytest.approx((1003.0, 1003.4))
-    w_a.ms = 800.0
+    w_b.ms = 100.0
     times.resolve()
-    assert times.pop(a) == (1001.0, 1001.8)
     assert times.pop(b) == pytest.approx((1001.8, 1001.9))  # after a, not at its queuing
     assert times.pop(b) is None and not times.waiting(b)  # once
 
 
-def test_device_times_give_up_on_an_op_that_never_ends() -> None:
+def test_the_newest_ended_op_of_a_chain_vouches_for_the_earlier_ones() -> None:
+    """Ops of one NCCL stream end in order: only the newest is asked whether it ended."""
+    asked: list[int] = []
+
+    class Counted(_Work):
+        def is_completed(self) -> bool:
+            asked.append(id(self))
+            return super().is_completed()
+
     times = device.DeviceTimes(clock=_Clock)
-    stuck, after = [], []
+    records = [[] for _ in range(5)]
+    works = [Counted(1.0) for _ in range(4)] + [Counted()]  # the newest is still running
+    for k, (r, w) in enumerate(zip(records, works, strict=True)):
+        times.add(r, _timed("g", float(k), w))
+    times.resolve()
+    assert asked == [id(works[4]), id(works[3])]
+    assert [times.waiting(r) for r in records] == [False] * 4 + [True]
+
+
+def test_device_times_give_up_on_an_op_that_never_ends_and_skip_a_failed_one() -> None:
+    times = device.DeviceTimes(clock=_Clock)
+    stuck, failed, later = [], [], []
     times.add(stuck, _timed("g", 1.0, _Work(), queued=10.0))
-    times.add(after, _timed("g", 2.0, _Work(5.0), queued=10.0))
+    broken = _Work(1.0)
+    broken.ms = None  # completed (it failed), but NCCL has no timing of it
+    broken.is_completed = lambda: True  # type: ignore[method-assign]
+    times.add(failed, _timed("h", 1.0, broken))
     times.resolve(now=10.0 + device.GIVE_UP_S / 2)
-    assert times.waiting(stuck) and times.waiting(after)  # held behind the stuck one
+    assert times.waiting(stuck) and not times.waiting(failed) and times.pop(failed) is None
     times.resolve(now=10.0 + device.GIVE_UP_S + 1)
     assert not times.waiting(stuck) and times.pop(stuck) is None
-    assert times.pop(after) == (1002.0, 1002.005)
+    times.add(later, _timed("g", 2.0, _Work(5.0)))  # the chain goes on from its own event
+    times.resolve()
+    assert times.pop(later) == (1002.0, 1002.005)
     times.finish(wait=0.0)  # nothing left: returns at once
 
 
@@ -229,7 +252,8 @@ def test_an_op_timed_on_its_gpu_is_written_once_the_gpu_is_past_it(
     work.ms = 20.0
     tracer.flush()
     (line,) = [json.loads(x) for x in (tmp_path / "rank0.trace.jsonl").read_text().splitlines()]
-    assert line["d"] == pytest.approx([1005.0, 1005.02])
+    (written,) = line["r"]
+    assert written[folder.DEVICE_START :] == pytest.approx([1005.0, 1005.02])
     ops = folder.load(tmp_path)[0].ops
     assert folder.device_span(ops[0]) == pytest.approx((1005.0, 1005.02))
     gpu = [e for e in merge.chrome_trace(tmp_path)["traceEvents"] if e.get("cat") == "gpu"]

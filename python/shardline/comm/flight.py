@@ -184,14 +184,18 @@ def _library_dirs() -> tuple[str, ...]:
     return _libraries
 
 
+_DTYPE_NAMES: dict[object, str] = {None: ""}  # torch.float32 -> "float32", as met
+
+
 def plain(record: list[Any]) -> list[Any]:
     """A copy of ``record`` fit for JSON: its dtype as text (``"float32"``, ``""`` for none)."""
     out = list(record)
     dtype = out[DTYPE]
-    if dtype is None:
-        out[DTYPE] = ""
-    elif not isinstance(dtype, str):
-        out[DTYPE] = str(dtype).removeprefix("torch.")
+    if not isinstance(dtype, str):
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+        out[DTYPE] = name
     return out
 
 

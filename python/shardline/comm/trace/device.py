@@ -161,12 +161,23 @@ class DeviceTimes:
         n = len(self._new)
         self._pending += self._new[:n]
         del self._new[:n]
+        pending = self._pending
+        # The ops of a chain end in the order they were queued: the newest one that ended
+        # vouches for every earlier one (one question per chain, not one per op).
+        ended: dict[tuple[int, str], int] = {}
+        for i in range(len(pending) - 1, -1, -1):
+            t = pending[i][1]
+            if t.chain is not None and (t.device, t.chain) not in ended and t.work.is_completed():
+                ended[(t.device, t.chain)] = i
         blocked: set[tuple[int, str]] = set()
         left: list[tuple[list[Any], OpTiming]] = []
-        for record, t in self._pending:
+        for i, (record, t) in enumerate(pending):
             key = (t.device, t.chain) if t.chain is not None else None
-            span = None if key in blocked else self._read(t, key)
-            if span is None:  # the GPU is not past it yet
+            if key is None:
+                past = bool(t.end.query())
+            else:
+                past = key not in blocked and i <= ended.get(key, -1)
+            if not past:
                 if now - t.queued > GIVE_UP_S:
                     self._times[id(record)] = None
                     if key is not None:
@@ -176,7 +187,7 @@ class DeviceTimes:
                     blocked.add(key)
                 left.append((record, t))
                 continue
-            self._times[id(record)] = span
+            self._times[id(record)] = self._read(t, key)
             free = _FREE.setdefault(t.device, deque())
             free.append(t.start)
             if t.end is not None:
@@ -184,13 +195,11 @@ class DeviceTimes:
         self._pending = left
 
     def _read(self, t: OpTiming, key: tuple[int, str] | None) -> tuple[float, float] | None:
-        """The op's device start and end, or ``None`` while the GPU is not past it.
+        """The device start and end of an op the GPU is past (``None`` for a failed one).
 
-        Asked first whether the GPU is past the op: reading an op it is not past raises, and
-        torch's error costs far more than the question.
+        Only ever asked for such an op: reading one the GPU is not past raises, and torch's
+        error costs far more than asking first.
         """
-        if not (t.end.query() if t.end is not None else t.work.is_completed()):
-            return None
         clock = self._clocks.get(t.device)
         if clock is None:
             clock = self._clocks[t.device] = self._make_clock(t.device)

@@ -13,7 +13,7 @@ from shardline.errors import InvalidArgumentError
 
 __all__ = ["DEVICE_END", "DEVICE_START", "Rank", "device_span", "load", "span"]
 
-# An op timed on its GPU: the loaded record gains its device start and end (wall clock) here.
+# An op timed on its GPU: its record carries its device start and end (wall clock) here.
 DEVICE_START, DEVICE_END = 10, 11
 
 _FILE = re.compile(r"rank(\d+)\.(config\.json|now\.json|trace\.jsonl)$")
@@ -79,7 +79,9 @@ def _events(file: Path, rank: Rank) -> None:
             continue
         event = json.loads(line)
         kind = event["k"]
-        if kind == "op":
+        if kind == "ops":
+            rank.ops += event["r"]
+        elif kind == "op":  # one op a line: traces of earlier versions
             record = event["r"]
             if "d" in event:
                 record = record + [None] * (DEVICE_START - len(record)) + list(event["d"])

@@ -7,12 +7,12 @@ With ``SHARDLINE_TRACE=DIR`` (or ``shardline.init(trace=DIR)``) every rank write
   setting as it resolved, and what the program noted (``note``; ``distribute`` notes its
   strategy). ``shardline doctor`` compares them across ranks.
 - ``rank<r>.trace.jsonl``, appended every ``SHARDLINE_TRACE_INTERVAL`` seconds by a thread of
-  its own: one line per finished event. Events are the flight recorder's records of every op
-  (group, number, op, size, start, end, how it ended, the user's ``file:line`` that issued
-  it; an NCCL op also its start and end on the GPU, from CUDA events: ``device``), optimizer
-  steps (``torch.optim``'s global step hooks: no change to the program) and the program's own
-  spans (``span``). ``shardline trace merge`` turns the ranks' files into one Chrome/Perfetto
-  trace.
+  its own: the events that finished since. Events are the flight recorder's records of every
+  op (group, number, op, size, start, end, how it ended, the user's ``file:line`` that issued
+  it; an NCCL op also its start and end on the GPU, from CUDA events: ``device``), one line
+  for all of a write's ops; optimizer steps (``torch.optim``'s global step hooks: no change
+  to the program) and the program's own spans (``span``), a line each. ``shardline trace
+  merge`` turns the ranks' files into one Chrome/Perfetto trace.
 - ``rank<r>.now.json``, rewritten at the same pace: the heartbeat. The ops running now, and
   where every thread that runs one (and the main thread) is in the program's code. The thread
   writes it even while the main thread waits inside a collective (the GIL is released there),
@@ -54,8 +54,9 @@ from shardline.errors import ShardlineError
 
 __all__ = ["TRACER", "Tracer"]
 
-# Event lines of ``rank<r>.trace.jsonl``: {"k": "op", "r": <flight record>} for an op (with
-# "d": [device start, device end] for an op timed on its GPU),
+# Event lines of ``rank<r>.trace.jsonl``: {"k": "ops", "r": [<flight record>, ...]} for the ops
+# that finished since the last write (one line: one call of the JSON encoder for all of them;
+# a record timed on its GPU has its device start and end appended),
 # {"k": "step", "n": n, "t0": start, "t1": end} for an optimizer step,
 # {"k": "span", "name": name, "t0": start, "t1": end, "where": "file:line"} for a span.
 
@@ -222,7 +223,8 @@ class Tracer:
         # An op is written once it ended here and, when timed on a GPU, there too.
         done = [r for r in ops if r[flight.END] is not None and not device.waiting(r)]
         self._running = [r for r in ops if r[flight.END] is None or device.waiting(r)]
-        lines = [_op_line(r, device.pop(r)) for r in done]
+        lines = [json.dumps({"k": "ops", "r": [_op_record(r, device.pop(r)) for r in done]})]
+        lines = lines if done else []
         lines += [json.dumps(e) for e in events]
         if lines:
             self._file.write("\n".join(lines) + "\n")
@@ -258,11 +260,11 @@ class Tracer:
         _write_atomic(self.directory / f"rank{self.rank}.now.json", now)
 
 
-def _op_line(record: list[Any], on_device: tuple[float, float] | None) -> str:
-    event: dict[str, Any] = {"k": "op", "r": flight.plain(record)}
+def _op_record(record: list[Any], on_device: tuple[float, float] | None) -> list[Any]:
+    out = flight.plain(record)
     if on_device is not None:
-        event["d"] = list(on_device)
-    return json.dumps(event)
+        out += on_device
+    return out
 
 
 def _setting(name: str) -> Any:
