@@ -223,8 +223,8 @@ class Tracer:
         # An op is written once it ended here and, when timed on a GPU, there too.
         done = [r for r in ops if r[flight.END] is not None and not device.waiting(r)]
         self._running = [r for r in ops if r[flight.END] is None or device.waiting(r)]
-        lines = [json.dumps({"k": "ops", "r": [_op_record(r, device.pop(r)) for r in done]})]
-        lines = lines if done else []
+        ops_line = {"k": "ops", "r": [_op_record(r, device.pop(r)) for r in done]}
+        lines = [json.dumps(ops_line)] if done else []
         lines += [json.dumps(e) for e in events]
         if lines:
             self._file.write("\n".join(lines) + "\n")
