@@ -12,9 +12,11 @@ from torch import nn
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import fit, planner
 from shardline.parallel.data.zero.schedule import _MAX_INFLIGHT
-from shardline.parallel.fit import available_memory, choose_strategy
+from shardline.parallel.fit import available_memory, choose_strategy, plan_strategy
+from shardline.parallel.memory_estimate import format_bytes
 from shardline.parallel.planner import MemoryEstimate, estimate_memory, optimizer_states
 from shardline.parallel.precision import MixedPrecision
+from shardline.parallel.recompute import recompute_blocks
 
 FLATS = _MAX_INFLIGHT + 1  # full gradient flats in backward: reductions in flight + accumulating
 
@@ -369,6 +371,52 @@ def test_choose_strategy_counts_activations() -> None:
     with_act = choose_strategy(model, world_size=4, available_bytes=10**9, example_input=x)[2]
     assert with_act.activations == LAYERS * 256 * WIDTH * 4
     assert with_act.total == plain.total + with_act.activations
+
+
+def test_plan_strategy_prices_every_strategy_and_explains_the_choice() -> None:
+    model = even_model()
+    t = totals(model, 4)
+    available = int(t["zero1"] / 0.5)  # ddp does not fit half of it, zero1 and on do
+    plan = plan_strategy(model, world_size=4, available_bytes=available, headroom=0.5, unit_mb=0)
+    assert [c.name for c in plan.candidates] == ["ddp", "zero1", "zero2", "zero3"]  # on CPU
+    assert {c.strategy: c.estimate.total for c in plan.candidates} == t
+    assert [c.fits for c in plan.candidates] == [False, True, True, True]
+    assert plan.choice.name == "zero1" and plan.budget == available * 0.5
+    assert (
+        plan.reason
+        == choose_strategy(model, world_size=4, available_bytes=available, headroom=0.5, unit_mb=0)[
+            1
+        ]
+    )
+    table = plan.explain().splitlines()
+    rows = {line.split()[0]: line for line in table[1:5]}
+    over = format_bytes(t["ddp"] - available * 0.5)
+    assert rows["ddp"].endswith(f"no (over by {over})")
+    assert rows["zero1"].endswith("yes  <- chosen")
+    assert rows["zero3"].endswith("yes") and format_bytes(t["zero3"]) in rows["zero3"]
+    assert sum("<- chosen" in line for line in table) == 1
+    assert "activations not counted (pass example_input)" in table[-2]
+    assert table[-1] == f"chosen: {plan.reason}"
+
+
+def test_plan_strategy_prices_recomputation_when_it_counts_activations() -> None:
+    model = even_model()
+    x = torch.randn(256, WIDTH)
+    plan = plan_strategy(model, world_size=4, available_bytes=10**9, example_input=x, unit_mb=0)
+    assert [(c.recompute, c.strategy) for c in plan.candidates] == [
+        (policy, s) for policy in (None, "selective", "full") for s in FP32_ADAM
+    ]
+    for c in plan.candidates:
+        alone = estimate_memory(
+            model, world_size=4, strategy=c.strategy, example_input=x, unit_mb=0,
+            recompute=c.recompute,
+        )  # fmt: skip
+        assert c.estimate.total == alone.total, c.name
+    # Nothing to recompute without activations counted, or once the blocks recompute.
+    assert {c.recompute for c in plan_strategy(model, world_size=4, unit_mb=0).candidates} == {None}
+    recompute_blocks(model, "full")
+    again = plan_strategy(model, world_size=4, available_bytes=10**9, example_input=x, unit_mb=0)
+    assert [c.name for c in again.candidates] == list(FP32_ADAM)
 
 
 def test_available_memory_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

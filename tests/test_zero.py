@@ -648,6 +648,47 @@ def test_as_distributed_picks_by_memory_and_trains_like_one_process() -> None:
         assert_state_close(state, ref_state)
 
 
+def test_as_distributed_recomputes_when_no_strategy_fits_without_it() -> None:
+    """A budget that no strategy fits with every activation kept but zero1 fits with the
+    blocks recomputing: as_distributed recomputes (the first of its choices that fits), says
+    so, and trains like one process."""
+    ref_losses, ref_state, _ = reference(2, 4, adamw)
+    example = (batch(0, 0)[0],)
+    priced = sl.plan_strategy(
+        make(), world_size=2, available_bytes=1 << 40, example_input=example, unit_mb=UNIT_MB
+    ).candidates
+    kept_all = min(c.estimate.total for c in priced if c.recompute is None)
+    target = next(c for c in priced if c.recompute and c.estimate.total < kept_all)
+    budget = target.estimate.total
+    assert all(c.estimate.total > budget for c in priced[: priced.index(target)])
+
+    def body(g: ProcessGroup) -> tuple[str, str, list[float], dict[str, torch.Tensor]]:
+        torch.set_num_threads(1)
+        model = sl.as_distributed(
+            make(), group=g, available_bytes=budget, headroom=1.0, example_input=example,
+            verbose=False, unit_mb=UNIT_MB,
+        )  # fmt: skip
+        assert model.plan.choice == target and "<- chosen" in model.plan.explain()
+        opt = adamw(list(model.named_parameters()))
+        losses = []
+        for step in range(4):
+            opt.zero_grad()
+            x, y = batch(step, g.rank)
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            total = loss.detach().reshape(1).clone()
+            g.all_reduce(total, op="avg")
+            losses.append(float(total))
+        return model.strategy, model.strategy_reason, losses, model.state_dict()
+
+    for chosen, reason, losses, state in run_ranks(2, body, timeout=60):
+        assert chosen == target.strategy
+        assert reason.startswith(f"{target.name}: "), reason
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        assert_state_close(state, ref_state)
+
+
 @pytest.mark.parametrize(
     "mp", [None, MixedPrecision(param_dtype=torch.bfloat16)], ids=["fp32", "bf16"]
 )

@@ -13,7 +13,7 @@ Table of contents:
 - ``distribute``, ``DistributedDataParallel``, ``ShardedDataParallel`` (ZeRO 1/2/3, FSDP),
   ``MixedPrecision``, ``make_deterministic``: parallel strategies (``shardline.parallel``);
   ``as_distributed`` picks one by memory, ``estimate_memory`` plans it before anything is
-  allocated;
+  allocated, ``plan_strategy`` prices every strategy (``explain()``);
   ``register_optimizer``: how ZeRO shards an optimizer class it does not know.
 - ``compression``: gradient compression with error feedback (``compression.PowerSGD``,
   ``compression.Int8``, ``compression.TopK``, ...), passed as ``distribute(..., compression=)``;
@@ -79,6 +79,7 @@ from shardline.parallel import (
     estimate_memory,
     make_deterministic,
     pipeline,
+    plan_strategy,
     register_optimizer,
     tensor_parallel,
 )
@@ -129,6 +130,7 @@ __all__ = [
     "new_group",
     "optim",
     "pipeline",
+    "plan_strategy",
     "recv",
     "reduce",
     "reduce_scatter",

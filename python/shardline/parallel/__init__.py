@@ -2,7 +2,8 @@
 
 - ``distribute``: one call, strategy by name; ``as_distributed``: strategy chosen by memory.
 - ``clip_grad_norm_``: clipping by the global norm, whatever the layout.
-- ``estimate_memory`` (``planner``), ``choose_strategy`` (``fit``): the pre-flight memory planner.
+- ``estimate_memory`` (``planner``), ``plan_strategy`` and ``choose_strategy`` (``fit``): the
+  pre-flight memory planner.
 - ``strategies``: the strategy names, one table (name -> wrapper, stage, planner layout).
 - ``contract``: the four methods every strategy implements for checkpoints, and the values
   they return (``Shard``, ``Local``, replicated tensors).
@@ -28,7 +29,7 @@ from shardline.parallel.contract import Box, FlatRange, Local, Shard
 from shardline.parallel.data import DistributedDataParallel, ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import register_optimizer
 from shardline.parallel.deterministic import make_deterministic
-from shardline.parallel.fit import choose_strategy
+from shardline.parallel.fit import StrategyPlan, choose_strategy, plan_strategy
 from shardline.parallel.pipeline import PipelineModule, pipeline
 from shardline.parallel.planner import MemoryEstimate, estimate_memory
 from shardline.parallel.precision import MixedPrecision
@@ -46,6 +47,7 @@ __all__ = [
     "PipelineModule",
     "Shard",
     "ShardedDataParallel",
+    "StrategyPlan",
     "as_distributed",
     "choose_strategy",
     "clip_grad_norm_",
@@ -54,6 +56,7 @@ __all__ = [
     "estimate_memory",
     "make_deterministic",
     "pipeline",
+    "plan_strategy",
     "register_optimizer",
     "tensor_parallel",
 ]

@@ -20,10 +20,9 @@ from shardline.parallel.data.ddp import DistributedDataParallel
 from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
 from shardline.parallel.deterministic import make_deterministic
-from shardline.parallel.fit import choose_strategy
+from shardline.parallel.fit import CHOICES, plan_strategy
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import recompute_blocks
-from shardline.parallel.strategies import BY_MEMORY
 
 __all__ = ["as_distributed", "distribute"]
 
@@ -191,8 +190,6 @@ _DDP_OPTIONS = frozenset(strategies.options_of(DistributedDataParallel))
 _ZERO_OPTIONS = frozenset(strategies.options_of(ShardedDataParallel))
 _ZERO_ONLY = _ZERO_OPTIONS - _DDP_OPTIONS
 _DDP_ONLY = _DDP_OPTIONS - _ZERO_OPTIONS
-# as_distributed's choices past zero3, in order of the device memory they save.
-_OFFLOADS: tuple[str | None, ...] = (None, "optimizer", "cpu")
 
 
 def as_distributed(
@@ -211,11 +208,12 @@ def as_distributed(
 
     DDP when the model, its gradients and optimizer state (``optimizer``: the name of the one
     you will build, or an instance) fit in ``headroom`` of one rank's memory, otherwise the
-    lowest ZeRO stage that fits (``estimate_memory`` for each), and on GPUs where none does,
-    zero3 with its shards and optimizer state offloaded to host memory. Every rank agrees on
-    the most sharded choice any rank needs. Build the optimizer afterwards from the returned
-    model's ``parameters()`` (for ZeRO those are this rank's shards, named like the
-    originals).
+    lowest ZeRO stage that fits (``estimate_memory`` for each); with ``example_input``, where
+    none does, the same with the model's blocks recomputing their activations (selective,
+    then full); and on GPUs where none does, zero3 with its shards and optimizer state
+    offloaded to host memory (``plan_strategy``). Every rank agrees on the choice furthest
+    down that order any rank needs. Build the optimizer afterwards from the returned model's
+    ``parameters()`` (for ZeRO those are this rank's shards, named like the originals).
 
     Args:
         model: The plain model, on its device.
@@ -232,11 +230,13 @@ def as_distributed(
 
     Returns:
         A ``DistributedDataParallel`` or ``ShardedDataParallel``; ``model.strategy`` and
-        ``model.strategy_reason`` record the choice.
+        ``model.strategy_reason`` record the choice, ``model.plan`` (a ``StrategyPlan``) what
+        this rank priced: ``print(model.plan.explain())`` shows every strategy's bytes per
+        rank by component and whether it fits.
     """
     g = group if group is not None else default_group()
     device = next(model.parameters()).device
-    name, reason, estimate = choose_strategy(
+    plan = plan_strategy(
         model,
         world_size=g.world_size,
         available_bytes=available_bytes,
@@ -247,16 +247,17 @@ def as_distributed(
         unit_mb=options.get("unit_mb"),
         device=device,
     )
-    # One scale for every rank's choice: the strategies by memory, then zero3's offloads.
-    level = BY_MEMORY.index(name) + _OFFLOADS.index(estimate.offload)
-    mine = torch.tensor([level], dtype=torch.int64, device=device)
+    reason = plan.reason
+    # Every rank takes the choice furthest down ``CHOICES`` that any rank needs.
+    mine = torch.tensor([plan.choice.order], dtype=torch.int64, device=device)
     g.all_reduce(mine, op="max")
-    top = len(BY_MEMORY) - 1
-    agreed = BY_MEMORY[min(int(mine.item()), top)]
-    offload = _OFFLOADS[max(0, int(mine.item()) - top)]
-    if int(mine.item()) != level:
-        said = f"{agreed}{f' with offload={offload}' if offload else ''}"
+    policy, agreed, offload = CHOICES[int(mine.item())]
+    if int(mine.item()) != plan.choice.order:
+        said = agreed + (f" recompute={policy}" if policy else "")
+        said += f" with offload={offload}" if offload else ""
         reason = f"{said}: another rank has less memory ({reason} here)"
+    if policy is not None:
+        recompute_blocks(model, policy)
     row = strategies.strategy(agreed)
     mine_only = frozenset(row.options())
     kept = {k: v for k, v in options.items() if k in mine_only or k not in _DDP_ONLY | _ZERO_ONLY}
@@ -267,6 +268,7 @@ def as_distributed(
     wrapped = row.wrap(model, group=g, **kept)
     wrapped.strategy = agreed  # type: ignore[assignment]
     wrapped.strategy_reason = reason  # type: ignore[assignment]
+    wrapped.plan = plan  # type: ignore[assignment]
     message = f"shardline.as_distributed chose {reason}"
     _log.info(message)
     if verbose and g.rank == 0:

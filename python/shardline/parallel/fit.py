@@ -1,13 +1,16 @@
 """Which strategy fits: the memory a rank can use, and the least sharded strategy within it.
 
-``choose_strategy`` tries the strategies from least to most sharded (``strategies.BY_MEMORY``)
-with the estimates of ``planner`` and returns the first whose total fits ``headroom`` of what
-``available_memory`` measures; ``as_distributed`` uses it.
+``plan_strategy`` prices every strategy, least to most sharded (``strategies.BY_MEMORY``),
+then on CUDA zero3 with its offloads, with the estimates of ``planner``, and chooses the first
+whose total fits ``headroom`` of what ``available_memory`` measures; its ``StrategyPlan``
+shows what it priced (``explain()``). ``choose_strategy`` gives the choice alone;
+``as_distributed`` uses the plan.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,8 +30,16 @@ from shardline.parallel.planner import (
     optimizer_states,
 )
 from shardline.parallel.precision import MixedPrecision
+from shardline.parallel.recompute.blocks import find_blocks, recomputing_blocks
 
-__all__ = ["available_memory", "choose_strategy"]
+__all__ = [
+    "CHOICES",
+    "Candidate",
+    "StrategyPlan",
+    "available_memory",
+    "choose_strategy",
+    "plan_strategy",
+]
 
 _MEMINFO = "/proc/meminfo"
 
@@ -84,7 +95,104 @@ def _default_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def choose_strategy(
+@dataclass(frozen=True)
+class Candidate:
+    """One strategy priced: its estimate per rank and whether it fits the budget.
+
+    Attributes:
+        strategy: ``ddp``, ``zero1``, ``zero2`` or ``zero3``.
+        offload: zero3's ``offload`` (``"optimizer"``, ``"cpu"``) or ``None``.
+        estimate: Bytes per rank, by component (``estimate_memory``'s).
+        fits: Its total is within the device budget, and under offload its host part within
+            the host budget.
+    """
+
+    strategy: str
+    offload: str | None
+    estimate: MemoryEstimate
+    fits: bool
+    recompute: str | None = None
+
+    @property
+    def name(self) -> str:
+        """``"zero3"``, ``"zero1 recompute=selective"`` or ``"zero3 offload=cpu"``."""
+        return (
+            self.strategy
+            + (f" recompute={self.recompute}" if self.recompute else "")
+            + (f" offload={self.offload}" if self.offload else "")
+        )
+
+    @property
+    def order(self) -> int:
+        """Its place in ``CHOICES``: every rank agrees on the highest any rank needs."""
+        return CHOICES.index((self.recompute, self.strategy, self.offload))
+
+
+# What plan_strategy may choose, in the order it prefers them: the least sharded strategy,
+# then the same with the blocks recomputing their activations (selective, then full), then
+# zero3 with its state offloaded to host memory (CUDA).
+CHOICES: tuple[tuple[str | None, str, str | None], ...] = (
+    *((None, s, None) for s in strategies.BY_MEMORY),
+    *(("selective", s, None) for s in strategies.BY_MEMORY),
+    *(("full", s, None) for s in strategies.BY_MEMORY),
+    (None, "zero3", "optimizer"),
+    (None, "zero3", "cpu"),
+)
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    """Every strategy priced for one rank, and the one chosen (``plan_strategy``).
+
+    Attributes:
+        candidates: In the order of ``CHOICES``: least to most sharded, then again with
+            recomputation (when priced), then zero3's offloads (on CUDA).
+        choice: The first that fits; zero3 when none does.
+        reason: One line saying why, as ``as_distributed`` prints it.
+        budget: Bytes per rank a strategy may use: ``headroom`` of ``available_bytes``.
+        available_bytes: What one rank may use (measured, unless given).
+        host_budget: Host bytes per rank the offloads may use (0 off CUDA).
+    """
+
+    candidates: tuple[Candidate, ...]
+    choice: Candidate
+    reason: str
+    budget: float
+    available_bytes: int
+    host_budget: float = 0.0
+
+    def explain(self) -> str:
+        """A table of the candidates: bytes per rank by component, whether each fits."""
+        width = max(len(c.name) for c in self.candidates) + 2
+        head = (
+            f"{'strategy':<{width}}{'params':>10}{'grads':>10}{'master':>10}{'optimizer':>11}"
+            f"{'buffers':>10}{'activations':>13}{'total':>10}{'host':>10}  fits"
+        )
+        rows = [head]
+        for c in self.candidates:
+            e = c.estimate
+            cells = (e.params, e.grads, e.master, e.optimizer, e.comm_buffers, e.activations,
+                     e.total, e.host)  # fmt: skip
+            widths = (10, 10, 10, 11, 10, 13, 10, 10)
+            row = f"{c.name:<{width}}" + "".join(
+                f"{format_bytes(v):>{w}}" for v, w in zip(cells, widths, strict=True)
+            )
+            verdict = "yes" if c.fits else f"no (over by {format_bytes(e.total - self.budget)})"
+            if not c.fits and e.total <= self.budget:  # the host part is what does not fit
+                verdict = f"no (host over by {format_bytes(e.host - self.host_budget)})"
+            rows.append(f"{row}  {verdict}{'  <- chosen' if c is self.choice else ''}")
+        acts = self.choice.estimate.activations_estimated
+        rows.append(
+            f"budget per rank: {format_bytes(self.budget)} of {format_bytes(self.available_bytes)}"
+            " available"
+            + (f"; host: {format_bytes(self.host_budget)}" if self.host_budget else "")
+            + ("" if acts else "; activations not counted (pass example_input)")
+        )
+        rows.append(f"chosen: {self.reason}")
+        return "\n".join(rows)
+
+
+def plan_strategy(
     model: nn.Module,
     *,
     world_size: int,
@@ -96,13 +204,16 @@ def choose_strategy(
     unit_mb: float | None = None,
     prefetch: int = 1,
     device: torch.device | str | int | None = None,
-) -> tuple[str, str, MemoryEstimate]:
-    """The least sharded strategy whose estimate fits ``headroom`` of the available memory.
+) -> StrategyPlan:
+    """Every strategy priced for one rank, and the least sharded one that fits.
 
-    Tries ``ddp``, then ``zero1``, ``zero2`` and ``zero3``; on CUDA then zero3 with
-    ``offload="optimizer"`` and ``"cpu"`` (the estimate's ``offload`` says which), whose host
-    part must fit ``headroom`` of the host memory too; when none fits, returns ``zero3`` with
-    a reason that says by how much it is short.
+    Prices ``ddp``, ``zero1``, ``zero2`` and ``zero3``; with ``example_input`` and a model
+    whose repeated blocks can recompute (``recompute_blocks``), the same four again with
+    ``recompute="selective"`` and ``"full"``; on CUDA zero3 with ``offload="optimizer"`` and
+    ``"cpu"`` (whose host part must fit ``headroom`` of the host memory too). It chooses the
+    first that fits, in that order (``CHOICES``): sharding before recomputing, recomputing
+    before offloading. When none fits, the choice is ``zero3``, with a reason that says by
+    how much it is short.
 
     Args:
         model: The plain model.
@@ -116,10 +227,6 @@ def choose_strategy(
         prefetch: As for ``estimate_memory``.
         device: Where ``available_memory`` looks; the model's CUDA device, else the current
             CUDA device, else the CPU.
-
-    Returns:
-        ``(strategy, reason, estimate)``, the reason reading like
-        ``"ddp: 1.2 GiB per rank of 12.0 GiB available (70% headroom)"``.
 
     Raises:
         InvalidArgumentError: as ``estimate_memory``, or ``headroom`` outside (0, 1] or a
@@ -141,55 +248,104 @@ def choose_strategy(
     on = torch.device(device) if device is not None else _default_device(model)
     # The units ZeRO will make there (the model may not be there yet).
     rule, offload_rule = default_units(on), default_units(on, "optimizer")
-    cache: dict[torch.dtype | None, tuple[int, bool, list[str]]] = {}
-    rejected: list[str] = []
-    estimate: MemoryEstimate | None = None
-    for name in strategies.BY_MEMORY:
+    cache: dict[tuple[torch.dtype | None, str | None], tuple[int, bool, list[str]]] = {}
+
+    def priced(
+        name: str, offload: str | None = None, recompute: str | None = None
+    ) -> MemoryEstimate:
         notes: list[str] = []
         mp = _effective_precision(name, mixed_precision, notes)
-        key = mp.param_dtype if mp is not None else None
-        if key not in cache:  # one meta forward per compute dtype
+        key = (mp.param_dtype if mp is not None else None, recompute)
+        if key not in cache:  # one meta forward per compute dtype and recompute policy
             act_notes: list[str] = []
-            act, measured = _activations_or_note(model, example_input, mp, act_notes)
+            act, measured = _activations_or_note(model, example_input, mp, act_notes, recompute)
             cache[key] = (act, measured, act_notes)
         act, measured, act_notes = cache[key]
-        estimate = _estimate(
-            model, name, world_size, k, mp, unit_mb, prefetch, act, measured, notes + act_notes,
-            unit_rule=rule,
+        return _estimate(
+            model, name, world_size, k, mp, unit_mb, prefetch, act, measured,
+            notes + act_notes, offload, recompute, unit_rule=offload_rule if offload else rule,
         )  # fmt: skip
-        if estimate.total <= budget:
-            reason = (
-                f"{name}: {format_bytes(estimate.total)} per rank of "
-                f"{format_bytes(available_bytes)} available ({headroom:.0%} headroom)"
-            )
-            if rejected:
-                reason += "; " + ", ".join(rejected) + " would not fit"
-            return name, reason, estimate
-        rejected.append(f"{name} ({format_bytes(estimate.total)})")
-    assert estimate is not None
+
+    # Recomputing changes only activations: priced where they are counted and it applies.
+    policies: list[str | None] = [None]
+    if example_input is not None and find_blocks(model) and not recomputing_blocks(model):
+        policies += ["selective", "full"]
+    candidates = [
+        Candidate(name, None, e, e.total <= budget, policy)
+        for policy in policies
+        for name in strategies.BY_MEMORY
+        for e in [priced(name, None, policy)]
+    ]
+    host_budget = 0.0
     if on.type == "cuda":  # the host can hold what the device cannot: offload
         host_budget = headroom * available_memory("cpu")
         for offload in ("optimizer", "cpu"):
-            notes = []
-            mp = _effective_precision("zero3", mixed_precision, notes)
-            act, measured, act_notes = cache[mp.param_dtype if mp is not None else None]
-            offloaded = _estimate(
-                model, "zero3", world_size, k, mp, unit_mb, prefetch, act, measured,
-                notes + act_notes, offload, unit_rule=offload_rule,
+            e = priced("zero3", offload)
+            fits = e.total <= budget and e.host <= host_budget
+            candidates.append(Candidate("zero3", offload, e, fits))
+    fitting = [c for c in candidates if c.fits]
+    if fitting:
+        choice = fitting[0]
+        e = choice.estimate
+        rejected = candidates[: candidates.index(choice)]  # preferred, but none fits
+        too_big = ", ".join(
+            f"{c.name} ({format_bytes(c.estimate.total)})"
+            for c in rejected
+            if c.offload is None and c.recompute is None
+        )
+        if choice.offload is None:
+            reason = (
+                f"{choice.name}: {format_bytes(e.total)} per rank of "
+                f"{format_bytes(available_bytes)} available ({headroom:.0%} headroom)"
+            )
+            if too_big:
+                reason += "; " + too_big + " would not fit"
+        else:
+            reason = (
+                f"zero3 with offload={choice.offload}: {format_bytes(e.total)} per rank "
+                f"of {format_bytes(available_bytes)} available, "
+                f"{format_bytes(e.host)} of host memory; " + too_big + " would not fit"
             )  # fmt: skip
-            if offloaded.total <= budget and offloaded.host <= host_budget:
-                reason = (
-                    f"zero3 with offload={offload}: {format_bytes(offloaded.total)} per rank "
-                    f"of {format_bytes(available_bytes)} available, "
-                    f"{format_bytes(offloaded.host)} of host memory; "
-                    + ", ".join(rejected) + " would not fit"
-                )  # fmt: skip
-                return "zero3", reason, offloaded
-    short = estimate.total - budget
-    reason = (
-        f"zero3 may not fit: {format_bytes(estimate.total)} per rank of "
-        f"{format_bytes(available_bytes)} available ({headroom:.0%} headroom allows "
-        f"{format_bytes(budget)}), short by {format_bytes(short)}; add ranks, use mixed "
-        "precision, a smaller batch or activation checkpointing"
-    )
-    return "zero3", reason, estimate
+    else:
+        # The least memory without offloading: zero3, recomputing fully when priced.
+        choice = min(
+            (c for c in candidates if c.strategy == "zero3" and c.offload is None),
+            key=lambda c: (c.estimate.total, c.order),
+        )
+        e = choice.estimate
+        reason = (
+            f"{choice.name} may not fit: {format_bytes(e.total)} per rank of "
+            f"{format_bytes(available_bytes)} available ({headroom:.0%} headroom allows "
+            f"{format_bytes(budget)}), short by {format_bytes(e.total - budget)}; add ranks, use "
+            "mixed precision or a smaller batch"
+            + ("" if len(policies) > 1 else " (or pass example_input to price recomputation)")
+        )
+    return StrategyPlan(tuple(candidates), choice, reason, budget, available_bytes, host_budget)
+
+
+def choose_strategy(
+    model: nn.Module,
+    *,
+    world_size: int,
+    available_bytes: int | None = None,
+    optimizer: str | torch.optim.Optimizer | None = "adamw",
+    mixed_precision: MixedPrecision | None = None,
+    example_input: Any = None,
+    headroom: float = 0.7,
+    unit_mb: float | None = None,
+    prefetch: int = 1,
+    device: torch.device | str | int | None = None,
+) -> tuple[str, str, MemoryEstimate]:
+    """The least sharded strategy whose estimate fits ``headroom`` of the available memory.
+
+    ``plan_strategy``'s choice (see there for the arguments and errors), as
+    ``(strategy, reason, estimate)``; the reason reads like
+    ``"ddp: 1.2 GiB per rank of 12.0 GiB available (70% headroom)"``, and the estimate's
+    ``offload`` says whether zero3 offloads.
+    """
+    plan = plan_strategy(
+        model, world_size=world_size, available_bytes=available_bytes, optimizer=optimizer,
+        mixed_precision=mixed_precision, example_input=example_input, headroom=headroom,
+        unit_mb=unit_mb, prefetch=prefetch, device=device,
+    )  # fmt: skip
+    return plan.choice.strategy, plan.reason, plan.choice.estimate
