@@ -1,7 +1,8 @@
 """Which strategy fits: the memory a rank can use, and the least sharded strategy within it.
 
 ``plan_strategy`` prices every strategy, least to most sharded (``strategies.BY_MEMORY``),
-then on CUDA zero3 with its offloads, with the estimates of ``planner``, and chooses the first
+then (given an example input) the same with the blocks recomputing their activations, then
+on CUDA zero3 with its offloads, with the estimates of ``planner``, and chooses the first
 whose total fits ``headroom`` of what ``available_memory`` measures; its ``StrategyPlan``
 shows what it priced (``explain()``). ``choose_strategy`` gives the choice alone;
 ``as_distributed`` uses the plan.
@@ -228,6 +229,9 @@ def plan_strategy(
         device: Where ``available_memory`` looks; the model's CUDA device, else the current
             CUDA device, else the CPU.
 
+    Returns:
+        A ``StrategyPlan``: ``choice``, ``reason``, every candidate, and ``explain()``.
+
     Raises:
         InvalidArgumentError: as ``estimate_memory``, or ``headroom`` outside (0, 1] or a
             negative ``available_bytes``.
@@ -318,7 +322,7 @@ def plan_strategy(
             f"{format_bytes(available_bytes)} available ({headroom:.0%} headroom allows "
             f"{format_bytes(budget)}), short by {format_bytes(e.total - budget)}; add ranks, use "
             "mixed precision or a smaller batch"
-            + ("" if len(policies) > 1 else " (or pass example_input to price recomputation)")
+            + (" (or pass example_input to price recomputation)" if example_input is None else "")
         )
     return StrategyPlan(tuple(candidates), choice, reason, budget, available_bytes, host_budget)
 
