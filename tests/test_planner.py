@@ -419,6 +419,52 @@ def test_plan_strategy_prices_recomputation_when_it_counts_activations() -> None
     assert [c.name for c in again.candidates] == list(FP32_ADAM)
 
 
+def _saved_by_a_real_forward(model: nn.Module, args: tuple, inside: nn.Module | None = None) -> int:
+    """Bytes autograd saves in a real CPU forward (storages once, parameters not); when
+    ``inside`` is given, only those saved while it runs, its inputs not."""
+    params = {id(p) for p in model.parameters()}
+    saved: dict[int, tuple[torch.Tensor, int]] = {}
+    running = [inside is None]
+
+    def enter(_m: nn.Module, args: tuple) -> None:
+        running[0] = True
+        params.update(id(a) for a in args if isinstance(a, torch.Tensor))
+
+    if inside is not None:
+        inside.register_forward_pre_hook(enter)
+        inside.register_forward_hook(lambda *_: running.__setitem__(0, False))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t if t._base is None else t._base
+        if running[0] and id(base) not in params and id(base) not in saved:
+            saved[id(base)] = (base, base.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*args)
+    return sum(n for _, n in saved.values())
+
+
+def test_attention_and_recomputation_are_counted_as_a_real_forward_saves_them() -> None:
+    """The meta-device count against a real CPU forward of the main job's GPT: attention as
+    its fused kernel saves it (no attention weights), and under full recomputation the
+    largest block's tensors, made again in backward, in ``recomputed``."""
+    from shardline.examples.model import Config, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(Config(d_model=128, num_layers=2, num_heads=4, seq_len=64))
+    x, y = torch.randint(0, 256, (2, 8, 64))
+    real = _saved_by_a_real_forward(model, (x, y))
+    plain = estimate_memory(model, world_size=1, strategy="ddp", example_input=(x, y))
+    assert plain.activations == real and plain.recomputed == 0
+    block = model.blocks[0]
+    full = estimate_memory(
+        model, world_size=1, strategy="ddp", example_input=(x, y), recompute="full"
+    )
+    assert full.recomputed == _saved_by_a_real_forward(model, (x, y), inside=block)
+    assert full.total == full.persistent + full.activations + full.recomputed
+
+
 def test_available_memory_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")

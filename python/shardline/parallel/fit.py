@@ -167,14 +167,14 @@ class StrategyPlan:
         width = max(len(c.name) for c in self.candidates) + 2
         head = (
             f"{'strategy':<{width}}{'params':>10}{'grads':>10}{'master':>10}{'optimizer':>11}"
-            f"{'buffers':>10}{'activations':>13}{'total':>10}{'host':>10}  fits"
+            f"{'buffers':>10}{'activations':>13}{'recomputed':>12}{'total':>10}{'host':>10}  fits"
         )
         rows = [head]
         for c in self.candidates:
             e = c.estimate
             cells = (e.params, e.grads, e.master, e.optimizer, e.comm_buffers, e.activations,
-                     e.total, e.host)  # fmt: skip
-            widths = (10, 10, 10, 11, 10, 13, 10, 10)
+                     e.recomputed, e.total, e.host)  # fmt: skip
+            widths = (10, 10, 10, 11, 10, 13, 12, 10, 10)
             row = f"{c.name:<{width}}" + "".join(
                 f"{format_bytes(v):>{w}}" for v, w in zip(cells, widths, strict=True)
             )
@@ -252,7 +252,8 @@ def plan_strategy(
     on = torch.device(device) if device is not None else _default_device(model)
     # The units ZeRO will make there (the model may not be there yet).
     rule, offload_rule = default_units(on), default_units(on, "optimizer")
-    cache: dict[tuple[torch.dtype | None, str | None], tuple[int, bool, list[str]]] = {}
+    cache: dict[tuple[torch.dtype | None, str | None], tuple[tuple[int, int], bool, list[str]]]
+    cache = {}
 
     def priced(
         name: str, offload: str | None = None, recompute: str | None = None
@@ -262,12 +263,13 @@ def plan_strategy(
         key = (mp.param_dtype if mp is not None else None, recompute)
         if key not in cache:  # one meta forward per compute dtype and recompute policy
             act_notes: list[str] = []
-            act, measured = _activations_or_note(model, example_input, mp, act_notes, recompute)
-            cache[key] = (act, measured, act_notes)
-        act, measured, act_notes = cache[key]
+            counted = _activations_or_note(model, example_input, mp, act_notes, recompute)
+            cache[key] = (*counted, act_notes)
+        (act, again), measured, act_notes = cache[key]
         return _estimate(
             model, name, world_size, k, mp, unit_mb, prefetch, act, measured,
             notes + act_notes, offload, recompute, unit_rule=offload_rule if offload else rule,
+            recomputed=again,
         )  # fmt: skip
 
     # Recomputing changes only activations: priced where they are counted and it applies.

@@ -28,6 +28,8 @@ class MemoryEstimate:
             states); not part of ``persistent`` or ``total``, which count the device.
         offload: The ZeRO ``offload`` estimated (``"optimizer"``, ``"cpu"``) or ``None``.
         activations: Tensors saved for backward by one forward of ``example_input``.
+        recomputed: What recomputing blocks make again in backward: the largest block call's
+            tensors, alive while its backward runs (0 without recomputation).
         num_params: Parameters of the model (Ψ, unpadded, each shared tensor once).
         num_units: Sharding units the model was grouped into.
         optimizer_states: States per parameter (k).
@@ -54,6 +56,7 @@ class MemoryEstimate:
     compression: int = 0
     host: int = 0
     offload: str | None = None
+    recomputed: int = 0
 
     @property
     def persistent(self) -> int:
@@ -62,8 +65,8 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        """Peak bytes per rank: persistent state, communication buffers and activations."""
-        return self.persistent + self.comm_buffers + self.activations
+        """Peak bytes per rank: state, communication buffers, activations, what is recomputed."""
+        return self.persistent + self.comm_buffers + self.activations + self.recomputed
 
     @property
     def bytes_per_param(self) -> float:
@@ -106,6 +109,8 @@ class MemoryEstimate:
         row("comm buffers", self.comm_buffers, "transient")
         act = "one forward of the example input" if self.activations_estimated else "not estimated"
         row("activations", self.activations, act)
+        if self.recomputed:
+            row("recomputed", self.recomputed, "one block's, in backward")
         row("total", self.total, "")
         if self.host:
             row("host (offload)", self.host, per_param("host", self.host))

@@ -40,7 +40,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
@@ -302,7 +304,9 @@ def estimate_memory(
     k = optimizer_states(optimizer)
     notes: list[str] = []
     mp = _effective_precision(name, mixed_precision, notes)
-    activations, measured = _activations_or_note(model, example_input, mp, notes, recompute)
+    (activations, again), measured = _activations_or_note(
+        model, example_input, mp, notes, recompute
+    )
     estimate = _estimate(
         model,
         name,
@@ -317,6 +321,7 @@ def estimate_memory(
         offload,
         recompute,
         units,
+        recomputed=again,
     )
     compressor = resolve_compression(compression, None)
     if compressor is None:
@@ -344,6 +349,7 @@ def _estimate(
     offload: str | None = None,
     recompute: str | None = None,
     unit_rule: str | None = None,
+    recomputed: int = 0,
 ) -> MemoryEstimate:
     """The estimate once arguments are checked and activations counted."""
     layout = strategies.strategy(name).planned_as
@@ -417,6 +423,7 @@ def _estimate(
             else 0
         ),
         activations=activations,
+        recomputed=recomputed,
         num_params=num_params,
         num_units=len(units),
         optimizer_states=k,
@@ -462,18 +469,18 @@ def _activations_or_note(
     mp: MixedPrecision | None,
     notes: list[str],
     recompute: str | None = None,
-) -> tuple[int, bool]:
-    """``(bytes, measured)``; a forward that fails on the meta device becomes a note."""
+) -> tuple[tuple[int, int], bool]:
+    """``((kept, made again), measured)``; a forward that fails on the meta device: a note."""
     if example_input is None:
-        return 0, False
+        return (0, 0), False
     try:
-        return estimate_activations(model, example_input, mp, recompute), True
+        return _count_activations(model, example_input, mp, recompute), True
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
         notes.append(
             f"activations not estimated: the forward failed on the meta device "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         )
-        return 0, False
+        return (0, 0), False
 
 
 def estimate_activations(
@@ -488,14 +495,31 @@ def estimate_activations(
     of the same shapes (cast to the compute dtype under ``mixed_precision``, floating inputs
     too), so nothing is allocated or computed. Saved tensors that are parameters (or views of
     them) are skipped, and a tensor saved several times (or through several views) counts once,
-    at the size of its storage. Blocks that recompute in backward (``recompute_blocks``, or
-    ``recompute`` naming the policy) count what that keeps instead of what they save.
+    at the size of its storage. ``F.scaled_dot_product_attention`` counts what the fused
+    kernels save (inputs, output, a log-sum-exp per query), not the attention weights its
+    meta reference saves. Blocks that recompute in backward (``recompute_blocks``, or
+    ``recompute`` naming the policy) count what that keeps instead of what they save (what
+    they make again in backward is ``MemoryEstimate.recomputed``).
 
     Args:
         model: The plain model.
         example_input: A tensor, a tuple of positional arguments or a dict of keyword arguments.
         mixed_precision: The policy whose compute dtype the forward runs in.
         recompute: ``"selective"`` or ``"full"``, as given to ``distribute``.
+    """
+    return _count_activations(model, example_input, mixed_precision, recompute)[0]
+
+
+def _count_activations(
+    model: nn.Module,
+    example_input: Any,
+    mixed_precision: MixedPrecision | None = None,
+    recompute: str | None = None,
+) -> tuple[int, int]:
+    """``(kept, made again)``: ``estimate_activations``'s bytes, and more.
+
+    The second is the most that one call of a recomputing block makes again in backward,
+    alive while that call's backward runs.
     """
 
     def meta(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
@@ -517,23 +541,79 @@ def estimate_activations(
 
     # [Note: saved tensors are kept alive until the count is done, so ids are never reused.]
     saved: dict[int, tuple[torch.Tensor, int]] = {}
+    saved_elsewhere: list[torch.Tensor] = []
 
     def keep(t: torch.Tensor) -> None:
         base = t if t._base is None else t._base
         if id(base) not in param_ids and id(base) not in saved:
             saved[id(base)] = (base, base.untyped_storage().nbytes())
 
-    with kept_under_recompute(model, recompute, keep) as counted:
+    # What each block call drops, by call: backward makes one call's again at a time.
+    dropped: dict[int, dict[int, int]] = {}
+    with kept_under_recompute(model, recompute, keep) as (counted, running):
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             if counted(t):
                 keep(t)
+            elif (call := running()) is not None:
+                base = t if t._base is None else t._base
+                if id(base) not in param_ids:
+                    saved_elsewhere.append(base)  # alive until counted: ids stay unique
+                    dropped.setdefault(call, {})[id(base)] = base.untyped_storage().nbytes()
             return t
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            _FusedAttention(),
+        ):
             out = torch.func.functional_call(model, state, args, kwargs, strict=False)
     del out
-    return sum(nbytes for _, nbytes in saved.values())
+    again = max(
+        (sum(n for key, n in call.items() if key not in saved) for call in dropped.values()),
+        default=0,
+    )
+    return sum(nbytes for _, nbytes in saved.values()), again
+
+
+class _FusedAttention(TorchFunctionMode):
+    """``scaled_dot_product_attention`` saving what the fused kernels save, on the meta device.
+
+    On the meta device it runs as its reference (the math kernel), which saves the attention
+    weights (batch x heads x queries x keys, in float32). The kernels CPUs and GPUs run
+    (flash, memory-efficient) save the inputs, the output and a float32 log-sum-exp per query
+    instead, so those are what is counted (and a mask, when one is given).
+    """
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        extra = (mask,) if isinstance(mask, torch.Tensor) else ()
+        return _SavedLikeFused.apply(q, k, v, *extra)
+
+
+class _SavedLikeFused(torch.autograd.Function):
+    """The output of attention over ``q, k, v``, with the fused kernels' saved tensors."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mask: Any) -> Any:
+        if q.dim() == 4:  # the fused kernels write (batch, queries, heads, dim), transposed
+            b, h, n, _ = q.shape
+            out = q.new_empty((b, n, h, v.shape[-1])).transpose(1, 2)
+        else:
+            out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse, *mask)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - only ever counted
+        raise NotImplementedError("the planner's meta forward has no backward")
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

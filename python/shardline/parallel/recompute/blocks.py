@@ -179,12 +179,14 @@ def _recomputing_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 @contextlib.contextmanager
 def kept_under_recompute(
     model: nn.Module, policy: str | None, keep: Callable[[torch.Tensor], None]
-) -> Iterator[Callable[[torch.Tensor], bool]]:
+) -> Iterator[tuple[Callable[[torch.Tensor], bool], Callable[[], int | None]]]:
     """For memory estimates: what recomputation would keep in a forward of ``model``.
 
     Within this context the blocks run plainly, and ``keep`` receives each block input a
-    ``"full"`` block keeps. Yields ``counted(t)``: whether a tensor autograd saves now is kept
-    for backward (not inside a ``"full"`` block, not dropped by a ``"selective"`` one).
+    ``"full"`` block keeps. Yields ``(counted, running)``: ``counted(t)`` says whether a
+    tensor autograd saves now is kept for backward (not inside a ``"full"`` block, not
+    dropped by a ``"selective"`` one); ``running()`` numbers the call of the outermost block
+    running now (each call is recomputed on its own in backward), ``None`` outside blocks.
 
     The blocks are those ``recompute_blocks`` wrapped (each with its policy), else, with a
     ``policy``, those ``find_blocks`` finds; with neither, nothing changes.
@@ -199,9 +201,12 @@ def kept_under_recompute(
         else []
     )
     running: list[tuple[str, selective._Block | None]] = []
+    calls = [0]  # outermost block calls so far
 
     def enter(policy: str) -> Callable[..., None]:
         def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
+            if not running:
+                calls[0] += 1
             if not running and policy == "full":
                 for t in (*args, *kwargs.values()):
                     if isinstance(t, torch.Tensor):
@@ -236,7 +241,7 @@ def kept_under_recompute(
                 if isinstance(n, selective.NORM_MODULES)
             )
     try:
-        yield counted
+        yield counted, lambda: calls[0] if running else None
     finally:
         for h in handles:
             h.remove()
