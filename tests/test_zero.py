@@ -614,6 +614,22 @@ def test_zero1_matches_torch_zero_redundancy_optimizer_in_processes() -> None:
 # -- one line ----------------------------------------------------------------------------------
 
 
+def train_as_one_process_would(model: nn.Module, g: ProcessGroup) -> list[float]:
+    """``reference``'s 4 steps of AdamW on this rank's batches; the mean loss of each step."""
+    opt = adamw(list(model.named_parameters()))
+    losses = []
+    for step in range(4):
+        opt.zero_grad()
+        x, y = batch(step, g.rank)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        total = loss.detach().reshape(1).clone()
+        g.all_reduce(total, op="avg")
+        losses.append(float(total))
+    return losses
+
+
 def test_as_distributed_picks_by_memory_and_trains_like_one_process() -> None:
     """Plenty of memory: DDP. Little: zero3, and a plain AdamW over model.parameters() (the
     shards) trains exactly like one process. Ranks with different memory agree on the most
@@ -628,17 +644,7 @@ def test_as_distributed_picks_by_memory_and_trains_like_one_process() -> None:
         model = sl.as_distributed(
             make(), group=g, available_bytes=budget, verbose=False, unit_mb=UNIT_MB
         )
-        opt = adamw(list(model.named_parameters()))
-        losses = []
-        for step in range(4):
-            opt.zero_grad()
-            x, y = batch(step, g.rank)
-            loss = lm_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            total = loss.detach().reshape(1).clone()
-            g.all_reduce(total, op="avg")
-            losses.append(float(total))
+        losses = train_as_one_process_would(model, g)
         return roomy.strategy, model.strategy, model.strategy_reason, losses, model.state_dict()
 
     for roomy, chosen, reason, losses, state in run_ranks(2, body, timeout=60):
@@ -669,17 +675,7 @@ def test_as_distributed_recomputes_when_no_strategy_fits_without_it() -> None:
             verbose=False, unit_mb=UNIT_MB,
         )  # fmt: skip
         assert model.plan.choice == target and "<- chosen" in model.plan.explain()
-        opt = adamw(list(model.named_parameters()))
-        losses = []
-        for step in range(4):
-            opt.zero_grad()
-            x, y = batch(step, g.rank)
-            loss = lm_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            total = loss.detach().reshape(1).clone()
-            g.all_reduce(total, op="avg")
-            losses.append(float(total))
+        losses = train_as_one_process_would(model, g)
         return model.strategy, model.strategy_reason, losses, model.state_dict()
 
     for chosen, reason, losses, state in run_ranks(2, body, timeout=60):
