@@ -2,8 +2,8 @@
 
 - ``distribute``: one call, strategy by name; ``as_distributed``: strategy chosen by memory.
 - ``clip_grad_norm_``: clipping by the global norm, whatever the layout.
-- ``estimate_memory`` (``planner``), ``plan_strategy`` and ``choose_strategy`` (``fit``): the
-  pre-flight memory planner.
+- ``estimate_memory`` (``planner``, counting activations with ``activations``),
+  ``plan_strategy`` and ``choose_strategy`` (``fit``): the pre-flight memory planner.
 - ``strategies``: the strategy names, one table (name -> wrapper, stage, planner layout).
 - ``contract``: the four methods every strategy implements for checkpoints, and the values
   they return (``Shard``, ``Local``, replicated tensors).
