@@ -108,10 +108,16 @@ class FlightRecorder:
             record[STATE] = "done" if error is None else type(error).__name__
 
     def timed(self, record: list[Any] | None, handle: Any) -> None:
-        """Hands the tracer the GPU timing of ``record``'s op, where its handle has one."""
+        """Hands the tracer the GPU timing of ``record``'s op, where its handle has one.
+
+        On every op's path: one attribute test when no tracer takes GPU times.
+        """
+        sink = self.device_sink
+        if sink is None or record is None:
+            return
         timing = getattr(handle, "timing", None)
-        if timing is not None and record is not None and self.device_sink is not None:
-            self.device_sink(record, timing)
+        if timing is not None:
+            sink(record, timing)
 
     def records(self) -> list[list[Any]]:
         """A copy of the records, oldest first (dtypes as text: ``"float32"``)."""

@@ -176,8 +176,7 @@ class ProcessGroup:
                 if out is exc:
                     raise
                 raise out from exc
-            if RECORDER.device_sink is not None:  # a tracer takes GPU times
-                RECORDER.timed(record, handle)
+            RECORDER.timed(record, handle)  # the op's GPU times, to a tracer that takes them
             RECORDER.finish(record)
             if finalize is not None:
                 finalize()
@@ -189,8 +188,7 @@ class ProcessGroup:
             if out is exc:
                 raise
             raise out from exc
-        if RECORDER.device_sink is not None:
-            RECORDER.timed(record, handle)
+        RECORDER.timed(record, handle)
         work = Work(handle, keepalive, finalize, self._failed, record)
         with self._lock:
             # Pruned only when the list has doubled: checking every Work on every call would
