@@ -656,8 +656,8 @@ def test_as_distributed_picks_by_memory_and_trains_like_one_process() -> None:
 
 def test_as_distributed_recomputes_when_no_strategy_fits_without_it() -> None:
     """A budget that no strategy fits with every activation kept but zero1 fits with the
-    blocks recomputing: as_distributed recomputes (the first of its choices that fits), says
-    so, and trains like one process."""
+    blocks recomputing: untimed, as_distributed recomputes (the first of its choices that
+    fits), says so, and trains like one process."""
     ref_losses, ref_state, _ = reference(2, 4, adamw)
     example = (batch(0, 0)[0],)
     priced = sl.plan_strategy(
@@ -672,7 +672,7 @@ def test_as_distributed_recomputes_when_no_strategy_fits_without_it() -> None:
         torch.set_num_threads(1)
         model = sl.as_distributed(
             make(), group=g, available_bytes=budget, headroom=1.0, example_input=example,
-            verbose=False, unit_mb=UNIT_MB,
+            verbose=False, unit_mb=UNIT_MB, timing=False,
         )  # fmt: skip
         assert model.plan.choice == target and "<- chosen" in model.plan.explain()
         losses = train_as_one_process_would(model, g)

@@ -236,8 +236,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         "--strategy",
         default="ddp",
         choices=["ddp", "zero1", "zero2", "zero3", "fsdp", "auto", "pp"],
-        help="data parallel strategy (auto: sl.as_distributed picks by memory), or pp: a "
-        "pipeline, one stage per process",
+        help="data parallel strategy (auto: sl.as_distributed picks the fastest that fits), or "
+        "pp: a pipeline, one stage per process",
     )
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule (pp): gpipe, 1f1b, "
                    "interleaved, zero_bubble")  # fmt: skip
@@ -366,8 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         strategy = f"a {world_size}-stage {args.schedule} pipeline{chunks}"
-    elif strategy == "auto":  # the one-line way: the strategy that fits, then a plain optimizer
-        model = sl.as_distributed(model)
+    elif strategy == "auto":  # the one-line way: the fastest that fits, then a plain optimizer
+        model = sl.as_distributed(model, example_input=probe)  # one rank's batch: timed
         strategy = str(model.strategy)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     elif group is not None:

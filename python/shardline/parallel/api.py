@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -20,9 +21,10 @@ from shardline.parallel.data.ddp import DistributedDataParallel
 from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
 from shardline.parallel.deterministic import make_deterministic
-from shardline.parallel.fit import CHOICES, plan_strategy
+from shardline.parallel.fit import plan_strategy
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import recompute_blocks
+from shardline.parallel.timing import probe_step
 
 __all__ = ["as_distributed", "distribute"]
 
@@ -201,29 +203,39 @@ def as_distributed(
     example_input: Any = None,
     available_bytes: int | None = None,
     headroom: float = 0.7,
+    timing: bool = True,
     verbose: bool = True,
     **options: Any,
 ) -> nn.Module:
-    """Wraps ``model`` with the least sharded strategy whose memory fits, and says why.
+    """Wraps ``model`` with the fastest strategy whose memory fits, and says why.
 
-    DDP when the model, its gradients and optimizer state (``optimizer``: the name of the one
-    you will build, or an instance) fit in ``headroom`` of one rank's memory, otherwise the
-    lowest ZeRO stage that fits (``estimate_memory`` for each); with ``example_input``, where
-    none does, the same with the model's blocks recomputing their activations (selective,
-    then full); and on GPUs where none does, zero3 with its shards and optimizer state
-    offloaded to host memory (``plan_strategy``). Every rank agrees on the choice furthest
-    down that order any rank needs. Build the optimizer afterwards from the returned model's
-    ``parameters()`` (for ZeRO those are this rank's shards, named like the originals).
+    Prices the memory per rank of DDP and ZeRO-1/2/3 (``estimate_memory`` for each, with the
+    optimizer state of ``optimizer``: the name of the one you will build, or an instance);
+    with ``example_input``, the same with the model's blocks recomputing their activations
+    (selective, then full); on GPUs, zero3 with its shards and optimizer state offloaded to
+    host memory (``plan_strategy``). With ``example_input`` and ``timing``, short probes
+    (``probe_step``: the model's forward and backward on that batch, an optimizer step, an
+    all-reduce of the group; about a second on a small model, counted in the group's
+    ``traffic()``) predict each fitting choice's step, and the fastest is chosen (within 2 %
+    of it, the least sharded); otherwise the first that fits in that order. The offloads are
+    chosen only when nothing else fits. Every rank takes the same choice, from the slowest
+    rank's times and what fits on every rank. Build the optimizer afterwards from the
+    returned model's ``parameters()`` (for ZeRO those are this rank's shards, named like the
+    originals).
 
     Args:
         model: The plain model, on its device.
         group: The ranks to train on; the default group when ``None``.
         optimizer: What the optimizer state will be (``"adamw"``, ``"sgd-momentum"``, ...).
         mixed_precision: For the ZeRO stages (DDP keeps the model's dtype).
-        example_input: One rank's batch, to count activations (meta device, no compute).
+        example_input: One rank's batch: activations are counted on it (meta device), and
+            the timing probe runs it (leaving the model's gradients, buffers and the RNG
+            state as they were).
         available_bytes: Memory per rank; measured (free GPU memory, or available host memory
             shared by the local ranks) when ``None``.
         headroom: Fraction of the available memory a strategy may plan to use.
+        timing: Time the fitting choices (needs ``example_input``); ``False`` takes the first
+            that fits.
         verbose: Print the choice and the reason on rank 0 (always logged to ``shardline``).
         **options: Passed to the chosen wrapper; those only the other one knows (``unit_mb``,
             ``comm_hook``, ...) are dropped, so one call works whatever memory a machine has.
@@ -231,8 +243,8 @@ def as_distributed(
     Returns:
         A ``DistributedDataParallel`` or ``ShardedDataParallel``; ``model.strategy`` and
         ``model.strategy_reason`` record the choice, ``model.plan`` (a ``StrategyPlan``) what
-        this rank priced: ``print(model.plan.explain())`` shows every strategy's bytes per
-        rank by component and whether it fits.
+        the ranks priced: ``print(model.plan.explain())`` shows every strategy's bytes per
+        rank by component, whether it fits and its predicted step.
     """
     g = group if group is not None else default_group()
     device = next(model.parameters()).device
@@ -247,15 +259,27 @@ def as_distributed(
         unit_mb=options.get("unit_mb"),
         device=device,
     )
+    if timing and example_input is not None:
+        probes = probe_step(
+            model, example_input, group=g, optimizer=optimizer, computes=plan.to_time(),
+            elements=plan.shape.elements if plan.shape is not None else None,
+        )  # fmt: skip
+        plan = plan.timed(probes)
+    # Every rank takes the same choice: from the slowest rank's step times and what fits on all.
+    n = len(plan.candidates)
+    verdicts = torch.tensor(
+        [c.time.total if c.time is not None else math.inf for c in plan.candidates]
+        + [0.0 if c.fits else 1.0 for c in plan.candidates],
+        dtype=torch.float64,
+        device=device,
+    )
+    g.all_reduce(verdicts, op="max")
+    seen = verdicts.tolist()
+    mine, plan = plan, plan.agreed(seen[:n], [v == 0.0 for v in seen[n:]])
     reason = plan.reason
-    # Every rank takes the choice furthest down ``CHOICES`` that any rank needs.
-    mine = torch.tensor([plan.choice.order], dtype=torch.int64, device=device)
-    g.all_reduce(mine, op="max")
-    policy, agreed, offload = CHOICES[int(mine.item())]
-    if int(mine.item()) != plan.choice.order:
-        said = agreed + (f" recompute={policy}" if policy else "")
-        said += f" with offload={offload}" if offload else ""
-        reason = f"{said}: another rank has less memory ({reason} here)"
+    if plan.choice.order != mine.choice.order:
+        reason += f" (on every rank; this rank alone would take {mine.choice.name})"
+    policy, agreed, offload = plan.choice.recompute, plan.choice.strategy, plan.choice.offload
     if policy is not None:
         recompute_blocks(model, policy)
     row = strategies.strategy(agreed)

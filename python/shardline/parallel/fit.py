@@ -10,8 +10,9 @@ shows what it priced (``explain()``). ``choose_strategy`` gives the choice alone
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from shardline.parallel.planner import (
 )
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import find_blocks, recomputing_blocks
+from shardline.parallel.timing import ModelShape, Probes, StepTime, compute_dtype, predict
 
 __all__ = [
     "CHOICES",
@@ -106,6 +108,9 @@ class Candidate:
         estimate: Bytes per rank, by component (``estimate_memory``'s).
         fits: Its total is within the device budget, and under offload its host part within
             the host budget.
+        recompute: The blocks' recompute policy, or ``None``.
+        time: Its predicted step (``StrategyPlan.timed``); ``None`` until timed, and for
+            the offloads.
     """
 
     strategy: str
@@ -113,6 +118,7 @@ class Candidate:
     estimate: MemoryEstimate
     fits: bool
     recompute: str | None = None
+    time: StepTime | None = None
 
     @property
     def name(self) -> str:
@@ -153,6 +159,8 @@ class StrategyPlan:
         budget: Bytes per rank a strategy may use: ``headroom`` of ``available_bytes``.
         available_bytes: What one rank may use (measured, unless given).
         host_budget: Host bytes per rank the offloads may use (0 off CUDA).
+        shape, world_size, mixed_precision, headroom, example_given: what it was priced for.
+        probes: What ``timed`` predicted the step times from; ``None`` until then.
     """
 
     candidates: tuple[Candidate, ...]
@@ -161,13 +169,93 @@ class StrategyPlan:
     budget: float
     available_bytes: int
     host_budget: float = 0.0
+    shape: ModelShape | None = None
+    world_size: int = 1
+    mixed_precision: MixedPrecision | None = None
+    headroom: float = 0.7
+    example_given: bool = False
+    probes: Probes | None = None
+
+    def to_time(self) -> list[tuple[str | None, torch.dtype | None]]:
+        """The ``(recompute, compute dtype)`` pairs whose compute the fitting choices need.
+
+        Only those whose probe fits the budget: the parameters (and under autocast their
+        low-precision copies), one batch's activations and what recomputation makes again
+        (the probe drops each gradient as it is made).
+        """
+        shape = self.shape
+        assert shape is not None
+        keys: dict[tuple[str | None, torch.dtype | None], None] = {}
+        for c in self.candidates:
+            if not c.fits or c.offload is not None:
+                continue
+            dtype = compute_dtype(c.strategy, shape, self.mixed_precision)
+            e = c.estimate
+            probe = (
+                shape.elements * (shape.dtype.itemsize + (dtype.itemsize if dtype else 0))
+                + e.activations
+                + e.recomputed
+            )
+            if probe <= self.budget:
+                keys[(c.recompute, dtype)] = None
+        return list(keys)
+
+    def timed(self, probes: Probes) -> StrategyPlan:
+        """This plan with every choice's step predicted from ``probes``.
+
+        The fastest that fits is chosen (within 2 % of it, the least sharded). The offloads
+        stay untimed: they are chosen only when nothing else fits.
+        """
+        return self._rechosen(
+            [
+                c if c.offload is not None else replace(c, time=self._predict(c, probes))
+                for c in self.candidates
+            ],
+            probes,
+        )
+
+    def _predict(self, c: Candidate, probes: Probes) -> StepTime | None:
+        assert self.shape is not None
+        return predict(
+            c.strategy, c.recompute, c.estimate.num_units, self.shape, self.world_size,
+            self.mixed_precision, probes,
+        )  # fmt: skip
+
+    def agreed(self, totals: list[float], fits: list[bool]) -> StrategyPlan:
+        """This plan with every rank's verdicts, chosen again.
+
+        ``totals``: the slowest rank's step per candidate (``inf`` where one is untimed);
+        ``fits``: whether it fits on every rank.
+        """
+        return self._rechosen(
+            [
+                replace(
+                    c,
+                    fits=ok,
+                    time=None if c.time is None or math.isinf(t) else replace(c.time, slowest=t),
+                )
+                for c, t, ok in zip(self.candidates, totals, fits, strict=True)
+            ],
+            self.probes,
+        )
+
+    def _rechosen(self, candidates: list[Candidate], probes: Probes | None) -> StrategyPlan:
+        choice, reason = _choose(
+            candidates, self.budget, self.available_bytes, self.headroom, self.example_given
+        )
+        return replace(
+            self, candidates=tuple(candidates), choice=choice, reason=reason, probes=probes
+        )
 
     def explain(self) -> str:
         """A table of the candidates: bytes per rank by component, whether each fits."""
         width = max(len(c.name) for c in self.candidates) + 2
+        timed = self.probes is not None
         head = (
             f"{'strategy':<{width}}{'params':>10}{'grads':>10}{'master':>10}{'optimizer':>11}"
-            f"{'buffers':>10}{'activations':>13}{'recomputed':>12}{'total':>10}{'host':>10}  fits"
+            f"{'buffers':>10}{'activations':>13}{'recomputed':>12}{'total':>10}{'host':>10}"
+            + (f"{'step':>10}" if timed else "")
+            + "  fits"
         )
         rows = [head]
         for c in self.candidates:
@@ -178,6 +266,8 @@ class StrategyPlan:
             row = f"{c.name:<{width}}" + "".join(
                 f"{format_bytes(v):>{w}}" for v, w in zip(cells, widths, strict=True)
             )
+            if timed:
+                row += f"{_ms(c.time.total) if c.time is not None else '-':>10}"
             verdict = "yes" if c.fits else f"no (over by {format_bytes(e.total - self.budget)})"
             if not c.fits and e.total <= self.budget:  # the host part is what does not fit
                 verdict = f"no (host over by {format_bytes(e.host - self.host_budget)})"
@@ -189,6 +279,21 @@ class StrategyPlan:
             + (f"; host: {format_bytes(self.host_budget)}" if self.host_budget else "")
             + ("" if acts else "; activations not counted (pass example_input)")
         )
+        t, p = self.choice.time, self.probes
+        if t is not None and p is not None:
+            rows.append(
+                f"step of {self.choice.name} on this rank: compute {_ms(t.compute)}, "
+                f"communication {_ms(t.comm)} of which {_ms(t.exposed)} not hidden, optimizer "
+                f"{_ms(t.optimizer)}"
+                + (
+                    f"; link {p.link.latency * 1e6:.0f} us + {p.link.bandwidth / 1e9:.2f} GB/s"
+                    if p.link is not None
+                    else ""
+                )
+                + f"; probes took {p.seconds:.1f} s"
+            )
+        if p is not None:
+            rows.extend(p.notes)
         rows.append(f"chosen: {self.reason}")
         return "\n".join(rows)
 
@@ -289,8 +394,72 @@ def plan_strategy(
             e = priced("zero3", offload)
             fits = e.total <= budget and e.host <= host_budget
             candidates.append(Candidate("zero3", offload, e, fits))
+    choice, reason = _choose(candidates, budget, available_bytes, headroom, example_input)
+    return StrategyPlan(
+        tuple(candidates), choice, reason, budget, available_bytes, host_budget,
+        ModelShape.of(model), world_size, mixed_precision, headroom, example_input is not None,
+    )  # fmt: skip
+
+
+def choose_strategy(
+    model: nn.Module,
+    *,
+    world_size: int,
+    available_bytes: int | None = None,
+    optimizer: str | torch.optim.Optimizer | None = "adamw",
+    mixed_precision: MixedPrecision | None = None,
+    example_input: Any = None,
+    headroom: float = 0.7,
+    unit_mb: float | None = None,
+    prefetch: int = 1,
+    device: torch.device | str | int | None = None,
+) -> tuple[str, str, MemoryEstimate]:
+    """The least sharded strategy whose estimate fits ``headroom`` of the available memory.
+
+    ``plan_strategy``'s choice (see there for the arguments and errors), as
+    ``(strategy, reason, estimate)``; the reason reads like
+    ``"ddp: 1.2 GiB per rank of 12.0 GiB available (70% headroom)"``, and the estimate's
+    ``offload`` says whether zero3 offloads.
+    """
+    plan = plan_strategy(
+        model, world_size=world_size, available_bytes=available_bytes, optimizer=optimizer,
+        mixed_precision=mixed_precision, example_input=example_input, headroom=headroom,
+        unit_mb=unit_mb, prefetch=prefetch, device=device,
+    )  # fmt: skip
+    return plan.choice.strategy, plan.reason, plan.choice.estimate
+
+
+def _choose(
+    candidates: list[Candidate] | tuple[Candidate, ...],
+    budget: float,
+    available_bytes: int,
+    headroom: float,
+    example_given: bool,
+) -> tuple[Candidate, str]:
+    """The choice among ``candidates`` and why.
+
+    The fastest that fits when every one that fits (but the offloads) is timed, else the
+    first that fits; zero3 when none does.
+    """
     fitting = [c for c in candidates if c.fits]
-    if fitting:
+    timed = [c for c in fitting if c.offload is None]
+    if timed and all(c.time is not None for c in timed):
+        fastest = min(c.time.total for c in timed if c.time is not None)
+        # Within 2 % of the fastest, the least sharded (the earliest in CHOICES) wins.
+        choice = next(c for c in timed if c.time is not None and c.time.total <= 1.02 * fastest)
+        e, t = choice.estimate, choice.time
+        assert t is not None
+        others = sorted(
+            (c for c in timed if c is not choice), key=lambda c: c.time.total if c.time else 0.0
+        )
+        reason = (
+            f"{choice.name}: predicted {_ms(t.total)} per step, the fastest of the {len(timed)} "
+            f"that fit ({format_bytes(e.total)} per rank of {format_bytes(available_bytes)} "
+            f"available, {headroom:.0%} headroom)"
+        )
+        if others and others[0].time is not None:
+            reason += f"; next {others[0].name} at {_ms(others[0].time.total)}"
+    elif fitting:
         choice = fitting[0]
         e = choice.estimate
         rejected = candidates[: candidates.index(choice)]  # preferred, but none fits
@@ -324,34 +493,10 @@ def plan_strategy(
             f"{format_bytes(available_bytes)} available ({headroom:.0%} headroom allows "
             f"{format_bytes(budget)}), short by {format_bytes(e.total - budget)}; add ranks, use "
             "mixed precision or a smaller batch"
-            + (" (or pass example_input to price recomputation)" if example_input is None else "")
+            + ("" if example_given else " (or pass example_input to price recomputation)")
         )
-    return StrategyPlan(tuple(candidates), choice, reason, budget, available_bytes, host_budget)
+    return choice, reason
 
 
-def choose_strategy(
-    model: nn.Module,
-    *,
-    world_size: int,
-    available_bytes: int | None = None,
-    optimizer: str | torch.optim.Optimizer | None = "adamw",
-    mixed_precision: MixedPrecision | None = None,
-    example_input: Any = None,
-    headroom: float = 0.7,
-    unit_mb: float | None = None,
-    prefetch: int = 1,
-    device: torch.device | str | int | None = None,
-) -> tuple[str, str, MemoryEstimate]:
-    """The least sharded strategy whose estimate fits ``headroom`` of the available memory.
-
-    ``plan_strategy``'s choice (see there for the arguments and errors), as
-    ``(strategy, reason, estimate)``; the reason reads like
-    ``"ddp: 1.2 GiB per rank of 12.0 GiB available (70% headroom)"``, and the estimate's
-    ``offload`` says whether zero3 offloads.
-    """
-    plan = plan_strategy(
-        model, world_size=world_size, available_bytes=available_bytes, optimizer=optimizer,
-        mixed_precision=mixed_precision, example_input=example_input, headroom=headroom,
-        unit_mb=unit_mb, prefetch=prefetch, device=device,
-    )  # fmt: skip
-    return plan.choice.strategy, plan.reason, plan.choice.estimate
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"

@@ -40,6 +40,7 @@ __all__ = [
     "find_blocks",
     "kept_under_recompute",
     "recompute_blocks",
+    "recomputing",
     "recomputing_blocks",
 ]
 
@@ -155,15 +156,41 @@ def recompute_blocks(
     return names
 
 
-def _wrap(module: nn.Module, policy: str) -> None:
+@contextlib.contextmanager
+def recomputing(model: nn.Module, policy: str | None) -> Iterator[None]:
+    """Within this context the blocks of ``model`` recompute under ``policy``; after, as before.
+
+    For the planner's timing probe: ``None`` changes nothing; a model whose blocks recompute
+    already keeps its own policy.
+    """
+    check_policy(policy)
+    if policy is None or recomputing_blocks(model):
+        yield
+        return
+    blocks = [m for _, m in find_blocks(model)]
+    handles = [h for m in blocks for h in _wrap(m, policy)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for m in blocks:
+            del m.forward  # the instance's recomputing forward: the class's again
+            delattr(m, _MARK)
+
+
+def _wrap(module: nn.Module, policy: str) -> list[torch.utils.hooks.RemovableHandle]:
     # A method bound to the module (not a closure over it), so a deepcopy of the model gets
     # blocks that run their own forward; the policy travels as an attribute.
     setattr(module, _MARK, policy)
     module.forward = types.MethodType(_recomputing_forward, module)
-    if policy == "selective":
-        for m in module.modules():
-            if isinstance(m, selective.NORM_MODULES):
-                m.register_forward_hook(selective.note_norm_eps)
+    if policy != "selective":
+        return []
+    return [
+        m.register_forward_hook(selective.note_norm_eps)
+        for m in module.modules()
+        if isinstance(m, selective.NORM_MODULES)
+    ]
 
 
 def _recomputing_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

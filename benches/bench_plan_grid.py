@@ -1,0 +1,177 @@
+"""The planner's choice against the grid: every choice that fits, timed, beside what it chose.
+
+Each rank builds a GPT (``--size``: ``main`` is the main job's model, the others
+``bench_zero.py``'s) and one rank's batch, and calls ``sl.as_distributed`` with it as
+``example_input`` (its probes and prediction timed: the seconds to decide). Then every choice
+that fits on every rank (not the offloads) is trained with ``sl.distribute`` and AdamW: built
+afresh, ``--warmup`` steps, then ``--steps`` timed steps, the grid twice over in turn, the
+faster round kept (the slowest rank's median step). Prints each choice's predicted and measured
+step, the fastest measured, the planner's choice and its measured step over the fastest (the
+bar: within 5 %), and the same for the first choice that fits (what memory alone picks).
+
+    python benches/bench_plan_grid.py --device cpu --ranks 2 --size main        # here
+    python benches/bench_plan_grid.py --device cpu --ranks 8 --size small
+    python benches/bench_plan_grid.py --device cuda --ranks 2 --size medium --dtype bf16
+
+``--budget-mib`` gives each rank that much memory instead of what it has (so that only the
+more sharded or recomputing choices fit). Writes ``benches/results/plan-grid-<tag>.{txt,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _harness
+import _report
+
+MIB = 2**20
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415
+    from bench_zero import SIZES  # noqa: PLC0415
+
+    import shardline as sl  # noqa: PLC0415
+    from shardline.examples.train import Config, TinyGPT  # noqa: PLC0415
+
+    rank, world, device, group = _harness.join_job(args.device)
+    if args.size == "main":
+        cfg, batch = Config(), Config().batch_size // world
+    else:
+        d_model, layers, heads, seq_len, batch = SIZES[args.size]
+        cfg = Config(d_model=d_model, num_layers=layers, num_heads=heads, seq_len=seq_len)
+    mp = (
+        sl.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if args.dtype == "bf16"
+        else None
+    )
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen).to(device)
+    y = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen).to(device)
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        return TinyGPT(cfg).to(device)
+
+    budget = args.budget_mib * MIB if args.budget_mib else None
+    _harness.sync(device)
+    t0 = time.perf_counter()
+    chosen = sl.as_distributed(
+        build(), group=group, example_input=(x, y), mixed_precision=mp,
+        available_bytes=budget, verbose=False,
+    )  # fmt: skip
+    _harness.sync(device)
+    decide = time.perf_counter() - t0
+    plan = chosen.plan
+    first_fit = next((c for c in plan.candidates if c.fits), plan.choice)
+    del chosen
+    grid = [c for c in plan.candidates if c.fits and c.offload is None]
+    measured: dict[str, float] = {}
+    for _round in range(2):
+        for c in grid:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            model = build()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            kw: dict[str, Any] = {"mixed_precision": mp} if c.strategy != "ddp" else {}
+            model, opt = sl.distribute(model, opt, strategy=c.strategy, recompute=c.recompute, **kw)
+            assert opt is not None
+            times = []
+            for i in range(args.warmup + args.steps):
+                _harness.sync(device)
+                t = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                model(x, y).backward()
+                opt.step()
+                _harness.sync(device)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t)
+            step = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+            group.all_reduce(step, op="max")
+            measured[c.name] = min(measured.get(c.name, float("inf")), float(step.item()))
+            del model, opt
+    rows = [
+        {
+            "choice": c.name,
+            "predicted": c.time.total if c.time is not None else None,
+            "measured": measured[c.name],
+        }
+        for c in grid
+    ]
+    result = {
+        "rows": rows,
+        "world": world,
+        "chosen": plan.choice.name,
+        "first_fit": first_fit.name,
+        "decide_s": decide,
+        "probes_s": plan.probes.seconds if plan.probes is not None else None,
+        "explain": plan.explain(),
+    }
+    return _harness.leave_job(rank, result, args.out)
+
+
+def table(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = []
+    for world, res in results.items():
+        lines.append(
+            f"{args.size} GPT {args.dtype}, {world} ranks, {args.device}, AdamW, "
+            f"{args.steps} steps per choice, best of 2 rounds"
+            + (f", {args.budget_mib} MiB per rank" if args.budget_mib else "")
+        )
+        lines.append(f"{'choice':<28}{'predicted ms':>14}{'measured ms':>14}{'vs fastest':>12}")
+        best = min(r["measured"] for r in res["rows"])
+        by_name = {r["choice"]: r["measured"] for r in res["rows"]}
+        for r in res["rows"]:
+            mark = "  <- chosen" if r["choice"] == res["chosen"] else ""
+            pred = f"{r['predicted'] * 1e3:>14.2f}" if r["predicted"] is not None else f"{'-':>14}"
+            lines.append(
+                f"{r['choice']:<28}{pred}{r['measured'] * 1e3:>14.2f}"
+                f"{r['measured'] / best:>11.3f}x{mark}"
+            )
+        fastest = min(res["rows"], key=lambda r: r["measured"])["choice"]
+        ratio = by_name[res["chosen"]] / best
+        lines.append(
+            f"fastest measured: {fastest}; chosen: {res['chosen']}, {ratio:.3f}x the fastest "
+            f"({'within' if ratio <= 1.05 else 'outside'} the 5 % bar); the first that fits "
+            f"({res['first_fit']}): {by_name[res['first_fit']] / best:.3f}x; deciding took "
+            f"{res['decide_s']:.1f} s (probes {res['probes_s'] or 0:.1f} s; bar 60 s)"
+        )
+        lines.append("rank 0's plan:")
+        lines.extend("  " + line for line in res["explain"].splitlines())
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--size", default="main", help="main, or bench_zero.py's model sizes")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--steps", type=int, default=10, help="timed steps per choice and round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--budget-mib", type=int, default=0, help="memory per rank (0: measured)")
+    _harness.add_launch(p, timeout=1200.0)
+    args, results = _harness.run_bench(
+        p, argv, __file__, worker, lambda a, w, r, _s: table({w: r}, a)
+    )
+    tag = args.tag or f"{args.device}-{args.size}-{args.dtype}-{os.cpu_count()}c"
+    _report.publish(
+        _report.RESULTS / f"plan-grid-{tag}",
+        _report.header(Path(__file__).name, _report.machine(args.device)),
+        table(results, args),
+        {"args": vars(args), "results": results},
+        lambda _path: "no plot: a table",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

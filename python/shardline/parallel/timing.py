@@ -1,0 +1,489 @@
+"""What a step of each choice costs: short probes on this rank, and a model of the step.
+
+The memory planner (``fit.plan_strategy``) says which choices fit; this says which of them is
+fastest. ``probe_step`` measures, on the rank that will train:
+
+- compute: one rank's batch through the model's forward and backward, under each recompute
+  policy and compute dtype that a fitting choice uses (``recomputing``; ``torch.autocast``
+  for a mixed-precision compute dtype), the fastest of 3 to 20 runs (about half a second
+  of them, after one to warm up; one run when it takes 5 s). Each gradient is dropped as
+  soon as it is made. The model is left as it was: its gradients, buffers (a norm's running
+  statistics) and the RNG state are restored.
+- the optimizer: one step over a flat tensor, per element updated.
+- the link: all-reduces of a small and a large message on the group (latency, bandwidth).
+
+``predict`` adds them up for one choice. Communication is what the strategy issues per step
+(``zero/schedule.py``): DDP all-reduces the gradients during backward; ZeRO-1 all-reduces
+them and ZeRO-2 reduce-scatters them during backward, and both gather the stepped shards as
+forward begins; ZeRO-3 gathers every unit in forward and again in backward and
+reduce-scatters the gradients. A phase's communication hides behind that phase's compute
+(``Probes.overlap`` of it: all of it on CUDA, where the collectives run on their own stream;
+half on CPU, where they share the cores and memory bandwidth with compute) except its last
+collective. The optimizer steps every parameter under DDP, a ``1/N`` shard under ZeRO.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from shardline.parallel.activations import _map_tensors
+from shardline.parallel.precision import MixedPrecision
+from shardline.parallel.recompute.blocks import find_blocks, recomputing
+
+if TYPE_CHECKING:
+    from shardline.comm.group import ProcessGroup
+
+__all__ = [
+    "Collective",
+    "Compute",
+    "Link",
+    "ModelShape",
+    "Probes",
+    "StepTime",
+    "collectives",
+    "predict",
+    "probe_step",
+]
+
+_DDP_FIRST_BUCKET, _DDP_BUCKET = 2**20, 25 * 2**20  # DDP's default buckets, bytes
+_SMALL, _LARGE = 4096, 16 * 2**20  # the link probe's message sizes, bytes
+_OVERLAP = {"cuda": 1.0, "cpu": 0.5}  # fraction of a phase's compute its communication hides behind
+_LONG = 5.0  # s: a probe run this long is measured once
+_RUNS, _ENOUGH = 20, 0.5  # at most this many runs, fewer once they took this many seconds
+
+
+@dataclass(frozen=True)
+class Compute:
+    """One rank's batch through forward and backward, in seconds.
+
+    ``host``: the time the host took to issue them (on CUDA less than their sum unless the
+    host is what limits the step).
+    """
+
+    forward: float
+    backward: float
+    host: float
+
+
+@dataclass(frozen=True)
+class Link:
+    """The group's all-reduce: ``latency + 2 (N-1)/N * bytes / bandwidth`` seconds.
+
+    ``issue``: host seconds to start one asynchronous collective.
+    """
+
+    latency: float
+    bandwidth: float
+    issue: float = 0.0
+
+    def all_reduce(self, nbytes: float, world: int, calls: int) -> float:
+        """Seconds for ``calls`` all-reduces of ``nbytes`` in all."""
+        return calls * self.latency + 2 * (world - 1) / world * nbytes / self.bandwidth
+
+    def gather(self, nbytes: float, world: int, calls: int) -> float:
+        """Seconds for ``calls`` all-gathers (or reduce-scatters) of ``nbytes`` in all."""
+        return calls * self.latency + (world - 1) / world * nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Probes:
+    """What ``probe_step`` measured on this rank.
+
+    Attributes:
+        compute: By ``(recompute policy, compute dtype)``; the dtype is ``None`` for the
+            model's own.
+        optimizer: Seconds per element one optimizer step updates.
+        link: The group's all-reduce; ``None`` for one rank.
+        overlap: Fraction of a phase's compute its communication can hide behind.
+        seconds: How long the probes took.
+        notes: The compute probes that failed (their choices stay untimed), and why.
+    """
+
+    compute: Mapping[tuple[str | None, torch.dtype | None], Compute]
+    optimizer: float
+    link: Link | None
+    overlap: float
+    seconds: float = 0.0
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the step model needs of the model: its trainable elements and blocks."""
+
+    elements: int
+    dtype: torch.dtype
+    blocks: int
+    tensors: int = 0
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelShape:
+        """The shape of ``model`` (its first floating parameter's dtype)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+        return cls(sum(p.numel() for p in params), dtype, len(find_blocks(model)), len(params))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One choice's predicted step, in seconds.
+
+    Attributes:
+        compute: Forward and backward, recomputation included.
+        comm: The strategy's communication, were none of it hidden.
+        exposed: The part of ``comm`` that compute does not hide.
+        optimizer: The optimizer step over the parameters this rank updates.
+        slowest: The slowest rank's total, once the ranks agreed (``StrategyPlan.agreed``).
+    """
+
+    compute: float
+    comm: float
+    exposed: float
+    optimizer: float
+    slowest: float | None = None
+
+    @property
+    def total(self) -> float:
+        """Seconds per step: compute, exposed communication, optimizer (or ``slowest``)."""
+        if self.slowest is not None:
+            return self.slowest
+        return self.compute + self.exposed + self.optimizer
+
+
+def compute_dtype(
+    strategy: str, shape: ModelShape, mp: MixedPrecision | None
+) -> torch.dtype | None:
+    """The dtype a strategy computes in, ``None`` for the model's own (DDP keeps it)."""
+    if strategy == "ddp" or mp is None or mp.param_dtype in (None, shape.dtype):
+        return None
+    return mp.param_dtype
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Collectives of one kind that a strategy issues per step.
+
+    ``calls`` of them, ``nbytes`` in all: each rank's input to an all-reduce or a
+    reduce-scatter, the output of an all-gather.
+    """
+
+    phase: str  # "forward" or "backward"
+    op: str  # "all_reduce", "all_gather" or "reduce_scatter"
+    calls: int
+    nbytes: int
+
+
+def collectives(
+    strategy: str, units: int, shape: ModelShape, world: int, mp: MixedPrecision | None
+) -> list[Collective]:
+    """What ``strategy`` issues per step over ``units`` ZeRO units (none on one rank).
+
+    DDP all-reduces its gradients in buckets (a first of 1 MiB, then up to 25 MiB) and a
+    byte per parameter (which ones were used); ZeRO gathers each unit in the compute dtype
+    and reduces its gradient in the reduction dtype.
+    """
+    if world == 1:
+        return []
+    n = shape.elements
+    if strategy == "ddp":
+        grads = n * shape.dtype.itemsize
+        buckets = 1 + max(0, math.ceil((grads - _DDP_FIRST_BUCKET) / _DDP_BUCKET))
+        # and a byte per parameter: which ones some rank used
+        return [Collective("backward", "all_reduce", buckets + 1, grads + shape.tensors)]
+    policy = mp or MixedPrecision()
+    gathered = n * policy.compute_dtype(shape.dtype).itemsize
+    reduced = n * policy.reduction_dtype(shape.dtype).itemsize
+    out = [Collective("forward", "all_gather", units, gathered)]
+    if strategy == "zero1":
+        out.append(Collective("backward", "all_reduce", units, reduced))
+    else:
+        if strategy == "zero3" and units > 1:
+            # each unit gathered again in backward, but the one forward used last (kept): an
+            # average unit's bytes less
+            again = gathered * (units - 1) // units
+            out.append(Collective("backward", "all_gather", units - 1, again))
+        out.append(Collective("backward", "reduce_scatter", units, reduced))
+    return out
+
+
+def predict(
+    strategy: str,
+    recompute: str | None,
+    units: int,
+    shape: ModelShape,
+    world: int,
+    mp: MixedPrecision | None,
+    probes: Probes,
+) -> StepTime | None:
+    """The step time of ``strategy`` (ddp, zero1-3, no offload) from ``probes``.
+
+    ``None`` when the probes lack its compute (a policy or dtype not probed).
+    """
+    measured = probes.compute.get((recompute, compute_dtype(strategy, shape, mp)))
+    if measured is None:
+        return None
+    link = probes.link
+    comm = {"forward": 0.0, "backward": 0.0}
+    calls = {"forward": 0, "backward": 0}
+    for c in collectives(strategy, units, shape, world, mp) if link is not None else []:
+        assert link is not None
+        moves = link.all_reduce if c.op == "all_reduce" else link.gather
+        comm[c.phase] += moves(c.nbytes, world, c.calls)
+        calls[c.phase] += c.calls
+    # A phase hides its communication behind ``overlap`` of its compute, but for its last call.
+    busy = {"forward": measured.forward, "backward": measured.backward}
+    exposed = sum(
+        max(comm[p] - probes.overlap * busy[p], comm[p] / calls[p]) for p in comm if calls[p]
+    )
+    compute = measured.forward + measured.backward
+    # Where the host issues work ahead of the device (CUDA), the step is the slower of two
+    # timelines: the device's compute and exposed communication, or the host issuing the
+    # compute and every collective (on CPU the host is the device: issuing adds to the step).
+    issue = link.issue if link is not None else 0.0
+    exposed = max(exposed, measured.host + sum(calls.values()) * issue - compute)
+    updated = shape.elements if strategy == "ddp" else math.ceil(shape.elements / world)
+    return StepTime(
+        compute=compute,
+        comm=sum(comm.values()),
+        exposed=exposed,
+        optimizer=updated * probes.optimizer,
+    )
+
+
+def probe_step(
+    model: nn.Module,
+    example_input: Any,
+    *,
+    group: ProcessGroup | None = None,
+    optimizer: str | torch.optim.Optimizer | None = "adamw",
+    computes: Iterable[tuple[str | None, torch.dtype | None]] = ((None, None),),
+    elements: int | None = None,
+) -> Probes:
+    """Times this rank's compute, optimizer and link (see the module docstring).
+
+    Args:
+        model: The plain model, on its device; left as it was.
+        example_input: One rank's batch (a tensor, a tuple of arguments or a dict of keyword
+            arguments). Backward runs from the output: its ``loss`` when it has one, else the
+            sum of its first floating tensor.
+        group: The group whose link is probed (every rank of it must call this); ``None``
+            probes no link.
+        optimizer: The optimizer name or instance whose step is timed (AdamW for a name it
+            does not know).
+        computes: The ``(recompute policy, compute dtype)`` pairs to time.
+        elements: Elements the optimizer probe steps (up to 4 Mi; the model's size when
+            ``None``).
+    """
+    started = time.perf_counter()
+    device = next(model.parameters()).device
+    compute = {}
+    notes = []
+    for key in dict.fromkeys(computes):
+        try:
+            compute[key] = _probe_compute(model, example_input, *key)
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # left untimed, and said why
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            what = f"recompute={key[0]}" + (f" in {key[1]}" if key[1] is not None else "")
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            notes.append(f"the compute probe ({what}) failed: {first}")
+    n = elements if elements is not None else sum(p.numel() for p in model.parameters())
+    per_element = _probe_optimizer(optimizer, device, max(1, min(n, 4 * 2**20)))
+    link = _probe_link(group, device) if group is not None and group.world_size > 1 else None
+    overlap = _OVERLAP.get(device.type, 0.5)
+    seconds = time.perf_counter() - started
+    return Probes(compute, per_element, link, overlap, seconds, tuple(notes))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _untouched(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """The model's gradients, buffers and the RNG state as they were, after the block.
+
+    Within it each gradient is dropped as soon as backward has made it, so the probe holds
+    no more than one at a time.
+    """
+    grads = [(p, p.grad) for p in model.parameters()]
+    for p, _ in grads:
+        p.grad = None
+    dropping = [
+        p.register_post_accumulate_grad_hook(_drop_grad)  # type: ignore[no-untyped-call]
+        for p in model.parameters()
+        if p.requires_grad
+    ]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        try:
+            yield
+        finally:
+            for h in dropping:
+                h.remove()
+            for p, g in grads:
+                p.grad = g
+            with torch.no_grad():
+                for b, kept in buffers:
+                    b.copy_(kept)
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
+
+
+def _loss(out: Any) -> torch.Tensor:
+    """A scalar to run backward from: the output's loss, else its first floating tensor summed."""
+    loss = getattr(out, "loss", None) if not isinstance(out, torch.Tensor) else None
+    if isinstance(loss, torch.Tensor):
+        return loss
+    found: list[torch.Tensor] = []
+
+    def first(t: torch.Tensor) -> torch.Tensor:
+        if not found and t.is_floating_point() and t.requires_grad:
+            found.append(t)
+        return t
+
+    _map_tensors(out if not hasattr(out, "to_tuple") else out.to_tuple(), first)
+    if not found:
+        raise ValueError("the model's output holds no tensor that requires grad")
+    return found[0].float().sum()
+
+
+def _probe_compute(
+    model: nn.Module, example_input: Any, policy: str | None, dtype: torch.dtype | None
+) -> Compute:
+    """The fastest of a few forward and backward passes of ``example_input``.
+
+    Under a compute ``dtype`` the parameters and floating inputs are cast to it first, as the
+    sharded strategies' mixed precision does.
+    """
+    device = next(model.parameters()).device
+    if isinstance(example_input, Mapping):
+        args: tuple[Any, ...] = ()
+        kwargs = dict(example_input)
+    else:
+        args = example_input if isinstance(example_input, tuple) else (example_input,)
+        kwargs = {}
+    params: dict[str, torch.Tensor] = {}
+    if dtype is not None:
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype) if t.is_floating_point() else t
+
+        args, kwargs = _map_tensors(args, cast), _map_tensors(kwargs, cast)
+        params = {
+            n: p.detach().to(dtype).requires_grad_(p.requires_grad)
+            for n, p in model.named_parameters()
+        }
+    dropping = [
+        p.register_post_accumulate_grad_hook(_drop_grad)  # type: ignore[no-untyped-call]
+        for p in params.values()
+        if p.requires_grad
+    ]
+    best = Compute(math.inf, math.inf, math.inf)
+    spent = 0.0
+    with _untouched(model, device), recomputing(model, policy):
+        for run in range(_RUNS):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = torch.func.functional_call(model, params, args, kwargs, strict=False)
+            loss = _loss(out)
+            issued = time.perf_counter() - t0
+            _sync(device)
+            t1 = time.perf_counter()
+            loss.backward()  # type: ignore[no-untyped-call]
+            issued += time.perf_counter() - t1
+            _sync(device)
+            t2 = time.perf_counter()
+            del loss, out
+            if run == 0 and t2 - t0 < _LONG:
+                continue  # a warm-up: allocator, kernels chosen, caches
+            best = Compute(
+                min(best.forward, t1 - t0), min(best.backward, t2 - t1), min(best.host, issued)
+            )
+            spent += t2 - t0
+            if t2 - t0 >= _LONG or (run >= 3 and spent >= _ENOUGH):
+                break
+    for h in dropping:
+        h.remove()
+    return best
+
+
+_OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, {}),
+    "adam": (torch.optim.Adam, {}),
+    "sgd": (torch.optim.SGD, {"lr": 0.01}),
+    "sgd-momentum": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9}),
+    "adagrad": (torch.optim.Adagrad, {}),
+    "rmsprop": (torch.optim.RMSprop, {}),
+}
+
+
+def _probe_optimizer(
+    optimizer: str | torch.optim.Optimizer | None, device: torch.device, n: int
+) -> float:
+    """Seconds per element of one step of ``optimizer`` over ``n`` float32 elements."""
+    if optimizer is None or optimizer == "none":
+        return 0.0
+    if isinstance(optimizer, torch.optim.Optimizer):
+        cls: type[torch.optim.Optimizer] = type(optimizer)
+        hp = {k: v for k, v in optimizer.defaults.items() if k != "differentiable"}
+    else:
+        cls, hp = _OPTIMIZERS.get(optimizer.lower(), _OPTIMIZERS["adamw"])
+    flat = torch.zeros(n, device=device, requires_grad=True)
+    flat.grad = torch.full_like(flat, 1e-3)
+    try:
+        opt = cls([flat], **hp)
+    except (TypeError, ValueError):  # hyperparameters tied to the instance's own tensors
+        opt = torch.optim.AdamW([flat])
+    best = math.inf
+    for _ in range(4):
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best / n
+
+
+def _probe_link(group: ProcessGroup, device: torch.device) -> Link:
+    """The group's all-reduce: latency, bandwidth and the host time to start one.
+
+    Latency and bandwidth come from a small and a large message, each the fastest of four.
+    """
+    times = {}
+    for nbytes in (_SMALL, _LARGE):
+        t = torch.zeros(nbytes // 4, device=device)
+        best = math.inf
+        for _ in range(4):
+            _sync(device)
+            t0 = time.perf_counter()
+            group.all_reduce(t)
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+        times[nbytes] = best
+    small = [torch.zeros(_SMALL // 4, device=device) for _ in range(8)]
+    _sync(device)
+    t0 = time.perf_counter()
+    works = [group.all_reduce(t, async_op=True) for t in small]
+    issue = (time.perf_counter() - t0) / len(small)
+    for w in works:
+        assert w is not None
+        w.wait()
+    _sync(device)
+    world = group.world_size
+    moved = 2 * (world - 1) / world * (_LARGE - _SMALL)
+    bandwidth = moved / max(times[_LARGE] - times[_SMALL], 1e-9)
+    latency = max(times[_SMALL] - 2 * (world - 1) / world * _SMALL / bandwidth, 0.0)
+    return Link(latency, bandwidth, issue)

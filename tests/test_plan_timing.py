@@ -1,0 +1,272 @@
+"""The planner's timing: probes that leave the model as it was, the collectives it prices
+against what the strategies issue, and the fastest fitting choice agreed by every rank."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import shardline as sl
+from shardline.comm import ProcessGroup
+from shardline.examples.train import Config, TinyGPT
+from shardline.parallel import MixedPrecision
+from shardline.parallel.recompute.blocks import recomputing, recomputing_blocks
+from shardline.parallel.timing import (
+    Compute,
+    Link,
+    ModelShape,
+    Probes,
+    collectives,
+    predict,
+    probe_step,
+)
+from tests._ranks import run_ranks
+
+CFG = Config(d_model=32, num_layers=2, num_heads=2, seq_len=16)
+
+
+def gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(CFG)
+
+
+def tokens(rank: int, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, CFG.vocab, (batch, CFG.seq_len), generator=gen)
+    return x, torch.randint(0, CFG.vocab, (batch, CFG.seq_len), generator=gen)
+
+
+class NormedBlock(nn.Module):
+    """A block with running statistics and dropout: what a probe must not disturb."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(torch.relu(self.norm(self.lin(x)))) + x
+
+
+def test_probe_leaves_model_gradients_buffers_and_rng_as_they_were() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(*[NormedBlock() for _ in range(3)])
+    x = torch.randn(16, 8)
+    model(x).sum().backward()  # gradients and running statistics the user already has
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+
+    probes = probe_step(
+        model,
+        x,
+        computes=[(None, None), ("selective", None), ("full", None), (None, torch.bfloat16)],
+    )
+
+    # bf16 weights against the norm's fp32 running statistics: that probe fails, and says so.
+    assert set(probes.compute) == {(None, None), ("selective", None), ("full", None)}
+    assert len(probes.notes) == 1 and "(recompute=None in torch.bfloat16) failed" in probes.notes[0]
+    for c in probes.compute.values():
+        assert 0 < c.forward < math.inf and 0 < c.backward < math.inf and 0 < c.host < math.inf
+    assert probes.optimizer > 0 and probes.link is None
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, grads[n]), n
+    assert recomputing_blocks(model) == []
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    # The blocks run their own forward again: the same output as a fresh copy's.
+    model.eval()
+    torch.manual_seed(2)
+    twin = nn.Sequential(*[NormedBlock() for _ in range(3)]).eval()
+    twin.load_state_dict(model.state_dict())
+    assert torch.equal(model(x), twin(x))
+
+
+def test_recomputing_gives_the_same_gradients_and_is_undone() -> None:
+    """Within ``recomputing`` the blocks recompute (bit-for-bit the same gradients, fewer saved
+    tensors under ``full``); after it, the model saves what it did before."""
+    model = gpt()
+    x, y = tokens(0)
+
+    def saved_and_grads() -> tuple[int, dict[str, torch.Tensor]]:
+        count = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            count[0] += 1
+            return t
+
+        model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(x, y)
+        loss.backward()
+        return count[0], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain, grads = saved_and_grads()
+    with recomputing(model, "full"):
+        assert recomputing_blocks(model)
+        fewer, again = saved_and_grads()
+    after, _ = saved_and_grads()
+    assert fewer < plain and after == plain
+    for n, g in grads.items():
+        assert torch.equal(g, again[n]), n
+
+
+BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+# DDP has no units and keeps the model's dtype: one case. ZeRO: the default units (one, on
+# these tiny models) and many small ones, in fp32 and bf16.
+COMM_CASES = [("ddp", None, None)] + [
+    (s, mp, unit_mb)
+    for s in ("zero1", "zero2", "zero3")
+    for mp in (None, BF16)
+    for unit_mb in (None, 0.004)
+]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mp", "unit_mb"),
+    COMM_CASES,
+    ids=[
+        f"{s}-{'bf16' if mp else 'fp32'}-{'small' if u else 'default'}-units"
+        for s, mp, u in COMM_CASES
+    ],
+)
+def test_priced_collectives_are_what_the_strategy_issues(
+    strategy: str, mp: MixedPrecision | None, unit_mb: float | None
+) -> None:
+    """Calls and bytes per op kind in a steady step (the second), counted by the group and
+    its sub-groups, equal ``collectives`` for the units the memory planner found."""
+    world = 2
+    plan = sl.plan_strategy(
+        gpt(), world_size=world, available_bytes=1 << 40, mixed_precision=mp, unit_mb=unit_mb
+    )
+    units = next(c for c in plan.candidates if c.strategy == strategy).estimate.num_units
+    expected = collectives(strategy, units, ModelShape.of(gpt()), world, mp)
+
+    def body(g: ProcessGroup) -> dict[str, dict[str, int]]:
+        torch.set_num_threads(1)
+        model = gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        kw = {"mixed_precision": mp, "unit_mb": unit_mb} if strategy != "ddp" else {}
+        model, opt = sl.distribute(model, opt, strategy=strategy, group=g, **kw)
+        for step in range(2):
+            if step == 1:
+                before = g.traffic(subgroups=True)
+            opt.zero_grad(set_to_none=True)
+            model(*tokens(g.rank)).backward()
+            opt.step()
+        after = g.traffic(subgroups=True)
+        return {
+            op: {k: v - before.get(op, {}).get(k, 0) for k, v in row.items()}
+            for op, row in after.items()
+            if row != before.get(op)
+        }
+
+    for seen in run_ranks(world, body, timeout=60):
+        priced = {c.op: c for c in expected}
+        assert set(seen) == set(priced), seen  # nothing the model does not price
+        for op, c in priced.items():
+            calls = sum(e.calls for e in expected if e.op == op)
+            nbytes = sum(e.nbytes for e in expected if e.op == op)
+            share = (2 if op == "all_reduce" else 1) * (world - 1) / world
+            assert seen[op]["calls"] == calls, (op, seen[op], c)
+            # A unit's shards are padded to a multiple of the world size: a few bytes more.
+            # ZeRO-3's backward gathers all but the unit forward used last, priced as an
+            # average unit: within one unit's share.
+            rel = 0.01 + (1 / units if strategy == "zero3" and op == "all_gather" else 0)
+            assert seen[op]["sent"] == pytest.approx(share * nbytes, rel=rel), (op, seen[op], c)
+
+
+def test_predict_prices_link_optimizer_and_compute_as_each_strategy_spends_them() -> None:
+    """With the optimizer dear and the link free, every ZeRO stage beats DDP by the steps it
+    no longer takes; with the link dear, the stages rank by what they move; a bf16 compute
+    probe prices the sharded strategies only."""
+    shape = ModelShape(elements=1_000_000, dtype=torch.float32, blocks=4)
+    compute = {(None, None): Compute(0.010, 0.020, 0.030)}
+    world, units = 4, 5
+
+    dear_optimizer = Probes(compute, optimizer=1e-8, link=Link(0.0, 1e15), overlap=1.0)
+    t = {s: predict(s, None, units, shape, world, None, dear_optimizer) for s in
+         ("ddp", "zero1", "zero2", "zero3")}  # fmt: skip
+    assert t["ddp"] is not None and t["zero1"] is not None
+    assert t["ddp"].optimizer == pytest.approx(1e6 * 1e-8)
+    assert t["zero1"].optimizer == pytest.approx(250_000 * 1e-8)
+    assert t["ddp"].total - t["zero1"].total == pytest.approx(0.75e6 * 1e-8, rel=1e-6)
+
+    # 4 MB of fp32 gradients over 1 MB/s with nothing hidden: seconds are bytes moved / 1e6.
+    dear_link = Probes(compute, optimizer=0.0, link=Link(0.0, 1e6), overlap=0.0)
+    moved = {s: predict(s, None, units, shape, world, None, dear_link) for s in t}
+    f, size = (world - 1) / world, 4e6
+    assert moved["ddp"] is not None and moved["ddp"].comm == pytest.approx(2 * f * size / 1e6)
+    assert moved["zero1"] is not None and moved["zero1"].comm == pytest.approx(3 * f * size / 1e6)
+    assert moved["zero2"] is not None and moved["zero2"].comm == pytest.approx(2 * f * size / 1e6)
+    # ZeRO-3 gathers again in backward all units but the one forward used last
+    again = 2 + (units - 1) / units
+    assert moved["zero3"] is not None and moved["zero3"].comm == pytest.approx(
+        again * f * size / 1e6
+    )
+    assert all(m is not None and m.exposed == pytest.approx(m.comm) for m in moved.values())
+
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16)
+    assert predict("zero2", None, units, shape, world, bf16, dear_link) is None  # not probed
+    fast = {**compute, (None, torch.bfloat16): Compute(0.001, 0.002, 0.003)}
+    probes = Probes(fast, optimizer=0.0, link=None, overlap=1.0)
+    assert predict("zero2", None, units, shape, world, bf16, probes).compute == pytest.approx(0.003)  # type: ignore[union-attr]
+    assert predict("ddp", None, units, shape, world, bf16, probes).compute == pytest.approx(0.030)  # type: ignore[union-attr]
+
+
+def test_plan_takes_the_fastest_that_fits_and_the_slowest_rank_decides() -> None:
+    model = gpt()
+    x, y = tokens(0)
+    plan = sl.plan_strategy(model, world_size=2, available_bytes=1 << 40, example_input=(x, y))
+    compute = {key: Compute(0.01, 0.02, 0.0) for key in plan.to_time()}
+    # The optimizer is what differs: ZeRO steps half of it, so a ZeRO stage is fastest.
+    timed = plan.timed(Probes(compute, optimizer=1e-6, link=Link(0.0, 1e15), overlap=1.0))
+    assert timed.choice.strategy == "zero1" and timed.choice.recompute is None, timed.explain()
+    assert "step" in timed.explain().splitlines()[0]
+    # Another rank's zero1 is slow and nothing but zero3 fits there: the slowest rank decides.
+    totals = [c.time.total if c.time is not None else math.inf for c in timed.candidates]
+    slow = [t * 3 if c.strategy == "zero1" else t for c, t in zip(timed.candidates, totals,
+                                                                  strict=True)]  # fmt: skip
+    assert timed.agreed(slow, [c.fits for c in timed.candidates]).choice.strategy == "zero2"
+    only_zero3 = [c.strategy == "zero3" for c in timed.candidates]
+    agreed = timed.agreed(totals, only_zero3)
+    assert agreed.choice.strategy == "zero3" and agreed.choice.recompute is None
+    # A fitting choice left untimed (its probe would not fit): memory order decides.
+    untimed = timed.agreed([math.inf, *totals[1:]], [c.fits for c in timed.candidates])
+    assert untimed.choice.strategy == "ddp" and "predicted" not in untimed.reason
+
+
+def test_as_distributed_ranks_agree_on_the_timed_choice_and_train() -> None:
+    """Each rank probes for itself; both take the same choice, the fastest by the slowest
+    rank's prediction, and it trains."""
+
+    def body(g: ProcessGroup) -> tuple[str, str | None, list[float], float]:
+        torch.set_num_threads(1)
+        model = sl.as_distributed(gpt(), group=g, example_input=tokens(g.rank), verbose=False)
+        plan = model.plan
+        assert plan.probes is not None and plan.probes.link is not None
+        fitting = [c for c in plan.candidates if c.fits and c.offload is None]
+        assert all(c.time is not None for c in fitting)
+        fastest = min(c.time.total for c in fitting if c.time is not None)
+        assert plan.choice.time is not None and plan.choice.time.total <= 1.02 * fastest
+        totals = [c.time.total if c.time is not None else math.inf for c in plan.candidates]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            loss = model(*tokens(g.rank))
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        return model.strategy, plan.choice.recompute, totals, losses[-1] - losses[0]
+
+    (s0, r0, t0, d0), (s1, r1, t1, d1) = run_ranks(2, body, timeout=120)
+    assert (s0, r0) == (s1, r1)
+    assert t0 == t1  # the slowest rank's prediction, on both
+    assert d0 < 0 and d1 < 0  # the loss falls
