@@ -13,6 +13,9 @@ bar: within 5 %), and the same for the first choice that fits (what memory alone
     python benches/bench_plan_grid.py --device cpu --ranks 8 --size small
     python benches/bench_plan_grid.py --device cuda --ranks 2 --size medium --dtype bf16
 
+The planner's columns: ``predicted`` (the step model, from its probes) and ``trial`` (the few
+it tried: the median of 3 steps after 2 to warm up, on a copy of the model).
+
 ``--budget-mib`` gives each rank that much memory instead of what it has (so that only the
 more sharded or recomputing choices fit). Writes ``benches/results/plan-grid-<tag>.{txt,json}``.
 """
@@ -102,6 +105,7 @@ def worker(args: argparse.Namespace) -> int:
         {
             "choice": c.name,
             "predicted": c.time.total if c.time is not None else None,
+            "trial": c.time.trial if c.time is not None else None,
             "measured": measured[c.name],
         }
         for c in grid
@@ -126,12 +130,17 @@ def table(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
             f"{args.steps} steps per choice, best of 2 rounds"
             + (f", {args.budget_mib} MiB per rank" if args.budget_mib else "")
         )
-        lines.append(f"{'choice':<28}{'predicted ms':>14}{'measured ms':>14}{'vs fastest':>12}")
+        lines.append(
+            f"{'choice':<28}{'predicted ms':>14}{'trial ms':>10}{'measured ms':>14}"
+            f"{'vs fastest':>12}"
+        )
         best = min(r["measured"] for r in res["rows"])
         by_name = {r["choice"]: r["measured"] for r in res["rows"]}
         for r in res["rows"]:
             mark = "  <- chosen" if r["choice"] == res["chosen"] else ""
             pred = f"{r['predicted'] * 1e3:>14.2f}" if r["predicted"] is not None else f"{'-':>14}"
+            trial = r.get("trial")
+            pred += f"{trial * 1e3:>10.2f}" if trial is not None else f"{'-':>10}"
             lines.append(
                 f"{r['choice']:<28}{pred}{r['measured'] * 1e3:>14.2f}"
                 f"{r['measured'] / best:>11.3f}x{mark}"

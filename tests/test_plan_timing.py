@@ -4,6 +4,7 @@ against what the strategies issue, and the fastest fitting choice agreed by ever
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from shardline.parallel.timing import (
     predict,
     probe_step,
 )
+from shardline.parallel.trials import to_try, trial_steps
 from tests._ranks import run_ranks
 
 CFG = Config(d_model=32, num_layers=2, num_heads=2, seq_len=16)
@@ -229,6 +231,13 @@ def test_plan_takes_the_fastest_that_fits_and_the_slowest_rank_decides() -> None
     timed = plan.timed(Probes(compute, optimizer=1e-6, link=Link(0.0, 1e15), overlap=1.0))
     assert timed.choice.strategy == "zero1" and timed.choice.recompute is None, timed.explain()
     assert "step" in timed.explain().splitlines()[0]
+    # The trials: the fastest predicted first, every one within 10 % of it, 2 to 4 of them.
+    tried = to_try(timed)
+    predicted = [c.time.total for c in tried if c.time is not None]
+    assert 2 <= len(tried) <= 4 and all(c.fits and c.offload is None for c in tried)
+    fitting = [c.time.total for c in timed.candidates if c.fits and c.time is not None]
+    assert predicted == sorted(predicted) and predicted[0] == min(fitting)
+    assert predicted[-1] <= 1.10 * predicted[0]
     # Another rank's zero1 is slow and nothing but zero3 fits there: the slowest rank decides.
     totals = [c.time.total if c.time is not None else math.inf for c in timed.candidates]
     slow = [t * 3 if c.strategy == "zero1" else t for c, t in zip(timed.candidates, totals,
@@ -237,25 +246,44 @@ def test_plan_takes_the_fastest_that_fits_and_the_slowest_rank_decides() -> None
     only_zero3 = [c.strategy == "zero3" for c in timed.candidates]
     agreed = timed.agreed(totals, only_zero3)
     assert agreed.choice.strategy == "zero3" and agreed.choice.recompute is None
-    # A fitting choice left untimed (its probe would not fit): memory order decides.
-    untimed = timed.agreed([math.inf, *totals[1:]], [c.fits for c in timed.candidates])
-    assert untimed.choice.strategy == "ddp" and "predicted" not in untimed.reason
+    # A fitting choice left untimed (its probe would not fit) is passed over for timed ones;
+    # with none timed, the first that fits.
+    fits = [c.fits for c in timed.candidates]
+    no_zero1 = [
+        math.inf if c.strategy == "zero1" else t
+        for c, t in zip(timed.candidates, totals, strict=True)
+    ]
+    untimed = timed.agreed(no_zero1, fits)
+    assert untimed.choice.strategy == "zero2" and "predicted" in untimed.reason
+    none = timed.agreed([math.inf] * len(totals), fits)
+    assert none.choice.strategy == "ddp" and "predicted" not in none.reason
 
 
-def test_as_distributed_ranks_agree_on_the_timed_choice_and_train() -> None:
-    """Each rank probes for itself; both take the same choice, the fastest by the slowest
-    rank's prediction, and it trains."""
+@pytest.mark.parametrize("trials", [True, False], ids=["trials", "predicted"])
+def test_as_distributed_ranks_agree_on_the_timed_choice_and_train(trials: bool) -> None:
+    """Each rank probes (and tries) for itself; both take the same choice, the fastest by the
+    slowest rank's times, and it trains."""
 
-    def body(g: ProcessGroup) -> tuple[str, str | None, list[float], float]:
+    def body(g: ProcessGroup) -> tuple[str, str | None, list[Any], float]:
         torch.set_num_threads(1)
-        model = sl.as_distributed(gpt(), group=g, example_input=tokens(g.rank), verbose=False)
+        model = sl.as_distributed(
+            gpt(), group=g, example_input=tokens(g.rank), verbose=False, trials=trials
+        )
         plan = model.plan
         assert plan.probes is not None and plan.probes.link is not None
         fitting = [c for c in plan.candidates if c.fits and c.offload is None]
-        assert all(c.time is not None for c in fitting)
-        fastest = min(c.time.total for c in fitting if c.time is not None)
-        assert plan.choice.time is not None and plan.choice.time.total <= 1.02 * fastest
-        totals = [c.time.total if c.time is not None else math.inf for c in plan.candidates]
+        times = [c.time for c in fitting]
+        assert all(t is not None for t in times)
+        tried = [t.trial for t in times if t is not None and t.trial is not None]
+        chosen = plan.choice.time
+        assert chosen is not None
+        if trials:
+            assert 2 <= len(tried) <= 4 and chosen.trial is not None
+            assert chosen.trial <= 1.02 * min(tried), plan.explain()
+            assert "in a trial" in model.strategy_reason
+        else:
+            assert not tried
+            assert chosen.total <= 1.02 * min(t.total for t in times if t is not None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses = []
         for _ in range(3):
@@ -264,9 +292,37 @@ def test_as_distributed_ranks_agree_on_the_timed_choice_and_train() -> None:
             loss.backward()
             opt.step()
             losses.append(float(loss.detach()))
-        return model.strategy, plan.choice.recompute, totals, losses[-1] - losses[0]
+        seen = [(c.time.total, c.time.trial) if c.time else None for c in plan.candidates]
+        return model.strategy, plan.choice.recompute, seen, losses[-1] - losses[0]
 
     (s0, r0, t0, d0), (s1, r1, t1, d1) = run_ranks(2, body, timeout=120)
     assert (s0, r0) == (s1, r1)
-    assert t0 == t1  # the slowest rank's prediction, on both
+    assert t0 == t1  # the slowest rank's predictions and trials, on both
     assert d0 < 0 and d1 < 0  # the loss falls
+
+
+def test_trials_leave_the_model_as_it_was() -> None:
+    """The trials train copies: the model, its gradients and the RNG state are untouched."""
+
+    def body(g: ProcessGroup) -> bool:
+        torch.set_num_threads(1)
+        model = gpt()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        rng = torch.get_rng_state()
+        plan = sl.plan_strategy(
+            model, world_size=2, available_bytes=1 << 40, example_input=tokens(g.rank)
+        )
+        probes = probe_step(model, tokens(g.rank), group=g, computes=plan.to_time())
+        timed = plan.timed(probes)  # (this rank's alone: the trials must be the same on both)
+        tried = [c for c in timed.candidates if c.strategy in ("ddp", "zero3") and c.fits]
+        seconds = trial_steps(
+            model, tokens(g.rank), tried,
+            lambda copy, c: sl.distribute(copy, strategy=c.strategy, group=g,
+                                          recompute=c.recompute)[0],
+            "adamw",
+        )  # fmt: skip
+        assert len(seconds) == len(tried) >= 2 and all(s > 0 for s in seconds)
+        same = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        return same and torch.equal(rng, torch.get_rng_state()) and not recomputing_blocks(model)
+
+    assert run_ranks(2, body, timeout=120) == [True, True]

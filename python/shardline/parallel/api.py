@@ -21,10 +21,11 @@ from shardline.parallel.data.ddp import DistributedDataParallel
 from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
 from shardline.parallel.deterministic import make_deterministic
-from shardline.parallel.fit import plan_strategy
+from shardline.parallel.fit import Candidate, plan_strategy
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import recompute_blocks
 from shardline.parallel.timing import probe_step
+from shardline.parallel.trials import to_try, trial_steps
 
 __all__ = ["as_distributed", "distribute"]
 
@@ -194,6 +195,29 @@ _ZERO_ONLY = _ZERO_OPTIONS - _DDP_OPTIONS
 _DDP_ONLY = _DDP_OPTIONS - _ZERO_OPTIONS
 
 
+def _wrap_choice(
+    model: nn.Module,
+    choice: Candidate,
+    group: ProcessGroup,
+    mixed_precision: MixedPrecision | None,
+    options: dict[str, Any],
+) -> nn.Module:
+    """``model`` wrapped as ``choice`` says, its recomputation applied first.
+
+    Of ``options``, those its wrapper knows and those no wrapper claims.
+    """
+    if choice.recompute is not None:
+        recompute_blocks(model, choice.recompute)
+    row = strategies.strategy(choice.strategy)
+    mine_only = frozenset(row.options())
+    kept = {k: v for k, v in options.items() if k in mine_only or k not in _DDP_ONLY | _ZERO_ONLY}
+    if row.stage:
+        kept["mixed_precision"] = mixed_precision
+    if choice.offload is not None:
+        kept["offload"] = choice.offload
+    return row.wrap(model, group=group, **kept)
+
+
 def as_distributed(
     model: nn.Module,
     *,
@@ -204,6 +228,7 @@ def as_distributed(
     available_bytes: int | None = None,
     headroom: float = 0.7,
     timing: bool = True,
+    trials: bool = True,
     verbose: bool = True,
     **options: Any,
 ) -> nn.Module:
@@ -215,12 +240,15 @@ def as_distributed(
     (selective, then full); on GPUs, zero3 with its shards and optimizer state offloaded to
     host memory (``plan_strategy``). With ``example_input`` and ``timing``, short probes
     (``probe_step``: the model's forward and backward on that batch, an optimizer step, an
-    all-reduce of the group; about a second on a small model, counted in the group's
-    ``traffic()``) predict each fitting choice's step, and the fastest is chosen (within 2 %
-    of it, the least sharded); otherwise the first that fits in that order. The offloads are
-    chosen only when nothing else fits. Every rank takes the same choice, from the slowest
-    rank's times and what fits on every rank. Build the optimizer afterwards from the
-    returned model's ``parameters()`` (for ZeRO those are this rank's shards, named like the
+    all-reduce of the group) predict each fitting choice's step; with ``trials`` too, the
+    few predicted within 10 % of the best (2 to 4) are each trained for 5 steps on a copy of
+    the model (``trials.trial_steps``), and the fastest of those is chosen (within 2 % of
+    it, the least sharded). On a small model all of it takes a few seconds; the probes'
+    and trials' collectives count in the group's ``traffic()``. Without ``example_input``
+    (or ``timing``) the first that fits in that order is chosen. The offloads are chosen
+    only when nothing else fits. Every rank takes the same choice, from the slowest rank's
+    times and what fits on every rank. Build the optimizer afterwards from the returned
+    model's ``parameters()`` (for ZeRO those are this rank's shards, named like the
     originals).
 
     Args:
@@ -236,6 +264,8 @@ def as_distributed(
         headroom: Fraction of the available memory a strategy may plan to use.
         timing: Time the fitting choices (needs ``example_input``); ``False`` takes the first
             that fits.
+        trials: Train the closest few for a few steps each, on a copy of the model, and
+            choose by their measured steps; ``False`` chooses by the prediction alone.
         verbose: Print the choice and the reason on rank 0 (always logged to ``shardline``).
         **options: Passed to the chosen wrapper; those only the other one knows (``unit_mb``,
             ``comm_hook``, ...) are dropped, so one call works whatever memory a machine has.
@@ -276,20 +306,21 @@ def as_distributed(
     g.all_reduce(verdicts, op="max")
     seen = verdicts.tolist()
     mine, plan = plan, plan.agreed(seen[:n], [v == 0.0 for v in seen[n:]])
+    if timing and example_input is not None and trials:
+        tried = to_try(plan)
+        if tried:
+            seconds = trial_steps(
+                model, example_input, tried,
+                lambda copy, c: _wrap_choice(copy, c, g, mixed_precision, options), optimizer,
+            )  # fmt: skip
+            slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
+            g.all_reduce(slowest, op="max")
+            plan = plan.tried(tried, slowest.tolist())
     reason = plan.reason
-    if plan.choice.order != mine.choice.order:
-        reason += f" (on every rank; this rank alone would take {mine.choice.name})"
-    policy, agreed, offload = plan.choice.recompute, plan.choice.strategy, plan.choice.offload
-    if policy is not None:
-        recompute_blocks(model, policy)
-    row = strategies.strategy(agreed)
-    mine_only = frozenset(row.options())
-    kept = {k: v for k, v in options.items() if k in mine_only or k not in _DDP_ONLY | _ZERO_ONLY}
-    if row.stage:
-        kept["mixed_precision"] = mixed_precision
-    if offload is not None:
-        kept["offload"] = offload
-    wrapped = row.wrap(model, group=g, **kept)
+    if not next(c for c in plan.candidates if c.order == mine.choice.order).fits:
+        reason += f" ({mine.choice.name}, this rank's choice, does not fit on another rank)"
+    agreed = plan.choice.strategy
+    wrapped = _wrap_choice(model, plan.choice, g, mixed_precision, options)
     wrapped.strategy = agreed  # type: ignore[assignment]
     wrapped.strategy_reason = reason  # type: ignore[assignment]
     wrapped.plan = plan  # type: ignore[assignment]

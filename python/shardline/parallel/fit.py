@@ -239,6 +239,22 @@ class StrategyPlan:
             self.probes,
         )
 
+    def tried(self, tried: list[Candidate], seconds: list[float]) -> StrategyPlan:
+        """This plan with the trial steps of ``tried`` (the slowest rank's), chosen again.
+
+        The fastest tried is chosen (within 2 % of it, the least sharded).
+        """
+        measured = {c.order: t for c, t in zip(tried, seconds, strict=True)}
+        return self._rechosen(
+            [
+                replace(c, time=replace(c.time, trial=measured[c.order]))
+                if c.order in measured and c.time is not None
+                else c
+                for c in self.candidates
+            ],
+            self.probes,
+        )
+
     def _rechosen(self, candidates: list[Candidate], probes: Probes | None) -> StrategyPlan:
         choice, reason = _choose(
             candidates, self.budget, self.available_bytes, self.headroom, self.example_given
@@ -254,7 +270,7 @@ class StrategyPlan:
         head = (
             f"{'strategy':<{width}}{'params':>10}{'grads':>10}{'master':>10}{'optimizer':>11}"
             f"{'buffers':>10}{'activations':>13}{'recomputed':>12}{'total':>10}{'host':>10}"
-            + (f"{'step':>10}" if timed else "")
+            + (f"{'step':>10}{'trial':>10}" if timed else "")
             + "  fits"
         )
         rows = [head]
@@ -267,7 +283,9 @@ class StrategyPlan:
                 f"{format_bytes(v):>{w}}" for v, w in zip(cells, widths, strict=True)
             )
             if timed:
-                row += f"{_ms(c.time.total) if c.time is not None else '-':>10}"
+                t = c.time
+                row += f"{_ms(t.total) if t is not None else '-':>10}"
+                row += f"{_ms(t.trial) if t is not None and t.trial is not None else '-':>10}"
             verdict = "yes" if c.fits else f"no (over by {format_bytes(e.total - self.budget)})"
             if not c.fits and e.total <= self.budget:  # the host part is what does not fit
                 verdict = f"no (host over by {format_bytes(e.host - self.host_budget)})"
@@ -438,27 +456,36 @@ def _choose(
 ) -> tuple[Candidate, str]:
     """The choice among ``candidates`` and why.
 
-    The fastest that fits when every one that fits (but the offloads) is timed, else the
-    first that fits; zero3 when none does.
+    Of those that fit (but the offloads): the fastest in a trial where some were tried, else
+    the fastest predicted where some were; else the first that fits; zero3 when none does.
     """
     fitting = [c for c in candidates if c.fits]
-    timed = [c for c in fitting if c.offload is None]
-    if timed and all(c.time is not None for c in timed):
-        fastest = min(c.time.total for c in timed if c.time is not None)
+    timed = [c for c in fitting if c.offload is None and c.time is not None]
+    tried = [c for c in timed if c.time is not None and c.time.trial is not None]
+
+    def seconds(c: Candidate) -> float:
+        assert c.time is not None
+        return c.time.trial if tried and c.time.trial is not None else c.time.total
+
+    pool = tried or timed
+    if pool:
+        fastest = min(seconds(c) for c in pool)
         # Within 2 % of the fastest, the least sharded (the earliest in CHOICES) wins.
-        choice = next(c for c in timed if c.time is not None and c.time.total <= 1.02 * fastest)
-        e, t = choice.estimate, choice.time
-        assert t is not None
-        others = sorted(
-            (c for c in timed if c is not choice), key=lambda c: c.time.total if c.time else 0.0
+        choice = next(c for c in pool if seconds(c) <= 1.02 * fastest)
+        e = choice.estimate
+        others = sorted((c for c in pool if c is not choice), key=seconds)
+        how = (
+            f"{_ms(seconds(choice))} per step in a trial, the fastest of the {len(tried)} "
+            f"tried of {len(timed)} predicted"
+            if tried
+            else f"predicted {_ms(seconds(choice))} per step, the fastest of {len(timed)}"
         )
         reason = (
-            f"{choice.name}: predicted {_ms(t.total)} per step, the fastest of the {len(timed)} "
-            f"that fit ({format_bytes(e.total)} per rank of {format_bytes(available_bytes)} "
-            f"available, {headroom:.0%} headroom)"
+            f"{choice.name}: {how} that fit ({format_bytes(e.total)} per rank of "
+            f"{format_bytes(available_bytes)} available, {headroom:.0%} headroom)"
         )
-        if others and others[0].time is not None:
-            reason += f"; next {others[0].name} at {_ms(others[0].time.total)}"
+        if others:
+            reason += f"; next {others[0].name} at {_ms(seconds(others[0]))}"
     elif fitting:
         choice = fitting[0]
         e = choice.estimate

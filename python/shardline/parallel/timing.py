@@ -142,6 +142,7 @@ class StepTime:
         exposed: The part of ``comm`` that compute does not hide.
         optimizer: The optimizer step over the parameters this rank updates.
         slowest: The slowest rank's total, once the ranks agreed (``StrategyPlan.agreed``).
+        trial: The slowest rank's median step when it was tried (``StrategyPlan.tried``).
     """
 
     compute: float
@@ -149,10 +150,14 @@ class StepTime:
     exposed: float
     optimizer: float
     slowest: float | None = None
+    trial: float | None = None
 
     @property
     def total(self) -> float:
-        """Seconds per step: compute, exposed communication, optimizer (or ``slowest``)."""
+        """Predicted seconds per step: compute, exposed communication, optimizer.
+
+        The slowest rank's, once agreed.
+        """
         if self.slowest is not None:
             return self.slowest
         return self.compute + self.exposed + self.optimizer
@@ -342,7 +347,7 @@ def _drop_grad(p: torch.Tensor) -> None:
     p.grad = None
 
 
-def _loss(out: Any) -> torch.Tensor:
+def loss_of(out: Any) -> torch.Tensor:
     """A scalar to run backward from: the output's loss, else its first floating tensor summed."""
     loss = getattr(out, "loss", None) if not isinstance(out, torch.Tensor) else None
     if isinstance(loss, torch.Tensor):
@@ -360,6 +365,38 @@ def _loss(out: Any) -> torch.Tensor:
     return found[0].float().sum()
 
 
+def call_args(example_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` to call a model with: a tensor, a tuple of arguments or a dict."""
+    if isinstance(example_input, Mapping):
+        return (), dict(example_input)
+    return (example_input if isinstance(example_input, tuple) else (example_input,)), {}
+
+
+@contextlib.contextmanager
+def _low_precision(
+    model: nn.Module, args: Any, kwargs: Any, dtype: torch.dtype | None
+) -> Iterator[tuple[Any, Any]]:
+    """Within it the floating parameters hold ``dtype`` copies, as ZeRO gathers them.
+
+    Yields the arguments with their floating tensors cast too.
+    """
+    if dtype is None:
+        yield args, kwargs
+        return
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() else t
+
+    kept = [(p, p.data) for p in model.parameters() if p.is_floating_point()]
+    for p, data in kept:
+        p.data = data.to(dtype)
+    try:
+        yield _map_tensors(args, cast), _map_tensors(kwargs, cast)
+    finally:
+        for p, data in kept:
+            p.data = data
+
+
 def _probe_compute(
     model: nn.Module, example_input: Any, policy: str | None, dtype: torch.dtype | None
 ) -> Compute:
@@ -369,36 +406,17 @@ def _probe_compute(
     sharded strategies' mixed precision does.
     """
     device = next(model.parameters()).device
-    if isinstance(example_input, Mapping):
-        args: tuple[Any, ...] = ()
-        kwargs = dict(example_input)
-    else:
-        args = example_input if isinstance(example_input, tuple) else (example_input,)
-        kwargs = {}
-    params: dict[str, torch.Tensor] = {}
-    if dtype is not None:
-
-        def cast(t: torch.Tensor) -> torch.Tensor:
-            return t.to(dtype) if t.is_floating_point() else t
-
-        args, kwargs = _map_tensors(args, cast), _map_tensors(kwargs, cast)
-        params = {
-            n: p.detach().to(dtype).requires_grad_(p.requires_grad)
-            for n, p in model.named_parameters()
-        }
-    dropping = [
-        p.register_post_accumulate_grad_hook(_drop_grad)  # type: ignore[no-untyped-call]
-        for p in params.values()
-        if p.requires_grad
-    ]
     best = Compute(math.inf, math.inf, math.inf)
     spent = 0.0
-    with _untouched(model, device), recomputing(model, policy):
+    with (
+        _untouched(model, device),
+        _low_precision(model, *call_args(example_input), dtype) as (args, kwargs),
+        recomputing(model, policy),
+    ):
         for run in range(_RUNS):
             _sync(device)
             t0 = time.perf_counter()
-            out = torch.func.functional_call(model, params, args, kwargs, strict=False)
-            loss = _loss(out)
+            loss = loss_of(model(*args, **kwargs))
             issued = time.perf_counter() - t0
             _sync(device)
             t1 = time.perf_counter()
@@ -406,7 +424,7 @@ def _probe_compute(
             issued += time.perf_counter() - t1
             _sync(device)
             t2 = time.perf_counter()
-            del loss, out
+            del loss
             if run == 0 and t2 - t0 < _LONG:
                 continue  # a warm-up: allocator, kernels chosen, caches
             best = Compute(
@@ -415,12 +433,10 @@ def _probe_compute(
             spent += t2 - t0
             if t2 - t0 >= _LONG or (run >= 3 and spent >= _ENOUGH):
                 break
-    for h in dropping:
-        h.remove()
     return best
 
 
-_OPTIMIZERS = {
+_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, {}),
     "adam": (torch.optim.Adam, {}),
     "sgd": (torch.optim.SGD, {"lr": 0.01}),
@@ -430,17 +446,29 @@ _OPTIMIZERS = {
 }
 
 
+def optimizer_class(
+    optimizer: str | torch.optim.Optimizer | None,
+) -> tuple[type[torch.optim.Optimizer] | None, dict[str, Any]]:
+    """The class and hyperparameters of a stand-in for ``optimizer``.
+
+    AdamW for a name it does not know; ``(None, {})`` for none.
+    """
+    if optimizer is None or optimizer == "none":
+        return None, {}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        hp = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
+        hp.pop("differentiable", None)
+        return type(optimizer), hp
+    return _OPTIMIZERS.get(optimizer.lower(), _OPTIMIZERS["adamw"])
+
+
 def _probe_optimizer(
     optimizer: str | torch.optim.Optimizer | None, device: torch.device, n: int
 ) -> float:
     """Seconds per element of one step of ``optimizer`` over ``n`` float32 elements."""
-    if optimizer is None or optimizer == "none":
+    cls, hp = optimizer_class(optimizer)
+    if cls is None:
         return 0.0
-    if isinstance(optimizer, torch.optim.Optimizer):
-        cls: type[torch.optim.Optimizer] = type(optimizer)
-        hp = {k: v for k, v in optimizer.defaults.items() if k != "differentiable"}
-    else:
-        cls, hp = _OPTIMIZERS.get(optimizer.lower(), _OPTIMIZERS["adamw"])
     flat = torch.zeros(n, device=device, requires_grad=True)
     flat.grad = torch.full_like(flat, 1e-3)
     try:

@@ -1,0 +1,130 @@
+"""Trial steps: the choices the step model ranks closest, each trained briefly on a copy.
+
+The step model (``timing.predict``) ranks the fitting choices from probes, but not every cost
+is in it: the wrappers' own host work per unit, a recompute policy's hooks. ``to_try`` takes
+the few it ranks within 10 % of its best (2 to 4 of them, fewer where their predicted steps
+would take more than ``_BUDGET_S``), and ``trial_steps`` trains each on a deep copy of the
+model: wrapped as the choice would be, with the optimizer ``as_distributed`` was told of,
+two steps to warm up (the optimizer makes its state) and three timed, the median kept. The
+model itself, its gradients and the RNG state are untouched. Every rank runs the same trials
+in the same order (they hold collectives); ``as_distributed`` then takes the slowest rank's
+time of each.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from shardline.parallel.timing import call_args, loss_of, optimizer_class
+
+if TYPE_CHECKING:
+    from shardline.parallel.fit import Candidate, StrategyPlan
+
+__all__ = ["to_try", "trial_steps"]
+
+_WITHIN = 1.10  # choices predicted within this of the best are tried
+_MOST, _FEWEST = 4, 2
+_WARMUP, _STEPS = 2, 3  # steps per trial to warm up (the optimizer's state), then timed
+_BUDGET_S = 30.0  # the trials' predicted seconds (doubled: the model's error) stay under this
+
+
+def to_try(plan: StrategyPlan) -> list[Candidate]:
+    """The choices to try: fitting, predicted, the fastest few (module docstring).
+
+    The same on every rank once the plan is agreed. Fewer than two: nothing to try.
+    """
+    timed = sorted(
+        (c for c in plan.candidates if c.fits and c.offload is None and c.time is not None),
+        key=lambda c: (c.time.total if c.time is not None else 0.0, c.order),
+    )
+    if len(timed) < _FEWEST:
+        return []
+    best = timed[0].time.total if timed[0].time is not None else 0.0
+    close = [c for c in timed if c.time is not None and c.time.total <= _WITHIN * best]
+    picked = (close if len(close) >= _FEWEST else timed[:_FEWEST])[:_MOST]
+
+    def cost(chosen: list[Candidate]) -> float:
+        return sum(2 * (_WARMUP + _STEPS) * (c.time.total if c.time else 0.0) for c in chosen)
+
+    while len(picked) > _FEWEST and cost(picked) > _BUDGET_S:
+        picked.pop()
+    return picked if cost(picked) <= _BUDGET_S else []
+
+
+def trial_steps(
+    model: nn.Module,
+    example_input: Any,
+    candidates: list[Candidate],
+    wrap: Callable[[nn.Module, Candidate], nn.Module],
+    optimizer: str | torch.optim.Optimizer | None,
+) -> list[float]:
+    """Seconds per step of each candidate, trained on a copy of ``model`` (module docstring).
+
+    ``wrap(copy, candidate)`` wraps the copy as the candidate would be (recomputation
+    applied). Every rank of the group ``wrap`` uses must call this with the same candidates.
+
+    Raises:
+        Whatever a trial raises, with the choice it was trying in a note.
+    """
+    device = next(model.parameters()).device
+    args, kwargs = call_args(example_input)
+    cls, hp = optimizer_class(optimizer)
+    times = []
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        for c in candidates:
+            try:
+                times.append(_trial(model, args, kwargs, c, wrap, cls, hp, device))
+            except Exception as e:
+                e.add_note(
+                    f"while as_distributed tried {c.name} for a few steps on a copy of the "
+                    "model; pass timing=False to choose by memory alone, without trials"
+                )
+                raise
+            finally:
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return times
+
+
+def _trial(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    c: Candidate,
+    wrap: Callable[[nn.Module, Candidate], nn.Module],
+    cls: type[torch.optim.Optimizer] | None,
+    hp: dict[str, Any],
+    device: torch.device,
+) -> float:
+    twin = copy.deepcopy(model)
+    for p in twin.parameters():
+        p.grad = None
+    wrapped = wrap(twin, c)
+    opt = cls(wrapped.parameters(), **hp) if cls is not None else None
+    steps = []
+    for _ in range(_WARMUP + _STEPS):
+        _sync(device)
+        t0 = time.perf_counter()
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+        loss_of(wrapped(*args, **kwargs)).backward()  # type: ignore[no-untyped-call]
+        if opt is not None:
+            opt.step()
+        _sync(device)
+        steps.append(time.perf_counter() - t0)
+    return statistics.median(steps[_WARMUP:])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
