@@ -14,7 +14,7 @@ bar: within 5 %), and the same for the first choice that fits (what memory alone
     python benches/bench_plan_grid.py --device cuda --ranks 2 --size medium --dtype bf16
 
 The planner's columns: ``predicted`` (the step model, from its probes) and ``trial`` (the few
-it tried: the median of 3 steps after 2 to warm up, on a copy of the model).
+it tried: the median of 5 steps after 3 to warm up, on a copy of the model).
 
 ``--budget-mib`` gives each rank that much memory instead of what it has (so that only the
 more sharded or recomputing choices fit). Writes ``benches/results/plan-grid-<tag>.{txt,json}``.
