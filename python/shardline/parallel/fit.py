@@ -475,16 +475,20 @@ def _choose(
         e = choice.estimate
         others = sorted((c for c in pool if c is not choice), key=seconds)
         how = (
-            f"{_ms(seconds(choice))} per step in a trial, the fastest of the {len(tried)} "
-            f"tried of {len(timed)} predicted"
+            f"{_ms(seconds(choice))} per step in a trial ({len(tried)} tried of the "
+            f"{len(timed)} predicted that fit"
             if tried
-            else f"predicted {_ms(seconds(choice))} per step, the fastest of {len(timed)}"
+            else f"predicted {_ms(seconds(choice))} per step ({len(timed)} predicted that fit"
         )
         reason = (
-            f"{choice.name}: {how} that fit ({format_bytes(e.total)} per rank of "
+            f"{choice.name}: {how}; {format_bytes(e.total)} per rank of "
             f"{format_bytes(available_bytes)} available, {headroom:.0%} headroom)"
         )
-        if others:
+        if others and seconds(others[0]) < seconds(choice):
+            reason += (
+                f"; {others[0].name} at {_ms(seconds(others[0]))} is within 2 % and more sharded"
+            )
+        elif others:
             reason += f"; next {others[0].name} at {_ms(seconds(others[0]))}"
     elif fitting:
         choice = fitting[0]
