@@ -1,11 +1,13 @@
-"""Which strategy fits: the memory a rank can use, and the least sharded strategy within it.
+"""Which strategy fits, and which of those is fastest.
 
 ``plan_strategy`` prices every strategy, least to most sharded (``strategies.BY_MEMORY``),
 then (given an example input) the same with the blocks recomputing their activations, then
 on CUDA zero3 with its offloads, with the estimates of ``planner``, and chooses the first
 whose total fits ``headroom`` of what ``available_memory`` measures; its ``StrategyPlan``
-shows what it priced (``explain()``). ``choose_strategy`` gives the choice alone;
-``as_distributed`` uses the plan.
+shows what it priced (``explain()``). ``StrategyPlan.timed`` predicts each fitting choice's
+step from probes (``timing``) and chooses the fastest, ``agreed`` takes every rank's
+verdicts and ``tried`` the trial steps (``trials``). ``choose_strategy`` gives the
+memory-only choice alone; ``as_distributed`` runs the whole plan.
 """
 
 from __future__ import annotations
@@ -154,7 +156,8 @@ class StrategyPlan:
     Attributes:
         candidates: In the order of ``CHOICES``: least to most sharded, then again with
             recomputation (when priced), then zero3's offloads (on CUDA).
-        choice: The first that fits; zero3 when none does.
+        choice: The first that fits (the fastest tried or predicted, once timed); zero3
+            when none does.
         reason: One line saying why, as ``as_distributed`` prints it.
         budget: Bytes per rank a strategy may use: ``headroom`` of ``available_bytes``.
         available_bytes: What one rank may use (measured, unless given).
