@@ -241,9 +241,10 @@ def as_distributed(
     host memory (``plan_strategy``). With ``example_input`` and ``timing``, short probes
     (``probe_step``: the model's forward and backward on that batch, an optimizer step, an
     all-reduce of the group) predict each fitting choice's step; with ``trials`` too, the
-    few predicted within 10 % of the best (2 to 4) are each trained for 8 steps on a copy of
-    the model (``trials.trial_steps``), and the fastest of those is chosen (within 2 % of
-    it, the least sharded). On a small model all of it takes a few seconds; the probes'
+    fastest few predicted (2 to 4, within 1.6x of the best, each with room for a copy of the
+    model beside it) are each trained for 8 steps on a copy of the model
+    (``trials.trial_steps``), and the fastest of those is chosen (within 2 % of it, the
+    least sharded). On a small model all of it takes a few seconds; the probes'
     and trials' collectives count in the group's ``traffic()``. Without ``example_input``
     (or ``timing``) the first that fits in that order is chosen. The offloads are chosen
     only when nothing else fits. Every rank takes the same choice, from the slowest rank's

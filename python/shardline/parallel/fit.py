@@ -182,9 +182,9 @@ class StrategyPlan:
     def to_time(self) -> list[tuple[str | None, torch.dtype | None]]:
         """The ``(recompute, compute dtype)`` pairs whose compute the fitting choices need.
 
-        Only those whose probe fits the budget: the parameters (and under autocast their
-        low-precision copies), one batch's activations and what recomputation makes again
-        (the probe drops each gradient as it is made).
+        Only those whose probe fits the budget: the parameters (and under mixed precision
+        their low-precision copies), one batch's activations and what recomputation makes
+        again (the probe drops each gradient as it is made).
         """
         shape = self.shape
         assert shape is not None
@@ -304,8 +304,8 @@ class StrategyPlan:
         if t is not None and p is not None:
             rows.append(
                 f"step of {self.choice.name} on this rank: compute {_ms(t.compute)}, "
-                f"communication {_ms(t.comm)} of which {_ms(t.exposed)} not hidden, optimizer "
-                f"{_ms(t.optimizer)}"
+                f"communication {_ms(t.comm)}, waiting beyond compute {_ms(t.exposed)}, "
+                f"optimizer {_ms(t.optimizer)}"
                 + (
                     f"; link {p.link.latency * 1e6:.0f} us + {p.link.bandwidth / 1e9:.2f} GB/s"
                     if p.link is not None
@@ -415,10 +415,11 @@ def plan_strategy(
             e = priced("zero3", offload)
             fits = e.total <= budget and e.host <= host_budget
             candidates.append(Candidate("zero3", offload, e, fits))
-    choice, reason = _choose(candidates, budget, available_bytes, headroom, example_input)
+    given = example_input is not None
+    choice, reason = _choose(candidates, budget, available_bytes, headroom, given)
     return StrategyPlan(
         tuple(candidates), choice, reason, budget, available_bytes, host_budget,
-        ModelShape.of(model), world_size, mixed_precision, headroom, example_input is not None,
+        ModelShape.of(model), world_size, mixed_precision, headroom, given,
     )  # fmt: skip
 
 

@@ -4,22 +4,27 @@ The memory planner (``fit.plan_strategy``) says which choices fit; this says whi
 fastest. ``probe_step`` measures, on the rank that will train:
 
 - compute: one rank's batch through the model's forward and backward, under each recompute
-  policy and compute dtype that a fitting choice uses (``recomputing``; ``torch.autocast``
-  for a mixed-precision compute dtype), the fastest of 3 to 20 runs (about half a second
-  of them, after one to warm up; one run when it takes 5 s). Each gradient is dropped as
-  soon as it is made. The model is left as it was: its gradients, buffers (a norm's running
-  statistics) and the RNG state are restored.
+  policy and compute dtype that a fitting choice uses (``recomputing``; for a
+  mixed-precision compute dtype the parameters and floating inputs cast to it, as ZeRO
+  gathers them), the fastest of 3 to 20 runs (about half a second of them, after one to
+  warm up; one run when it takes 5 s), and the host's time to issue it. Each gradient is
+  dropped as soon as it is made. The model is left as it was: its gradients, buffers (a
+  norm's running statistics) and the RNG state are restored.
 - the optimizer: one step over a flat tensor, per element updated.
-- the link: all-reduces of a small and a large message on the group (latency, bandwidth).
+- the link: all-reduces of a small and a large message on the group (latency, bandwidth),
+  and the host's time to start one.
 
 ``predict`` adds them up for one choice. Communication is what the strategy issues per step
-(``zero/schedule.py``): DDP all-reduces the gradients during backward; ZeRO-1 all-reduces
-them and ZeRO-2 reduce-scatters them during backward, and both gather the stepped shards as
-forward begins; ZeRO-3 gathers every unit in forward and again in backward and
-reduce-scatters the gradients. A phase's communication hides behind that phase's compute
-(``Probes.overlap`` of it: all of it on CUDA, where the collectives run on their own stream;
-half on CPU, where they share the cores and memory bandwidth with compute) except its last
-collective. The optimizer steps every parameter under DDP, a ``1/N`` shard under ZeRO.
+(``collectives``, as ``zero/schedule.py`` and DDP issue it): DDP all-reduces the gradients
+during backward; ZeRO-1 all-reduces them and ZeRO-2 reduce-scatters them during backward,
+and both gather the stepped shards as forward begins; ZeRO-3 gathers every unit in forward
+and again in backward and reduce-scatters the gradients. A phase's communication hides
+behind that phase's compute (``Probes.overlap`` of it: all of it on CUDA, where the
+collectives run on their own stream; on CPU, where they share the cores and memory
+bandwidth with compute, half is assumed: ``trials`` measure what the model misses) except
+its last collective. Where the host issuing the compute and every collective takes longer
+than the device, that is the step. The optimizer steps every parameter under DDP, a
+``1/N`` shard under ZeRO.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from torch import nn
 
 from shardline.parallel.activations import _map_tensors
 from shardline.parallel.precision import MixedPrecision
-from shardline.parallel.recompute.blocks import find_blocks, recomputing
+from shardline.parallel.recompute.blocks import recomputing
 
 if TYPE_CHECKING:
     from shardline.comm.group import ProcessGroup
@@ -117,19 +122,22 @@ class Probes:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the step model needs of the model: its trainable elements and blocks."""
+    """What the step model needs of the model.
+
+    Its trainable elements, their dtype (the first floating parameter's) and how many
+    tensors hold them.
+    """
 
     elements: int
     dtype: torch.dtype
-    blocks: int
     tensors: int = 0
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelShape:
-        """The shape of ``model`` (its first floating parameter's dtype)."""
+        """The shape of ``model``."""
         params = [p for p in model.parameters() if p.requires_grad]
         dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
-        return cls(sum(p.numel() for p in params), dtype, len(find_blocks(model)), len(params))
+        return cls(sum(p.numel() for p in params), dtype, len(params))
 
 
 @dataclass(frozen=True)
@@ -139,7 +147,8 @@ class StepTime:
     Attributes:
         compute: Forward and backward, recomputation included.
         comm: The strategy's communication, were none of it hidden.
-        exposed: The part of ``comm`` that compute does not hide.
+        exposed: What the step waits beyond compute: the part of ``comm`` that compute does
+            not hide, or the host issuing the work where it falls behind the device.
         optimizer: The optimizer step over the parameters this rank updates.
         slowest: The slowest rank's total, once the ranks agreed (``StrategyPlan.agreed``).
         trial: The slowest rank's median step when it was tried (``StrategyPlan.tried``).

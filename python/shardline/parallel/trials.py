@@ -3,8 +3,9 @@
 The step model (``timing.predict``) ranks the fitting choices from probes, but not every cost
 is in it: the wrappers' own host work per unit, a recompute policy's hooks. ``to_try`` takes
 the fastest few it predicts, within 1.6x of its best (2 to 4 of them, fewer where their
-predicted steps would take more than ``_BUDGET_S``), and ``trial_steps`` trains each on a
-deep copy of the model: wrapped as the choice would be, with the optimizer that
+predicted steps would take more than ``_BUDGET_S``; only those with room for a whole copy
+of the model beside them in what a rank has), and ``trial_steps`` trains each on a deep
+copy of the model: wrapped as the choice would be, with the optimizer that
 ``as_distributed`` was told of, three steps to warm up (the optimizer makes its state) and
 five timed, the median kept. The model itself, its gradients and the RNG state are
 untouched. Every rank runs the same trials in the same order (they hold collectives);
@@ -45,8 +46,19 @@ def to_try(plan: StrategyPlan) -> list[Candidate]:
 
     The same on every rank once the plan is agreed. Fewer than two: nothing to try.
     """
+    shape = plan.shape
+    copy_bytes = shape.elements * shape.dtype.itemsize if shape is not None else 0
     timed = sorted(
-        (c for c in plan.candidates if c.fits and c.offload is None and c.time is not None),
+        (
+            c
+            for c in plan.candidates
+            if c.fits
+            and c.offload is None
+            and c.time is not None
+            # the copy is whole until the wrapper shards it: room for it beside the choice in
+            # what the rank has (the headroom is for training; a trial is freed after)
+            and c.estimate.total + copy_bytes <= plan.available_bytes
+        ),
         key=lambda c: (c.time.total if c.time is not None else 0.0, c.order),
     )
     if len(timed) < _FEWEST:
