@@ -215,6 +215,14 @@ def test_predict_prices_link_optimizer_and_compute_as_each_strategy_spends_them(
     )
     assert all(m is not None and m.exposed == pytest.approx(m.comm) for m in moved.values())
 
+    # Where the host issues the compute and the collectives slower than the device runs
+    # them (a launch-bound GPU step), the host's time is the step.
+    host_bound = Probes({(None, None): Compute(0.010, 0.020, 0.050)}, optimizer=0.0,
+                        link=Link(0.0, 1e15, issue=1e-3), overlap=1.0)  # fmt: skip
+    issued = predict("zero3", None, units, shape, world, None, host_bound)
+    calls = sum(c.calls for c in collectives("zero3", units, shape, world, None))
+    assert issued is not None and issued.total == pytest.approx(0.050 + calls * 1e-3)
+
     bf16 = MixedPrecision(param_dtype=torch.bfloat16)
     assert predict("zero2", None, units, shape, world, bf16, dear_link) is None  # not probed
     fast = {**compute, (None, torch.bfloat16): Compute(0.001, 0.002, 0.003)}
@@ -232,7 +240,7 @@ def test_plan_takes_the_fastest_that_fits_and_the_slowest_rank_decides() -> None
     timed = plan.timed(Probes(compute, optimizer=1e-6, link=Link(0.0, 1e15), overlap=1.0))
     assert timed.choice.strategy == "zero1" and timed.choice.recompute is None, timed.explain()
     assert "step" in timed.explain().splitlines()[0]
-    # The trials: the fastest predicted first, every one within 10 % of it, 2 to 4 of them.
+    # The trials: the fastest predicted first, every one within 1.6x of it, 2 to 4 of them.
     tried = to_try(timed)
     predicted = [c.time.total for c in tried if c.time is not None]
     assert 2 <= len(tried) <= 4 and all(c.fits and c.offload is None for c in tried)

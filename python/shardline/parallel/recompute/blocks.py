@@ -168,14 +168,17 @@ def recomputing(model: nn.Module, policy: str | None) -> Iterator[None]:
         yield
         return
     blocks = [m for _, m in find_blocks(model)]
+    own = [m.__dict__.get("forward") for m in blocks]  # a forward set on the instance
     handles = [h for m in blocks for h in _wrap(m, policy)]
     try:
         yield
     finally:
         for h in handles:
             h.remove()
-        for m in blocks:
-            del m.forward  # the instance's recomputing forward: the class's again
+        for m, forward in zip(blocks, own, strict=True):
+            del m.forward  # the recomputing one
+            if forward is not None:
+                m.forward = forward
             delattr(m, _MARK)
 
 
