@@ -12,7 +12,7 @@ Table of contents:
   nothing through the engine's slots.
 - ``distribute``, ``DistributedDataParallel``, ``ShardedDataParallel`` (ZeRO 1/2/3, FSDP),
   ``MixedPrecision``, ``make_deterministic``: parallel strategies (``shardline.parallel``);
-  ``as_distributed`` picks one by memory, ``estimate_memory`` plans it before anything is
+  ``as_distributed`` picks the fastest that fits, ``estimate_memory`` plans it before anything is
   allocated, ``plan_strategy`` prices every strategy (``explain()``);
   ``register_optimizer``: how ZeRO shards an optimizer class it does not know.
 - ``compression``: gradient compression with error feedback (``compression.PowerSGD``,

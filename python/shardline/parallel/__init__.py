@@ -1,6 +1,8 @@
 """Parallel strategies: wrappers around a plain model and optimizer.
 
-- ``distribute``: one call, strategy by name; ``as_distributed``: strategy chosen by memory.
+- ``distribute``: one call, strategy by name; ``as_distributed``: the fastest strategy that
+  fits, chosen by memory (``fit``), probes and a step model (``timing``) and trial steps
+  (``trials``).
 - ``clip_grad_norm_``: clipping by the global norm, whatever the layout.
 - ``estimate_memory`` (``planner``, counting activations with ``activations``),
   ``plan_strategy`` and ``choose_strategy`` (``fit``): the pre-flight memory planner.
