@@ -102,7 +102,8 @@ def trial_steps(
             except Exception as e:
                 e.add_note(
                     f"while as_distributed tried {c.name} for a few steps on a copy of the "
-                    "model; pass timing=False to choose by memory alone, without trials"
+                    "model; pass trials=False to choose by the predicted step alone, or "
+                    "timing=False by memory alone"
                 )
                 raise
             finally:
