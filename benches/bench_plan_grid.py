@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness
+import _plan_job
 import _report
 
 MIB = 2**20
@@ -39,30 +40,11 @@ MIB = 2**20
 
 def worker(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
-    from bench_zero import SIZES  # noqa: PLC0415
 
     import shardline as sl  # noqa: PLC0415
-    from shardline.examples.train import Config, TinyGPT  # noqa: PLC0415
 
     rank, world, device, group = _harness.join_job(args.device)
-    if args.size == "main":
-        cfg, batch = Config(), Config().batch_size // world
-    else:
-        d_model, layers, heads, seq_len, batch = SIZES[args.size]
-        cfg = Config(d_model=d_model, num_layers=layers, num_heads=heads, seq_len=seq_len)
-    mp = (
-        sl.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if args.dtype == "bf16"
-        else None
-    )
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen).to(device)
-    y = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), generator=gen).to(device)
-
-    def build() -> Any:
-        torch.manual_seed(0)
-        return TinyGPT(cfg).to(device)
-
+    build, (x, y), mp = _plan_job.gpt(args.size, args.dtype, rank, world, device)
     budget = args.budget_mib * MIB if args.budget_mib else None
     _harness.sync(device)
     t0 = time.perf_counter()
@@ -82,11 +64,7 @@ def worker(args: argparse.Namespace) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            model = build()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            kw: dict[str, Any] = {"mixed_precision": mp} if c.strategy != "ddp" else {}
-            model, opt = sl.distribute(model, opt, strategy=c.strategy, recompute=c.recompute, **kw)
-            assert opt is not None
+            model, opt = _plan_job.trained(build, c, mp)
             times = []
             for i in range(args.warmup + args.steps):
                 _harness.sync(device)

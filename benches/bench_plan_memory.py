@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness
+import _plan_job
 import _report
 
 MIB = 2**20
@@ -32,30 +33,13 @@ MIB = 2**20
 
 def worker(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
-    from bench_zero import SIZES  # noqa: PLC0415
 
     import shardline as sl  # noqa: PLC0415
-    from shardline.examples.train import Config, TinyGPT  # noqa: PLC0415
 
     rank, world, device, _group = _harness.join_job(args.device)
     cuda = device.type == "cuda"
-    d_model, layers, heads, seq_len, batch = SIZES[args.size]
-    cfg = Config(d_model=d_model, num_layers=layers, num_heads=heads, seq_len=seq_len)
-    mp = (
-        sl.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if args.dtype == "bf16"
-        else None
-    )
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, cfg.vocab, (batch, seq_len), generator=gen).to(device)
-    y = torch.randint(0, cfg.vocab, (batch, seq_len), generator=gen).to(device)
-
-    def build() -> Any:
-        torch.manual_seed(0)
-        return TinyGPT(cfg).to(device)
-
-    with torch.device("meta"):
-        shape_only = TinyGPT(cfg)
+    build, (x, y), mp = _plan_job.gpt(args.size, args.dtype, rank, world, device)
+    shape_only = build(meta=True)
     plan = sl.plan_strategy(
         shape_only, world_size=world, available_bytes=1 << 50, example_input=(x, y),
         mixed_precision=mp, device=device,
@@ -68,15 +52,7 @@ def worker(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
-            model = build()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            kw: dict[str, Any] = {}
-            if c.strategy != "ddp":
-                kw["mixed_precision"] = mp
-            if c.offload:
-                kw["offload"] = c.offload
-            model, opt = sl.distribute(model, opt, strategy=c.strategy, recompute=c.recompute, **kw)
-            assert opt is not None
+            model, opt = _plan_job.trained(build, c, mp)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             for _ in range(args.steps):
