@@ -317,9 +317,16 @@ def probe_step(
     return Probes(compute, per_element, link, overlap, seconds, tuple(notes))
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Waits for ``device``'s queued work (CUDA); the CPU has none."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def kept_rng(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """The RNG state (the CPU's and ``device``'s) as it was, after the block."""
+    devices = [device] if device.type == "cuda" else []
+    return torch.random.fork_rng(devices=devices, device_type=device.type)
 
 
 @contextlib.contextmanager
@@ -338,8 +345,7 @@ def _untouched(model: nn.Module, device: torch.device) -> Iterator[None]:
         if p.requires_grad
     ]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type):
+    with kept_rng(device):
         try:
             yield
         finally:
@@ -423,15 +429,15 @@ def _probe_compute(
         recomputing(model, policy),
     ):
         for run in range(_RUNS):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             loss = loss_of(model(*args, **kwargs))
             issued = time.perf_counter() - t0
-            _sync(device)
+            sync(device)
             t1 = time.perf_counter()
             loss.backward()  # type: ignore[no-untyped-call]
             issued += time.perf_counter() - t1
-            _sync(device)
+            sync(device)
             t2 = time.perf_counter()
             del loss
             if run == 0 and t2 - t0 < _LONG:
@@ -486,10 +492,10 @@ def _probe_optimizer(
         opt = torch.optim.AdamW([flat])
     best = math.inf
     for _ in range(4):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         opt.step()
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return best / n
 
@@ -504,21 +510,21 @@ def _probe_link(group: ProcessGroup, device: torch.device) -> Link:
         t = torch.zeros(nbytes // 4, device=device)
         best = math.inf
         for _ in range(4):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             group.all_reduce(t)
-            _sync(device)
+            sync(device)
             best = min(best, time.perf_counter() - t0)
         times[nbytes] = best
     small = [torch.zeros(_SMALL // 4, device=device) for _ in range(8)]
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     works = [group.all_reduce(t, async_op=True) for t in small]
     issue = (time.perf_counter() - t0) / len(small)
     for w in works:
         assert w is not None
         w.wait()
-    _sync(device)
+    sync(device)
     world = group.world_size
     moved = 2 * (world - 1) / world * (_LARGE - _SMALL)
     bandwidth = moved / max(times[_LARGE] - times[_SMALL], 1e-9)

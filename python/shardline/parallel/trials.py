@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from shardline.parallel.timing import call_args, loss_of, optimizer_class
+from shardline.parallel.timing import call_args, kept_rng, loss_of, optimizer_class, sync
 
 if TYPE_CHECKING:
     from shardline.parallel.fit import Candidate, StrategyPlan
@@ -94,8 +94,7 @@ def trial_steps(
     args, kwargs = call_args(example_input)
     cls, hp = optimizer_class(optimizer)
     times = []
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type):
+    with kept_rng(device):
         for c in candidates:
             try:
                 times.append(_trial(model, args, kwargs, c, wrap, cls, hp, device))
@@ -130,18 +129,13 @@ def _trial(
     opt = cls(wrapped.parameters(), **hp) if cls is not None else None
     steps = []
     for _ in range(_WARMUP + _STEPS):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         if opt is not None:
             opt.zero_grad(set_to_none=True)
         loss_of(wrapped(*args, **kwargs)).backward()  # type: ignore[no-untyped-call]
         if opt is not None:
             opt.step()
-        _sync(device)
+        sync(device)
         steps.append(time.perf_counter() - t0)
     return statistics.median(steps[_WARMUP:])
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
