@@ -51,8 +51,13 @@ def gpt(
     return build, (x, y), mp
 
 
-def trained(build: Callable[..., Any], choice: Any, mp: Any) -> tuple[Any, Any]:
-    """``(model, optimizer)``: a fresh model wrapped as ``choice`` (a ``Candidate``), AdamW."""
+def trained(
+    build: Callable[..., Any], choice: Any, mp: Any, meshes: dict[int, Any] | None = None
+) -> tuple[Any, Any]:
+    """``(model, optimizer)``: a fresh model wrapped as ``choice`` (a ``Candidate``), AdamW.
+
+    A tensor-parallel choice is composed on a ``{"dp", "tp"}`` mesh, kept in ``meshes``.
+    """
     import torch  # noqa: PLC0415
 
     import shardline as sl  # noqa: PLC0415
@@ -64,8 +69,21 @@ def trained(build: Callable[..., Any], choice: Any, mp: Any) -> tuple[Any, Any]:
         kw["mixed_precision"] = mp
     if choice.offload:
         kw["offload"] = choice.offload
+    tp = getattr(choice, "tp", 1)
+    if tp > 1:
+        meshes = meshes if meshes is not None else {}
+        if tp not in meshes:
+            meshes[tp] = sl.DeviceMesh({"dp": sl.get_world_size() // tp, "tp": tp})
+        kw["mesh"] = meshes[tp]
     model, opt = sl.distribute(
-        model, opt, strategy=choice.strategy, recompute=choice.recompute, **kw
+        model, opt, strategy=choice.distribute_strategy, recompute=choice.recompute, **kw
     )
     assert opt is not None
     return model, opt
+
+
+def widened(batch: Any, k: int) -> Any:
+    """``batch`` repeated ``k`` times along its first dimension: ``k`` ranks' batches."""
+    from shardline.parallel.tensor_layout import widened as repeat  # noqa: PLC0415
+
+    return repeat(batch, k)

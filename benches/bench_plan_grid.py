@@ -4,10 +4,11 @@ Each rank builds a GPT (``--size``: ``main`` is the main job's model, the others
 ``bench_zero.py``'s) and one rank's batch, and calls ``sl.as_distributed`` with it as
 ``example_input`` (its probes and prediction timed: the seconds to decide). Then every choice
 that fits on every rank (not the offloads) is trained with ``sl.distribute`` and AdamW: built
-afresh, ``--warmup`` steps, then ``--steps`` timed steps, the grid twice over in turn, the
-faster round kept (the slowest rank's median step). Prints each choice's predicted and measured
-step, the fastest measured, the planner's choice and its measured step over the fastest (the
-bar: within 5 %), and the same for the first choice that fits (what memory alone picks).
+afresh, ``--warmup`` steps, then ``--steps`` timed steps, the grid ``--rounds`` times over in
+turn, the fastest round kept (the slowest rank's median step). Prints each choice's
+predicted and measured step, the fastest measured, the planner's choice and its measured step
+over the fastest (the bar: within 5 %), and the same for the first choice that fits (what
+memory alone picks).
 
     python benches/bench_plan_grid.py --device cpu --ranks 2 --size main        # here
     python benches/bench_plan_grid.py --device cpu --ranks 8 --size small
@@ -17,7 +18,10 @@ The planner's columns: ``predicted`` (the step model, from its probes) and ``tri
 it tried: the median of 5 steps after 3 to warm up, on a copy of the model).
 
 ``--budget-mib`` gives each rank that much memory instead of what it has (so that only the
-more sharded or recomputing choices fit). Writes ``benches/results/plan-grid-<tag>.{txt,json}``.
+more sharded or recomputing choices fit). ``--tensor-parallel`` lets the planner price
+tensor-parallel layouts too (``as_distributed(tensor_parallel=True)``); the grid then trains
+them as well, each replica on ``tp`` ranks' batches (the same global batch). Writes
+``benches/results/plan-grid-<tag>.{txt,json}``.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def worker(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     chosen = sl.as_distributed(
         build(), group=group, example_input=(x, y), mixed_precision=mp,
-        available_bytes=budget, verbose=False,
+        available_bytes=budget, verbose=False, tensor_parallel=args.tensor_parallel,
     )  # fmt: skip
     _harness.sync(device)
     decide = time.perf_counter() - t0
@@ -59,18 +63,22 @@ def worker(args: argparse.Namespace) -> int:
     del chosen
     grid = [c for c in plan.candidates if c.fits and c.offload is None]
     measured: dict[str, float] = {}
-    for _round in range(2):
+    meshes: dict[int, Any] = {}
+    for _round in range(args.rounds):
         for c in grid:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            model, opt = _plan_job.trained(build, c, mp)
+            model, opt = _plan_job.trained(build, c, mp, meshes)
+            # A tensor-parallel replica trains tp ranks' batches (its ranks' tokens differ
+            # here, which changes no time).
+            bx, by = _plan_job.widened((x, y), c.tp)
             times = []
             for i in range(args.warmup + args.steps):
                 _harness.sync(device)
                 t = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
-                model(x, y).backward()
+                model(bx, by).backward()
                 opt.step()
                 _harness.sync(device)
                 if i >= args.warmup:
@@ -105,7 +113,7 @@ def table(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
     for world, res in results.items():
         lines.append(
             f"{args.size} GPT {args.dtype}, {world} ranks, {args.device}, AdamW, "
-            f"{args.steps} steps per choice, best of 2 rounds"
+            f"{args.steps} steps per choice, best of {args.rounds} rounds"
             + (f", {args.budget_mib} MiB per rank" if args.budget_mib else "")
         )
         lines.append(
@@ -144,12 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--steps", type=int, default=10, help="timed steps per choice and round")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="times over the grid, fastest kept")
     p.add_argument("--budget-mib", type=int, default=0, help="memory per rank (0: measured)")
+    p.add_argument("--tensor-parallel", action="store_true", help="price tp layouts too")
     _harness.add_launch(p, timeout=1200.0)
     args, results = _harness.run_bench(
         p, argv, __file__, worker, lambda a, w, r, _s: table({w: r}, a)
     )
-    tag = args.tag or f"{args.device}-{args.size}-{args.dtype}-{os.cpu_count()}c"
+    tag = args.tag or (
+        f"{args.device}-{args.size}-{args.dtype}-{os.cpu_count()}c"
+        + ("-tp" if args.tensor_parallel else "")
+    )
     _report.publish(
         _report.RESULTS / f"plan-grid-{tag}",
         _report.header(Path(__file__).name, _report.machine(args.device)),

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shardline.errors import InvalidArgumentError
-from shardline.parallel import fit, planner
+from shardline.parallel import memory_available, planner
 from shardline.parallel.data.zero.schedule import _MAX_INFLIGHT
 from shardline.parallel.fit import available_memory, choose_strategy, plan_strategy
 from shardline.parallel.memory_estimate import format_bytes
@@ -468,12 +468,12 @@ def test_attention_and_recomputation_are_counted_as_a_real_forward_saves_them() 
 def test_available_memory_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")
-    monkeypatch.setattr(fit, "_MEMINFO", str(meminfo))
+    monkeypatch.setattr(memory_available, "_MEMINFO", str(meminfo))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert available_memory("cpu") == 8_000_000 * 1024
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert available_memory(torch.device("cpu")) == 2_000_000 * 1024
-    monkeypatch.setattr(fit, "_MEMINFO", str(tmp_path / "missing"))
+    monkeypatch.setattr(memory_available, "_MEMINFO", str(tmp_path / "missing"))
     assert available_memory("cpu") > 0  # os.sysconf
     chosen, reason, _ = choose_strategy(even_model(), world_size=2, device="cpu")
     assert chosen == "ddp" and "available" in reason

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardline import config
 from shardline.comm import trace
 from shardline.comm.group import ProcessGroup
 from shardline.comm.mesh import DeviceMesh
@@ -166,6 +167,15 @@ def _deterministic(
 _DETERMINISTIC = frozenset({"ddp", "zero1", "zero2", "zero3", "fsdp"})
 
 
+def _local_ranks(group: ProcessGroup) -> int:
+    """Ranks of ``group`` per host, which a tensor-parallel group stays within."""
+    raw = config.env_var("LOCAL_WORLD_SIZE", default=str(group.world_size))
+    try:
+        return max(1, min(int(raw), group.world_size))
+    except ValueError:
+        raise InvalidArgumentError(f"LOCAL_WORLD_SIZE={raw!r} is not an integer") from None
+
+
 def _check_options(strategy: str, options: dict[str, Any]) -> None:
     """Refuses an option the strategy's wrapper does not take, before any work.
 
@@ -201,10 +211,13 @@ def _wrap_choice(
     group: ProcessGroup,
     mixed_precision: MixedPrecision | None,
     options: dict[str, Any],
+    meshes: dict[int, DeviceMesh],
 ) -> nn.Module:
     """``model`` wrapped as ``choice`` says, its recomputation applied first.
 
-    Of ``options``, those its wrapper knows and those no wrapper claims.
+    Of ``options``, those its wrapper knows and those no wrapper claims. A tensor-parallel
+    choice is composed on ``meshes[tp]``, a ``{"dp": N / tp, "tp": tp}`` mesh of ``group``
+    (made once, by every rank, where missing).
     """
     if choice.recompute is not None:
         recompute_blocks(model, choice.recompute)
@@ -215,7 +228,14 @@ def _wrap_choice(
         kept["mixed_precision"] = mixed_precision
     if choice.offload is not None:
         kept["offload"] = choice.offload
-    return row.wrap(model, group=group, **kept)
+    if choice.tp == 1:
+        return row.wrap(model, group=group, **kept)
+    if choice.tp not in meshes:
+        meshes[choice.tp] = DeviceMesh(
+            {"dp": group.world_size // choice.tp, "tp": choice.tp}, group=group
+        )
+    wrapped, _ = compose(model, None, choice.distribute_strategy, meshes[choice.tp], kept)
+    return wrapped
 
 
 def as_distributed(
@@ -229,6 +249,7 @@ def as_distributed(
     headroom: float = 0.7,
     timing: bool = True,
     trials: bool = True,
+    tensor_parallel: bool = False,
     verbose: bool = True,
     **options: Any,
 ) -> nn.Module:
@@ -244,9 +265,11 @@ def as_distributed(
     fastest few predicted (2 to 4, within 1.6x of the best, each with room for a copy of the
     model beside it) are each trained for 8 steps on a copy of the model
     (``trials.trial_steps``), and the fastest of those is chosen (within 2 % of it, the
-    least sharded). On a small model all of it takes a few seconds; the probes'
-    and trials' collectives count in the group's ``traffic()``. Without ``example_input``
-    (or ``timing``) the first that fits in that order is chosen. The offloads are chosen
+    least sharded). With ``tensor_parallel``, layouts that split each replica's layers over
+    ``tp`` ranks of a host are priced, timed and tried too (``plan_strategy``). On a small
+    model all of it takes a few seconds; the probes' and trials' collectives count in the
+    group's ``traffic()``. Without ``example_input`` (or ``timing``) the first that fits in
+    that order is chosen. The offloads are chosen
     only when nothing else fits. Every rank takes the same choice, from the slowest rank's
     times and what fits on every rank. Build the optimizer afterwards from the returned
     model's ``parameters()`` (for ZeRO those are this rank's shards, named like the
@@ -267,18 +290,29 @@ def as_distributed(
             that fits.
         trials: Train the closest few for a few steps each, on a copy of the model, and
             choose by their measured steps; ``False`` chooses by the prediction alone.
+        tensor_parallel: Consider tensor parallelism (``sl.tensor_parallel``'s ``"auto"``
+            plan) over 2, 4, ... ranks of a host, with DDP or ZeRO over the replicas. Chosen,
+            it changes what each rank is fed: the ``tp`` ranks of a replica take the same
+            batch, ``tp`` times one rank's (the same global batch, as it was timed): build
+            the sampler as ``sl.DistributedSampler(data, **model.sampler_args)`` and scale
+            the batch by ``model.batch_scale``.
         verbose: Print the choice and the reason on rank 0 (always logged to ``shardline``).
         **options: Passed to the chosen wrapper; those only the other one knows (``unit_mb``,
             ``comm_hook``, ...) are dropped, so one call works whatever memory a machine has.
 
     Returns:
-        A ``DistributedDataParallel`` or ``ShardedDataParallel``; ``model.strategy`` and
+        A ``DistributedDataParallel`` or ``ShardedDataParallel``; ``model.strategy`` (what
+        ``sl.distribute`` takes: a name, or a strategy per axis of ``model.mesh``) and
         ``model.strategy_reason`` record the choice, ``model.plan`` (a ``StrategyPlan``) what
         the ranks priced: ``print(model.plan.explain())`` shows every strategy's bytes per
-        rank by component, whether it fits and its predicted step.
+        rank by component, whether it fits and its predicted step. ``model.mesh`` is the
+        ``{"dp", "tp"}`` mesh of a tensor-parallel choice (else ``None``);
+        ``model.sampler_args`` (``num_replicas``, ``rank``) and ``model.batch_scale`` say
+        how to feed it.
     """
     g = group if group is not None else default_group()
     device = next(model.parameters()).device
+    meshes: dict[int, DeviceMesh] = {}  # by tp size: made once, for the trials and the choice
     plan = plan_strategy(
         model,
         world_size=g.world_size,
@@ -289,6 +323,8 @@ def as_distributed(
         headroom=headroom,
         unit_mb=options.get("unit_mb"),
         device=device,
+        tensor_parallel=tensor_parallel,
+        local_ranks=_local_ranks(g),
     )
     if timing and example_input is not None:
         probes = probe_step(
@@ -312,7 +348,8 @@ def as_distributed(
         if tried:
             seconds = trial_steps(
                 model, example_input, tried,
-                lambda copy, c: _wrap_choice(copy, c, g, mixed_precision, options), optimizer,
+                lambda copy, c: _wrap_choice(copy, c, g, mixed_precision, options, meshes),
+                optimizer,
             )  # fmt: skip
             slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
             g.all_reduce(slowest, op="max")
@@ -320,11 +357,20 @@ def as_distributed(
     reason = plan.reason
     if not next(c for c in plan.candidates if c.order == mine.choice.order).fits:
         reason += f" ({mine.choice.name}, this rank's choice, does not fit on another rank)"
-    agreed = plan.choice.strategy
-    wrapped = _wrap_choice(model, plan.choice, g, mixed_precision, options)
-    wrapped.strategy = agreed  # type: ignore[assignment]
+    choice = plan.choice
+    wrapped = _wrap_choice(model, choice, g, mixed_precision, options, meshes)
+    mesh = meshes.get(choice.tp)
+    wrapped.strategy = choice.distribute_strategy  # type: ignore[assignment]
     wrapped.strategy_reason = reason  # type: ignore[assignment]
     wrapped.plan = plan  # type: ignore[assignment]
+    wrapped.mesh = mesh  # type: ignore[assignment]
+    sampler_args = (
+        {"num_replicas": g.world_size, "rank": g.rank}
+        if mesh is None
+        else {"num_replicas": mesh.size("dp"), "rank": mesh.local_rank("dp")}
+    )
+    wrapped.sampler_args = sampler_args  # type: ignore[assignment]
+    wrapped.batch_scale = choice.tp  # type: ignore[assignment]
     message = f"shardline.as_distributed chose {reason}"
     _log.info(message)
     if verbose and g.rank == 0:

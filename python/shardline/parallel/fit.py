@@ -13,17 +13,16 @@ memory-only choice alone; ``as_distributed`` runs the whole plan.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardline import config
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
-from shardline.parallel.data.zero.grouping import default_units
+from shardline.parallel.data.zero.grouping import default_unit_mb, default_units
+from shardline.parallel.memory_available import available_memory, default_device
 from shardline.parallel.planner import (
     MemoryEstimate,
     _activations_or_note,
@@ -35,7 +34,15 @@ from shardline.parallel.planner import (
 )
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import find_blocks, recomputing_blocks
-from shardline.parallel.timing import ModelShape, Probes, StepTime, compute_dtype, predict
+from shardline.parallel.tensor_layout import TensorLayout, priced_layouts, widened
+from shardline.parallel.timing import (
+    Collective,
+    ModelShape,
+    Probes,
+    StepTime,
+    compute_dtype,
+    predict,
+)
 
 __all__ = [
     "CHOICES",
@@ -45,59 +52,6 @@ __all__ = [
     "choose_strategy",
     "plan_strategy",
 ]
-
-_MEMINFO = "/proc/meminfo"
-
-
-def available_memory(device: torch.device | str | int = "cpu") -> int:
-    """Free bytes one rank can use on ``device``.
-
-    CUDA: the free memory ``torch.cuda.mem_get_info`` reports. CPU: ``MemAvailable`` from
-    ``/proc/meminfo`` (or ``os.sysconf`` where ``/proc`` is missing) divided by the ranks on
-    this host (``LOCAL_WORLD_SIZE``, default 1).
-
-    Raises:
-        InvalidArgumentError: a device that is neither CPU nor an available CUDA device, or a
-            malformed ``LOCAL_WORLD_SIZE``.
-    """
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InvalidArgumentError(f"available_memory({device!r}): CUDA is not available")
-        return int(torch.cuda.mem_get_info(dev)[0])
-    if dev.type != "cpu":
-        raise InvalidArgumentError(
-            f"available_memory() knows cpu and cuda devices, not {dev.type!r}"
-        )
-    raw = config.env_var("LOCAL_WORLD_SIZE", default="1")
-    try:
-        local = int(raw)
-    except ValueError:
-        raise InvalidArgumentError(f"LOCAL_WORLD_SIZE={raw!r} is not an integer") from None
-    return _host_available() // max(local, 1)
-
-
-def _host_available() -> int:
-    """``MemAvailable`` of this host in bytes."""
-    try:
-        with open(_MEMINFO, encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    value, *unit = line.split()[1:]
-                    return int(value) * (1024 if unit and unit[0].lower() == "kb" else 1)
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _default_device(model: nn.Module) -> torch.device:
-    """The device a model trains on: its own if CUDA, else CUDA when present, else CPU."""
-    first = next(model.parameters(), None)
-    if first is not None and first.device.type == "cuda":
-        return first.device
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -113,6 +67,9 @@ class Candidate:
         recompute: The blocks' recompute policy, or ``None``.
         time: Its predicted step (``StrategyPlan.timed``); ``None`` until timed, and for
             the offloads.
+        tp: Tensor-parallel ranks per replica (``sl.tensor_parallel``'s ``"auto"`` plan), 1
+            for none; ``strategy`` then keeps the ``N / tp`` replicas (with one there is
+            nothing to average or shard, but the ZeRO stages compute in ``mixed_precision``).
     """
 
     strategy: str
@@ -121,20 +78,29 @@ class Candidate:
     fits: bool
     recompute: str | None = None
     time: StepTime | None = None
+    tp: int = 1
 
     @property
     def name(self) -> str:
-        """``"zero3"``, ``"zero1 recompute=selective"`` or ``"zero3 offload=cpu"``."""
+        """``"zero3"``, ``"zero1 recompute=selective"``, ``"zero3 offload=cpu"``, ``"ddp tp=2"``."""
         return (
             self.strategy
             + (f" recompute={self.recompute}" if self.recompute else "")
             + (f" offload={self.offload}" if self.offload else "")
+            + (f" tp={self.tp}" if self.tp > 1 else "")
         )
 
     @property
     def order(self) -> int:
-        """Its place in ``CHOICES``: every rank agrees on the highest any rank needs."""
-        return CHOICES.index((self.recompute, self.strategy, self.offload))
+        """Its place among the choices: ``CHOICES``' index, after all of a smaller ``tp``."""
+        return CHOICES.index((self.recompute, self.strategy, self.offload)) + len(CHOICES) * (
+            self.tp - 1
+        )
+
+    @property
+    def distribute_strategy(self) -> str | dict[str, str]:
+        """What ``sl.distribute`` takes for it: a name, or a strategy per mesh axis."""
+        return self.strategy if self.tp == 1 else {"dp": self.strategy, "tp": "auto"}
 
 
 # What plan_strategy may choose, in the order it prefers them: the least sharded strategy,
@@ -164,6 +130,8 @@ class StrategyPlan:
         host_budget: Host bytes per rank the offloads may use (0 off CUDA).
         shape, world_size, mixed_precision, headroom, example_given: what it was priced for.
         probes: What ``timed`` predicted the step times from; ``None`` until then.
+        layouts: The tensor-parallel layouts priced (``tensor_layout``), by ``tp`` size.
+        notes: Why a layout was not priced (a model ``tensor_parallel`` cannot split).
     """
 
     candidates: tuple[Candidate, ...]
@@ -178,6 +146,8 @@ class StrategyPlan:
     headroom: float = 0.7
     example_given: bool = False
     probes: Probes | None = None
+    layouts: tuple[TensorLayout, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def to_time(self) -> list[tuple[str | None, torch.dtype | None]]:
         """The ``(recompute, compute dtype)`` pairs whose compute the fitting choices need.
@@ -219,9 +189,23 @@ class StrategyPlan:
 
     def _predict(self, c: Candidate, probes: Probes) -> StepTime | None:
         assert self.shape is not None
+        if c.tp == 1:
+            return predict(
+                c.strategy, c.recompute, c.estimate.num_units, self.shape, self.world_size,
+                self.mixed_precision, probes,
+            )  # fmt: skip
+        layout = next(t for t in self.layouts if t.size == c.tp)
+        shape = ModelShape.of(layout.model)
+        # The layers' collectives were counted in the model's dtype; they move the compute's.
+        dtype = compute_dtype(c.strategy, self.shape, self.mixed_precision) or self.shape.dtype
+        ratio = dtype.itemsize / self.shape.dtype.itemsize
+        blocking = [
+            Collective(phase, op, calls, int(nbytes * ratio))
+            for phase, op, calls, nbytes in layout.traffic
+        ]
         return predict(
-            c.strategy, c.recompute, c.estimate.num_units, self.shape, self.world_size,
-            self.mixed_precision, probes,
+            c.strategy, c.recompute, c.estimate.num_units, shape, c.estimate.world_size,
+            self.mixed_precision, probes, c.tp, layout.split, blocking,
         )  # fmt: skip
 
     def agreed(self, totals: list[float], fits: list[bool]) -> StrategyPlan:
@@ -315,6 +299,7 @@ class StrategyPlan:
             )
         if p is not None:
             rows.extend(p.notes)
+        rows.extend(self.notes)
         rows.append(f"chosen: {self.reason}")
         return "\n".join(rows)
 
@@ -331,6 +316,8 @@ def plan_strategy(
     unit_mb: float | None = None,
     prefetch: int = 1,
     device: torch.device | str | int | None = None,
+    tensor_parallel: bool = False,
+    local_ranks: int | None = None,
 ) -> StrategyPlan:
     """Every strategy priced for one rank, and the least sharded one that fits.
 
@@ -339,8 +326,12 @@ def plan_strategy(
     ``recompute="selective"`` and ``"full"``; on CUDA zero3 with ``offload="optimizer"`` and
     ``"cpu"`` (whose host part must fit ``headroom`` of the host memory too). It chooses the
     first that fits, in that order (``CHOICES``): sharding before recomputing, recomputing
-    before offloading. When none fits, the choice is ``zero3``, with a reason that says by
-    how much it is short.
+    before offloading. With ``tensor_parallel``, after the recomputing choices come the
+    layouts that split each replica's layers over ``tp`` ranks of a host (2, 4, ...:
+    ``tensor_layout``), the four strategies keeping the ``N / tp`` replicas (with one, the
+    ZeRO stages still give ``mixed_precision``'s compute, which DDP does not), priced on
+    ``tp`` ranks' batches (the same global batch). When none fits, the choice is ``zero3``,
+    with a reason that says by how much it is short.
 
     Args:
         model: The plain model.
@@ -354,6 +345,9 @@ def plan_strategy(
         prefetch: As for ``estimate_memory``.
         device: Where ``available_memory`` looks; the model's CUDA device, else the current
             CUDA device, else the CPU.
+        tensor_parallel: Price tensor-parallel layouts too.
+        local_ranks: Ranks per host, which a tensor-parallel group stays within;
+            ``world_size`` when ``None``.
 
     Returns:
         A ``StrategyPlan``: ``choice``, ``reason``, every candidate, and ``explain()``.
@@ -366,7 +360,7 @@ def plan_strategy(
     if not 0 < headroom <= 1:
         raise InvalidArgumentError(f"headroom must be in (0, 1], got {headroom}")
     if available_bytes is None:
-        available_bytes = available_memory(device if device is not None else _default_device(model))
+        available_bytes = available_memory(device if device is not None else default_device(model))
     if available_bytes < 0:
         raise InvalidArgumentError(f"available_bytes must not be negative, got {available_bytes}")
     if prefetch < 0 or (unit_mb is not None and unit_mb < 0):
@@ -375,7 +369,7 @@ def plan_strategy(
         )
     k = optimizer_states(optimizer)
     budget = headroom * available_bytes
-    on = torch.device(device) if device is not None else _default_device(model)
+    on = torch.device(device) if device is not None else default_device(model)
     # The units ZeRO will make there (the model may not be there yet).
     rule, offload_rule = default_units(on), default_units(on, "optimizer")
     cache: dict[tuple[torch.dtype | None, str | None], tuple[tuple[int, int], bool, list[str]]]
@@ -408,6 +402,22 @@ def plan_strategy(
         for name in strategies.BY_MEMORY
         for e in [priced(name, None, policy)]
     ]
+    layouts, notes = priced_layouts(model, world_size, local_ranks, example_input, tensor_parallel)
+    for layout in layouts:
+        t = layout.size
+        batch = widened(example_input, t) if example_input is not None else None
+        tp_unit = unit_mb if unit_mb is not None else default_unit_mb(
+            on, sum(p.nbytes for p in layout.model.parameters())
+        )  # fmt: skip
+        for name in strategies.BY_MEMORY:
+            act_notes: list[str] = []
+            mp = _effective_precision(name, mixed_precision, act_notes)
+            (act, again), measured = _activations_or_note(layout.model, batch, mp, act_notes)
+            e = _estimate(
+                layout.model, name, world_size // t, k, mp, tp_unit, prefetch, act, measured,
+                act_notes, unit_rule=rule, recomputed=again,
+            )  # fmt: skip
+            candidates.append(Candidate(name, None, e, e.total <= budget, tp=t))
     host_budget = 0.0
     if on.type == "cuda":  # the host can hold what the device cannot: offload
         host_budget = headroom * available_memory("cpu")
@@ -419,7 +429,8 @@ def plan_strategy(
     choice, reason = _choose(candidates, budget, available_bytes, headroom, given)
     return StrategyPlan(
         tuple(candidates), choice, reason, budget, available_bytes, host_budget,
-        ModelShape.of(model), world_size, mixed_precision, headroom, given,
+        ModelShape.of(model), world_size, mixed_precision, headroom, given, None,
+        tuple(layouts), tuple(notes),
     )  # fmt: skip
 
 

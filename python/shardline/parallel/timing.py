@@ -236,17 +236,32 @@ def predict(
     world: int,
     mp: MixedPrecision | None,
     probes: Probes,
+    tp: int = 1,
+    split: float = 0.0,
+    blocking: Iterable[Collective] = (),
 ) -> StepTime | None:
     """The step time of ``strategy`` (ddp, zero1-3, no offload) from ``probes``.
 
+    With tensor parallelism over ``tp`` ranks (``shape`` this rank's slices, ``world`` the
+    replicas), a rank computes ``tp`` ranks' batches, the ``split`` share of it on ``1/tp``
+    of the weights: the probe's compute of one rank's batch times ``tp (1 - split) + split``;
+    ``blocking`` (the layers' collectives over the ``tp`` ranks) waits in full.
     ``None`` when the probes lack its compute (a policy or dtype not probed).
     """
-    measured = probes.compute.get((recompute, compute_dtype(strategy, shape, mp)))
-    if measured is None:
+    probed = probes.compute.get((recompute, compute_dtype(strategy, shape, mp)))
+    if probed is None:
         return None
+    scale = tp * (1 - split) + split
+    measured = Compute(probed.forward * scale, probed.backward * scale, probed.host * scale)
     link = probes.link
     comm = {"forward": 0.0, "backward": 0.0}
     calls = {"forward": 0, "backward": 0}
+    waits, issued = 0.0, 0
+    for c in blocking if link is not None else ():
+        assert link is not None
+        moves = link.all_reduce if c.op == "all_reduce" else link.gather
+        waits += moves(c.nbytes, tp, c.calls)
+        issued += c.calls
     for c in collectives(strategy, units, shape, world, mp) if link is not None else []:
         assert link is not None
         moves = link.all_reduce if c.op == "all_reduce" else link.gather
@@ -254,7 +269,7 @@ def predict(
         calls[c.phase] += c.calls
     # A phase hides its communication behind ``overlap`` of its compute, but for its last call.
     busy = {"forward": measured.forward, "backward": measured.backward}
-    exposed = sum(
+    exposed = waits + sum(
         max(comm[p] - probes.overlap * busy[p], comm[p] / calls[p]) for p in comm if calls[p]
     )
     compute = measured.forward + measured.backward
@@ -262,11 +277,11 @@ def predict(
     # timelines: the device's compute and exposed communication, or the host issuing the
     # compute and every collective (on CPU the host is the device: issuing adds to the step).
     issue = link.issue if link is not None else 0.0
-    exposed = max(exposed, measured.host + sum(calls.values()) * issue - compute)
+    exposed = max(exposed, measured.host + (sum(calls.values()) + issued) * issue - compute)
     updated = shape.elements if strategy == "ddp" else math.ceil(shape.elements / world)
     return StepTime(
         compute=compute,
-        comm=sum(comm.values()),
+        comm=sum(comm.values()) + waits,
         exposed=exposed,
         optimizer=updated * probes.optimizer,
     )

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from shardline.parallel.tensor_layout import widened
 from shardline.parallel.timing import call_args, kept_rng, loss_of, optimizer_class, sync
 
 if TYPE_CHECKING:
@@ -91,11 +92,12 @@ def trial_steps(
         Whatever a trial raises, with the choice it was trying in a note.
     """
     device = next(model.parameters()).device
-    args, kwargs = call_args(example_input)
     cls, hp = optimizer_class(optimizer)
     times = []
     with kept_rng(device):
         for c in candidates:
+            # A tensor-parallel replica trains ``tp`` ranks' batches: the same global batch.
+            args, kwargs = call_args(widened(example_input, c.tp))
             try:
                 times.append(_trial(model, args, kwargs, c, wrap, cls, hp, device))
             except Exception as e:
