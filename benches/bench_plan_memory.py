@@ -7,7 +7,9 @@ trains each choice for ``--steps`` steps with ``sl.distribute`` and AdamW and me
 peak GPU memory of those steps (``torch.cuda.max_memory_allocated``, reset once the wrapper
 is built, less what was allocated before the model was). Prints each choice's predicted and
 measured bytes per rank (the most over the ranks) and their ratio; the planner's bar is
-within 10 %. On CPU nothing is measured: it prints the prices only.
+within 10 %. On CPU nothing is measured: it prints the prices only. ``--tensor-parallel``
+adds the tensor-parallel layouts (``plan_strategy(tensor_parallel=True)``), each trained on
+its replica's batch (``tp`` ranks' batches: the same global batch).
 
     python benches/bench_plan_memory.py --device cuda --ranks 2 --size medium --dtype bf16
     python benches/bench_plan_memory.py --device cpu --ranks 2 --size small      # prices only
@@ -42,9 +44,10 @@ def worker(args: argparse.Namespace) -> int:
     shape_only = build(meta=True)
     plan = sl.plan_strategy(
         shape_only, world_size=world, available_bytes=1 << 50, example_input=(x, y),
-        mixed_precision=mp, device=device,
+        mixed_precision=mp, device=device, tensor_parallel=args.tensor_parallel,
     )  # fmt: skip
     rows = []
+    meshes: dict[int, Any] = {}
     for c in plan.candidates:
         measured = 0
         if cuda:
@@ -52,12 +55,13 @@ def worker(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
-            model, opt = _plan_job.trained(build, c, mp)
+            model, opt = _plan_job.trained(build, c, mp, meshes)
+            bx, by = _plan_job.widened((x, y), c.tp)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             for _ in range(args.steps):
                 opt.zero_grad(set_to_none=True)
-                model(x, y).backward()
+                model(bx, by).backward()
                 opt.step()
             torch.cuda.synchronize()
             peak = torch.tensor([torch.cuda.max_memory_allocated() - base], device=device)
@@ -107,11 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="small", help="bench_zero.py's model sizes")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--steps", type=int, default=3, help="steps per choice")
+    p.add_argument("--tensor-parallel", action="store_true", help="price tp layouts too")
     _harness.add_launch(p, timeout=600.0)
     args, results = _harness.run_bench(
         p, argv, __file__, worker, lambda a, w, r, _s: table({w: r}, a)
     )
-    tag = args.tag or f"{args.device}-{args.size}-{args.dtype}-{os.cpu_count()}c"
+    tag = args.tag or (
+        f"{args.device}-{args.size}-{args.dtype}-{os.cpu_count()}c"
+        + ("-tp" if args.tensor_parallel else "")
+    )
     _report.publish(
         _report.RESULTS / f"plan-memory-{tag}",
         _report.header(Path(__file__).name, _report.machine(args.device)),
