@@ -185,3 +185,28 @@ def test_the_tensor_parallel_choice_trains_as_one_process_on_the_replica_batch()
 
     for losses in run_ranks(2, body, timeout=60):
         assert losses == pytest.approx(alone, rel=1e-5, abs=1e-6)
+
+
+class _Peeking(TinyGPT):
+    """Reads a value of its input in forward, which the meta device cannot give."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        if int(idx.max()) >= CFG.vocab:
+            raise ValueError("a token beyond the vocabulary")
+        return super().forward(idx, targets)
+
+
+def test_collectives_are_counted_once_per_call_and_an_uncountable_forward_says_so() -> None:
+    layout = tensor_layout(gpt(), 2)
+    assert not isinstance(layout, str)
+    batch = widened(tokens(0), 2)
+    assert counted_traffic(layout, batch, None).traffic == counted_traffic(
+        layout, batch, None
+    ).traffic  # nothing carried over from an earlier count
+    torch.manual_seed(0)
+    plan = sl.plan_strategy(
+        _Peeking(CFG), world_size=2, available_bytes=1 << 30, tensor_parallel=True,
+        device="cpu", example_input=tokens(0),
+    )  # fmt: skip
+    assert [c.name for c in plan.candidates if c.tp == 2][0] == "ddp tp=2"  # memory priced
+    assert any(n.startswith("tp=2: its collectives not counted") for n in plan.notes), plan.notes

@@ -94,8 +94,8 @@ def tensor_layout(model: nn.Module, t: int) -> TensorLayout | str:
     twin = copy.deepcopy(model, memo)
     try:
         split = tensor_parallel(twin, _MetaGroup(t), "auto")  # type: ignore[arg-type]
-    except (InvalidArgumentError, NotImplementedError, RuntimeError, ValueError) as e:
-        return f"tp={t}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    except Exception as e:  # a layout that cannot be built is not priced, and says why
+        return f"tp={t}: {_first_line(e)}"
     whole = _trainable(model)
     per_rank = _trainable(split)
     share = (whole - per_rank) / (whole * (1 - 1 / t)) if whole else 0.0
@@ -107,8 +107,10 @@ def counted_traffic(
 ) -> TensorLayout:
     """``layout`` with the tensor-parallel collectives of one forward and backward counted.
 
-    Runs on the meta device in the compute dtype of ``mp``; a forward or backward that fails
-    there leaves the traffic uncounted (empty).
+    Runs on the meta device in the compute dtype of ``mp``.
+
+    Raises:
+        Whatever the forward or backward raises on the meta device.
     """
     group = _group_of(layout.model)
     if group is None:
@@ -126,16 +128,14 @@ def counted_traffic(
         for n, p in layout.model.named_parameters()
     }
     state.update({n: meta(b) for n, b in layout.model.named_buffers()})
-    try:
-        with group.recording("forward"), torch.enable_grad():
-            out = torch.func.functional_call(layout.model, state, args, kwargs, strict=False)
-            loss = loss_of(out)
-        with group.recording("backward"):
-            loss.backward()  # type: ignore[no-untyped-call]
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        return layout
+    calls: list[tuple[str, str, int]] = []
+    with group.recording("forward", calls), torch.enable_grad():
+        out = torch.func.functional_call(layout.model, state, args, kwargs, strict=False)
+        loss = loss_of(out)
+    with group.recording("backward", calls):
+        loss.backward()  # type: ignore[no-untyped-call]
     totals: dict[tuple[str, str], list[int]] = {}
-    for phase, op, nbytes in group.calls:
+    for phase, op, nbytes in calls:
         entry = totals.setdefault((phase, op), [0, 0])
         entry[0] += 1
         entry[1] += nbytes
@@ -163,11 +163,19 @@ def priced_layouts(
             notes.append(f"not priced: {layout}")
             continue
         if example_input is not None:
-            layout = counted_traffic(layout, widened(example_input, t), None)
+            try:
+                layout = counted_traffic(layout, widened(example_input, t), None)
+            except Exception as e:  # priced without them, and says so
+                notes.append(f"tp={t}: its collectives not counted ({_first_line(e)})")
         layouts.append(layout)
     if not notes and not layouts:
         notes.append(f"no tensor-parallel size divides {world_size} ranks and a host's")
     return layouts, notes
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return text if isinstance(e, InvalidArgumentError) else f"{type(e).__name__}: {text}"
 
 
 def _trainable(model: nn.Module) -> int:
@@ -197,8 +205,9 @@ class _MetaGroup:
         self._phase: str | None = None
         self._members = members if members is not None else [self]
 
-    def recording(self, phase: str) -> _Phase:
-        return _Phase(self._members, phase)
+    def recording(self, phase: str, into: list[tuple[str, str, int]]) -> _Phase:
+        """Within it, this group and its sub-groups record into ``into`` under ``phase``."""
+        return _Phase(self._members, phase, into)
 
     def _note(self, op: str, t: torch.Tensor) -> None:
         if self._phase is not None:
@@ -227,15 +236,17 @@ class _MetaGroup:
 
 
 class _Phase:
-    """Within it, the groups record their collectives under ``phase`` (into the first's list)."""
+    """Within it, the groups record their collectives under ``phase`` into one list."""
 
-    def __init__(self, members: list[_MetaGroup], phase: str) -> None:
-        self.members, self.phase = members, phase
+    def __init__(
+        self, members: list[_MetaGroup], phase: str, into: list[tuple[str, str, int]]
+    ) -> None:
+        self.members, self.phase, self.into = members, phase, into
 
     def __enter__(self) -> None:
         for g in self.members:
             g._phase = self.phase
-            g.calls = self.members[0].calls
+            g.calls = self.into
 
     def __exit__(self, *exc: object) -> None:
         for g in self.members:
