@@ -12,7 +12,7 @@ from torch import nn
 
 import shardline as sl
 from shardline.comm import ProcessGroup
-from shardline.examples.train import Config, TinyGPT
+from shardline.examples.train import TinyGPT
 from shardline.parallel import MixedPrecision
 from shardline.parallel.tensor_layout import (
     counted_traffic,
@@ -22,19 +22,7 @@ from shardline.parallel.tensor_layout import (
 )
 from shardline.parallel.timing import Collective, Compute, Link, ModelShape, Probes, predict
 from tests._ranks import run_ranks
-
-CFG = Config(d_model=32, num_layers=2, num_heads=2, seq_len=16)
-
-
-def gpt() -> TinyGPT:
-    torch.manual_seed(0)
-    return TinyGPT(CFG)
-
-
-def tokens(rank: int, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, CFG.vocab, (batch, CFG.seq_len), generator=gen)
-    return x, torch.randint(0, CFG.vocab, (batch, CFG.seq_len), generator=gen)
+from tests._tiny_gpt import CFG, gpt, tokens
 
 
 def test_tp_sizes_divide_the_world_and_a_host() -> None:
@@ -200,13 +188,13 @@ def test_collectives_are_counted_once_per_call_and_an_uncountable_forward_says_s
     layout = tensor_layout(gpt(), 2)
     assert not isinstance(layout, str)
     batch = widened(tokens(0), 2)
-    assert counted_traffic(layout, batch, None).traffic == counted_traffic(
-        layout, batch, None
-    ).traffic  # nothing carried over from an earlier count
+    assert (
+        counted_traffic(layout, batch, None).traffic == counted_traffic(layout, batch, None).traffic
+    )  # nothing carried over from an earlier count
     torch.manual_seed(0)
     plan = sl.plan_strategy(
         _Peeking(CFG), world_size=2, available_bytes=1 << 30, tensor_parallel=True,
         device="cpu", example_input=tokens(0),
     )  # fmt: skip
-    assert [c.name for c in plan.candidates if c.tp == 2][0] == "ddp tp=2"  # memory priced
+    assert next(c.name for c in plan.candidates if c.tp == 2) == "ddp tp=2"  # memory priced
     assert any(n.startswith("tp=2: its collectives not counted") for n in plan.notes), plan.notes

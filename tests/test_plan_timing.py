@@ -13,7 +13,6 @@ from torch import nn
 
 import shardline as sl
 from shardline.comm import ProcessGroup
-from shardline.examples.train import Config, TinyGPT
 from shardline.parallel import MixedPrecision
 from shardline.parallel.recompute.blocks import recomputing, recomputing_blocks
 from shardline.parallel.timing import (
@@ -27,19 +26,7 @@ from shardline.parallel.timing import (
 )
 from shardline.parallel.trials import to_try, trial_steps
 from tests._ranks import run_ranks
-
-CFG = Config(d_model=32, num_layers=2, num_heads=2, seq_len=16)
-
-
-def gpt() -> TinyGPT:
-    torch.manual_seed(0)
-    return TinyGPT(CFG)
-
-
-def tokens(rank: int, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, CFG.vocab, (batch, CFG.seq_len), generator=gen)
-    return x, torch.randint(0, CFG.vocab, (batch, CFG.seq_len), generator=gen)
+from tests._tiny_gpt import gpt, tokens
 
 
 class NormedBlock(nn.Module):
