@@ -52,16 +52,34 @@ def gpt(
 
 
 def trained(
-    build: Callable[..., Any], choice: Any, mp: Any, meshes: dict[int, Any] | None = None
+    build: Callable[..., Any],
+    choice: Any,
+    mp: Any,
+    meshes: dict[Any, Any] | None = None,
+    batch: Any = None,
 ) -> tuple[Any, Any]:
     """``(model, optimizer)``: a fresh model wrapped as ``choice`` (a ``Candidate``), AdamW.
 
-    A tensor-parallel choice is composed on a ``{"dp", "tp"}`` mesh, kept in ``meshes``.
+    A tensor-parallel choice is composed on a ``{"dp", "tp"}`` mesh, a pipeline on its
+    ``{"dp", "pp"}`` mesh (both kept in ``meshes``), as ``sl.as_distributed`` builds them
+    (a pipeline's stages balanced on a micro-batch of ``batch``, this rank's).
     """
     import torch  # noqa: PLC0415
 
     import shardline as sl  # noqa: PLC0415
 
+    if getattr(choice, "pp", 1) > 1:
+        from shardline.comm.world import default_group  # noqa: PLC0415
+        from shardline.examples.model import as_sequential, lm_loss  # noqa: PLC0415
+        from shardline.parallel.choice import wrap_choice  # noqa: PLC0415
+        from shardline.parallel.pipeline_layout import with_loss  # noqa: PLC0415
+
+        group = default_group()
+        model = wrap_choice(
+            with_loss(as_sequential(build()), lm_loss), choice, group, mp, {},
+            meshes if meshes is not None else {}, batch,
+        )  # fmt: skip
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     kw: dict[str, Any] = {}

@@ -20,7 +20,9 @@ it tried: the median of 5 steps after 3 to warm up, on a copy of the model).
 ``--budget-mib`` gives each rank that much memory instead of what it has (so that only the
 more sharded or recomputing choices fit). ``--tensor-parallel`` lets the planner price
 tensor-parallel layouts too (``as_distributed(tensor_parallel=True)``); the grid then trains
-them as well, each replica on ``tp`` ranks' batches (the same global batch). Writes
+them as well, each replica on ``tp`` ranks' batches (the same global batch); ``--pipeline``
+the same for 1F1B pipelines (``as_distributed(pipeline=True)`` of the GPT as a chain of
+children with its loss; a pipeline choice trained by its ``step``). Writes
 ``benches/results/plan-grid-<tag>.{txt,json}``.
 """
 
@@ -50,11 +52,17 @@ def worker(args: argparse.Namespace) -> int:
     rank, world, device, group = _harness.join_job(args.device)
     build, (x, y), mp = _plan_job.gpt(args.size, args.dtype, rank, world, device)
     budget = args.budget_mib * MIB if args.budget_mib else None
+    extra: dict[str, Any] = {}
+    model = build()
+    if args.pipeline:
+        from shardline.examples.model import as_sequential, lm_loss  # noqa: PLC0415
+
+        model, extra = as_sequential(model), {"pipeline": True, "loss_fn": lm_loss}
     _harness.sync(device)
     t0 = time.perf_counter()
     chosen = sl.as_distributed(
-        build(), group=group, example_input=(x, y), mixed_precision=mp,
-        available_bytes=budget, verbose=False, tensor_parallel=args.tensor_parallel,
+        model, group=group, example_input=(x, y), mixed_precision=mp,
+        available_bytes=budget, verbose=False, tensor_parallel=args.tensor_parallel, **extra,
     )  # fmt: skip
     _harness.sync(device)
     decide = time.perf_counter() - t0
@@ -69,16 +77,19 @@ def worker(args: argparse.Namespace) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            model, opt = _plan_job.trained(build, c, mp, meshes)
-            # A tensor-parallel replica trains tp ranks' batches (its ranks' tokens differ
+            model, opt = _plan_job.trained(build, c, mp, meshes, (x, y))
+            # A tp or pp replica trains that many ranks' batches (its ranks' tokens differ
             # here, which changes no time).
-            bx, by = _plan_job.widened((x, y), c.tp)
+            bx, by = _plan_job.widened((x, y), c.batch_scale)
             times = []
             for i in range(args.warmup + args.steps):
                 _harness.sync(device)
                 t = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
-                model(bx, by).backward()
+                if c.pp > 1:
+                    model.step(bx, by)
+                else:
+                    model(bx, by).backward()
                 opt.step()
                 _harness.sync(device)
                 if i >= args.warmup:
@@ -155,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="times over the grid, fastest kept")
     p.add_argument("--budget-mib", type=int, default=0, help="memory per rank (0: measured)")
     p.add_argument("--tensor-parallel", action="store_true", help="price tp layouts too")
+    p.add_argument("--pipeline", action="store_true", help="price 1F1B pipelines too")
     _harness.add_launch(p, timeout=1200.0)
     args, results = _harness.run_bench(
         p, argv, __file__, worker, lambda a, w, r, _s: table({w: r}, a)
@@ -162,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     tag = args.tag or (
         f"{args.device}-{args.size}-{args.dtype}-{os.cpu_count()}c"
         + ("-tp" if args.tensor_parallel else "")
+        + ("-pp" if args.pipeline else "")
     )
     _report.publish(
         _report.RESULTS / f"plan-grid-{tag}",

@@ -14,6 +14,7 @@ import shardline as sl
 from shardline.comm import ProcessGroup
 from shardline.examples.train import TinyGPT
 from shardline.parallel import MixedPrecision
+from shardline.parallel.choice import wrap_choice
 from shardline.parallel.tensor_layout import (
     counted_traffic,
     tensor_layout,
@@ -102,7 +103,10 @@ def test_predict_scales_compute_to_the_replica_batch_and_waits_for_tp() -> None:
     shape = ModelShape(1000, torch.float32, 4)
     blocking = [Collective("forward", "all_reduce", 3, 3_000_000)]
     plain = predict("ddp", None, 1, shape, 1, None, probes)
-    tp = predict("ddp", None, 1, shape, 1, None, probes, 2, 0.75, blocking)
+    tp = predict(
+        "ddp", None, 1, shape, 1, None, probes, scale=2 * 0.25 + 0.75, blocking=blocking,
+        blocking_world=2,
+    )  # fmt: skip
     assert plain is not None and tp is not None
     assert tp.compute == pytest.approx(0.030 * (2 * 0.25 + 0.75))
     waits = 3 * 1e-4 + 2 * (2 - 1) / 2 * 3_000_000 / 1e9
@@ -145,8 +149,6 @@ def test_as_distributed_prices_times_and_agrees_on_tensor_parallel_layouts() -> 
 def test_the_tensor_parallel_choice_trains_as_one_process_on_the_replica_batch() -> None:
     """A tp choice as ``as_distributed`` builds it (on its ``{"dp", "tp"}`` mesh), fed as
     ``sampler_args`` and ``batch_scale`` say, trains to one process's losses on that batch."""
-    from shardline.parallel.api import _wrap_choice  # the builder under test
-
     plan = sl.plan_strategy(
         gpt(), world_size=2, available_bytes=1 << 30, tensor_parallel=True, device="cpu",
         example_input=tokens(0),
@@ -169,7 +171,7 @@ def test_the_tensor_parallel_choice_trains_as_one_process_on_the_replica_batch()
 
     def body(g: ProcessGroup) -> list[float]:
         torch.set_num_threads(1)
-        return train(_wrap_choice(gpt(), choice, g, None, {}, {}))
+        return train(wrap_choice(gpt(), choice, g, None, {}, {}))
 
     for losses in run_ranks(2, body, timeout=60):
         assert losses == pytest.approx(alone, rel=1e-5, abs=1e-6)

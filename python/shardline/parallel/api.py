@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,12 +18,13 @@ from shardline.comm.tree import tree_group
 from shardline.comm.world import default_group, deterministic_default
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
+from shardline.parallel.choice import DDP_ONLY, ZERO_ONLY, Meshes, described, wrap_choice
 from shardline.parallel.compose import compose
-from shardline.parallel.data.ddp import DistributedDataParallel
 from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
 from shardline.parallel.deterministic import make_deterministic
-from shardline.parallel.fit import Candidate, plan_strategy
+from shardline.parallel.fit import plan_strategy
+from shardline.parallel.pipeline_layout import with_loss
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import recompute_blocks
 from shardline.parallel.timing import probe_step
@@ -187,55 +189,15 @@ def _check_options(strategy: str, options: dict[str, Any]) -> None:
     if not unknown:
         return
     elsewhere = [
-        f"{n} is an option of {'DDP' if n in _DDP_ONLY else 'the ZeRO strategies'}"
+        f"{n} is an option of {'DDP' if n in DDP_ONLY else 'the ZeRO strategies'}"
         for n in unknown
-        if n in _DDP_ONLY | _ZERO_ONLY
+        if n in DDP_ONLY | ZERO_ONLY
     ]
     raise InvalidArgumentError(
         f"distribute(strategy={strategy!r}): unknown option(s) {', '.join(unknown)}"
         + (f" ({'; '.join(elsewhere)})" if elsewhere else "")
         + f"; {cls.__name__} takes {', '.join(valid)}"
     )
-
-
-# Options only one family takes: as_distributed drops the other family's, errors name the owner.
-_DDP_OPTIONS = frozenset(strategies.options_of(DistributedDataParallel))
-_ZERO_OPTIONS = frozenset(strategies.options_of(ShardedDataParallel))
-_ZERO_ONLY = _ZERO_OPTIONS - _DDP_OPTIONS
-_DDP_ONLY = _DDP_OPTIONS - _ZERO_OPTIONS
-
-
-def _wrap_choice(
-    model: nn.Module,
-    choice: Candidate,
-    group: ProcessGroup,
-    mixed_precision: MixedPrecision | None,
-    options: dict[str, Any],
-    meshes: dict[int, DeviceMesh],
-) -> nn.Module:
-    """``model`` wrapped as ``choice`` says, its recomputation applied first.
-
-    Of ``options``, those its wrapper knows and those no wrapper claims. A tensor-parallel
-    choice is composed on ``meshes[tp]``, a ``{"dp": N / tp, "tp": tp}`` mesh of ``group``
-    (made once, by every rank, where missing).
-    """
-    if choice.recompute is not None:
-        recompute_blocks(model, choice.recompute)
-    row = strategies.strategy(choice.strategy)
-    mine_only = frozenset(row.options())
-    kept = {k: v for k, v in options.items() if k in mine_only or k not in _DDP_ONLY | _ZERO_ONLY}
-    if row.stage:
-        kept["mixed_precision"] = mixed_precision
-    if choice.offload is not None:
-        kept["offload"] = choice.offload
-    if choice.tp == 1:
-        return row.wrap(model, group=group, **kept)
-    if choice.tp not in meshes:
-        meshes[choice.tp] = DeviceMesh(
-            {"dp": group.world_size // choice.tp, "tp": choice.tp}, group=group
-        )
-    wrapped, _ = compose(model, None, choice.distribute_strategy, meshes[choice.tp], kept)
-    return wrapped
 
 
 def as_distributed(
@@ -250,6 +212,8 @@ def as_distributed(
     timing: bool = True,
     trials: bool = True,
     tensor_parallel: bool = False,
+    pipeline: bool = False,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     verbose: bool = True,
     **options: Any,
 ) -> nn.Module:
@@ -266,7 +230,9 @@ def as_distributed(
     model beside it) are each trained for 8 steps on a copy of the model
     (``trials.trial_steps``), and the fastest of those is chosen (within 2 % of it, the
     least sharded). With ``tensor_parallel``, layouts that split each replica's layers over
-    ``tp`` ranks of a host are priced, timed and tried too (``plan_strategy``). On a small
+    ``tp`` ranks of a host are priced, timed and tried too (``plan_strategy``); with
+    ``pipeline``, 1F1B pipelines of an ``nn.Sequential`` over ``pp`` ranks and their
+    micro-batches. On a small
     model all of it takes a few seconds; the probes' and trials' collectives count in the
     group's ``traffic()``. Without ``example_input`` (or ``timing``) the first that fits in
     that order is chosen. The offloads are chosen
@@ -296,6 +262,14 @@ def as_distributed(
             batch, ``tp`` times one rank's (the same global batch, as it was timed): build
             the sampler as ``sl.DistributedSampler(data, **model.sampler_args)`` and scale
             the batch by ``model.batch_scale``.
+        pipeline: Consider pipelines too (``model`` an ``nn.Sequential``, ``loss_fn`` given,
+            ``example_input`` one rank's ``(inputs, target)``): 1F1B over 2, 4, ... stages
+            with ``pp``, ``2 pp`` or ``4 pp`` micro-batches, DDP or ZeRO over the replicas.
+            Every choice then trains by ``loss = model.step(inputs, target)`` (forward,
+            ``loss_fn`` and backward; a pipeline's ``step``), then ``opt.step()``; a pipeline
+            is fed as a tp choice is (``sampler_args``, ``batch_scale``), the same batch on
+            each of its ranks.
+        loss_fn: ``loss_fn(output, target)``, a mean over the samples (with ``pipeline``).
         verbose: Print the choice and the reason on rank 0 (always logged to ``shardline``).
         **options: Passed to the chosen wrapper; those only the other one knows (``unit_mb``,
             ``comm_hook``, ...) are dropped, so one call works whatever memory a machine has.
@@ -312,7 +286,9 @@ def as_distributed(
     """
     g = group if group is not None else default_group()
     device = next(model.parameters()).device
-    meshes: dict[int, DeviceMesh] = {}  # by tp size: made once, for the trials and the choice
+    meshes: Meshes = {}  # by axis and size: made once, for the trials and the choice
+    if pipeline:  # every choice is priced, timed and trained with its loss
+        model = with_loss(model, loss_fn)
     plan = plan_strategy(
         model,
         world_size=g.world_size,
@@ -325,6 +301,9 @@ def as_distributed(
         device=device,
         tensor_parallel=tensor_parallel,
         local_ranks=_local_ranks(g),
+        pipeline=pipeline,
+        loss_fn=loss_fn,
+        rank=g.rank,
     )
     if timing and example_input is not None:
         probes = probe_step(
@@ -348,7 +327,9 @@ def as_distributed(
         if tried:
             seconds = trial_steps(
                 model, example_input, tried,
-                lambda copy, c: _wrap_choice(copy, c, g, mixed_precision, options, meshes),
+                lambda copy, c: wrap_choice(
+                    copy, c, g, mixed_precision, options, meshes, example_input
+                ),
                 optimizer,
             )  # fmt: skip
             slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
@@ -358,19 +339,8 @@ def as_distributed(
     if not next(c for c in plan.candidates if c.order == mine.choice.order).fits:
         reason += f" ({mine.choice.name}, this rank's choice, does not fit on another rank)"
     choice = plan.choice
-    wrapped = _wrap_choice(model, choice, g, mixed_precision, options, meshes)
-    mesh = meshes.get(choice.tp)
-    wrapped.strategy = choice.distribute_strategy  # type: ignore[assignment]
-    wrapped.strategy_reason = reason  # type: ignore[assignment]
-    wrapped.plan = plan  # type: ignore[assignment]
-    wrapped.mesh = mesh  # type: ignore[assignment]
-    sampler_args = (
-        {"num_replicas": g.world_size, "rank": g.rank}
-        if mesh is None
-        else {"num_replicas": mesh.size("dp"), "rank": mesh.local_rank("dp")}
-    )
-    wrapped.sampler_args = sampler_args  # type: ignore[assignment]
-    wrapped.batch_scale = choice.tp  # type: ignore[assignment]
+    wrapped = wrap_choice(model, choice, g, mixed_precision, options, meshes, example_input)
+    described(wrapped, choice, reason, plan, g, meshes, pipeline)
     message = f"shardline.as_distributed chose {reason}"
     _log.info(message)
     if verbose and g.rank == 0:

@@ -13,6 +13,7 @@ memory-only choice alone; ``as_distributed`` runs the whole plan.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,8 +22,10 @@ from torch import nn
 
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
+from shardline.parallel.candidate import CHOICES, Candidate
 from shardline.parallel.data.zero.grouping import default_unit_mb, default_units
 from shardline.parallel.memory_available import available_memory, default_device
+from shardline.parallel.pipeline_layout import PipelineLayout, WithLoss, pipeline_layouts, with_loss
 from shardline.parallel.planner import (
     MemoryEstimate,
     _activations_or_note,
@@ -55,67 +58,6 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """One strategy priced: its estimate per rank and whether it fits the budget.
-
-    Attributes:
-        strategy: ``ddp``, ``zero1``, ``zero2`` or ``zero3``.
-        offload: zero3's ``offload`` (``"optimizer"``, ``"cpu"``) or ``None``.
-        estimate: Bytes per rank, by component (``estimate_memory``'s).
-        fits: Its total is within the device budget, and under offload its host part within
-            the host budget.
-        recompute: The blocks' recompute policy, or ``None``.
-        time: Its predicted step (``StrategyPlan.timed``); ``None`` until timed, and for
-            the offloads.
-        tp: Tensor-parallel ranks per replica (``sl.tensor_parallel``'s ``"auto"`` plan), 1
-            for none; ``strategy`` then keeps the ``N / tp`` replicas (with one there is
-            nothing to average or shard, but the ZeRO stages compute in ``mixed_precision``).
-    """
-
-    strategy: str
-    offload: str | None
-    estimate: MemoryEstimate
-    fits: bool
-    recompute: str | None = None
-    time: StepTime | None = None
-    tp: int = 1
-
-    @property
-    def name(self) -> str:
-        """``"zero3"``, ``"zero1 recompute=selective"``, ``"zero3 offload=cpu"``, ``"ddp tp=2"``."""
-        return (
-            self.strategy
-            + (f" recompute={self.recompute}" if self.recompute else "")
-            + (f" offload={self.offload}" if self.offload else "")
-            + (f" tp={self.tp}" if self.tp > 1 else "")
-        )
-
-    @property
-    def order(self) -> int:
-        """Its place among the choices: ``CHOICES``' index, after all of a smaller ``tp``."""
-        return CHOICES.index((self.recompute, self.strategy, self.offload)) + len(CHOICES) * (
-            self.tp - 1
-        )
-
-    @property
-    def distribute_strategy(self) -> str | dict[str, str]:
-        """What ``sl.distribute`` takes for it: a name, or a strategy per mesh axis."""
-        return self.strategy if self.tp == 1 else {"dp": self.strategy, "tp": "auto"}
-
-
-# What plan_strategy may choose, in the order it prefers them: the least sharded strategy,
-# then the same with the blocks recomputing their activations (selective, then full), then
-# zero3 with its state offloaded to host memory (CUDA).
-CHOICES: tuple[tuple[str | None, str, str | None], ...] = (
-    *((None, s, None) for s in strategies.BY_MEMORY),
-    *(("selective", s, None) for s in strategies.BY_MEMORY),
-    *(("full", s, None) for s in strategies.BY_MEMORY),
-    (None, "zero3", "optimizer"),
-    (None, "zero3", "cpu"),
-)
-
-
-@dataclass(frozen=True)
 class StrategyPlan:
     """Every strategy priced for one rank, and the one chosen (``plan_strategy``).
 
@@ -131,6 +73,7 @@ class StrategyPlan:
         shape, world_size, mixed_precision, headroom, example_given: what it was priced for.
         probes: What ``timed`` predicted the step times from; ``None`` until then.
         layouts: The tensor-parallel layouts priced (``tensor_layout``), by ``tp`` size.
+        pipelines: This rank's stage of each pipeline priced (``pipeline_layouts``).
         notes: Why a layout was not priced (a model ``tensor_parallel`` cannot split).
     """
 
@@ -148,6 +91,7 @@ class StrategyPlan:
     probes: Probes | None = None
     layouts: tuple[TensorLayout, ...] = ()
     notes: tuple[str, ...] = ()
+    pipelines: tuple[PipelineLayout, ...] = ()
 
     def to_time(self) -> list[tuple[str | None, torch.dtype | None]]:
         """The ``(recompute, compute dtype)`` pairs whose compute the fitting choices need.
@@ -162,7 +106,7 @@ class StrategyPlan:
         for c in self.candidates:
             if not c.fits or c.offload is not None:
                 continue
-            dtype = compute_dtype(c.strategy, shape, self.mixed_precision)
+            dtype = self._dtype(c)
             e = c.estimate
             probe = (
                 shape.elements * (shape.dtype.itemsize + (dtype.itemsize if dtype else 0))
@@ -187,8 +131,18 @@ class StrategyPlan:
             probes,
         )
 
+    def _dtype(self, c: Candidate) -> torch.dtype | None:
+        """The low-precision dtype ``c`` computes in (a pipeline autocasts under any strategy)."""
+        assert self.shape is not None
+        mp = self.mixed_precision
+        if c.pp > 1:
+            return compute_dtype("zero1", self.shape, mp)
+        return compute_dtype(c.strategy, self.shape, mp)
+
     def _predict(self, c: Candidate, probes: Probes) -> StepTime | None:
         assert self.shape is not None
+        if c.pp > 1:
+            return self._predict_pipeline(c, probes)
         if c.tp == 1:
             return predict(
                 c.strategy, c.recompute, c.estimate.num_units, self.shape, self.world_size,
@@ -205,7 +159,29 @@ class StrategyPlan:
         ]
         return predict(
             c.strategy, c.recompute, c.estimate.num_units, shape, c.estimate.world_size,
-            self.mixed_precision, probes, c.tp, layout.split, blocking,
+            self.mixed_precision, probes, scale=c.tp * (1 - layout.split) + layout.split,
+            blocking=blocking, blocking_world=c.tp,
+        )  # fmt: skip
+
+    def _predict_pipeline(self, c: Candidate, probes: Probes) -> StepTime | None:
+        """1F1B over ``pp`` stages: ``m + pp - 1`` micro-batch slots of the slowest stage.
+
+        A replica trains ``pp`` ranks' batches, so a micro-batch through the whole chain is
+        ``pp / m`` of the probe's compute and through the slowest stage ``share`` of that;
+        each micro-batch's activation crosses the cut forward and its gradient back.
+        """
+        layout = next(
+            p for p in self.pipelines if (p.size, p.microbatches) == (c.pp, c.microbatches)
+        )
+        m, pp = c.microbatches, c.pp
+        sends = [
+            Collective(phase, "send", m, m * layout.boundary) for phase in ("forward", "backward")
+        ]
+        return predict(
+            c.strategy, None, c.estimate.num_units, ModelShape.of(layout.model),
+            c.estimate.world_size, self.mixed_precision, probes, dtype=self._dtype(c),
+            scale=pp * layout.share * (m + pp - 1) / m,
+            blocking=sends if layout.boundary else (),
         )  # fmt: skip
 
     def agreed(self, totals: list[float], fits: list[bool]) -> StrategyPlan:
@@ -318,6 +294,9 @@ def plan_strategy(
     device: torch.device | str | int | None = None,
     tensor_parallel: bool = False,
     local_ranks: int | None = None,
+    pipeline: bool = False,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    rank: int = 0,
 ) -> StrategyPlan:
     """Every strategy priced for one rank, and the least sharded one that fits.
 
@@ -330,8 +309,12 @@ def plan_strategy(
     layouts that split each replica's layers over ``tp`` ranks of a host (2, 4, ...:
     ``tensor_layout``), the four strategies keeping the ``N / tp`` replicas (with one, the
     ZeRO stages still give ``mixed_precision``'s compute, which DDP does not), priced on
-    ``tp`` ranks' batches (the same global batch). When none fits, the choice is ``zero3``,
-    with a reason that says by how much it is short.
+    ``tp`` ranks' batches (the same global batch). With ``pipeline`` (an ``nn.Sequential``
+    and its ``loss_fn``; ``example_input`` is then ``(inputs, target)``), after them come
+    1F1B pipelines over ``pp`` = 2, 4, ... ranks with ``pp``, ``2 pp`` and ``4 pp``
+    micro-batches, DDP or ZeRO over the ``N / pp`` replicas (``pipeline_layouts``: this
+    rank's stage). When none fits, the choice is ``zero3``, with a reason that says by how
+    much it is short.
 
     Args:
         model: The plain model.
@@ -348,6 +331,10 @@ def plan_strategy(
         tensor_parallel: Price tensor-parallel layouts too.
         local_ranks: Ranks per host, which a tensor-parallel group stays within;
             ``world_size`` when ``None``.
+        pipeline: Price pipelines too (``model`` an ``nn.Sequential``, with ``loss_fn``).
+        loss_fn: ``loss_fn(output, target)``, a mean over the samples: with ``pipeline``,
+            every choice is priced with it (``WithLoss``).
+        rank: This rank, whose pipeline stage is priced.
 
     Returns:
         A ``StrategyPlan``: ``choice``, ``reason``, every candidate, and ``explain()``.
@@ -357,6 +344,8 @@ def plan_strategy(
             negative ``available_bytes``.
     """
     _check_world_size(world_size)
+    if pipeline:
+        model = with_loss(model, loss_fn)
     if not 0 < headroom <= 1:
         raise InvalidArgumentError(f"headroom must be in (0, 1], got {headroom}")
     if available_bytes is None:
@@ -418,6 +407,30 @@ def plan_strategy(
                 act_notes, unit_rule=rule, recomputed=again,
             )  # fmt: skip
             candidates.append(Candidate(name, None, e, e.total <= budget, tp=t))
+    pipes: list[PipelineLayout] = []
+    if pipeline:
+        assert isinstance(model, WithLoss)
+        pipes, pipe_notes = pipeline_layouts(
+            model, world_size, rank, example_input, mixed_precision
+        )  # fmt: skip
+        notes += pipe_notes
+    for pipe in pipes:
+        dp = world_size // pipe.size
+        pp_unit = unit_mb if unit_mb is not None else default_unit_mb(
+            on, sum(p.nbytes for p in pipe.model.parameters())
+        )  # fmt: skip
+        for name in strategies.BY_MEMORY if dp > 1 else ("ddp",):
+            # DDP replicas keep the weights in their dtype (the stages autocast); ZeRO's
+            # gather them in the compute dtype.
+            mp = None if name == "ddp" else (mixed_precision or MixedPrecision())
+            e = _estimate(
+                pipe.model, name, dp, k, mp, pp_unit, prefetch, pipe.activations, True, [],
+                unit_rule=rule,
+            )  # fmt: skip
+            candidates.append(
+                Candidate(name, None, e, e.total <= budget, pp=pipe.size,
+                          microbatches=pipe.microbatches)
+            )  # fmt: skip
     host_budget = 0.0
     if on.type == "cuda":  # the host can hold what the device cannot: offload
         host_budget = headroom * available_memory("cpu")
@@ -430,7 +443,7 @@ def plan_strategy(
     return StrategyPlan(
         tuple(candidates), choice, reason, budget, available_bytes, host_budget,
         ModelShape.of(model), world_size, mixed_precision, headroom, given, None,
-        tuple(layouts), tuple(notes),
+        tuple(layouts), tuple(notes), tuple(pipes),
     )  # fmt: skip
 
 

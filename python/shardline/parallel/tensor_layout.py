@@ -31,6 +31,8 @@ from shardline.parallel.timing import call_args, loss_of
 __all__ = [
     "TensorLayout",
     "counted_traffic",
+    "first_line",
+    "meta_copy",
     "priced_layouts",
     "tensor_layout",
     "tensor_sizes",
@@ -78,11 +80,8 @@ def widened(example_input: Any, k: int) -> Any:
     return _map_tensors(example_input, repeat)
 
 
-def tensor_layout(model: nn.Module, t: int) -> TensorLayout | str:
-    """Rank 0's part of ``model`` split over ``t`` ranks, or why it cannot be split.
-
-    Every rank of a tensor-parallel group holds the same amount, so rank 0 stands for all.
-    """
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors (nothing copied)."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         if id(p) not in memo:
@@ -91,11 +90,19 @@ def tensor_layout(model: nn.Module, t: int) -> TensorLayout | str:
             )
     for b in model.buffers():
         memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-    twin = copy.deepcopy(model, memo)
+    return copy.deepcopy(model, memo)
+
+
+def tensor_layout(model: nn.Module, t: int) -> TensorLayout | str:
+    """Rank 0's part of ``model`` split over ``t`` ranks, or why it cannot be split.
+
+    Every rank of a tensor-parallel group holds the same amount, so rank 0 stands for all.
+    """
+    twin = meta_copy(model)
     try:
         split = tensor_parallel(twin, _MetaGroup(t), "auto")  # type: ignore[arg-type]
     except Exception as e:  # a layout that cannot be built is not priced, and says why
-        return f"tp={t}: {_first_line(e)}"
+        return f"tp={t}: {first_line(e)}"
     whole = _trainable(model)
     per_rank = _trainable(split)
     share = (whole - per_rank) / (whole * (1 - 1 / t)) if whole else 0.0
@@ -166,14 +173,15 @@ def priced_layouts(
             try:
                 layout = counted_traffic(layout, widened(example_input, t), None)
             except Exception as e:  # priced without them, and says so
-                notes.append(f"tp={t}: its collectives not counted ({_first_line(e)})")
+                notes.append(f"tp={t}: its collectives not counted ({first_line(e)})")
         layouts.append(layout)
     if not notes and not layouts:
         notes.append(f"no tensor-parallel size divides {world_size} ranks and a host's")
     return layouts, notes
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An error in one line: its first, with its type unless it is shardline's own."""
     text = str(e).splitlines()[0] if str(e) else ""
     return text if isinstance(e, InvalidArgumentError) else f"{type(e).__name__}: {text}"
 

@@ -190,7 +190,7 @@ class Collective:
     """
 
     phase: str  # "forward" or "backward"
-    op: str  # "all_reduce", "all_gather" or "reduce_scatter"
+    op: str  # "all_reduce", "all_gather", "reduce_scatter" (or "send": point to point)
     calls: int
     nbytes: int
 
@@ -236,22 +236,25 @@ def predict(
     world: int,
     mp: MixedPrecision | None,
     probes: Probes,
-    tp: int = 1,
-    split: float = 0.0,
+    *,
+    dtype: torch.dtype | None = None,
+    scale: float = 1.0,
     blocking: Iterable[Collective] = (),
+    blocking_world: int = 1,
 ) -> StepTime | None:
     """The step time of ``strategy`` (ddp, zero1-3, no offload) from ``probes``.
 
-    With tensor parallelism over ``tp`` ranks (``shape`` this rank's slices, ``world`` the
-    replicas), a rank computes ``tp`` ranks' batches, the ``split`` share of it on ``1/tp``
-    of the weights: the probe's compute of one rank's batch times ``tp (1 - split) + split``;
-    ``blocking`` (the layers' collectives over the ``tp`` ranks) waits in full.
+    For a layout that splits each replica over several ranks (``shape`` then this rank's
+    part, ``world`` the replicas): ``scale`` times the probe's compute of one rank's batch
+    is this rank's (``fit`` works it out for tensor parallelism and pipelines), and
+    ``blocking`` (collectives over ``blocking_world`` ranks, or point-to-point sends)
+    waits in full. ``dtype``: the low-precision dtype it computes in where that is not the
+    strategy's (``compute_dtype``; a pipeline computes in ``mp``'s under any strategy).
     ``None`` when the probes lack its compute (a policy or dtype not probed).
     """
-    probed = probes.compute.get((recompute, compute_dtype(strategy, shape, mp)))
+    probed = probes.compute.get((recompute, dtype or compute_dtype(strategy, shape, mp)))
     if probed is None:
         return None
-    scale = tp * (1 - split) + split
     measured = Compute(probed.forward * scale, probed.backward * scale, probed.host * scale)
     link = probes.link
     comm = {"forward": 0.0, "backward": 0.0}
@@ -259,8 +262,11 @@ def predict(
     waits, issued = 0.0, 0
     for c in blocking if link is not None else ():
         assert link is not None
-        moves = link.all_reduce if c.op == "all_reduce" else link.gather
-        waits += moves(c.nbytes, tp, c.calls)
+        if c.op == "send":  # point to point: every byte crosses once
+            waits += c.calls * link.latency + c.nbytes / link.bandwidth
+        else:
+            moves = link.all_reduce if c.op == "all_reduce" else link.gather
+            waits += moves(c.nbytes, blocking_world, c.calls)
         issued += c.calls
     for c in collectives(strategy, units, shape, world, mp) if link is not None else []:
         assert link is not None

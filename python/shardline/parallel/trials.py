@@ -96,8 +96,8 @@ def trial_steps(
     times = []
     with kept_rng(device):
         for c in candidates:
-            # A tensor-parallel replica trains ``tp`` ranks' batches: the same global batch.
-            args, kwargs = call_args(widened(example_input, c.tp))
+            # A tp or pp replica trains that many ranks' batches: the same global batch.
+            args, kwargs = call_args(widened(example_input, c.batch_scale))
             try:
                 times.append(_trial(model, args, kwargs, c, wrap, cls, hp, device))
             except Exception as e:
@@ -135,7 +135,10 @@ def _trial(
         t0 = time.perf_counter()
         if opt is not None:
             opt.zero_grad(set_to_none=True)
-        loss_of(wrapped(*args, **kwargs)).backward()  # type: ignore[no-untyped-call]
+        if c.pp > 1:  # forward and backward of every micro-batch
+            wrapped.step(*args, **kwargs)  # type: ignore[operator]
+        else:
+            loss_of(wrapped(*args, **kwargs)).backward()  # type: ignore[no-untyped-call]
         if opt is not None:
             opt.step()
         sync(device)

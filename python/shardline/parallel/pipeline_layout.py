@@ -1,0 +1,184 @@
+"""What a pipeline over ``pp`` ranks would hold and keep, priced on the meta device.
+
+The planner (``fit.plan_strategy(pipeline=True)``) prices layouts that cut each replica's
+``nn.Sequential`` into ``pp`` stages, as ``sl.pipeline`` cuts it (contiguous children,
+balanced by each child's forward FLOPs on a micro-batch), run by the 1F1B schedule over
+``m`` micro-batches, with DDP or ZeRO over the ``N / pp`` replicas. ``pipeline_layouts``
+builds this rank's stage on the meta device (a copy whose parameters are meta tensors, so
+nothing is allocated) and counts what one micro-batch leaves for backward there (the last
+stage with its loss); under 1F1B stage ``s`` holds ``min(m, pp - s)`` micro-batches at once.
+It also says what the slowest stage's share of the compute is and how many bytes cross each
+cut per micro-batch.
+
+At a fixed global batch a replica trains ``pp`` ranks' batches, so the layouts are priced
+on ``widened(example, pp)`` cut into ``m`` micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardline.errors import InvalidArgumentError
+from shardline.parallel.activations import count_activations
+from shardline.parallel.pipeline.split import balanced_parts, chain_children, child_costs
+from shardline.parallel.precision import MixedPrecision
+from shardline.parallel.tensor_layout import first_line, meta_copy, widened
+
+__all__ = ["PipelineLayout", "WithLoss", "pipeline_layouts", "with_loss"]
+
+SCHEDULE = "1f1b"  # the schedule the planner prices and builds
+
+
+class WithLoss(nn.Module):
+    """``loss_fn(chain(inputs), target)``: a chain and its loss as one module.
+
+    What ``as_distributed(pipeline=True)`` wraps (and times) when it keeps the chain whole.
+    """
+
+    def __init__(self, chain: nn.Sequential, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.chain = chain
+        self.loss_fn = loss_fn
+
+    def forward(self, inputs: Any, target: Any) -> torch.Tensor:
+        """The loss of ``inputs`` against ``target``."""
+        return self.loss_fn(self.chain(inputs), target)
+
+
+def with_loss(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> WithLoss:
+    """``model`` and ``loss_fn`` as one module, for pricing pipelines; refuses what cannot be.
+
+    Raises:
+        InvalidArgumentError: a model that is not an ``nn.Sequential``, or no ``loss_fn``.
+    """
+    if isinstance(model, WithLoss):
+        return model
+    if not isinstance(model, nn.Sequential) or not callable(loss_fn):
+        raise InvalidArgumentError(
+            "pipeline=True prices pipelines of an nn.Sequential (sl.pipeline splits its "
+            f"children) and takes loss_fn(output, target); got {type(model).__name__} and "
+            f"loss_fn={loss_fn!r}. Write the model as nn.Sequential(embedding, *blocks, head)"
+        )
+    return WithLoss(model, loss_fn)
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """This rank's stage of a pipeline over ``size`` ranks and ``microbatches``.
+
+    Attributes:
+        size: The pipeline's stages, one per rank (pp).
+        microbatches: Micro-batches per step (m).
+        stage: This rank's stage.
+        model: That stage on the meta device (its children; the last stage with the loss).
+        share: The slowest stage's share of the chain's compute (its children's costs).
+        activations: Bytes that stage keeps for backward at once: one micro-batch's, times
+            the micro-batches 1F1B has in flight there.
+        boundary: Bytes of one micro-batch's activation crossing this stage's cut (0 for the
+            last stage).
+        split: The children that start each stage, as ``sl.pipeline`` cuts the chain.
+    """
+
+    size: int
+    microbatches: int
+    stage: int
+    model: nn.Module
+    share: float
+    activations: int
+    boundary: int
+    split: tuple[tuple[str, ...], ...]
+
+
+def microbatch_counts(pp: int, batch: int) -> list[int]:
+    """The micro-batch counts worth pricing: ``pp``, ``2 pp``, ``4 pp`` that divide ``batch``."""
+    return [m for m in (pp, 2 * pp, 4 * pp) if m <= batch and batch % m == 0]
+
+
+def pipeline_sizes(world_size: int) -> list[int]:
+    """Powers of two above 1 that divide ``world_size``."""
+    sizes, p = [], 2
+    while p <= world_size:
+        if world_size % p == 0:
+            sizes.append(p)
+        p *= 2
+    return sizes
+
+
+def pipeline_layouts(
+    model: WithLoss,
+    world_size: int,
+    rank: int,
+    example_input: tuple[Any, Any] | None,
+    mp: MixedPrecision | None,
+) -> tuple[list[PipelineLayout], list[str]]:
+    """This rank's stage of every pipeline worth pricing, and why any is not.
+
+    ``example_input`` is one rank's ``(inputs, target)``; without it nothing is priced.
+    """
+    if example_input is None:
+        return [], ["pipelines not priced: they need example_input=(inputs, target)"]
+    layouts, notes = [], []
+    for pp in pipeline_sizes(world_size):
+        inputs, target = widened(example_input, pp)
+        batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) else 0
+        for m in microbatch_counts(pp, batch):
+            try:
+                layouts.append(_layout(model, pp, m, rank % pp, inputs, target, mp))
+            except Exception as e:  # a layout that cannot be built is not priced, and says why
+                notes.append(f"not priced: pp={pp} m={m}: {first_line(e)}")
+                break
+    if not layouts and not notes:
+        notes.append(f"no pipeline size divides {world_size} ranks and a batch")
+    return layouts, notes
+
+
+def _layout(
+    model: WithLoss,
+    pp: int,
+    m: int,
+    stage: int,
+    inputs: torch.Tensor,
+    target: Any,
+    mp: MixedPrecision | None,
+) -> PipelineLayout:
+    twin = meta_copy(model)
+    assert isinstance(twin, WithLoss)
+    children = chain_children(twin.chain)
+    micro_in = _meta(inputs.chunk(m)[0])
+    micro_target = target.chunk(m)[0] if isinstance(target, torch.Tensor) else target
+    costs = child_costs(children, micro_in)
+    parts = balanced_parts(children, pp, costs)
+    by_name = dict(children)
+    cost_of = dict(zip((n for n, _ in children), costs, strict=True))
+    share = max(sum(cost_of[n] for n in part) for part in parts) / max(1, sum(costs))
+    # The input of this rank's stage: the micro-batch through the stages before it.
+    x = micro_in
+    with torch.no_grad():
+        for part in parts[:stage]:
+            for name in part:
+                x = by_name[name](x)
+    mine = nn.Sequential(*(by_name[n] for n in parts[stage]))
+    last = stage == pp - 1
+    if last:
+        priced: nn.Module = WithLoss(mine, model.loss_fn)
+        args: tuple[Any, ...] = (x, _meta(micro_target))
+        boundary = 0
+    else:
+        priced, args = mine, (x,)
+        with torch.no_grad():
+            out = mine(x)
+        boundary = out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
+    kept, _again = count_activations(priced, args, mp)
+    return PipelineLayout(
+        pp, m, stage, priced, share, kept * min(m, pp - stage), boundary,
+        tuple(tuple(p) for p in parts),
+    )  # fmt: skip
+
+
+def _meta(x: Any) -> Any:
+    return x.to("meta") if isinstance(x, torch.Tensor) else x

@@ -1,0 +1,192 @@
+"""The planner's pipelines: this rank's stage priced on the meta device against what
+``sl.pipeline`` holds and keeps, its step model, and ``as_distributed(pipeline=True)``."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardline as sl
+from shardline.comm import ProcessGroup
+from shardline.errors import InvalidArgumentError
+from shardline.examples.model import TinyGPT, as_sequential, lm_loss
+from shardline.parallel.choice import wrap_choice
+from shardline.parallel.pipeline_layout import (
+    WithLoss,
+    microbatch_counts,
+    pipeline_layouts,
+    with_loss,
+)
+from shardline.parallel.tensor_layout import widened
+from shardline.parallel.timing import Compute, Link, Probes
+from shardline.parallel.trials import trial_steps
+from tests._ranks import run_ranks
+from tests._tiny_gpt import CFG, tokens
+
+
+def chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return as_sequential(TinyGPT(CFG))
+
+
+def test_pipelines_need_a_chain_and_its_loss() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"nn\.Sequential"):
+        with_loss(TinyGPT(CFG), lm_loss)
+    with pytest.raises(InvalidArgumentError, match="loss_fn"):
+        with_loss(chain(), None)
+    model = with_loss(chain(), lm_loss)
+    assert with_loss(model, lm_loss) is model
+    x, y = tokens(0)
+    assert torch.equal(model(x, y), lm_loss(model.chain(x), y))
+    assert microbatch_counts(2, 8) == [2, 4, 8] and microbatch_counts(4, 8) == [4, 8]
+    assert pipeline_layouts(model, 2, 0, None, None)[1]  # no example: says why
+
+
+def test_a_stage_holds_and_keeps_what_sl_pipeline_does() -> None:
+    """Per stage and micro-batch count: the cut, the parameters held, and the micro-batches
+    1F1B keeps at once (the pipeline's own count after a step), against ``sl.pipeline``."""
+    example = tokens(0)
+    priced = {
+        rank: pipeline_layouts(with_loss(chain(), lm_loss), 2, rank, example, None)[0]
+        for rank in (0, 1)
+    }
+
+    def body(g: ProcessGroup) -> list[tuple[Any, ...]]:
+        torch.set_num_threads(1)
+        seen = []
+        for layout in priced[g.rank]:
+            x, y = widened(example, 2)
+            m = layout.microbatches
+            stage = sl.pipeline(
+                chain(), g, schedule="1f1b", microbatches=m, loss_fn=lm_loss,
+                example=x.chunk(m)[0],
+            )  # fmt: skip
+            stage.step(x, y)
+            held = sorted(tuple(p.shape) for p in stage.parameters())
+            seen.append((held, stage.peak_activations[g.rank], m))
+        return seen
+
+    for rank, seen in enumerate(run_ranks(2, body, timeout=60)):
+        assert len(seen) == 3
+        for layout, (held, in_flight, m) in zip(priced[rank], seen, strict=True):
+            assert sorted(tuple(p.shape) for p in layout.model.parameters()) == held
+            assert in_flight == min(m, 2 - rank)  # what the activations are multiplied by
+            assert layout.split == (("embed", "block0"), ("block1", "head"))
+            assert (layout.boundary > 0) == (rank == 0)
+
+
+def test_the_step_model_prices_1f1b_slots_of_the_slowest_stage() -> None:
+    x, y = tokens(0)
+    plan = sl.plan_strategy(
+        chain(), world_size=2, available_bytes=1 << 30, example_input=(x, y), device="cpu",
+        pipeline=True, loss_fn=lm_loss,
+    )  # fmt: skip
+    compute = Compute(forward=0.010, backward=0.020, host=0.001)
+    probes = Probes({(None, None): compute}, 0.0, Link(1e-4, 1e9), 0.5, 0.0)
+    timed = plan.timed(probes)
+    pipes = [c for c in timed.candidates if c.pp == 2]
+    assert [c.name for c in pipes] == ["ddp pp=2 m=2", "ddp pp=2 m=4", "ddp pp=2 m=8"]
+    for c in pipes:
+        layout = next(p for p in plan.pipelines if p.microbatches == c.microbatches)
+        m = c.microbatches
+        assert c.time is not None
+        assert c.time.compute == pytest.approx(0.030 * 2 * layout.share * (m + 1) / m)
+        sends = 2 * (m * 1e-4 + m * layout.boundary / 1e9)  # stage 0 sends and takes back
+        assert c.time.comm == pytest.approx(sends)
+        assert c.estimate.world_size == 1 and c.distribute_strategy == {"pp": "1f1b"}
+
+
+def test_the_pipeline_choice_trains_as_one_process_on_the_replica_batch() -> None:
+    """A pipeline choice as ``as_distributed`` builds it, stepped with the replica's batch on
+    both ranks, trains to one process's losses on that batch."""
+    x, y = tokens(0)
+    plan = sl.plan_strategy(
+        chain(), world_size=2, available_bytes=1 << 30, example_input=(x, y), device="cpu",
+        pipeline=True, loss_fn=lm_loss,
+    )  # fmt: skip
+    choice = next(c for c in plan.candidates if c.pp == 2 and c.microbatches == 4)
+    batch = widened((x, y), 2)
+
+    def train(step: Any, params: Any) -> list[float]:
+        opt = torch.optim.SGD(params, lr=0.1)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(step(*batch)))
+            opt.step()
+        return losses
+
+    alone = WithLoss(copy.deepcopy(chain()), lm_loss)
+
+    def one(inputs: Any, target: Any) -> torch.Tensor:
+        loss = alone(inputs, target)
+        loss.backward()
+        return loss.detach()
+
+    expected = train(one, alone.parameters())
+
+    def body(g: ProcessGroup) -> list[float]:
+        torch.set_num_threads(1)
+        stage = wrap_choice(with_loss(chain(), lm_loss), choice, g, None, {}, {}, (x, y))
+        return train(stage.step, stage.parameters())
+
+    for losses in run_ranks(2, body, timeout=60):
+        assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_as_distributed_prices_times_and_agrees_on_pipelines_and_every_choice_steps() -> None:
+    def body(g: ProcessGroup) -> tuple[Any, ...]:
+        torch.set_num_threads(1)
+        x, y = tokens(g.rank)
+        model = sl.as_distributed(
+            chain(), group=g, example_input=(x, y), verbose=False, pipeline=True,
+            loss_fn=lm_loss,
+        )  # fmt: skip
+        plan = model.plan
+        pipes = [c for c in plan.candidates if c.pp == 2]
+        assert len(pipes) == 3 and all(c.fits and c.time is not None for c in pipes)
+        choice = plan.choice
+        assert model.batch_scale == choice.batch_scale
+        if choice.pp == 2:
+            assert model.sampler_args == {"num_replicas": 1, "rank": 0}
+            x, y = widened(tokens(0), 2)  # a replica's batch, the same on both ranks
+        else:
+            assert model.sampler_args == {"num_replicas": 2, "rank": g.rank}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(4):
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(model.step(x, y)))
+            opt.step()
+        seen = [(c.time.total, c.time.trial) if c.time else None for c in plan.candidates]
+        return choice.name, seen, losses[-1] - losses[0]
+
+    (c0, t0, d0), (c1, t1, d1) = run_ranks(2, body, timeout=180)
+    assert c0 == c1 and t0 == t1
+    assert d0 < 0 and d1 < 0  # the loss falls
+
+
+def test_a_tried_pipeline_is_stepped() -> None:
+    """Trials step a pipeline choice (forward and backward of its micro-batches)."""
+    x, y = tokens(0)
+    plan = sl.plan_strategy(
+        chain(), world_size=2, available_bytes=1 << 30, example_input=(x, y), device="cpu",
+        pipeline=True, loss_fn=lm_loss,
+    )  # fmt: skip
+    tried = [c for c in plan.candidates if c.pp == 2][:2]
+
+    def body(g: ProcessGroup) -> list[float]:
+        torch.set_num_threads(1)
+        model = with_loss(chain(), lm_loss)
+        meshes: dict[Any, Any] = {}
+        return trial_steps(
+            model, tokens(g.rank), tried,
+            lambda twin, c: wrap_choice(twin, c, g, None, {}, meshes, tokens(g.rank)), "sgd",
+        )  # fmt: skip
+
+    for seconds in run_ranks(2, body, timeout=120):
+        assert len(seconds) == 2 and all(s > 0 for s in seconds)
