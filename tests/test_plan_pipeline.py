@@ -190,3 +190,25 @@ def test_a_tried_pipeline_is_stepped() -> None:
 
     for seconds in run_ranks(2, body, timeout=120):
         assert len(seconds) == 2 and all(s > 0 for s in seconds)
+
+
+def test_where_the_host_runs_ahead_a_pipeline_launches_its_stage_once_per_microbatch() -> None:
+    """On CUDA the host's time goes with the kernels launched: ``m`` micro-batches of a stage
+    holding ``share`` of the chain issue ``m * share`` times the probe's; on CPU it goes with
+    the work, as the compute does."""
+    x, y = tokens(0)
+    plan = sl.plan_strategy(
+        chain(), world_size=2, available_bytes=1 << 30, example_input=(x, y), device="cpu",
+        pipeline=True, loss_fn=lm_loss,
+    )  # fmt: skip
+    host_bound = {(None, None): Compute(forward=0.001, backward=0.002, host=0.010)}
+    for ahead in (True, False):
+        probes = Probes(host_bound, 0.0, Link(1e-9, 1e15), 1.0, 0.0, ahead=ahead)
+        for c in plan.timed(probes).candidates:
+            if c.pp != 2:
+                continue
+            layout = next(p for p in plan.pipelines if p.microbatches == c.microbatches)
+            m, scale = c.microbatches, 2 * layout.share * (c.microbatches + 1) / c.microbatches
+            host = 0.010 * (m * layout.share if ahead else scale)
+            assert c.time is not None
+            assert c.time.compute + c.time.exposed == pytest.approx(host, rel=1e-3)

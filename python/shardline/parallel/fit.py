@@ -168,7 +168,9 @@ class StrategyPlan:
 
         A replica trains ``pp`` ranks' batches, so a micro-batch through the whole chain is
         ``pp / m`` of the probe's compute and through the slowest stage ``share`` of that;
-        each micro-batch's activation crosses the cut forward and its gradient back.
+        each micro-batch's activation crosses the cut forward and its gradient back. Where
+        the host issues ahead (CUDA), it launches the stage's kernels once per micro-batch:
+        ``m`` times ``share`` of the probe's, whatever their size.
         """
         layout = next(
             p for p in self.pipelines if (p.size, p.microbatches) == (c.pp, c.microbatches)
@@ -180,7 +182,7 @@ class StrategyPlan:
         return predict(
             c.strategy, None, c.estimate.num_units, ModelShape.of(layout.model),
             c.estimate.world_size, self.mixed_precision, probes, dtype=self._dtype(c),
-            scale=pp * layout.share * (m + pp - 1) / m,
+            scale=pp * layout.share * (m + pp - 1) / m, launches=m * layout.share,
             blocking=sends if layout.boundary else (),
         )  # fmt: skip
 

@@ -110,6 +110,8 @@ class Probes:
         overlap: Fraction of a phase's compute its communication can hide behind.
         seconds: How long the probes took.
         notes: The compute probes that failed (their choices stay untimed), and why.
+        ahead: The host issues work ahead of the device (CUDA): its time per step then goes
+            with the kernels it launches, not with their work.
     """
 
     compute: Mapping[tuple[str | None, torch.dtype | None], Compute]
@@ -118,6 +120,7 @@ class Probes:
     overlap: float
     seconds: float = 0.0
     notes: tuple[str, ...] = ()
+    ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,7 @@ def predict(
     *,
     dtype: torch.dtype | None = None,
     scale: float = 1.0,
+    launches: float = 1.0,
     blocking: Iterable[Collective] = (),
     blocking_world: int = 1,
 ) -> StepTime | None:
@@ -246,16 +250,19 @@ def predict(
 
     For a layout that splits each replica over several ranks (``shape`` then this rank's
     part, ``world`` the replicas): ``scale`` times the probe's compute of one rank's batch
-    is this rank's (``fit`` works it out for tensor parallelism and pipelines), and
-    ``blocking`` (collectives over ``blocking_world`` ranks, or point-to-point sends)
-    waits in full. ``dtype``: the low-precision dtype it computes in where that is not the
-    strategy's (``compute_dtype``; a pipeline computes in ``mp``'s under any strategy).
-    ``None`` when the probes lack its compute (a policy or dtype not probed).
+    is this rank's (``fit`` works it out for tensor parallelism and pipelines); where the
+    host issues ahead of the device, it issues ``launches`` times the probe's kernels (a
+    pipeline's micro-batches each run its stage's); ``blocking`` (collectives over
+    ``blocking_world`` ranks, or point-to-point sends) waits in full. ``dtype``: the
+    low-precision dtype it computes in where that is not the strategy's (``compute_dtype``;
+    a pipeline computes in ``mp``'s under any strategy). ``None`` when the probes lack its
+    compute (a policy or dtype not probed).
     """
     probed = probes.compute.get((recompute, dtype or compute_dtype(strategy, shape, mp)))
     if probed is None:
         return None
-    measured = Compute(probed.forward * scale, probed.backward * scale, probed.host * scale)
+    host = probed.host * (launches if probes.ahead else scale)
+    measured = Compute(probed.forward * scale, probed.backward * scale, host)
     link = probes.link
     comm = {"forward": 0.0, "backward": 0.0}
     calls = {"forward": 0, "backward": 0}
@@ -335,7 +342,7 @@ def probe_step(
     link = _probe_link(group, device) if group is not None and group.world_size > 1 else None
     overlap = _OVERLAP.get(device.type, 0.5)
     seconds = time.perf_counter() - started
-    return Probes(compute, per_element, link, overlap, seconds, tuple(notes))
+    return Probes(compute, per_element, link, overlap, seconds, tuple(notes), device.type == "cuda")
 
 
 def sync(device: torch.device) -> None:
