@@ -156,6 +156,8 @@ def test_as_distributed_prices_times_and_agrees_on_pipelines_and_every_choice_st
             x, y = widened(tokens(0), 2)  # a replica's batch, the same on both ranks
         else:
             assert model.sampler_args == {"num_replicas": 2, "rank": g.rank}
+        # the chain's own names, whichever is chosen (a pipeline's state_dict is whole)
+        assert set(model.state_dict()) == set(chain().state_dict())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for _ in range(4):

@@ -17,8 +17,8 @@ from shardline.parallel import MixedPrecision
 from shardline.parallel.choice import wrap_choice
 from shardline.parallel.tensor_layout import (
     counted_traffic,
+    split_sizes,
     tensor_layout,
-    tensor_sizes,
     widened,
 )
 from shardline.parallel.timing import Collective, Compute, Link, ModelShape, Probes, predict
@@ -27,11 +27,11 @@ from tests._tiny_gpt import CFG, gpt, tokens
 
 
 def test_tp_sizes_divide_the_world_and_a_host() -> None:
-    assert tensor_sizes(8, 8) == [2, 4, 8]
-    assert tensor_sizes(8, 4) == [2, 4]
-    assert tensor_sizes(6, 6) == [2]
-    assert tensor_sizes(4, 1) == []
-    assert tensor_sizes(1, 1) == []
+    assert split_sizes(8, 8) == [2, 4, 8]
+    assert split_sizes(8, 4) == [2, 4]
+    assert split_sizes(6, 6) == [2]
+    assert split_sizes(4, 1) == []
+    assert split_sizes(1, 1) == []
 
 
 def test_widened_repeats_each_tensor_along_its_first_dimension() -> None:

@@ -24,7 +24,7 @@ from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
 from shardline.parallel.deterministic import make_deterministic
 from shardline.parallel.fit import plan_strategy
-from shardline.parallel.pipeline_layout import with_loss
+from shardline.parallel.pipeline_layout import WithLoss, with_loss
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import recompute_blocks
 from shardline.parallel.timing import probe_step
@@ -339,8 +339,10 @@ def as_distributed(
     if not next(c for c in plan.candidates if c.order == mine.choice.order).fits:
         reason += f" ({mine.choice.name}, this rank's choice, does not fit on another rank)"
     choice = plan.choice
+    if isinstance(model, WithLoss) and choice.pp == 1:
+        model = model.chain  # wrapped under its own names; its step adds the loss
     wrapped = wrap_choice(model, choice, g, mixed_precision, options, meshes, example_input)
-    described(wrapped, choice, reason, plan, g, meshes, pipeline)
+    described(wrapped, choice, reason, plan, g, meshes, loss_fn if pipeline else None)
     message = f"shardline.as_distributed chose {reason}"
     _log.info(message)
     if verbose and g.rank == 0:

@@ -8,6 +8,7 @@ the result what was chosen and how each rank must feed it (``sampler_args``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,11 +110,13 @@ def described(
     plan: Any,
     group: ProcessGroup,
     meshes: Meshes,
-    pipeline: bool,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
 ) -> nn.Module:
     """``wrapped`` with what was chosen and how to feed it, as ``as_distributed`` returns it.
 
-    The meshes only trials used are shut down (their groups' transports released).
+    With ``loss_fn`` (pipelines considered), a choice that is not a pipeline gets a
+    ``step(inputs, target)`` as a pipeline's. The meshes only trials used are shut down
+    (their groups' transports released).
     """
     key = ("tp", choice.tp) if choice.tp > 1 else ("pp", choice.pp)
     mesh = meshes.get(key)
@@ -132,15 +135,15 @@ def described(
         }  # fmt: skip
     wrapped.sampler_args = args  # type: ignore[assignment]
     wrapped.batch_scale = choice.batch_scale  # type: ignore[assignment]
-    if pipeline and choice.pp == 1:  # one way to train, whichever is chosen
-        wrapped.step = _stepper(wrapped)
+    if loss_fn is not None and choice.pp == 1:  # one way to train, whichever is chosen
+        wrapped.step = _stepper(wrapped, loss_fn)
     return wrapped
 
 
-def _stepper(wrapped: nn.Module) -> Any:
+def _stepper(wrapped: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Any:
     def step(inputs: Any, target: Any) -> torch.Tensor:
         """Forward, ``loss_fn`` and backward of one batch; returns the loss (as a pipeline's)."""
-        loss: torch.Tensor = wrapped(inputs, target)
+        loss = loss_fn(wrapped(inputs), target)
         loss.backward()  # type: ignore[no-untyped-call]
         return loss.detach()
 

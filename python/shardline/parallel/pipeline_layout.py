@@ -27,7 +27,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel.activations import count_activations
 from shardline.parallel.pipeline.split import balanced_parts, chain_children, child_costs
 from shardline.parallel.precision import MixedPrecision
-from shardline.parallel.tensor_layout import first_line, meta_copy, widened
+from shardline.parallel.tensor_layout import first_line, meta_copy, split_sizes, widened
 
 __all__ = ["PipelineLayout", "WithLoss", "pipeline_layouts", "with_loss"]
 
@@ -37,7 +37,8 @@ SCHEDULE = "1f1b"  # the schedule the planner prices and builds
 class WithLoss(nn.Module):
     """``loss_fn(chain(inputs), target)``: a chain and its loss as one module.
 
-    What ``as_distributed(pipeline=True)`` wraps (and times) when it keeps the chain whole.
+    What ``as_distributed(pipeline=True)`` prices, times and tries; a choice that keeps the
+    chain whole wraps the chain itself (its names unchanged) and steps with ``loss_fn``.
     """
 
     def __init__(self, chain: nn.Sequential, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
@@ -99,16 +100,6 @@ def microbatch_counts(pp: int, batch: int) -> list[int]:
     return [m for m in (pp, 2 * pp, 4 * pp) if m <= batch and batch % m == 0]
 
 
-def pipeline_sizes(world_size: int) -> list[int]:
-    """Powers of two above 1 that divide ``world_size``."""
-    sizes, p = [], 2
-    while p <= world_size:
-        if world_size % p == 0:
-            sizes.append(p)
-        p *= 2
-    return sizes
-
-
 def pipeline_layouts(
     model: WithLoss,
     world_size: int,
@@ -122,8 +113,14 @@ def pipeline_layouts(
     """
     if example_input is None:
         return [], ["pipelines not priced: they need example_input=(inputs, target)"]
+    if not isinstance(example_input, tuple) or len(example_input) != 2:
+        raise InvalidArgumentError(
+            "pipeline=True: example_input is one rank's (inputs, target), what model.step "
+            f"takes; got {type(example_input).__name__}"
+            + (f" of {len(example_input)}" if isinstance(example_input, tuple) else "")
+        )
     layouts, notes = [], []
-    for pp in pipeline_sizes(world_size):
+    for pp in split_sizes(world_size, world_size):
         inputs, target = widened(example_input, pp)
         batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) else 0
         for m in microbatch_counts(pp, batch):

@@ -34,8 +34,8 @@ __all__ = [
     "first_line",
     "meta_copy",
     "priced_layouts",
+    "split_sizes",
     "tensor_layout",
-    "tensor_sizes",
     "widened",
 ]
 
@@ -59,8 +59,8 @@ class TensorLayout:
     traffic: tuple[tuple[str, str, int, int], ...] = ()
 
 
-def tensor_sizes(world_size: int, local_ranks: int) -> list[int]:
-    """The tp sizes worth pricing: powers of two above 1 that divide both."""
+def split_sizes(world_size: int, local_ranks: int) -> list[int]:
+    """The tp (or pp) sizes worth pricing: powers of two above 1 that divide both."""
     sizes, t = [], 2
     while t <= min(world_size, local_ranks):
         if world_size % t == 0 and local_ranks % t == 0:
@@ -164,7 +164,7 @@ def priced_layouts(
     if not wanted:
         return [], []
     layouts, notes = [], []
-    for t in tensor_sizes(world_size, local_ranks or world_size):
+    for t in split_sizes(world_size, local_ranks or world_size):
         layout = tensor_layout(model, t)
         if isinstance(layout, str):
             notes.append(f"not priced: {layout}")
