@@ -33,6 +33,19 @@ def chain() -> nn.Sequential:
     return as_sequential(TinyGPT(CFG))
 
 
+def planned() -> sl.StrategyPlan:
+    """Rank 0's plan of the chain over 2 ranks, pipelines priced, on rank 0's batch."""
+    return sl.plan_strategy(
+        chain(),
+        world_size=2,
+        available_bytes=1 << 30,
+        example_input=tokens(0),
+        device="cpu",
+        pipeline=True,
+        loss_fn=lm_loss,
+    )
+
+
 def test_pipelines_need_a_chain_and_its_loss() -> None:
     with pytest.raises(InvalidArgumentError, match=r"nn\.Sequential"):
         with_loss(TinyGPT(CFG), lm_loss)
@@ -80,11 +93,7 @@ def test_a_stage_holds_and_keeps_what_sl_pipeline_does() -> None:
 
 
 def test_the_step_model_prices_1f1b_slots_of_the_slowest_stage() -> None:
-    x, y = tokens(0)
-    plan = sl.plan_strategy(
-        chain(), world_size=2, available_bytes=1 << 30, example_input=(x, y), device="cpu",
-        pipeline=True, loss_fn=lm_loss,
-    )  # fmt: skip
+    plan = planned()
     compute = Compute(forward=0.010, backward=0.020, host=0.001)
     probes = Probes({(None, None): compute}, 0.0, Link(1e-4, 1e9), 0.5, 0.0)
     timed = plan.timed(probes)
@@ -104,10 +113,7 @@ def test_the_pipeline_choice_trains_as_one_process_on_the_replica_batch() -> Non
     """A pipeline choice as ``as_distributed`` builds it, stepped with the replica's batch on
     both ranks, trains to one process's losses on that batch."""
     x, y = tokens(0)
-    plan = sl.plan_strategy(
-        chain(), world_size=2, available_bytes=1 << 30, example_input=(x, y), device="cpu",
-        pipeline=True, loss_fn=lm_loss,
-    )  # fmt: skip
+    plan = planned()
     choice = next(c for c in plan.candidates if c.pp == 2 and c.microbatches == 4)
     batch = widened((x, y), 2)
 
@@ -174,11 +180,7 @@ def test_as_distributed_prices_times_and_agrees_on_pipelines_and_every_choice_st
 
 def test_a_tried_pipeline_is_stepped() -> None:
     """Trials step a pipeline choice (forward and backward of its micro-batches)."""
-    x, y = tokens(0)
-    plan = sl.plan_strategy(
-        chain(), world_size=2, available_bytes=1 << 30, example_input=(x, y), device="cpu",
-        pipeline=True, loss_fn=lm_loss,
-    )  # fmt: skip
+    plan = planned()
     tried = [c for c in plan.candidates if c.pp == 2][:2]
 
     def body(g: ProcessGroup) -> list[float]:
@@ -198,11 +200,7 @@ def test_where_the_host_runs_ahead_a_pipeline_launches_its_stage_once_per_microb
     """On CUDA the host's time goes with the kernels launched: ``m`` micro-batches of a stage
     holding ``share`` of the chain issue ``m * share`` times the probe's; on CPU it goes with
     the work, as the compute does."""
-    x, y = tokens(0)
-    plan = sl.plan_strategy(
-        chain(), world_size=2, available_bytes=1 << 30, example_input=(x, y), device="cpu",
-        pipeline=True, loss_fn=lm_loss,
-    )  # fmt: skip
+    plan = planned()
     host_bound = {(None, None): Compute(forward=0.001, backward=0.002, host=0.010)}
     for ahead in (True, False):
         probes = Probes(host_bound, 0.0, Link(1e-9, 1e15), 1.0, 0.0, ahead=ahead)
