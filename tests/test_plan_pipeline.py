@@ -212,3 +212,20 @@ def test_where_the_host_runs_ahead_a_pipeline_launches_its_stage_once_per_microb
             host = 0.010 * (m * layout.share if ahead else scale)
             assert c.time is not None
             assert c.time.compute + c.time.exposed == pytest.approx(host, rel=1e-3)
+
+
+def test_a_pipeline_computes_in_the_mixed_precision_dtype_under_any_strategy() -> None:
+    """The stages autocast, so even with DDP replicas a pipeline is priced from the probe of
+    the compute dtype, where plain DDP keeps the model's."""
+    plan = sl.plan_strategy(
+        chain(), world_size=2, available_bytes=1 << 30, example_input=tokens(0), device="cpu",
+        pipeline=True, loss_fn=lm_loss,
+        mixed_precision=sl.MixedPrecision(param_dtype=torch.bfloat16),
+    )  # fmt: skip
+    assert (None, torch.bfloat16) in plan.to_time()
+    only_bf16 = {(None, torch.bfloat16): Compute(forward=0.01, backward=0.02, host=0.001)}
+    timed = plan.timed(Probes(only_bf16, 0.0, Link(1e-4, 1e9), 0.5, 0.0))
+    by_name = {c.name: c for c in timed.candidates}
+    assert by_name["ddp pp=2 m=2"].time is not None  # from the bf16 probe
+    assert by_name["ddp"].time is None  # plain DDP computes in fp32: not probed here
+    assert by_name["zero1"].time is not None

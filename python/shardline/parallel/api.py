@@ -232,11 +232,10 @@ def as_distributed(
     least sharded). With ``tensor_parallel``, layouts that split each replica's layers over
     ``tp`` ranks of a host are priced, timed and tried too (``plan_strategy``); with
     ``pipeline``, 1F1B pipelines of an ``nn.Sequential`` over ``pp`` ranks and their
-    micro-batches. On a small
-    model all of it takes a few seconds; the probes' and trials' collectives count in the
-    group's ``traffic()``. Without ``example_input`` (or ``timing``) the first that fits in
-    that order is chosen. The offloads are chosen
-    only when nothing else fits. Every rank takes the same choice, from the slowest rank's
+    micro-batches. On a small model all of it takes a few seconds; the probes' and trials'
+    collectives count in the group's ``traffic()``. Without ``example_input`` (or
+    ``timing``) the first that fits in that order is chosen. The offloads are chosen only
+    when nothing else fits. Every rank takes the same choice, from the slowest rank's
     times and what fits on every rank. Build the optimizer afterwards from the returned
     model's ``parameters()`` (for ZeRO those are this rank's shards, named like the
     originals).
@@ -275,12 +274,13 @@ def as_distributed(
             ``comm_hook``, ...) are dropped, so one call works whatever memory a machine has.
 
     Returns:
-        A ``DistributedDataParallel`` or ``ShardedDataParallel``; ``model.strategy`` (what
+        A ``DistributedDataParallel`` or ``ShardedDataParallel`` (over a tensor-parallel
+        model for a tp choice), or a pipeline's ``PipelineModule``; ``model.strategy`` (what
         ``sl.distribute`` takes: a name, or a strategy per axis of ``model.mesh``) and
         ``model.strategy_reason`` record the choice, ``model.plan`` (a ``StrategyPlan``) what
         the ranks priced: ``print(model.plan.explain())`` shows every strategy's bytes per
         rank by component, whether it fits and its predicted step. ``model.mesh`` is the
-        ``{"dp", "tp"}`` mesh of a tensor-parallel choice (else ``None``);
+        ``{"dp", "tp"}`` or ``{"dp", "pp"}`` mesh of a tp or pipeline choice (else ``None``);
         ``model.sampler_args`` (``num_replicas``, ``rank``) and ``model.batch_scale`` say
         how to feed it.
     """

@@ -135,8 +135,9 @@ class StrategyPlan:
         """The low-precision dtype ``c`` computes in (a pipeline autocasts under any strategy)."""
         assert self.shape is not None
         mp = self.mixed_precision
-        if c.pp > 1:
-            return compute_dtype("zero1", self.shape, mp)
+        if c.pp > 1:  # mp's compute dtype where it is not the model's own
+            low = mp.param_dtype if mp is not None else None
+            return low if low != self.shape.dtype else None
         return compute_dtype(c.strategy, self.shape, mp)
 
     def _predict(self, c: Candidate, probes: Probes) -> StepTime | None:
