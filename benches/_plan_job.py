@@ -102,6 +102,6 @@ def trained(
 
 def widened(batch: Any, k: int) -> Any:
     """``batch`` repeated ``k`` times along its first dimension: ``k`` ranks' batches."""
-    from shardline.parallel.tensor_layout import widened as repeat  # noqa: PLC0415
+    from shardline.parallel.layout_meta import widened as repeat  # noqa: PLC0415
 
     return repeat(batch, k)

@@ -15,13 +15,13 @@ from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.examples.model import TinyGPT, as_sequential, lm_loss
 from shardline.parallel.choice import wrap_choice
+from shardline.parallel.layout_meta import widened
 from shardline.parallel.pipeline_layout import (
     WithLoss,
     microbatch_counts,
     pipeline_layouts,
     with_loss,
 )
-from shardline.parallel.tensor_layout import widened
 from shardline.parallel.timing import Compute, Link, Probes
 from shardline.parallel.trials import trial_steps
 from tests._ranks import run_ranks

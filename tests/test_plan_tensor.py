@@ -15,12 +15,8 @@ from shardline.comm import ProcessGroup
 from shardline.examples.train import TinyGPT
 from shardline.parallel import MixedPrecision
 from shardline.parallel.choice import wrap_choice
-from shardline.parallel.tensor_layout import (
-    counted_traffic,
-    split_sizes,
-    tensor_layout,
-    widened,
-)
+from shardline.parallel.layout_meta import split_sizes, widened
+from shardline.parallel.tensor_layout import counted_traffic, tensor_layout
 from shardline.parallel.timing import Collective, Compute, Link, ModelShape, Probes, predict
 from tests._ranks import run_ranks
 from tests._tiny_gpt import CFG, gpt, tokens

@@ -21,10 +21,10 @@ from shardline.parallel.candidate import Candidate
 from shardline.parallel.compose import compose
 from shardline.parallel.data.ddp import DistributedDataParallel
 from shardline.parallel.data.zero import ShardedDataParallel
+from shardline.parallel.layout_meta import widened
 from shardline.parallel.pipeline_layout import WithLoss
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import recompute_blocks
-from shardline.parallel.tensor_layout import widened
 
 __all__ = ["DDP_ONLY", "ZERO_ONLY", "Meshes", "described", "wrap_choice"]
 

@@ -24,6 +24,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
 from shardline.parallel.candidate import CHOICES, Candidate
 from shardline.parallel.data.zero.grouping import default_unit_mb, default_units
+from shardline.parallel.layout_meta import widened
 from shardline.parallel.memory_available import available_memory, default_device
 from shardline.parallel.pipeline_layout import PipelineLayout, WithLoss, pipeline_layouts, with_loss
 from shardline.parallel.planner import (
@@ -37,7 +38,7 @@ from shardline.parallel.planner import (
 )
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import find_blocks, recomputing_blocks
-from shardline.parallel.tensor_layout import TensorLayout, priced_layouts, widened
+from shardline.parallel.tensor_layout import TensorLayout, priced_layouts
 from shardline.parallel.timing import (
     Collective,
     ModelShape,

@@ -25,9 +25,9 @@ from torch import nn
 
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.activations import count_activations
+from shardline.parallel.layout_meta import first_line, meta_copy, split_sizes, widened
 from shardline.parallel.pipeline.split import balanced_parts, chain_children, child_costs
 from shardline.parallel.precision import MixedPrecision
-from shardline.parallel.tensor_layout import first_line, meta_copy, split_sizes, widened
 
 __all__ = ["PipelineLayout", "WithLoss", "pipeline_layouts", "with_loss"]
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from shardline.parallel.tensor_layout import widened
+from shardline.parallel.layout_meta import widened
 from shardline.parallel.timing import call_args, kept_rng, loss_of, optimizer_class, sync
 
 if TYPE_CHECKING:
