@@ -24,7 +24,9 @@ collectives run on their own stream; on CPU, where they share the cores and memo
 bandwidth with compute, half is assumed: ``trials`` measure what the model misses) except
 its last collective. Where the host issuing the compute and every collective takes longer
 than the device, that is the step. The optimizer steps every parameter under DDP, a
-``1/N`` shard under ZeRO.
+``1/N`` shard under ZeRO. For layouts that split a replica over ranks (tensor parallelism,
+pipelines) ``fit`` scales the compute to the rank's part of the replica's batch and adds
+what waits in full: the layers' collectives, the pipeline's sends across its cuts.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ is in it: the wrappers' own host work per unit, a recompute policy's hooks. ``to
 the fastest few it predicts, within 1.6x of its best (2 to 4 of them, fewer where their
 predicted steps would take more than ``_BUDGET_S``; only those with room for a whole copy
 of the model beside them in what a rank has), and ``trial_steps`` trains each on a deep
-copy of the model: wrapped as the choice would be, with the optimizer that
-``as_distributed`` was told of, three steps to warm up (the optimizer makes its state) and
-five timed, the median kept. The model itself, its gradients and the RNG state are
+copy of the model: wrapped as the choice would be (a tensor-parallel or pipeline choice on
+its replica's batch, ``tp`` or ``pp`` ranks' batches; a pipeline by its ``step``), with the
+optimizer that ``as_distributed`` was told of, three steps to warm up (the optimizer makes
+its state) and five timed, the median kept. The model itself, its gradients and the RNG state are
 untouched. Every rank runs the same trials in the same order (they hold collectives);
 ``as_distributed`` then takes the slowest rank's time of each.
 """
