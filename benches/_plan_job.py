@@ -8,6 +8,8 @@ mixed precision of a ``--dtype``; ``trained`` wraps a fresh model as one of
 
 from __future__ import annotations
 
+import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -60,24 +62,24 @@ def trained(
 ) -> tuple[Any, Any]:
     """``(model, optimizer)``: a fresh model wrapped as ``choice`` (a ``Candidate``), AdamW.
 
-    A tensor-parallel choice is composed on a ``{"dp", "tp"}`` mesh, a pipeline on its
-    ``{"dp", "pp"}`` mesh (both kept in ``meshes``), as ``sl.as_distributed`` builds them
-    (a pipeline's stages balanced on a micro-batch of ``batch``, this rank's).
+    A tensor-parallel or pipeline choice is built as ``sl.as_distributed`` builds it, on its
+    ``{"dp", "tp"}`` or ``{"dp", "pp"}`` mesh (kept in ``meshes``; a pipeline's stages
+    balanced on a micro-batch of ``batch``, this rank's).
     """
     import torch  # noqa: PLC0415
 
     import shardline as sl  # noqa: PLC0415
 
-    if getattr(choice, "pp", 1) > 1:
+    if choice.batch_scale > 1:
         from shardline.comm.world import default_group  # noqa: PLC0415
         from shardline.examples.model import as_sequential, lm_loss  # noqa: PLC0415
         from shardline.parallel.choice import wrap_choice  # noqa: PLC0415
         from shardline.parallel.pipeline_layout import with_loss  # noqa: PLC0415
 
-        group = default_group()
+        plain = build()
         model = wrap_choice(
-            with_loss(as_sequential(build()), lm_loss), choice, group, mp, {},
-            meshes if meshes is not None else {}, batch,
+            with_loss(as_sequential(plain), lm_loss) if choice.pp > 1 else plain, choice,
+            default_group(), mp, {}, meshes if meshes is not None else {}, batch,
         )  # fmt: skip
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     model = build()
@@ -87,17 +89,38 @@ def trained(
         kw["mixed_precision"] = mp
     if choice.offload:
         kw["offload"] = choice.offload
-    tp = getattr(choice, "tp", 1)
-    if tp > 1:
-        meshes = meshes if meshes is not None else {}
-        if tp not in meshes:
-            meshes[tp] = sl.DeviceMesh({"dp": sl.get_world_size() // tp, "tp": tp})
-        kw["mesh"] = meshes[tp]
     model, opt = sl.distribute(
-        model, opt, strategy=choice.distribute_strategy, recompute=choice.recompute, **kw
+        model, opt, strategy=choice.strategy, recompute=choice.recompute, **kw
     )
     assert opt is not None
     return model, opt
+
+
+def add_args(p: argparse.ArgumentParser, size: str) -> None:
+    """The arguments both planner benches take (``size``: the default model size)."""
+    p.add_argument("--ranks", type=int, nargs="+", default=[2])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--size", default=size, help="main, or bench_zero.py's model sizes")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--tensor-parallel", action="store_true", help="price tp layouts too")
+
+
+def publish(prefix: str, bench: str, args: argparse.Namespace, results: Any, text: str) -> None:
+    """Writes ``benches/results/<prefix>-<tag>.{txt,json}`` (the tag from the arguments)."""
+    import _report  # noqa: PLC0415
+
+    tag = args.tag or (
+        f"{args.device}-{args.size}-{args.dtype}-{os.cpu_count()}c"
+        + ("-tp" if args.tensor_parallel else "")
+        + ("-pp" if getattr(args, "pipeline", False) else "")
+    )
+    _report.publish(
+        _report.RESULTS / f"{prefix}-{tag}",
+        _report.header(bench, _report.machine(args.device)),
+        text,
+        {"args": vars(args), "results": results},
+        lambda _path: "no plot: a table",
+    )
 
 
 def widened(batch: Any, k: int) -> Any:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 import time
@@ -39,7 +38,6 @@ from typing import Any
 
 import _harness
 import _plan_job
-import _report
 
 MIB = 2**20
 
@@ -71,7 +69,7 @@ def worker(args: argparse.Namespace) -> int:
     del chosen
     grid = [c for c in plan.candidates if c.fits and c.offload is None]
     measured: dict[str, float] = {}
-    meshes: dict[int, Any] = {}
+    meshes: dict[Any, Any] = {}
     for _round in range(args.rounds):
         for c in grid:
             gc.collect()
@@ -157,32 +155,17 @@ def table(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[2])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--size", default="main", help="main, or bench_zero.py's model sizes")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    _plan_job.add_args(p, "main")
     p.add_argument("--steps", type=int, default=10, help="timed steps per choice and round")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="times over the grid, fastest kept")
     p.add_argument("--budget-mib", type=int, default=0, help="memory per rank (0: measured)")
-    p.add_argument("--tensor-parallel", action="store_true", help="price tp layouts too")
     p.add_argument("--pipeline", action="store_true", help="price 1F1B pipelines too")
     _harness.add_launch(p, timeout=1200.0)
     args, results = _harness.run_bench(
         p, argv, __file__, worker, lambda a, w, r, _s: table({w: r}, a)
     )
-    tag = args.tag or (
-        f"{args.device}-{args.size}-{args.dtype}-{os.cpu_count()}c"
-        + ("-tp" if args.tensor_parallel else "")
-        + ("-pp" if args.pipeline else "")
-    )
-    _report.publish(
-        _report.RESULTS / f"plan-grid-{tag}",
-        _report.header(Path(__file__).name, _report.machine(args.device)),
-        table(results, args),
-        {"args": vars(args), "results": results},
-        lambda _path: "no plot: a table",
-    )
+    _plan_job.publish("plan-grid", Path(__file__).name, args, results, table(results, args))
     return 0
 
 

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import _harness
 import _plan_job
-import _report
 
 MIB = 2**20
 
@@ -47,7 +45,7 @@ def worker(args: argparse.Namespace) -> int:
         mixed_precision=mp, device=device, tensor_parallel=args.tensor_parallel,
     )  # fmt: skip
     rows = []
-    meshes: dict[int, Any] = {}
+    meshes: dict[Any, Any] = {}
     for c in plan.candidates:
         measured = 0
         if cuda:
@@ -106,27 +104,13 @@ def table(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[2])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--size", default="small", help="bench_zero.py's model sizes")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    _plan_job.add_args(p, "small")
     p.add_argument("--steps", type=int, default=3, help="steps per choice")
-    p.add_argument("--tensor-parallel", action="store_true", help="price tp layouts too")
     _harness.add_launch(p, timeout=600.0)
     args, results = _harness.run_bench(
         p, argv, __file__, worker, lambda a, w, r, _s: table({w: r}, a)
     )
-    tag = args.tag or (
-        f"{args.device}-{args.size}-{args.dtype}-{os.cpu_count()}c"
-        + ("-tp" if args.tensor_parallel else "")
-    )
-    _report.publish(
-        _report.RESULTS / f"plan-memory-{tag}",
-        _report.header(Path(__file__).name, _report.machine(args.device)),
-        table(results, args),
-        {"args": vars(args), "results": results},
-        lambda _path: "no plot: a table",
-    )
+    _plan_job.publish("plan-memory", Path(__file__).name, args, results, table(results, args))
     return 0
 
 
