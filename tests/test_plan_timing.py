@@ -24,7 +24,7 @@ from shardline.parallel.timing import (
     predict,
     probe_step,
 )
-from shardline.parallel.trials import to_try, trial_steps
+from shardline.parallel.trials import to_retry, to_try, trial_steps, tried_steps
 from tests._ranks import run_ranks
 from tests._tiny_gpt import gpt, tokens
 
@@ -256,6 +256,35 @@ def test_plan_takes_the_fastest_that_fits_and_the_slowest_rank_decides() -> None
     assert untimed.choice.strategy == "zero2" and "predicted" in untimed.reason
     none = timed.agreed([math.inf] * len(totals), fits)
     assert none.choice.strategy == "ddp" and "predicted" not in none.reason
+
+
+def test_close_trials_are_tried_again_in_reverse_and_keep_the_faster() -> None:
+    """Trials within 15 % of the fastest run once more, last first; each keeps its faster
+    time, the rest their first."""
+    model = gpt()
+    x, y = tokens(0)
+    plan = sl.plan_strategy(model, world_size=2, available_bytes=1 << 40, example_input=(x, y))
+    a, b, c = [k for k in plan.candidates if k.fits and k.offload is None][:3]
+    assert to_retry([a, b, c], [1.0, 1.15, 1.2]) == [b, a]
+    assert to_retry([a, b, c], [1.0, 1.3, 1.2]) == []  # only the fastest is close: none
+    assert to_retry([a, b, c], [1.1, 1.0, 1.05]) == [c, b, a]
+
+    wrapped: list[str] = []
+    rounds = iter([[1.0, 1.1, 2.0], [0.8, 1.3]])  # each round's agreed seconds, as ranks say
+
+    def agree(seconds: list[float]) -> list[float]:
+        agreed = next(rounds)
+        assert len(seconds) == len(agreed) and all(s > 0 for s in seconds)
+        return agreed
+
+    def wrap(copy: nn.Module, k: Any) -> nn.Module:
+        wrapped.append(k.name)
+        return copy
+
+    seconds = tried_steps(model, (x, y), [a, b, c], wrap, "sgd", agree)
+    assert wrapped == [a.name, b.name, c.name, b.name, a.name]
+    # b's second trial (0.8) is faster than its first, a's (1.3) is not; c was not close.
+    assert seconds == [1.0, 0.8, 2.0]
 
 
 @pytest.mark.parametrize("trials", [True, False], ids=["trials", "predicted"])

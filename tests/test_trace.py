@@ -67,6 +67,31 @@ def test_ops_steps_and_spans_land_in_the_timeline_with_the_users_line(
     assert names == ["all_reduce #0", "broadcast #1", "forward", "step 0"]
 
 
+def test_a_long_write_goes_in_chunks_with_the_gil_released_between(
+    tracer: Tracer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second's ops are read and written ``CHUNK`` at a time, with a pause between chunks
+    (where the program's thread takes the GIL): every op lands once, in order."""
+    paused: list[str] = []
+    monkeypatch.setattr(device, "pause", lambda: paused.append("read"))
+    monkeypatch.setattr("shardline.comm.trace.recorder.pause", lambda: paused.append("write"))
+    tracer.device = device.DeviceTimes(clock=_Clock)
+    RECORDER.device_sink = tracer.device.add
+    n = 2 * device.CHUNK + 5
+    for k in range(n):
+        record = RECORDER.start("world", k, "all_reduce", 8, torch.float32, None)
+        handle = type("Handle", (), {"timing": _timed("world", float(k), _Work(1.0))})
+        RECORDER.timed(record, handle)
+        RECORDER.finish(record)
+    tracer.flush()
+    lines = [json.loads(x) for x in (tmp_path / "rank0.trace.jsonl").read_text().splitlines()]
+    assert [len(e["r"]) for e in lines] == [device.CHUNK, device.CHUNK, 5]
+    written = [r for e in lines for r in e["r"]]
+    assert [r[flight.SEQ] for r in written] == list(range(n))
+    assert all(folder.device_span(r) is not None for r in written)
+    assert paused == ["read", "read", "write", "write"]
+
+
 def _line_of(text: str) -> int:
     lines = Path(__file__).read_text().splitlines()
     return next(i for i, x in enumerate(lines, 1) if text in x and "_line_of" not in x)

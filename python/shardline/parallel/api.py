@@ -28,7 +28,7 @@ from shardline.parallel.pipeline_layout import WithLoss, with_loss
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import recompute_blocks
 from shardline.parallel.timing import probe_step
-from shardline.parallel.trials import to_try, trial_steps
+from shardline.parallel.trials import to_try, tried_steps
 
 __all__ = ["as_distributed", "distribute"]
 
@@ -220,25 +220,24 @@ def as_distributed(
     """Wraps ``model`` with the fastest strategy whose memory fits, and says why.
 
     Prices the memory per rank of DDP and ZeRO-1/2/3 (``estimate_memory`` for each, with the
-    optimizer state of ``optimizer``: the name of the one you will build, or an instance);
-    with ``example_input``, the same with the model's blocks recomputing their activations
-    (selective, then full); on GPUs, zero3 with its shards and optimizer state offloaded to
-    host memory (``plan_strategy``). With ``example_input`` and ``timing``, short probes
+    optimizer state of ``optimizer``: the name of the one you will build, or an instance); with
+    ``example_input``, the same with the model's blocks recomputing their activations
+    (selective, then full); on GPUs, zero3 with its shards and optimizer state offloaded to host
+    memory (``plan_strategy``). With ``example_input`` and ``timing``, short probes
     (``probe_step``: the model's forward and backward on that batch, an optimizer step, an
     all-reduce of the group) predict each fitting choice's step; with ``trials`` too, the
     fastest few predicted (2 to 4, within 1.6x of the best, each with room for a copy of the
-    model beside it) are each trained for 8 steps on a copy of the model
-    (``trials.trial_steps``), and the fastest of those is chosen (within 2 % of it, the
-    least sharded). With ``tensor_parallel``, layouts that split each replica's layers over
-    ``tp`` ranks of a host are priced, timed and tried too (``plan_strategy``); with
+    model beside it) are each trained for 8 steps on a copy of the model, those within 15 % of
+    the fastest twice (``trials.tried_steps``), and the fastest of those is chosen (within 2 %
+    of it, the least sharded). With ``tensor_parallel``, layouts that split each replica's
+    layers over ``tp`` ranks of a host are priced, timed and tried too (``plan_strategy``); with
     ``pipeline``, 1F1B pipelines of an ``nn.Sequential`` over ``pp`` ranks and their
     micro-batches. On a small model all of it takes a few seconds; the probes' and trials'
-    collectives count in the group's ``traffic()``. Without ``example_input`` (or
-    ``timing``) the first that fits in that order is chosen. The offloads are chosen only
-    when nothing else fits. Every rank takes the same choice, from the slowest rank's
-    times and what fits on every rank. Build the optimizer afterwards from the returned
-    model's ``parameters()`` (for ZeRO those are this rank's shards, named like the
-    originals).
+    collectives count in the group's ``traffic()``. Without ``example_input`` (or ``timing``)
+    the first that fits in that order is chosen. The offloads are chosen only when nothing else
+    fits. Every rank takes the same choice, from the slowest rank's times and what fits on every
+    rank. Build the optimizer afterwards from the returned model's ``parameters()`` (for ZeRO
+    those are this rank's shards, named like the originals).
 
     Args:
         model: The plain model, on its device.
@@ -325,16 +324,20 @@ def as_distributed(
     if timing and example_input is not None and trials:
         tried = to_try(plan)
         if tried:
-            seconds = trial_steps(
+
+            def slowest(seconds: list[float]) -> list[float]:
+                agreed = torch.tensor(seconds, dtype=torch.float64, device=device)
+                g.all_reduce(agreed, op="max")
+                return agreed.tolist()
+
+            seconds = tried_steps(
                 model, example_input, tried,
                 lambda copy, c: wrap_choice(
                     copy, c, g, mixed_precision, options, meshes, example_input
                 ),
-                optimizer,
+                optimizer, slowest,
             )  # fmt: skip
-            slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
-            g.all_reduce(slowest, op="max")
-            plan = plan.tried(tried, slowest.tolist())
+            plan = plan.tried(tried, seconds)
     reason = plan.reason
     if not next(c for c in plan.candidates if c.order == mine.choice.order).fits:
         reason += f" ({mine.choice.name}, this rank's choice, does not fit on another rank)"

@@ -10,7 +10,10 @@ its replica's batch, ``tp`` or ``pp`` ranks' batches; a pipeline by its ``step``
 optimizer that ``as_distributed`` was told of, three steps to warm up (the optimizer makes
 its state) and five timed, the median kept. The model itself, its gradients and the RNG state are
 untouched. Every rank runs the same trials in the same order (they hold collectives);
-``as_distributed`` then takes the slowest rank's time of each.
+``as_distributed`` then takes the slowest rank's time of each. Five steps read a few
+percent apart from one trial to the next (one H200 host: zero1 and zero2 tried at 27.6 and
+30.2 ms, then measured at 23.4 and 21.3): ``to_retry`` names those within ``_CLOSE`` of the
+fastest, which are tried once more in the reverse order, and each keeps its faster trial.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from shardline.parallel.timing import call_args, kept_rng, loss_of, optimizer_cl
 if TYPE_CHECKING:
     from shardline.parallel.fit import Candidate, StrategyPlan
 
-__all__ = ["to_try", "trial_steps"]
+__all__ = ["to_retry", "to_try", "trial_steps", "tried_steps"]
 
 # Choices predicted within this of the best are tried: where the host limits a GPU step, the
 # model's error between choices reached 1.5x (benches/results/plan-grid-*).
@@ -41,6 +44,8 @@ _MOST, _FEWEST = 4, 2
 # timed: with 2 and 3 the trials read well above the settled step on CPU and GPU hosts.
 _WARMUP, _STEPS = 3, 5
 _BUDGET_S = 30.0  # the trials' predicted seconds (doubled: the model's error) stay under this
+# Trials this close to the fastest are tried again (their order could be the trials' noise).
+_CLOSE = 1.15
 
 
 def to_try(plan: StrategyPlan) -> list[Candidate]:
@@ -75,6 +80,45 @@ def to_try(plan: StrategyPlan) -> list[Candidate]:
     while len(picked) > _FEWEST and cost(picked) > _BUDGET_S:
         picked.pop()
     return picked if cost(picked) <= _BUDGET_S else []
+
+
+def to_retry(tried: list[Candidate], seconds: list[float]) -> list[Candidate]:
+    """Of ``tried`` (trained for ``seconds`` each, every rank's slowest), those to try again.
+
+    Those within ``_CLOSE`` of the fastest, in the reverse order (a slow start, or a trend
+    over the trials, then falls on the other end), when there are two or more: the same on
+    every rank, whose ``seconds`` are agreed.
+    """
+    best = min(seconds, default=0.0)
+    close = [c for c, t in zip(tried, seconds, strict=True) if t <= _CLOSE * best]
+    return close[::-1] if len(close) >= _FEWEST else []
+
+
+def tried_steps(
+    model: nn.Module,
+    example_input: Any,
+    candidates: list[Candidate],
+    wrap: Callable[[nn.Module, Candidate], nn.Module],
+    optimizer: str | torch.optim.Optimizer | None,
+    agree: Callable[[list[float]], list[float]],
+) -> list[float]:
+    """Seconds per step of each candidate: ``trial_steps``, then the close ones again.
+
+    ``agree`` turns this rank's seconds into every rank's slowest (a collective). Each
+    candidate keeps its faster trial (``to_retry``).
+    """
+    seconds = agree(trial_steps(model, example_input, candidates, wrap, optimizer))
+    again = to_retry(candidates, seconds)
+    if not again:
+        return seconds
+    faster = dict(
+        zip(
+            (c.order for c in again),
+            agree(trial_steps(model, example_input, again, wrap, optimizer)),
+            strict=True,
+        )
+    )
+    return [min(t, faster.get(c.order, t)) for c, t in zip(candidates, seconds, strict=True)]
 
 
 def trial_steps(

@@ -20,8 +20,9 @@ waited for once, when the tracer's thread reads the GPU's first op. Events are r
 read.
 
 Cost on the program's thread, per op: one or two pooled events recorded on the current
-stream (about 3 microseconds each on an H200 host); on the tracer's thread, two readings of
-the GPU's clock per op (``benches/bench_trace_blocks.py`` measures a whole step).
+stream (2.5 microseconds each on an H200 host); on the tracer's thread, two readings of
+the GPU's clock per op, ``CHUNK`` ops at a time with a ``pause`` between
+(``benches/bench_trace_blocks.py`` measures a whole step).
 """
 
 from __future__ import annotations
@@ -34,7 +35,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["DeviceTimes", "OpTiming", "begin", "enable_nccl_timing", "nccl_timing_enabled"]
+__all__ = [
+    "CHUNK",
+    "DeviceTimes",
+    "OpTiming",
+    "begin",
+    "enable_nccl_timing",
+    "nccl_timing_enabled",
+    "pause",
+]
 
 # Give up on an op's device time this long after it was queued (its work failed, or the
 # group was torn down before it ran): the op is then written with its host times only.
@@ -42,6 +51,20 @@ GIVE_UP_S = 60.0
 
 
 _NCCL_TIMING = [False]  # whether enable_nccl_timing ran in this process
+
+# The tracer's thread reads and writes this many ops, then pauses for ``_PAUSE_S`` with the
+# GIL released. Left to itself, the interpreter hands the GIL to a waiting thread only every
+# ``sys.getswitchinterval()`` (5 ms): the program's thread, between two launches, would wait
+# that long, and a step launch-bound on the host with it. A chunk is some 0.5 ms of work; a
+# pause long enough for the waiting thread to wake and take the GIL (``time.sleep(0)`` often
+# takes it straight back).
+CHUNK = 64
+_PAUSE_S = 100e-6
+
+
+def pause() -> None:
+    """Releases the GIL for a moment: a thread waiting for it takes it (see ``CHUNK``)."""
+    time.sleep(_PAUSE_S)
 
 
 def enable_nccl_timing() -> None:
@@ -172,6 +195,8 @@ class DeviceTimes:
         blocked: set[tuple[int, str]] = set()
         left: list[tuple[list[Any], OpTiming]] = []
         for i, (record, t) in enumerate(pending):
+            if i and not i % CHUNK:
+                pause()
             key = (t.device, t.chain) if t.chain is not None else None
             if key is None:
                 past = bool(t.end.query())
