@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from torch import nn
 
 import shardline as sl
 from shardline.comm import ProcessGroup
-from shardline.parallel import MixedPrecision
+from shardline.parallel import MixedPrecision, timing
 from shardline.parallel.recompute.blocks import recomputing, recomputing_blocks
 from shardline.parallel.timing import (
     Compute,
@@ -216,6 +217,33 @@ def test_predict_prices_link_optimizer_and_compute_as_each_strategy_spends_them(
     probes = Probes(fast, optimizer=0.0, link=None, overlap=1.0)
     assert predict("zero2", None, units, shape, world, bf16, probes).compute == pytest.approx(0.003)  # type: ignore[union-attr]
     assert predict("ddp", None, units, shape, world, bf16, probes).compute == pytest.approx(0.030)  # type: ignore[union-attr]
+
+
+def test_the_link_probe_warms_up_takes_turns_and_bounds_the_bandwidth() -> None:
+    """Two sizes that take the same time (all latency, or a slow small message): the fit
+    takes at most 3/4 of the large one's time for latency, not an unbounded bandwidth."""
+    sizes: list[int] = []
+
+    class Flat:
+        world_size = 2
+
+        def all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Any:
+            sizes.append(t.numel() * 4)
+            time.sleep(0.002)
+            return _Done() if async_op else None
+
+    class _Done:
+        def wait(self) -> None:
+            pass
+
+    link = timing._probe_link(Flat(), torch.device("cpu"))  # type: ignore[arg-type]
+    small, large = timing._SMALL, timing._LARGE
+    assert sizes[:10] == [small, large] * 5 and sizes[10:] == [small] * 8
+    moved = large - small  # 2 (W - 1) / W of it, W = 2
+    assert link.bandwidth <= moved / (0.25 * 0.002)
+    # The fit passes through the large message's time: latency and bytes add up to it.
+    large_time = link.latency + moved / link.bandwidth
+    assert 0.002 <= large_time < 0.05 and link.latency == pytest.approx(0.75 * large_time, rel=1e-3)
 
 
 def test_plan_takes_the_fastest_that_fits_and_the_slowest_rank_decides() -> None:

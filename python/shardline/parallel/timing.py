@@ -62,6 +62,7 @@ __all__ = [
 
 _DDP_FIRST_BUCKET, _DDP_BUCKET = 2**20, 25 * 2**20  # DDP's default buckets, bytes
 _SMALL, _LARGE = 4096, 16 * 2**20  # the link probe's message sizes, bytes
+_LATENCY_SHARE = 0.75  # of the large message's time, at most, is latency (``_probe_link``)
 _OVERLAP = {"cuda": 1.0, "cpu": 0.5}  # fraction of a phase's compute its communication hides behind
 _LONG = 5.0  # s: a probe run this long is measured once
 _RUNS, _ENOUGH = 20, 0.5  # at most this many runs, fewer once they took this many seconds
@@ -533,19 +534,23 @@ def _probe_optimizer(
 def _probe_link(group: ProcessGroup, device: torch.device) -> Link:
     """The group's all-reduce: latency, bandwidth and the host time to start one.
 
-    Latency and bandwidth come from a small and a large message, each the fastest of four.
+    Latency and bandwidth come from a small and a large message, each the fastest of four,
+    the two sizes taking turns after one of each to warm up. At most ``_LATENCY_SHARE`` of
+    the large message's time is taken for latency, so that a slow small message cannot make
+    the bandwidth unbounded: on two H200s, where one run's probe read 46 µs and 287 GB/s,
+    another's (the small message first, four times, then the large) read 117 µs and 322 TB/s.
     """
-    times = {}
-    for nbytes in (_SMALL, _LARGE):
-        t = torch.zeros(nbytes // 4, device=device)
-        best = math.inf
-        for _ in range(4):
+    tensors = {n: torch.zeros(n // 4, device=device) for n in (_SMALL, _LARGE)}
+    for t in tensors.values():
+        group.all_reduce(t)
+    times = dict.fromkeys(tensors, math.inf)
+    for _ in range(4):
+        for nbytes, t in tensors.items():
             sync(device)
             t0 = time.perf_counter()
             group.all_reduce(t)
             sync(device)
-            best = min(best, time.perf_counter() - t0)
-        times[nbytes] = best
+            times[nbytes] = min(times[nbytes], time.perf_counter() - t0)
     small = [torch.zeros(_SMALL // 4, device=device) for _ in range(8)]
     sync(device)
     t0 = time.perf_counter()
@@ -557,6 +562,15 @@ def _probe_link(group: ProcessGroup, device: torch.device) -> Link:
     sync(device)
     world = group.world_size
     moved = 2 * (world - 1) / world * (_LARGE - _SMALL)
-    bandwidth = moved / max(times[_LARGE] - times[_SMALL], 1e-9)
-    latency = max(times[_SMALL] - 2 * (world - 1) / world * _SMALL / bandwidth, 0.0)
+    bandwidth = moved / max(
+        times[_LARGE] - times[_SMALL], (1 - _LATENCY_SHARE) * times[_LARGE], 1e-9
+    )
+    # (where the bound holds, the large message's time less its bytes: the fit passes it)
+    latency = max(
+        min(
+            times[_SMALL] - 2 * (world - 1) / world * _SMALL / bandwidth,
+            times[_LARGE] - 2 * (world - 1) / world * _LARGE / bandwidth,
+        ),
+        0.0,
+    )
     return Link(latency, bandwidth, issue)
