@@ -22,8 +22,8 @@ such trials for those within 15 % of the fastest).
 more sharded or recomputing choices fit). ``--tensor-parallel`` lets the planner price
 tensor-parallel layouts too (``as_distributed(tensor_parallel=True)``); the grid then trains
 them as well, each replica on ``tp`` ranks' batches (the same global batch); ``--pipeline``
-the same for 1F1B pipelines (``as_distributed(pipeline=True)`` of the GPT as a chain of
-children with its loss; a pipeline choice trained by its ``step``). Writes
+the same for 1F1B and zero-bubble pipelines (``as_distributed(pipeline=True)`` of the GPT
+as a chain of children with its loss; a pipeline choice trained by its ``step``). Writes
 ``benches/results/plan-grid-<tag>.{txt,json}``.
 """
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="times over the grid, fastest kept")
     p.add_argument("--budget-mib", type=int, default=0, help="memory per rank (0: measured)")
-    p.add_argument("--pipeline", action="store_true", help="price 1F1B pipelines too")
+    p.add_argument("--pipeline", action="store_true", help="price pipelines too")
     _harness.add_launch(p, timeout=1200.0)
     args, results = _harness.run_bench(
         p, argv, __file__, worker, lambda a, w, r, _s: table({w: r}, a)

@@ -16,10 +16,13 @@ from shardline.errors import InvalidArgumentError
 from shardline.examples.model import TinyGPT, as_sequential, lm_loss
 from shardline.parallel.choice import wrap_choice
 from shardline.parallel.layout_meta import widened
+from shardline.parallel.pipeline import schedules
 from shardline.parallel.pipeline_layout import (
     WithLoss,
+    in_flight,
     microbatch_counts,
     pipeline_layouts,
+    step_ratio,
     with_loss,
 )
 from shardline.parallel.timing import Compute, Link, Probes
@@ -59,9 +62,22 @@ def test_pipelines_need_a_chain_and_its_loss() -> None:
     assert pipeline_layouts(model, 2, 0, None, None)[1]  # no example: says why
 
 
-def test_a_stage_holds_and_keeps_what_sl_pipeline_does() -> None:
+def _live_peak(schedule: str, pp: int, m: int, stage: int) -> int:
+    """The most micro-batches ``stage`` keeps at once by the pipeline's own count: a forward
+    adds one, a backward or a weight pass frees it."""
+    live = peak = 0
+    for a in schedules.build(schedule, pp, m)[stage]:
+        live += {"F": 1, "B": -1, "I": 0, "W": -1}[a.kind]
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_a_stage_holds_and_keeps_what_sl_pipeline_does(schedule: str) -> None:
     """Per stage and micro-batch count: the cut, the parameters held, and the micro-batches
-    1F1B keeps at once (the pipeline's own count after a step), against ``sl.pipeline``."""
+    the schedule keeps at once (the pipeline's own count after a step), against
+    ``sl.pipeline``; zero-bubble's price counts a micro-batch between its input and weight
+    passes twice (the gradients the weight pass keeps)."""
     example = tokens(0)
     priced = {
         rank: pipeline_layouts(with_loss(chain(), lm_loss), 2, rank, example, None)[0]
@@ -75,7 +91,7 @@ def test_a_stage_holds_and_keeps_what_sl_pipeline_does() -> None:
             x, y = widened(example, 2)
             m = layout.microbatches
             stage = sl.pipeline(
-                chain(), g, schedule="1f1b", microbatches=m, loss_fn=lm_loss,
+                chain(), g, schedule=schedule, microbatches=m, loss_fn=lm_loss,
                 example=x.chunk(m)[0],
             )  # fmt: skip
             stage.step(x, y)
@@ -85,9 +101,14 @@ def test_a_stage_holds_and_keeps_what_sl_pipeline_does() -> None:
 
     for rank, seen in enumerate(run_ranks(2, body, timeout=60)):
         assert len(seen) == 3
-        for layout, (held, in_flight, m) in zip(priced[rank], seen, strict=True):
+        for layout, (held, peak, m) in zip(priced[rank], seen, strict=True):
             assert sorted(tuple(p.shape) for p in layout.model.parameters()) == held
-            assert in_flight == min(m, 2 - rank)  # what the activations are multiplied by
+            assert peak == _live_peak(schedule, 2, m, rank)
+            priced_count = layout.activations(schedule) / layout.kept
+            if schedule == "1f1b":  # what the activations are multiplied by
+                assert peak == min(m, 2 - rank) == priced_count
+            else:
+                assert peak <= priced_count <= 2 * peak
             assert layout.split == (("embed", "block0"), ("block1", "head"))
             assert (layout.boundary > 0) == (rank == 0)
 
@@ -97,7 +118,7 @@ def test_the_step_model_prices_1f1b_slots_of_the_slowest_stage() -> None:
     compute = Compute(forward=0.010, backward=0.020, host=0.001)
     probes = Probes({(None, None): compute}, 0.0, Link(1e-4, 1e9), 0.5, 0.0)
     timed = plan.timed(probes)
-    pipes = [c for c in timed.candidates if c.pp == 2]
+    pipes = [c for c in timed.candidates if c.pp == 2 and c.schedule == "1f1b"]
     assert [c.name for c in pipes] == ["ddp pp=2 m=2", "ddp pp=2 m=4", "ddp pp=2 m=8"]
     for c in pipes:
         layout = next(p for p in plan.pipelines if p.microbatches == c.microbatches)
@@ -107,6 +128,20 @@ def test_the_step_model_prices_1f1b_slots_of_the_slowest_stage() -> None:
         sends = 2 * (m * 1e-4 + m * layout.boundary / 1e9)  # stage 0 sends and takes back
         assert c.time.comm == pytest.approx(sends)
         assert c.estimate.world_size == 1 and c.distribute_strategy == {"pp": "1f1b"}
+    # Zero-bubble: the same layouts in a shorter simulated step, at a price for memory.
+    by_name = {c.name: c for c in timed.candidates}
+    for c in pipes:
+        zb = by_name[f"{c.name} schedule=zero_bubble"]
+        m = c.microbatches
+        assert zb.distribute_strategy == {"pp": "zero_bubble"} and zb.order > c.order
+        ratio = step_ratio("zero_bubble", 2, m, 0.010, 0.020)
+        assert step_ratio("1f1b", 2, m, 0.010, 0.020) == pytest.approx((m + 1) / m)
+        assert 1.0 <= ratio < (m + 1) / m
+        assert zb.time is not None and c.time is not None
+        assert zb.time.compute == pytest.approx(c.time.compute * ratio * m / (m + 1))
+        assert zb.estimate.activations >= c.estimate.activations
+        layout = next(p for p in plan.pipelines if p.microbatches == m)
+        assert zb.estimate.activations == layout.kept * in_flight("zero_bubble", 2, m, 0)
 
 
 def test_the_pipeline_choice_trains_as_one_process_on_the_replica_batch() -> None:
@@ -154,7 +189,7 @@ def test_as_distributed_prices_times_and_agrees_on_pipelines_and_every_choice_st
         )  # fmt: skip
         plan = model.plan
         pipes = [c for c in plan.candidates if c.pp == 2]
-        assert len(pipes) == 3 and all(c.fits and c.time is not None for c in pipes)
+        assert len(pipes) == 6 and all(c.fits and c.time is not None for c in pipes)
         choice = plan.choice
         assert model.batch_scale == choice.batch_scale
         if choice.pp == 2:
@@ -208,7 +243,8 @@ def test_where_the_host_runs_ahead_a_pipeline_launches_its_stage_once_per_microb
             if c.pp != 2:
                 continue
             layout = next(p for p in plan.pipelines if p.microbatches == c.microbatches)
-            m, scale = c.microbatches, 2 * layout.share * (c.microbatches + 1) / c.microbatches
+            m = c.microbatches
+            scale = 2 * layout.share * step_ratio(c.schedule, 2, m, 0.001, 0.002)
             host = 0.010 * (m * layout.share if ahead else scale)
             assert c.time is not None
             assert c.time.compute + c.time.exposed == pytest.approx(host, rel=1e-3)

@@ -231,8 +231,8 @@ def as_distributed(
     the fastest twice (``trials.tried_steps``), and the fastest of those is chosen (within 2 %
     of it, the least sharded). With ``tensor_parallel``, layouts that split each replica's
     layers over ``tp`` ranks of a host are priced, timed and tried too (``plan_strategy``); with
-    ``pipeline``, 1F1B pipelines of an ``nn.Sequential`` over ``pp`` ranks and their
-    micro-batches. On a small model all of it takes a few seconds; the probes' and trials'
+    ``pipeline``, 1F1B and zero-bubble pipelines of an ``nn.Sequential`` over ``pp`` ranks and
+    their micro-batches. On a small model all of it takes a few seconds; the probes' and trials'
     collectives count in the group's ``traffic()``. Without ``example_input`` (or ``timing``)
     the first that fits in that order is chosen. The offloads are chosen only when nothing else
     fits. Every rank takes the same choice, from the slowest rank's times and what fits on every
@@ -261,8 +261,9 @@ def as_distributed(
             the sampler as ``sl.DistributedSampler(data, **model.sampler_args)`` and scale
             the batch by ``model.batch_scale``.
         pipeline: Consider pipelines too (``model`` an ``nn.Sequential``, ``loss_fn`` given,
-            ``example_input`` one rank's ``(inputs, target)``): 1F1B over 2, 4, ... stages
-            with ``pp``, ``2 pp`` or ``4 pp`` micro-batches, DDP or ZeRO over the replicas.
+            ``example_input`` one rank's ``(inputs, target)``): 1F1B or zero-bubble over 2,
+            4, ... stages with ``pp``, ``2 pp`` or ``4 pp`` micro-batches, DDP or ZeRO over
+            the replicas.
             Every choice then trains by ``loss = model.step(inputs, target)`` (forward,
             ``loss_fn`` and backward; a pipeline's ``step``), then ``opt.step()``; a pipeline
             is fed as a tp choice is (``sampler_args``, ``batch_scale``), the same batch on

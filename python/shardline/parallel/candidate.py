@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from shardline.parallel import strategies
 from shardline.parallel.memory_estimate import MemoryEstimate
-from shardline.parallel.pipeline_layout import SCHEDULE
+from shardline.parallel.pipeline_layout import SCHEDULE, SCHEDULES
 from shardline.parallel.timing import StepTime
 
 __all__ = ["CHOICES", "Candidate"]
@@ -31,8 +31,9 @@ class Candidate:
         tp: Tensor-parallel ranks per replica (``sl.tensor_parallel``'s ``"auto"`` plan), 1
             for none; ``strategy`` then keeps the ``N / tp`` replicas (with one there is
             nothing to average or shard, but the ZeRO stages compute in ``mixed_precision``).
-        pp, microbatches: Pipeline stages per replica (``sl.pipeline``, 1F1B) and its
+        pp, microbatches: Pipeline stages per replica (``sl.pipeline``) and its
             micro-batches per step, 1 for none; ``strategy`` keeps the ``N / pp`` replicas.
+        schedule: The pipeline's schedule (``"1f1b"`` or ``"zero_bubble"``).
     """
 
     strategy: str
@@ -44,23 +45,29 @@ class Candidate:
     tp: int = 1
     pp: int = 1
     microbatches: int = 1
+    schedule: str = SCHEDULE
 
     @property
     def name(self) -> str:
-        """``"zero3"``, ``"zero1 recompute=selective"``, ``"zero3 offload=cpu"``, ``"ddp tp=2"``."""
+        """Its name: ``"zero1 recompute=selective"``, ``"ddp tp=2"``, ``"ddp pp=2 m=4"``.
+
+        Also ``"zero3"``, ``"zero3 offload=cpu"``, and for a pipeline not run by 1F1B
+        ``"ddp pp=2 m=4 schedule=zero_bubble"``.
+        """
         return (
             self.strategy
             + (f" recompute={self.recompute}" if self.recompute else "")
             + (f" offload={self.offload}" if self.offload else "")
             + (f" tp={self.tp}" if self.tp > 1 else "")
             + (f" pp={self.pp} m={self.microbatches}" if self.pp > 1 else "")
+            + (f" schedule={self.schedule}" if self.pp > 1 and self.schedule != SCHEDULE else "")
         )
 
     @property
-    def order(self) -> tuple[int, int, int, int]:
-        """Its place among the choices: by pipeline, tensor-parallel size, ``CHOICES``, m."""
+    def order(self) -> tuple[int, int, int, int, int]:
+        """Its place among the choices: by pp, tp, ``CHOICES``, m, then schedule."""
         index = CHOICES.index((self.recompute, self.strategy, self.offload))
-        return (self.pp, self.tp, index, self.microbatches)
+        return (self.pp, self.tp, index, self.microbatches, SCHEDULES.index(self.schedule))
 
     @property
     def batch_scale(self) -> int:
@@ -72,7 +79,7 @@ class Candidate:
         """What ``sl.distribute`` takes for it: a name, or a strategy per mesh axis."""
         if self.pp > 1:  # with one replica, no data-parallel axis
             dp = {"dp": self.strategy} if self.estimate.world_size > 1 else {}
-            return {**dp, "pp": SCHEDULE}
+            return {**dp, "pp": self.schedule}
         return self.strategy if self.tp == 1 else {"dp": self.strategy, "tp": "auto"}
 
 

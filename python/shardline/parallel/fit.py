@@ -26,7 +26,14 @@ from shardline.parallel.candidate import CHOICES, Candidate
 from shardline.parallel.data.zero.grouping import default_unit_mb, default_units
 from shardline.parallel.layout_meta import widened
 from shardline.parallel.memory_available import available_memory, default_device
-from shardline.parallel.pipeline_layout import PipelineLayout, WithLoss, pipeline_layouts, with_loss
+from shardline.parallel.pipeline_layout import (
+    SCHEDULES,
+    PipelineLayout,
+    WithLoss,
+    pipeline_layouts,
+    step_ratio,
+    with_loss,
+)
 from shardline.parallel.planner import (
     MemoryEstimate,
     _activations_or_note,
@@ -166,25 +173,31 @@ class StrategyPlan:
         )  # fmt: skip
 
     def _predict_pipeline(self, c: Candidate, probes: Probes) -> StepTime | None:
-        """1F1B over ``pp`` stages: ``m + pp - 1`` micro-batch slots of the slowest stage.
+        """A pipeline over ``pp`` stages: its schedule's step on the slowest stage.
 
         A replica trains ``pp`` ranks' batches, so a micro-batch through the whole chain is
         ``pp / m`` of the probe's compute and through the slowest stage ``share`` of that;
-        each micro-batch's activation crosses the cut forward and its gradient back. Where
-        the host issues ahead (CUDA), it launches the stage's kernels once per micro-batch:
-        ``m`` times ``share`` of the probe's, whatever their size.
+        the schedule takes ``step_ratio`` times the ``m`` micro-batches' work (1F1B:
+        ``(m + pp - 1) / m``, ``m + pp - 1`` slots), simulated with the probe's forward and
+        backward. Each micro-batch's activation crosses the cut forward and its gradient
+        back. Where the host issues ahead (CUDA), it launches the stage's kernels once per
+        micro-batch: ``m`` times ``share`` of the probe's, whatever their size.
         """
         layout = next(
             p for p in self.pipelines if (p.size, p.microbatches) == (c.pp, c.microbatches)
         )
         m, pp = c.microbatches, c.pp
+        probe = probes.compute.get((None, self._dtype(c)))
+        if probe is None:
+            return None
+        ratio = step_ratio(c.schedule, pp, m, probe.forward, probe.backward)
         sends = [
             Collective(phase, "send", m, m * layout.boundary) for phase in ("forward", "backward")
         ]
         return predict(
             c.strategy, None, c.estimate.num_units, ModelShape.of(layout.model),
             c.estimate.world_size, self.mixed_precision, probes, dtype=self._dtype(c),
-            scale=pp * layout.share * (m + pp - 1) / m, launches=m * layout.share,
+            scale=pp * layout.share * ratio, launches=m * layout.share,
             blocking=sends if layout.boundary else (),
         )  # fmt: skip
 
@@ -315,7 +328,7 @@ def plan_strategy(
     ZeRO stages still give ``mixed_precision``'s compute, which DDP does not), priced on
     ``tp`` ranks' batches (the same global batch). With ``pipeline`` (an ``nn.Sequential``
     and its ``loss_fn``; ``example_input`` is then ``(inputs, target)``), after them come
-    1F1B pipelines over ``pp`` = 2, 4, ... ranks with ``pp``, ``2 pp`` and ``4 pp``
+    1F1B and zero-bubble pipelines over ``pp`` = 2, 4, ... ranks with ``pp``, ``2 pp`` and ``4 pp``
     micro-batches, DDP or ZeRO over the ``N / pp`` replicas (``pipeline_layouts``: this
     rank's stage). When none fits, the choice is ``zero3``, with a reason that says by how
     much it is short.
@@ -423,18 +436,20 @@ def plan_strategy(
         pp_unit = unit_mb if unit_mb is not None else default_unit_mb(
             on, sum(p.nbytes for p in pipe.model.parameters())
         )  # fmt: skip
-        for name in strategies.BY_MEMORY if dp > 1 else ("ddp",):
-            # DDP replicas keep the weights in their dtype (the stages autocast); ZeRO's
-            # gather them in the compute dtype.
-            mp = None if name == "ddp" else (mixed_precision or MixedPrecision())
-            e = _estimate(
-                pipe.model, name, dp, k, mp, pp_unit, prefetch, pipe.activations, True, [],
-                unit_rule=rule,
-            )  # fmt: skip
-            candidates.append(
-                Candidate(name, None, e, e.total <= budget, pp=pipe.size,
-                          microbatches=pipe.microbatches)
-            )  # fmt: skip
+        for schedule in SCHEDULES:
+            kept = pipe.activations(schedule)
+            for name in strategies.BY_MEMORY if dp > 1 else ("ddp",):
+                # DDP replicas keep the weights in their dtype (the stages autocast); ZeRO's
+                # gather them in the compute dtype.
+                mp = None if name == "ddp" else (mixed_precision or MixedPrecision())
+                e = _estimate(
+                    pipe.model, name, dp, k, mp, pp_unit, prefetch, kept, True, [],
+                    unit_rule=rule,
+                )  # fmt: skip
+                candidates.append(
+                    Candidate(name, None, e, e.total <= budget, pp=pipe.size,
+                              microbatches=pipe.microbatches, schedule=schedule)
+                )  # fmt: skip
     host_budget = 0.0
     if on.type == "cuda":  # the host can hold what the device cannot: offload
         host_budget = headroom * available_memory("cpu")

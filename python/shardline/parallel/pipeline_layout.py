@@ -2,13 +2,17 @@
 
 The planner (``fit.plan_strategy(pipeline=True)``) prices layouts that cut each replica's
 ``nn.Sequential`` into ``pp`` stages, as ``sl.pipeline`` cuts it (contiguous children,
-balanced by each child's forward FLOPs on a micro-batch), run by the 1F1B schedule over
+balanced by each child's forward FLOPs on a micro-batch), run by one of ``SCHEDULES`` over
 ``m`` micro-batches, with DDP or ZeRO over the ``N / pp`` replicas. ``pipeline_layouts``
 builds this rank's stage on the meta device (a copy whose parameters are meta tensors, so
 nothing is allocated) and counts what one micro-batch leaves for backward there (the last
-stage with its loss); under 1F1B stage ``s`` holds ``min(m, pp - s)`` micro-batches at once.
-It also says what the slowest stage's share of the compute is and how many bytes cross each
-cut per micro-batch.
+stage with its loss). It also says what the slowest stage's share of the compute is and how
+many bytes cross each cut per micro-batch.
+
+What a schedule changes comes from its own actions (``schedules.build``, what the pipeline
+runs): ``in_flight``, the most micro-batches a stage keeps at once (under 1F1B stage ``s``
+keeps ``min(m, pp - s)``), and ``step_ratio``, its step simulated on equal stages
+(``simulate``) over the ``m`` micro-batches' work alone.
 
 At a fixed global batch a replica trains ``pp`` ranks' batches, so the layouts are priced
 on ``widened(example, pp)`` cut into ``m`` micro-batches.
@@ -26,12 +30,27 @@ from torch import nn
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.activations import count_activations
 from shardline.parallel.layout_meta import first_line, meta_copy, split_sizes, widened
+from shardline.parallel.pipeline import schedules
+from shardline.parallel.pipeline.simulate import simulate
 from shardline.parallel.pipeline.split import balanced_parts, chain_children, child_costs
 from shardline.parallel.precision import MixedPrecision
 
-__all__ = ["PipelineLayout", "WithLoss", "pipeline_layouts", "with_loss"]
+__all__ = [
+    "SCHEDULE",
+    "SCHEDULES",
+    "PipelineLayout",
+    "WithLoss",
+    "in_flight",
+    "pipeline_layouts",
+    "step_ratio",
+    "with_loss",
+]
 
-SCHEDULE = "1f1b"  # the schedule the planner prices and builds
+SCHEDULE = "1f1b"  # a pipeline choice's schedule unless it names another
+# The schedules priced. ZB-H1 keeps at most 1F1B's micro-batches in flight and fills the
+# bubbles with the deferred weight passes. GPipe keeps all ``m`` at 1F1B's bubble (never
+# better than 1F1B); interleaved needs the chain cut into virtual stages, not priced yet.
+SCHEDULES = ("1f1b", "zero_bubble")
 
 
 class WithLoss(nn.Module):
@@ -78,8 +97,7 @@ class PipelineLayout:
         stage: This rank's stage.
         model: That stage on the meta device (its children; the last stage with the loss).
         share: The slowest stage's share of the chain's compute (its children's costs).
-        activations: Bytes that stage keeps for backward at once: one micro-batch's, times
-            the micro-batches 1F1B has in flight there.
+        kept: Bytes one micro-batch leaves for backward on this stage.
         boundary: Bytes of one micro-batch's activation crossing this stage's cut (0 for the
             last stage).
         split: The children that start each stage, as ``sl.pipeline`` cuts the chain.
@@ -90,9 +108,46 @@ class PipelineLayout:
     stage: int
     model: nn.Module
     share: float
-    activations: int
+    kept: int
     boundary: int
     split: tuple[tuple[str, ...], ...]
+
+    def activations(self, schedule: str) -> int:
+        """Bytes this stage keeps for backward at once under ``schedule`` (``in_flight``)."""
+        return round(self.kept * in_flight(schedule, self.size, self.microbatches, self.stage))
+
+
+def in_flight(schedule: str, pp: int, m: int, stage: int) -> float:
+    """The most micro-batches ``stage`` keeps for backward at once under ``schedule``.
+
+    From the stage's own actions, in the order the pipeline runs them: a forward adds one, a
+    backward (or a zero-bubble weight pass) frees it, as the pipeline's ``peak_activations``
+    counts. Under zero-bubble a micro-batch whose input pass ran and whose weight pass has
+    not yet also keeps the gradients that weight pass needs (the layers' output gradients,
+    of the order of its activations; not measured): it counts twice there, so the price
+    errs high. The first stage has no input pass (its weight pass is the whole backward).
+    """
+    split = stage > 0
+    held = {"F": 1.0, "B": -1.0, "I": 1.0 if split else 0.0, "W": -2.0 if split else -1.0}
+    live = peak = 0.0
+    for a in schedules.build(schedule, pp, m)[stage]:
+        live += held[a.kind]
+        peak = max(peak, live)
+    return peak
+
+
+def step_ratio(schedule: str, pp: int, m: int, forward: float, backward: float) -> float:
+    """``schedule``'s step over ``m`` micro-batches' work, on ``pp`` equal stages.
+
+    Simulated (``simulate``) with a forward taking ``forward`` and a backward ``backward``
+    (halves for zero-bubble's input and weight passes); 1F1B's is ``(m + pp - 1) / m``.
+    """
+    if forward + backward <= 0:
+        return (m + pp - 1) / m
+    half = backward / 2
+    cost = {"F": forward, "B": backward, "I": half, "W": half}
+    span = simulate(schedules.build(schedule, pp, m), pp, cost=cost).makespan
+    return span / (m * (forward + backward))
 
 
 def microbatch_counts(pp: int, batch: int) -> list[int]:
@@ -172,9 +227,8 @@ def _layout(
         boundary = out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
     kept, _again = count_activations(priced, args, mp)
     return PipelineLayout(
-        pp, m, stage, priced, share, kept * min(m, pp - stage), boundary,
-        tuple(tuple(p) for p in parts),
-    )  # fmt: skip
+        pp, m, stage, priced, share, kept, boundary, tuple(tuple(p) for p in parts)
+    )
 
 
 def _meta(x: Any) -> Any:
