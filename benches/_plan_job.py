@@ -103,6 +103,17 @@ def add_args(p: argparse.ArgumentParser, size: str) -> None:
     p.add_argument("--size", default=size, help="main, or bench_zero.py's model sizes")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--tensor-parallel", action="store_true", help="price tp layouts too")
+    p.add_argument("--pipeline", action="store_true", help="price pipelines of the GPT too")
+
+
+def planned_model(model: Any, args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The model to plan (the GPT, or as a chain with ``--pipeline``) and what
+    ``as_distributed`` / ``plan_strategy`` then take besides."""
+    if not args.pipeline:
+        return model, {}
+    from shardline.examples.model import as_sequential, lm_loss  # noqa: PLC0415
+
+    return as_sequential(model), {"pipeline": True, "loss_fn": lm_loss}
 
 
 def publish(prefix: str, bench: str, args: argparse.Namespace, results: Any, text: str) -> None:

@@ -52,11 +52,7 @@ def worker(args: argparse.Namespace) -> int:
     build, (x, y), mp = _plan_job.gpt(args.size, args.dtype, rank, world, device)
     budget = args.budget_mib * MIB if args.budget_mib else None
     extra: dict[str, Any] = {}
-    model = build()
-    if args.pipeline:
-        from shardline.examples.model import as_sequential, lm_loss  # noqa: PLC0415
-
-        model, extra = as_sequential(model), {"pipeline": True, "loss_fn": lm_loss}
+    model, extra = _plan_job.planned_model(build(), args)
     _harness.sync(device)
     t0 = time.perf_counter()
     chosen = sl.as_distributed(
@@ -121,13 +117,14 @@ def worker(args: argparse.Namespace) -> int:
 def table(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
     lines = []
     for world, res in results.items():
+        w = max([28] + [len(r["choice"]) + 2 for r in res["rows"]])  # the choice column
         lines.append(
             f"{args.size} GPT {args.dtype}, {world} ranks, {args.device}, AdamW, "
             f"{args.steps} steps per choice, best of {args.rounds} rounds"
             + (f", {args.budget_mib} MiB per rank" if args.budget_mib else "")
         )
         lines.append(
-            f"{'choice':<28}{'predicted ms':>14}{'trial ms':>10}{'measured ms':>14}"
+            f"{'choice':<{w}}{'predicted ms':>14}{'trial ms':>10}{'measured ms':>14}"
             f"{'vs fastest':>12}"
         )
         best = min(r["measured"] for r in res["rows"])
@@ -138,7 +135,7 @@ def table(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
             trial = r.get("trial")
             pred += f"{trial * 1e3:>10.2f}" if trial is not None else f"{'-':>10}"
             lines.append(
-                f"{r['choice']:<28}{pred}{r['measured'] * 1e3:>14.2f}"
+                f"{r['choice']:<{w}}{pred}{r['measured'] * 1e3:>14.2f}"
                 f"{r['measured'] / best:>11.3f}x{mark}"
             )
         fastest = min(res["rows"], key=lambda r: r["measured"])["choice"]
@@ -161,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="times over the grid, fastest kept")
     p.add_argument("--budget-mib", type=int, default=0, help="memory per rank (0: measured)")
-    p.add_argument("--pipeline", action="store_true", help="price pipelines too")
     _harness.add_launch(p, timeout=1200.0)
     args, results = _harness.run_bench(
         p, argv, __file__, worker, lambda a, w, r, _s: table({w: r}, a)

@@ -6,10 +6,12 @@ recomputing their activations, and on GPUs zero3 with offload) given one rank's 
 trains each choice for ``--steps`` steps with ``sl.distribute`` and AdamW and measures the
 peak GPU memory of those steps (``torch.cuda.max_memory_allocated``, reset once the wrapper
 is built, less what was allocated before the model was). Prints each choice's predicted and
-measured bytes per rank (the most over the ranks) and their ratio; the planner's bar is
+measured bytes per rank (each the most over the ranks) and their ratio; the planner's bar is
 within 10 %. On CPU nothing is measured: it prints the prices only. ``--tensor-parallel``
 adds the tensor-parallel layouts (``plan_strategy(tensor_parallel=True)``), each trained on
-its replica's batch (``tp`` ranks' batches: the same global batch).
+its replica's batch (``tp`` ranks' batches: the same global batch); ``--pipeline`` the
+pipelines of the GPT as a chain (``plan_strategy(pipeline=True)``), each stepped by its
+``step`` on its replica's batch.
 
     python benches/bench_plan_memory.py --device cuda --ranks 2 --size medium --dtype bf16
     python benches/bench_plan_memory.py --device cpu --ranks 2 --size small      # prices only
@@ -36,13 +38,14 @@ def worker(args: argparse.Namespace) -> int:
 
     import shardline as sl  # noqa: PLC0415
 
-    rank, world, device, _group = _harness.join_job(args.device)
+    rank, world, device, group = _harness.join_job(args.device)
     cuda = device.type == "cuda"
     build, (x, y), mp = _plan_job.gpt(args.size, args.dtype, rank, world, device)
-    shape_only = build(meta=True)
+    shape_only, extra = _plan_job.planned_model(build(meta=True), args)
     plan = sl.plan_strategy(
         shape_only, world_size=world, available_bytes=1 << 50, example_input=(x, y),
-        mixed_precision=mp, device=device, tensor_parallel=args.tensor_parallel,
+        mixed_precision=mp, device=device, tensor_parallel=args.tensor_parallel, rank=rank,
+        **extra,
     )  # fmt: skip
     rows = []
     meshes: dict[Any, Any] = {}
@@ -53,33 +56,43 @@ def worker(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
-            model, opt = _plan_job.trained(build, c, mp, meshes)
-            bx, by = _plan_job.widened((x, y), c.tp)
+            model, opt = _plan_job.trained(build, c, mp, meshes, (x, y))
+            bx, by = _plan_job.widened((x, y), c.batch_scale)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             for _ in range(args.steps):
                 opt.zero_grad(set_to_none=True)
-                model(bx, by).backward()
+                if c.pp > 1:
+                    model.step(bx, by)
+                else:
+                    model(bx, by).backward()
                 opt.step()
             torch.cuda.synchronize()
             peak = torch.tensor([torch.cuda.max_memory_allocated() - base], device=device)
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
             measured = int(peak.item())
             del model, opt
-        row = {"choice": c.name, "predicted": c.estimate.total, "measured": measured}
-        rows.append(row | {"activations": c.estimate.activations})
+        # The most over the ranks, as measured: a pipeline's stages differ from rank to rank.
+        mine = torch.tensor([c.estimate.total, c.estimate.activations], dtype=torch.float64)
+        group.all_reduce(mine, op="max")
+        predicted, activations = (int(v) for v in mine.tolist())
+        rows.append(
+            {"choice": c.name, "predicted": predicted, "measured": measured,
+             "activations": activations}
+        )  # fmt: skip
     return _harness.leave_job(rank, {"rows": rows, "world": world}, args.out)
 
 
 def table(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
     lines = []
     for world, res in results.items():
+        w = max([28] + [len(r["choice"]) + 2 for r in res["rows"]])  # the choice column
         lines.append(
             f"{args.size} GPT {args.dtype}, {world} ranks, {args.device}, AdamW, "
             f"{args.steps} steps per choice"
         )
         lines.append(
-            f"{'choice':<28}{'predicted MiB':>14}{'measured MiB':>14}{'ratio':>8}"
+            f"{'choice':<{w}}{'predicted MiB':>14}{'measured MiB':>14}{'ratio':>8}"
             f"{'activations MiB':>17}"
         )
         ratios = []
@@ -89,7 +102,7 @@ def table(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
             if ratio is not None:
                 ratios.append(ratio)
             lines.append(
-                f"{r['choice']:<28}{r['predicted'] / MIB:>14.1f}"
+                f"{r['choice']:<{w}}{r['predicted'] / MIB:>14.1f}"
                 + (f"{measured / MIB:>14.1f}{ratio:>8.3f}" if ratio else f"{'-':>14}{'-':>8}")
                 + f"{r['activations'] / MIB:>17.1f}"
             )
