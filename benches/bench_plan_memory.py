@@ -73,7 +73,9 @@ def worker(args: argparse.Namespace) -> int:
             measured = int(peak.item())
             del model, opt
         # The most over the ranks, as measured: a pipeline's stages differ from rank to rank.
-        mine = torch.tensor([c.estimate.total, c.estimate.activations], dtype=torch.float64)
+        mine = torch.tensor(
+            [c.estimate.total, c.estimate.activations], dtype=torch.float64, device=device
+        )
         group.all_reduce(mine, op="max")
         predicted, activations = (int(v) for v in mine.tolist())
         rows.append(

@@ -26,7 +26,7 @@ from shardline.parallel.pipeline_layout import (
     with_loss,
 )
 from shardline.parallel.timing import Compute, Link, Probes
-from shardline.parallel.trials import trial_steps
+from shardline.parallel.trials import to_try, trial_steps
 from tests._ranks import run_ranks
 from tests._tiny_gpt import CFG, tokens
 
@@ -142,6 +142,29 @@ def test_the_step_model_prices_1f1b_slots_of_the_slowest_stage() -> None:
         assert zb.estimate.activations >= c.estimate.activations
         layout = next(p for p in plan.pipelines if p.microbatches == m)
         assert zb.estimate.activations == layout.kept * in_flight("zero_bubble", 2, m, 0)
+
+
+def test_a_zero_bubble_pipeline_is_tried_beside_its_1f1b_twin() -> None:
+    """Its split backward is not in the step model: where it is predicted among the fastest,
+    its 1F1B twin (same stages, micro-batches and replicas) is tried too."""
+    compute = Compute(forward=0.010, backward=0.020, host=0.001)
+    timed = planned().timed(Probes({(None, None): compute}, 0.0, Link(1e-4, 1e9), 0.5, 0.0))
+    predicted = {"ddp pp=2 m=8 schedule=zero_bubble": 0.009, "ddp pp=2 m=8": 0.0105}
+    predicted |= dict.fromkeys(("ddp", "zero1", "zero2", "zero3"), 0.010)
+    agreed = timed.agreed(
+        [predicted.get(c.name, 0.020) for c in timed.candidates],
+        [c.fits for c in timed.candidates],
+    )
+    tried = [c.name for c in to_try(agreed)]
+    assert tried == [
+        "ddp pp=2 m=8 schedule=zero_bubble", "ddp", "zero1", "zero2", "ddp pp=2 m=8",
+    ]  # fmt: skip
+    predicted["ddp pp=2 m=8 schedule=zero_bubble"] = 0.015  # not among the 4 fastest: no twin
+    agreed = timed.agreed(
+        [predicted.get(c.name, 0.020) for c in timed.candidates],
+        [c.fits for c in timed.candidates],
+    )
+    assert [c.name for c in to_try(agreed)] == ["ddp", "zero1", "zero2", "zero3"]
 
 
 def test_the_pipeline_choice_trains_as_one_process_on_the_replica_batch() -> None:

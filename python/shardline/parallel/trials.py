@@ -1,19 +1,19 @@
 """Trial steps: the choices the step model ranks closest, each trained briefly on a copy.
 
-The step model (``timing.predict``) ranks the fitting choices from probes, but not every cost
-is in it: the wrappers' own host work per unit, a recompute policy's hooks. ``to_try`` takes
-the fastest few it predicts, within 1.6x of its best (2 to 4 of them, fewer where their
-predicted steps would take more than ``_BUDGET_S``; only those with room for a whole copy
-of the model beside them in what a rank has), and ``trial_steps`` trains each on a deep
-copy of the model: wrapped as the choice would be (a tensor-parallel or pipeline choice on
-its replica's batch, ``tp`` or ``pp`` ranks' batches; a pipeline by its ``step``), with the
-optimizer that ``as_distributed`` was told of, three steps to warm up (the optimizer makes
-its state) and five timed, the median kept. The model itself, its gradients and the RNG state are
-untouched. Every rank runs the same trials in the same order (they hold collectives);
-``as_distributed`` then takes the slowest rank's time of each. Five steps read a few
-percent apart from one trial to the next (one H200 host: zero1 and zero2 tried at 27.6 and
-30.2 ms, then measured at 23.4 and 21.3): ``to_retry`` names those within ``_CLOSE`` of the
-fastest, which are tried once more in the reverse order, and each keeps its faster trial.
+The step model (``timing.predict``) ranks the fitting choices from probes, but not every cost is
+in it: the wrappers' own host work per unit, a recompute policy's hooks. ``to_try`` takes the
+fastest few it predicts, within 1.6x of its best (2 to 4 of them, and a zero-bubble pipeline's
+1F1B twin; fewer where their predicted steps would take more than ``_BUDGET_S``; only those with
+room for a whole copy of the model beside them in what a rank has), and ``trial_steps`` trains
+each on a deep copy of the model: wrapped as the choice would be (a tensor-parallel or pipeline
+choice on its replica's batch, ``tp`` or ``pp`` ranks' batches; a pipeline by its ``step``),
+with the optimizer that ``as_distributed`` was told of, three steps to warm up (the optimizer
+makes its state) and five timed, the median kept. The model itself, its gradients and the RNG
+state are untouched. Every rank runs the same trials in the same order (they hold collectives);
+``as_distributed`` then takes the slowest rank's time of each. Five steps read a few percent
+apart from one trial to the next (one H200 host: zero1 and zero2 tried at 27.6 and 30.2 ms, then
+measured at 23.4 and 21.3): ``to_retry`` names those within ``_CLOSE`` of the fastest, which are
+tried once more in the reverse order, and each keeps its faster trial.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from shardline.parallel.layout_meta import widened
+from shardline.parallel.pipeline_layout import SCHEDULE
 from shardline.parallel.timing import call_args, kept_rng, loss_of, optimizer_class, sync
 
 if TYPE_CHECKING:
@@ -73,6 +74,16 @@ def to_try(plan: StrategyPlan) -> list[Candidate]:
     best = timed[0].time.total if timed[0].time is not None else 0.0
     close = [c for c in timed if c.time is not None and c.time.total <= _WITHIN * best]
     picked = (close if len(close) >= _FEWEST else timed[:_FEWEST])[:_MOST]
+    # A zero-bubble pipeline is tried beside its 1F1B twin: the step model prices its
+    # schedule on equal stages and not its backward in two passes, which measured 1.2-1.6x
+    # the twin's step on an H200 host and on CPU (benches/results/plan-grid-*-pp.txt).
+    picked += [
+        t
+        for c in picked
+        if c.pp > 1 and c.schedule != SCHEDULE
+        for t in timed
+        if t not in picked and t.schedule == SCHEDULE and t.order[:4] == c.order[:4]
+    ]
 
     def cost(chosen: list[Candidate]) -> float:
         return sum(2 * (_WARMUP + _STEPS) * (c.time.total if c.time else 0.0) for c in chosen)
