@@ -15,7 +15,7 @@ memory alone picks).
     python benches/bench_plan_grid.py --device cuda --ranks 2 --size medium --dtype bf16
 
 The planner's columns: ``predicted`` (the step model, from its probes) and ``trial`` (the few
-it tried: the median of 5 steps after 3 to warm up, on a copy of the model; the faster of two
+it tried: the median of 10 steps after 3 to warm up, on a copy of the model; the faster of two
 such trials for those within 15 % of the fastest).
 
 ``--budget-mib`` gives each rank that much memory instead of what it has (so that only the

@@ -288,3 +288,12 @@ def test_a_pipeline_computes_in_the_mixed_precision_dtype_under_any_strategy() -
     assert by_name["ddp pp=2 m=2"].time is not None  # from the bf16 probe
     assert by_name["ddp"].time is None  # plain DDP computes in fp32: not probed here
     assert by_name["zero1"].time is not None
+    # The stages' autocast keeps each linear weight's bf16 cast over the step: priced for
+    # DDP replicas, whose weights are fp32 (ZeRO's are gathered in bf16: nothing to cast).
+    layout = next(p for p in plan.pipelines if p.microbatches == 2)
+    stage = layout.model.chain if isinstance(layout.model, WithLoss) else layout.model
+    linear = sum(
+        p.numel() for m in stage.modules() if isinstance(m, nn.Linear) for p in m.parameters()
+    )
+    assert layout.cast == 2 * linear > 0
+    assert by_name["ddp pp=2 m=2"].estimate.activations == layout.activations("1f1b") + layout.cast

@@ -227,7 +227,7 @@ def as_distributed(
     (``probe_step``: the model's forward and backward on that batch, an optimizer step, an
     all-reduce of the group) predict each fitting choice's step; with ``trials`` too, the
     fastest few predicted (2 to 4, within 1.6x of the best, each with room for a copy of the
-    model beside it) are each trained for 8 steps on a copy of the model, those within 15 % of
+    model beside it) are each trained for 13 steps on a copy of the model, those within 15 % of
     the fastest twice (``trials.tried_steps``), and the fastest of those is chosen (within 2 %
     of it, the least sharded). With ``tensor_parallel``, layouts that split each replica's
     layers over ``tp`` ranks of a host are priced, timed and tried too (``plan_strategy``); with

@@ -437,11 +437,12 @@ def plan_strategy(
             on, sum(p.nbytes for p in pipe.model.parameters())
         )  # fmt: skip
         for schedule in SCHEDULES:
-            kept = pipe.activations(schedule)
             for name in strategies.BY_MEMORY if dp > 1 else ("ddp",):
-                # DDP replicas keep the weights in their dtype (the stages autocast); ZeRO's
-                # gather them in the compute dtype.
+                # DDP replicas keep the weights in their dtype: the stages' autocast casts
+                # them, and keeps the casts over the step. ZeRO's gather them in the
+                # compute dtype: nothing to cast.
                 mp = None if name == "ddp" else (mixed_precision or MixedPrecision())
+                kept = pipe.activations(schedule) + (pipe.cast if name == "ddp" else 0)
                 e = _estimate(
                     pipe.model, name, dp, k, mp, pp_unit, prefetch, kept, True, [],
                     unit_rule=rule,

@@ -40,6 +40,7 @@ __all__ = [
     "SCHEDULES",
     "PipelineLayout",
     "WithLoss",
+    "casts",
     "in_flight",
     "pipeline_layouts",
     "step_ratio",
@@ -98,6 +99,10 @@ class PipelineLayout:
         model: That stage on the meta device (its children; the last stage with the loss).
         share: The slowest stage's share of the chain's compute (its children's costs).
         kept: Bytes one micro-batch leaves for backward on this stage.
+        cast: Bytes of the stage's weights cast to the compute dtype, which the pipeline's
+            autocast keeps over the whole step (each weight is cast once per step); 0
+            without a lower compute dtype. Weights that already are in it (ZeRO's gathers)
+            are not cast: see ``casts``.
         boundary: Bytes of one micro-batch's activation crossing this stage's cut (0 for the
             last stage).
         split: The children that start each stage, as ``sl.pipeline`` cuts the chain.
@@ -111,6 +116,7 @@ class PipelineLayout:
     kept: int
     boundary: int
     split: tuple[tuple[str, ...], ...]
+    cast: int = 0
 
     def activations(self, schedule: str) -> int:
         """Bytes this stage keeps for backward at once under ``schedule`` (``in_flight``)."""
@@ -226,9 +232,30 @@ def _layout(
             out = mine(x)
         boundary = out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
     kept, _again = count_activations(priced, args, mp)
+    low = mp.param_dtype if mp is not None else None
     return PipelineLayout(
-        pp, m, stage, priced, share, kept, boundary, tuple(tuple(p) for p in parts)
-    )
+        pp, m, stage, priced, share, kept, boundary, tuple(tuple(p) for p in parts),
+        casts(mine, low) if low is not None else 0,
+    )  # fmt: skip
+
+
+# The layers whose weights autocast casts to the lower dtype (its matmul-like ops).
+_CAST_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def casts(stage: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of ``stage``'s weights that autocast to ``dtype`` casts and keeps.
+
+    Those of its linear and convolution layers (weight and bias) that are floating point and
+    not already ``dtype``; each parameter once, however many layers share it.
+    """
+    seen: dict[int, int] = {}
+    for m in stage.modules():
+        if isinstance(m, _CAST_LAYERS):
+            for p in m.parameters(recurse=False):
+                if p.is_floating_point() and p.dtype != dtype:
+                    seen[id(p)] = p.numel() * dtype.itemsize
+    return sum(seen.values())
 
 
 def _meta(x: Any) -> Any:

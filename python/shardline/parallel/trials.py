@@ -8,9 +8,9 @@ room for a whole copy of the model beside them in what a rank has), and ``trial_
 each on a deep copy of the model: wrapped as the choice would be (a tensor-parallel or pipeline
 choice on its replica's batch, ``tp`` or ``pp`` ranks' batches; a pipeline by its ``step``),
 with the optimizer that ``as_distributed`` was told of, three steps to warm up (the optimizer
-makes its state) and five timed, the median kept. The model itself, its gradients and the RNG
+makes its state) and ten timed, the median kept. The model itself, its gradients and the RNG
 state are untouched. Every rank runs the same trials in the same order (they hold collectives);
-``as_distributed`` then takes the slowest rank's time of each. Five steps read a few percent
+``as_distributed`` then takes the slowest rank's time of each. Such trials read a few percent
 apart from one trial to the next (one H200 host: zero1 and zero2 tried at 27.6 and 30.2 ms, then
 measured at 23.4 and 21.3): ``to_retry`` names those within ``_CLOSE`` of the fastest, which are
 tried once more in the reverse order, and each keeps its faster trial.
@@ -42,8 +42,9 @@ __all__ = ["to_retry", "to_try", "trial_steps", "tried_steps"]
 _WITHIN = 1.6
 _MOST, _FEWEST = 4, 2
 # Steps per trial to warm up (the optimizer's state, the allocator, the units' order), then
-# timed: with 2 and 3 the trials read well above the settled step on CPU and GPU hosts.
-_WARMUP, _STEPS = 3, 5
+# timed: with 2 and 3 the trials read well above the settled step on CPU and GPU hosts; with
+# 5 timed, trials on an H200 host read 0.7-1.5x the choices' settled steps.
+_WARMUP, _STEPS = 3, 10
 _BUDGET_S = 30.0  # the trials' predicted seconds (doubled: the model's error) stay under this
 # Trials this close to the fastest are tried again (their order could be the trials' noise).
 _CLOSE = 1.15
