@@ -10,8 +10,8 @@ choice on its replica's batch, ``tp`` or ``pp`` ranks' batches; a pipeline by it
 with the optimizer that ``as_distributed`` was told of, three steps to warm up (the optimizer
 makes its state) and ten timed, the median kept. The model itself, its gradients and the RNG
 state are untouched. Every rank runs the same trials in the same order (they hold collectives);
-``as_distributed`` then takes the slowest rank's time of each. Such trials read a few percent
-apart from one trial to the next (one H200 host: zero1 and zero2 tried at 27.6 and 30.2 ms, then
+``as_distributed`` then takes the slowest rank's time of each. Trials read apart from one to the
+next, and from the settled steps (one H200 host: zero1 and zero2 tried at 27.6 and 30.2 ms, then
 measured at 23.4 and 21.3): ``to_retry`` names those within ``_CLOSE`` of the fastest, which are
 tried once more in the reverse order, and each keeps its faster trial.
 """
@@ -43,7 +43,8 @@ _WITHIN = 1.6
 _MOST, _FEWEST = 4, 2
 # Steps per trial to warm up (the optimizer's state, the allocator, the units' order), then
 # timed: with 2 and 3 the trials read well above the settled step on CPU and GPU hosts; with
-# 5 timed, trials on an H200 host read 0.7-1.5x the choices' settled steps.
+# 5 timed, trials on an H200 host read 0.85-1.9x the choices' steps in the grid
+# (benches/results/plan-grid-cuda-2xh200-medium-bf16-pp-*.txt).
 _WARMUP, _STEPS = 3, 10
 _BUDGET_S = 30.0  # the trials' predicted seconds (doubled: the model's error) stay under this
 # Trials this close to the fastest are tried again (their order could be the trials' noise).
@@ -76,8 +77,8 @@ def to_try(plan: StrategyPlan) -> list[Candidate]:
     close = [c for c in timed if c.time is not None and c.time.total <= _WITHIN * best]
     picked = (close if len(close) >= _FEWEST else timed[:_FEWEST])[:_MOST]
     # A zero-bubble pipeline is tried beside its 1F1B twin: the step model prices its
-    # schedule on equal stages and not its backward in two passes, which measured 1.2-1.6x
-    # the twin's step on an H200 host and on CPU (benches/results/plan-grid-*-pp.txt).
+    # schedule on equal stages and not its backward in two passes, which measured 1.2-1.8x
+    # the twin's step on an H200 host (benches/results/plan-grid-*-pp*.txt).
     picked += [
         t
         for c in picked
