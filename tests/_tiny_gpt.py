@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardline.examples.train import Config, TinyGPT
+from tests._ranks import seeded
 
 __all__ = ["CFG", "gpt", "tokens"]
 
@@ -12,9 +13,9 @@ CFG = Config(d_model=32, num_layers=2, num_heads=2, seq_len=16)
 
 
 def gpt() -> TinyGPT:
-    """The model, seeded: the same weights on every rank."""
-    torch.manual_seed(0)
-    return TinyGPT(CFG)
+    """The model, seeded: the same weights on every rank (threads build one at a time)."""
+    with seeded(0):
+        return TinyGPT(CFG)
 
 
 def tokens(rank: int, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:

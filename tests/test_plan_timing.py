@@ -358,7 +358,11 @@ def test_as_distributed_ranks_agree_on_the_timed_choice_and_train(trials: bool) 
 
 
 def test_trials_leave_the_model_as_it_was() -> None:
-    """The trials train copies: the model, its gradients and the RNG state are untouched."""
+    """The trials train copies: the model, its gradients and the RNG state are untouched.
+
+    On one rank: ranks here are threads sharing torch's global generator, whose state one
+    rank's trials would move under the other's check (seen once in 12 runs).
+    """
 
     def body(g: ProcessGroup) -> bool:
         torch.set_num_threads(1)
@@ -371,6 +375,7 @@ def test_trials_leave_the_model_as_it_was() -> None:
         probes = probe_step(model, tokens(g.rank), group=g, computes=plan.to_time())
         timed = plan.timed(probes)  # (this rank's alone: the trials must be the same on both)
         tried = [c for c in timed.candidates if c.strategy in ("ddp", "zero3") and c.fits]
+        assert len(tried) == 6  # each with no, selective and full recomputation
         seconds = trial_steps(
             model, tokens(g.rank), tried,
             lambda copy, c: sl.distribute(copy, strategy=c.strategy, group=g,
@@ -381,7 +386,7 @@ def test_trials_leave_the_model_as_it_was() -> None:
         same = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
         return same and torch.equal(rng, torch.get_rng_state()) and not recomputing_blocks(model)
 
-    assert run_ranks(2, body, timeout=120) == [True, True]
+    assert run_ranks(1, body, timeout=120) == [True]
 
 
 def test_nothing_fits_given_a_tensor_batch_says_so() -> None:

@@ -11,9 +11,9 @@ Four checks, each a finding that names the rank:
 - **mismatch**: ranks that called different ops, or the same op on different sizes, under
   one number of one group (a wrong op order).
 - **straggler**: over the last ``steps`` optimizer steps, a rank whose time outside
-  communication per step exceeds the median rank's by ``slower`` or more (the others then
-  wait for it inside every collective). A rank's own clock measures its own gaps, so
-  clocks of different hosts need not agree.
+  communication per step (the median of those steps) exceeds the median rank's by
+  ``slower`` or more (the others then wait for it inside every collective). A rank's own
+  clock measures its own gaps, so clocks of different hosts need not agree.
 - **settings**: versions, ``SHARDLINE_*`` settings and the program's notes
   (``shardline.trace.note``; ``distribute`` notes its strategy) that differ between ranks.
 
@@ -23,6 +23,7 @@ second or two of being asked.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import statistics
@@ -326,24 +327,35 @@ def _mismatch(ranks: dict[int, Rank]) -> list[Finding]:
 
 
 def _outside(rank: Rank, steps: int) -> float | None:
-    """Seconds per step this rank spent outside communication, over its last ``steps``."""
+    """Seconds this rank spent outside communication per step: the median of its last ``steps``.
+
+    A median, not a mean: one step that a busy host delayed (4 ranks on 2 cores) moves a
+    mean; a straggler is slow in most of its steps.
+    """
     marks = rank.steps
     if len(marks) < MIN_STEPS + 1:
         return None
-    window = marks[-(steps + 1) :]
-    t0, t1 = float(window[0]["t1"]), float(window[-1]["t1"])
-    n = len(window) - 1
+    ends = [float(m["t1"]) for m in marks[-(steps + 1) :]]
     # On a GPU an op's time is when it ran there (its host times say when it was queued).
-    spans = sorted(sp for o in rank.ops if t0 <= (sp := span(o))[0] and sp[1] <= t1)
+    spans = sorted(sp for o in rank.ops if ends[0] <= (sp := span(o))[0] and sp[1] <= ends[-1])
     if not spans:
         return None
+    return statistics.median(
+        (t1 - t0) - _covered(spans, t0, t1) for t0, t1 in itertools.pairwise(ends)
+    )
+
+
+def _covered(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """Seconds of ``[t0, t1]`` that ``spans`` (sorted) cover; overlapping ones count once."""
     inside, reach = 0.0, t0
-    for start, end in spans:  # the time covered by ops (overlapping ones count once)
-        s, e = max(start, reach), end
+    for start, end in spans:
+        if start >= t1:
+            break
+        s, e = max(start, reach), min(end, t1)
         if e > s:
             inside += e - s
             reach = e
-    return ((t1 - t0) - inside) / n
+    return inside
 
 
 def _straggler(ranks: dict[int, Rank], steps: int, slower: float) -> list[Finding]:
@@ -357,7 +369,7 @@ def _straggler(ranks: dict[int, Rank], steps: int, slower: float) -> list[Findin
     n = min(steps, min(len(ranks[r].steps) for r in per) - 1)
     text = (f"rank {worst} spends {per[worst] * 1e3:.1f} ms per step outside communication, "
             f"{per[worst] / max(others, 1e-9) - 1:.0%} more than the other ranks' median "
-            f"({others * 1e3:.1f} ms) over the last {n} steps; they wait for it in every "
+            f"({others * 1e3:.1f} ms), the median of the last {n} steps; they wait for it in every "
             "collective")  # fmt: skip
     return [Finding("straggler", (worst,), text)]
 
