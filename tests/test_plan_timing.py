@@ -309,7 +309,9 @@ def test_close_trials_are_tried_again_in_reverse_and_keep_the_faster() -> None:
         wrapped.append(k.name)
         return copy
 
-    seconds = tried_steps(model, (x, y), [a, b, c], wrap, "sgd", agree)
+    seconds = tried_steps(
+        [a, b, c], lambda some: trial_steps(model, (x, y), some, wrap, "sgd"), agree
+    )
     assert wrapped == [a.name, b.name, c.name, b.name, a.name]
     # b's second trial (0.8) is faster than its first, a's (1.3) is not; c was not close.
     assert seconds == [1.0, 0.8, 2.0]

@@ -18,6 +18,7 @@ from shardline.comm.tree import tree_group
 from shardline.comm.world import default_group, deterministic_default
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
+from shardline.parallel.candidate import Candidate
 from shardline.parallel.choice import DDP_ONLY, ZERO_ONLY, Meshes, described, wrap_choice
 from shardline.parallel.compose import compose
 from shardline.parallel.data.zero import ShardedDataParallel
@@ -28,7 +29,7 @@ from shardline.parallel.pipeline_layout import WithLoss, with_loss
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import recompute_blocks
 from shardline.parallel.timing import probe_step
-from shardline.parallel.trials import to_try, tried_steps
+from shardline.parallel.trials import to_try, trial_steps, tried_steps
 
 __all__ = ["as_distributed", "distribute"]
 
@@ -331,13 +332,14 @@ def as_distributed(
                 g.all_reduce(agreed, op="max")
                 return agreed.tolist()
 
+            def wrap(copy: nn.Module, c: Candidate) -> nn.Module:
+                return wrap_choice(copy, c, g, mixed_precision, options, meshes, example_input)
+
             seconds = tried_steps(
-                model, example_input, tried,
-                lambda copy, c: wrap_choice(
-                    copy, c, g, mixed_precision, options, meshes, example_input
-                ),
-                optimizer, slowest,
-            )  # fmt: skip
+                tried,
+                lambda some: trial_steps(model, example_input, some, wrap, optimizer),
+                slowest,
+            )
             plan = plan.tried(tried, seconds)
     reason = plan.reason
     if not next(c for c in plan.candidates if c.order == mine.choice.order).fits:

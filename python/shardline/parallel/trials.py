@@ -108,29 +108,20 @@ def to_retry(tried: list[Candidate], seconds: list[float]) -> list[Candidate]:
 
 
 def tried_steps(
-    model: nn.Module,
-    example_input: Any,
     candidates: list[Candidate],
-    wrap: Callable[[nn.Module, Candidate], nn.Module],
-    optimizer: str | torch.optim.Optimizer | None,
+    trial: Callable[[list[Candidate]], list[float]],
     agree: Callable[[list[float]], list[float]],
 ) -> list[float]:
-    """Seconds per step of each candidate: ``trial_steps``, then the close ones again.
+    """Seconds per step of each candidate: tried, then the close ones again (``to_retry``).
 
-    ``agree`` turns this rank's seconds into every rank's slowest (a collective). Each
-    candidate keeps its faster trial (``to_retry``).
+    ``trial(candidates)`` is ``trial_steps`` over them on this rank; ``agree`` turns this
+    rank's seconds into every rank's slowest (a collective). Each keeps its faster trial.
     """
-    seconds = agree(trial_steps(model, example_input, candidates, wrap, optimizer))
+    seconds = agree(trial(candidates))
     again = to_retry(candidates, seconds)
     if not again:
         return seconds
-    faster = dict(
-        zip(
-            (c.order for c in again),
-            agree(trial_steps(model, example_input, again, wrap, optimizer)),
-            strict=True,
-        )
-    )
+    faster = dict(zip((c.order for c in again), agree(trial(again)), strict=True))
     return [min(t, faster.get(c.order, t)) for c, t in zip(candidates, seconds, strict=True)]
 
 
