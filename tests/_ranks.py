@@ -93,7 +93,9 @@ def run_ranks(
     running after ``timeout`` seconds, aborts the groups and reports the stuck ranks.
     Groups are always shut down.
     """
-    master = new_store(op_timeout)
+    # The harness's store (the master's own connection too: under load it once took more than
+    # a test's 3 s deadline) gets at least 30 s, whatever deadline the group under test has.
+    master = new_store(max(op_timeout, 30.0))
     ids = host_ids(n, transport)
     results: list[Any] = [None] * n
     errors: dict[int, str] = {}
@@ -101,8 +103,6 @@ def run_ranks(
 
     def run(rank: int) -> None:
         try:
-            # The harness's own store connection is not what a test measures: it gets at least
-            # 30 s, whatever deadline the group under test has.
             store = dist.TCPStore(
                 "127.0.0.1", master.port, None, False, timedelta(seconds=max(op_timeout, 30.0))
             )
