@@ -14,6 +14,7 @@ import gc
 import os
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -232,6 +233,35 @@ def test_the_mappings_go_when_the_last_tensor_does() -> None:
     held = run_ranks(3, body)
     assert max(held) - before >= 3  # this rank's mappings of the three segments, at least
     assert mappings() == before, "the engine kept the segments after their tensors went"
+
+
+def test_collecting_another_ranks_symmetric_memory_does_not_wait_for_its_collective() -> None:
+    """Rank threads share the garbage collector. Rank 0's collection frees rank 1's symmetric
+    memory while rank 1 waits in an all-reduce for rank 0; the release (which waits for the
+    op that group has in progress) goes to the release thread, so rank 0 goes on into that
+    all-reduce. Run on rank 0's thread, it waited for rank 1's op to time out."""
+    inside = threading.Event()
+
+    def body(g: ProcessGroup) -> bool:
+        t = sl.symmetric_empty(1 << 10, group=g)
+        if g.rank == 1:
+            cycle: list[object] = [t]
+            cycle.append(cycle)  # only the collector frees it
+            del t, cycle
+            inside.set()
+            g.all_reduce(torch.ones(4))  # waits for rank 0, holding its group's engine
+            return True
+        assert inside.wait(30)
+        time.sleep(0.3)  # rank 1 is in the all-reduce by now
+        gc.collect()
+        g.all_reduce(torch.ones(4))
+        return t.numel() == 1 << 10
+
+    gc.disable()  # no collection but rank 0's
+    try:
+        assert all(run_ranks(2, body, op_timeout=10.0))
+    finally:
+        gc.enable()
 
 
 def test_an_arena_hands_out_aligned_buffers_at_the_same_places() -> None:

@@ -14,7 +14,10 @@ entry of ``DOCTOR_CULPRITS``.
   longer (or, with ``DOCTOR_THROTTLE``, runs a thread that keeps its interpreter busy); each
   rank also notes ``trial<t>.lr``, which differs on the trial's second culprit
   (``DOCTOR_ODD``).
-- ``torch``: a few steps of plain ``torch.distributed`` on shardline's backend.
+- ``torch``: a few steps of plain ``torch.distributed`` on shardline's backend, each with
+  the healthy ranks' compute of ``slow`` (with none, a step is about 1 ms outside
+  communication, and 4 ranks on 2 cores put one of them 0.6 ms behind in every step: a
+  straggler by the doctor's rule, and not a healthy job).
 - ``kill``: a few steps, then the culprit kills itself (``SIGKILL``) before an all-reduce;
   the survivors get ``PeerLostError`` and exit.
 """
@@ -185,7 +188,7 @@ def torch_backend() -> None:
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(6):
-        step(model, opt, 0.0, dist.all_reduce)
+        step(model, opt, STEP_S, dist.all_reduce)
     dist.barrier()
     dist.destroy_process_group()
     print("OK", flush=True)

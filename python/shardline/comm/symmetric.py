@@ -34,7 +34,9 @@ import ctypes
 import logging
 import math
 import os
+import queue
 import secrets
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -286,9 +288,41 @@ def _symmetric_memory(
     assert segment is not None
     memory = (ctypes.c_char * nbytes).from_address(segment.address)
     memory.segment = segment  # type: ignore[attr-defined]  # the mapping lives with the tensor
-    # When the last tensor on it goes, so do this rank's mappings of the peers' segments.
-    weakref.finalize(memory, _release, weakref.ref(native), segment.index)
+    # When the last tensor on it goes, so do this rank's mappings of the peers' segments
+    # (on the release thread: see _RELEASES).
+    _start_releaser()
+    weakref.finalize(memory, _RELEASES.put, (weakref.ref(native), segment.index))
     return memory
+
+
+# Finalizers only queue releases; one daemon thread per process does them. A finalizer runs
+# on whatever thread the garbage collector happens to run on, and symmetric_release waits for
+# the group's op in progress (the engine holds its lock for a whole op). With ranks as threads
+# of one process (tests/_ranks.py), rank 0's gc.collect() (trials.py runs one after each
+# trial) ran rank 1's finalizer, so rank 0 waited for rank 1's collective while rank 1 waited
+# in it for rank 0: a hang until the op timed out. SimpleQueue.put is safe in finalizers.
+_RELEASES: queue.SimpleQueue[tuple[weakref.ref[_native.Group], int]] = queue.SimpleQueue()
+_releaser: threading.Thread | None = None
+_releaser_lock = threading.Lock()
+
+
+def _start_releaser() -> None:
+    global _releaser  # noqa: PLW0603
+    with _releaser_lock:
+        if _releaser is None or not _releaser.is_alive():  # not yet, or forked since
+            _releaser = threading.Thread(
+                target=_release_queued, name="shardline-symmetric-release", daemon=True
+            )
+            _releaser.start()
+
+
+def _release_queued() -> None:
+    while True:
+        native, index = _RELEASES.get()
+        try:
+            _release(native, index)
+        except Exception:  # keep releasing the others
+            _log.exception("symmetric memory: releasing allocation #%d failed", index)
 
 
 def _release(native: weakref.ref[_native.Group], index: int) -> None:
