@@ -17,6 +17,7 @@ from shardline.parallel.pipeline import boundary
 from shardline.parallel.pipeline.actions import Action, stage_rank
 from shardline.parallel.pipeline.boundary import Spec
 from shardline.parallel.pipeline.clock import StepTimes
+from shardline.parallel.pipeline.deferred import WeightStore
 from shardline.parallel.pipeline.split_backward import InputPass
 
 __all__ = ["Key", "StageMessages", "Step"]
@@ -48,6 +49,8 @@ class Step:
     )
     grads_out: dict[tuple[int, int], list[torch.Tensor] | None] = field(default_factory=dict)
     split: dict[tuple[int, int], InputPass] = field(default_factory=dict)
+    # (stage, micro-batch) -> its layers' deferred weight gradients (``deferred``)
+    stores: dict[tuple[int, int], WeightStore] = field(default_factory=dict)
     local: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)

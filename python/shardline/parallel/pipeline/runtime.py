@@ -28,6 +28,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel.pipeline import boundary
 from shardline.parallel.pipeline.actions import Action, stage_rank
 from shardline.parallel.pipeline.clock import StepTimes
+from shardline.parallel.pipeline.deferred import WeightStore, forwarding, install
 from shardline.parallel.pipeline.messages import Key, StageMessages, Step
 from shardline.parallel.pipeline.replicas import StageReplicas
 from shardline.parallel.pipeline.split_backward import input_pass, weight_pass
@@ -130,6 +131,13 @@ class PipelineModule(StageMessages, PipelineState):
                 "weight passes; use '1f1b', 'gpipe' or 'interleaved' with compile="
             )
         plain = dict(self._stage_modules)  # what data parallelism wraps (compiled or not)
+        # Zero-bubble's later stages whose layers put off their own weight gradients
+        # (``deferred``): no graph walked, none kept between the input and weight passes.
+        # The first stage has no input pass; recomputation reruns the forward in backward.
+        self._deferred = {
+            s for s, m in plain.items()
+            if schedule == "zero_bubble" and s > 0 and not recompute and install(m)
+        }  # fmt: skip
         if compile:  # the same parameters and names: only what runs them changes
             options = compile if isinstance(compile, dict) else {}
             self._stage_modules = {
@@ -205,7 +213,13 @@ class PipelineModule(StageMessages, PipelineState):
         # A traced stage takes the boundary's tensors as its arguments; an nn.Sequential's
         # stage takes one argument, a tuple where its previous child returned one.
         args = xs if self._spread or len(xs) == 1 else [tuple(xs)]
-        with torch.set_grad_enabled(st.train), self._amp():
+        # Deferred layers only without autocast (ours, or one around the step): there
+        # split_backward splits the backward.
+        store = None
+        ambient = torch.is_autocast_enabled(self._device.type)
+        if st.train and s in self._deferred and self._autocast is None and not ambient:
+            store = st.stores[(s, i)] = WeightStore()
+        with torch.set_grad_enabled(st.train), self._amp(), forwarding(store):
             if st.train and self.recompute:
                 # Only the stage's input is kept; backward recomputes the rest (same RNG).
                 out = checkpoint(self._stage_modules[s], *args)
@@ -300,18 +314,29 @@ class PipelineModule(StageMessages, PipelineState):
         if s > 0:
             assert inps is not None
             wanted = [x for x in inps if x.is_floating_point()]
-            params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
             roots, seeds = _roots(outs, grads)
-            got, st.split[(s, i)] = input_pass(roots, seeds, wanted, params)
+            store = st.stores.get((s, i))
+            if store is not None and roots:  # the layers' weights later; the graph goes
+                found = store.input_pass(roots, seeds, wanted)
+                got = [torch.zeros_like(x) if g is None else g
+                       for x, g in zip(wanted, found, strict=True)]  # fmt: skip
+            else:
+                params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
+                got, st.split[(s, i)] = input_pass(roots, seeds, wanted, params)
             self._send(st, ("grad", s - 1, i), got or [torch.zeros(1, device=self._device)])
 
     def _weight_grad(self, st: Step, a: Action) -> None:
         s, i = a.stage, a.mb
         _, outs = st.saved.pop((s, i))
         roots, seeds = _roots(outs, st.grads_out.pop((s, i)))
+        store = st.stores.pop((s, i), None)
         state = st.split.pop((s, i), None)
-        if state is not None:
-            weight_pass(roots, seeds, state)
+        if store is not None or state is not None:
+            if state is not None:  # split_backward's input pass ran (or nothing to defer)
+                weight_pass(roots, seeds, state)
+            else:
+                assert store is not None
+                store.run()
             if self._replicas is not None:  # set .grad by hand: no accumulation hook ran
                 self._replicas.fold()
         elif roots:  # the first stage: no input pass ran, one whole backward

@@ -1,0 +1,97 @@
+"""Zero-bubble's weight pass put off by the layers themselves (``pipeline/deferred.py``).
+
+The input pass then frees the graph, and the weight pass computes what the layers filed:
+checked bit for bit against autograd's one backward of the plain layers, and a zero-bubble
+pipeline of transformer blocks against one process.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import shardline as sl
+from shardline.examples.train import Block, Config
+from shardline.parallel.pipeline.deferred import WeightStore, forwarding, install
+from tests._ranks import run_ranks
+
+_RNG = threading.Lock()  # rank threads build their models one at a time
+CFG = Config(d_model=32, num_heads=2, seq_len=8)
+
+
+def blocks(n: int = 2) -> nn.Sequential:
+    with _RNG:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 32), *[Block(CFG) for _ in range(n)], nn.Linear(32, 5))
+
+
+def test_an_input_pass_and_the_weight_pass_give_autograds_gradients_bit_for_bit() -> None:
+    plain, stage = blocks(), blocks()
+    assert install(stage)
+    x0, g0 = torch.randn(4, 8, 32), torch.randn(4, 8, 5)
+    x = x0.clone().requires_grad_(True)
+    torch.autograd.backward([plain(x)], [g0])
+
+    xd = x0.clone().requires_grad_(True)
+    store = WeightStore()
+    with forwarding(store):
+        y = stage(xd)
+    (got_x,) = store.input_pass([y], [g0], [xd])
+    assert all(p.grad is None for p in stage.parameters())  # nothing but the input's yet
+    with pytest.raises(RuntimeError, match=r"second time|freed"):  # the graph is gone
+        torch.autograd.backward([y], [g0])
+    store.run()
+    assert got_x is not None and torch.equal(got_x, x.grad)
+    for (name, p), q in zip(stage.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+def test_a_stage_with_other_parameters_is_left_as_it_was() -> None:
+    stage = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
+    assert not install(stage)
+    assert all("forward" not in m.__dict__ for m in stage.modules())
+    # Outside forwarding() an installed layer notes nothing and computes what it did.
+    stage = blocks(1)
+    assert install(stage)
+    x = torch.randn(2, 8, 32)
+    store = WeightStore()
+    assert torch.equal(stage(x), blocks(1)(x)) and not store._noted
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_zero_bubble_pipeline_of_blocks_trains_as_one_process_bit_for_bit(p: int) -> None:
+    m, steps = 4, 3
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 8, 32, generator=gen), torch.randn(8, 8, 5, generator=gen))
+            for _ in range(steps)]  # fmt: skip
+    ref = blocks(3)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True):
+            (_loss(ref(xi), yi) / m).backward()
+        opt.step()
+    want = ref.state_dict()
+
+    def body(g: sl.ProcessGroup) -> tuple[dict[str, torch.Tensor], set[int]]:
+        model = sl.pipeline(blocks(3), g, schedule="zero_bubble", microbatches=m, loss_fn=_loss)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in data:
+            opt.zero_grad()
+            model.step(x, target=y)
+            opt.step()
+        return model.state_dict(), set(model._deferred)
+
+    results = run_ranks(p, body, timeout=120)
+    # Every stage but the first defers (the first has no input pass).
+    assert set().union(*(d for _, d in results)) == set(range(1, p))
+    for state, _ in results:
+        for key, value in state.items():
+            assert torch.equal(value, want[key]), key
