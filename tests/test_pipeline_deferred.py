@@ -61,6 +61,19 @@ def test_a_stage_with_other_parameters_is_left_as_it_was() -> None:
     assert torch.equal(stage(x), blocks(1)(x)) and not store._noted
 
 
+def test_an_input_changed_in_place_before_the_weight_pass_is_an_error() -> None:
+    stage = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    assert install(stage)
+    x, store = torch.randn(3, 4, requires_grad=True), WeightStore()
+    with forwarding(store):
+        y = stage(x)
+    store.input_pass([y], [torch.ones(3, 2)], [x])
+    with torch.no_grad():
+        x.mul_(2)  # the first layer's input, after its forward
+    with pytest.raises(RuntimeError, match="modified in place after its forward"):
+        store.run()
+
+
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 

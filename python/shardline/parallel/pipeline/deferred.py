@@ -40,9 +40,9 @@ class WeightStore:
     """One micro-batch's deferred layers: noted in forward, their weights' gradients in ``run``."""
 
     def __init__(self) -> None:
-        # (layer, its input, where its output enters the graph), in forward order
-        self._noted: list[tuple[nn.Module, torch.Tensor, GradientEdge]] = []
-        self._grads: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+        # (layer, its input and the input's version, where its output enters the graph)
+        self._noted: list[tuple[nn.Module, torch.Tensor, int, GradientEdge]] = []
+        self._grads: list[tuple[nn.Module, torch.Tensor, int, torch.Tensor]] = []
 
     def input_pass(
         self,
@@ -54,14 +54,14 @@ class WeightStore:
 
         Frees the graph: the weight pass needs only what this keeps.
         """
-        edges = [edge for _, _, edge in self._noted]
+        edges = [edge for *_, edge in self._noted]
         if not inputs and not edges:
             return []
         wanted: Any = [*inputs, *edges]  # tensors and edges: autograd takes both
         found = torch.autograd.grad(list(roots), wanted, list(seeds), allow_unused=True)
         self._grads = [
-            (layer, x, g)
-            for (layer, x, _), g in zip(self._noted, found[len(inputs) :], strict=True)
+            (layer, x, version, g)
+            for (layer, x, version, _), g in zip(self._noted, found[len(inputs) :], strict=True)
             if g is not None  # a layer whose output did not reach the roots
         ]
         self._noted = []
@@ -70,7 +70,13 @@ class WeightStore:
     def run(self) -> None:
         """Computes the noted layers' weight gradients and adds them into ``.grad``."""
         with torch.no_grad():
-            for layer, x, g in self._grads:
+            for layer, x, version, g in self._grads:
+                if x._version != version:
+                    raise RuntimeError(
+                        f"zero-bubble: the input of a {type(layer).__name__} was modified in "
+                        "place after its forward; the weight pass needs it as it was. Leave "
+                        "layers' inputs unmodified, or use schedule='1f1b'"
+                    )
                 if isinstance(layer, nn.Linear):
                     g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
                     _add(layer.weight, g2.t() @ x2)
@@ -106,7 +112,7 @@ def _note(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
     store: WeightStore | None = getattr(_state, "store", None)
     if store is not None and out.requires_grad:
         # The edge now: an in-place op on the output later would move its grad_fn.
-        store._noted.append((layer, x, get_gradient_edge(out)))
+        store._noted.append((layer, x, x._version, get_gradient_edge(out)))
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
