@@ -28,34 +28,42 @@ def blocks(n: int = 2) -> nn.Sequential:
         return nn.Sequential(nn.Linear(32, 32), *[Block(CFG) for _ in range(n)], nn.Linear(32, 5))
 
 
-def test_an_input_pass_and_the_weight_pass_give_autograds_gradients_bit_for_bit() -> None:
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_an_input_pass_and_the_weight_pass_give_autograds_gradients_bit_for_bit(
+    autocast: bool,
+) -> None:
     plain, stage = blocks(), blocks()
-    assert install(stage)
+    norms = install(stage)
+    assert norms is not None and len(norms) == 2 * 2 * 2  # two blocks' two norms, w and b
     x0, g0 = torch.randn(4, 8, 32), torch.randn(4, 8, 5)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     x = x0.clone().requires_grad_(True)
-    torch.autograd.backward([plain(x)], [g0])
+    with amp:
+        y = plain(x)
+    torch.autograd.backward([y], [g0.to(y.dtype)])
 
     xd = x0.clone().requires_grad_(True)
-    store = WeightStore()
-    with forwarding(store):
-        y = stage(xd)
-    (got_x,) = store.input_pass([y], [g0], [xd])
+    store = WeightStore(norms)
+    with forwarding(store), amp:
+        yd = stage(xd)
+    (got_x,) = store.input_pass([yd], [g0.to(yd.dtype)], [xd])
     assert all(p.grad is None for p in stage.parameters())  # nothing but the input's yet
     with pytest.raises(RuntimeError, match=r"second time|freed"):  # the graph is gone
-        torch.autograd.backward([y], [g0])
+        torch.autograd.backward([yd], [g0.to(yd.dtype)])
     store.run()
     assert got_x is not None and torch.equal(got_x, x.grad)
     for (name, p), q in zip(stage.named_parameters(), plain.parameters(), strict=True):
-        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert torch.equal(p.grad, q.grad), name
 
 
 def test_a_stage_with_other_parameters_is_left_as_it_was() -> None:
     stage = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
-    assert not install(stage)
+    assert install(stage) is None
     assert all("forward" not in m.__dict__ for m in stage.modules())
     # Outside forwarding() an installed layer notes nothing and computes what it did.
     stage = blocks(1)
-    assert install(stage)
+    assert install(stage) is not None
     x = torch.randn(2, 8, 32)
     store = WeightStore()
     assert torch.equal(stage(x), blocks(1)(x)) and not store._noted
@@ -63,7 +71,7 @@ def test_a_stage_with_other_parameters_is_left_as_it_was() -> None:
 
 def test_an_input_changed_in_place_before_the_weight_pass_is_an_error() -> None:
     stage = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    assert install(stage)
+    assert install(stage) == []
     x, store = torch.randn(3, 4, requires_grad=True), WeightStore()
     with forwarding(store):
         y = stage(x)

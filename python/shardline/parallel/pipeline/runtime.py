@@ -132,12 +132,15 @@ class PipelineModule(StageMessages, PipelineState):
             )
         plain = dict(self._stage_modules)  # what data parallelism wraps (compiled or not)
         # Zero-bubble's later stages whose layers put off their own weight gradients
-        # (``deferred``): no graph walked, none kept between the input and weight passes.
-        # The first stage has no input pass; recomputation reruns the forward in backward.
-        self._deferred = {
-            s for s, m in plain.items()
-            if schedule == "zero_bubble" and s > 0 and not recompute and install(m)
-        }  # fmt: skip
+        # (``deferred``; stage -> its layer norms' parameters): no graph walked, none kept
+        # between the input and weight passes. The first stage has no input pass;
+        # recomputation reruns the forward in backward.
+        self._deferred: dict[int, list[torch.Tensor]] = {}
+        if schedule == "zero_bubble" and not recompute:
+            for s, m in plain.items():
+                norms = install(m) if s > 0 else None
+                if norms is not None:
+                    self._deferred[s] = norms
         if compile:  # the same parameters and names: only what runs them changes
             options = compile if isinstance(compile, dict) else {}
             self._stage_modules = {
@@ -213,12 +216,9 @@ class PipelineModule(StageMessages, PipelineState):
         # A traced stage takes the boundary's tensors as its arguments; an nn.Sequential's
         # stage takes one argument, a tuple where its previous child returned one.
         args = xs if self._spread or len(xs) == 1 else [tuple(xs)]
-        # Deferred layers only without autocast (ours, or one around the step): there
-        # split_backward splits the backward.
         store = None
-        ambient = torch.is_autocast_enabled(self._device.type)
-        if st.train and s in self._deferred and self._autocast is None and not ambient:
-            store = st.stores[(s, i)] = WeightStore()
+        if st.train and s in self._deferred:
+            store = st.stores[(s, i)] = WeightStore(self._deferred[s])
         with torch.set_grad_enabled(st.train), self._amp(), forwarding(store):
             if st.train and self.recompute:
                 # Only the stage's input is kept; backward recomputes the rest (same RNG).
