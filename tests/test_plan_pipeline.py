@@ -75,8 +75,10 @@ def _live_peak(schedule: str, pp: int, m: int, stage: int) -> int:
 def test_a_stage_holds_and_keeps_what_sl_pipeline_does(schedule: str) -> None:
     """Per stage and micro-batch count: the cut, the parameters held, and the micro-batches
     the schedule keeps at once (the pipeline's own count after a step), against
-    ``sl.pipeline``; zero-bubble's price counts a micro-batch between its input and weight
-    passes twice (the gradients the weight pass keeps)."""
+    ``sl.pipeline``. Under zero-bubble the first stage's price counts a micro-batch between
+    its input and weight passes twice (the graph and the gradients the weight pass keeps);
+    the second stage's layers defer their weight gradients (``pipeline.deferred``), and
+    there such a micro-batch keeps only each linear layer's input and output gradient."""
     example = tokens(0)
     priced = {
         rank: pipeline_layouts(with_loss(chain(), lm_loss), 2, rank, example, None)[0]
@@ -106,8 +108,14 @@ def test_a_stage_holds_and_keeps_what_sl_pipeline_does(schedule: str) -> None:
             priced_count = layout.activations(schedule) / layout.kept
             if schedule == "1f1b":  # what the activations are multiplied by
                 assert peak == min(m, 2 - rank) == priced_count
-            else:
-                assert peak <= priced_count <= 2 * peak
+            elif rank == 0:
+                assert layout.deferred == 0 and peak <= priced_count <= 2 * peak
+            else:  # block1 and the head: linear inputs ln1, attention, ln2, GELU, final ln
+                # a pp=2 pipeline trains both ranks' batches: 8 sequences over m micro-batches
+                d, tokens_per_mb = CFG.d_model, 8 // m * CFG.seq_len
+                inputs, grads = 4 * d + 4 * d, 3 * d + d + 4 * d + d + CFG.vocab
+                assert layout.deferred == (inputs + grads) * tokens_per_mb * 4
+                assert layout.deferred < layout.kept and 1 <= priced_count <= peak
             assert layout.split == (("embed", "block0"), ("block1", "head"))
             assert (layout.boundary > 0) == (rank == 0)
 

@@ -31,6 +31,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel.activations import count_activations
 from shardline.parallel.layout_meta import first_line, meta_copy, split_sizes, widened
 from shardline.parallel.pipeline import schedules
+from shardline.parallel.pipeline.deferred import deferrable, kept_bytes
 from shardline.parallel.pipeline.simulate import simulate
 from shardline.parallel.pipeline.split import balanced_parts, chain_children, child_costs
 from shardline.parallel.precision import MixedPrecision
@@ -106,6 +107,10 @@ class PipelineLayout:
         boundary: Bytes of one micro-batch's activation crossing this stage's cut (0 for the
             last stage).
         split: The children that start each stage, as ``sl.pipeline`` cuts the chain.
+        deferred: Under zero-bubble, bytes one micro-batch keeps from its input pass to its
+            weight pass where the stage's layers defer their weight gradients
+            (``pipeline.deferred``: the graph is freed at the input pass); 0 where they do
+            not (the graph stays, and the micro-batch counts twice there: ``in_flight``).
     """
 
     size: int
@@ -117,9 +122,19 @@ class PipelineLayout:
     boundary: int
     split: tuple[tuple[str, ...], ...]
     cast: int = 0
+    deferred: int = 0
 
     def activations(self, schedule: str) -> int:
         """Bytes this stage keeps for backward at once under ``schedule`` (``in_flight``)."""
+        if schedule == "zero_bubble" and self.deferred:
+            # a forward keeps the micro-batch, its input pass swaps it for what the weight
+            # pass needs, the weight pass frees that
+            held = {"F": self.kept, "I": self.deferred - self.kept, "W": -self.deferred}
+            live = peak = 0
+            for a in schedules.build(schedule, self.size, self.microbatches)[self.stage]:
+                live += held[a.kind]
+                peak = max(peak, live)
+            return peak
         return round(self.kept * in_flight(schedule, self.size, self.microbatches, self.stage))
 
 
@@ -233,9 +248,10 @@ def _layout(
         boundary = out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
     kept, _again = count_activations(priced, args, mp)
     low = mp.param_dtype if mp is not None else None
+    deferred = kept_bytes(mine, x, low) if stage > 0 and deferrable(mine) else 0
     return PipelineLayout(
         pp, m, stage, priced, share, kept, boundary, tuple(tuple(p) for p in parts),
-        casts(mine, low) if low is not None else 0,
+        casts(mine, low) if low is not None else 0, deferred,
     )  # fmt: skip
 
 

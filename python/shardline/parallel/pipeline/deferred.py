@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["WeightStore", "forwarding", "install"]
+__all__ = ["WeightStore", "deferrable", "forwarding", "install", "kept_bytes"]
 
 _state = threading.local()  # per thread: the ranks of a test may be threads of one process
 
@@ -129,20 +129,61 @@ def _add(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad += g
 
 
-def install(stage: nn.Module) -> list[torch.Tensor] | None:
-    """Lets ``stage``'s linear layers note themselves for a deferred weight pass.
+def deferrable(stage: nn.Module) -> bool:
+    """Whether ``install`` applies to ``stage``.
 
-    Only when every trainable parameter of ``stage`` belongs to an ``nn.Linear`` or an
-    ``nn.LayerNorm`` (exactly those classes: a subclass's forward could differ); the answer
-    is then the layer norms' parameters (for ``WeightStore``), else ``None`` and nothing
-    changes. Outside ``forwarding`` the linear layers compute what they did.
+    It does when every trainable parameter of ``stage`` belongs to an ``nn.Linear`` or an
+    ``nn.LayerNorm`` (exactly those classes: a subclass's forward could differ) and it has a
+    linear layer.
     """
     linears = [m for m in stage.modules() if type(m) is nn.Linear]
     norms = [p for m in stage.modules() if type(m) is nn.LayerNorm for p in m.parameters()]
     covered = {id(p) for m in linears for p in m.parameters()} | {id(p) for p in norms}
     trained = [p for p in stage.parameters() if p.requires_grad]
-    if not linears or any(id(p) not in covered for p in trained):
+    return bool(linears) and all(id(p) in covered for p in trained)
+
+
+def install(stage: nn.Module) -> list[torch.Tensor] | None:
+    """Lets ``stage``'s linear layers note themselves for a deferred weight pass.
+
+    Where ``deferrable(stage)``: the answer is then the layer norms' parameters (for
+    ``WeightStore``); else ``None`` and nothing changes. Outside ``forwarding`` the linear
+    layers compute what they did.
+    """
+    if not deferrable(stage):
         return None
-    for m in linears:
-        m.forward = types.MethodType(_linear_forward, m)  # type: ignore[method-assign]
+    for m in stage.modules():
+        if type(m) is nn.Linear:
+            m.forward = types.MethodType(_linear_forward, m)  # type: ignore[method-assign]
+    norms = [p for m in stage.modules() if type(m) is nn.LayerNorm for p in m.parameters()]
     return list({id(p): p for p in norms if p.requires_grad}.values())
+
+
+def kept_bytes(stage: nn.Module, x: Any, dtype: torch.dtype | None = None) -> int:
+    """Bytes one micro-batch of ``stage`` keeps from its input pass to its weight pass.
+
+    Each linear layer's input (as it comes in) and the gradient of its output (in
+    ``dtype``, the compute dtype, when given); ``x`` the stage's input (on the meta device
+    for pricing). A tensor that feeds several layers counts once.
+    """
+    inputs: dict[int, int] = {}
+    held: list[torch.Tensor] = []  # the inputs stay alive, so that no id is reused
+    outputs = 0
+
+    def seen(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        nonlocal outputs
+        inp = args[0]
+        held.append(inp)
+        inputs[id(inp)] = inp.numel() * inp.element_size()
+        size = dtype.itemsize if dtype is not None else out.element_size()
+        outputs += out.numel() * size
+
+    linears = [m for m in stage.modules() if type(m) is nn.Linear]
+    handles = [m.register_forward_hook(seen) for m in linears]
+    try:
+        with torch.no_grad():
+            stage(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(inputs.values()) + outputs
