@@ -78,7 +78,8 @@ def to_try(plan: StrategyPlan) -> list[Candidate]:
     picked = (close if len(close) >= _FEWEST else timed[:_FEWEST])[:_MOST]
     # A zero-bubble pipeline is tried beside its 1F1B twin: the step model prices its
     # schedule on equal stages and not its backward in two passes, which measured 1.2-1.8x
-    # the twin's step on an H200 host (benches/results/plan-grid-*-pp*.txt).
+    # the twin's step on an H200 host while every stage walked its graph, 0.86-0.94x since
+    # its stages' layers defer their weight gradients (benches/results/plan-grid-*-pp*.txt).
     picked += [
         t
         for c in picked
