@@ -116,3 +116,47 @@ def test_a_zero_bubble_pipeline_of_blocks_trains_as_one_process_bit_for_bit(p: i
     for state, _ in results:
         for key, value in state.items():
             assert torch.equal(value, want[key]), key
+
+
+class _Reuse(nn.Module):
+    """A linear layer whose weight its parent also uses directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + x @ self.lin.weight.t()
+
+
+def test_a_weight_used_outside_its_layer_makes_the_stage_walk_its_graph() -> None:
+    """The layers' notes would miss the direct use's part of the gradient: the first input
+    pass finds it (``WeightStore.covers``) and the stage splits by the walk instead."""
+
+    def model() -> nn.Sequential:
+        with _RNG:
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(32, 32), _Reuse(), nn.Linear(32, 5))
+
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 8, 32, generator=gen), torch.randn(8, 8, 5, generator=gen)
+    ref = model()
+    for xi, yi in zip(x.chunk(4), y.chunk(4), strict=True):
+        (_loss(ref(xi), yi) / 4).backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+
+    def body(g: sl.ProcessGroup) -> tuple[dict[str, torch.Tensor], bool, bool]:
+        m = model()
+        pipe = sl.pipeline(m, g, schedule="zero_bubble", microbatches=4, loss_fn=_loss,
+                           split=["1"])  # fmt: skip
+        installed = 1 in pipe._deferred
+        pipe.step(x, target=y)
+        grads = {n: p.grad for n, p in pipe.named_parameters() if p.grad is not None}
+        return grads, installed, 1 in pipe._deferred
+
+    (g0, _, _), (g1, installed, still) = run_ranks(2, body, timeout=60)
+    assert installed and not still  # set up for stage 1, then turned off at its first check
+    got = {**g0, **g1}
+    assert got.keys() == want.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, want[name], msg=name)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import types
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from shardline.parallel.pipeline.split_backward import weight_nodes
 
 __all__ = ["WeightStore", "deferrable", "forwarding", "install", "kept_bytes"]
 
@@ -50,6 +53,35 @@ class WeightStore:
         self._noted: list[tuple[nn.Linear, torch.Tensor, int, GradientEdge]] = []
         self._grads: list[tuple[nn.Linear, torch.Tensor, int, torch.Tensor]] = []
         self._ready: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, gradient)
+
+    def covers(
+        self,
+        roots: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor],
+    ) -> bool:
+        """Whether what the layers noted is every way the stage's linear weights were used.
+
+        One walk of the graph (``split_backward``'s): each weight node that leads to a
+        linear layer's parameters must be that layer's own matrix product, as many times as
+        the layer noted itself. A weight used some other way too (``x @ layer.weight.T`` in
+        a custom forward) would lose that part of its gradient: the caller then walks the
+        graph instead. The layer norms' gradients come whole from the input pass.
+        """
+        calls = Counter(id(layer) for layer, *_ in self._noted)
+        owner = {id(p): layer for layer, *_ in self._noted for p in layer.parameters(recurse=False)}
+        found: Counter[int] = Counter()
+        nodes, _ = weight_nodes([r.grad_fn for r in roots if r.grad_fn is not None], inputs, params)
+        for node, ps in nodes:
+            layers = {id(owner[id(p)]) for p in ps if id(p) in owner}
+            if not layers:
+                continue  # a layer norm's, or another parameter's: not deferred here
+            if len(layers) > 1 or type(node).__name__ not in ("AddmmBackward0", "MmBackward0"):
+                return False
+            found[layers.pop()] += 1
+        linear_params = [p for p in params if id(p) in owner]
+        reached = {id(p) for _, ps in nodes for p in ps}
+        return found == calls and all(id(p) in reached for p in linear_params)
 
     def input_pass(
         self,

@@ -136,6 +136,7 @@ class PipelineModule(StageMessages, PipelineState):
         # between the input and weight passes. The first stage has no input pass;
         # recomputation reruns the forward in backward.
         self._deferred: dict[int, list[torch.Tensor]] = {}
+        self._checked: set[int] = set()  # stages whose notes were checked (WeightStore.covers)
         if schedule == "zero_bubble" and not recompute:
             for s, m in plain.items():
                 norms = install(m) if s > 0 else None
@@ -315,13 +316,19 @@ class PipelineModule(StageMessages, PipelineState):
             assert inps is not None
             wanted = [x for x in inps if x.is_floating_point()]
             roots, seeds = _roots(outs, grads)
+            params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
             store = st.stores.get((s, i))
-            if store is not None and roots:  # the layers' weights later; the graph goes
+            if store is not None and s not in self._checked and roots:
+                # The first time: the layers' notes must be every use of their weights.
+                self._checked.add(s)
+                if not store.covers(roots, wanted, params):
+                    del self._deferred[s], st.stores[(s, i)]
+                    store = None
+            if store is not None and s in self._deferred and roots:  # weights later; graph goes
                 found = store.input_pass(roots, seeds, wanted)
                 got = [torch.zeros_like(x) if g is None else g
                        for x, g in zip(wanted, found, strict=True)]  # fmt: skip
             else:
-                params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
                 got, st.split[(s, i)] = input_pass(roots, seeds, wanted, params)
             self._send(st, ("grad", s - 1, i), got or [torch.zeros(1, device=self._device)])
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["InputPass", "input_pass", "weight_pass"]
+__all__ = ["InputPass", "input_pass", "weight_nodes", "weight_pass"]
 
 
 @dataclass
@@ -32,7 +32,7 @@ class InputPass:
     rest: list[torch.Tensor] = field(default_factory=list)  # parameters no node reached
 
 
-def _graph(
+def weight_nodes(
     roots: Sequence[Node], inps: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
 ) -> tuple[list[tuple[Node, list[torch.Tensor]]], list[torch.Tensor]]:
     """Weight nodes under ``roots``, and the parameters under none.
@@ -101,7 +101,7 @@ def input_pass(
     state = InputPass()
     roots = [o.grad_fn for o in outs if o.grad_fn is not None]
     if roots:
-        state.nodes, state.rest = _graph(roots, inps, params)
+        state.nodes, state.rest = weight_nodes(roots, inps, params)
     else:
         state.rest = list(params)
     handles = []
