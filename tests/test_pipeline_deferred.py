@@ -78,7 +78,7 @@ def test_an_input_changed_in_place_before_the_weight_pass_is_an_error() -> None:
     store.input_pass([y], [torch.ones(3, 2)], [x])
     with torch.no_grad():
         x.mul_(2)  # the first layer's input, after its forward
-    with pytest.raises(RuntimeError, match="modified in place after its forward"):
+    with pytest.raises(sl.InvalidArgumentError, match="modified in place after its forward"):
         store.run()
 
 
@@ -119,14 +119,14 @@ def test_a_zero_bubble_pipeline_of_blocks_trains_as_one_process_bit_for_bit(p: i
 
 
 class _Reuse(nn.Module):
-    """A linear layer whose weight its parent also uses directly."""
+    """A linear layer whose weight its parent also uses directly, and one never called."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(32, 32)
+        self.lin, self.raw = nn.Linear(32, 32), nn.Linear(32, 32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) + x @ self.lin.weight.t()
+        return self.lin(x) + x @ self.lin.weight.t() + x @ self.raw.weight.t()
 
 
 def test_a_weight_used_outside_its_layer_makes_the_stage_walk_its_graph() -> None:
@@ -143,7 +143,7 @@ def test_a_weight_used_outside_its_layer_makes_the_stage_walk_its_graph() -> Non
     ref = model()
     for xi, yi in zip(x.chunk(4), y.chunk(4), strict=True):
         (_loss(ref(xi), yi) / 4).backward()
-    want = {n: p.grad for n, p in ref.named_parameters()}
+    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
 
     def body(g: sl.ProcessGroup) -> tuple[dict[str, torch.Tensor], bool, bool]:
         m = model()

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from shardline.errors import InvalidArgumentError
 from shardline.parallel.pipeline.split_backward import weight_nodes
 
 __all__ = ["WeightStore", "deferrable", "forwarding", "install", "kept_bytes"]
@@ -70,12 +71,18 @@ class WeightStore:
         """
         calls = Counter(id(layer) for layer, *_ in self._noted)
         owner = {id(p): layer for layer, *_ in self._noted for p in layer.parameters(recurse=False)}
+        norms = {id(p) for p in self._norms}
         found: Counter[int] = Counter()
         nodes, _ = weight_nodes([r.grad_fn for r in roots if r.grad_fn is not None], inputs, params)
         for node, ps in nodes:
-            layers = {id(owner[id(p)]) for p in ps if id(p) in owner}
-            if not layers:
-                continue  # a layer norm's, or another parameter's: not deferred here
+            rest = [p for p in ps if id(p) not in norms]  # the input pass asks for the norms'
+            if not rest:
+                continue
+            # A parameter of no noted layer (a linear layer never called, its weight used
+            # directly) would get no gradient at all.
+            if any(id(p) not in owner for p in rest):
+                return False
+            layers = {id(owner[id(p)]) for p in rest}
             if len(layers) > 1 or type(node).__name__ not in ("AddmmBackward0", "MmBackward0"):
                 return False
             found[layers.pop()] += 1
@@ -113,7 +120,7 @@ class WeightStore:
         with torch.no_grad():
             for layer, x, version, g in self._grads:
                 if x._version != version:
-                    raise RuntimeError(
+                    raise InvalidArgumentError(
                         "zero-bubble: the input of an nn.Linear was modified in place after "
                         "its forward; the weight pass needs it as it was. Leave layers' "
                         "inputs unmodified, or use schedule='1f1b'"
