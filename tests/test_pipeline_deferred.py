@@ -61,12 +61,16 @@ def test_a_stage_with_other_parameters_is_left_as_it_was() -> None:
     stage = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
     assert install(stage) is None
     assert all("forward" not in m.__dict__ for m in stage.modules())
-    # Outside forwarding() an installed layer notes nothing and computes what it did.
+    # Inside forwarding(store) the installed layers note themselves (the two linear layers
+    # around the blocks and a block's four); outside it they note nothing and compute what
+    # they did.
     stage = blocks(1)
     assert install(stage) is not None
-    x = torch.randn(2, 8, 32)
-    store = WeightStore()
-    assert torch.equal(stage(x), blocks(1)(x)) and not store._noted
+    x, store = torch.randn(2, 8, 32), WeightStore()
+    with forwarding(store):
+        stage(x)
+    assert len(store._noted) == 6
+    assert torch.equal(stage(x), blocks(1)(x)) and len(store._noted) == 6
 
 
 def test_an_input_changed_in_place_before_the_weight_pass_is_an_error() -> None:

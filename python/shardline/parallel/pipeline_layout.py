@@ -20,7 +20,7 @@ on ``widened(example, pp)`` cut into ``m`` micro-batches.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,11 +130,7 @@ class PipelineLayout:
             # a forward keeps the micro-batch, its input pass swaps it for what the weight
             # pass needs, the weight pass frees that
             held = {"F": self.kept, "I": self.deferred - self.kept, "W": -self.deferred}
-            live = peak = 0
-            for a in schedules.build(schedule, self.size, self.microbatches)[self.stage]:
-                live += held[a.kind]
-                peak = max(peak, live)
-            return peak
+            return round(_peak(schedule, self.size, self.microbatches, self.stage, held))
         return round(self.kept * in_flight(schedule, self.size, self.microbatches, self.stage))
 
 
@@ -150,6 +146,11 @@ def in_flight(schedule: str, pp: int, m: int, stage: int) -> float:
     """
     split = stage > 0
     held = {"F": 1.0, "B": -1.0, "I": 1.0 if split else 0.0, "W": -2.0 if split else -1.0}
+    return _peak(schedule, pp, m, stage, held)
+
+
+def _peak(schedule: str, pp: int, m: int, stage: int, held: Mapping[str, float]) -> float:
+    """The most ``stage`` holds at once: each action adds ``held[kind]``, in the stage's order."""
     live = peak = 0.0
     for a in schedules.build(schedule, pp, m)[stage]:
         live += held[a.kind]

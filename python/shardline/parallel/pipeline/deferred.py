@@ -33,7 +33,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from shardline.errors import InvalidArgumentError
-from shardline.parallel.pipeline.split_backward import weight_nodes
+from shardline.parallel.pipeline.split_backward import accumulate, weight_nodes
 
 __all__ = ["WeightStore", "deferrable", "forwarding", "install", "kept_bytes"]
 
@@ -117,6 +117,8 @@ class WeightStore:
 
     def run(self) -> None:
         """Computes the linear layers' weight gradients; adds every kept one into ``.grad``."""
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
         with torch.no_grad():
             for layer, x, version, g in self._grads:
                 if x._version != version:
@@ -128,11 +130,16 @@ class WeightStore:
                 # In the dtype the layer computed in (autocast's cast of its input, if any).
                 g2 = g.reshape(-1, g.shape[-1])
                 x2 = x.reshape(-1, x.shape[-1]).to(g.dtype)
-                _add(layer.weight, g2.t() @ x2)
+                params.append(layer.weight)
+                grads.append(g2.t() @ x2)
                 if layer.bias is not None:
-                    _add(layer.bias, g2.sum(0))
-            for p, g in self._ready:
-                _add(p, g)
+                    params.append(layer.bias)
+                    grads.append(g2.sum(0))
+            params += [p for p, _ in self._ready]
+            grads += [g for _, g in self._ready]
+            # Each a tensor of its own (autograd's output for the norms): taken as it is.
+            accumulate(params, tuple(g.to(p.dtype) for p, g in zip(params, grads, strict=True)),
+                       fresh=True)  # fmt: skip
         self._grads, self._ready = [], []
 
 
@@ -160,23 +167,23 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _add(p: torch.Tensor, g: torch.Tensor) -> None:
-    """``p.grad += g`` as autograd accumulates (a fresh tensor of its own is taken as is)."""
-    if p.grad is None:
-        p.grad = g if g.is_contiguous() and g.dtype == p.dtype else g.contiguous().to(p.dtype)
-    else:
-        p.grad += g
+def _layers(stage: nn.Module) -> tuple[list[nn.Linear], list[nn.Parameter]]:
+    """``stage``'s linear layers and its layer norms' parameters.
+
+    Exactly those classes: a subclass's forward could differ.
+    """
+    linears = [m for m in stage.modules() if type(m) is nn.Linear]
+    norms = [p for m in stage.modules() if type(m) is nn.LayerNorm for p in m.parameters()]
+    return linears, norms
 
 
 def deferrable(stage: nn.Module) -> bool:
     """Whether ``install`` applies to ``stage``.
 
     It does when every trainable parameter of ``stage`` belongs to an ``nn.Linear`` or an
-    ``nn.LayerNorm`` (exactly those classes: a subclass's forward could differ) and it has a
-    linear layer.
+    ``nn.LayerNorm`` and it has a linear layer.
     """
-    linears = [m for m in stage.modules() if type(m) is nn.Linear]
-    norms = [p for m in stage.modules() if type(m) is nn.LayerNorm for p in m.parameters()]
+    linears, norms = _layers(stage)
     covered = {id(p) for m in linears for p in m.parameters()} | {id(p) for p in norms}
     trained = [p for p in stage.parameters() if p.requires_grad]
     return bool(linears) and all(id(p) in covered for p in trained)
@@ -191,10 +198,9 @@ def install(stage: nn.Module) -> list[torch.Tensor] | None:
     """
     if not deferrable(stage):
         return None
-    for m in stage.modules():
-        if type(m) is nn.Linear:
-            m.forward = types.MethodType(_linear_forward, m)  # type: ignore[method-assign]
-    norms = [p for m in stage.modules() if type(m) is nn.LayerNorm for p in m.parameters()]
+    linears, norms = _layers(stage)
+    for m in linears:
+        m.forward = types.MethodType(_linear_forward, m)  # type: ignore[method-assign]
     return list({id(p): p for p in norms if p.requires_grad}.values())
 
 
@@ -217,8 +223,7 @@ def kept_bytes(stage: nn.Module, x: Any, dtype: torch.dtype | None = None) -> in
         size = dtype.itemsize if dtype is not None else out.element_size()
         outputs += out.numel() * size
 
-    linears = [m for m in stage.modules() if type(m) is nn.Linear]
-    handles = [m.register_forward_hook(seen) for m in linears]
+    handles = [m.register_forward_hook(seen) for m in _layers(stage)[0]]
     try:
         with torch.no_grad():
             stage(x)

@@ -316,12 +316,11 @@ class PipelineModule(StageMessages, PipelineState):
             assert inps is not None
             wanted = [x for x in inps if x.is_floating_point()]
             roots, seeds = _roots(outs, grads)
-            params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
             store = st.stores.get((s, i))
             if store is not None and s not in self._checked and roots:
                 # The first time: the layers' notes must be every use of their weights.
                 self._checked.add(s)
-                if not store.covers(roots, wanted, params):
+                if not store.covers(roots, wanted, self._trained(s)):
                     del self._deferred[s], st.stores[(s, i)]
                     store = None
             if store is not None and s in self._deferred and roots:  # weights later; graph goes
@@ -329,8 +328,11 @@ class PipelineModule(StageMessages, PipelineState):
                 got = [torch.zeros_like(x) if g is None else g
                        for x, g in zip(wanted, found, strict=True)]  # fmt: skip
             else:
-                got, st.split[(s, i)] = input_pass(roots, seeds, wanted, params)
+                got, st.split[(s, i)] = input_pass(roots, seeds, wanted, self._trained(s))
             self._send(st, ("grad", s - 1, i), got or [torch.zeros(1, device=self._device)])
+
+    def _trained(self, s: int) -> list[torch.Tensor]:
+        return [p for p in self._stage_modules[s].parameters() if p.requires_grad]
 
     def _weight_grad(self, st: Step, a: Action) -> None:
         s, i = a.stage, a.mb
@@ -347,7 +349,7 @@ class PipelineModule(StageMessages, PipelineState):
             if self._replicas is not None:  # set .grad by hand: no accumulation hook ran
                 self._replicas.fold()
         elif roots:  # the first stage: no input pass ran, one whole backward
-            params = [p for p in self._stage_modules[s].parameters() if p.requires_grad]
+            params = self._trained(s)
             if params:
                 torch.autograd.backward(roots, seeds, inputs=params)
         self._drop_boundary(st, s, i)

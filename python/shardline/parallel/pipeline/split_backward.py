@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["InputPass", "input_pass", "weight_nodes", "weight_pass"]
+__all__ = ["InputPass", "accumulate", "input_pass", "weight_nodes", "weight_pass"]
 
 
 @dataclass
@@ -138,7 +138,7 @@ def weight_pass(
             continue
         direct = _linear_grads(node, recorded, params) or _norm_grads(node, recorded, params)
         if direct is not None:  # a linear layer's or a norm's weight and bias: no graph walk
-            _accumulate(*direct, fresh=True)
+            accumulate(*direct, fresh=True)
             continue
         edges = [GradientEdge(node, k) for k, g in enumerate(recorded) if g is not None]
         seeds = [g for g in recorded if g is not None]
@@ -146,7 +146,7 @@ def weight_pass(
             pending.append((edges, seeds, params))
     for edges, seeds, params in pending:
         found = torch.autograd.grad(edges, params, seeds, retain_graph=True, allow_unused=True)
-        _accumulate(params, found)
+        accumulate(params, found)
     missed = list({id(p): p for p in missed}.values())
     live = [(o, g) for o, g in zip(outs, grads, strict=True) if o.grad_fn is not None]
     if missed and live:
@@ -154,7 +154,7 @@ def weight_pass(
             [o for o, _ in live], missed, [g for _, g in live], retain_graph=True,
             allow_unused=True,
         )  # fmt: skip
-        _accumulate(missed, found)
+        accumulate(missed, found)
 
 
 def _linear_grads(
@@ -224,7 +224,7 @@ def _norm_grads(
     return owned, grads
 
 
-def _accumulate(
+def accumulate(
     params: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...], fresh: bool = False
 ) -> None:
     """Adds ``grads`` into the parameters' ``.grad``, as autograd's accumulation does.
