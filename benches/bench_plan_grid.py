@@ -23,7 +23,8 @@ more sharded or recomputing choices fit). ``--tensor-parallel`` lets the planner
 tensor-parallel layouts too (``as_distributed(tensor_parallel=True)``); the grid then trains
 them as well, each replica on ``tp`` ranks' batches (the same global batch); ``--pipeline``
 the same for 1F1B and zero-bubble pipelines (``as_distributed(pipeline=True)`` of the GPT
-as a chain of children with its loss; a pipeline choice trained by its ``step``). Writes
+as a chain of children with its loss; a pipeline choice trained by its ``step``); with both,
+pipelines whose stages split over ``tp`` ranks too. Writes
 ``benches/results/plan-grid-<tag>.{txt,json}``.
 """
 

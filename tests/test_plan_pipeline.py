@@ -26,13 +26,19 @@ from shardline.parallel.pipeline_layout import (
 )
 from shardline.parallel.timing import Compute, Link, Probes
 from shardline.parallel.trials import to_try, trial_steps
-from tests._ranks import run_ranks
+from tests._ranks import built_once, run_ranks
 from tests._tiny_gpt import CFG, tokens
 
 
-def chain() -> nn.Sequential:
+@built_once
+def _pristine() -> nn.Sequential:
     torch.manual_seed(0)
     return as_sequential(TinyGPT(CFG))
+
+
+def chain() -> nn.Sequential:
+    """The chain, the same on every rank (threads build it once: the seed is global)."""
+    return copy.deepcopy(_pristine())
 
 
 def planned() -> sl.StrategyPlan:

@@ -49,6 +49,7 @@ PRELOAD = [
 # Ranks as fresh interpreters (``python worker.py``) instead, for comparison or debugging.
 FRESH_INTERPRETERS = os.environ.get("TEST_FRESH_RANKS") == "1"
 CLONE_NEWNET = 0x40000000
+PR_SET_PDEATHSIG = 1
 
 
 @functools.cache
@@ -69,6 +70,23 @@ def _enter_netns(name: str) -> None:
             raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
     finally:
         os.close(fd)
+
+
+def die_with_parent() -> None:
+    """Asks Linux to SIGKILL this process when its parent (the fork server) exits.
+
+    The server exits when the test session does, also when pytest is killed, so a rank
+    that would otherwise run on (one that all-reduces forever, waiting for a kill) goes
+    with it instead of loading the machine as an orphan. A parent already gone before the
+    call (this process was re-parented) kills it at once.
+    """
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
+    if parent == 1 or os.getppid() != parent:  # orphaned already (init adopted it)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _run_script(
@@ -95,6 +113,7 @@ def _run_script(
     code = 0
     try:
         # After the redirection, so that a failure here lands in the rank's own stderr.
+        die_with_parent()
         if new_session:
             os.setsid()
         if netns is not None:

@@ -233,12 +233,13 @@ def as_distributed(
     of it, the least sharded). With ``tensor_parallel``, layouts that split each replica's
     layers over ``tp`` ranks of a host are priced, timed and tried too (``plan_strategy``); with
     ``pipeline``, 1F1B and zero-bubble pipelines of an ``nn.Sequential`` over ``pp`` ranks and
-    their micro-batches. On a small model all of it takes a few seconds; the probes' and trials'
-    collectives count in the group's ``traffic()``. Without ``example_input`` (or ``timing``)
-    the first that fits in that order is chosen. The offloads are chosen only when nothing else
-    fits. Every rank takes the same choice, from the slowest rank's times and what fits on every
-    rank. Build the optimizer afterwards from the returned model's ``parameters()`` (for ZeRO
-    those are this rank's shards, named like the originals).
+    their micro-batches; with both, pipelines whose stages split over ``tp`` ranks too (a
+    ``{"dp", "pp", "tp"}`` mesh). On a small model all of it takes a few seconds; the probes'
+    and trials' collectives count in the group's ``traffic()``. Without ``example_input`` (or
+    ``timing``) the first that fits in that order is chosen. The offloads are chosen only when
+    nothing else fits. Every rank takes the same choice, from the slowest rank's times and what
+    fits on every rank. Build the optimizer afterwards from the returned model's
+    ``parameters()`` (for ZeRO those are this rank's shards, named like the originals).
 
     Args:
         model: The plain model, on its device.

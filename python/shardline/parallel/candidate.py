@@ -32,7 +32,8 @@ class Candidate:
             for none; ``strategy`` then keeps the ``N / tp`` replicas (with one there is
             nothing to average or shard, but the ZeRO stages compute in ``mixed_precision``).
         pp, microbatches: Pipeline stages per replica (``sl.pipeline``) and its
-            micro-batches per step, 1 for none; ``strategy`` keeps the ``N / pp`` replicas.
+            micro-batches per step, 1 for none; ``strategy`` keeps the ``N / pp`` replicas
+            (``N / (pp tp)`` where each stage splits over ``tp`` ranks too).
         schedule: The pipeline's schedule (``"1f1b"`` or ``"zero_bubble"``).
     """
 
@@ -51,8 +52,8 @@ class Candidate:
     def name(self) -> str:
         """Its name: ``"zero1 recompute=selective"``, ``"ddp tp=2"``, ``"ddp pp=2 m=4"``.
 
-        Also ``"zero3"``, ``"zero3 offload=cpu"``, and for a pipeline not run by 1F1B
-        ``"ddp pp=2 m=4 schedule=zero_bubble"``.
+        Also ``"zero3"``, ``"zero3 offload=cpu"``, ``"ddp tp=2 pp=2 m=4"``, and for a
+        pipeline not run by 1F1B ``"ddp pp=2 m=4 schedule=zero_bubble"``.
         """
         return (
             self.strategy
@@ -79,7 +80,8 @@ class Candidate:
         """What ``sl.distribute`` takes for it: a name, or a strategy per mesh axis."""
         if self.pp > 1:  # with one replica, no data-parallel axis
             dp = {"dp": self.strategy} if self.estimate.world_size > 1 else {}
-            return {**dp, "pp": self.schedule}
+            tp = {"tp": "auto"} if self.tp > 1 else {}
+            return {**dp, "pp": self.schedule, **tp}
         return self.strategy if self.tp == 1 else {"dp": self.strategy, "tp": "auto"}
 
 

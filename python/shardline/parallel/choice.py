@@ -1,13 +1,15 @@
 """A choice of ``as_distributed`` built: the model wrapped as a ``Candidate`` says, and fed.
 
 ``wrap_choice`` builds the strategy (recomputation first), a tensor-parallel layout on its
-``{"dp", "tp"}`` mesh, or a pipeline on its ``{"dp", "pp"}`` mesh; ``described`` records on
-the result what was chosen and how each rank must feed it (``sampler_args``,
-``batch_scale``; with pipelines, a ``step(inputs, target)`` on every choice).
+``{"dp", "tp"}`` mesh, or a pipeline on its ``{"dp", "pp"}`` mesh (``{"dp", "pp", "tp"}``
+with its stages split too); ``described`` records on the result what was chosen and how each
+rank must feed it (``sampler_args``, ``batch_scale``; with pipelines, a ``step(inputs,
+target)`` on every choice).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +28,7 @@ from shardline.parallel.pipeline_layout import WithLoss
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import recompute_blocks
 
-__all__ = ["DDP_ONLY", "ZERO_ONLY", "Meshes", "described", "wrap_choice"]
+__all__ = ["DDP_ONLY", "ZERO_ONLY", "Meshes", "described", "mesh_axes", "wrap_choice"]
 
 # Options only one family takes: as_distributed drops the other family's, errors name the owner.
 _DDP_OPTIONS = frozenset(strategies.options_of(DistributedDataParallel))
@@ -34,7 +36,8 @@ _ZERO_OPTIONS = frozenset(strategies.options_of(ShardedDataParallel))
 ZERO_ONLY = _ZERO_OPTIONS - _DDP_OPTIONS
 DDP_ONLY = _DDP_OPTIONS - _ZERO_OPTIONS
 
-Meshes = dict[tuple[str, int], DeviceMesh]
+# By the model-parallel axes and their sizes (``mesh_axes``).
+Meshes = dict[tuple[tuple[str, int], ...], DeviceMesh]
 
 
 def wrap_choice(
@@ -49,9 +52,10 @@ def wrap_choice(
     """``model`` wrapped as ``choice`` says, its recomputation applied first.
 
     Of ``options``, those its wrapper knows and those no wrapper claims. A tensor-parallel
-    choice is composed on ``meshes[("tp", tp)]``, a pipeline on ``meshes[("pp", pp)]``
-    (``model`` a ``WithLoss``; its stages balanced on a micro-batch of ``example_input``, as
-    they were priced): meshes of ``group``, made once, by every rank, where missing.
+    choice is composed on its ``{"dp", "tp"}`` mesh, a pipeline on its ``{"dp", "pp"}`` or
+    ``{"dp", "pp", "tp"}`` mesh (``model`` a ``WithLoss``; its stages balanced on a
+    micro-batch of ``example_input``, as they were priced): meshes of ``group`` (``meshes``,
+    by ``mesh_axes``), made once, by every rank, where missing.
     """
     if choice.pp > 1:
         return _pipelined(model, choice, group, mixed_precision, meshes, example_input)
@@ -66,7 +70,7 @@ def wrap_choice(
         kept["offload"] = choice.offload
     if choice.tp == 1:
         return row.wrap(model, group=group, **kept)
-    mesh = _mesh(meshes, "tp", choice.tp, group)
+    mesh = _mesh(meshes, choice, group)
     wrapped, _ = compose(model, None, choice.distribute_strategy, mesh, kept)
     return wrapped
 
@@ -80,7 +84,7 @@ def _pipelined(
     example_input: Any,
 ) -> nn.Module:
     assert isinstance(model, WithLoss)
-    inputs = widened(example_input, choice.pp)[0]
+    inputs = widened(example_input, choice.batch_scale)[0]
     options: dict[str, Any] = {
         "microbatches": choice.microbatches,
         "loss_fn": model.loss_fn,
@@ -90,17 +94,28 @@ def _pipelined(
     if mixed_precision is not None and mixed_precision.param_dtype is not None:
         # the stages autocast; their gradients are reduced in the weights' own dtype
         options["mixed_precision"] = MixedPrecision(param_dtype=mixed_precision.param_dtype)
-    mesh = _mesh(meshes, "pp", choice.pp, group)
+    mesh = _mesh(meshes, choice, group)
     wrapped, _ = compose(model.chain, None, choice.distribute_strategy, mesh, options)
     return wrapped
 
 
-def _mesh(meshes: Meshes, axis: str, size: int, group: ProcessGroup) -> DeviceMesh:
-    if (axis, size) not in meshes:
-        replicas = group.world_size // size
-        shape = {"dp": replicas, axis: size} if replicas > 1 or axis == "tp" else {axis: size}
-        meshes[(axis, size)] = DeviceMesh(shape, group=group)
-    return meshes[(axis, size)]
+def mesh_axes(choice: Candidate) -> tuple[tuple[str, int], ...]:
+    """The model-parallel axes of ``choice``'s mesh, ``pp`` then ``tp``: those above 1."""
+    return tuple((axis, k) for axis, k in (("pp", choice.pp), ("tp", choice.tp)) if k > 1)
+
+
+def _mesh(meshes: Meshes, choice: Candidate, group: ProcessGroup) -> DeviceMesh:
+    """``choice``'s mesh of ``group``, made once.
+
+    Its axes: ``dp`` (where it has replicas, and always beside a lone ``tp``, which composes
+    on it), then ``pp``, then ``tp``.
+    """
+    axes = mesh_axes(choice)
+    if axes not in meshes:
+        replicas = group.world_size // math.prod(k for _, k in axes)
+        dp = {"dp": replicas} if replicas > 1 or choice.pp == 1 else {}
+        meshes[axes] = DeviceMesh({**dp, **dict(axes)}, group=group)
+    return meshes[axes]
 
 
 def described(
@@ -118,7 +133,7 @@ def described(
     ``step(inputs, target)`` as a pipeline's. The meshes only trials used are shut down
     (their groups' transports released).
     """
-    key = ("tp", choice.tp) if choice.tp > 1 else ("pp", choice.pp)
+    key = mesh_axes(choice)
     mesh = meshes.get(key)
     for other, unused in meshes.items():
         if other != key:

@@ -184,7 +184,9 @@ class StrategyPlan:
         micro-batch: ``m`` times ``share`` of the probe's, whatever their size.
         """
         layout = next(
-            p for p in self.pipelines if (p.size, p.microbatches) == (c.pp, c.microbatches)
+            p
+            for p in self.pipelines
+            if (p.size, p.microbatches, p.tp) == (c.pp, c.microbatches, c.tp)
         )
         m, pp = c.microbatches, c.pp
         probe = probes.compute.get((None, self._dtype(c)))
@@ -193,12 +195,21 @@ class StrategyPlan:
         ratio = step_ratio(c.schedule, pp, m, probe.forward, probe.backward)
         sends = [
             Collective(phase, "send", m, m * layout.boundary) for phase in ("forward", "backward")
+        ] if layout.boundary else []  # fmt: skip
+        # With tp ranks per stage: the split layers' share of the stage's compute on 1 / tp
+        # each, and their collectives per micro-batch (counted in the model's dtype).
+        assert self.shape is not None
+        ratio_bytes = (self._dtype(c) or self.shape.dtype).itemsize / self.shape.dtype.itemsize
+        tp_calls = [
+            Collective(phase, op, m * calls, int(m * nbytes * ratio_bytes))
+            for phase, op, calls, nbytes in layout.traffic
         ]
+        split = c.tp * (1 - layout.tp_split) + layout.tp_split if c.tp > 1 else 1.0
         return predict(
             c.strategy, None, c.estimate.num_units, ModelShape.of(layout.model),
             c.estimate.world_size, self.mixed_precision, probes, dtype=self._dtype(c),
-            scale=pp * layout.share * ratio, launches=m * layout.share,
-            blocking=sends if layout.boundary else (),
+            scale=pp * layout.share * ratio * split, launches=m * layout.share,
+            blocking=sends + tp_calls, blocking_world=c.tp,
         )  # fmt: skip
 
     def agreed(self, totals: list[float], fits: list[bool]) -> StrategyPlan:
@@ -330,8 +341,9 @@ def plan_strategy(
     and its ``loss_fn``; ``example_input`` is then ``(inputs, target)``), after them come
     1F1B and zero-bubble pipelines over ``pp`` = 2, 4, ... ranks with ``pp``, ``2 pp`` and ``4 pp``
     micro-batches, DDP or ZeRO over the ``N / pp`` replicas (``pipeline_layouts``: this
-    rank's stage). When none fits, the choice is ``zero3``, with a reason that says by how
-    much it is short.
+    rank's stage); with both, also those pipelines with each stage split over ``tp`` ranks
+    (a mesh ``{"dp", "pp", "tp"}``, ``N / (pp tp)`` replicas). When none fits, the choice is
+    ``zero3``, with a reason that says by how much it is short.
 
     Args:
         model: The plain model.
@@ -427,12 +439,14 @@ def plan_strategy(
     pipes: list[PipelineLayout] = []
     if pipeline:
         assert isinstance(model, WithLoss)
+        # with tensor parallelism priced too, the pipelines whose stages split over tp ranks
+        tp_sizes = [1, *(layout.size for layout in layouts)]
         pipes, pipe_notes = pipeline_layouts(
-            model, world_size, rank, example_input, mixed_precision
+            model, world_size, rank, example_input, mixed_precision, tp_sizes
         )  # fmt: skip
         notes += pipe_notes
     for pipe in pipes:
-        dp = world_size // pipe.size
+        dp = world_size // (pipe.size * pipe.tp)
         pp_unit = unit_mb if unit_mb is not None else default_unit_mb(
             on, sum(p.nbytes for p in pipe.model.parameters())
         )  # fmt: skip
@@ -448,7 +462,7 @@ def plan_strategy(
                     unit_rule=rule,
                 )  # fmt: skip
                 candidates.append(
-                    Candidate(name, None, e, e.total <= budget, pp=pipe.size,
+                    Candidate(name, None, e, e.total <= budget, tp=pipe.tp, pp=pipe.size,
                               microbatches=pipe.microbatches, schedule=schedule)
                 )  # fmt: skip
     host_budget = 0.0

@@ -14,13 +14,18 @@ runs): ``in_flight``, the most micro-batches a stage keeps at once (under 1F1B s
 keeps ``min(m, pp - s)``), and ``step_ratio``, its step simulated on equal stages
 (``simulate``) over the ``m`` micro-batches' work alone.
 
-At a fixed global batch a replica trains ``pp`` ranks' batches, so the layouts are priced
-on ``widened(example, pp)`` cut into ``m`` micro-batches.
+With tensor parallelism inside the stages (``tp`` ranks per stage, a mesh ``{"dp", "pp",
+"tp"}``), the stage is rewritten on the meta device as ``sl.pipeline(tp_group=)`` rewrites it
+(the whole chain's ``"auto"`` plan, this stage's part of it), and its tensor-parallel
+collectives of one micro-batch are counted as ``tensor_layout`` counts them.
+
+At a fixed global batch a replica trains ``pp`` (times ``tp``) ranks' batches, so the layouts
+are priced on ``widened(example, pp * tp)`` cut into ``m`` micro-batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +35,13 @@ from torch import nn
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.activations import count_activations
 from shardline.parallel.layout_meta import first_line, meta_copy, split_sizes, widened
-from shardline.parallel.pipeline import schedules
+from shardline.parallel.pipeline import schedules, whole_plan
 from shardline.parallel.pipeline.deferred import deferrable, kept_bytes
 from shardline.parallel.pipeline.simulate import simulate
 from shardline.parallel.pipeline.split import balanced_parts, chain_children, child_costs
 from shardline.parallel.precision import MixedPrecision
+from shardline.parallel.tensor import tensor_parallel
+from shardline.parallel.tensor_layout import MetaGroup, TensorLayout, counted_traffic
 
 __all__ = [
     "SCHEDULE",
@@ -111,6 +118,11 @@ class PipelineLayout:
             weight pass where the stage's layers defer their weight gradients
             (``pipeline.deferred``: the graph is freed at the input pass); 0 where they do
             not (the graph stays, and the micro-batch counts twice there: ``in_flight``).
+        tp: Tensor-parallel ranks per stage (1: none); ``model`` is then this rank's slices.
+        tp_split: With ``tp``, the share of the stage's trainable elements split over its
+            ranks (the matmuls' share of its compute, as the step model takes it).
+        traffic: With ``tp``, ``(phase, op, calls, bytes)`` of the tensor-parallel
+            collectives of one micro-batch's forward and backward on this stage.
     """
 
     size: int
@@ -123,6 +135,9 @@ class PipelineLayout:
     split: tuple[tuple[str, ...], ...]
     cast: int = 0
     deferred: int = 0
+    tp: int = 1
+    tp_split: float = 0.0
+    traffic: tuple[tuple[str, str, int, int], ...] = ()
 
     def activations(self, schedule: str) -> int:
         """Bytes this stage keeps for backward at once under ``schedule`` (``in_flight``)."""
@@ -183,10 +198,13 @@ def pipeline_layouts(
     rank: int,
     example_input: tuple[Any, Any] | None,
     mp: MixedPrecision | None,
+    tp_sizes: Sequence[int] = (1,),
 ) -> tuple[list[PipelineLayout], list[str]]:
     """This rank's stage of every pipeline worth pricing, and why any is not.
 
-    ``example_input`` is one rank's ``(inputs, target)``; without it nothing is priced.
+    ``example_input`` is one rank's ``(inputs, target)``; without it nothing is priced. With
+    ``tp_sizes`` above 1, also the pipelines whose stages split over that many ranks (this
+    rank's stage on a mesh ``{"dp", "pp", "tp"}``, whose ``tp`` axis varies fastest).
     """
     if example_input is None:
         return [], ["pipelines not priced: they need example_input=(inputs, target)"]
@@ -197,15 +215,18 @@ def pipeline_layouts(
             + (f" of {len(example_input)}" if isinstance(example_input, tuple) else "")
         )
     layouts, notes = [], []
-    for pp in split_sizes(world_size, world_size):
-        inputs, target = widened(example_input, pp)
-        batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) else 0
-        for m in microbatch_counts(pp, batch):
-            try:
-                layouts.append(_layout(model, pp, m, rank % pp, inputs, target, mp))
-            except Exception as e:  # a layout that cannot be built is not priced, and says why
-                notes.append(f"not priced: pp={pp} m={m}: {first_line(e)}")
-                break
+    for tp in tp_sizes:
+        for pp in split_sizes(world_size // tp, world_size // tp):
+            inputs, target = widened(example_input, pp * tp)
+            batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) else 0
+            for m in microbatch_counts(pp, batch):
+                stage = rank // tp % pp
+                try:
+                    layouts.append(_layout(model, pp, m, stage, inputs, target, mp, tp))
+                except Exception as e:  # a layout that cannot be built is not priced: why
+                    name = f"tp={tp} " if tp > 1 else ""
+                    notes.append(f"not priced: {name}pp={pp} m={m}: {first_line(e)}")
+                    break
     if not layouts and not notes:
         notes.append(f"no pipeline size divides {world_size} ranks and a batch")
     return layouts, notes
@@ -219,6 +240,7 @@ def _layout(
     inputs: torch.Tensor,
     target: Any,
     mp: MixedPrecision | None,
+    tp: int = 1,
 ) -> PipelineLayout:
     twin = meta_copy(model)
     assert isinstance(twin, WithLoss)
@@ -236,6 +258,14 @@ def _layout(
         for part in parts[:stage]:
             for name in part:
                 x = by_name[name](x)
+    whole = _trainable(by_name[n] for n in parts[stage])
+    if tp > 1:  # as sl.pipeline(tp_group=) rewrites it: the whole chain's plan, this stage's part
+        group = MetaGroup(tp)
+        plan = whole_plan(twin.chain, group, "auto")  # type: ignore[arg-type]
+        mine_names = set(parts[stage])
+        part_plan = {n: v for n, v in plan.items() if n.split(".")[0] in mine_names}
+        tensor_parallel(twin.chain, group, part_plan)  # type: ignore[arg-type]
+        by_name = {n: twin.chain.get_submodule(n) for n in parts[stage]}
     mine = nn.Sequential(*(by_name[n] for n in parts[stage]))
     last = stage == pp - 1
     if last:
@@ -250,10 +280,25 @@ def _layout(
     kept, _again = count_activations(priced, args, mp)
     low = mp.param_dtype if mp is not None else None
     deferred = kept_bytes(mine, x, low) if stage > 0 and deferrable(mine) else 0
+    split = 0.0
+    traffic: tuple[tuple[str, str, int, int], ...] = ()
+    if tp > 1:
+        per_rank = _trainable([mine])
+        split = (whole - per_rank) / (whole * (1 - 1 / tp)) if whole else 0.0
+        split = min(max(split, 0.0), 1.0)
+        # a later stage's input needs its gradient: its first layer's backward collective
+        grad_in = (x.requires_grad_(stage > 0 and x.is_floating_point()), *args[1:])
+        traffic = counted_traffic(TensorLayout(tp, priced, split), grad_in, None).traffic
     return PipelineLayout(
         pp, m, stage, priced, share, kept, boundary, tuple(tuple(p) for p in parts),
-        casts(mine, low) if low is not None else 0, deferred,
+        casts(mine, low) if low is not None else 0, deferred, tp, split, traffic,
     )  # fmt: skip
+
+
+def _trainable(modules: Any) -> int:
+    """Trainable elements of ``modules``, each parameter once."""
+    seen = {id(p): p.numel() for mod in modules for p in mod.parameters() if p.requires_grad}
+    return sum(seen.values())
 
 
 # The layers whose weights autocast casts to the lower dtype (its matmul-like ops).

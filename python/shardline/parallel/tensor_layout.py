@@ -27,7 +27,7 @@ from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.tensor import tensor_parallel
 from shardline.parallel.timing import call_args, loss_of
 
-__all__ = ["TensorLayout", "counted_traffic", "priced_layouts", "tensor_layout"]
+__all__ = ["MetaGroup", "TensorLayout", "counted_traffic", "priced_layouts", "tensor_layout"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def tensor_layout(model: nn.Module, t: int) -> TensorLayout | str:
     """
     twin = meta_copy(model)
     try:
-        split = tensor_parallel(twin, _MetaGroup(t), "auto")  # type: ignore[arg-type]
+        split = tensor_parallel(twin, MetaGroup(t), "auto")  # type: ignore[arg-type]
     except Exception as e:  # a layout that cannot be built is not priced, and says why
         return f"tp={t}: {first_line(e)}"
     whole = _trainable(model)
@@ -83,7 +83,9 @@ def counted_traffic(
         dtype = x.dtype
         if mp is not None and x.is_floating_point():
             dtype = mp.compute_dtype(x.dtype)
-        return torch.empty(x.shape, dtype=dtype, device="meta")
+        # an input that needs its gradient keeps needing it (a pipeline stage's)
+        wants = x.requires_grad and dtype.is_floating_point
+        return torch.empty(x.shape, dtype=dtype, device="meta").requires_grad_(wants)
 
     args, kwargs = call_args(_map_tensors(example_input, meta))
     state = {
@@ -140,22 +142,22 @@ def _trainable(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def _group_of(model: nn.Module) -> _MetaGroup | None:
+def _group_of(model: nn.Module) -> MetaGroup | None:
     for m in model.modules():
         g = getattr(m, "group", None)
-        if isinstance(g, _MetaGroup):
+        if isinstance(g, MetaGroup):
             return g
     return None
 
 
-class _MetaGroup:
+class MetaGroup:
     """Stands in for a tensor-parallel group of ``t`` ranks, as rank 0, on the meta device.
 
     Collectives record ``(phase, op, bytes)`` while ``recording`` and change nothing: on meta
     tensors there is nothing to move, and every rank holds the same shapes.
     """
 
-    def __init__(self, t: int, members: list[_MetaGroup] | None = None) -> None:
+    def __init__(self, t: int, members: list[MetaGroup] | None = None) -> None:
         self.world_size = t
         self.rank = 0
         self.device = torch.device("meta")
@@ -172,23 +174,28 @@ class _MetaGroup:
             self.calls.append((self._phase, op, t.numel() * t.element_size()))
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> None:
+        """Records the all-reduce of ``tensor``."""
         self._note("all_reduce", tensor)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> None:
+        """Records the all-gather into ``out``."""
         self._note("all_gather", out)
 
     def reduce_scatter(
         self, out: torch.Tensor, tensor: torch.Tensor, op: str = "sum", async_op: bool = False
     ) -> None:
+        """Records the reduce-scatter of ``tensor``."""
         self._note("reduce_scatter", tensor)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> None:
+        """Records the broadcast of ``tensor``."""
         self._note("broadcast", tensor)
 
-    def new_group(self, ranks: list[int]) -> _MetaGroup | None:
+    def new_group(self, ranks: list[int]) -> MetaGroup | None:
+        """A sub-group of ``ranks`` that records with this one (``None`` without rank 0)."""
         if 0 not in ranks:
             return None
-        sub = _MetaGroup(len(ranks), self._members)
+        sub = MetaGroup(len(ranks), self._members)
         self._members.append(sub)
         return sub
 
@@ -197,7 +204,7 @@ class _Phase:
     """Within it, the groups record their collectives under ``phase`` into one list."""
 
     def __init__(
-        self, members: list[_MetaGroup], phase: str, into: list[tuple[str, str, int]]
+        self, members: list[MetaGroup], phase: str, into: list[tuple[str, str, int]]
     ) -> None:
         self.members, self.phase, self.into = members, phase, into
 

@@ -41,7 +41,7 @@ from shardline.parallel.tensor.auto import (
 from shardline.parallel.tensor.plan import tensor_parallel
 from shardline.parallel.tensor.styles import Colwise
 
-__all__ = ["SCHEDULES", "Action", "PipelineModule", "build", "pipeline"]
+__all__ = ["SCHEDULES", "Action", "PipelineModule", "build", "pipeline", "whole_plan"]
 
 
 def pipeline(
@@ -170,7 +170,7 @@ def pipeline(
     by_name = dict(children)
     infos = tensor_infos(model)
     tied = find_tied(model, parts, g.world_size)
-    plan = _whole_plan(model, tp, tp_plan) if tp is not None else None
+    plan = whole_plan(model, tp, tp_plan) if tp is not None else None
     keep_only(model, mine)
     meta = is_meta(model)
     if meta:
@@ -204,9 +204,7 @@ def pipeline(
     return stage
 
 
-def _whole_plan(
-    model: nn.Module, tp: ProcessGroup, plan: str | Mapping[str, Any]
-) -> dict[str, Any]:
+def whole_plan(model: nn.Module, tp: ProcessGroup, plan: str | Mapping[str, Any]) -> dict[str, Any]:
     """The tensor-parallel plan of the whole (uncut) model, by its names.
 
     ``"auto"`` also splits the vocabulary's embedding and output head by vocabulary, tied
