@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import shardline as sl
 from shardline.comm import ProcessGroup
+from shardline.comm.symmetric import wait_for_releases
 from shardline.errors import CommunicatorClosedError, InvalidArgumentError, ShardlineError
 from shardline.parallel import DistributedDataParallel
 from tests._ranks import new_store, run_ranks
@@ -754,7 +755,10 @@ def test_buckets_live_in_symmetric_memory_and_the_rebuild_frees_the_first_ones()
         assert all(in_symmetric_memory(b.flat) for b in model._buckets)
         first = [b.flat.data_ptr() for b in model._buckets]
         train(model, g.rank, steps=1)
-        g.barrier()  # every rank has rebuilt
+        g.barrier()  # every rank has rebuilt and dropped its first buckets
+        # Their releases were queued (comm/symmetric.py's release thread does them); none of
+        # this group's ranks is in a collective until every rank has seen them done.
+        assert wait_for_releases()
         after_rebuild = len(symmetric_ranges())
         g.barrier()
         grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
@@ -768,7 +772,7 @@ def test_buckets_live_in_symmetric_memory_and_the_rebuild_frees_the_first_ones()
     assert all(r[0] for r in results) and results[0][2] > 1
     # 3 ranks each map the 3 segments of the one arena left: the first is gone on every rank
     assert [r[1] - before for r in results] == [9, 9, 9]
-    assert len(symmetric_ranges()) == before
+    assert wait_for_releases() and len(symmetric_ranges()) == before
     # and the values are the reduced gradients (every rank holds the same)
     for r in results[1:]:
         assert_equal_lists(r[3], results[0][3], exact=True)

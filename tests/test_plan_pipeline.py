@@ -41,8 +41,8 @@ def chain() -> nn.Sequential:
     return copy.deepcopy(_pristine())
 
 
-def planned() -> sl.StrategyPlan:
-    """Rank 0's plan of the chain over 2 ranks, pipelines priced, on rank 0's batch."""
+def planned(rank: int = 0) -> sl.StrategyPlan:
+    """Rank ``rank``'s plan of the chain over 2 ranks, pipelines priced, on rank 0's batch."""
     return sl.plan_strategy(
         chain(),
         world_size=2,
@@ -51,6 +51,7 @@ def planned() -> sl.StrategyPlan:
         device="cpu",
         pipeline=True,
         loss_fn=lm_loss,
+        rank=rank,
     )
 
 
@@ -86,8 +87,12 @@ def test_a_stage_holds_and_keeps_what_sl_pipeline_does(schedule: str) -> None:
     the second stage's layers defer their weight gradients (``pipeline.deferred``), and
     there such a micro-batch keeps only each linear layer's input and output gradient."""
     example = tokens(0)
-    priced = {
-        rank: pipeline_layouts(with_loss(chain(), lm_loss), 2, rank, example, None)[0]
+    priced = {  # one stage per rank (interleaved's are checked on their own)
+        rank: [
+            layout
+            for layout in pipeline_layouts(with_loss(chain(), lm_loss), 2, rank, example, None)[0]
+            if layout.virtual == 1
+        ]
         for rank in (0, 1)
     }
 
@@ -131,7 +136,7 @@ def test_the_step_model_prices_1f1b_slots_of_the_slowest_stage() -> None:
     compute = Compute(forward=0.010, backward=0.020, host=0.001)
     probes = Probes({(None, None): compute}, 0.0, Link(1e-4, 1e9), 0.5, 0.0)
     timed = plan.timed(probes)
-    pipes = [c for c in timed.candidates if c.pp == 2 and c.schedule == "1f1b"]
+    pipes = [c for c in timed.candidates if c.pp == 2 and c.schedule == "1f1b" and not c.recompute]
     assert [c.name for c in pipes] == ["ddp pp=2 m=2", "ddp pp=2 m=4", "ddp pp=2 m=8"]
     for c in pipes:
         layout = next(p for p in plan.pipelines if p.microbatches == c.microbatches)
@@ -159,6 +164,119 @@ def test_the_step_model_prices_1f1b_slots_of_the_slowest_stage() -> None:
         assert zb.estimate.activations == c.estimate.activations == 2 * layout.kept
 
 
+def test_interleaved_stages_hold_keep_and_train_as_sl_pipeline_does() -> None:
+    """Interleaved 1F1B over 2 ranks, 2 stages each (the chain cut into 4): per micro-batch
+    count, each rank's stages and parameters, and the micro-batches each of its stages keeps
+    at once (the pipeline's own count) against the walk of the schedule the price takes;
+    the bytes at once are that walk with each stage's own activations. The m=4 choice,
+    trained on the replica's batch, follows one process's losses."""
+    x, y = tokens(0)
+    plans = {rank: planned(rank) for rank in (0, 1)}
+    batch = widened((x, y), 2)
+    alone = WithLoss(copy.deepcopy(chain()), lm_loss)
+    opt = torch.optim.SGD(alone.parameters(), lr=0.1)
+    expected = []
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        loss = alone(*batch)
+        loss.backward()
+        expected.append(float(loss.detach()))
+        opt.step()
+
+    def body(g: ProcessGroup) -> tuple[list[tuple[Any, ...]], list[float]]:
+        torch.set_num_threads(1)
+        seen = []
+        for c in plans[g.rank].candidates:
+            if c.schedule == "interleaved":
+                stage = wrap_choice(with_loss(chain(), lm_loss), c, g, None, {}, {}, (x, y))
+                stage.step(*batch)
+                held = sorted(tuple(p.shape) for p in stage.parameters())
+                seen.append((c.microbatches, held, dict(stage.peak_activations)))
+        chosen = next(
+            c for c in plans[g.rank].candidates if c.name == "ddp pp=2 m=4 schedule=interleaved"
+        )
+        stage = wrap_choice(with_loss(chain(), lm_loss), chosen, g, None, {}, {}, (x, y))
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(stage.step(*batch)))
+            opt.step()
+        return seen, losses
+
+    for rank, (seen, losses) in enumerate(run_ranks(2, body, timeout=120)):
+        assert len(seen) == 3
+        for m, held, peak in seen:
+            layout = next(p for p in plans[rank].pipelines if (p.microbatches, p.virtual) == (m, 2))
+            assert layout.split == (("embed",), ("block0",), ("block1",), ("head",))
+            assert sorted(tuple(p.shape) for p in layout.model.parameters()) == held
+            live: dict[int, int] = {}
+            walked: dict[int, int] = {}
+            for a in schedules.build("interleaved", 2, m, 2)[rank]:
+                live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
+                walked[a.stage] = max(walked.get(a.stage, 0), live[a.stage])
+            assert peak == walked and set(peak) == {rank, rank + 2}
+            assert max(layout.chunk_kept) <= layout.activations("interleaved")
+            assert layout.activations("interleaved") <= sum(
+                k * walked[s] for s, k in zip((rank, rank + 2), layout.chunk_kept, strict=True)
+            )
+        assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_the_step_model_prices_interleaved_stages_in_a_shorter_bubble_with_more_sends() -> None:
+    """Interleaved 1F1B: the simulated step of 4 stages over 2 ranks (each of them a half of a
+    rank's forward and backward) is shorter than 1F1B's; each of the rank's stages sends
+    every micro-batch on and takes its gradient back."""
+    plan = planned()
+    compute = Compute(forward=0.010, backward=0.020, host=0.001)
+    timed = plan.timed(Probes({(None, None): compute}, 0.0, Link(1e-4, 1e9), 0.5, 0.0))
+    by_name = {c.name: c for c in timed.candidates}
+    for m in (2, 4, 8):
+        c = by_name[f"ddp pp=2 m={m} schedule=interleaved"]
+        layout = next(p for p in plan.pipelines if (p.microbatches, p.virtual) == (m, 2))
+        assert c.distribute_strategy == {"pp": "interleaved"}
+        ratio = step_ratio("interleaved", 2, m, 0.010, 0.020, 2)
+        assert ratio < step_ratio("1f1b", 2, m, 0.010, 0.020) == pytest.approx((m + 1) / m)
+        assert c.time is not None
+        assert c.time.compute == pytest.approx(0.030 * 2 * layout.share * ratio)
+        # rank 0 holds stages 0 and 2: both send on (stage 1's and 3's inputs)
+        assert c.time.comm == pytest.approx(2 * (2 * m * 1e-4 + m * layout.boundary / 1e9))
+
+
+def test_a_recomputing_pipeline_keeps_each_stages_input_and_output_and_runs_forward_twice() -> None:
+    """1F1B with each stage recomputing its forward (``sl.pipeline(recompute=True)``): a
+    micro-batch in flight keeps the stage's input and output, by hand from the model's widths
+    (the first stage's input is a slice of the batch), the one whose backward runs makes its
+    activations again; its backward costs a forward more."""
+    compute = Compute(forward=0.010, backward=0.020, host=0.001)
+    probes = Probes({(None, None): compute}, 0.0, Link(1e-4, 1e9), 0.5, 0.0)
+    for rank in (0, 1):
+        plan = sl.plan_strategy(
+            chain(), world_size=2, available_bytes=1 << 30, example_input=tokens(0),
+            device="cpu", pipeline=True, loss_fn=lm_loss, rank=rank,
+        )  # fmt: skip
+        assert (None, None) in plan.to_time() and all(r is None for r, _ in plan.to_time())
+        by_name = {c.name: c for c in plan.timed(probes).candidates}
+        for m in (2, 4, 8):
+            again = by_name[f"ddp recompute=full pp=2 m={m}"]
+            plain = by_name[f"ddp pp=2 m={m}"]
+            layout = next(p for p in plan.pipelines if p.microbatches == m)
+            # a pp=2 pipeline trains both ranks' batches: 8 sequences over m micro-batches
+            stream = 8 // m * CFG.seq_len * CFG.d_model * 4  # the residual stream, fp32
+            assert layout.held == stream  # stage 0's output; stage 1's input
+            in_flight = 2 - rank  # 1F1B: min(m, pp - stage)
+            assert again.estimate.activations == in_flight * stream
+            assert again.estimate.recomputed == layout.kept
+            assert plain.estimate.activations == in_flight * layout.kept
+            if rank == 0:  # two micro-batches' inputs and outputs instead of their activations
+                assert again.estimate.total < plain.estimate.total
+            assert again.distribute_strategy == {"pp": "1f1b"} and again.order > plain.order
+            # Its backward is a forward and a backward: 1F1B's (m + 1) / m slots of 0.040.
+            assert step_ratio("1f1b", 2, m, 0.010, 0.030) == pytest.approx((m + 1) / m)
+            assert again.time is not None and plain.time is not None
+            assert again.time.compute == pytest.approx(plain.time.compute * 4 / 3)
+
+
 def test_a_zero_bubble_pipeline_is_tried_beside_its_1f1b_twin() -> None:
     """Its split backward is not in the step model: where it is predicted among the fastest,
     its 1F1B twin (same stages, micro-batches and replicas) is tried too."""
@@ -182,12 +300,20 @@ def test_a_zero_bubble_pipeline_is_tried_beside_its_1f1b_twin() -> None:
     assert [c.name for c in to_try(agreed)] == ["ddp", "zero1", "zero2", "zero3"]
 
 
-def test_the_pipeline_choice_trains_as_one_process_on_the_replica_batch() -> None:
-    """A pipeline choice as ``as_distributed`` builds it, stepped with the replica's batch on
-    both ranks, trains to one process's losses on that batch."""
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_the_pipeline_choice_trains_as_one_process_on_the_replica_batch(
+    recompute: str | None,
+) -> None:
+    """A pipeline choice as ``as_distributed`` builds it (its stages recomputing or not),
+    stepped with the replica's batch on both ranks, trains to one process's losses on that
+    batch."""
     x, y = tokens(0)
     plan = planned()
-    choice = next(c for c in plan.candidates if c.pp == 2 and c.microbatches == 4)
+    choice = next(
+        c
+        for c in plan.candidates
+        if c.pp == 2 and c.microbatches == 4 and c.schedule == "1f1b" and c.recompute == recompute
+    )
     batch = widened((x, y), 2)
 
     def train(step: Any, params: Any) -> list[float]:
@@ -227,7 +353,8 @@ def test_as_distributed_prices_times_and_agrees_on_pipelines_and_every_choice_st
         )  # fmt: skip
         plan = model.plan
         pipes = [c for c in plan.candidates if c.pp == 2]
-        assert len(pipes) == 6 and all(c.fits and c.time is not None for c in pipes)
+        # 2, 4 and 8 micro-batches by 1F1B, zero-bubble, 1F1B recomputing and interleaved
+        assert len(pipes) == 12 and all(c.fits and c.time is not None for c in pipes)
         choice = plan.choice
         assert model.batch_scale == choice.batch_scale
         if choice.pp == 2:
@@ -272,7 +399,7 @@ def test_a_tried_pipeline_is_stepped() -> None:
 def test_where_the_host_runs_ahead_a_pipeline_launches_its_stage_once_per_microbatch() -> None:
     """On CUDA the host's time goes with the kernels launched: ``m`` micro-batches of a stage
     holding ``share`` of the chain issue ``m * share`` times the probe's; on CPU it goes with
-    the work, as the compute does."""
+    the work, as the compute does. A recomputing stage launches its forward again."""
     plan = planned()
     host_bound = {(None, None): Compute(forward=0.001, backward=0.002, host=0.010)}
     for ahead in (True, False):
@@ -280,10 +407,13 @@ def test_where_the_host_runs_ahead_a_pipeline_launches_its_stage_once_per_microb
         for c in plan.timed(probes).candidates:
             if c.pp != 2:
                 continue
-            layout = next(p for p in plan.pipelines if p.microbatches == c.microbatches)
-            m = c.microbatches
-            scale = 2 * layout.share * step_ratio(c.schedule, 2, m, 0.001, 0.002)
-            host = 0.010 * (m * layout.share if ahead else scale)
+            m, virtual = c.microbatches, 2 if c.schedule == "interleaved" else 1
+            layout = next(p for p in plan.pipelines if (p.microbatches, p.virtual) == (m, virtual))
+            again = 0.001 if c.recompute else 0.0  # a recomputing backward runs forward again
+            grow = (0.003 + again) / 0.003
+            ratio = step_ratio(c.schedule, 2, m, 0.001, 0.002 + again, virtual)
+            scale = 2 * layout.share * ratio * grow
+            host = 0.010 * (m * layout.share * grow if ahead else scale)
             assert c.time is not None
             assert c.time.compute + c.time.exposed == pytest.approx(host, rel=1e-3)
 

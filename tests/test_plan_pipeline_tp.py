@@ -45,7 +45,7 @@ def test_pipelines_of_tensor_parallel_stages_are_priced_beside_the_others() -> N
     plan = planned()
     names = [c.name for c in plan.candidates]
     both = [c for c in plan.candidates if c.pp > 1 and c.tp > 1]
-    assert [c.name for c in both if c.schedule == "1f1b"] == [
+    assert [c.name for c in both if c.schedule == "1f1b" and not c.recompute] == [
         "ddp tp=2 pp=2 m=2", "ddp tp=2 pp=2 m=4", "ddp tp=2 pp=2 m=8",
     ]  # fmt: skip
     assert "ddp tp=2" in names and "ddp pp=2 m=4" in names and "ddp pp=4 m=4" in names
@@ -100,11 +100,15 @@ def test_a_tensor_parallel_stage_holds_keeps_and_trains_as_sl_pipeline_does() ->
         plan, meshes = plans[g.rank], {}
         seen = []
         for c in plan.candidates:
-            if c.tp == 2 and c.pp == 2 and c.schedule == "1f1b":
+            if c.tp == 2 and c.pp == 2 and c.schedule == "1f1b" and not c.recompute:
                 stage = wrap_choice(with_loss(chain(), lm_loss), c, g, None, {}, meshes, (x, y))
                 stage.step(*batch)
                 held = sorted(tuple(p.shape) for p in stage.parameters())
                 seen.append((c.microbatches, held, dict(stage.peak_activations)))
+        # recomputing too: it builds, and its first step gives one process's first loss
+        again = next(c for c in plan.candidates if c.name == "ddp recompute=full tp=2 pp=2 m=4")
+        stage = wrap_choice(with_loss(chain(), lm_loss), again, g, None, {}, meshes, (x, y))
+        seen.append(("recompute", float(stage.step(*batch)), stage.recompute))
         chosen = next(c for c in plan.candidates if c.name == "ddp tp=2 pp=2 m=4")
         stage = wrap_choice(with_loss(chain(), lm_loss), chosen, g, None, {}, meshes, (x, y))
         losses = train(stage.step, stage.parameters())
@@ -116,7 +120,9 @@ def test_a_tensor_parallel_stage_holds_keeps_and_trains_as_sl_pipeline_does() ->
 
     for rank, (seen, losses) in enumerate(run_ranks(4, body, timeout=120)):
         plan, stage = plans[rank], rank // 2  # the tp axis varies fastest
-        assert len(seen) == 3
+        assert len(seen) == 4
+        (_, loss, recomputing) = seen.pop()
+        assert recomputing and loss == pytest.approx(expected[0], rel=1e-5)
         for m, held, peak in seen:
             layout = next(p for p in plan.pipelines if (p.size, p.tp, p.microbatches) == (2, 2, m))
             assert layout.stage == stage
@@ -134,7 +140,7 @@ def test_the_step_model_splits_a_stage_over_its_tp_ranks_and_waits_for_their_col
     latency, bandwidth = 1e-4, 1e9
     timed = plan.timed(Probes({(None, None): compute}, 0.0, Link(latency, bandwidth), 0.5, 0.0))
     for c in timed.candidates:
-        if not (c.tp == 2 and c.pp == 2 and c.schedule == "1f1b"):
+        if not (c.tp == 2 and c.pp == 2 and c.schedule == "1f1b") or c.recompute:
             continue
         layout = next(
             p for p in plan.pipelines if (p.size, p.tp, p.microbatches) == (2, 2, c.microbatches)

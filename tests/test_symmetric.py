@@ -23,7 +23,7 @@ import torch
 import shardline as sl
 from shardline import _native
 from shardline.comm import ProcessGroup
-from shardline.comm.symmetric import SymmetricArena, wants_symmetric
+from shardline.comm.symmetric import SymmetricArena, wait_for_releases, wants_symmetric
 from tests._ranks import THREAD_PREFIX, run_ranks
 from tests._symmetric_maps import symmetric_ranges
 
@@ -214,9 +214,11 @@ def mappings() -> int:
 
 
 def test_the_mappings_go_when_the_last_tensor_does() -> None:
+    """The last tensor on an allocation going queues its release; ``wait_for_releases``
+    returns once it is done (every rank queued its own before the barrier)."""
     before = mappings()
 
-    def body(g: ProcessGroup) -> int:
+    def body(g: ProcessGroup) -> tuple[int, int]:
         t = sl.symmetric_empty(1 << 16, group=g)
         view = t[100:200]
         g.all_reduce(t)
@@ -228,10 +230,12 @@ def test_the_mappings_go_when_the_last_tensor_does() -> None:
         del view
         gc.collect()
         g.barrier()
-        return held
+        assert wait_for_releases()
+        return held, mappings()
 
-    held = run_ranks(3, body)
-    assert max(held) - before >= 3  # this rank's mappings of the three segments, at least
+    counts = run_ranks(3, body)
+    assert max(held for held, _ in counts) - before >= 3  # every rank's three, at least
+    assert [after for _, after in counts] == [before] * 3, "a release was not done"
     assert mappings() == before, "the engine kept the segments after their tensors went"
 
 

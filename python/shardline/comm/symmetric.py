@@ -301,7 +301,9 @@ def _symmetric_memory(
 # of one process (tests/_ranks.py), rank 0's gc.collect() (trials.py runs one after each
 # trial) ran rank 1's finalizer, so rank 0 waited for rank 1's collective while rank 1 waited
 # in it for rank 0: a hang until the op timed out. SimpleQueue.put is safe in finalizers.
-_RELEASES: queue.SimpleQueue[tuple[weakref.ref[_native.Group], int]] = queue.SimpleQueue()
+# An event in the queue is set once every release queued before it is done.
+_RELEASES: queue.SimpleQueue[tuple[weakref.ref[_native.Group], int] | threading.Event]
+_RELEASES = queue.SimpleQueue()
 _releaser: threading.Thread | None = None
 _releaser_lock = threading.Lock()
 
@@ -316,9 +318,29 @@ def _start_releaser() -> None:
             _releaser.start()
 
 
+def wait_for_releases(timeout: float = 30.0) -> bool:
+    """Waits until this process has released every symmetric allocation dropped so far.
+
+    The last tensor on an allocation going only queues its release (its mappings of the
+    peers' segments); a thread of this process does it as soon as the group is between
+    collectives. Call this where no rank of the group is inside a collective, or it waits
+    for those to end. Returns whether it finished within ``timeout`` seconds.
+    """
+    with _releaser_lock:
+        if _releaser is None or not _releaser.is_alive():
+            return True  # nothing was ever queued in this process (or since a fork)
+    done = threading.Event()
+    _RELEASES.put(done)
+    return done.wait(timeout)
+
+
 def _release_queued() -> None:
     while True:
-        native, index = _RELEASES.get()
+        item = _RELEASES.get()
+        if isinstance(item, threading.Event):
+            item.set()
+            continue
+        native, index = item
         try:
             _release(native, index)
         except Exception:  # keep releasing the others

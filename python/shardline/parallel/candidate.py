@@ -25,7 +25,8 @@ class Candidate:
         estimate: Bytes per rank, by component (``estimate_memory``'s).
         fits: Its total is within the device budget, and under offload its host part within
             the host budget.
-        recompute: The blocks' recompute policy, or ``None``.
+        recompute: The blocks' recompute policy, or ``None``; for a pipeline ``"full"``,
+            each stage recomputing its forward (``sl.pipeline(recompute=True)``).
         time: Its predicted step (``StrategyPlan.timed``); ``None`` until timed, and for
             the offloads.
         tp: Tensor-parallel ranks per replica (``sl.tensor_parallel``'s ``"auto"`` plan), 1

@@ -24,7 +24,7 @@ from shardline.parallel.compose import compose
 from shardline.parallel.data.ddp import DistributedDataParallel
 from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.layout_meta import widened
-from shardline.parallel.pipeline_layout import WithLoss
+from shardline.parallel.pipeline_layout import VIRTUAL, WithLoss
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import recompute_blocks
 
@@ -91,6 +91,10 @@ def _pipelined(
         # the micro-batch the stages are balanced on: the one they were priced on
         "example": inputs.chunk(choice.microbatches)[0],
     }
+    if choice.recompute is not None:  # each stage recomputes its forward in backward
+        options["recompute"] = True
+    if choice.schedule == "interleaved":
+        options["virtual_stages"] = VIRTUAL
     if mixed_precision is not None and mixed_precision.param_dtype is not None:
         # the stages autocast; their gradients are reduced in the weights' own dtype
         options["mixed_precision"] = MixedPrecision(param_dtype=mixed_precision.param_dtype)

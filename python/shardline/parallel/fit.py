@@ -27,7 +27,9 @@ from shardline.parallel.data.zero.grouping import default_unit_mb, default_units
 from shardline.parallel.layout_meta import widened
 from shardline.parallel.memory_available import available_memory, default_device
 from shardline.parallel.pipeline_layout import (
+    SCHEDULE,
     SCHEDULES,
+    VIRTUAL,
     PipelineLayout,
     WithLoss,
     pipeline_layouts,
@@ -54,6 +56,15 @@ from shardline.parallel.timing import (
     compute_dtype,
     predict,
 )
+
+# A pipeline's schedules on one stage per rank, then 1F1B with each stage recomputing its
+# forward in backward (``sl.pipeline(recompute=True)``: a micro-batch keeps only the stage's
+# input and output); interleaved 1F1B on its own cut (``PipelineLayout.virtual``).
+_PIPELINE_CHOICES: tuple[tuple[str, str | None], ...] = (
+    *((schedule, None) for schedule in SCHEDULES if schedule != "interleaved"),
+    (SCHEDULE, "full"),
+)
+_INTERLEAVED: tuple[tuple[str, str | None], ...] = (("interleaved", None),)
 
 __all__ = [
     "CHOICES",
@@ -121,8 +132,8 @@ class StrategyPlan:
                 + e.activations
                 + e.recomputed
             )
-            if probe <= self.budget:
-                keys[(c.recompute, dtype)] = None
+            if probe <= self.budget:  # a pipeline's recomputation is priced from the plain probe
+                keys[(c.recompute if c.pp == 1 else None, dtype)] = None
         return list(keys)
 
     def timed(self, probes: Probes) -> StrategyPlan:
@@ -181,20 +192,28 @@ class StrategyPlan:
         ``(m + pp - 1) / m``, ``m + pp - 1`` slots), simulated with the probe's forward and
         backward. Each micro-batch's activation crosses the cut forward and its gradient
         back. Where the host issues ahead (CUDA), it launches the stage's kernels once per
-        micro-batch: ``m`` times ``share`` of the probe's, whatever their size.
+        micro-batch: ``m`` times ``share`` of the probe's, whatever their size. A stage that
+        recomputes runs each micro-batch's forward again in its backward: simulated so, its
+        compute and launches grow by that forward.
         """
+        virtual = VIRTUAL if c.schedule == "interleaved" else 1
         layout = next(
             p
             for p in self.pipelines
-            if (p.size, p.microbatches, p.tp) == (c.pp, c.microbatches, c.tp)
+            if (p.size, p.microbatches, p.tp, p.virtual) == (c.pp, c.microbatches, c.tp, virtual)
         )
         m, pp = c.microbatches, c.pp
         probe = probes.compute.get((None, self._dtype(c)))
         if probe is None:
             return None
-        ratio = step_ratio(c.schedule, pp, m, probe.forward, probe.backward)
-        sends = [
-            Collective(phase, "send", m, m * layout.boundary) for phase in ("forward", "backward")
+        f, b = probe.forward, probe.backward
+        # A recomputing stage runs each micro-batch's forward again in its backward.
+        again = f if c.recompute is not None else 0.0
+        grow = (f + b + again) / (f + b) if f + b > 0 else 1.0
+        ratio = step_ratio(c.schedule, pp, m, f, b + again, virtual) * grow
+        sends = [  # interleaved: each of the rank's stages sends on (the last one but once)
+            Collective(phase, "send", m * virtual, m * layout.boundary)
+            for phase in ("forward", "backward")
         ] if layout.boundary else []  # fmt: skip
         # With tp ranks per stage: the split layers' share of the stage's compute on 1 / tp
         # each, and their collectives per micro-batch (counted in the model's dtype).
@@ -208,7 +227,8 @@ class StrategyPlan:
         return predict(
             c.strategy, None, c.estimate.num_units, ModelShape.of(layout.model),
             c.estimate.world_size, self.mixed_precision, probes, dtype=self._dtype(c),
-            scale=pp * layout.share * ratio * split, launches=m * layout.share,
+            scale=pp * layout.share * ratio * split,
+            launches=m * layout.share * grow,
             blocking=sends + tp_calls, blocking_world=c.tp,
         )  # fmt: skip
 
@@ -340,10 +360,12 @@ def plan_strategy(
     ``tp`` ranks' batches (the same global batch). With ``pipeline`` (an ``nn.Sequential``
     and its ``loss_fn``; ``example_input`` is then ``(inputs, target)``), after them come
     1F1B and zero-bubble pipelines over ``pp`` = 2, 4, ... ranks with ``pp``, ``2 pp`` and ``4 pp``
-    micro-batches, DDP or ZeRO over the ``N / pp`` replicas (``pipeline_layouts``: this
-    rank's stage); with both, also those pipelines with each stage split over ``tp`` ranks
-    (a mesh ``{"dp", "pp", "tp"}``, ``N / (pp tp)`` replicas). When none fits, the choice is
-    ``zero3``, with a reason that says by how much it is short.
+    micro-batches, 1F1B with each stage recomputing its forward, and interleaved 1F1B with
+    ``VIRTUAL`` stages per rank, DDP or ZeRO over the ``N / pp`` replicas
+    (``pipeline_layouts``: this rank's stage); with both, also those pipelines (but
+    interleaved) with each stage split over ``tp`` ranks (a mesh ``{"dp", "pp", "tp"}``,
+    ``N / (pp tp)`` replicas). When none fits, the choice is ``zero3``, with a reason that
+    says by how much it is short.
 
     Args:
         model: The plain model.
@@ -450,20 +472,21 @@ def plan_strategy(
         pp_unit = unit_mb if unit_mb is not None else default_unit_mb(
             on, sum(p.nbytes for p in pipe.model.parameters())
         )  # fmt: skip
-        for schedule in SCHEDULES:
+        for schedule, recompute in _INTERLEAVED if pipe.virtual > 1 else _PIPELINE_CHOICES:
             for name in strategies.BY_MEMORY if dp > 1 else ("ddp",):
                 # DDP replicas keep the weights in their dtype: the stages' autocast casts
                 # them, and keeps the casts over the step. ZeRO's gather them in the
                 # compute dtype: nothing to cast.
                 mp = None if name == "ddp" else (mixed_precision or MixedPrecision())
-                kept = pipe.activations(schedule) + (pipe.cast if name == "ddp" else 0)
+                kept = pipe.activations(schedule, recompute is not None)
+                kept += pipe.cast if name == "ddp" else 0
                 e = _estimate(
                     pipe.model, name, dp, k, mp, pp_unit, prefetch, kept, True, [],
-                    unit_rule=rule,
+                    unit_rule=rule, recomputed=pipe.kept if recompute else 0,
                 )  # fmt: skip
                 candidates.append(
-                    Candidate(name, None, e, e.total <= budget, tp=pipe.tp, pp=pipe.size,
-                              microbatches=pipe.microbatches, schedule=schedule)
+                    Candidate(name, None, e, e.total <= budget, recompute, tp=pipe.tp,
+                              pp=pipe.size, microbatches=pipe.microbatches, schedule=schedule)
                 )  # fmt: skip
     host_budget = 0.0
     if on.type == "cuda":  # the host can hold what the device cannot: offload

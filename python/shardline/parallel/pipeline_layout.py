@@ -46,6 +46,7 @@ from shardline.parallel.tensor_layout import MetaGroup, TensorLayout, counted_tr
 __all__ = [
     "SCHEDULE",
     "SCHEDULES",
+    "VIRTUAL",
     "PipelineLayout",
     "WithLoss",
     "casts",
@@ -57,9 +58,11 @@ __all__ = [
 
 SCHEDULE = "1f1b"  # a pipeline choice's schedule unless it names another
 # The schedules priced. ZB-H1 keeps at most 1F1B's micro-batches in flight and fills the
-# bubbles with the deferred weight passes. GPipe keeps all ``m`` at 1F1B's bubble (never
-# better than 1F1B); interleaved needs the chain cut into virtual stages, not priced yet.
-SCHEDULES = ("1f1b", "zero_bubble")
+# bubbles with the deferred weight passes. Interleaved 1F1B runs ``VIRTUAL`` stages per rank
+# (the chain cut into ``pp * VIRTUAL``), its bubble ``1 / VIRTUAL`` of 1F1B's for more sends.
+# GPipe keeps all ``m`` at 1F1B's bubble (never better than 1F1B).
+SCHEDULES = ("1f1b", "zero_bubble", "interleaved")
+VIRTUAL = 2  # interleaved's stages per rank
 
 
 class WithLoss(nn.Module):
@@ -123,6 +126,14 @@ class PipelineLayout:
             ranks (the matmuls' share of its compute, as the step model takes it).
         traffic: With ``tp``, ``(phase, op, calls, bytes)`` of the tensor-parallel
             collectives of one micro-batch's forward and backward on this stage.
+        held: Bytes one micro-batch keeps between its forward and backward where the stage
+            recomputes (``sl.pipeline(recompute=True)``): its input (received; the first
+            stage's is a slice of the batch) and its output (what it sends on).
+        virtual: Stages this rank holds (``VIRTUAL`` under interleaved 1F1B, else 1): the
+            chain is cut into ``size * virtual`` and this rank holds stages ``stage``,
+            ``stage + size``, ...; ``model`` then lists them, ``kept`` and ``boundary`` are
+            their sums, ``share`` this rank's part of the compute.
+        chunk_kept: With ``virtual``, ``kept`` of each of this rank's stages, in that order.
     """
 
     size: int
@@ -138,9 +149,29 @@ class PipelineLayout:
     tp: int = 1
     tp_split: float = 0.0
     traffic: tuple[tuple[str, str, int, int], ...] = ()
+    held: int = 0
+    virtual: int = 1
+    chunk_kept: tuple[int, ...] = ()
 
-    def activations(self, schedule: str) -> int:
-        """Bytes this stage keeps for backward at once under ``schedule`` (``in_flight``)."""
+    def activations(self, schedule: str, recompute: bool = False) -> int:
+        """Bytes this stage keeps for backward at once under ``schedule`` (``in_flight``).
+
+        With ``recompute`` (priced under 1F1B), each micro-batch in flight keeps ``held``;
+        the one whose backward runs makes its ``kept`` again (the estimate's
+        ``recomputed``). With ``virtual`` stages, each forward keeps its own stage's.
+        """
+        if self.virtual > 1:
+            mine = range(self.stage, self.size * self.virtual, self.size)
+            by_stage = dict(zip(mine, self.chunk_kept, strict=True))
+            live = peak = 0
+            for a in schedules.build(schedule, self.size, self.microbatches, self.virtual)[
+                self.stage
+            ]:
+                live += by_stage[a.stage] if a.kind == "F" else -by_stage[a.stage]
+                peak = max(peak, live)
+            return peak
+        if recompute:
+            return round(self.held * in_flight(schedule, self.size, self.microbatches, self.stage))
         if schedule == "zero_bubble" and self.deferred:
             # a forward keeps the micro-batch, its input pass swaps it for what the weight
             # pass needs, the weight pass frees that
@@ -173,17 +204,20 @@ def _peak(schedule: str, pp: int, m: int, stage: int, held: Mapping[str, float])
     return peak
 
 
-def step_ratio(schedule: str, pp: int, m: int, forward: float, backward: float) -> float:
+def step_ratio(
+    schedule: str, pp: int, m: int, forward: float, backward: float, virtual: int = 1
+) -> float:
     """``schedule``'s step over ``m`` micro-batches' work, on ``pp`` equal stages.
 
     Simulated (``simulate``) with a forward taking ``forward`` and a backward ``backward``
-    (halves for zero-bubble's input and weight passes); 1F1B's is ``(m + pp - 1) / m``.
+    (halves for zero-bubble's input and weight passes; with ``virtual`` stages per rank,
+    each of them ``1 / virtual`` of those); 1F1B's is ``(m + pp - 1) / m``.
     """
     if forward + backward <= 0:
         return (m + pp - 1) / m
-    half = backward / 2
-    cost = {"F": forward, "B": backward, "I": half, "W": half}
-    span = simulate(schedules.build(schedule, pp, m), pp, cost=cost).makespan
+    f, b = forward / virtual, backward / virtual
+    cost = {"F": f, "B": b, "I": b / 2, "W": b / 2}
+    span = simulate(schedules.build(schedule, pp, m, virtual), pp, virtual, cost).makespan
     return span / (m * (forward + backward))
 
 
@@ -227,6 +261,12 @@ def pipeline_layouts(
                     name = f"tp={tp} " if tp > 1 else ""
                     notes.append(f"not priced: {name}pp={pp} m={m}: {first_line(e)}")
                     break
+                if tp > 1:
+                    continue  # interleaved stages are not split over tp ranks here
+                try:
+                    layouts.append(_interleaved(model, pp, m, stage, inputs, target, mp))
+                except Exception as e:
+                    notes.append(f"not priced: pp={pp} m={m} interleaved: {first_line(e)}")
     if not layouts and not notes:
         notes.append(f"no pipeline size divides {world_size} ranks and a batch")
     return layouts, notes
@@ -289,9 +329,64 @@ def _layout(
         # a later stage's input needs its gradient: its first layer's backward collective
         grad_in = (x.requires_grad_(stage > 0 and x.is_floating_point()), *args[1:])
         traffic = counted_traffic(TensorLayout(tp, priced, split), grad_in, None).traffic
+    received = x.numel() * x.element_size() if stage > 0 and isinstance(x, torch.Tensor) else 0
     return PipelineLayout(
         pp, m, stage, priced, share, kept, boundary, tuple(tuple(p) for p in parts),
         casts(mine, low) if low is not None else 0, deferred, tp, split, traffic,
+        received + boundary,
+    )  # fmt: skip
+
+
+def _interleaved(
+    model: WithLoss,
+    pp: int,
+    m: int,
+    stage: int,
+    inputs: torch.Tensor,
+    target: Any,
+    mp: MixedPrecision | None,
+) -> PipelineLayout:
+    """This rank's ``VIRTUAL`` stages of the chain cut into ``pp * VIRTUAL`` stages.
+
+    As ``sl.pipeline(virtual_stages=VIRTUAL)`` cuts it for interleaved 1F1B.
+    """
+    v = VIRTUAL
+    twin = meta_copy(model)
+    assert isinstance(twin, WithLoss)
+    children = chain_children(twin.chain)
+    if len(children) < pp * v:
+        raise InvalidArgumentError(
+            f"{len(children)} children cannot make {pp * v} stages of {v} per rank"
+        )
+    x = _meta(inputs.chunk(m)[0])
+    micro_target = target.chunk(m)[0] if isinstance(target, torch.Tensor) else target
+    costs = child_costs(children, x)
+    parts = balanced_parts(children, pp * v, costs)
+    by_name = dict(children)
+    cost_of = dict(zip((n for n, _ in children), costs, strict=True))
+    loads = [sum(cost_of[n] for s in range(r, pp * v, pp) for n in parts[s]) for r in range(pp)]
+    held: list[nn.Module] = []
+    kept: list[int] = []
+    boundary = 0
+    for s, part in enumerate(parts):
+        chunk = nn.Sequential(*(by_name[n] for n in part))
+        last = s == pp * v - 1
+        if s % pp == stage:
+            priced = WithLoss(chunk, model.loss_fn) if last else chunk
+            args = (x, _meta(micro_target)) if last else (x,)
+            kept.append(count_activations(priced, args, mp)[0])
+            held.append(priced)
+        if not last:
+            with torch.no_grad():
+                x = chunk(x)
+            if s % pp == stage and isinstance(x, torch.Tensor):
+                boundary += x.numel() * x.element_size()
+    mine = nn.ModuleList(held)
+    low = mp.param_dtype if mp is not None else None
+    return PipelineLayout(
+        pp, m, stage, mine, max(loads) / max(1, sum(costs)), sum(kept), boundary,
+        tuple(tuple(p) for p in parts), casts(mine, low) if low is not None else 0,
+        virtual=v, chunk_kept=tuple(kept),
     )  # fmt: skip
 
 
