@@ -76,10 +76,11 @@ def to_try(plan: StrategyPlan) -> list[Candidate]:
     best = timed[0].time.total if timed[0].time is not None else 0.0
     close = [c for c in timed if c.time is not None and c.time.total <= _WITHIN * best]
     picked = (close if len(close) >= _FEWEST else timed[:_FEWEST])[:_MOST]
-    # A zero-bubble pipeline is tried beside its 1F1B twin: the step model prices its
-    # schedule on equal stages and not its backward in two passes, which measured 1.2-1.8x
-    # the twin's step on an H200 host while every stage walked its graph, 0.86-0.94x since
-    # its stages' layers defer their weight gradients (benches/results/plan-grid-*-pp*.txt).
+    # A zero-bubble (or interleaved) pipeline is tried beside its 1F1B twin: the step model
+    # prices its schedule on equal stages, and not zero-bubble's backward in two passes,
+    # which measured 1.2-1.8x the twin's step on an H200 host while every stage walked its
+    # graph, 0.86-0.94x since its stages' layers defer their weight gradients
+    # (benches/results/plan-grid-*-pp*.txt).
     picked += [
         t
         for c in picked
