@@ -241,6 +241,14 @@ def test_the_step_model_prices_interleaved_stages_in_a_shorter_bubble_with_more_
         assert c.time.compute == pytest.approx(0.030 * 2 * layout.share * ratio)
         # rank 0 holds stages 0 and 2: both send on (stage 1's and 3's inputs)
         assert c.time.comm == pytest.approx(2 * (2 * m * 1e-4 + m * layout.boundary / 1e9))
+    # rank 1 holds stages 1 and 3: only stage 1 sends on
+    last = planned(1)
+    for c in last.timed(Probes({(None, None): compute}, 0.0, Link(1e-4, 1e9), 0.5, 0.0)).candidates:
+        if c.schedule == "interleaved":
+            m = c.microbatches
+            layout = next(p for p in last.pipelines if (p.microbatches, p.virtual) == (m, 2))
+            assert c.time is not None and layout.boundary > 0
+            assert c.time.comm == pytest.approx(2 * (m * 1e-4 + m * layout.boundary / 1e9))
 
 
 def test_a_recomputing_pipeline_keeps_each_stages_input_and_output_and_runs_forward_twice() -> None:

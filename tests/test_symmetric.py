@@ -22,7 +22,7 @@ import torch
 
 import shardline as sl
 from shardline import _native
-from shardline.comm import ProcessGroup
+from shardline.comm import ProcessGroup, symmetric
 from shardline.comm.symmetric import SymmetricArena, wait_for_releases, wants_symmetric
 from tests._ranks import THREAD_PREFIX, run_ranks
 from tests._symmetric_maps import symmetric_ranges
@@ -237,6 +237,29 @@ def test_the_mappings_go_when_the_last_tensor_does() -> None:
     assert max(held for held, _ in counts) - before >= 3  # every rank's three, at least
     assert [after for _, after in counts] == [before] * 3, "a release was not done"
     assert mappings() == before, "the engine kept the segments after their tensors went"
+
+
+def test_the_release_thread_ends_at_exit_and_starts_again_for_new_memory() -> None:
+    """At exit (atexit) the release thread ends, so that nothing the interpreter's teardown
+    frees is released from it while Python finalizes. Memory allocated afterwards starts it
+    again, and its releases are done."""
+    symmetric._start_releaser()  # as the first allocation does
+    assert symmetric.wait_for_releases()
+    symmetric._stop_releaser()
+    assert symmetric._releaser is not None and not symmetric._releaser.is_alive()
+    assert symmetric.wait_for_releases(timeout=1.0)  # nothing to wait for: no thread
+    before = mappings()
+
+    def body(g: ProcessGroup) -> int:
+        t = sl.symmetric_empty(1 << 12, group=g)
+        g.all_reduce(t)
+        del t
+        g.barrier()
+        assert symmetric.wait_for_releases()
+        return mappings()
+
+    assert run_ranks(2, body) == [before, before]
+    assert symmetric._releaser.is_alive()
 
 
 def test_collecting_another_ranks_symmetric_memory_does_not_wait_for_its_collective() -> None:

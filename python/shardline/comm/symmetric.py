@@ -29,6 +29,7 @@ other than the native engine, it returns an ordinary tensor: there is no shared 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import logging
@@ -301,8 +302,9 @@ def _symmetric_memory(
 # of one process (tests/_ranks.py), rank 0's gc.collect() (trials.py runs one after each
 # trial) ran rank 1's finalizer, so rank 0 waited for rank 1's collective while rank 1 waited
 # in it for rank 0: a hang until the op timed out. SimpleQueue.put is safe in finalizers.
-# An event in the queue is set once every release queued before it is done.
-_RELEASES: queue.SimpleQueue[tuple[weakref.ref[_native.Group], int] | threading.Event]
+# An event in the queue is set once every release queued before it is done; None ends the
+# thread (at exit: _stop_releaser).
+_RELEASES: queue.SimpleQueue[tuple[weakref.ref[_native.Group], int] | threading.Event | None]
 _RELEASES = queue.SimpleQueue()
 _releaser: threading.Thread | None = None
 _releaser_lock = threading.Lock()
@@ -334,9 +336,30 @@ def wait_for_releases(timeout: float = 30.0) -> bool:
     return done.wait(timeout)
 
 
+def _stop_releaser() -> None:
+    """Ends the release thread before the interpreter tears down (registered with atexit).
+
+    The teardown frees what modules still hold, symmetric memory too. A release it queued
+    would run native code on a daemon thread while Python finalizes, and such a thread that
+    takes the GIL back then is ended where it stands, inside native frames (a hazard of the
+    kind that aborts a process after its work is done). The process's mappings go with it
+    anyway, so nothing is left unreleased.
+    """
+    with _releaser_lock:
+        thread = _releaser
+    if thread is not None and thread.is_alive():
+        _RELEASES.put(None)
+        thread.join(timeout=5.0)
+
+
+atexit.register(_stop_releaser)
+
+
 def _release_queued() -> None:
     while True:
         item = _RELEASES.get()
+        if item is None:
+            return
         if isinstance(item, threading.Event):
             item.set()
             continue

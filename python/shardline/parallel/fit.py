@@ -211,8 +211,10 @@ class StrategyPlan:
         again = f if c.recompute is not None else 0.0
         grow = (f + b + again) / (f + b) if f + b > 0 else 1.0
         ratio = step_ratio(c.schedule, pp, m, f, b + again, virtual) * grow
-        sends = [  # interleaved: each of the rank's stages sends on (the last one but once)
-            Collective(phase, "send", m * virtual, m * layout.boundary)
+        # Each of the rank's stages but the chain's last sends every micro-batch on.
+        senders = virtual - (1 if layout.stage == pp - 1 else 0)
+        sends = [
+            Collective(phase, "send", m * senders, m * layout.boundary)
             for phase in ("forward", "backward")
         ] if layout.boundary else []  # fmt: skip
         # With tp ranks per stage: the split layers' share of the stage's compute on 1 / tp
