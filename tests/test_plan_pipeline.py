@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ from torch import nn
 import shardline as sl
 from shardline.comm import ProcessGroup
 from shardline.errors import InvalidArgumentError
-from shardline.examples.model import TinyGPT, as_sequential, lm_loss
+from shardline.examples.model import TinyGPT, lm_loss
 from shardline.parallel.choice import wrap_choice
 from shardline.parallel.layout_meta import widened
 from shardline.parallel.pipeline import schedules
@@ -26,19 +25,9 @@ from shardline.parallel.pipeline_layout import (
 )
 from shardline.parallel.timing import Compute, Link, Probes
 from shardline.parallel.trials import to_try, trial_steps
-from tests._ranks import built_once, run_ranks
+from tests._chain import alone_losses, chain, sgd_losses
+from tests._ranks import run_ranks
 from tests._tiny_gpt import CFG, tokens
-
-
-@built_once
-def _pristine() -> nn.Sequential:
-    torch.manual_seed(0)
-    return as_sequential(TinyGPT(CFG))
-
-
-def chain() -> nn.Sequential:
-    """The chain, the same on every rank (threads build it once: the seed is global)."""
-    return copy.deepcopy(_pristine())
 
 
 def planned(rank: int = 0) -> sl.StrategyPlan:
@@ -173,15 +162,7 @@ def test_interleaved_stages_hold_keep_and_train_as_sl_pipeline_does() -> None:
     x, y = tokens(0)
     plans = {rank: planned(rank) for rank in (0, 1)}
     batch = widened((x, y), 2)
-    alone = WithLoss(copy.deepcopy(chain()), lm_loss)
-    opt = torch.optim.SGD(alone.parameters(), lr=0.1)
-    expected = []
-    for _ in range(3):
-        opt.zero_grad(set_to_none=True)
-        loss = alone(*batch)
-        loss.backward()
-        expected.append(float(loss.detach()))
-        opt.step()
+    expected = alone_losses(batch)
 
     def body(g: ProcessGroup) -> tuple[list[tuple[Any, ...]], list[float]]:
         torch.set_num_threads(1)
@@ -196,13 +177,7 @@ def test_interleaved_stages_hold_keep_and_train_as_sl_pipeline_does() -> None:
             c for c in plans[g.rank].candidates if c.name == "ddp pp=2 m=4 schedule=interleaved"
         )
         stage = wrap_choice(with_loss(chain(), lm_loss), chosen, g, None, {}, {}, (x, y))
-        opt = torch.optim.SGD(stage.parameters(), lr=0.1)
-        losses = []
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(stage.step(*batch)))
-            opt.step()
-        return seen, losses
+        return seen, sgd_losses(stage.step, stage.parameters(), batch)
 
     for rank, (seen, losses) in enumerate(run_ranks(2, body, timeout=120)):
         assert len(seen) == 3
@@ -323,29 +298,12 @@ def test_the_pipeline_choice_trains_as_one_process_on_the_replica_batch(
         if c.pp == 2 and c.microbatches == 4 and c.schedule == "1f1b" and c.recompute == recompute
     )
     batch = widened((x, y), 2)
-
-    def train(step: Any, params: Any) -> list[float]:
-        opt = torch.optim.SGD(params, lr=0.1)
-        losses = []
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(step(*batch)))
-            opt.step()
-        return losses
-
-    alone = WithLoss(copy.deepcopy(chain()), lm_loss)
-
-    def one(inputs: Any, target: Any) -> torch.Tensor:
-        loss = alone(inputs, target)
-        loss.backward()
-        return loss.detach()
-
-    expected = train(one, alone.parameters())
+    expected = alone_losses(batch)
 
     def body(g: ProcessGroup) -> list[float]:
         torch.set_num_threads(1)
         stage = wrap_choice(with_loss(chain(), lm_loss), choice, g, None, {}, {}, (x, y))
-        return train(stage.step, stage.parameters())
+        return sgd_losses(stage.step, stage.parameters(), batch)
 
     for losses in run_ranks(2, body, timeout=60):
         assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)

@@ -4,33 +4,21 @@ holds and keeps on 4 ranks, its step model, and the choice trained against one p
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import shardline as sl
 from shardline.comm import ProcessGroup
-from shardline.examples.model import TinyGPT, as_sequential, lm_loss
+from shardline.examples.model import lm_loss
 from shardline.parallel.choice import described, wrap_choice
 from shardline.parallel.layout_meta import widened
-from shardline.parallel.pipeline_layout import WithLoss, step_ratio, with_loss
+from shardline.parallel.pipeline_layout import step_ratio, with_loss
 from shardline.parallel.timing import Compute, Link, Probes
-from tests._ranks import built_once, run_ranks
-from tests._tiny_gpt import CFG, tokens
-
-
-@built_once
-def _pristine() -> nn.Sequential:
-    torch.manual_seed(0)
-    return as_sequential(TinyGPT(CFG))
-
-
-def chain() -> nn.Sequential:
-    """The chain, the same on every rank (threads build it once: the seed is global)."""
-    return copy.deepcopy(_pristine())
+from tests._chain import alone_losses, chain, sgd_losses
+from tests._ranks import run_ranks
+from tests._tiny_gpt import tokens
 
 
 def planned(rank: int = 0) -> sl.StrategyPlan:
@@ -76,24 +64,7 @@ def test_a_tensor_parallel_stage_holds_keeps_and_trains_as_sl_pipeline_does() ->
     plans = {rank: planned(rank) for rank in range(4)}
     x, y = tokens(0)
     batch = widened((x, y), 4)
-
-    def train(step: Any, params: Any) -> list[float]:
-        opt = torch.optim.SGD(params, lr=0.1)
-        losses = []
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(step(*batch)))
-            opt.step()
-        return losses
-
-    alone = WithLoss(copy.deepcopy(chain()), lm_loss)
-
-    def one(inputs: Any, target: Any) -> torch.Tensor:
-        loss = alone(inputs, target)
-        loss.backward()
-        return loss.detach()
-
-    expected = train(one, alone.parameters())
+    expected = alone_losses(batch)
 
     def body(g: ProcessGroup) -> tuple[list[tuple[Any, ...]], list[float]]:
         torch.set_num_threads(1)
@@ -111,7 +82,7 @@ def test_a_tensor_parallel_stage_holds_keeps_and_trains_as_sl_pipeline_does() ->
         seen.append(("recompute", float(stage.step(*batch)), stage.recompute))
         chosen = next(c for c in plan.candidates if c.name == "ddp tp=2 pp=2 m=4")
         stage = wrap_choice(with_loss(chain(), lm_loss), chosen, g, None, {}, meshes, (x, y))
-        losses = train(stage.step, stage.parameters())
+        losses = sgd_losses(stage.step, stage.parameters(), batch)
         # as as_distributed returns it: one replica of 4 ranks, fed the same batch on each
         described(stage, chosen, "", plan, g, meshes, lm_loss)
         assert stage.mesh.axis_names == ("pp", "tp") and stage.batch_scale == 4
