@@ -23,17 +23,16 @@ from torch import nn
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
 from shardline.parallel.candidate import CHOICES, Candidate
+from shardline.parallel.choice_step import choice_dtype, predicted_step
 from shardline.parallel.data.zero.grouping import default_unit_mb, default_units
 from shardline.parallel.layout_meta import widened
 from shardline.parallel.memory_available import available_memory, default_device
 from shardline.parallel.pipeline_layout import (
     SCHEDULE,
     SCHEDULES,
-    VIRTUAL,
     PipelineLayout,
     WithLoss,
     pipeline_layouts,
-    step_ratio,
     with_loss,
 )
 from shardline.parallel.planner import (
@@ -49,12 +48,9 @@ from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import find_blocks, recomputing_blocks
 from shardline.parallel.tensor_layout import TensorLayout, priced_layouts
 from shardline.parallel.timing import (
-    Collective,
     ModelShape,
     Probes,
     StepTime,
-    compute_dtype,
-    predict,
 )
 
 # A pipeline's schedules on one stage per rank, then 1F1B with each stage recomputing its
@@ -153,85 +149,13 @@ class StrategyPlan:
     def _dtype(self, c: Candidate) -> torch.dtype | None:
         """The low-precision dtype ``c`` computes in (a pipeline autocasts under any strategy)."""
         assert self.shape is not None
-        mp = self.mixed_precision
-        if c.pp > 1:  # mp's compute dtype where it is not the model's own
-            low = mp.param_dtype if mp is not None else None
-            return low if low != self.shape.dtype else None
-        return compute_dtype(c.strategy, self.shape, mp)
+        return choice_dtype(c, self.shape, self.mixed_precision)
 
     def _predict(self, c: Candidate, probes: Probes) -> StepTime | None:
         assert self.shape is not None
-        if c.pp > 1:
-            return self._predict_pipeline(c, probes)
-        if c.tp == 1:
-            return predict(
-                c.strategy, c.recompute, c.estimate.num_units, self.shape, self.world_size,
-                self.mixed_precision, probes,
-            )  # fmt: skip
-        layout = next(t for t in self.layouts if t.size == c.tp)
-        shape = ModelShape.of(layout.model)
-        # The layers' collectives were counted in the model's dtype; they move the compute's.
-        dtype = compute_dtype(c.strategy, self.shape, self.mixed_precision) or self.shape.dtype
-        ratio = dtype.itemsize / self.shape.dtype.itemsize
-        blocking = [
-            Collective(phase, op, calls, int(nbytes * ratio))
-            for phase, op, calls, nbytes in layout.traffic
-        ]
-        return predict(
-            c.strategy, c.recompute, c.estimate.num_units, shape, c.estimate.world_size,
-            self.mixed_precision, probes, scale=c.tp * (1 - layout.split) + layout.split,
-            blocking=blocking, blocking_world=c.tp,
-        )  # fmt: skip
-
-    def _predict_pipeline(self, c: Candidate, probes: Probes) -> StepTime | None:
-        """A pipeline over ``pp`` stages: its schedule's step on the slowest stage.
-
-        A replica trains ``pp`` ranks' batches, so a micro-batch through the whole chain is
-        ``pp / m`` of the probe's compute and through the slowest stage ``share`` of that;
-        the schedule takes ``step_ratio`` times the ``m`` micro-batches' work (1F1B:
-        ``(m + pp - 1) / m``, ``m + pp - 1`` slots), simulated with the probe's forward and
-        backward. Each micro-batch's activation crosses the cut forward and its gradient
-        back. Where the host issues ahead (CUDA), it launches the stage's kernels once per
-        micro-batch: ``m`` times ``share`` of the probe's, whatever their size. A stage that
-        recomputes runs each micro-batch's forward again in its backward: simulated so, its
-        compute and launches grow by that forward.
-        """
-        virtual = VIRTUAL if c.schedule == "interleaved" else 1
-        layout = next(
-            p
-            for p in self.pipelines
-            if (p.size, p.microbatches, p.tp, p.virtual) == (c.pp, c.microbatches, c.tp, virtual)
-        )
-        m, pp = c.microbatches, c.pp
-        probe = probes.compute.get((None, self._dtype(c)))
-        if probe is None:
-            return None
-        f, b = probe.forward, probe.backward
-        # A recomputing stage runs each micro-batch's forward again in its backward.
-        again = f if c.recompute is not None else 0.0
-        grow = (f + b + again) / (f + b) if f + b > 0 else 1.0
-        ratio = step_ratio(c.schedule, pp, m, f, b + again, virtual) * grow
-        # Each of the rank's stages but the chain's last sends every micro-batch on.
-        senders = virtual - (1 if layout.stage == pp - 1 else 0)
-        sends = [
-            Collective(phase, "send", m * senders, m * layout.boundary)
-            for phase in ("forward", "backward")
-        ] if layout.boundary else []  # fmt: skip
-        # With tp ranks per stage: the split layers' share of the stage's compute on 1 / tp
-        # each, and their collectives per micro-batch (counted in the model's dtype).
-        assert self.shape is not None
-        ratio_bytes = (self._dtype(c) or self.shape.dtype).itemsize / self.shape.dtype.itemsize
-        tp_calls = [
-            Collective(phase, op, m * calls, int(m * nbytes * ratio_bytes))
-            for phase, op, calls, nbytes in layout.traffic
-        ]
-        split = c.tp * (1 - layout.tp_split) + layout.tp_split if c.tp > 1 else 1.0
-        return predict(
-            c.strategy, None, c.estimate.num_units, ModelShape.of(layout.model),
-            c.estimate.world_size, self.mixed_precision, probes, dtype=self._dtype(c),
-            scale=pp * layout.share * ratio * split,
-            launches=m * layout.share * grow,
-            blocking=sends + tp_calls, blocking_world=c.tp,
+        return predicted_step(
+            c, probes, self.shape, self.world_size, self.mixed_precision, self.layouts,
+            self.pipelines,
         )  # fmt: skip
 
     def agreed(self, totals: list[float], fits: list[bool]) -> StrategyPlan:
