@@ -282,16 +282,8 @@ def _layout(
     mp: MixedPrecision | None,
     tp: int = 1,
 ) -> PipelineLayout:
-    twin = meta_copy(model)
-    assert isinstance(twin, WithLoss)
-    children = chain_children(twin.chain)
-    micro_in = _meta(inputs.chunk(m)[0])
-    micro_target = target.chunk(m)[0] if isinstance(target, torch.Tensor) else target
-    costs = child_costs(children, micro_in)
-    parts = balanced_parts(children, pp, costs)
-    by_name = dict(children)
-    cost_of = dict(zip((n for n, _ in children), costs, strict=True))
-    share = max(sum(cost_of[n] for n in part) for part in parts) / max(1, sum(costs))
+    twin, parts, by_name, cost_of, micro_in, micro_target = _cut(model, pp, m, inputs, target)
+    share = max(sum(cost_of[n] for n in part) for part in parts) / max(1, sum(cost_of.values()))
     # The input of this rank's stage: the micro-batch through the stages before it.
     x = micro_in
     with torch.no_grad():
@@ -351,19 +343,7 @@ def _interleaved(
     As ``sl.pipeline(virtual_stages=VIRTUAL)`` cuts it for interleaved 1F1B.
     """
     v = VIRTUAL
-    twin = meta_copy(model)
-    assert isinstance(twin, WithLoss)
-    children = chain_children(twin.chain)
-    if len(children) < pp * v:
-        raise InvalidArgumentError(
-            f"{len(children)} children cannot make {pp * v} stages of {v} per rank"
-        )
-    x = _meta(inputs.chunk(m)[0])
-    micro_target = target.chunk(m)[0] if isinstance(target, torch.Tensor) else target
-    costs = child_costs(children, x)
-    parts = balanced_parts(children, pp * v, costs)
-    by_name = dict(children)
-    cost_of = dict(zip((n for n, _ in children), costs, strict=True))
+    _twin, parts, by_name, cost_of, x, micro_target = _cut(model, pp * v, m, inputs, target)
     loads = [sum(cost_of[n] for s in range(r, pp * v, pp) for n in parts[s]) for r in range(pp)]
     held: list[nn.Module] = []
     kept: list[int] = []
@@ -384,10 +364,30 @@ def _interleaved(
     mine = nn.ModuleList(held)
     low = mp.param_dtype if mp is not None else None
     return PipelineLayout(
-        pp, m, stage, mine, max(loads) / max(1, sum(costs)), sum(kept), boundary,
+        pp, m, stage, mine, max(loads) / max(1, sum(cost_of.values())), sum(kept), boundary,
         tuple(tuple(p) for p in parts), casts(mine, low) if low is not None else 0,
         virtual=v, chunk_kept=tuple(kept),
     )  # fmt: skip
+
+
+def _cut(
+    model: WithLoss, stages: int, m: int, inputs: torch.Tensor, target: Any
+) -> tuple[WithLoss, list[list[str]], dict[str, nn.Module], dict[str, int], Any, Any]:
+    """A meta copy of ``model`` and its chain cut into ``stages`` as ``sl.pipeline`` cuts it.
+
+    Balanced by each child's forward cost on one of ``m`` micro-batches. Returns the copy,
+    the parts, its children by name, their costs by name, and that micro-batch's inputs (on
+    the meta device) and targets.
+    """
+    twin = meta_copy(model)
+    assert isinstance(twin, WithLoss)
+    children = chain_children(twin.chain)
+    micro_in = _meta(inputs.chunk(m)[0])
+    micro_target = target.chunk(m)[0] if isinstance(target, torch.Tensor) else target
+    costs = child_costs(children, micro_in)
+    parts = balanced_parts(children, stages, costs)
+    cost_of = dict(zip((n for n, _ in children), costs, strict=True))
+    return twin, parts, dict(children), cost_of, micro_in, micro_target
 
 
 def _trainable(modules: Any) -> int:
