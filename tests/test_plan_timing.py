@@ -14,7 +14,9 @@ from torch import nn
 
 import shardline as sl
 from shardline.comm import ProcessGroup
-from shardline.parallel import MixedPrecision, timing
+from shardline.parallel import MixedPrecision
+from shardline.parallel import probes as probing
+from shardline.parallel.probes import probe_step
 from shardline.parallel.recompute.blocks import recomputing, recomputing_blocks
 from shardline.parallel.timing import (
     Compute,
@@ -23,7 +25,6 @@ from shardline.parallel.timing import (
     Probes,
     collectives,
     predict,
-    probe_step,
 )
 from shardline.parallel.trials import to_retry, to_try, trial_steps, tried_steps
 from tests._ranks import run_ranks
@@ -236,8 +237,8 @@ def test_the_link_probe_warms_up_takes_turns_and_bounds_the_bandwidth() -> None:
         def wait(self) -> None:
             pass
 
-    link = timing._probe_link(Flat(), torch.device("cpu"))  # type: ignore[arg-type]
-    small, large = timing._SMALL, timing._LARGE
+    link = probing._probe_link(Flat(), torch.device("cpu"))  # type: ignore[arg-type]
+    small, large = probing._SMALL, probing._LARGE
     assert sizes[:10] == [small, large] * 5 and sizes[10:] == [small] * 8
     moved = large - small  # 2 (W - 1) / W of it, W = 2
     assert link.bandwidth <= moved / (0.25 * 0.002)

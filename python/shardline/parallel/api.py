@@ -27,8 +27,8 @@ from shardline.parallel.deterministic import make_deterministic
 from shardline.parallel.fit import plan_strategy
 from shardline.parallel.pipeline_layout import WithLoss, with_loss
 from shardline.parallel.precision import MixedPrecision
+from shardline.parallel.probes import probe_step
 from shardline.parallel.recompute.blocks import recompute_blocks
-from shardline.parallel.timing import probe_step
 from shardline.parallel.trials import to_try, trial_steps, tried_steps
 
 __all__ = ["as_distributed", "distribute"]

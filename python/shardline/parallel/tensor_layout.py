@@ -24,8 +24,8 @@ from torch import nn
 from shardline.parallel.activations import _map_tensors
 from shardline.parallel.layout_meta import first_line, meta_copy, split_sizes, widened
 from shardline.parallel.precision import MixedPrecision
+from shardline.parallel.probes import call_args, loss_of
 from shardline.parallel.tensor import tensor_parallel
-from shardline.parallel.timing import call_args, loss_of
 
 __all__ = ["MetaGroup", "TensorLayout", "counted_traffic", "priced_layouts", "tensor_layout"]
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from shardline.parallel.layout_meta import widened
 from shardline.parallel.pipeline_layout import SCHEDULE
-from shardline.parallel.timing import call_args, kept_rng, loss_of, optimizer_class, sync
+from shardline.parallel.probes import call_args, kept_rng, loss_of, optimizer_class, sync
 
 if TYPE_CHECKING:
     from shardline.parallel.fit import Candidate, StrategyPlan
