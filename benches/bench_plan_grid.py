@@ -15,8 +15,8 @@ memory alone picks).
     python benches/bench_plan_grid.py --device cuda --ranks 2 --size medium --dtype bf16
 
 The planner's columns: ``predicted`` (the step model, from its probes) and ``trial`` (the few
-it tried: the median of 10 steps after 3 to warm up, on a copy of the model; the faster of two
-such trials for those within 15 % of the fastest).
+it tried: the median of 10 steps after 3 to warm up, on a copy of the model; the mean of two
+such trials for the fastest and those within 15 % of it).
 
 ``--budget-mib`` gives each rank that much memory instead of what it has (so that only the
 more sharded or recomputing choices fit). ``--tensor-parallel`` lets the planner price

@@ -275,12 +275,39 @@ def test_a_zero_bubble_pipeline_is_tried_beside_its_1f1b_twin() -> None:
     assert tried == [
         "ddp pp=2 m=8 schedule=zero_bubble", "ddp", "zero1", "zero2", "ddp pp=2 m=8",
     ]  # fmt: skip
-    predicted["ddp pp=2 m=8 schedule=zero_bubble"] = 0.015  # not among the 4 fastest: no twin
+    predicted["ddp pp=2 m=8 schedule=zero_bubble"] = 0.017  # beyond 1.6x the fastest: not tried
     agreed = timed.agreed(
         [predicted.get(c.name, 0.020) for c in timed.candidates],
         [c.fits for c in timed.candidates],
     )
-    assert [c.name for c in to_try(agreed)] == ["ddp", "zero1", "zero2", "zero3"]
+    # The 4 fastest, then the fastest of a layout they leave out (the 1F1B pipeline).
+    assert [c.name for c in to_try(agreed)] == ["ddp", "zero1", "zero2", "zero3", "ddp pp=2 m=8"]
+
+
+def test_the_fastest_predicted_of_each_layout_the_fastest_few_leave_out_is_tried() -> None:
+    """The step model errs by layout more than by choice within one: beyond the 4 fastest,
+    the fastest predicted of up to 3 more layouts within 1.6x (tensor-parallel and pipeline
+    degrees and schedules) is tried, a zero-bubble one with its 1F1B twin."""
+    compute = Compute(forward=0.010, backward=0.020, host=0.001)
+    timed = planned().timed(Probes({(None, None): compute}, 0.0, Link(1e-4, 1e9), 0.5, 0.0))
+    predicted = dict.fromkeys(("ddp", "zero1", "zero2", "zero3"), 0.010)
+    predicted |= {
+        "ddp pp=2 m=4 schedule=zero_bubble": 0.013,  # its layout's fastest
+        "ddp pp=2 m=8 schedule=zero_bubble": 0.014,
+        "ddp pp=2 m=2 schedule=interleaved": 0.015,
+        "ddp pp=2 m=2": 0.0155,
+        "ddp pp=2 m=8": 0.017,  # beyond 1.6x
+    }
+    agreed = timed.agreed(
+        [predicted.get(c.name, 0.020) for c in timed.candidates],
+        [c.fits for c in timed.candidates],
+    )
+    assert [c.name for c in to_try(agreed)] == [
+        "ddp", "zero1", "zero2", "zero3",
+        "ddp pp=2 m=4 schedule=zero_bubble", "ddp pp=2 m=2 schedule=interleaved",
+        "ddp pp=2 m=2",  # 1F1B's fastest, and the interleaved one's twin
+        "ddp pp=2 m=4",  # the zero-bubble one's twin
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("recompute", [None, "full"])
@@ -382,6 +409,42 @@ def test_where_the_host_runs_ahead_a_pipeline_launches_its_stage_once_per_microb
             host = 0.010 * (m * layout.share * grow if ahead else scale)
             assert c.time is not None
             assert c.time.compute + c.time.exposed == pytest.approx(host, rel=1e-3)
+
+
+def test_on_cpu_each_microbatch_pays_the_fixed_part_of_a_pass() -> None:
+    """A pass costs the probe's ``fixed`` part whatever its rows: ``m`` micro-batches of the
+    replica's 2 ranks' batches take 2 probes' work and ``m - 2`` fixed parts more, so more
+    micro-batches cost more on CPU. Where the host runs ahead (CUDA), its launches per
+    micro-batch are priced instead and ``fixed`` is not used."""
+    plan = planned()
+    fixed = Compute(forward=0.010, backward=0.020, host=0.001, fixed=0.006)
+    none = Compute(forward=0.010, backward=0.020, host=0.001)
+    for ahead in (False, True):
+        timed = {
+            c.name: c
+            for c in plan.timed(
+                Probes({(None, None): fixed}, 0.0, Link(1e-4, 1e9), 0.5, 0.0, ahead=ahead)
+            ).candidates
+        }
+        base = {
+            c.name: c
+            for c in plan.timed(
+                Probes({(None, None): none}, 0.0, Link(1e-4, 1e9), 0.5, 0.0, ahead=ahead)
+            ).candidates
+        }
+        for name, c in timed.items():
+            b = base[name]
+            assert c.time is not None and b.time is not None
+            grow = 1 + (c.microbatches - 2) * 0.006 / (2 * 0.030) if c.pp == 2 and not ahead else 1
+            assert c.time.compute == pytest.approx(b.time.compute * grow), name
+    # With the fixed part, m = 8 costs more than m = 2 (without it, less: a shorter bubble).
+    on_cpu = {
+        c.name: c.time
+        for c in plan.timed(
+            Probes({(None, None): fixed}, 0.0, Link(1e-4, 1e9), 0.5, 0.0)
+        ).candidates
+    }
+    assert on_cpu["ddp pp=2 m=8"].compute > on_cpu["ddp pp=2 m=2"].compute  # type: ignore[union-attr]
 
 
 def test_a_pipeline_computes_in_the_mixed_precision_dtype_under_any_strategy() -> None:

@@ -227,10 +227,11 @@ def as_distributed(
     memory (``plan_strategy``). With ``example_input`` and ``timing``, short probes
     (``probe_step``: the model's forward and backward on that batch, an optimizer step, an
     all-reduce of the group) predict each fitting choice's step; with ``trials`` too, the
-    fastest few predicted (2 to 4, within 1.6x of the best, each with room for a copy of the
-    model beside it) are each trained for 13 steps on a copy of the model, those within 15 % of
-    the fastest twice (``trials.tried_steps``), and the fastest of those is chosen (within 2 %
-    of it, the least sharded). With ``tensor_parallel``, layouts that split each replica's
+    fastest few predicted (2 to 4, within 1.6x of the best, with the fastest of up to 3 more
+    layouts; each with room for a copy of the model beside it) are each trained for 13 steps
+    on a copy of the model, the fastest and those within 15 % of it twice
+    (``trials.tried_steps``), and the fastest of those is chosen (within 2 % of it, the least
+    sharded). With ``tensor_parallel``, layouts that split each replica's
     layers over ``tp`` ranks of a host are priced, timed and tried too (``plan_strategy``); with
     ``pipeline``, 1F1B and zero-bubble pipelines of an ``nn.Sequential`` over ``pp`` ranks and
     their micro-batches; with both, pipelines whose stages split over ``tp`` ranks too (a
@@ -308,9 +309,12 @@ def as_distributed(
         rank=g.rank,
     )
     if timing and example_input is not None:
+        # The smallest micro-batch a fitting pipeline runs, in ranks' batches.
+        micro = [c.batch_scale / c.microbatches for c in plan.candidates if c.fits and c.pp > 1]
         probes = probe_step(
             model, example_input, group=g, optimizer=optimizer, computes=plan.to_time(),
             elements=plan.shape.elements if plan.shape is not None else None,
+            narrow=min(micro, default=None),
         )  # fmt: skip
         plan = plan.timed(probes)
     # Every rank takes the same choice: from the slowest rank's step times and what fits on all.

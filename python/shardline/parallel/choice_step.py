@@ -81,9 +81,11 @@ def _pipeline_step(
     ``(m + pp - 1) / m``, ``m + pp - 1`` slots), simulated with the probe's forward and
     backward. Each micro-batch's activation crosses the cut forward and its gradient
     back. Where the host issues ahead (CUDA), it launches the stage's kernels once per
-    micro-batch: ``m`` times ``share`` of the probe's, whatever their size. A stage that
-    recomputes runs each micro-batch's forward again in its backward: simulated so, its
-    compute and launches grow by that forward.
+    micro-batch: ``m`` times ``share`` of the probe's, whatever their size. On CPU each
+    micro-batch's pass costs the probe's ``fixed`` part whatever its rows: ``m`` micro-batches
+    of a replica's ``s`` batches (``batch_scale``) take ``s`` probes' work plus ``m - s``
+    fixed parts. A stage that recomputes runs each micro-batch's forward again in its
+    backward: simulated so, its compute and launches grow by that forward.
     """
     virtual = VIRTUAL if c.schedule == "interleaved" else 1
     layout = next(
@@ -101,6 +103,9 @@ def _pipeline_step(
     again = f if c.recompute is not None else 0.0
     grow = (f + b + again) / (f + b) if f + b > 0 else 1.0
     ratio = step_ratio(c.schedule, pp, m, f, b + again, virtual) * grow
+    if not probes.ahead and f + b > 0:  # each micro-batch pays a pass's fixed part
+        s = c.batch_scale
+        ratio *= 1 + (m - s) * probe.fixed / (s * (f + b))
     # Each of the rank's stages but the chain's last sends every micro-batch on.
     senders = virtual - (1 if layout.stage == pp - 1 else 0)
     sends = [

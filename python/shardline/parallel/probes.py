@@ -9,6 +9,9 @@
   warm up; one run when it takes 5 s), and the host's time to issue it. Each gradient is
   dropped as soon as it is made. The model is left as it was: its gradients, buffers (a
   norm's running statistics) and the RNG state are restored.
+  Where pipelines split the batch into micro-batches smaller than it (``narrow``, on CPU),
+  the same passes of the smallest micro-batch's rows too: what a pass costs whatever its
+  rows (Python, dispatch, small kernels) is then the line's intercept (``Compute.fixed``).
 - the optimizer: one step over a flat tensor, per element updated.
 - the link: all-reduces of a small and a large message on the group (latency, bandwidth),
   and the host's time to start one.
@@ -20,6 +23,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +60,7 @@ def probe_step(
     optimizer: str | torch.optim.Optimizer | None = "adamw",
     computes: Iterable[tuple[str | None, torch.dtype | None]] = ((None, None),),
     elements: int | None = None,
+    narrow: float | None = None,
 ) -> Probes:
     """Times this rank's compute, optimizer and link (see the module docstring).
 
@@ -71,14 +76,19 @@ def probe_step(
         computes: The ``(recompute policy, compute dtype)`` pairs to time.
         elements: Elements the optimizer probe steps (up to 4 Mi; the model's size when
             ``None``).
+        narrow: The smallest micro-batch a choice runs, as a fraction of ``example_input``'s
+            rows (its tensors' first dimension): on CPU each compute probe also times that
+            many rows (at most half of them) and fits ``Compute.fixed``. On CUDA the host's
+            time per micro-batch is priced from ``Compute.host`` instead.
     """
     started = time.perf_counter()
     device = next(model.parameters()).device
     compute = {}
     notes = []
+    narrow = narrow if device.type != "cuda" else None
     for key in dict.fromkeys(computes):
         try:
-            compute[key] = _probe_compute(model, example_input, *key)
+            compute[key] = _probe_compute(model, example_input, *key, narrow=narrow)
         except (torch.OutOfMemoryError, RuntimeError) as e:  # left untimed, and said why
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -189,42 +199,82 @@ def _low_precision(
 
 
 def _probe_compute(
-    model: nn.Module, example_input: Any, policy: str | None, dtype: torch.dtype | None
+    model: nn.Module,
+    example_input: Any,
+    policy: str | None,
+    dtype: torch.dtype | None,
+    *,
+    narrow: float | None = None,
 ) -> Compute:
     """The fastest of a few forward and backward passes of ``example_input``.
 
     Under a compute ``dtype`` the parameters and floating inputs are cast to it first, as the
-    sharded strategies' mixed precision does.
+    sharded strategies' mixed precision does. With ``narrow`` (a fraction of the rows), the
+    same of that many rows (at most half) too, and ``fixed`` from the two.
     """
     device = next(model.parameters()).device
-    best = Compute(math.inf, math.inf, math.inf)
-    spent = 0.0
     with (
         _untouched(model, device),
         _low_precision(model, *call_args(example_input), dtype) as (args, kwargs),
         recomputing(model, policy),
     ):
-        for run in range(_RUNS):
-            sync(device)
-            t0 = time.perf_counter()
-            loss = loss_of(model(*args, **kwargs))
-            issued = time.perf_counter() - t0
-            sync(device)
-            t1 = time.perf_counter()
-            loss.backward()  # type: ignore[no-untyped-call]
-            issued += time.perf_counter() - t1
-            sync(device)
-            t2 = time.perf_counter()
-            del loss
-            if run == 0 and t2 - t0 < _LONG:
-                continue  # a warm-up: allocator, kernels chosen, caches
-            best = Compute(
-                min(best.forward, t1 - t0), min(best.backward, t2 - t1), min(best.host, issued)
-            )
-            spent += t2 - t0
-            if t2 - t0 >= _LONG or (run >= 3 and spent >= _ENOUGH):
-                break
+        best = _fastest(model, args, kwargs, device)
+        rows = _rows((args, kwargs))
+        if narrow is None or rows < 2:
+            return best
+        few = max(1, min(rows // 2, int(rows * narrow)))
+        cut_args, cut_kwargs = _first_rows((args, kwargs), rows, few)
+        small = _fastest(model, cut_args, cut_kwargs, device)
+    whole, part = best.forward + best.backward, small.forward + small.backward
+    per_row = max(0.0, whole - part) / (rows - few)
+    return replace(best, fixed=min(part, max(0.0, whole - per_row * rows)))
+
+
+def _fastest(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+) -> Compute:
+    """The fastest forward, backward and issuing of a few passes (module docstring)."""
+    best = Compute(math.inf, math.inf, math.inf)
+    spent = 0.0
+    for run in range(_RUNS):
+        sync(device)
+        t0 = time.perf_counter()
+        loss = loss_of(model(*args, **kwargs))
+        issued = time.perf_counter() - t0
+        sync(device)
+        t1 = time.perf_counter()
+        loss.backward()  # type: ignore[no-untyped-call]
+        issued += time.perf_counter() - t1
+        sync(device)
+        t2 = time.perf_counter()
+        del loss
+        if run == 0 and t2 - t0 < _LONG:
+            continue  # a warm-up: allocator, kernels chosen, caches
+        best = Compute(
+            min(best.forward, t1 - t0), min(best.backward, t2 - t1), min(best.host, issued)
+        )
+        spent += t2 - t0
+        if t2 - t0 >= _LONG or (run >= 3 and spent >= _ENOUGH):
+            break
     return best
+
+
+def _rows(inputs: Any) -> int:
+    """The first dimension of the first tensor of ``inputs`` with one (0 where none has)."""
+    found: list[int] = []
+
+    def see(t: torch.Tensor) -> torch.Tensor:
+        if not found and t.dim():
+            found.append(t.shape[0])
+        return t
+
+    _map_tensors(inputs, see)
+    return found[0] if found else 0
+
+
+def _first_rows(inputs: Any, rows: int, few: int) -> Any:
+    """``inputs`` with every tensor of ``rows`` rows cut to its first ``few``."""
+    return _map_tensors(inputs, lambda t: t[:few] if t.dim() and t.shape[0] == rows else t)
 
 
 _OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {

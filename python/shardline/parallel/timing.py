@@ -47,12 +47,15 @@ class Compute:
     """One rank's batch through forward and backward, in seconds.
 
     ``host``: the time the host took to issue them (on CUDA less than their sum unless the
-    host is what limits the step).
+    host is what limits the step). ``fixed``: the part of the two that a pass costs whatever
+    its rows (0 where not probed): a batch of ``k`` of the probe's ``R`` rows takes
+    ``fixed + (forward + backward - fixed) * k / R``.
     """
 
     forward: float
     backward: float
     host: float
+    fixed: float = 0.0
 
 
 @dataclass(frozen=True)

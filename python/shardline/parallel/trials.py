@@ -2,9 +2,11 @@
 
 The step model (``timing.predict``) ranks the fitting choices from probes, but not every cost is
 in it: the wrappers' own host work per unit, a recompute policy's hooks. ``to_try`` takes the
-fastest few it predicts, within 1.6x of its best (2 to 4 of them, and a zero-bubble pipeline's
-1F1B twin; fewer where their predicted steps would take more than ``_BUDGET_S``; only those with
-room for a whole copy of the model beside them in what a rank has), and ``trial_steps`` trains
+fastest few it predicts, within 1.6x of its best (2 to 4 of them), the fastest predicted of up
+to 3 layouts more within it (tensor-parallel and pipeline degrees and schedules: the model's
+errors go by layout more than by choice within one) and a zero-bubble pipeline's 1F1B twin;
+fewer where their predicted steps would take more than ``_BUDGET_S``; only those with room for
+a whole copy of the model beside them in what a rank has, and ``trial_steps`` trains
 each on a deep copy of the model: wrapped as the choice would be (a tensor-parallel or pipeline
 choice on its replica's batch, ``tp`` or ``pp`` ranks' batches; a pipeline by its ``step``),
 with the optimizer that ``as_distributed`` was told of, three steps to warm up (the optimizer
@@ -12,8 +14,10 @@ makes its state) and ten timed, the median kept. The model itself, its gradients
 state are untouched. Every rank runs the same trials in the same order (they hold collectives);
 ``as_distributed`` then takes the slowest rank's time of each. Trials read apart from one to the
 next, and from the settled steps (one H200 host: zero1 and zero2 tried at 27.6 and 30.2 ms, then
-measured at 23.4 and 21.3): ``to_retry`` names those within ``_CLOSE`` of the fastest, which are
-tried once more in the reverse order, and each keeps its faster trial.
+measured at 23.4 and 21.3; a 2-core VM: zero1 tried at 9.0 ms, the others at 13.8-15.5, then
+measured at 13.7 beside ddp's 10.6): ``to_retry`` names the fastest and those within ``_CLOSE``
+of it (at least the two fastest), which are tried once more in the reverse order, and each
+keeps the mean of its two trials.
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ __all__ = ["to_retry", "to_try", "trial_steps", "tried_steps"]
 # model's error between choices reached 1.5x (benches/results/plan-grid-*).
 _WITHIN = 1.6
 _MOST, _FEWEST = 4, 2
+# Layouts beyond those of the fastest few, each tried by its fastest predicted choice: on 16
+# CPU cores the model put a 4-stage zero-bubble pipeline at 1.31x its fastest plain choice,
+# behind 3 ZeRO stages and a tensor-parallel one, where it measured 0.92x
+# (benches/results/plan-grid-cpu-16c-4r-small-tp-pp.txt).
+_LAYOUTS = 3
 # Steps per trial to warm up (the optimizer's state, the allocator, the units' order), then
 # timed: with 2 and 3 the trials read well above the settled step on CPU and GPU hosts; with
 # 5 timed, trials on an H200 host read 0.85-1.9x the choices' steps in the grid
@@ -76,6 +85,11 @@ def to_try(plan: StrategyPlan) -> list[Candidate]:
     best = timed[0].time.total if timed[0].time is not None else 0.0
     close = [c for c in timed if c.time is not None and c.time.total <= _WITHIN * best]
     picked = (close if len(close) >= _FEWEST else timed[:_FEWEST])[:_MOST]
+    fastest: dict[tuple[int, int, str], Candidate] = {}  # of each layout, in predicted order
+    for c in close:
+        fastest.setdefault(_layout(c), c)
+    covered = {_layout(c) for c in picked}
+    picked += [c for key, c in fastest.items() if key not in covered][:_LAYOUTS]
     # A zero-bubble (or interleaved) pipeline is tried beside its 1F1B twin: the step model
     # prices its schedule on equal stages, and not zero-bubble's backward in two passes,
     # which measured 1.2-1.8x the twin's step on an H200 host while every stage walked its
@@ -97,16 +111,25 @@ def to_try(plan: StrategyPlan) -> list[Candidate]:
     return picked if cost(picked) <= _BUDGET_S else []
 
 
+def _layout(c: Candidate) -> tuple[int, int, str]:
+    """What ``to_try`` covers: the tensor-parallel and pipeline degrees and the schedule."""
+    return (c.tp, c.pp, c.schedule if c.pp > 1 else "")
+
+
 def to_retry(tried: list[Candidate], seconds: list[float]) -> list[Candidate]:
     """Of ``tried`` (trained for ``seconds`` each, every rank's slowest), those to try again.
 
-    Those within ``_CLOSE`` of the fastest, in the reverse order (a slow start, or a trend
-    over the trials, then falls on the other end), when there are two or more: the same on
-    every rank, whose ``seconds`` are agreed.
+    The fastest and those within ``_CLOSE`` of it, and at least the two fastest (a trial
+    that read fast by chance is then checked against its nearest rival), in the reverse
+    order (a slow start, or a trend over the trials, then falls on the other end): the same
+    on every rank, whose ``seconds`` are agreed. None for fewer than two.
     """
-    best = min(seconds, default=0.0)
-    close = [c for c, t in zip(tried, seconds, strict=True) if t <= _CLOSE * best]
-    return close[::-1] if len(close) >= _FEWEST else []
+    if len(tried) < _FEWEST:
+        return []
+    ranked = sorted(range(len(tried)), key=lambda i: seconds[i])
+    best = seconds[ranked[0]]
+    again = {i for i in ranked if seconds[i] <= _CLOSE * best} | set(ranked[:_FEWEST])
+    return [tried[i] for i in sorted(again, reverse=True)]
 
 
 def tried_steps(
@@ -117,14 +140,17 @@ def tried_steps(
     """Seconds per step of each candidate: tried, then the close ones again (``to_retry``).
 
     ``trial(candidates)`` is ``trial_steps`` over them on this rank; ``agree`` turns this
-    rank's seconds into every rank's slowest (a collective). Each keeps its faster trial.
+    rank's seconds into every rank's slowest (a collective). Each tried twice keeps the mean.
     """
     seconds = agree(trial(candidates))
     again = to_retry(candidates, seconds)
     if not again:
         return seconds
-    faster = dict(zip((c.order for c in again), agree(trial(again)), strict=True))
-    return [min(t, faster.get(c.order, t)) for c, t in zip(candidates, seconds, strict=True)]
+    second = dict(zip((c.order for c in again), agree(trial(again)), strict=True))
+    return [
+        (t + second[c.order]) / 2 if c.order in second else t
+        for c, t in zip(candidates, seconds, strict=True)
+    ]
 
 
 def trial_steps(
