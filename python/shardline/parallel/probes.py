@@ -224,7 +224,10 @@ def _probe_compute(
             return best
         few = max(1, min(rows // 2, int(rows * narrow)))
         cut_args, cut_kwargs = _first_rows((args, kwargs), rows, few)
-        small = _fastest(model, cut_args, cut_kwargs, device)
+        try:
+            small = _fastest(model, cut_args, cut_kwargs, device)
+        except RuntimeError:  # a model that cannot take fewer rows: no fixed part priced
+            return best
     whole, part = best.forward + best.backward, small.forward + small.backward
     per_row = max(0.0, whole - part) / (rows - few)
     return replace(best, fixed=min(part, max(0.0, whole - per_row * rows)))

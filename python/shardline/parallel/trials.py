@@ -14,10 +14,10 @@ makes its state) and ten timed, the median kept. The model itself, its gradients
 state are untouched. Every rank runs the same trials in the same order (they hold collectives);
 ``as_distributed`` then takes the slowest rank's time of each. Trials read apart from one to the
 next, and from the settled steps (one H200 host: zero1 and zero2 tried at 27.6 and 30.2 ms, then
-measured at 23.4 and 21.3; a 2-core VM: zero1 tried at 9.0 ms, the others at 13.8-15.5, then
-measured at 13.7 beside ddp's 10.6): ``to_retry`` names the fastest and those within ``_CLOSE``
-of it (at least the two fastest), which are tried once more in the reverse order, and each
-keeps the mean of its two trials.
+measured at 23.4 and 21.3): ``to_retry`` names the fastest and those within ``_CLOSE`` of it
+(at least the two fastest: a trial that read fast by chance is checked against its nearest
+rival), which are tried once more in the reverse order, and each keeps the mean of its two
+trials.
 """
 
 from __future__ import annotations
