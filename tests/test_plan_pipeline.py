@@ -310,6 +310,35 @@ def test_the_fastest_predicted_of_each_layout_the_fastest_few_leave_out_is_tried
     ]  # fmt: skip
 
 
+def test_at_most_three_layouts_beyond_the_fastest_few_are_tried() -> None:
+    """On 4 ranks the chain has 5 pipeline layouts besides the plain one: of those within
+    1.6x, the 3 predicted fastest are tried, each by its fastest choice, in that order."""
+    plan = sl.plan_strategy(
+        chain(), world_size=4, available_bytes=1 << 30, example_input=tokens(0), device="cpu",
+        pipeline=True, loss_fn=lm_loss, rank=0,
+    )  # fmt: skip
+    compute = Compute(forward=0.010, backward=0.020, host=0.001)
+    timed = plan.timed(Probes({(None, None): compute}, 0.0, Link(1e-4, 1e9), 0.5, 0.0))
+    predicted = dict.fromkeys(("ddp", "zero1", "zero2", "zero3"), 0.010)
+    predicted |= {
+        "ddp pp=4 m=4 schedule=zero_bubble": 0.011,
+        "zero1 pp=2 m=8": 0.012,
+        "zero2 pp=2 m=8": 0.0125,  # the same layout: not again
+        "ddp pp=4 m=8": 0.013,
+        "zero2 pp=2 m=2 schedule=interleaved": 0.014,  # a fourth layout: not tried
+        "zero3 pp=2 m=4 schedule=zero_bubble": 0.015,  # a fifth
+    }
+    agreed = timed.agreed(
+        [predicted.get(c.name, 0.020) for c in timed.candidates],
+        [c.fits for c in timed.candidates],
+    )
+    assert [c.name for c in to_try(agreed)] == [
+        "ddp", "zero1", "zero2", "zero3",
+        "ddp pp=4 m=4 schedule=zero_bubble", "zero1 pp=2 m=8", "ddp pp=4 m=8",
+        "ddp pp=4 m=4",  # the zero-bubble one's twin
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("recompute", [None, "full"])
 def test_the_pipeline_choice_trains_as_one_process_on_the_replica_batch(
     recompute: str | None,
