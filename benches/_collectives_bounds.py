@@ -3,10 +3,11 @@
 Once per world size: B1 (one core copying, read + write counted), B2 (every rank copying at
 once, summed), B3 (every rank copying on as many threads as the engine's helpers) and B_lo (one
 loopback TCP stream). And beside each large cell (``Beside``): the all-rank copy rate again,
-just before and just after that cell's backends run, on a buffer of the cell's size, so that a
-cell's % of bound is judged against the machine as it was while the cell ran. Other jobs on a
-shared host move B2 by 30 % and more within minutes; a bound measured once at the start then
-reads the same op time as anything from 65 % to 120 %.
+just before and just after that cell's backends run, every rank copying the bytes the op
+moves, so that a cell's % of bound is judged against the machine as it was while the cell
+ran. Other jobs on a shared host moved B2 between 47 and 151 GB/s within an hour on a 16-core
+host; a bound measured once per run read the same op time at 65 % one day and 86-123 %
+another.
 
 Every rank calls these functions in the same order (they synchronise through ``sync``).
 Bandwidths take the best sample: noise from other jobs only ever lowers one.
@@ -55,8 +56,10 @@ def all_rank_copy(
 
 
 def measure(sync: Any, rank: int, world: int, nbytes: int, threads: int) -> dict[str, Any]:
-    """B1, B2, B3 and B_lo (bytes/s lists, rank 0's B1 and B_lo; ``[]`` elsewhere), in the
-    fields that ``derive`` reads."""
+    """B1, B2, B3 and B_lo in GB/s (best and samples), in the fields that ``derive`` reads.
+
+    B1 and B_lo are measured on rank 0 only (0 elsewhere): the parent reads rank 0's result.
+    """
     import numpy as np  # noqa: PLC0415
 
     nb = nbytes // 4

@@ -165,7 +165,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--beside-min",
         default=BESIDE_MIN,
         help="cells of at least this many bytes per rank get the all-rank copy rate measured "
-        "just before and after them (their %%here); 0 turns it off",
+        "just before and after them (their %%here; two buffers of the largest cell's size per "
+        "rank); 0 turns it off",
     )
     p.add_argument(
         "--op-timeout",
