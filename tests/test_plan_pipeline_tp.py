@@ -14,6 +14,7 @@ from shardline.comm import ProcessGroup
 from shardline.examples.model import lm_loss
 from shardline.parallel.choice import described, wrap_choice
 from shardline.parallel.layout_meta import widened
+from shardline.parallel.pipeline import schedules
 from shardline.parallel.pipeline_layout import step_ratio, with_loss
 from shardline.parallel.timing import Compute, Link, Probes
 from tests._chain import alone_losses, chain, sgd_losses
@@ -103,27 +104,88 @@ def test_a_tensor_parallel_stage_holds_keeps_and_trains_as_sl_pipeline_does() ->
         assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
+def test_interleaved_tensor_parallel_stages_hold_keep_and_train_as_sl_pipeline_does() -> None:
+    """Interleaved 1F1B over pp=2 x tp=2 (the chain cut into 4 stages, 2 per rank, each split
+    over its tp pair): per micro-batch count, the slices each rank holds and the
+    micro-batches each of its stages keeps at once against the composed pipeline; the price
+    is within the schedule's walk; the m=4 choice follows one process's losses."""
+    plans = {rank: planned(rank) for rank in range(4)}
+    x, y = tokens(0)
+    batch = widened((x, y), 4)
+    expected = alone_losses(batch)
+
+    def body(g: ProcessGroup) -> tuple[list[tuple[Any, ...]], list[float]]:
+        torch.set_num_threads(1)
+        plan, meshes = plans[g.rank], {}
+        seen = []
+        for c in plan.candidates:
+            if c.tp == 2 and c.pp == 2 and c.schedule == "interleaved":
+                stage = wrap_choice(with_loss(chain(), lm_loss), c, g, None, {}, meshes, (x, y))
+                stage.step(*batch)
+                held = sorted(tuple(p.shape) for p in stage.parameters())
+                seen.append((c.microbatches, held, dict(stage.peak_activations)))
+        chosen = next(
+            c for c in plan.candidates if c.name == "ddp tp=2 pp=2 m=4 schedule=interleaved"
+        )
+        stage = wrap_choice(with_loss(chain(), lm_loss), chosen, g, None, {}, meshes, (x, y))
+        return seen, sgd_losses(stage.step, stage.parameters(), batch)
+
+    for rank, (seen, losses) in enumerate(run_ranks(4, body, timeout=120)):
+        plan, stage = plans[rank], rank // 2  # the tp axis varies fastest
+        assert [m for m, _, _ in seen] == [2, 4, 8]
+        for m, held, peak in seen:
+            layout = next(
+                p for p in plan.pipelines if (p.tp, p.virtual, p.microbatches) == (2, 2, m)
+            )
+            assert layout.stage == stage
+            assert layout.split == (("embed",), ("block0",), ("block1",), ("head",))
+            assert sorted(tuple(p.shape) for p in layout.model.parameters()) == held
+            live: dict[int, int] = {}
+            walked: dict[int, int] = {}
+            for a in schedules.build("interleaved", 2, m, 2)[stage]:
+                live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
+                walked[a.stage] = max(walked.get(a.stage, 0), live[a.stage])
+            assert peak == walked and set(peak) == {stage, stage + 2}
+            assert max(layout.chunk_kept) <= layout.activations("interleaved")
+            assert layout.activations("interleaved") <= sum(
+                k * walked[s] for s, k in zip((stage, stage + 2), layout.chunk_kept, strict=True)
+            )
+            # the split blocks' collectives, per micro-batch, on both of this rank's stages
+            assert 0.9 < layout.tp_split <= 1.0
+            ops = {(phase, op) for phase, op, _, _ in layout.traffic}
+            assert ("forward", "all_reduce") in ops and ("backward", "all_reduce") in ops
+        assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
 def test_the_step_model_splits_a_stage_over_its_tp_ranks_and_waits_for_their_collectives() -> None:
     """The split layers' share of the stage's compute runs on ``1 / tp`` of it, the rest on
-    all of it; each micro-batch waits for the stage's tensor-parallel collectives in full."""
+    all of it; each micro-batch waits for the stage's tensor-parallel collectives in full.
+    Interleaved: both of the rank's stages', and each of them sends every micro-batch on
+    (rank 0 holds stages 0 and 2 of 4)."""
     plan = planned()
     compute = Compute(forward=0.010, backward=0.020, host=0.001)
     latency, bandwidth = 1e-4, 1e9
     timed = plan.timed(Probes({(None, None): compute}, 0.0, Link(latency, bandwidth), 0.5, 0.0))
+    seen = set()
     for c in timed.candidates:
-        if not (c.tp == 2 and c.pp == 2 and c.schedule == "1f1b") or c.recompute:
+        if not (c.tp == 2 and c.pp == 2 and c.schedule in ("1f1b", "interleaved")) or c.recompute:
             continue
+        virtual = 2 if c.schedule == "interleaved" else 1
         layout = next(
-            p for p in plan.pipelines if (p.size, p.tp, p.microbatches) == (2, 2, c.microbatches)
+            p
+            for p in plan.pipelines
+            if (p.size, p.tp, p.microbatches, p.virtual) == (2, 2, c.microbatches, virtual)
         )
         m, split = c.microbatches, layout.tp_split
-        ratio = step_ratio("1f1b", 2, m, 0.010, 0.020)
+        ratio = step_ratio(c.schedule, 2, m, 0.010, 0.020, virtual)
         assert c.time is not None
         assert c.time.compute == pytest.approx(0.030 * 2 * layout.share * ratio * (2 - split))
-        sends = 2 * (m * latency + m * layout.boundary / bandwidth)
+        sends = 2 * (m * virtual * latency + m * layout.boundary / bandwidth)
         waits = sum(
             m * calls * latency
             + (1.0 if op == "all_reduce" else 0.5) * m * nbytes / bandwidth  # 2 ranks
             for _, op, calls, nbytes in layout.traffic
         )
         assert c.time.comm == pytest.approx(sends + waits)
+        seen.add((c.schedule, m))
+    assert seen == {(s, m) for s in ("1f1b", "interleaved") for m in (2, 4, 8)}

@@ -288,9 +288,9 @@ def plan_strategy(
     1F1B and zero-bubble pipelines over ``pp`` = 2, 4, ... ranks with ``pp``, ``2 pp`` and ``4 pp``
     micro-batches, 1F1B with each stage recomputing its forward, and interleaved 1F1B with
     ``VIRTUAL`` stages per rank, DDP or ZeRO over the ``N / pp`` replicas
-    (``pipeline_layouts``: this rank's stage); with both, also those pipelines (but
-    interleaved) with each stage split over ``tp`` ranks (a mesh ``{"dp", "pp", "tp"}``,
-    ``N / (pp tp)`` replicas). When none fits, the choice is ``zero3``, with a reason that
+    (``pipeline_layouts``: this rank's stage); with both, also those pipelines with each
+    stage split over ``tp`` ranks (a mesh ``{"dp", "pp", "tp"}``, ``N / (pp tp)``
+    replicas). When none fits, the choice is ``zero3``, with a reason that
     says by how much it is short.
 
     Args:

@@ -261,12 +261,11 @@ def pipeline_layouts(
                     name = f"tp={tp} " if tp > 1 else ""
                     notes.append(f"not priced: {name}pp={pp} m={m}: {first_line(e)}")
                     break
-                if tp > 1:
-                    continue  # interleaved stages are not split over tp ranks here
                 try:
-                    layouts.append(_interleaved(model, pp, m, stage, inputs, target, mp))
+                    layouts.append(_interleaved(model, pp, m, stage, inputs, target, mp, tp))
                 except Exception as e:
-                    notes.append(f"not priced: pp={pp} m={m} interleaved: {first_line(e)}")
+                    name = f"tp={tp} " if tp > 1 else ""
+                    notes.append(f"not priced: {name}pp={pp} m={m} interleaved: {first_line(e)}")
     if not layouts and not notes:
         notes.append(f"no pipeline size divides {world_size} ranks and a batch")
     return layouts, notes
@@ -291,13 +290,8 @@ def _layout(
             for name in part:
                 x = by_name[name](x)
     whole = _trainable(by_name[n] for n in parts[stage])
-    if tp > 1:  # as sl.pipeline(tp_group=) rewrites it: the whole chain's plan, this stage's part
-        group = MetaGroup(tp)
-        plan = whole_plan(twin.chain, group, "auto")  # type: ignore[arg-type]
-        mine_names = set(parts[stage])
-        part_plan = {n: v for n, v in plan.items() if n.split(".")[0] in mine_names}
-        tensor_parallel(twin.chain, group, part_plan)  # type: ignore[arg-type]
-        by_name = {n: twin.chain.get_submodule(n) for n in parts[stage]}
+    if tp > 1:
+        by_name = _split_over(twin, set(parts[stage]), tp)
     mine = nn.Sequential(*(by_name[n] for n in parts[stage]))
     last = stage == pp - 1
     if last:
@@ -315,12 +309,8 @@ def _layout(
     split = 0.0
     traffic: tuple[tuple[str, str, int, int], ...] = ()
     if tp > 1:
-        per_rank = _trainable([mine])
-        split = (whole - per_rank) / (whole * (1 - 1 / tp)) if whole else 0.0
-        split = min(max(split, 0.0), 1.0)
-        # a later stage's input needs its gradient: its first layer's backward collective
-        grad_in = (x.requires_grad_(stage > 0 and x.is_floating_point()), *args[1:])
-        traffic = counted_traffic(TensorLayout(tp, priced, split), grad_in, None).traffic
+        split = _split_share(whole, _trainable([mine]), tp)
+        traffic = _tp_traffic(priced, args, stage > 0, tp, split)
     received = x.numel() * x.element_size() if stage > 0 and isinstance(x, torch.Tensor) else 0
     return PipelineLayout(
         pp, m, stage, priced, share, kept, boundary, tuple(tuple(p) for p in parts),
@@ -337,16 +327,25 @@ def _interleaved(
     inputs: torch.Tensor,
     target: Any,
     mp: MixedPrecision | None,
+    tp: int = 1,
 ) -> PipelineLayout:
     """This rank's ``VIRTUAL`` stages of the chain cut into ``pp * VIRTUAL`` stages.
 
-    As ``sl.pipeline(virtual_stages=VIRTUAL)`` cuts it for interleaved 1F1B.
+    As ``sl.pipeline(virtual_stages=VIRTUAL)`` cuts it for interleaved 1F1B; with ``tp``, each
+    of them rewritten as ``sl.pipeline(tp_group=)`` rewrites them, and their tensor-parallel
+    collectives of one micro-batch counted.
     """
     v = VIRTUAL
-    _twin, parts, by_name, cost_of, x, micro_target = _cut(model, pp * v, m, inputs, target)
+    twin, parts, by_name, cost_of, x, micro_target = _cut(model, pp * v, m, inputs, target)
     loads = [sum(cost_of[n] for s in range(r, pp * v, pp) for n in parts[s]) for r in range(pp)]
+    names = {n for s in range(stage, pp * v, pp) for n in parts[s]}
+    whole = _trainable(by_name[n] for n in names)
+    if tp > 1:
+        by_name = {**by_name, **_split_over(twin, names, tp)}
+    split = _split_share(whole, _trainable(by_name[n] for n in names), tp) if tp > 1 else 0.0
     held: list[nn.Module] = []
     kept: list[int] = []
+    traffic: list[tuple[str, str, int, int]] = []
     boundary = 0
     for s, part in enumerate(parts):
         chunk = nn.Sequential(*(by_name[n] for n in part))
@@ -356,6 +355,8 @@ def _interleaved(
             args = (x, _meta(micro_target)) if last else (x,)
             kept.append(count_activations(priced, args, mp)[0])
             held.append(priced)
+            if tp > 1:
+                traffic += _tp_traffic(priced, args, s > 0, tp, split)
         if not last:
             with torch.no_grad():
                 x = chunk(x)
@@ -366,8 +367,41 @@ def _interleaved(
     return PipelineLayout(
         pp, m, stage, mine, max(loads) / max(1, sum(cost_of.values())), sum(kept), boundary,
         tuple(tuple(p) for p in parts), casts(mine, low) if low is not None else 0,
-        virtual=v, chunk_kept=tuple(kept),
+        tp=tp, tp_split=split, traffic=tuple(traffic), virtual=v, chunk_kept=tuple(kept),
     )  # fmt: skip
+
+
+def _split_over(twin: WithLoss, names: set[str], tp: int) -> dict[str, nn.Module]:
+    """The children ``names`` of ``twin``'s chain, rewritten over ``tp`` ranks.
+
+    As ``sl.pipeline(tp_group=)`` rewrites a rank's stages: the whole chain's ``"auto"``
+    plan, its part on them.
+    """
+    group = MetaGroup(tp)
+    plan = whole_plan(twin.chain, group, "auto")  # type: ignore[arg-type]
+    part_plan = {n: v for n, v in plan.items() if n.split(".")[0] in names}
+    tensor_parallel(twin.chain, group, part_plan)  # type: ignore[arg-type]
+    return {n: twin.chain.get_submodule(n) for n in names}  # a child may be rewritten itself
+
+
+def _split_share(whole: int, per_rank: int, tp: int) -> float:
+    """The share of ``whole`` trainable elements split over ``tp`` ranks, from one rank's."""
+    split = (whole - per_rank) / (whole * (1 - 1 / tp)) if whole else 0.0
+    return min(max(split, 0.0), 1.0)
+
+
+def _tp_traffic(
+    priced: nn.Module, args: tuple[Any, ...], grad_in: bool, tp: int, split: float
+) -> tuple[tuple[str, str, int, int], ...]:
+    """The tensor-parallel collectives of one micro-batch through ``priced``.
+
+    ``grad_in``: its input needs a gradient (a later stage's: its first layer's backward
+    collective).
+    """
+    x = args[0]
+    wants = grad_in and isinstance(x, torch.Tensor) and x.is_floating_point()
+    inputs = (x.detach().requires_grad_(wants) if isinstance(x, torch.Tensor) else x, *args[1:])
+    return counted_traffic(TensorLayout(tp, priced, split), inputs, None).traffic
 
 
 def _cut(
