@@ -1,5 +1,6 @@
 """The planner's pipeline tests' model: the tiny GPT as a chain of children, and its losses
-trained in one process, what a pipeline choice must follow."""
+trained in one process, what a pipeline choice must follow; the pipelines its choices build,
+stepped, and the micro-batches a schedule keeps at once."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardline.comm import ProcessGroup
 from shardline.examples.model import TinyGPT, as_sequential, lm_loss
-from shardline.parallel.pipeline_layout import WithLoss
+from shardline.parallel.candidate import Candidate
+from shardline.parallel.choice import Meshes, wrap_choice
+from shardline.parallel.pipeline import schedules
+from shardline.parallel.pipeline_layout import WithLoss, with_loss
 from tests._ranks import built_once
 from tests._tiny_gpt import CFG
 
-__all__ = ["alone_losses", "chain", "sgd_losses"]
+__all__ = ["alone_losses", "chain", "sgd_losses", "stepped", "walked"]
 
 
 @built_once
@@ -52,3 +57,30 @@ def alone_losses(batch: Any, steps: int = 3) -> list[float]:
         return loss.detach()
 
     return sgd_losses(step, alone.parameters(), batch, steps)
+
+
+def stepped(
+    choices: Iterable[Candidate], g: ProcessGroup, example: Any, batch: Any, meshes: Meshes
+) -> list[tuple[int, list[tuple[int, ...]], dict[int, int]]]:
+    """Each pipeline choice built on rank ``g`` as ``as_distributed`` builds it (stages
+    balanced on ``example``, one rank's batch) and stepped once on ``batch``: its
+    micro-batches, the shapes of the parameters this rank holds, and the micro-batches each
+    of its stages kept at once."""
+    seen = []
+    for c in choices:
+        stage = wrap_choice(with_loss(chain(), lm_loss), c, g, None, {}, meshes, example)
+        stage.step(*batch)
+        held = sorted(tuple(p.shape) for p in stage.parameters())
+        seen.append((c.microbatches, held, dict(stage.peak_activations)))
+    return seen
+
+
+def walked(schedule: str, pp: int, m: int, rank: int, virtual: int = 1) -> dict[int, int]:
+    """The most micro-batches each of ``rank``'s stages keeps at once, by the schedule's own
+    actions (a forward keeps one, a backward frees one)."""
+    live: dict[int, int] = {}
+    most: dict[int, int] = {}
+    for a in schedules.build(schedule, pp, m, virtual)[rank]:
+        live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
+        most[a.stage] = max(most.get(a.stage, 0), live[a.stage])
+    return most

@@ -25,7 +25,7 @@ from shardline.parallel.pipeline_layout import (
 )
 from shardline.parallel.timing import Compute, Link, Probes
 from shardline.parallel.trials import to_try, trial_steps
-from tests._chain import alone_losses, chain, sgd_losses
+from tests._chain import alone_losses, chain, sgd_losses, stepped, walked
 from tests._ranks import run_ranks
 from tests._tiny_gpt import CFG, tokens
 
@@ -166,13 +166,8 @@ def test_interleaved_stages_hold_keep_and_train_as_sl_pipeline_does() -> None:
 
     def body(g: ProcessGroup) -> tuple[list[tuple[Any, ...]], list[float]]:
         torch.set_num_threads(1)
-        seen = []
-        for c in plans[g.rank].candidates:
-            if c.schedule == "interleaved":
-                stage = wrap_choice(with_loss(chain(), lm_loss), c, g, None, {}, {}, (x, y))
-                stage.step(*batch)
-                held = sorted(tuple(p.shape) for p in stage.parameters())
-                seen.append((c.microbatches, held, dict(stage.peak_activations)))
+        picked = [c for c in plans[g.rank].candidates if c.schedule == "interleaved"]
+        seen = stepped(picked, g, (x, y), batch, {})
         chosen = next(
             c for c in plans[g.rank].candidates if c.name == "ddp pp=2 m=4 schedule=interleaved"
         )
@@ -185,15 +180,11 @@ def test_interleaved_stages_hold_keep_and_train_as_sl_pipeline_does() -> None:
             layout = next(p for p in plans[rank].pipelines if (p.microbatches, p.virtual) == (m, 2))
             assert layout.split == (("embed",), ("block0",), ("block1",), ("head",))
             assert sorted(tuple(p.shape) for p in layout.model.parameters()) == held
-            live: dict[int, int] = {}
-            walked: dict[int, int] = {}
-            for a in schedules.build("interleaved", 2, m, 2)[rank]:
-                live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
-                walked[a.stage] = max(walked.get(a.stage, 0), live[a.stage])
-            assert peak == walked and set(peak) == {rank, rank + 2}
+            most = walked("interleaved", 2, m, rank, virtual=2)
+            assert peak == most and set(peak) == {rank, rank + 2}
             assert max(layout.chunk_kept) <= layout.activations("interleaved")
             assert layout.activations("interleaved") <= sum(
-                k * walked[s] for s, k in zip((rank, rank + 2), layout.chunk_kept, strict=True)
+                k * most[s] for s, k in zip((rank, rank + 2), layout.chunk_kept, strict=True)
             )
         assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
 

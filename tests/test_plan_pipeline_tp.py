@@ -14,10 +14,9 @@ from shardline.comm import ProcessGroup
 from shardline.examples.model import lm_loss
 from shardline.parallel.choice import described, wrap_choice
 from shardline.parallel.layout_meta import widened
-from shardline.parallel.pipeline import schedules
 from shardline.parallel.pipeline_layout import step_ratio, with_loss
 from shardline.parallel.timing import Compute, Link, Probes
-from tests._chain import alone_losses, chain, sgd_losses
+from tests._chain import alone_losses, chain, sgd_losses, stepped, walked
 from tests._ranks import run_ranks
 from tests._tiny_gpt import tokens
 
@@ -70,13 +69,12 @@ def test_a_tensor_parallel_stage_holds_keeps_and_trains_as_sl_pipeline_does() ->
     def body(g: ProcessGroup) -> tuple[list[tuple[Any, ...]], list[float]]:
         torch.set_num_threads(1)
         plan, meshes = plans[g.rank], {}
-        seen = []
-        for c in plan.candidates:
-            if c.tp == 2 and c.pp == 2 and c.schedule == "1f1b" and not c.recompute:
-                stage = wrap_choice(with_loss(chain(), lm_loss), c, g, None, {}, meshes, (x, y))
-                stage.step(*batch)
-                held = sorted(tuple(p.shape) for p in stage.parameters())
-                seen.append((c.microbatches, held, dict(stage.peak_activations)))
+        picked = [
+            c
+            for c in plan.candidates
+            if c.tp == 2 and c.pp == 2 and c.schedule == "1f1b" and not c.recompute
+        ]
+        seen: list[tuple[Any, ...]] = list(stepped(picked, g, (x, y), batch, meshes))
         # recomputing too: it builds, and its first step gives one process's first loss
         again = next(c for c in plan.candidates if c.name == "ddp recompute=full tp=2 pp=2 m=4")
         stage = wrap_choice(with_loss(chain(), lm_loss), again, g, None, {}, meshes, (x, y))
@@ -117,13 +115,8 @@ def test_interleaved_tensor_parallel_stages_hold_keep_and_train_as_sl_pipeline_d
     def body(g: ProcessGroup) -> tuple[list[tuple[Any, ...]], list[float]]:
         torch.set_num_threads(1)
         plan, meshes = plans[g.rank], {}
-        seen = []
-        for c in plan.candidates:
-            if c.tp == 2 and c.pp == 2 and c.schedule == "interleaved":
-                stage = wrap_choice(with_loss(chain(), lm_loss), c, g, None, {}, meshes, (x, y))
-                stage.step(*batch)
-                held = sorted(tuple(p.shape) for p in stage.parameters())
-                seen.append((c.microbatches, held, dict(stage.peak_activations)))
+        picked = [c for c in plan.candidates if (c.tp, c.pp, c.schedule) == (2, 2, "interleaved")]
+        seen = stepped(picked, g, (x, y), batch, meshes)
         chosen = next(
             c for c in plan.candidates if c.name == "ddp tp=2 pp=2 m=4 schedule=interleaved"
         )
@@ -140,15 +133,11 @@ def test_interleaved_tensor_parallel_stages_hold_keep_and_train_as_sl_pipeline_d
             assert layout.stage == stage
             assert layout.split == (("embed",), ("block0",), ("block1",), ("head",))
             assert sorted(tuple(p.shape) for p in layout.model.parameters()) == held
-            live: dict[int, int] = {}
-            walked: dict[int, int] = {}
-            for a in schedules.build("interleaved", 2, m, 2)[stage]:
-                live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
-                walked[a.stage] = max(walked.get(a.stage, 0), live[a.stage])
-            assert peak == walked and set(peak) == {stage, stage + 2}
+            most = walked("interleaved", 2, m, stage, virtual=2)
+            assert peak == most and set(peak) == {stage, stage + 2}
             assert max(layout.chunk_kept) <= layout.activations("interleaved")
             assert layout.activations("interleaved") <= sum(
-                k * walked[s] for s, k in zip((stage, stage + 2), layout.chunk_kept, strict=True)
+                k * most[s] for s, k in zip((stage, stage + 2), layout.chunk_kept, strict=True)
             )
             # the split blocks' collectives, per micro-batch, on both of this rank's stages
             assert 0.9 < layout.tp_split <= 1.0
