@@ -16,11 +16,11 @@ from shardline.examples.model import TinyGPT, as_sequential, lm_loss
 from shardline.parallel.candidate import Candidate
 from shardline.parallel.choice import Meshes, wrap_choice
 from shardline.parallel.pipeline import schedules
-from shardline.parallel.pipeline_layout import WithLoss, with_loss
+from shardline.parallel.pipeline_layout import PipelineLayout, WithLoss, with_loss
 from tests._ranks import built_once
 from tests._tiny_gpt import CFG
 
-__all__ = ["alone_losses", "chain", "sgd_losses", "stepped", "walked"]
+__all__ = ["alone_losses", "chain", "check_interleaved", "sgd_losses", "stepped", "walked"]
 
 
 @built_once
@@ -84,3 +84,19 @@ def walked(schedule: str, pp: int, m: int, rank: int, virtual: int = 1) -> dict[
         live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
         most[a.stage] = max(most.get(a.stage, 0), live[a.stage])
     return most
+
+
+def check_interleaved(layout: PipelineLayout, stage: int, held: Any, peak: dict[int, int]) -> None:
+    """An interleaved layout over 2 ranks, 2 stages each (the chain cut into 4), priced for
+    pipeline rank ``stage``, against the pipeline built there (``stepped``): the cut, the
+    parameters it holds, the micro-batches each of its stages kept at once (the schedule's
+    walk), and the price within that walk with each stage's own activations."""
+    assert layout.stage == stage
+    assert layout.split == (("embed",), ("block0",), ("block1",), ("head",))
+    assert sorted(tuple(p.shape) for p in layout.model.parameters()) == held
+    most = walked("interleaved", 2, layout.microbatches, stage, virtual=2)
+    assert peak == most and set(peak) == {stage, stage + 2}
+    assert max(layout.chunk_kept) <= layout.activations("interleaved")
+    assert layout.activations("interleaved") <= sum(
+        k * most[s] for s, k in zip((stage, stage + 2), layout.chunk_kept, strict=True)
+    )

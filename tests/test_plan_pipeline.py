@@ -25,7 +25,7 @@ from shardline.parallel.pipeline_layout import (
 )
 from shardline.parallel.timing import Compute, Link, Probes
 from shardline.parallel.trials import to_try, trial_steps
-from tests._chain import alone_losses, chain, sgd_losses, stepped, walked
+from tests._chain import alone_losses, chain, check_interleaved, sgd_losses, stepped
 from tests._ranks import run_ranks
 from tests._tiny_gpt import CFG, tokens
 
@@ -178,14 +178,7 @@ def test_interleaved_stages_hold_keep_and_train_as_sl_pipeline_does() -> None:
         assert len(seen) == 3
         for m, held, peak in seen:
             layout = next(p for p in plans[rank].pipelines if (p.microbatches, p.virtual) == (m, 2))
-            assert layout.split == (("embed",), ("block0",), ("block1",), ("head",))
-            assert sorted(tuple(p.shape) for p in layout.model.parameters()) == held
-            most = walked("interleaved", 2, m, rank, virtual=2)
-            assert peak == most and set(peak) == {rank, rank + 2}
-            assert max(layout.chunk_kept) <= layout.activations("interleaved")
-            assert layout.activations("interleaved") <= sum(
-                k * most[s] for s, k in zip((rank, rank + 2), layout.chunk_kept, strict=True)
-            )
+            check_interleaved(layout, rank, held, peak)
         assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 

@@ -16,7 +16,7 @@ from shardline.parallel.choice import described, wrap_choice
 from shardline.parallel.layout_meta import widened
 from shardline.parallel.pipeline_layout import step_ratio, with_loss
 from shardline.parallel.timing import Compute, Link, Probes
-from tests._chain import alone_losses, chain, sgd_losses, stepped, walked
+from tests._chain import alone_losses, chain, check_interleaved, sgd_losses, stepped
 from tests._ranks import run_ranks
 from tests._tiny_gpt import tokens
 
@@ -130,15 +130,7 @@ def test_interleaved_tensor_parallel_stages_hold_keep_and_train_as_sl_pipeline_d
             layout = next(
                 p for p in plan.pipelines if (p.tp, p.virtual, p.microbatches) == (2, 2, m)
             )
-            assert layout.stage == stage
-            assert layout.split == (("embed",), ("block0",), ("block1",), ("head",))
-            assert sorted(tuple(p.shape) for p in layout.model.parameters()) == held
-            most = walked("interleaved", 2, m, stage, virtual=2)
-            assert peak == most and set(peak) == {stage, stage + 2}
-            assert max(layout.chunk_kept) <= layout.activations("interleaved")
-            assert layout.activations("interleaved") <= sum(
-                k * most[s] for s, k in zip((stage, stage + 2), layout.chunk_kept, strict=True)
-            )
+            check_interleaved(layout, stage, held, peak)
             # the split blocks' collectives, per micro-batch, on both of this rank's stages
             assert 0.9 < layout.tp_split <= 1.0
             ops = {(phase, op) for phase, op, _, _ in layout.traffic}
