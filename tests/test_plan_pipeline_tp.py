@@ -29,6 +29,14 @@ def planned(rank: int = 0) -> sl.StrategyPlan:
     )  # fmt: skip
 
 
+def four_ranks() -> tuple[dict[int, sl.StrategyPlan], tuple[Any, Any], Any, list[float]]:
+    """Every rank's plan, rank 0's batch, a replica's batch (4 ranks') and one process's
+    losses on it: what the tp x pp pipelines are built from and must follow."""
+    example = tokens(0)
+    batch = widened(example, 4)
+    return {rank: planned(rank) for rank in range(4)}, example, batch, alone_losses(batch)
+
+
 def test_pipelines_of_tensor_parallel_stages_are_priced_beside_the_others() -> None:
     plan = planned()
     names = [c.name for c in plan.candidates]
@@ -61,10 +69,7 @@ def test_a_tensor_parallel_stage_holds_keeps_and_trains_as_sl_pipeline_does() ->
     the micro-batches its stage keeps at once, priced against the composed pipeline
     ``as_distributed`` would build; and the m=4 choice, trained on the replica's batch,
     follows one process's losses."""
-    plans = {rank: planned(rank) for rank in range(4)}
-    x, y = tokens(0)
-    batch = widened((x, y), 4)
-    expected = alone_losses(batch)
+    plans, (x, y), batch, expected = four_ranks()
 
     def body(g: ProcessGroup) -> tuple[list[tuple[Any, ...]], list[float]]:
         torch.set_num_threads(1)
@@ -107,10 +112,7 @@ def test_interleaved_tensor_parallel_stages_hold_keep_and_train_as_sl_pipeline_d
     over its tp pair): per micro-batch count, the slices each rank holds and the
     micro-batches each of its stages keeps at once against the composed pipeline; the price
     is within the schedule's walk; the m=4 choice follows one process's losses."""
-    plans = {rank: planned(rank) for rank in range(4)}
-    x, y = tokens(0)
-    batch = widened((x, y), 4)
-    expected = alone_losses(batch)
+    plans, (x, y), batch, expected = four_ranks()
 
     def body(g: ProcessGroup) -> tuple[list[tuple[Any, ...]], list[float]]:
         torch.set_num_threads(1)

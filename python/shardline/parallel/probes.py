@@ -77,8 +77,9 @@ def probe_step(
         elements: Elements the optimizer probe steps (up to 4 Mi; the model's size when
             ``None``).
         narrow: The smallest micro-batch a choice runs, as a fraction of ``example_input``'s
-            rows (its tensors' first dimension): on CPU each compute probe also times that
-            many rows (at most half of them) and fits ``Compute.fixed``. On CUDA the host's
+            rows (its tensors' first dimension): on CPU each compute probe without a recompute
+            policy (what pipelines are priced from) also times that many rows (at most half
+            of them) and fits ``Compute.fixed``. On CUDA the host's
             time per micro-batch is priced from ``Compute.host`` instead.
     """
     started = time.perf_counter()
@@ -88,7 +89,9 @@ def probe_step(
     narrow = narrow if device.type != "cuda" else None
     for key in dict.fromkeys(computes):
         try:
-            compute[key] = _probe_compute(model, example_input, *key, narrow=narrow)
+            # pipelines are priced from the probe without a recompute policy: only it narrows
+            few = narrow if key[0] is None else None
+            compute[key] = _probe_compute(model, example_input, *key, narrow=few)
         except (torch.OutOfMemoryError, RuntimeError) as e:  # left untimed, and said why
             if device.type == "cuda":
                 torch.cuda.empty_cache()
