@@ -13,6 +13,10 @@ Models:
   gradient all-reduce (the case the engine is for);
 - ``compute``: compute-heavy, the main job's transformer LM on a large batch.
 
+A third contender, ``no comm``, is our wrapper stepping under ``no_sync()``: the same step with
+no gradient communicated, the floor of what hiding communication can give. The ``floor``
+column is our step over it (1.00x: every byte of communication hidden behind backward).
+
 Prints the throughput ratio ours/torch and writes JSON, a text table and (with matplotlib) a
 PNG to ``benches/results/``.
 
@@ -23,6 +27,7 @@ PNG to ``benches/results/``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -74,11 +79,12 @@ def make_model(kind: str, device: Any, big: bool) -> tuple[Any, Any, int]:
     return model, batch_lm, cfg.batch_size * cfg.seq_len
 
 
-def step_fn(model: Any, opt: Any, batch: tuple[Any, ...]) -> None:
+def step_fn(model: Any, opt: Any, batch: tuple[Any, ...], sync: bool = True) -> None:
     opt.zero_grad(set_to_none=True)
-    out = model(*batch)
-    loss = out if out.dim() == 0 else out.float().pow(2).mean()
-    loss.backward()
+    with contextlib.nullcontext() if sync else model.no_sync():
+        out = model(*batch)
+        loss = out if out.dim() == 0 else out.float().pow(2).mean()
+        loss.backward()
     opt.step()
 
 
@@ -99,13 +105,14 @@ def worker(args: argparse.Namespace) -> int:
         params = sum(p.numel() for p in base.parameters())
         ours = sl.DistributedDataParallel(copy.deepcopy(base), group=ours_group, **args.ddp_kw)
         theirs = TorchDDP(copy.deepcopy(base), device_ids=[device.index] if cuda else None)
-        contenders = {"shardline": ours, "torch": theirs}
+        alone = sl.DistributedDataParallel(copy.deepcopy(base), group=ours_group, **args.ddp_kw)
+        contenders = {"shardline": ours, "torch": theirs, "nocomm": alone}
         opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in contenders.items()}
         batches = [make_batch() for _ in range(4)]
         times: dict[str, list[float]] = {k: [] for k in contenders}
         for name, m in contenders.items():  # warm-up, also the bucket rebuild
             for i in range(args.warmup):
-                step_fn(m, opts[name], batches[i % 4])
+                step_fn(m, opts[name], batches[i % 4], sync=name != "nocomm")
         _harness.sync(device)
         for _ in range(args.repeats):
             for name, m in contenders.items():
@@ -113,7 +120,7 @@ def worker(args: argparse.Namespace) -> int:
                 _harness.sync(device)
                 t0 = time.perf_counter()
                 for i in range(args.steps):
-                    step_fn(m, opts[name], batches[i % 4])
+                    step_fn(m, opts[name], batches[i % 4], sync=name != "nocomm")
                 _harness.sync(device)
                 times[name].append((time.perf_counter() - t0) / args.steps)
         # Report the slowest rank's median: a step is as slow as its slowest rank.
@@ -131,8 +138,9 @@ def worker(args: argparse.Namespace) -> int:
             row[f"{name}_step_ms"] = t * 1e3
             row[f"{name}_per_s"] = items * world / t
         row["ratio"] = row["shardline_per_s"] / row["torch_per_s"]
+        row["floor"] = row["shardline_step_ms"] / row["nocomm_step_ms"]
         results[kind] = row
-        del ours, theirs, contenders, opts
+        del ours, theirs, alone, contenders, opts
     return _harness.leave_job(rank, results, args.out)
 
 
@@ -143,16 +151,25 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
     peer = "torch DDP (NCCL)" if device == "cuda" else "torch DDP (Gloo)"
     lines = [
         f"{'model':8} {'ranks':>5} {'grads MB':>9} {'shardline/s':>13} {'torch/s':>13} "
-        f"{'step ms ours':>12} {'step ms torch':>13} {'ratio':>6}   (peer: {peer})"
+        f"{'step ms ours':>12} {'step ms torch':>13} {'ratio':>6} {'no comm':>8} {'floor':>6}"
+        f"   (peer: {peer})"
     ]
     for world, res in results.items():
         for kind, row in res.items():
             lines.append(
                 f"{kind:8} {world:5d} {row['grad_mb']:9.1f} {row['shardline_per_s']:13,.0f} "
                 f"{row['torch_per_s']:13,.0f} {row['shardline_step_ms']:12.2f} "
-                f"{row['torch_step_ms']:13.2f} {row['ratio']:5.2f}x  ({row['unit']}/s)"
+                f"{row['torch_step_ms']:13.2f} {row['ratio']:5.2f}x {_floor(row)}"
+                f"  ({row['unit']}/s)"
             )
     return "\n".join(lines)
+
+
+def _floor(row: dict[str, Any]) -> str:
+    """The no-communication step and ours over it (files from before it: blank)."""
+    if "nocomm_step_ms" not in row:
+        return f"{'-':>8} {'-':>6}"
+    return f"{row['nocomm_step_ms']:8.2f} {row['floor']:5.2f}x"
 
 
 def progress(args: argparse.Namespace, world: int, res: dict[str, Any], _seconds: float) -> str:

@@ -215,6 +215,43 @@ def test_gradient_as_bucket_view_changes_nothing(set_to_none: bool) -> None:
         assert_equal_lists(p_view, p_copy, exact=True)
 
 
+@pytest.mark.parametrize("buckets", BUCKETS[1:], ids=BUCKET_IDS[1:])
+def test_each_gradient_is_its_bucket_slot_once_copied(buckets: dict[str, Any]) -> None:
+    """With gradient_as_bucket_view, a gradient copied into its bucket is that slot from then
+    on, while backward still runs (autograd's own tensor is let go there, not at the end of
+    backward); without it the parameter keeps autograd's tensor until the write-back."""
+
+    def seen(model: DistributedDataParallel) -> list[bool]:
+        # Runs after the wrapper's hook (registered later): is the gradient in a bucket now?
+        found: list[bool] = []
+
+        def hook(p: torch.Tensor) -> None:
+            flats = {b.flat.untyped_storage().data_ptr() for b in model._buckets}
+            assert p.grad is not None
+            found.append(p.grad.untyped_storage().data_ptr() in flats)
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+        return found
+
+    def body(g: ProcessGroup) -> tuple[list[bool], list[bool]]:
+        torch.set_num_threads(1)
+        runs = []
+        for as_view in (True, False):
+            model = DistributedDataParallel(
+                mlp(), group=g, bucket_cap_mb=0.001, gradient_as_bucket_view=as_view, **buckets
+            )
+            found = seen(model)
+            train(model, g.rank, steps=3)  # zero_grad() sets them to None each step
+            runs.append(found)
+        return runs[0], runs[1]
+
+    n_params = len(list(mlp().parameters()))
+    for as_view, copied in run_ranks(2, body):
+        assert as_view == [True] * 3 * n_params
+        assert copied == [False] * 3 * n_params
+
+
 def test_batchnorm_buffers_follow_torch() -> None:
     """Buffers are broadcast from rank 0 before each forward, as torch's DDP does."""
 

@@ -503,6 +503,12 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
                 )
             # Divide while copying, as torch's reducer does (mul_out by 1/world_size).
             torch.mul(grad, 1.0 / self.group.world_size, out=view)
+            if used and self.gradient_as_bucket_view and grad.data_ptr() != view.data_ptr():
+                # The slot is the gradient from now on, as torch's reducer makes it: autograd's
+                # tensor is freed here, not with every other at the end of backward, so the
+                # next layer's gradient reuses its memory (on CPU, freeing them together
+                # handed them back to the kernel, which faulted them in again every step).
+                p.grad = view
 
     def _mark_ready(self, i: int) -> None:
         step = self._step
