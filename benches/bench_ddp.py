@@ -14,8 +14,9 @@ Models:
 - ``compute``: compute-heavy, the main job's transformer LM on a large batch.
 
 A third contender, ``no comm``, is our wrapper stepping under ``no_sync()``: the same step with
-no gradient communicated, the floor of what hiding communication can give. The ``floor``
-column is our step over it (1.00x: every byte of communication hidden behind backward).
+no gradient communicated and no rank waiting for another, the floor of what hiding
+communication can give. The ``floor`` column is our step over it (1.00x: every byte of
+communication hidden behind backward and the ranks in step).
 
 Prints the throughput ratio ours/torch and writes JSON, a text table and (with matplotlib) a
 PNG to ``benches/results/``.

@@ -94,10 +94,10 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
             ``"fp16"`` or ``"bf16"`` (compressed on the wire), or a callable (see
             ``shardline.compression.hooks``).
         init_sync: Broadcast rank 0's parameters and buffers now.
-        gradient_as_bucket_view: After the reduction, make each ``param.grad`` a view into its
-            bucket instead of copying the result back (saves one pass over all gradients per
-            step). A ``.grad`` tensor kept across steps is then overwritten by the next
-            synchronised backward; clone it to keep it, or pass ``False``.
+        gradient_as_bucket_view: Make each ``param.grad`` a view into its bucket as soon as
+            backward copies it there, instead of copying the result back (one pass less per
+            step; autograd's tensor freed at once). A ``.grad`` tensor kept across steps is
+            overwritten by the next synchronised backward; clone it to keep it, or pass ``False``.
         in_place_mb: Gradients of at least this many MiB (under the default hook) are
             reduced where autograd left them, with the division by the world size fused into
             the reduction: no copy into a bucket and none back. ``float("inf")`` packs all.
@@ -504,11 +504,7 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
             # Divide while copying, as torch's reducer does (mul_out by 1/world_size).
             torch.mul(grad, 1.0 / self.group.world_size, out=view)
             if used and self.gradient_as_bucket_view and grad.data_ptr() != view.data_ptr():
-                # The slot is the gradient from now on, as torch's reducer makes it: autograd's
-                # tensor is freed here, not with every other at the end of backward, so the
-                # next layer's gradient reuses its memory (on CPU, freeing them together
-                # handed them back to the kernel, which faulted them in again every step).
-                p.grad = view
+                p.grad = view  # as torch's reducer: autograd's tensor freed now, for reuse
 
     def _mark_ready(self, i: int) -> None:
         step = self._step
