@@ -67,6 +67,7 @@ from shardline.parallel.data.ddp_buckets import (
     Bucket,
     StepState,
     build_buckets,
+    fill_slot,
     move_bucket_grads,
     symmetric_buckets,
 )
@@ -474,37 +475,11 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
         Variable._execution_engine.queue_callback(self._end_backward)
 
     def _fill_slot(self, i: int, grad: torch.Tensor | None, used: bool = True) -> None:
-        p = self._params[i]
         b, s = self._slot[i]
-        bucket = self._buckets[b]
-        if bucket.in_place:
-            if grad is None:
-                bucket.flat = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-            elif not used:
-                # A stale gradient of a parameter this rank did not use stays untouched
-                # unless some rank used it (decided after the reduction).
-                bucket.flat = grad.clone(memory_format=torch.contiguous_format)
-            else:
-                bucket.flat = grad
-            return
-        view = bucket.view(s, p)
-        if grad is not None and not used and grad.data_ptr() == view.data_ptr():
-            # The stale gradient lives in this slot (gradient_as_bucket_view): keep a copy
-            # as the parameter's gradient, in case no rank used it.
-            grad = grad.clone()
-            p.grad = grad
-        if grad is None:
-            view.zero_()
-        else:
-            if grad.is_sparse:
-                raise InvalidArgumentError(
-                    f"DistributedDataParallel: parameter {self._names[i]!r} got a sparse "
-                    "gradient; sparse gradients are not supported"
-                )
-            # Divide while copying, as torch's reducer does (mul_out by 1/world_size).
-            torch.mul(grad, 1.0 / self.group.world_size, out=view)
-            if used and self.gradient_as_bucket_view and grad.data_ptr() != view.data_ptr():
-                p.grad = view  # as torch's reducer: autograd's tensor freed now, for reuse
+        fill_slot(
+            self._buckets[b], s, self._params[i], grad, 1.0 / self.group.world_size,
+            used=used, as_view=self.gradient_as_bucket_view, name=self._names[i],
+        )  # fmt: skip
 
     def _mark_ready(self, i: int) -> None:
         step = self._step

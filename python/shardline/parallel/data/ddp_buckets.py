@@ -3,6 +3,7 @@
 A bucket packs the gradients of a few parameters of one dtype into one flat buffer reduced by
 one collective; a large gradient may be its own ``in_place`` bucket, reduced where autograd left
 it. Buckets are reduced in the order they fill up, so no bucket waits behind a later one.
+``fill_slot`` puts a gradient where its bucket reduces it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import torch
 
 from shardline.comm.group import ProcessGroup
 from shardline.comm.symmetric import SymmetricArena
+from shardline.errors import InvalidArgumentError
 
 __all__ = [
     "Bucket",
     "StepState",
     "build_buckets",
     "dense_permuted",
+    "fill_slot",
     "move_bucket_grads",
     "symmetric_buckets",
 ]
@@ -126,6 +129,52 @@ def build_buckets(
         )
         buckets.append(Bucket(b, dtype, members, offsets, flat))
     return buckets, slot
+
+
+def fill_slot(
+    bucket: Bucket,
+    slot: int,
+    p: torch.Tensor,
+    grad: torch.Tensor | None,
+    scale: float,
+    *,
+    used: bool,
+    as_view: bool,
+    name: str,
+) -> None:
+    """Puts ``p``'s gradient times ``scale`` (zeros for none) where ``bucket`` reduces it.
+
+    An ``in_place`` bucket reduces the gradient itself (a copy of one this rank did not
+    ``used``); a packed one gets it in ``slot``, which then is ``p.grad`` (``as_view``).
+    """
+    if bucket.in_place:
+        if grad is None:
+            bucket.flat = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+        elif not used:
+            # A stale gradient of a parameter this rank did not use stays untouched
+            # unless some rank used it (decided after the reduction).
+            bucket.flat = grad.clone(memory_format=torch.contiguous_format)
+        else:
+            bucket.flat = grad
+        return
+    view = bucket.view(slot, p)
+    if grad is not None and not used and grad.data_ptr() == view.data_ptr():
+        # The stale gradient lives in this slot (gradient_as_bucket_view): keep a copy
+        # as the parameter's gradient, in case no rank used it.
+        grad = grad.clone()
+        p.grad = grad
+    if grad is None:
+        view.zero_()
+        return
+    if grad.is_sparse:
+        raise InvalidArgumentError(
+            f"DistributedDataParallel: parameter {name!r} got a sparse gradient; sparse "
+            "gradients are not supported"
+        )
+    # Divide while copying, as torch's reducer does (mul_out by 1/world_size).
+    torch.mul(grad, scale, out=view)
+    if used and as_view and grad.data_ptr() != view.data_ptr():
+        p.grad = view  # as torch's reducer: autograd's tensor freed now, for its memory's reuse
 
 
 def move_bucket_grads(
