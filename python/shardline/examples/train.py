@@ -269,9 +269,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument(
         "--deterministic",
         action="store_true",
-        help="deterministic mode (ddp, zero1-3): gradients summed per sequence in one fixed "
-        "tree, so the run ends with the parameters of one process, bit for bit (verified "
-        "exactly); processes and --batch-size powers of two",
+        help="deterministic mode (ddp, zero1-3, pp and --pp): gradients summed per sequence "
+        "in one fixed tree, so the run ends with the parameters of one process, bit for bit "
+        "(verified exactly); processes, --batch-size and --microbatches powers of two",
     )
     p.add_argument(
         "--no-verify",
@@ -313,9 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--pp {stages} does not divide {world_size} processes", file=sys.stderr)
         return 2
     pp = stages > 1 or strategy == "pp"
-    if args.deterministic and (pp or args.tp > 1 or strategy == "auto"):
-        print("--deterministic takes --strategy ddp, zero1, zero2, zero3 or fsdp (no --pp, "
-              "--tp)", file=sys.stderr)  # fmt: skip
+    if args.deterministic and (args.tp > 1 or strategy == "auto"):
+        print("--deterministic takes --strategy ddp, zero1, zero2, zero3, fsdp or pp (no --tp)",
+              file=sys.stderr)  # fmt: skip
         return 2
     tp = args.tp if group is not None else 1
     if strategy == "pp" and tp > 1:
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         model, opt = sl.distribute(  # type: ignore[assignment]
             as_sequential(model), opt, mesh=mesh,  # type: ignore[arg-type]
             strategy={a: plan[a] for a in keep}, microbatches=args.microbatches,
-            loss_fn=lm_loss, virtual_stages=virtual,
+            loss_fn=lm_loss, virtual_stages=virtual, deterministic=args.deterministic,
         )  # fmt: skip
         assert opt is not None
         what = f"{stages}-stage {args.schedule} pipeline{chunks}"
@@ -357,8 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         strategy = f"{replicas} {dp} replica(s) of {tp}-way tensor parallelism"
     elif pp:  # every rank trains the same batches, each through its own stage
+        chain = as_sequential(model)  # type: ignore[arg-type]
+        if args.deterministic:
+            make_deterministic(chain)
         model = sl.pipeline(
-            as_sequential(model),  # type: ignore[arg-type]
+            chain,
             schedule=args.schedule,
             microbatches=args.microbatches,
             loss_fn=lm_loss,
@@ -448,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.verify and world_size > 1:
             tied_first = pp and dp != "ddp" and replicas > 1  # ZeRO's order of the sums
             reference, _ = single_process_loss(tokens, cfg, replicas, probe, size=size,
-                                               microbatches=args.microbatches, pipeline=pp,
+                                               microbatches=args.microbatches,
+                                               pipeline=pp and not args.deterministic,
                                                tied_first=tied_first,
                                                deterministic=args.deterministic)  # fmt: skip
             diff = abs(reference - final)

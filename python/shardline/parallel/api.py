@@ -139,15 +139,27 @@ def _deterministic(
     mesh: DeviceMesh | None,
     recompute: str | None,
     options: dict[str, Any],
-) -> tuple[nn.Module, ProcessGroup]:
-    """The model with per-sample gradients and the group that sums ranks in the same tree."""
-    name = None if mesh is not None or isinstance(strategy, dict) else strategies.strategy(strategy)
-    if name is None or name.name not in _DETERMINISTIC:
-        raise InvalidArgumentError(
-            f"distribute(deterministic=True) covers {', '.join(sorted(_DETERMINISTIC))} so far, "
-            f"not {strategy!r}{' on a mesh' if mesh is not None else ''}; pipeline and tensor "
-            "parallelism sum in orders of their own"
-        )
+) -> tuple[nn.Module, ProcessGroup | None]:
+    """The model with per-sample gradients and the group that sums ranks in the same tree.
+
+    On a mesh: a pipeline (``pp``) and its replicas (``dp``); ``sl.pipeline`` sums them.
+    """
+    if isinstance(strategy, dict):
+        dp = strategy.get("dp", "ddp")
+        if set(strategy) - {"pp", "dp"} or "pp" not in strategy or dp not in _DETERMINISTIC:
+            raise InvalidArgumentError(
+                f"distribute(deterministic=True) on a mesh covers a pipeline ('pp') and its "
+                f"replicas ('dp': {', '.join(sorted(_DETERMINISTIC))}), not {strategy!r}: "
+                "tensor parallelism splits the layers' sums, in orders of their own"
+            )
+    else:
+        name = None if mesh is not None else strategies.strategy(strategy)
+        if name is None or name.name not in _DETERMINISTIC:
+            raise InvalidArgumentError(
+                f"distribute(deterministic=True) covers {', '.join(sorted(_DETERMINISTIC))} "
+                f"and pipelines on a mesh, not {strategy!r}; tensor parallelism sums in "
+                "orders of its own"
+            )
     changed = sorted(k for k in ("compression", "comm_hook") if options.get(k) is not None)
     if changed or recompute is not None:
         what = ", ".join([*changed, *(["recompute"] if recompute is not None else [])])
@@ -164,6 +176,8 @@ def _deterministic(
             "order of every sum is still fixed); compute in float32 for the same bits",
             precision.param_dtype,
         )
+    if mesh is not None:  # the pipeline sums its replicas in the tree itself
+        return make_deterministic(model), group
     return make_deterministic(model), tree_group(group if group is not None else default_group())
 
 

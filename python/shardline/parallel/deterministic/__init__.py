@@ -27,7 +27,9 @@ row by row and give the same bits for a sample whatever the batch around it on C
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic.collector import Collector
 from shardline.parallel.deterministic.layers import ACTIVE, LAYERS, check_layer
 
-__all__ = ["is_deterministic", "make_deterministic"]
+__all__ = ["collecting", "is_deterministic", "make_deterministic", "unit_of"]
 
 _ATTR = "_shardline_deterministic"
 
@@ -45,6 +47,12 @@ _ATTR = "_shardline_deterministic"
 def is_deterministic(model: nn.Module) -> bool:
     """Whether ``make_deterministic`` has prepared ``model``."""
     return hasattr(model, _ATTR)
+
+
+def unit_of(model: nn.Module) -> int | None:
+    """The samples per unit ``make_deterministic`` prepared ``model`` with; ``None``: not."""
+    unit: int | None = getattr(model, _ATTR, None)
+    return unit
 
 
 def make_deterministic(model: nn.Module, *, unit: int = 1) -> nn.Module:
@@ -105,8 +113,22 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "deterministic mode: the model's forward needs a tensor argument whose first "
             "dimension is the batch"
         )
-    unit: int = getattr(self, _ATTR)
-    batch = first.shape[0]
+    own = LAYERS.get(type(self))  # the model is itself one layer
+    with collecting(first.shape[0], getattr(self, _ATTR)):
+        if own is not None:
+            return own(self, *args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def collecting(batch: int, unit: int, *, held: bool = False) -> Iterator[Collector]:
+    """A forward of ``batch`` samples: the prepared layers inside give to the collector yielded.
+
+    It takes their per-unit gradients (``unit`` samples a unit); ``held``: see ``Collector``.
+
+    Raises:
+        InvalidArgumentError: ``batch`` is not a power-of-two number of units.
+    """
     units, rest = divmod(batch, unit)
     if rest or units < 1 or units & (units - 1):
         raise InvalidArgumentError(
@@ -114,12 +136,9 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             f"of units of {unit}; each rank (and each micro-batch) needs 2**k units so that "
             "its sum is a subtree of the whole batch's"
         )
-    own = LAYERS.get(type(self))  # the model is itself one layer
     previous = getattr(ACTIVE, "collector", None)
-    ACTIVE.collector = Collector(units, batch)
+    collector = ACTIVE.collector = Collector(units, batch, held=held)
     try:
-        if own is not None:
-            return own(self, *args, **kwargs)
-        return type(self).forward(self, *args, **kwargs)
+        yield collector
     finally:
         ACTIVE.collector = previous

@@ -16,7 +16,7 @@ import torch
 from shardline.comm.tree import tree_sum
 from shardline.errors import InvalidArgumentError
 
-__all__ = ["Collector", "Dense", "Lookups", "Products"]
+__all__ = ["Collector", "Dense", "Lookups", "Products", "Use", "sum_uses", "use_of"]
 
 # Elements per unit in one block of rows, by device: on CPU 16 units of 65536 fp32 are 4 MiB,
 # on a GPU whole layers' products fit and fewer blocks mean fewer kernel launches.
@@ -32,6 +32,13 @@ class Use:
         """Rows ``[start, stop)`` of every unit's gradient, added into ``into`` if given."""
         raise NotImplementedError
 
+    def tensors(self) -> list[torch.Tensor]:
+        """What makes it, to move it to another rank: ``use_of(tensors)`` makes it again.
+
+        The first is an int64 tensor of its kind and sizes.
+        """
+        raise NotImplementedError
+
 
 class Dense(Use):
     """Per-unit gradients already made (biases, norms: small)."""
@@ -44,6 +51,10 @@ class Dense(Use):
         block = self.per_unit[:, start:stop]
         return block if into is None else into.add_(block)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """See ``Use.tensors``."""
+        return [torch.tensor([_DENSE]), self.per_unit]
+
 
 class Products(Use):
     """A linear layer's weight: unit ``u``'s gradient is ``dys[u].T @ xs[u]``."""
@@ -55,6 +66,10 @@ class Products(Use):
         """See ``Use.rows``."""
         block = torch.bmm(self.dys[:, :, start:stop].transpose(1, 2), self.xs)
         return block if into is None else into.add_(block)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """See ``Use.tensors``."""
+        return [torch.tensor([_PRODUCTS]), self.dys, self.xs]
 
 
 class Lookups(Use):
@@ -84,16 +99,39 @@ class Lookups(Use):
         into.view(-1, width).index_add_(0, unit * (stop - start) + (idx - start), dy)
         return into
 
+    def tensors(self) -> list[torch.Tensor]:
+        """See ``Use.tensors``."""
+        return [torch.tensor([_LOOKUPS, self.units, self.total]), self.unit, self.idx, self.dy]
+
+
+_DENSE, _PRODUCTS, _LOOKUPS = range(3)
+
+
+def use_of(tensors: list[torch.Tensor]) -> Use:
+    """The use that ``Use.tensors`` gave these tensors of (received from another rank)."""
+    head = [int(v) for v in tensors[0].tolist()]
+    if head[0] == _DENSE:
+        return Dense(tensors[1])
+    if head[0] == _PRODUCTS:
+        return Products(tensors[1], tensors[2])
+    return Lookups(head[1], tensors[1], tensors[2], tensors[3], head[2])
+
 
 class Collector:
-    """One forward's per-unit gradients, by parameter, until backward has all of them."""
+    """One forward's per-unit gradients, by parameter, until backward has all of them.
 
-    def __init__(self, units: int, batch: int) -> None:
+    ``held``: a parameter's uses are kept once all have given, not summed, until ``finish()``
+    hands them out (a pipeline's micro-batch: its stage sums them when it chooses).
+    """
+
+    def __init__(self, units: int, batch: int, *, held: bool = False) -> None:
         self.units = units
         self.batch = batch
+        self.held = held
         self._uses: dict[int, int] = {}
         self._given: dict[int, list[Use]] = {}
         self._params: dict[int, torch.Tensor] = {}
+        self._done: list[tuple[torch.Tensor, list[Use]]] = []
 
     def use(self, param: torch.Tensor) -> int:
         """Notes one use of ``param`` in this forward; its key for ``give``."""
@@ -103,7 +141,10 @@ class Collector:
         return key
 
     def give(self, key: int, use: Use) -> torch.Tensor | None:
-        """Adds one use; once the last has come, the tree sum over units of their total."""
+        """Adds one use; once the last has come, the tree sum over units of their total.
+
+        ``held``: ``None`` always; the complete uses wait for ``finish()``.
+        """
         left = self._uses[key] - 1
         if left:
             self._uses[key] = left
@@ -115,20 +156,15 @@ class Collector:
         given = [use] if given is None else [*given, use]
         param = self._params.pop(key)
         del self._uses[key]
-        if param.dim() == 0:
-            raise InvalidArgumentError("deterministic mode: a 0-d parameter has no rows to sum")
-        n = param.shape[0]
-        per_unit = BLOCK_ELEMENTS.get(param.device.type, BLOCK_ELEMENTS["cuda"])
-        step = max(1, per_unit * n // max(1, param.numel()))
-        wide = _WIDER.get(param.dtype)
-        if step >= n:
-            grad = tree_sum(_total(given, 0, n, wide), fresh=True)
-            return grad if wide is None else grad.to(param.dtype)
-        grad = param.new_empty(param.shape)
-        for start in range(0, n, step):
-            stop = min(n, start + step)
-            grad[start:stop] = tree_sum(_total(given, start, stop, wide), fresh=True)
-        return grad
+        if self.held:
+            self._done.append((param, given))
+            return None
+        return sum_uses(param, given)
+
+    def finish(self) -> list[tuple[torch.Tensor, list[Use]]]:
+        """``held``: each parameter whose uses have all given, with them, in that order."""
+        done, self._done = self._done, []
+        return done
 
     def _check_complete(self) -> None:
         """At the end of backward: no parameter may be left with some of its uses given."""
@@ -141,6 +177,24 @@ class Collector:
                 "gradient is the sum over all uses, so it was not made. Let the loss depend "
                 "on every use, or detach the uses it does not need"
             )
+
+
+def sum_uses(param: torch.Tensor, given: list[Use]) -> torch.Tensor:
+    """``param``'s gradient: its uses added unit by unit, then the units in the tree."""
+    if param.dim() == 0:
+        raise InvalidArgumentError("deterministic mode: a 0-d parameter has no rows to sum")
+    n = param.shape[0]
+    per_unit = BLOCK_ELEMENTS.get(param.device.type, BLOCK_ELEMENTS["cuda"])
+    step = max(1, per_unit * n // max(1, param.numel()))
+    wide = _WIDER.get(param.dtype)
+    if step >= n:
+        grad = tree_sum(_total(given, 0, n, wide), fresh=True)
+        return grad if wide is None else grad.to(param.dtype)
+    grad = param.new_empty(param.shape)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        grad[start:stop] = tree_sum(_total(given, start, stop, wide), fresh=True)
+    return grad
 
 
 def _total(given: list[Use], start: int, stop: int, wide: torch.dtype | None) -> torch.Tensor:

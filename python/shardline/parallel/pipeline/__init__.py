@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from shardline.comm.group import ProcessGroup
+from shardline.comm.tree import tree_group
 from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import copies_over
+from shardline.parallel.deterministic import unit_of
 from shardline.parallel.pipeline.materialize import is_meta, materialize
 from shardline.parallel.pipeline.replicas import ZERO_STAGES
 from shardline.parallel.pipeline.runtime import PipelineModule
@@ -131,12 +133,23 @@ def pipeline(
         tp_plan: ``"auto"``, or ``{module name: style}`` by the whole model's names: the
             plan is made for the whole model and kept where it names this rank's modules.
 
+    A model prepared by ``sl.make_deterministic`` trains in deterministic mode: to the
+    parameters one process gets from the same samples, bit for bit
+    (``pipeline.deterministic``), for any schedule, with a power-of-two number of
+    micro-batches of a power-of-two number of units each, and ``dp_group``'s reductions in
+    the same tree. Not with ``tp_group``, ``recompute`` or ``compile``, nor a model split by
+    tracing.
+
     Raises:
         InvalidArgumentError: a model that is not an ``nn.Sequential``, more stages than
             children, an unknown split point or schedule, or sizes a schedule does not support;
             raised on every rank before any communication.
     """
     g = group if group is not None else default_group()
+    unit = unit_of(model)
+    if unit is not None:
+        _check_deterministic(model, microbatches, tp_group, recompute, compile)
+        dp_group = tree_group(dp_group) if dp_group is not None else None
     if dp_strategy not in ("ddp", *ZERO_STAGES):
         raise InvalidArgumentError(
             f"pipeline: dp_strategy={dp_strategy!r}; use 'ddp', 'zero1', 'zero2' or 'zero3'"
@@ -198,10 +211,43 @@ def pipeline(
         synchronize=meta,
         mixed_precision=mixed_precision,
         compile=compile,
+        deterministic=unit,
     )
     if tp is not None and copies is not None:
         stage.set_model_parallel(tp, copies)
     return stage
+
+
+def _check_deterministic(
+    model: nn.Module,
+    microbatches: int,
+    tp_group: ProcessGroup | None,
+    recompute: bool,
+    compile: bool | dict[str, Any],
+) -> None:
+    """Refuses what deterministic mode does not cover in a pipeline, before any work."""
+    other = [
+        what
+        for what, on in (
+            ("tensor parallelism (tp_group)", tp_group is not None and tp_group.world_size > 1),
+            ("recompute", recompute),
+            ("compile", bool(compile)),
+            (f"{type(model).__name__} split by tracing", not isinstance(model, nn.Sequential)),
+        )
+        if on
+    ]
+    if other:
+        raise InvalidArgumentError(
+            f"pipeline: a model in deterministic mode (make_deterministic) with {other[0]} is "
+            "not supported: its sums would have orders of their own. Use an nn.Sequential "
+            "without it, or leave deterministic mode"
+        )
+    if microbatches < 1 or microbatches & (microbatches - 1):
+        raise InvalidArgumentError(
+            f"pipeline: deterministic mode needs a power-of-two number of micro-batches "
+            f"(got {microbatches}): the micro-batches' sums are subtrees of the batch's, and "
+            "the loss's 1/microbatches is then exact"
+        )
 
 
 def whole_plan(model: nn.Module, tp: ProcessGroup, plan: str | Mapping[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from shardline.parallel.pipeline import boundary
 from shardline.parallel.pipeline.actions import Action, stage_rank
 from shardline.parallel.pipeline.clock import StepTimes
 from shardline.parallel.pipeline.deferred import WeightStore, forwarding, install
+from shardline.parallel.pipeline.deterministic import StepSums
 from shardline.parallel.pipeline.messages import Key, StageMessages, Step
 from shardline.parallel.pipeline.replicas import StageReplicas
 from shardline.parallel.pipeline.split_backward import input_pass, weight_pass
@@ -80,6 +81,7 @@ class PipelineModule(StageMessages, PipelineState):
         stage_modules: dict[int, nn.Module] | None = None,
         mixed_precision: MixedPrecision | None = None,
         compile: bool | dict[str, Any] = False,
+        deterministic: int | None = None,
     ) -> None:
         super().__init__()
         p, r = group.world_size, group.rank
@@ -137,7 +139,7 @@ class PipelineModule(StageMessages, PipelineState):
         # recomputation reruns the forward in backward.
         self._deferred: dict[int, list[torch.Tensor]] = {}
         self._checked: set[int] = set()  # stages whose notes were checked (WeightStore.covers)
-        if schedule == "zero_bubble" and not recompute:
+        if schedule == "zero_bubble" and not recompute and deterministic is None:
             for s, m in plain.items():
                 norms = install(m) if s > 0 else None
                 if norms is not None:
@@ -161,6 +163,11 @@ class PipelineModule(StageMessages, PipelineState):
         self.dp_strategy = dp_strategy if self._dp is not None else None
         for t in tied:  # every rank, in the same order: new_group is collective
             t.group = group.new_group(t.ranks) if len(t.ranks) > 1 else None
+        # Deterministic mode (``deterministic`` samples per unit): the sums of every
+        # micro-batch's per-unit gradients in the canonical tree (pipeline.deterministic).
+        self._det: StepSums | None = None
+        if deterministic is not None:
+            self._det = StepSums(deterministic, self, tied, r, p, microbatches)
         if synchronize:  # initialised per rank (a meta model): make the copies equal
             sync_copies(self, tied, r, self._dp)
         # DDP or ZeRO over the replicas, per chunk (pipeline.replicas; ZeRO: the optimizer
@@ -220,7 +227,10 @@ class PipelineModule(StageMessages, PipelineState):
         store = None
         if st.train and s in self._deferred:
             store = st.stores[(s, i)] = WeightStore(self._deferred[s])
-        with torch.set_grad_enabled(st.train), self._amp(), forwarding(store):
+        sums: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if st.train and self._det is not None:  # per-unit gradients, summed in the tree
+            sums = self._det.forward(s, i, xs[0].shape[0])
+        with torch.set_grad_enabled(st.train), self._amp(), forwarding(store), sums:
             if st.train and self.recompute:
                 # Only the stage's input is kept; backward recomputes the rest (same RNG).
                 out = checkpoint(self._stage_modules[s], *args)
@@ -303,6 +313,8 @@ class PipelineModule(StageMessages, PipelineState):
             torch.autograd.backward(roots, seeds)
         if s > 0:
             self._send(st, ("grad", s - 1, i), self._input_grads(inps))
+        if self._det is not None:
+            self._det.backward_done(s, i)
         self._drop_boundary(st, s, i)
         st.live[s] -= 1
 
@@ -312,6 +324,13 @@ class PipelineModule(StageMessages, PipelineState):
         grads = self._grad_out(st, s, i)
         inps, outs = st.saved[(s, i)]
         st.grads_out[(s, i)] = grads
+        if self._det is not None:  # the whole backward: the layers keep their weights' makings
+            roots, seeds = _roots(outs, grads)
+            if roots:
+                torch.autograd.backward(roots, seeds)
+            if s > 0:
+                self._send(st, ("grad", s - 1, i), self._input_grads(inps))
+            return
         if s > 0:
             assert inps is not None
             wanted = [x for x in inps if x.is_floating_point()]
@@ -338,6 +357,9 @@ class PipelineModule(StageMessages, PipelineState):
         s, i = a.stage, a.mb
         _, outs = st.saved.pop((s, i))
         roots, seeds = _roots(outs, st.grads_out.pop((s, i)))
+        if self._det is not None:  # the weight pass is the sum of what the layers kept
+            self._det.backward_done(s, i)
+            roots = []
         store = st.stores.pop((s, i), None)
         state = st.split.pop((s, i), None)
         if store is not None or state is not None:
@@ -420,6 +442,8 @@ class PipelineModule(StageMessages, PipelineState):
         )
         if self._replicas is not None and train:  # ZeRO: whole parameters, once per step
             self._replicas.begin()
+        if self._det is not None and train:
+            self._det.begin()
         run = {"F": self._forward, "B": self._backward, "I": self._input_grad,
                "W": self._weight_grad}  # fmt: skip
         with self._one_cast():
@@ -473,6 +497,10 @@ class PipelineModule(StageMessages, PipelineState):
         st = self._guarded(self._actions, True, inputs, target, times)
         self.peak_activations = dict(st.peak)
         replicas = self._replicas
+        if self._det is not None:  # every gradient, set before the replicas' reductions
+            self._det.finish()
+            if replicas is not None:
+                replicas.fold()
         if replicas is not None and replicas.zero:  # tied copies summed first: parts differ
             sum_tied_grads(self, self._tied, self._group.rank, replicas.whole_grad)
             replicas.reduce()

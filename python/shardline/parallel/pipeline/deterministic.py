@@ -1,0 +1,204 @@
+"""Deterministic mode in a pipeline: the same parameters, bit for bit, as one process.
+
+A stage's layers, prepared by ``make_deterministic``, give each micro-batch's per-unit
+gradients to a held ``Collector`` (one per stage and micro-batch). When the micro-batch's
+backward is done, each parameter's units are summed in the canonical tree, and the
+micro-batches' sums are added in the canonical tree over micro-batches (``MicroTree``): with
+micro-batches of ``2**k`` units, each is a subtree of the tree over the replica's batch, so
+the step's gradient is the one process's ``tree_sum`` over the same samples. The gradients are
+set at the step's end, before the replicas' reduction, whose group sums in the same tree
+(``tree_group``).
+
+A weight tied across stages (an embedding and the output head) is used in several stages, and
+one process adds its uses unit by unit before the tree. So its uses are not summed where they
+are made: each rank holding a copy sends its stages' uses of every micro-batch to the rank of
+the latest such stage (the first use backward reaches), which adds them unit by unit, in
+backward's order (latest stage first), and sums them as one process does. The other copies
+get no gradient of their own; the tied weights' sum after the step (``tied``) then gives every
+copy that one (``x + 0 == x``). Those uses (the head's output gradients among them) are kept
+until the step's end: memory that a tied weight costs in this mode.
+
+The weight gradients are made when a micro-batch's collector is summed: at the end of its
+backward, or at the zero-bubble schedule's weight pass, which is then that sum (the input
+pass runs the backward, whose layers keep what the sum needs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from shardline.comm.group import ProcessGroup
+from shardline.errors import ShardlineError
+from shardline.parallel.deterministic import collecting
+from shardline.parallel.deterministic.collector import Collector, Use, sum_uses, use_of
+from shardline.parallel.pipeline import boundary
+from shardline.parallel.pipeline.actions import stage_rank
+from shardline.parallel.pipeline.tied import Tied
+
+__all__ = ["MicroTree", "StepSums"]
+
+
+class MicroTree:
+    """One parameter's micro-batch gradients, added in the canonical tree as they come.
+
+    ``add(i, g)`` takes micro-batch ``i``'s gradient in any order; whole subtrees are added as
+    soon as their micro-batches are in (a binary counter), so at most about ``log2(m)``
+    partial sums are held at once.
+    """
+
+    def __init__(self) -> None:
+        self._stack: list[tuple[int, torch.Tensor]] = []  # (micro-batches, their sum)
+        self._next = 0
+        self._early: dict[int, torch.Tensor] = {}
+
+    def add(self, i: int, grad: torch.Tensor) -> None:
+        """Micro-batch ``i``'s gradient (owned: the sums are made in place)."""
+        self._early[i] = grad
+        while self._next in self._early:
+            g, size = self._early.pop(self._next), 1
+            while self._stack and self._stack[-1][0] == size:
+                _, left = self._stack.pop()
+                g, size = left.add_(g), size * 2
+            self._stack.append((size, g))
+            self._next += 1
+
+    def total(self) -> torch.Tensor:
+        """The sum over micro-batches ``0 .. n-1`` (the canonical tree over ``n``)."""
+        if self._early or not self._stack:
+            raise ShardlineError(
+                f"deterministic pipeline: micro-batch {self._next}'s gradient never came "
+                f"(after {sorted(self._early)}); a stage skipped its backward"
+            )
+        acc = self._stack[-1][1]
+        for _, left in reversed(self._stack[:-1]):
+            acc = left.add_(acc)
+        return acc
+
+
+class StepSums:
+    """One pipeline rank's deterministic sums (see the module docstring).
+
+    Args:
+        unit: Samples per unit (``make_deterministic``'s).
+        module: The rank's pipeline module (its parameters, under the model's names).
+        tied: The weights tied across stages; their ``group`` is set.
+        rank, p: This rank in the pipeline, and the pipeline's ranks.
+        microbatches: Micro-batches per step.
+    """
+
+    def __init__(
+        self, unit: int, module: nn.Module, tied: list[Tied], rank: int, p: int,
+        microbatches: int,
+    ) -> None:  # fmt: skip
+        self.unit, self.rank, self.p, self.m = unit, rank, p, microbatches
+        self._tied = tied
+        params = dict(nn.Module.named_parameters(module, remove_duplicate=False))
+        # tied weight -> this rank's copy (when it holds one)
+        self._copy: dict[int, torch.Tensor] = {}
+        for k, t in enumerate(tied):
+            held = [params[n] for n in t.names if n in params]
+            if held:
+                self._copy[k] = held[0]
+        self._raw = {id(p) for p in self._copy.values()}
+        self._collectors: dict[tuple[int, int], Collector] = {}
+        self._trees: dict[int, tuple[torch.Tensor, MicroTree]] = {}
+        self._uses: dict[tuple[int, int, int], list[Use]] = {}  # (param id, stage, mb) -> uses
+
+    def begin(self) -> None:
+        """A step starts: whatever a failed step left is dropped."""
+        self._collectors.clear()
+        self._trees.clear()
+        self._uses.clear()
+
+    @contextlib.contextmanager
+    def forward(self, s: int, i: int, batch: int) -> Iterator[None]:
+        """Around stage ``s``'s forward of micro-batch ``i`` (``batch`` samples) in training."""
+        with collecting(batch, self.unit, held=True) as c:
+            self._collectors[(s, i)] = c
+            yield
+
+    def backward_done(self, s: int, i: int) -> None:
+        """Stage ``s``'s backward of micro-batch ``i`` is done: its weights' sums are made."""
+        for param, uses in self._collectors.pop((s, i)).finish():
+            if id(param) in self._raw:  # tied across stages: summed at the step's end
+                self._uses[(id(param), s, i)] = uses
+                continue
+            grad = sum_uses(param, uses)
+            self._trees.setdefault(id(param), (param, MicroTree()))[1].add(i, grad)
+
+    def finish(self) -> None:
+        """At the step's end, on every rank of the pipeline: every gradient set.
+
+        Each parameter's ``.grad`` gets the step's sum added (set where it had none). The
+        tied weights' uses move to the rank of their latest stage first.
+        """
+        for k, t in enumerate(self._tied):
+            param = self._copy.get(k)
+            if param is not None:
+                self._tied_sum(t, param)
+        with torch.no_grad():
+            for param, tree in self._trees.values():
+                grad = tree.total()
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
+        self._trees.clear()
+        if self._collectors or self._uses:
+            left = sorted(self._collectors) or sorted({(s, i) for _, s, i in self._uses})
+            self._collectors.clear()
+            self._uses.clear()
+            raise ShardlineError(
+                f"deterministic pipeline: the weight sums of (stage, micro-batch) {left} were "
+                "never made; the schedule ran a forward without its backward"
+            )
+
+    def _tied_sum(self, t: Tied, param: torch.Tensor) -> None:
+        order = sorted(t.stages, reverse=True)  # backward reaches the latest stage first
+        owner = stage_rank(order[0], self.p)
+        mine = [s for s in order if stage_rank(s, self.p) == self.rank]
+        if self.rank != owner:
+            assert t.group is not None
+            for s in mine:
+                for i in range(self.m):
+                    uses = self._uses.pop((id(param), s, i))
+                    _send_uses(t.group, t.ranks.index(owner), uses, param.device)
+            return
+        by_stage: dict[int, list[list[Use]]] = {}
+        for s in order:
+            if s in mine:
+                by_stage[s] = [self._uses.pop((id(param), s, i)) for i in range(self.m)]
+            else:
+                assert t.group is not None
+                src = t.ranks.index(stage_rank(s, self.p))
+                by_stage[s] = [_recv_uses(t.group, src, param.device) for _ in range(self.m)]
+        tree = MicroTree()
+        for i in range(self.m):
+            tree.add(i, sum_uses(param, [u for s in order for u in by_stage[s][i]]))
+        self._trees[id(param)] = (param, tree)
+
+
+def _send_uses(group: ProcessGroup, dst: int, uses: list[Use], device: torch.device) -> None:
+    """One micro-batch's uses of a weight, to rank ``dst`` of ``group`` (``_recv_uses``)."""
+    group.send(torch.tensor([len(uses)], device=device), dst)
+    for use in uses:
+        tensors = [t.to(device) for t in use.tensors()]
+        group.send(boundary.encode(boundary.specs_of(tensors), device, "a tied weight's use"), dst)
+        group.send(boundary.pack(tensors), dst)
+
+
+def _recv_uses(group: ProcessGroup, src: int, device: torch.device) -> list[Use]:
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    group.recv(count, src)
+    uses = []
+    for _ in range(int(count)):
+        meta = torch.zeros(boundary.META_LEN, dtype=torch.int64, device=device)
+        group.recv(meta, src)
+        buf, views = boundary.empty(boundary.decode(meta), device)
+        group.recv(buf, src)
+        uses.append(use_of(views))
+    return uses
