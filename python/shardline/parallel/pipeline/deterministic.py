@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -103,16 +104,18 @@ class StepSums:
             held = [params[n] for n in t.names if n in params]
             if held:
                 self._copy[k] = held[0]
-        self._raw = {id(p) for p in self._copy.values()}
+        self._tied_of = {id(p): tied[k] for k, p in self._copy.items()}
         self._collectors: dict[tuple[int, int], Collector] = {}
         self._trees: dict[int, tuple[torch.Tensor, MicroTree]] = {}
         self._uses: dict[tuple[int, int, int], list[Use]] = {}  # (param id, stage, mb) -> uses
+        self._sends: list[tuple[Any, torch.Tensor]] = []  # uses on their way to the owner
 
     def begin(self) -> None:
         """A step starts: whatever a failed step left is dropped."""
         self._collectors.clear()
         self._trees.clear()
         self._uses.clear()
+        self._sends.clear()
 
     @contextlib.contextmanager
     def forward(self, s: int, i: int, batch: int) -> Iterator[None]:
@@ -124,11 +127,28 @@ class StepSums:
     def backward_done(self, s: int, i: int) -> None:
         """Stage ``s``'s backward of micro-batch ``i`` is done: its weights' sums are made."""
         for param, uses in self._collectors.pop((s, i)).finish():
-            if id(param) in self._raw:  # tied across stages: summed at the step's end
+            t = self._tied_of.get(id(param))
+            if t is None:
+                grad = sum_uses(param, uses)
+                self._trees.setdefault(id(param), (param, MicroTree()))[1].add(i, grad)
+                continue
+            # Tied across stages: the owner adds the stages' uses at the step's end; those of
+            # another rank are sent now, so that they wait there while this rank works on.
+            owner = self._owner(t)
+            if owner == self.rank:
                 self._uses[(id(param), s, i)] = uses
                 continue
-            grad = sum_uses(param, uses)
-            self._trees.setdefault(id(param), (param, MicroTree()))[1].add(i, grad)
+            assert t.group is not None
+            self._sends += _send_uses(t.group, t.ranks.index(owner), uses, param.device,
+                                      self._tag(s, i))  # fmt: skip
+
+    def _owner(self, t: Tied) -> int:
+        """The rank of the tied weight's latest stage, where its uses are summed."""
+        return stage_rank(max(t.stages), self.p)
+
+    def _tag(self, s: int, i: int) -> int:
+        """The tag of stage ``s``'s uses of micro-batch ``i``: received in any order."""
+        return _TAGS + s * self.m + i
 
     def finish(self) -> None:
         """At the step's end, on every rank of the pipeline: every gradient set.
@@ -138,8 +158,11 @@ class StepSums:
         """
         for k, t in enumerate(self._tied):
             param = self._copy.get(k)
-            if param is not None:
+            if param is not None and self._owner(t) == self.rank:
                 self._tied_sum(t, param)
+        for work, _ in self._sends:  # (the tensors sent are kept alive until here)
+            work.wait()
+        self._sends.clear()
         with torch.no_grad():
             for param, tree in self._trees.values():
                 grad = tree.total()
@@ -158,47 +181,48 @@ class StepSums:
             )
 
     def _tied_sum(self, t: Tied, param: torch.Tensor) -> None:
+        """The owner: every stage's uses of each micro-batch added, latest stage first."""
         order = sorted(t.stages, reverse=True)  # backward reaches the latest stage first
-        owner = stage_rank(order[0], self.p)
-        mine = [s for s in order if stage_rank(s, self.p) == self.rank]
-        if self.rank != owner:
-            assert t.group is not None
-            for s in mine:
-                for i in range(self.m):
-                    uses = self._uses.pop((id(param), s, i))
-                    _send_uses(t.group, t.ranks.index(owner), uses, param.device)
-            return
-        by_stage: dict[int, list[list[Use]]] = {}
-        for s in order:
-            if s in mine:
-                by_stage[s] = [self._uses.pop((id(param), s, i)) for i in range(self.m)]
-            else:
-                assert t.group is not None
-                src = t.ranks.index(stage_rank(s, self.p))
-                by_stage[s] = [_recv_uses(t.group, src, param.device) for _ in range(self.m)]
         tree = MicroTree()
         for i in range(self.m):
-            tree.add(i, sum_uses(param, [u for s in order for u in by_stage[s][i]]))
+            uses: list[Use] = []
+            for s in order:
+                rank = stage_rank(s, self.p)
+                if rank == self.rank:
+                    uses += self._uses.pop((id(param), s, i))
+                else:
+                    assert t.group is not None
+                    uses += _recv_uses(t.group, t.ranks.index(rank), param.device, self._tag(s, i))
+            tree.add(i, sum_uses(param, uses))
         self._trees[id(param)] = (param, tree)
 
 
-def _send_uses(group: ProcessGroup, dst: int, uses: list[Use], device: torch.device) -> None:
-    """One micro-batch's uses of a weight, to rank ``dst`` of ``group`` (``_recv_uses``)."""
-    group.send(torch.tensor([len(uses)], device=device), dst)
+_TAGS = 1 << 20  # the tags of the tied weights' uses start here (the tied group's own)
+
+
+def _send_uses(
+    group: ProcessGroup, dst: int, uses: list[Use], device: torch.device, tag: int
+) -> list[tuple[Any, torch.Tensor]]:
+    """One micro-batch's uses of a weight, sent to rank ``dst`` of ``group`` (``_recv_uses``).
+
+    Returns the sends started, with their tensors, to wait for.
+    """
+    messages = [torch.tensor([len(uses)], device=device)]
     for use in uses:
         tensors = [t.to(device) for t in use.tensors()]
-        group.send(boundary.encode(boundary.specs_of(tensors), device, "a tied weight's use"), dst)
-        group.send(boundary.pack(tensors), dst)
+        messages.append(boundary.encode(boundary.specs_of(tensors), device, "a tied weight's use"))
+        messages.append(boundary.pack(tensors))
+    return [(group.send(m, dst, async_op=True, tag=tag), m) for m in messages]
 
 
-def _recv_uses(group: ProcessGroup, src: int, device: torch.device) -> list[Use]:
+def _recv_uses(group: ProcessGroup, src: int, device: torch.device, tag: int) -> list[Use]:
     count = torch.zeros(1, dtype=torch.int64, device=device)
-    group.recv(count, src)
+    group.recv(count, src, tag=tag)
     uses = []
     for _ in range(int(count)):
         meta = torch.zeros(boundary.META_LEN, dtype=torch.int64, device=device)
-        group.recv(meta, src)
+        group.recv(meta, src, tag=tag)
         buf, views = boundary.empty(boundary.decode(meta), device)
-        group.recv(buf, src)
+        group.recv(buf, src, tag=tag)
         uses.append(use_of(views))
     return uses
