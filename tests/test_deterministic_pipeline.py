@@ -16,10 +16,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import shardline as sl
 from shardline.comm.tree import tree_sum
-from shardline.errors import InvalidArgumentError
+from shardline.errors import InvalidArgumentError, ShardlineError
 from shardline.examples.model import as_sequential, lm_loss
 from shardline.parallel.deterministic import make_deterministic
 from shardline.parallel.pipeline.deterministic import MicroTree
@@ -145,3 +146,31 @@ def test_what_it_does_not_cover_in_a_pipeline_is_refused() -> None:
     assert "power-of-two number of micro-batches (got 3)" in errors[0]
     assert "with recompute is not supported" in errors[1]
     assert "tensor parallelism splits the layers' sums" in errors[2]
+
+
+class _EveryOther(nn.Module):
+    """A linear layer that only every other forward uses (a model whose use varies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) if self.calls % 2 else x
+
+
+def test_a_parameter_some_micro_batches_skip_is_named() -> None:
+    def body(g: sl.ProcessGroup) -> str:
+        seq = as_sequential(copy.deepcopy(pristine()))
+        chain = nn.Sequential(*seq[:-1], _EveryOther(), seq[-1])
+        model = sl.pipeline(make_deterministic(chain), g, microbatches=4, loss_fn=lm_loss)
+        x, y = batches()[0]
+        with pytest.raises(ShardlineError) as info:
+            model.step(x, target=y)
+        return str(info.value)
+
+    errors = run_ranks(2, body, timeout=60)
+    assert "shape [32, 32] got gradients from 2 of the step's 4" in errors[1]
+    assert "pipeline stage(s) [1] on rank 1 failed" in errors[0]  # at once, with the reason

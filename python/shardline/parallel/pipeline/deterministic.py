@@ -67,12 +67,21 @@ class MicroTree:
             self._stack.append((size, g))
             self._next += 1
 
+    @property
+    def count(self) -> int:
+        """Micro-batches added so far."""
+        return self._next + len(self._early)
+
     def total(self) -> torch.Tensor:
-        """The sum over micro-batches ``0 .. n-1`` (the canonical tree over ``n``)."""
+        """The sum over micro-batches ``0 .. n-1`` (the canonical tree over ``n``).
+
+        Raises:
+            ShardlineError: a micro-batch below the last one added is missing.
+        """
         if self._early or not self._stack:
             raise ShardlineError(
-                f"deterministic pipeline: micro-batch {self._next}'s gradient never came "
-                f"(after {sorted(self._early)}); a stage skipped its backward"
+                f"deterministic pipeline: micro-batch {self._next}'s gradient never came, "
+                f"those of {sorted(self._early)} did"
             )
         acc = self._stack[-1][1]
         for _, left in reversed(self._stack[:-1]):
@@ -165,6 +174,14 @@ class StepSums:
         self._sends.clear()
         with torch.no_grad():
             for param, tree in self._trees.values():
+                if tree.count != self.m:
+                    self._trees.clear()
+                    raise ShardlineError(
+                        f"deterministic pipeline: a parameter of shape {list(param.shape)} got "
+                        f"gradients from {tree.count} of the step's {self.m} micro-batches; "
+                        "its sum over the batch would not be one process's. Use every "
+                        "trained parameter in every micro-batch (or freeze it)"
+                    )
                 grad = tree.total()
                 if param.grad is None:
                     param.grad = grad

@@ -411,13 +411,15 @@ class PipelineModule(StageMessages, PipelineState):
     ) -> Step:
         # Keyword inputs are checked on every rank given them, before any message.
         inputs = positional(inputs, self.input_names)
-        # A rank that fails mid-step aborts the pipeline's communicators, so the ranks
-        # waiting for its messages raise at once (with its reason) instead of timing out.
+        # A rank that fails mid-step aborts the pipeline's communicators and its tied
+        # weights' groups, so the ranks waiting for its messages or for the tied sum raise at
+        # once (with its reason) instead of timing out.
         try:
             return self._run(actions, train, inputs, target, times)
         except Exception as exc:
             reason = f"pipeline stage(s) {self.stages} on rank {self._group.rank} failed: {exc}"
-            for comm in self._comms.values():
+            tied = [t.group for t in self._tied]  # the copies' sum after the step waits too
+            for comm in [*self._comms.values(), *tied]:
                 if comm is not None:
                     with contextlib.suppress(Exception):
                         comm.abort(reason)
@@ -458,6 +460,8 @@ class PipelineModule(StageMessages, PipelineState):
         for work, _ in st.sends:
             work.wait()
         st.sends.clear()
+        if self._det is not None and train:  # every gradient set (inside the abort's reach)
+            self._det.finish()
         return st
 
     @property
@@ -497,10 +501,8 @@ class PipelineModule(StageMessages, PipelineState):
         st = self._guarded(self._actions, True, inputs, target, times)
         self.peak_activations = dict(st.peak)
         replicas = self._replicas
-        if self._det is not None:  # every gradient, set before the replicas' reductions
-            self._det.finish()
-            if replicas is not None:
-                replicas.fold()
+        if self._det is not None and replicas is not None:  # ZeRO: the gradients set by hand
+            replicas.fold()
         if replicas is not None and replicas.zero:  # tied copies summed first: parts differ
             sum_tied_grads(self, self._tied, self._group.rank, replicas.whole_grad)
             replicas.reduce()
