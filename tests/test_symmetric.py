@@ -149,6 +149,37 @@ def test_all_gather_with_symmetric_memory_equals_the_concatenation(
             assert torch.equal(per_size[k], want), (world, n, rank)
 
 
+@pytest.mark.parametrize("mode", ["2", "0"])
+@pytest.mark.parametrize("where", ["output", "input"])
+def test_an_all_gather_that_streams_into_its_output_equals_the_concatenation(
+    where: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs of 64 MiB and more of 4 ranks or more are written with streaming stores
+    (``SHARDLINE_STREAM_STORES`` 2, the default), here at an odd offset and a length that is
+    no multiple of 64 bytes; ``0`` copies them plainly. Both must give every byte."""
+    monkeypatch.setenv("SHARDLINE_STREAM_STORES", mode)
+    world, n = 4, (4 << 20) + 5  # 4 x 16 MiB + 80 bytes of float32
+    gen = torch.Generator().manual_seed(5)
+    parts = [torch.randn(n, generator=gen) for _ in range(world)]
+
+    def body(g: ProcessGroup) -> torch.Tensor:
+        if where == "output":
+            t = sl.symmetric_empty(world * n + 3, group=g)[3:]
+            part = parts[g.rank]
+        else:
+            t = torch.empty(world * n)
+            part = sl.symmetric_empty(n + 1, group=g)[1:]
+            part.copy_(parts[g.rank])
+        t.fill_(-1)
+        g.all_gather(t, part)
+        return t.clone()
+
+    want = torch.cat(parts)
+    assert want.nbytes >= 64 << 20
+    for got in run_ranks(world, body):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     "symmetric_ranks", [{0}, {1, 2}, {0, 1, 2}], ids=["one", "all-but-one", "all"]
 )

@@ -273,7 +273,8 @@ SETTINGS: tuple[Setting, ...] = (
         "`0`, `1`, `2`",
         "2",
         "`2`: an all_reduce on one thread per rank copies large inputs into shared memory with "
-        "streaming stores; `1`: reduced parts too; `0`: off.",
+        "streaming stores, and an all_gather on symmetric memory of 4 ranks or more streams "
+        "into an output of 64 MiB or more; `1`: reduced parts too; `0`: off.",
         _choice(("0", "1", "2"), "a streaming-store mode"),
         "2",
     ),

@@ -5,6 +5,9 @@
 //! domains (another CCX or socket, or vCPUs the host placed apart) that transfer is far slower
 //! than DRAM. Streaming stores write around the cache, so the reader gets clean lines from
 //! memory. Small copies stay ordinary: their lines are cheap to share and usually still hot.
+//!
+//! A large all-gather on symmetric memory streams too: it writes a whole output that no core
+//! holds, which ordinary stores would first read into the cache ([`StreamMode::gather_streams`]).
 
 use std::cell::RefCell;
 
@@ -15,16 +18,29 @@ use crate::reduce::{self, ReduceOp};
 /// Below this many bytes a copy uses ordinary stores.
 pub const STREAM_MIN_BYTES: usize = 256 * 1024;
 
+/// Below this many bytes of output an all-gather on symmetric memory copies with ordinary
+/// stores: a smaller output may still be in the caches when its rank reads it next (measured:
+/// 8 ranks gathering 16 MiB from symmetric shards, then reading it once, took 4.1-9.0 ms
+/// streamed against 3.6-4.3 plain; 64 MiB 22.9-30.6 against 23.4-27.6; 256 MiB 92-115
+/// against 104-118).
+pub const GATHER_STREAM_MIN_BYTES: usize = 64 << 20;
+
+/// Below this many ranks an all-gather on symmetric memory copies with ordinary stores
+/// ([`StreamMode::gather_streams`]).
+pub const GATHER_STREAM_MIN_RANKS: usize = 4;
+
 /// Which writes into shared memory stream past the cache; a setting of each communicator
 /// (`SHARDLINE_STREAM_STORES` in Python).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum StreamMode {
     /// `0`: ordinary stores everywhere.
     Off,
-    /// `1`: a rank's input copied into its slot and its reduced part.
+    /// `1`: a rank's input copied into its slot and its reduced part; large all-gathers on
+    /// symmetric memory.
     All,
-    /// `2` (default): only the input copied into the slot, by an all-reduce that runs on one
-    /// thread per rank (split over helper threads, copies stay ordinary). Measured: on a 2-core VM whose
+    /// `2` (default): the input copied into the slot, by an all-reduce that runs on one
+    /// thread per rank (split over helper threads, copies stay ordinary), and large
+    /// all-gathers on symmetric memory. Measured: on a 2-core VM whose
     /// vCPUs sit in different cache domains for minutes at a time a 2-rank 24 MiB
     /// all_reduce takes 8.5-9 ms instead of 12 ms (3.3 ms -> 4.1 ms while they share one);
     /// on a 32-core host within +-10 % of `Off` at 2-16 ranks.
@@ -60,6 +76,24 @@ impl StreamMode {
     /// large).
     pub fn streams_to_shared(self, bytes: usize) -> bool {
         bytes >= STREAM_MIN_BYTES && self != StreamMode::Off
+    }
+
+    /// Whether an all-gather on symmetric memory of `ranks` ranks whose output is `bytes` long
+    /// streams what it copies from the peers into it (any mode but `Off`, from
+    /// [`GATHER_STREAM_MIN_BYTES`] and [`GATHER_STREAM_MIN_RANKS`]).
+    ///
+    /// Those copies write most of a large output that no core holds: ordinary stores first
+    /// read each line into the cache. Measured on a 16-core host (ordinary / streamed):
+    /// 8 ranks, 256 MiB 59-71 / 49-51 ms, 64 MiB 13.4-17.0 / 12.4-12.9 ms; 16 ranks, 256 MiB
+    /// 83 / 56-58 ms; 4 ranks, 256 MiB 31-41 / 28-30 ms, 64 MiB 5.9-8.5 / 5.0-5.3 ms. With 2
+    /// ranks it gained nothing there (256 MiB 36-41 / 37-42 ms) and lost on a 2-core VM
+    /// (256 MiB 24-30 / 31-33 ms), so it starts at 4. The
+    /// symmetric all-reduce's write-out, which the peers read next, got slower streamed (8
+    /// ranks, 256 MiB in 69-90 ms instead of 55-60), so it stays ordinary.
+    pub fn gather_streams(self, bytes: usize, ranks: usize) -> bool {
+        bytes >= GATHER_STREAM_MIN_BYTES
+            && ranks >= GATHER_STREAM_MIN_RANKS
+            && self != StreamMode::Off
     }
 
     /// Whether a reduction of `bytes` into shared memory streams its output.
@@ -169,6 +203,17 @@ unsafe fn stream_copy(dst: &mut [u8], src: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_large_gathers_of_four_ranks_or_more_stream() {
+        let big = GATHER_STREAM_MIN_BYTES;
+        for mode in [StreamMode::CopyIn, StreamMode::All] {
+            assert!(mode.gather_streams(big, 4) && mode.gather_streams(big << 4, 16));
+            assert!(!mode.gather_streams(big - 1, 8), "below the size");
+            assert!(!mode.gather_streams(big, 2), "two ranks");
+        }
+        assert!(!StreamMode::Off.gather_streams(big, 8));
+    }
 
     #[test]
     fn streamed_reduction_equals_the_plain_one() {

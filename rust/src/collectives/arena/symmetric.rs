@@ -29,6 +29,7 @@ use super::ArenaComm;
 use crate::collectives::comm_threads;
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
+use crate::memcpy::copy_piece_to_shared;
 use crate::reduce::{self, ReduceOp};
 use crate::signature::OpSig;
 use crate::transport::shm::segment::Segment;
@@ -291,6 +292,7 @@ impl ArenaComm {
         let parity = self.step(sig, Some(place.word()), deadline, |_| {})?;
         self.check_place_word(parity, place.word(), sig)?;
         let bases = self.bases(place);
+        let stream = self.stream.gather_streams(out.len(), n);
         comm_threads::split(out, ways, |a, dst| {
             let b = a + dst.len();
             for (r, p) in bases.iter().enumerate() {
@@ -304,7 +306,7 @@ impl ArenaComm {
                 // none of it before the second; this rank reads only peers' segments here and
                 // writes only its own `out`.
                 let src = unsafe { std::slice::from_raw_parts(p.0.add(x), y - x) };
-                dst[x - a..y - a].copy_from_slice(src);
+                copy_piece_to_shared(&mut dst[x - a..y - a], src, stream);
             }
         });
         self.step(sig, None, deadline, |_| {})?;
@@ -325,6 +327,7 @@ impl ArenaComm {
         let parity = self.step(sig, Some(place.input_word()), deadline, |_| {})?;
         self.check_place_word(parity, place.input_word(), sig)?;
         let bases = self.bases(place);
+        let stream = self.stream.gather_streams(out.len(), self.n());
         comm_threads::split(out, ways, |a, dst| {
             let b = a + dst.len();
             for (r, p) in bases.iter().enumerate() {
@@ -337,7 +340,7 @@ impl ArenaComm {
                 // holds this rank's input there). No rank writes its input between the two
                 // phases, and `out` (private to this rank) is no input of this op.
                 let src = unsafe { std::slice::from_raw_parts(p.0.add(x - r * block), y - x) };
-                dst[x - a..y - a].copy_from_slice(src);
+                copy_piece_to_shared(&mut dst[x - a..y - a], src, stream);
             }
         });
         self.step(sig, None, deadline, |_| {})?;
