@@ -11,12 +11,13 @@ set at the step's end, before the replicas' reduction, whose group sums in the s
 
 A weight tied across stages (an embedding and the output head) is used in several stages, and
 one process adds its uses unit by unit before the tree. So its uses are not summed where they
-are made: each rank holding a copy sends its stages' uses of every micro-batch to the rank of
-the latest such stage (the first use backward reaches), which adds them unit by unit, in
-backward's order (latest stage first), and sums them as one process does. The other copies
-get no gradient of their own; the tied weights' sum after the step (``tied``) then gives every
-copy that one (``x + 0 == x``). Those uses (the head's output gradients among them) are kept
-until the step's end: memory that a tied weight costs in this mode.
+are made: each rank holding a copy sends its stages' uses of a micro-batch, as soon as the
+micro-batch's backward is done there, to the rank of the latest such stage (the first use
+backward reaches), which at the step's end adds them unit by unit, in backward's order (latest
+stage first), and sums them as one process does. The other copies get no gradient of their
+own; the tied weights' sum after the step (``tied``) then gives every copy that one
+(``x + 0 == x``). That rank keeps the uses (its own, the head's output gradients among them,
+and those it received) until the step's end: memory that a tied weight costs in this mode.
 
 The weight gradients are made when a micro-batch's collector is summed: at the end of its
 backward, or at the zero-bubble schedule's weight pass, which is then that sum (the input
@@ -162,8 +163,8 @@ class StepSums:
     def finish(self) -> None:
         """At the step's end, on every rank of the pipeline: every gradient set.
 
-        Each parameter's ``.grad`` gets the step's sum added (set where it had none). The
-        tied weights' uses move to the rank of their latest stage first.
+        Each parameter's ``.grad`` gets the step's sum added (set where it had none). Each
+        tied weight's owner first receives its other stages' uses and sums them all.
         """
         for k, t in enumerate(self._tied):
             param = self._copy.get(k)

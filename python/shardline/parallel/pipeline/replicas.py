@@ -129,7 +129,10 @@ class StageReplicas:
             w.reduce_grads()
 
     def fold(self) -> None:
-        """Adds gradients set by hand (the zero-bubble weight pass) into ZeRO's buffers."""
+        """Adds gradients set by hand into ZeRO's buffers.
+
+        The zero-bubble weight pass's, and deterministic mode's sums.
+        """
         for z in self._zero:
             z.fold_grads()
 
