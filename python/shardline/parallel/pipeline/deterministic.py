@@ -106,15 +106,13 @@ class StepSums:
         microbatches: int,
     ) -> None:  # fmt: skip
         self.unit, self.rank, self.p, self.m = unit, rank, p, microbatches
-        self._tied = tied
         params = dict(nn.Module.named_parameters(module, remove_duplicate=False))
-        # tied weight -> this rank's copy (when it holds one)
-        self._copy: dict[int, torch.Tensor] = {}
-        for k, t in enumerate(tied):
-            held = [params[n] for n in t.names if n in params]
-            if held:
-                self._copy[k] = held[0]
-        self._tied_of = {id(p): tied[k] for k, p in self._copy.items()}
+        # The tied weights this rank holds a copy of, by the copy's id, in the model's order.
+        self._tied_of: dict[int, tuple[Tied, torch.Tensor]] = {}
+        for t in tied:
+            copy = next((params[n] for n in t.names if n in params), None)
+            if copy is not None:
+                self._tied_of[id(copy)] = (t, copy)
         self._collectors: dict[tuple[int, int], Collector] = {}
         self._trees: dict[int, tuple[torch.Tensor, MicroTree]] = {}
         self._uses: dict[tuple[int, int, int], list[Use]] = {}  # (param id, stage, mb) -> uses
@@ -137,11 +135,12 @@ class StepSums:
     def backward_done(self, s: int, i: int) -> None:
         """Stage ``s``'s backward of micro-batch ``i`` is done: its weights' sums are made."""
         for param, uses in self._collectors.pop((s, i)).finish():
-            t = self._tied_of.get(id(param))
-            if t is None:
+            tied = self._tied_of.get(id(param))
+            if tied is None:
                 grad = sum_uses(param, uses)
                 self._trees.setdefault(id(param), (param, MicroTree()))[1].add(i, grad)
                 continue
+            t = tied[0]
             # Tied across stages: the owner adds the stages' uses at the step's end; those of
             # another rank are sent now, so that they wait there while this rank works on.
             owner = self._owner(t)
@@ -166,10 +165,9 @@ class StepSums:
         Each parameter's ``.grad`` gets the step's sum added (set where it had none). Each
         tied weight's owner first receives its other stages' uses and sums them all.
         """
-        for k, t in enumerate(self._tied):
-            param = self._copy.get(k)
-            if param is not None and self._owner(t) == self.rank:
-                self._tied_sum(t, param)
+        for t, copy in self._tied_of.values():  # the same order on every rank
+            if self._owner(t) == self.rank:
+                self._tied_sum(t, copy)
         for work, _ in self._sends:  # (the tensors sent are kept alive until here)
             work.wait()
         self._sends.clear()

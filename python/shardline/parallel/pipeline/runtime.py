@@ -304,15 +304,26 @@ class PipelineModule(StageMessages, PipelineState):
         grads = [_grad_of(x) for x in inps if x.is_floating_point()]
         return grads or [torch.zeros(1, device=self._device)]
 
-    def _backward(self, st: Step, a: Action) -> None:
-        s, i = a.stage, a.mb
-        grads = self._grad_out(st, s, i)
-        inps, outs = st.saved.pop((s, i))
+    def _whole_backward(
+        self,
+        st: Step,
+        s: int,
+        i: int,
+        saved: tuple[list[torch.Tensor] | None, list[torch.Tensor]],
+        grads: list[torch.Tensor] | None,
+    ) -> None:
+        """Stage ``s``'s whole backward of micro-batch ``i``; its inputs' gradients sent."""
+        inps, outs = saved
         roots, seeds = _roots(outs, grads)
         if roots:
             torch.autograd.backward(roots, seeds)
         if s > 0:
             self._send(st, ("grad", s - 1, i), self._input_grads(inps))
+
+    def _backward(self, st: Step, a: Action) -> None:
+        s, i = a.stage, a.mb
+        grads = self._grad_out(st, s, i)  # (its specs are the saved outputs': before the pop)
+        self._whole_backward(st, s, i, st.saved.pop((s, i)), grads)
         if self._det is not None:
             self._det.backward_done(s, i)
         self._drop_boundary(st, s, i)
@@ -325,11 +336,7 @@ class PipelineModule(StageMessages, PipelineState):
         inps, outs = st.saved[(s, i)]
         st.grads_out[(s, i)] = grads
         if self._det is not None:  # the whole backward: the layers keep their weights' makings
-            roots, seeds = _roots(outs, grads)
-            if roots:
-                torch.autograd.backward(roots, seeds)
-            if s > 0:
-                self._send(st, ("grad", s - 1, i), self._input_grads(inps))
+            self._whole_backward(st, s, i, (inps, outs), grads)
             return
         if s > 0:
             assert inps is not None
