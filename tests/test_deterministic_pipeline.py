@@ -24,8 +24,16 @@ from shardline.errors import InvalidArgumentError, ShardlineError
 from shardline.examples.model import as_sequential, lm_loss
 from shardline.parallel.deterministic import make_deterministic
 from shardline.parallel.pipeline.deterministic import MicroTree
-from tests._ranks import run_ranks
-from tests.test_deterministic import CFG, adam, batches, differing, one_process, pristine
+from tests._ranks import run_ranks, seeded
+from tests.test_deterministic import (
+    CFG,
+    STEPS,
+    adam,
+    batches,
+    differing,
+    one_process,
+    pristine,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -176,3 +184,54 @@ def test_a_parameter_some_micro_batches_skip_is_named() -> None:
     errors = run_ranks(2, body, timeout=60)
     assert "shape [32, 32] got gradients from 2 of the step's 4" in errors[1]
     assert "pipeline stage(s) [1] on rank 1 failed" in errors[0]  # at once, with the reason
+
+
+class _Embeds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Embedding(64, 16), nn.Embedding(64, 16)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.a(idx) * 2 + self.b(idx.flip(-1))  # backward reaches b first
+
+
+class _Heads(nn.Module):
+    def __init__(self, tied: _Embeds) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 64, bias=False)
+        self.b = nn.Linear(16, 64, bias=False)
+        self.a.weight, self.b.weight = tied.a.weight, tied.b.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(x) + self.a(torch.tanh(x))
+
+
+def _two_tied() -> nn.Sequential:
+    with seeded(0):
+        embeds = _Embeds()
+        return make_deterministic(
+            nn.Sequential(embeds, nn.Linear(16, 16), nn.LayerNorm(16), _Heads(embeds))
+        )
+
+
+def test_two_weights_tied_across_the_same_stages_train_to_one_process_bits() -> None:
+    """Both weights' uses travel between the same two ranks in the same micro-batches."""
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 64, (8, 9), generator=gen) for _ in range(STEPS)]
+    one = _two_tied()
+    opt = adam(one.parameters())
+    for d in data:
+        opt.zero_grad(set_to_none=True)
+        lm_loss(one(d[:, :-1]), d[:, 1:]).backward()
+        opt.step()
+
+    def body(g: sl.ProcessGroup) -> dict[str, torch.Tensor]:
+        model = sl.pipeline(_two_tied(), g, microbatches=4, loss_fn=lm_loss, split=["2"])
+        opt = adam(model.parameters())
+        for d in data:
+            opt.zero_grad(set_to_none=True)
+            model.step(d[:, :-1], target=d[:, 1:])
+            opt.step()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    assert differing(run_ranks(2, body)[0], one.state_dict()) == []

@@ -107,12 +107,14 @@ class StepSums:
     ) -> None:  # fmt: skip
         self.unit, self.rank, self.p, self.m = unit, rank, p, microbatches
         params = dict(nn.Module.named_parameters(module, remove_duplicate=False))
-        # The tied weights this rank holds a copy of, by the copy's id, in the model's order.
-        self._tied_of: dict[int, tuple[Tied, torch.Tensor]] = {}
-        for t in tied:
+        # The tied weights this rank holds a copy of, by the copy's id, in the model's order,
+        # with their index in ``tied`` (the same on every rank: part of their messages' tags).
+        self._tied_of: dict[int, tuple[int, Tied, torch.Tensor]] = {}
+        for k, t in enumerate(tied):
             copy = next((params[n] for n in t.names if n in params), None)
             if copy is not None:
-                self._tied_of[id(copy)] = (t, copy)
+                self._tied_of[id(copy)] = (k, t, copy)
+        self._stages = 1 + max((s for t in tied for s in t.stages), default=0)
         self._collectors: dict[tuple[int, int], Collector] = {}
         self._trees: dict[int, tuple[torch.Tensor, MicroTree]] = {}
         self._uses: dict[tuple[int, int, int], list[Use]] = {}  # (param id, stage, mb) -> uses
@@ -140,7 +142,7 @@ class StepSums:
                 grad = sum_uses(param, uses)
                 self._trees.setdefault(id(param), (param, MicroTree()))[1].add(i, grad)
                 continue
-            t = tied[0]
+            k, t, _ = tied
             # Tied across stages: the owner adds the stages' uses at the step's end; those of
             # another rank are sent now, so that they wait there while this rank works on.
             owner = self._owner(t)
@@ -149,15 +151,18 @@ class StepSums:
                 continue
             assert t.group is not None
             self._sends += _send_uses(t.group, t.ranks.index(owner), uses, param.device,
-                                      self._tag(s, i))  # fmt: skip
+                                      self._tag(k, s, i))  # fmt: skip
 
     def _owner(self, t: Tied) -> int:
         """The rank of the tied weight's latest stage, where its uses are summed."""
         return stage_rank(max(t.stages), self.p)
 
-    def _tag(self, s: int, i: int) -> int:
-        """The tag of stage ``s``'s uses of micro-batch ``i``: received in any order."""
-        return _TAGS + s * self.m + i
+    def _tag(self, k: int, s: int, i: int) -> int:
+        """The tag of stage ``s``'s uses of tied weight ``k`` in micro-batch ``i``.
+
+        One per message stream: the owner receives them in an order of its own.
+        """
+        return _TAGS + (k * self._stages + s) * self.m + i
 
     def finish(self) -> None:
         """At the step's end, on every rank of the pipeline: every gradient set.
@@ -165,9 +170,9 @@ class StepSums:
         Each parameter's ``.grad`` gets the step's sum added (set where it had none). Each
         tied weight's owner first receives its other stages' uses and sums them all.
         """
-        for t, copy in self._tied_of.values():  # the same order on every rank
+        for k, t, copy in self._tied_of.values():
             if self._owner(t) == self.rank:
-                self._tied_sum(t, copy)
+                self._tied_sum(k, t, copy)
         for work, _ in self._sends:  # (the tensors sent are kept alive until here)
             work.wait()
         self._sends.clear()
@@ -196,7 +201,7 @@ class StepSums:
                 "never made; the schedule ran a forward without its backward"
             )
 
-    def _tied_sum(self, t: Tied, param: torch.Tensor) -> None:
+    def _tied_sum(self, k: int, t: Tied, param: torch.Tensor) -> None:
         """The owner: every stage's uses of each micro-batch added, latest stage first."""
         order = sorted(t.stages, reverse=True)  # backward reaches the latest stage first
         tree = MicroTree()
@@ -208,7 +213,8 @@ class StepSums:
                     uses += self._uses.pop((id(param), s, i))
                 else:
                     assert t.group is not None
-                    uses += _recv_uses(t.group, t.ranks.index(rank), param.device, self._tag(s, i))
+                    src = t.ranks.index(rank)
+                    uses += _recv_uses(t.group, src, param.device, self._tag(k, s, i))
             tree.add(i, sum_uses(param, uses))
         self._trees[id(param)] = (param, tree)
 
