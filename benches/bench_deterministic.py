@@ -10,6 +10,7 @@ The bar is 10 %. That the two sides train the same model is the job's own ``veri
 
     python benches/bench_deterministic.py                       # 2 processes, ddp and zero3
     python benches/bench_deterministic.py --nproc 8 --strategies ddp zero1 zero2 zero3
+    python benches/bench_deterministic.py --strategies ddp --tp 2   # tensor parallelism
 
 Writes ``benches/results/deterministic-<tag>.{txt,json}``.
 """
@@ -34,11 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--strategies", nargs="+", default=["ddp", "zero3"])
     p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (both sides)")
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
     os.environ.pop("SHARDLINE_DETERMINISTIC", None)  # each side says which it is
     lines = [
-        f"main job: {args.nproc} processes, cpu, {args.steps} steps, {args.pairs} pairs "
+        f"main job: {args.nproc} processes"
+        + (f" (--tp {args.tp})" if args.tp > 1 else "")
+        + f", cpu, {args.steps} steps, {args.pairs} pairs "
         "alternated per strategy; cost = default / deterministic - 1 (bar 10 %)",
         f"{'strategy':9} {'default tok/s':>14} {'det tok/s':>12} {'cost':>8}   "
         "runs (default | det)",
@@ -47,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     for strategy in args.strategies:
 
         def run(flags: list[str], strategy: str = strategy) -> float:
+            flags = [*flags, "--tp", str(args.tp)] if args.tp > 1 else flags
             return _mainjob.tokens_per_s(args.nproc, args.steps, strategy, "cpu", flags=flags)
 
         got = _mainjob.alternate(
@@ -57,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = " ".join(f"{x:,.0f}" for x in got["default"]) + " | "
         runs += " ".join(f"{x:,.0f}" for x in got["det"])
         lines.append(f"{strategy:9} {a:14,.0f} {b:12,.0f} {a / b - 1:+8.2%}   {runs}")
-    tag = args.tag or f"cpu-{os.cpu_count()}c-{args.nproc}p"
+    tag = args.tag or f"cpu-{os.cpu_count()}c-{args.nproc}p" + (
+        f"-tp{args.tp}" if args.tp > 1 else ""
+    )
     _report.publish(
         _report.RESULTS / f"deterministic-{tag}",
         _report.header(Path(__file__).name, _report.machine("cpu")),

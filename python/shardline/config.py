@@ -322,9 +322,9 @@ SETTINGS: tuple[Setting, ...] = (
         "`0`, `1`",
         "0",
         "Deterministic mode: gradients summed per sample in one fixed tree over the batch, so "
-        "that one process, DDP, ZeRO-1/2/3 and pipelines train to the same parameters, bit "
-        "for bit, at any power-of-two world size (`sl.distribute(deterministic=)` decides per "
-        "call).",
+        "that one process, DDP, ZeRO-1/2/3, pipelines and tensor parallelism train to the same "
+        "parameters, bit for bit, at any power-of-two world size (`sl.distribute("
+        "deterministic=)` decides per call).",
         _flag,
         False,
     ),

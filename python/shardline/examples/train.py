@@ -112,6 +112,7 @@ def single_process_loss(
     pipeline: bool = False,
     tied_first: bool = False,
     deterministic: bool = False,
+    blocks: int = 1,
 ) -> tuple[float, TinyGPT]:
     """Trains one process on the same global batches, summing gradients as the run did.
 
@@ -124,12 +125,12 @@ def single_process_loss(
     the micro-batches; replicas are averaged, after that sum (``tied_first``: ZeRO's order)
     or before it (DDP's). The order of the sums matters: around a loss spike, rounding
     differences between two equivalent runs can grow a thousandfold within ten steps.
-    ``deterministic``: the model sums in deterministic mode's tree, as the run did (the
-    result is then the run's, bit for bit).
+    ``deterministic``: the model sums in deterministic mode's tree, as the run did, its split
+    sums in ``blocks`` blocks (the result is then the run's, bit for bit).
     """
     model = build_model(cfg).to(tokens.device)
     if deterministic:
-        make_deterministic(model)
+        make_deterministic(model, blocks=blocks)
     if pipeline:  # the last stage's copy of the tied weight, updated alongside the first's
         model.head.weight = nn.Parameter(model.tok.weight.detach().clone())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -269,9 +270,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument(
         "--deterministic",
         action="store_true",
-        help="deterministic mode (ddp, zero1-3, pp and --pp): gradients summed per sequence "
-        "in one fixed tree, so the run ends with the parameters of one process, bit for bit "
-        "(verified exactly); processes, --batch-size and --microbatches powers of two",
+        help="deterministic mode (ddp, zero1-3, pp, --pp and --tp): gradients summed per "
+        "sequence in one fixed tree, so the run ends with the parameters of one process, bit "
+        "for bit (verified exactly); processes, --batch-size and --microbatches powers of two",
+    )
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=None,
+        help="deterministic mode: cut the sums tensor parallelism splits into this many blocks "
+        "(a power of two that --tp divides; default --tp), in the single-process replay too "
+        "(not with pipelines)",
     )
     p.add_argument(
         "--no-verify",
@@ -303,8 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     probe = get_batch(tokens, list(range(n - cfg.batch_size, n)), cfg)  # same on every rank
 
     model: nn.Module = build_model(cfg).to(device)
-    if args.deterministic and group is None:  # one process: the same sums, no group to wrap
-        make_deterministic(model)
+    blocks = args.blocks if args.blocks is not None else max(1, args.tp)
+    if args.deterministic and (args.pp > 1 or args.strategy in ("pp", "auto")):
+        blocks = 1 if args.blocks is None else blocks  # a pipeline takes no blocks (refused)
+    if args.deterministic:  # before distribute, which prepares the layers it rewrites too
+        make_deterministic(model, blocks=blocks)
     num_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     strategy = args.strategy if group is not None else "none"
@@ -313,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--pp {stages} does not divide {world_size} processes", file=sys.stderr)
         return 2
     pp = stages > 1 or strategy == "pp"
-    if args.deterministic and (args.tp > 1 or strategy == "auto"):
-        print("--deterministic takes --strategy ddp, zero1, zero2, zero3, fsdp or pp (no --tp)",
-              file=sys.stderr)  # fmt: skip
+    if args.deterministic and (strategy == "auto" or (pp and (args.tp > 1 or blocks > 1))):
+        print("--deterministic takes --strategy ddp, zero1, zero2, zero3, fsdp or pp, with --tp "
+              "or --pp (a pipeline without --tp and --blocks)", file=sys.stderr)  # fmt: skip
         return 2
     tp = args.tp if group is not None else 1
     if strategy == "pp" and tp > 1:
@@ -353,13 +365,14 @@ def main(argv: list[str] | None = None) -> int:
     elif tp > 1:  # every layer split over tp ranks, replicas on the rest
         mesh = sl.DeviceMesh({"dp": replicas, "tp": tp})
         model, opt = sl.distribute(  # type: ignore[assignment]
-            model, opt, mesh=mesh, strategy={"dp": dp, "tp": "auto"}
-        )
+            model, opt, mesh=mesh, strategy={"dp": dp, "tp": "auto"},
+            deterministic=args.deterministic,
+        )  # fmt: skip
         strategy = f"{replicas} {dp} replica(s) of {tp}-way tensor parallelism"
     elif pp:  # every rank trains the same batches, each through its own stage
         chain = as_sequential(model)  # type: ignore[arg-type]
         if args.deterministic:
-            make_deterministic(chain)
+            make_deterministic(chain, blocks=1)
         model = sl.pipeline(
             chain,
             schedule=args.schedule,
@@ -454,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                                                microbatches=args.microbatches,
                                                pipeline=pp and not args.deterministic,
                                                tied_first=tied_first,
-                                               deterministic=args.deterministic)  # fmt: skip
+                                               deterministic=args.deterministic,
+                                               blocks=blocks)  # fmt: skip
             diff = abs(reference - final)
             if args.deterministic:
                 ok = reference == final

@@ -23,7 +23,7 @@ from shardline.parallel.choice import DDP_ONLY, ZERO_ONLY, Meshes, described, wr
 from shardline.parallel.compose import compose
 from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
-from shardline.parallel.deterministic import make_deterministic
+from shardline.parallel.deterministic import blocks_of, make_deterministic
 from shardline.parallel.fit import plan_strategy
 from shardline.parallel.pipeline_layout import WithLoss, with_loss
 from shardline.parallel.precision import MixedPrecision
@@ -78,8 +78,11 @@ def distribute(
             gradients are computed per sample and summed in one fixed tree
             (``shardline.parallel.deterministic``), on this group's ranks too
             (``shardline.comm.tree.tree_group``). Rank ``r`` must hold samples
-            ``[r*b, (r+1)*b)`` of the global batch. ``None`` takes
-            ``sl.init(deterministic=)``, else ``SHARDLINE_DETERMINISTIC``.
+            ``[r*b, (r+1)*b)`` of the global batch. On a mesh: a pipeline (``pp``) or
+            tensor parallelism (``tp``, its split sums cut into the blocks of
+            ``make_deterministic(model, blocks=)``: the ``tp`` size when not prepared),
+            each with replicas on ``dp``. ``None`` takes ``sl.init(deterministic=)``, else
+            ``SHARDLINE_DETERMINISTIC``.
         **options: Passed to the strategy (for DDP: ``bucket_cap_mb``, ``broadcast_buffers``,
             ``comm_hook``, ...; for ZeRO: ``unit_mb``, ``prefetch``, ``mixed_precision``; for
             both: ``compression``, a ``shardline.optim`` compressor or its name).
@@ -107,7 +110,7 @@ def distribute(
     if recompute is not None:
         recompute_blocks(model, recompute)
     if mesh is not None or isinstance(strategy, dict):
-        return compose(model, optimizer, strategy, mesh, options)
+        return compose(model, optimizer, strategy, mesh, options, deterministic=deterministic)
     row = strategies.strategy(strategy)
     if row.stage and optimizer is not None:
         check_optimizer(optimizer, row.stage)  # before any collective of the wrapper's
@@ -144,21 +147,37 @@ def _deterministic(
 
     On a mesh: a pipeline (``pp``) and its replicas (``dp``); ``sl.pipeline`` sums them.
     """
+    blocks = None
     if isinstance(strategy, dict):
         dp = strategy.get("dp", "ddp")
-        if set(strategy) - {"pp", "dp"} or "pp" not in strategy or dp not in _DETERMINISTIC:
+        axes = set(strategy)
+        pipeline = "pp" in axes and axes <= {"pp", "dp"}
+        tensor = "tp" in axes and axes <= {"tp", "dp"}
+        if {"pp", "tp"} <= axes:
             raise InvalidArgumentError(
-                f"distribute(deterministic=True) on a mesh covers a pipeline ('pp') and its "
-                f"replicas ('dp': {', '.join(sorted(_DETERMINISTIC))}), not {strategy!r}: "
-                "tensor parallelism splits the layers' sums, in orders of their own"
+                f"distribute(deterministic=True, strategy={strategy!r}): tensor parallelism "
+                "inside a pipeline's stages is not covered yet; deterministic mode takes a "
+                "pipeline ('pp') or tensor parallelism ('tp'), each with replicas ('dp')"
             )
+        if not (pipeline or tensor) or dp not in _DETERMINISTIC:
+            raise InvalidArgumentError(
+                f"distribute(deterministic=True) on a mesh covers a pipeline ('pp') or tensor "
+                f"parallelism ('tp'), each with replicas ('dp': "
+                f"{', '.join(sorted(_DETERMINISTIC))}), not {strategy!r}"
+            )
+        if tensor and options.get("sequence_parallel"):
+            raise InvalidArgumentError(
+                "distribute(deterministic=True): sequence parallelism splits the norms' "
+                "per-sample sums along the sequence; leave sequence_parallel off"
+            )
+        if tensor and blocks_of(model) is None and mesh is not None:
+            blocks = mesh.size("tp")  # the fewest blocks that serve this tp size
     else:
         name = None if mesh is not None else strategies.strategy(strategy)
         if name is None or name.name not in _DETERMINISTIC:
             raise InvalidArgumentError(
-                f"distribute(deterministic=True) covers {', '.join(sorted(_DETERMINISTIC))} "
-                f"and pipelines on a mesh, not {strategy!r}; tensor parallelism sums in "
-                "orders of its own"
+                f"distribute(deterministic=True) covers {', '.join(sorted(_DETERMINISTIC))}, "
+                f"and pipelines and tensor parallelism on a mesh, not {strategy!r}"
             )
     changed = sorted(k for k in ("compression", "comm_hook") if options.get(k) is not None)
     if changed or recompute is not None:
@@ -176,8 +195,8 @@ def _deterministic(
             "order of every sum is still fixed); compute in float32 for the same bits",
             precision.param_dtype,
         )
-    if mesh is not None:  # the pipeline sums its replicas in the tree itself
-        return make_deterministic(model), group
+    if mesh is not None:  # the pipeline, or compose, sums on the mesh's axes in the tree
+        return make_deterministic(model, blocks=blocks), group
     return make_deterministic(model), tree_group(group if group is not None else default_group())
 
 

@@ -15,6 +15,9 @@
 
 The optimizer passed in is rebound to what this rank now holds, under the same names, so it
 may be built from the dense model before the call.
+
+``deterministic``: the ``tp`` and ``dp`` groups add in the canonical tree (``tree_group``), and
+the model (prepared by ``make_deterministic``) has its tensor-parallel layers prepared too.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardline.comm.group import ProcessGroup
 from shardline.comm.mesh import DeviceMesh
+from shardline.comm.tree import tree_group
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
 from shardline.parallel._common import ModelParallel, copies_over
 from shardline.parallel.data.zero.optimizers import check_optimizer
+from shardline.parallel.deterministic import make_deterministic
 from shardline.parallel.pipeline import pipeline
 from shardline.parallel.tensor import tensor_parallel
 
@@ -44,6 +50,8 @@ def compose(
     strategy: str | dict[str, str],
     mesh: DeviceMesh | None,
     options: dict[str, Any],
+    *,
+    deterministic: bool = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """``distribute()`` on a mesh: a strategy per axis (see the module docstring)."""
     if mesh is None or not isinstance(strategy, dict):
@@ -95,7 +103,7 @@ def compose(
         )
     if "pp" in strategy:
         return _pipeline(model, optimizer, strategy, mesh, dp, options)
-    return _layers(model, optimizer, strategy, mesh, dp, options)
+    return _layers(model, optimizer, strategy, mesh, dp, options, deterministic)
 
 
 def _pipeline(
@@ -159,6 +167,7 @@ def _layers(
     mesh: DeviceMesh,
     dp: str | None,
     options: dict[str, Any],
+    deterministic: bool,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Tensor parallelism on ``tp`` (if named), then DDP or ZeRO on ``dp``.
 
@@ -182,9 +191,16 @@ def _layers(
             )
         if row.stage and optimizer is not None:
             check_optimizer(optimizer, row.stage)  # before any collective
-    tp = mesh.group("tp") if "tp" in strategy else None
+
+    def axis(name: str) -> ProcessGroup:
+        g = mesh.group(name)
+        return tree_group(g) if deterministic else g
+
+    tp = axis("tp") if "tp" in strategy else None
     if tp is not None:
         model = tensor_parallel(model, tp, strategy["tp"], sequence_parallel=sp)
+        if deterministic:  # its new layers: their split sums in the model's blocks
+            make_deterministic(model)
         now = dict(model.named_parameters(remove_duplicate=False))
         for group in groups:  # the same names, now this rank's slices
             group["params"] = [now[before[id(p)][0]] for p in group["params"]]
@@ -194,7 +210,7 @@ def _layers(
     copies = copies_over(tp, model) if tp is not None else None
     if "dp_replicate" in strategy:
         options = {**options, "replicate_group": mesh.group("dp_replicate")}
-    wrapped = row.wrap(model, group=mesh.group("dp_shard" if "dp_shard" in strategy else "dp"),
+    wrapped = row.wrap(model, group=axis("dp_shard" if "dp_shard" in strategy else "dp"),
                        **options)  # fmt: skip
     if tp is not None and copies is not None:
         assert isinstance(wrapped, ModelParallel)

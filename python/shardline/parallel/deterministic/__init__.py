@@ -16,6 +16,10 @@ choosing. Deterministic mode fixes the order instead:
 3. The mean over samples needs nothing: a mean loss over ``b`` samples scales each sample's
    gradient by ``1/b``, and the group's ``avg`` divides by the world size; both are powers of
    two, and scaling by a power of two commutes with rounding.
+4. Tensor parallelism splits sums inside layers (a row layer's output, a column layer's
+   input gradient, the vocabulary's softmax). With ``blocks`` every layout cuts each of them
+   into that many fixed blocks added in the tree (``split``); a rank holds a subtree of them
+   and its group (a ``tree_group``) adds the ranks'.
 
 What it takes: the model's parameters belong to ``nn.Linear``, ``nn.LayerNorm`` and
 ``nn.Embedding`` layers (others raise, naming them), every such layer sees the samples along
@@ -28,6 +32,7 @@ row by row and give the same bits for a sample whatever the batch around it on C
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -35,13 +40,31 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic.collector import Collector
 from shardline.parallel.deterministic.layers import ACTIVE, LAYERS, check_layer
+from shardline.parallel.deterministic.split import Split
+from shardline.parallel.tensor.auto import auto_plan
+from shardline.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from shardline.parallel.tensor.loss import vocab_parallel_loss
+from shardline.parallel.tensor.styles import Colwise, Rowwise
 
-__all__ = ["collecting", "is_deterministic", "make_deterministic", "unit_of"]
+__all__ = [
+    "blocks_of",
+    "collecting",
+    "is_deterministic",
+    "make_deterministic",
+    "unit_of",
+]
 
 _ATTR = "_shardline_deterministic"
+_BLOCKS = "_shardline_deterministic_blocks"
+_ROLES = "_shardline_deterministic_roles"
 
 
 def is_deterministic(model: nn.Module) -> bool:
@@ -55,7 +78,15 @@ def unit_of(model: nn.Module) -> int | None:
     return unit
 
 
-def make_deterministic(model: nn.Module, *, unit: int = 1) -> nn.Module:
+def blocks_of(model: nn.Module) -> int | None:
+    """The blocks ``make_deterministic`` prepared ``model`` with; ``None``: not prepared."""
+    blocks: int | None = getattr(model, _BLOCKS, None) if is_deterministic(model) else None
+    return blocks
+
+
+def make_deterministic(
+    model: nn.Module, *, unit: int | None = None, blocks: int | None = None
+) -> nn.Module:
     """Prepares ``model`` (in place) for gradients that do not depend on the layout.
 
     Every ``nn.Linear``, ``nn.LayerNorm`` and ``nn.Embedding`` computes its parameters'
@@ -66,43 +97,167 @@ def make_deterministic(model: nn.Module, *, unit: int = 1) -> nn.Module:
     gradients) and allow fewer layouts: every rank needs a power-of-two number of units.
     The prepared model can be copied (``copy.deepcopy``): the copy is prepared too.
 
+    ``blocks`` (a power of two) makes tensor parallelism of up to that many ranks give the
+    same bits as well: the sums it splits (a row-parallel layer's output, a column-parallel
+    layer's input gradient, the vocabulary's softmax) are cut into ``blocks`` fixed blocks in
+    every layout, one process included (``split``), for the layers ``plan="auto"`` splits;
+    a model with a ``loss_fn`` gets the vocabulary-parallel cross-entropy in blocks. Layouts
+    agree when they use the same ``unit`` and ``blocks``. Called again on a prepared model
+    (``distribute`` does, after tensor parallelism rewrote its layers), it prepares the
+    layers that are new.
+
+    Args:
+        model: The model; its parameters belong to the layers above.
+        unit: Samples per unit (``None``: as prepared before, else 1).
+        blocks: Blocks of every split sum (``None``: as prepared before, else 1: nothing
+            is cut, and tensor parallelism is refused).
+
     Returns:
         ``model`` itself.
 
     Raises:
         InvalidArgumentError: a trainable parameter that belongs to another kind of layer
-            (named), an unsupported embedding option, ``unit < 1``, or a model prepared
-            before with another unit.
+            (named), an unsupported embedding option, ``unit < 1``, ``blocks`` not a power
+            of two or not dividing a split layer's features, a tensor-parallel layer whose
+            size does not divide ``blocks`` or that ``plan="auto"`` would not split so, or
+            a model prepared before with another unit or blocks.
     """
+    if is_deterministic(model):
+        for what, value, had in (
+            ("unit", unit, unit_of(model)),
+            ("blocks", blocks, blocks_of(model)),
+        ):
+            if value is not None and value != had:
+                raise InvalidArgumentError(
+                    f"make_deterministic: the model was prepared with {what}={had}, not "
+                    f"{value}; build a fresh model to change it"
+                )
+        _prepare_layers(model, getattr(model, _ROLES), blocks_of(model) or 1)
+        return model
+    unit = 1 if unit is None else unit
+    blocks = 1 if blocks is None else blocks
     if unit < 1:
         raise InvalidArgumentError(f"make_deterministic: unit must be >= 1, got {unit}")
-    if is_deterministic(model):
-        if getattr(model, _ATTR) != unit:
-            raise InvalidArgumentError(
-                f"make_deterministic: the model was prepared with unit={getattr(model, _ATTR)}, "
-                f"not {unit}; build a fresh model to change it"
-            )
-        return model
+    if blocks < 1 or blocks & (blocks - 1):
+        raise InvalidArgumentError(
+            f"make_deterministic: blocks must be a power of two (the tensor-parallel sizes "
+            f"it serves divide it), got {blocks}"
+        )
+    roles, vocabulary = _split_roles(model, blocks) if blocks > 1 else ({}, False)
+    _prepare_layers(model, roles, blocks)
+    if vocabulary and callable(getattr(model, "loss_fn", None)):
+        loss = functools.partial(vocab_parallel_loss, group=None, blocks=blocks)
+        setattr(model, "loss_fn", loss)  # noqa: B010
+    setattr(model, _ATTR, unit)
+    setattr(model, _BLOCKS, blocks)
+    setattr(model, _ROLES, roles)
+    # A bound method, not a closure: a deep copy of the model rebinds it to the copy.
+    model.forward = types.MethodType(_forward, model)
+    return model
+
+
+def _prepare_layers(model: nn.Module, roles: dict[str, Split], blocks: int) -> None:
+    """Patches each layer with parameters not patched yet; a split layer gets its ``Split``."""
     for name, m in model.named_modules():
         own = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad]
-        if not own:
+        if not own or getattr(m, "_sl_name", None) is not None:
             continue
         kind = next((k for k in LAYERS if type(m) is k), None)
         if kind is None:
             raise InvalidArgumentError(
                 f"deterministic mode: {type(m).__name__} {name or '<root>'!r} holds trainable "
                 f"parameters ({', '.join(own)}); only nn.Linear, nn.LayerNorm and "
-                "nn.Embedding layers compute per-unit gradients. Build the model from those, "
-                "or freeze these parameters (requires_grad_(False))"
+                "nn.Embedding layers (and their tensor-parallel slices) compute per-unit "
+                "gradients. Build the model from those, or freeze these parameters "
+                "(requires_grad_(False))"
             )
         check_layer(name, m)
+        split = roles.get(name)
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
+            split = _tensor_split(name, m, split, blocks)
+        if split is not None:
+            m._sl_split = split
         m._sl_name = name
         if m is not model:  # the root's forward is the batch's, below (it calls its layer's)
             m.forward = types.MethodType(LAYERS[kind], m)
-    setattr(model, _ATTR, unit)
-    # A bound method, not a closure: a deep copy of the model rebinds it to the copy.
-    model.forward = types.MethodType(_forward, model)
-    return model
+    if isinstance(getattr(model, "loss_fn", None), functools.partial):
+        _split_loss(model, blocks)
+
+
+def _split_roles(model: nn.Module, blocks: int) -> tuple[dict[str, Split], bool]:
+    """The ``Split`` of each linear layer ``plan="auto"`` splits over ``blocks`` ranks.
+
+    And whether that plan splits an output head by vocabulary. An embedding split by
+    vocabulary needs none (a lookup sums nothing); an output head split by it is a column
+    layer.
+    """
+    try:
+        plan = auto_plan(model, blocks, False)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(
+            f"make_deterministic(blocks={blocks}) cuts the sums that tensor parallelism "
+            f"splits, as plan='auto' splits them over {blocks} ranks: {exc}"
+        ) from None
+    roles: dict[str, Split] = {}
+    vocabulary = False
+    for name, style in plan.items():
+        m = model.get_submodule(name)
+        if not isinstance(m, nn.Linear):
+            continue  # a vocabulary embedding, or a style deterministic mode refuses later
+        if isinstance(style, Colwise) and style.replicas == 1:
+            role, pieces, size = "column", style.pieces, m.out_features
+        elif isinstance(style, Rowwise):
+            role, pieces, size = "row", 1, m.in_features
+        elif style == "vocab":
+            role, pieces, size, vocabulary = "column", 1, m.out_features, True
+        else:
+            raise InvalidArgumentError(
+                f"make_deterministic(blocks={blocks}): plan='auto' splits {name!r} as "
+                f"{style!r}, which deterministic mode does not cut into blocks"
+            )
+        if size % (pieces * blocks):
+            raise InvalidArgumentError(
+                f"make_deterministic(blocks={blocks}): {name!r} has {size} "
+                f"{'output' if role == 'column' else 'input'} features, not "
+                f"{pieces * blocks} equal blocks; use fewer blocks"
+            )
+        roles[name] = Split(role, pieces, blocks, None)
+    return roles, vocabulary
+
+
+def _tensor_split(name: str, m: nn.Module, dense: Split | None, blocks: int) -> Split | None:
+    """A tensor-parallel layer's ``Split``: the dense layer's blocks, this rank's share."""
+    group: ProcessGroup = m.group  # type: ignore[assignment]
+    t = group.world_size
+    if blocks % t:
+        raise InvalidArgumentError(
+            f"deterministic mode: {name!r} is split over {t} ranks, which do not divide the "
+            f"model's blocks={blocks}; prepare it with sl.make_deterministic(model, "
+            f"blocks=B) for a power of two B that is a multiple of every tp size it meets"
+        )
+    if isinstance(m, VocabParallelEmbedding):
+        return None
+    want = "column" if isinstance(m, ColumnParallelLinear) else "row"
+    pieces = getattr(m, "pieces", 1)
+    if dense is None or (dense.role, dense.pieces) != (want, pieces):
+        had = "not split" if dense is None else f"{dense.role} ({dense.pieces} pieces)"
+        raise InvalidArgumentError(
+            f"deterministic mode: tensor parallelism splits {name!r} as a {want} layer "
+            f"({pieces} pieces), but with blocks={blocks} plan='auto' makes it {had}, and one "
+            "process cuts its sums that way; use plan='auto'"
+        )
+    return Split(want, pieces, blocks // t, group)
+
+
+def _split_loss(model: nn.Module, blocks: int) -> None:
+    """The vocabulary-parallel loss tensor parallelism set: its sums in this rank's blocks."""
+    loss = model.loss_fn
+    if not isinstance(loss, functools.partial) or loss.func is not vocab_parallel_loss:
+        return
+    group = loss.keywords.get("group")
+    t = 1 if group is None else group.world_size
+    split = functools.partial(vocab_parallel_loss, group=group, blocks=blocks // t)
+    setattr(model, "loss_fn", split)  # noqa: B010
 
 
 def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -4,6 +4,11 @@ Each patched layer runs its usual forward outside a deterministic forward (evalu
 grad). Inside one it runs an autograd function that computes the input's gradient as torch
 does and hands the parameters' per-unit gradients to the forward's ``Collector``, which
 returns their tree sum as the parameter's gradient once its last use has given.
+
+The tensor-parallel layers (column, row, vocabulary) run the same functions on their slices.
+A linear layer with a ``Split`` (``_sl_split``: set on the dense layer with ``blocks``, and on
+its tensor-parallel slice) cuts its split sum into fixed blocks (``split``) and adds the ranks'
+sums in its group's tree, where the tensor-parallel layer's own regions would all-reduce.
 """
 
 from __future__ import annotations
@@ -18,6 +23,13 @@ from torch import nn
 
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic.collector import Collector, Dense, Lookups, Products
+from shardline.parallel.deterministic.split import Split, column_input_grad, row_output
+from shardline.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from shardline.parallel.tensor.regions import reduce_from
 
 __all__ = ["ACTIVE", "LAYERS", "check_layer"]
 
@@ -39,25 +51,70 @@ def _collector(x: torch.Tensor, layer: nn.Module) -> Collector | None:
     return c
 
 
+def _row_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, split: Split
+) -> torch.Tensor:
+    """A row layer's output: its blocks' sum, the ranks' sum in the tree, then the bias."""
+    y = row_output(x, weight, split.blocks)
+    if split.group is not None:  # in place of the row layer's reduce_from
+        split.group.all_reduce(y)
+    return y if bias is None else y.add_(bias)
+
+
+def _evaluated(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """A row layer's output without grad, as in training (the same bits in every layout).
+
+    ``None``: run the layer's own forward (no split sum here, or autograd recording one).
+    """
+    split: Split | None = getattr(m, "_sl_split", None)
+    if split is None or split.role != "row" or torch.is_grad_enabled():
+        return None
+    return _row_forward(x, m.weight, m.bias, split)  # type: ignore[arg-type]
+
+
+def _per_unit(rows: torch.Tensor) -> torch.Tensor:
+    """``rows.sum(1)`` (``[units, rows, *features]``), each sum its own row's reduction.
+
+    Summed over dim 1 in place, a feature's additions depend on its position among the
+    features (vector lanes and the tail), so a tensor-parallel slice of them would round
+    otherwise; each feature's rows, made contiguous, are reduced alike at any width.
+    """
+    return rows.movedim(1, -1).contiguous().sum(-1)
+
+
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c: Collector
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        c: Collector,
+        split: Split | None,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.c = c
+        ctx.c, ctx.split = c, split
         ctx.keys = (c.use(weight), None if bias is None else c.use(bias))
-        return F.linear(x, weight, bias)
+        if split is None or split.role != "row":
+            return F.linear(x, weight, bias)
+        return _row_forward(x, weight, bias, split)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         c: Collector = ctx.c
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        split: Split | None = ctx.split
+        dx = None
+        if ctx.needs_input_grad[0] and split is not None and split.role == "column":
+            dx = column_input_grad(dy, weight, split.pieces, split.blocks)
+            if split.group is not None:  # the ranks' sums (a column layer's copy_to)
+                split.group.all_reduce(dx)
+        elif ctx.needs_input_grad[0]:
+            dx = dy.matmul(weight)
         dys = dy.reshape(c.units, -1, dy.shape[-1])
         dw = c.give(ctx.keys[0], Products(dys, x.reshape(c.units, -1, x.shape[-1])))
-        db = None if ctx.keys[1] is None else c.give(ctx.keys[1], Dense(dys.sum(1)))
-        return dx, dw, db, None
+        db = None if ctx.keys[1] is None else c.give(ctx.keys[1], Dense(_per_unit(dys)))
+        return dx, dw, db, None, None
 
 
 class _LayerNormFn(torch.autograd.Function):
@@ -90,40 +147,85 @@ class _LayerNormFn(torch.autograd.Function):
         dw = db = None
         if ctx.keys[0] is not None:
             products = torch.sub(x, mean).mul_(rstd).mul_(dy)  # x-hat times dy
-            dw = c.give(ctx.keys[0], Dense(products.reshape(dys.shape).sum(1)))
+            dw = c.give(ctx.keys[0], Dense(_per_unit(products.reshape(dys.shape))))
         if ctx.keys[1] is not None:
-            db = c.give(ctx.keys[1], Dense(dys.sum(1)))
+            db = c.give(ctx.keys[1], Dense(_per_unit(dys)))
         return dx, None, dw, db, None, None
 
 
 class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, idx: torch.Tensor, weight: torch.Tensor, padding_idx: int | None, c: Collector
+        ctx: Any,
+        idx: torch.Tensor,
+        weight: torch.Tensor,
+        padding_idx: int | None,
+        c: Collector,
+        here: torch.Tensor | None,
     ) -> torch.Tensor:
-        ctx.save_for_backward(idx)
+        ctx.save_for_backward(idx, here)
         ctx.padding_idx, ctx.rows, ctx.c = padding_idx, weight.shape[0], c
         ctx.key = c.use(weight)
-        return F.embedding(idx, weight, padding_idx)
+        out = F.embedding(idx, weight, padding_idx)
+        # ``here``: the ids this rank's rows hold (a vocabulary slice); the others give zeros.
+        return out if here is None else out.masked_fill_(~here.unsqueeze(-1), 0)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (idx,) = ctx.saved_tensors
+        idx, here = ctx.saved_tensors
         c: Collector = ctx.c
         flat, rows = idx.reshape(-1), dy.reshape(-1, dy.shape[-1])
         unit = torch.arange(c.units, device=idx.device).repeat_interleave(flat.numel() // c.units)
+        keep = None if here is None else here.reshape(-1)
         if ctx.padding_idx is not None:  # the padding row gets no gradient
-            keep = flat != ctx.padding_idx
+            pad = flat != ctx.padding_idx
+            keep = pad if keep is None else keep & pad
+        if keep is not None:
             flat, rows, unit = flat[keep], rows[keep], unit[keep]
-        return None, c.give(ctx.key, Lookups(c.units, unit, flat, rows, ctx.rows)), None, None
+        dw = c.give(ctx.key, Lookups(c.units, unit, flat, rows, ctx.rows))
+        return None, dw, None, None, None
 
 
 def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     c = _collector(x, self)
     if c is None:
-        return F.linear(x, self.weight, self.bias)
-    out: torch.Tensor = _LinearFn.apply(x, self.weight, self.bias, c)
+        y = _evaluated(self, x)
+        return F.linear(x, self.weight, self.bias) if y is None else y
+    out: torch.Tensor = _LinearFn.apply(
+        x, self.weight, self.bias, c, getattr(self, "_sl_split", None)
+    )
     return out
+
+
+def _column(self: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    """A column-parallel slice: its input whole, its input's gradient summed in blocks."""
+    c = _collector(x, self)
+    if c is None:
+        return type(self).forward(self, x)
+    out: torch.Tensor = _LinearFn.apply(x, self.weight, self.bias, c, self._sl_split)
+    return out
+
+
+def _row(self: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    """A row-parallel slice: its part of the output's sum in blocks, then the ranks' sum."""
+    c = _collector(x, self)
+    if c is None:
+        y = _evaluated(self, x)
+        return type(self).forward(self, x) if y is None else y
+    out: torch.Tensor = _LinearFn.apply(x, self.weight, self.bias, c, self._sl_split)
+    return out
+
+
+def _vocab_embedding(self: VocabParallelEmbedding, ids: torch.Tensor) -> torch.Tensor:
+    """A vocabulary slice's lookup: zeros for the ids it does not hold, summed over ranks."""
+    c = _collector(ids, self)
+    if c is None:
+        return type(self).forward(self, ids)
+    rows = self.weight.shape[0]
+    here = (ids >= self.start) & (ids < self.start + rows)
+    local = torch.where(here, ids - self.start, 0)
+    out: torch.Tensor = _EmbeddingFn.apply(local, self.weight, self._local_pad, c, here)
+    return reduce_from(out, self.group)  # one rank's row and zeros: exact in any order
 
 
 def _layer_norm(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
@@ -139,7 +241,7 @@ def _embedding(self: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
     c = _collector(idx, self)
     if c is None:
         return F.embedding(idx, self.weight, self.padding_idx)
-    out: torch.Tensor = _EmbeddingFn.apply(idx, self.weight, self.padding_idx, c)
+    out: torch.Tensor = _EmbeddingFn.apply(idx, self.weight, self.padding_idx, c, None)
     return out
 
 
@@ -148,6 +250,9 @@ LAYERS: dict[type, Callable[..., torch.Tensor]] = {
     nn.Linear: _linear,
     nn.LayerNorm: _layer_norm,
     nn.Embedding: _embedding,
+    ColumnParallelLinear: _column,
+    RowParallelLinear: _row,
+    VocabParallelEmbedding: _vocab_embedding,
 }
 
 
@@ -157,4 +262,19 @@ def check_layer(name: str, m: nn.Module) -> None:
         raise InvalidArgumentError(
             f"deterministic mode: nn.Embedding {name!r} uses max_norm, scale_grad_by_freq or "
             "sparse gradients, which it does not support; turn them off"
+        )
+    sequence = getattr(m, "sequence_parallel", False)
+    if isinstance(m, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding) and (
+        sequence
+        or getattr(m, "transposed", False)
+        or getattr(m, "replicas", 1) > 1
+        or getattr(m, "input_shared", False)
+        or getattr(m, "gather_output", False)
+        or not getattr(m, "input_is_parallel", True)
+    ):
+        raise InvalidArgumentError(
+            f"deterministic mode: {type(m).__name__} {name!r} is split with sequence "
+            "parallelism, a Conv1D weight, key/value heads shared by ranks, a shared input, "
+            "a gathered output or an input split here, which it does not support; split it "
+            "as plan='auto' does without sequence_parallel"
         )

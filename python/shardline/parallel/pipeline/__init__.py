@@ -19,7 +19,7 @@ from shardline.comm.tree import tree_group
 from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import copies_over
-from shardline.parallel.deterministic import unit_of
+from shardline.parallel.deterministic import blocks_of, unit_of
 from shardline.parallel.pipeline.materialize import is_meta, materialize
 from shardline.parallel.pipeline.replicas import ZERO_STAGES
 from shardline.parallel.pipeline.runtime import PipelineModule
@@ -230,6 +230,10 @@ def _check_deterministic(
         what
         for what, on in (
             ("tensor parallelism (tp_group)", tp_group is not None and tp_group.world_size > 1),
+            (
+                f"blocks={blocks_of(model)} (tensor parallelism's cut sums)",
+                (blocks_of(model) or 1) > 1,
+            ),
             ("recompute", recompute),
             ("compile", bool(compile)),
             (f"{type(model).__name__} split by tracing", not isinstance(model, nn.Sequential)),

@@ -5,6 +5,11 @@ vocabulary, each an all-reduce of one number per token: the maximum (for a stabl
 the sum of exponentials, and the target's logit (on the rank that holds it, zero elsewhere).
 The gradient is this rank's part of ``softmax - one_hot(target)``, with no communication.
 Computed in float32 whatever the logits' dtype.
+
+Deterministic mode (``blocks``): the sum of exponentials is cut into ``blocks`` equal parts of
+each rank's slice, added in the canonical tree (``shardline.comm.tree``), so one process
+(``group=None``) and every tensor-parallel size that divides the blocks (each rank ``blocks /
+t`` of them, the group a ``tree_group``) make the same sum, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 import torch
 
 from shardline.comm.group import ProcessGroup
+from shardline.comm.tree import tree_sum
 from shardline.errors import InvalidArgumentError
 
 __all__ = ["causal_lm_loss", "vocab_parallel_cross_entropy", "vocab_parallel_loss"]
@@ -22,21 +28,30 @@ __all__ = ["causal_lm_loss", "vocab_parallel_cross_entropy", "vocab_parallel_los
 class _VocabCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup, ignore: int
+        ctx: Any,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        group: ProcessGroup | None,
+        ignore: int,
+        blocks: int,
     ) -> torch.Tensor:
         z = logits.float()
         rows = z.shape[-1]
-        start = group.rank * rows
+        start = 0 if group is None else group.rank * rows
         top = z.max(dim=-1).values
-        group.all_reduce(top, op="max")
+        if group is not None:
+            group.all_reduce(top, op="max")
         z = z - top.unsqueeze(-1)
         here = (target >= start) & (target < start + rows)
         local = torch.where(here, target - start, 0)
         picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * here
-        group.all_reduce(picked)
         exp = z.exp()
-        total = exp.sum(dim=-1)
-        group.all_reduce(total)
+        # Each block's sum, then the blocks' in the tree (one block: its sum, as it is).
+        parts = exp.view(*exp.shape[:-1], blocks, rows // blocks).sum(dim=-1)
+        total = tree_sum(parts.movedim(-1, 0).contiguous(), fresh=True)
+        if group is not None:
+            group.all_reduce(picked)
+            group.all_reduce(total)
         keep = target != ignore
         loss = (total.log() - picked) * keep
         exp /= total.unsqueeze(-1)  # the softmax, this rank's part
@@ -45,30 +60,34 @@ class _VocabCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         softmax, local, hit, keep = ctx.saved_tensors
         out = softmax * keep.unsqueeze(-1)
         out.scatter_add_(-1, local.unsqueeze(-1), -hit.to(out.dtype).unsqueeze(-1))
         out *= grad.unsqueeze(-1)
-        return out.to(ctx.dtype), None, None, None
+        return out.to(ctx.dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
-    group: ProcessGroup,
+    group: ProcessGroup | None,
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
+    blocks: int = 1,
 ) -> torch.Tensor:
     """``F.cross_entropy`` of the whole logits, from this rank's vocabulary slice of them.
 
     Args:
         logits: ``(..., V / t)``: this rank's slice (rank ``r`` holds ids ``r V/t ..``).
         target: ``(...)``: ids into the whole vocabulary.
-        group: The tensor-parallel group the vocabulary is split over.
+        group: The tensor-parallel group the vocabulary is split over (``None``: one
+            process, the logits whole).
         ignore_index: A target id that counts for nothing (as in ``F.cross_entropy``).
         reduction: ``"mean"`` (over the targets not ignored), ``"sum"`` or ``"none"``.
+        blocks: Parts of this rank's slice whose sums of exponentials are added in the
+            canonical tree (deterministic mode; see the module's text).
     """
     if logits.shape[:-1] != target.shape:
         raise InvalidArgumentError(
@@ -77,7 +96,12 @@ def vocab_parallel_cross_entropy(
         )
     if reduction not in ("mean", "sum", "none"):
         raise InvalidArgumentError(f"reduction={reduction!r}: use 'mean', 'sum' or 'none'")
-    loss: torch.Tensor = _VocabCrossEntropy.apply(logits, target, group, ignore_index)
+    if blocks < 1 or logits.shape[-1] % blocks:
+        raise InvalidArgumentError(
+            f"vocab_parallel_cross_entropy: blocks={blocks} must be >= 1 and divide this "
+            f"rank's {logits.shape[-1]} logits"
+        )
+    loss: torch.Tensor = _VocabCrossEntropy.apply(logits, target, group, ignore_index, blocks)
     if reduction == "none":
         return loss
     if reduction == "sum":
@@ -86,10 +110,10 @@ def vocab_parallel_cross_entropy(
 
 
 def vocab_parallel_loss(
-    logits: torch.Tensor, targets: torch.Tensor, *, group: ProcessGroup
+    logits: torch.Tensor, targets: torch.Tensor, *, group: ProcessGroup | None, blocks: int = 1
 ) -> torch.Tensor:
     """A language model's mean loss (``(batch, seq, V / t)`` logits), for a ``loss_fn``."""
-    return vocab_parallel_cross_entropy(logits, targets, group)
+    return vocab_parallel_cross_entropy(logits, targets, group, blocks=blocks)
 
 
 def causal_lm_loss(
