@@ -262,3 +262,8 @@ def test_tree_sum_adds_in_the_canonical_tree(dtype: torch.dtype, n: int) -> None
     rows *= torch.exp2(torch.randint(-12, 12, (n, 300), generator=gen).double())
     rows = rows.to(dtype)
     assert torch.equal(tree_sum(rows), _by_definition(list(rows)))
+    # Over another dim: for every index of the others, the tree over that dim's rows.
+    both = torch.stack([rows, rows.flip(0)])
+    summed = tree_sum(both, dim=1)
+    assert torch.equal(summed[0], _by_definition(list(rows)))
+    assert torch.equal(summed[1], _by_definition(list(rows.flip(0))))

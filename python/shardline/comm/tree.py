@@ -40,12 +40,16 @@ _SUMS = ("sum", "avg")
 _THREADED = 1 << 16  # elements per row from which the engine's kernel sums on torch's threads
 
 
-def tree_sum(parts: torch.Tensor, *, fresh: bool = False) -> torch.Tensor:
+def tree_sum(parts: torch.Tensor, *, fresh: bool = False, dim: int = 0) -> torch.Tensor:
     """The sum over dim 0 of ``parts``, added in the canonical tree (see the module's text).
 
     Returns a new tensor of ``parts.shape[1:]`` (with ``fresh``, whose caller owns ``parts``
     and lets it go: ``parts[0]`` itself when there is one row); ``parts`` is not changed.
+    ``dim``: the sum over that dim instead, for every index of the others (each a tree of
+    elementwise adds of views: no copy, the same bits as each slice summed alone).
     """
+    if dim % parts.dim():
+        return _torch_tree(parts.movedim(dim, 0))
     n = parts.shape[0]
     if n == 1:
         return parts[0] if fresh else parts[0].clone()

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardline.comm.tree import tree_sum
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic.collector import Collector, Dense, Lookups, Products
 from shardline.parallel.deterministic.split import Split, column_input_grad, row_output
@@ -72,14 +73,18 @@ def _evaluated(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return _row_forward(x, m.weight, m.bias, split)  # type: ignore[arg-type]
 
 
-def _per_unit(rows: torch.Tensor) -> torch.Tensor:
-    """``rows.sum(1)`` (``[units, rows, *features]``), each sum its own row's reduction.
+def _bias_per_unit(dys: torch.Tensor, split: Split | None) -> torch.Tensor:
+    """A linear layer's bias gradient per unit: ``dys`` (``[units, rows, out]``) summed over rows.
 
-    Summed over dim 1 in place, a feature's additions depend on its position among the
-    features (vector lanes and the tail), so a tensor-parallel slice of them would round
-    otherwise; each feature's rows, made contiguous, are reduced alike at any width.
+    A column layer's slice of the output features rounds as the whole does only if each
+    feature's rows are added alike at any width: ``dys.sum(1)`` vectorises across the
+    features and adds the last few (the tail past the vector width) another way, so a
+    feature's bits depend on where it sits. Its rows are added in the tree instead, a row at
+    a time (elementwise adds: the same bits at any width).
     """
-    return rows.movedim(1, -1).contiguous().sum(-1)
+    if split is None or split.role != "column":
+        return dys.sum(1)
+    return tree_sum(dys, dim=1)
 
 
 class _LinearFn(torch.autograd.Function):
@@ -113,7 +118,7 @@ class _LinearFn(torch.autograd.Function):
             dx = dy.matmul(weight)
         dys = dy.reshape(c.units, -1, dy.shape[-1])
         dw = c.give(ctx.keys[0], Products(dys, x.reshape(c.units, -1, x.shape[-1])))
-        db = None if ctx.keys[1] is None else c.give(ctx.keys[1], Dense(_per_unit(dys)))
+        db = None if ctx.keys[1] is None else c.give(ctx.keys[1], Dense(_bias_per_unit(dys, split)))
         return dx, dw, db, None, None
 
 
@@ -147,9 +152,9 @@ class _LayerNormFn(torch.autograd.Function):
         dw = db = None
         if ctx.keys[0] is not None:
             products = torch.sub(x, mean).mul_(rstd).mul_(dy)  # x-hat times dy
-            dw = c.give(ctx.keys[0], Dense(_per_unit(products.reshape(dys.shape))))
+            dw = c.give(ctx.keys[0], Dense(products.reshape(dys.shape).sum(1)))
         if ctx.keys[1] is not None:
-            db = c.give(ctx.keys[1], Dense(_per_unit(dys)))
+            db = c.give(ctx.keys[1], Dense(dys.sum(1)))
         return dx, None, dw, db, None, None
 
 
