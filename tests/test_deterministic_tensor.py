@@ -27,6 +27,7 @@ from shardline.parallel.deterministic.split import column_input_grad, row_output
 from shardline.parallel.tensor.loss import vocab_parallel_cross_entropy
 from tests._ranks import built_once, run_ranks
 from tests.test_deterministic import CFG, adam, batches, differing, pristine
+from tests.test_deterministic_pipeline import _as_one_process as as_one_process
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -96,6 +97,54 @@ def test_every_tensor_parallel_layout_trains_to_one_process_bits(
     dp: int, tp: int, strategy: str | None
 ) -> None:
     assert differing(tensor_parallel(dp, tp, strategy), one_process()) == []
+
+
+def pipelined(
+    world: int, stages: int, tp: int, schedule: str, microbatches: int, dp: str | None
+) -> dict[str, torch.Tensor]:
+    """The whole model after a pipeline of ``tp``-way tensor-parallel stages (``dp``: its
+    replicas on the rest), by the one process's names."""
+
+    def body(g: sl.ProcessGroup) -> dict[str, torch.Tensor]:
+        gpt = make_deterministic(copy.deepcopy(pristine()), blocks=BLOCKS)
+        chain = as_sequential(gpt)  # type: ignore[arg-type]
+        replicas = world // (stages * tp)
+        axes = {"pp": stages, "tp": tp} if dp is None else {"dp": replicas, "pp": stages, "tp": tp}
+        mesh = sl.DeviceMesh(axes, group=g)
+        plan = {"pp": schedule, "tp": "auto"} | ({} if dp is None else {"dp": dp})
+        model, opt = sl.distribute(
+            chain, adam(chain.parameters()), mesh=mesh, strategy=plan,
+            microbatches=microbatches, loss_fn=gpt.loss_fn, deterministic=True,
+            virtual_stages=2 if schedule == "interleaved" else 1,
+        )  # fmt: skip
+        assert opt is not None
+        b, r = CFG.batch_size // replicas, mesh.local_rank("dp") if dp is not None else 0
+        for x, y in batches():
+            opt.zero_grad(set_to_none=True)
+            model.step(x[r * b : (r + 1) * b], target=y[r * b : (r + 1) * b])  # type: ignore[operator]
+            opt.step()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    states = run_ranks(world, body, timeout=150)
+    for other in states[1:]:  # state_dict() gives every rank the whole model
+        assert differing(other, states[0]) == []
+    return as_one_process(states[0])
+
+
+@pytest.mark.parametrize(
+    ("world", "stages", "tp", "schedule", "microbatches", "dp"),
+    [
+        (4, 2, 2, "1f1b", 4, None),
+        (4, 2, 2, "zero_bubble", 2, None),
+        (4, 2, 2, "interleaved", 2, None),
+        (8, 2, 2, "1f1b", 2, "zero3"),
+    ],
+)
+def test_pipelines_of_tensor_parallel_stages_train_to_one_process_bits(
+    world: int, stages: int, tp: int, schedule: str, microbatches: int, dp: str | None
+) -> None:
+    ref = {k: v for k, v in one_process().items() if not k.startswith("held-out")}
+    assert differing(pipelined(world, stages, tp, schedule, microbatches, dp), ref) == []
 
 
 def test_data_parallelism_on_the_same_blocks_gives_the_same_bits() -> None:
@@ -183,15 +232,27 @@ def test_what_it_does_not_cover_is_refused_before_any_work() -> None:
         with pytest.raises(InvalidArgumentError, match="sequence_parallel off"):
             sl.distribute(model, mesh=mesh, strategy={"tp": "auto"}, deterministic=True,
                           sequence_parallel=True)  # fmt: skip
-        chain = make_deterministic(as_sequential(copy.deepcopy(pristine())), blocks=2)
-        with pytest.raises(InvalidArgumentError, match=r"with blocks=2 .* is not supported"):
-            sl.pipeline(chain, g, microbatches=2, loss_fn=lm_loss)
+        chain = make_deterministic(as_sequential(copy.deepcopy(pristine())), blocks=1)
+        staged = sl.DeviceMesh({"pp": 1, "tp": 2}, group=g)
+        with pytest.raises(InvalidArgumentError, match=r"the tp size must divide the blocks"):
+            sl.distribute(chain, mesh=staged, strategy={"pp": "1f1b", "tp": "auto"},
+                          deterministic=True, microbatches=2, loss_fn=lm_loss)  # fmt: skip
         # Not prepared: distribute takes the tp size as its blocks.
         model = copy.deepcopy(pristine())
         sl.distribute(model, mesh=mesh, strategy={"tp": "auto"}, deterministic=True)
         assert blocks_of(model) == 2
 
     run_ranks(2, body, timeout=60)
+
+
+def test_layers_prepared_with_other_blocks_as_part_of_another_model_are_named() -> None:
+    gpt = make_deterministic(copy.deepcopy(pristine()), blocks=2)
+    assert blocks_of(as_sequential(gpt)) == 2  # its chain of the same layers: theirs
+    with pytest.raises(InvalidArgumentError, match=r"'block0.qkv' was prepared .* blocks=2"):
+        make_deterministic(as_sequential(gpt), blocks=4)
+    plain = make_deterministic(copy.deepcopy(pristine()))  # blocks=1: no layer is cut
+    with pytest.raises(InvalidArgumentError, match=r"was prepared .* with blocks=1"):
+        make_deterministic(as_sequential(plain), blocks=2)
 
 
 def test_an_explicit_plan_that_splits_otherwise_is_named() -> None:

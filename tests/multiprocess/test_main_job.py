@@ -1,7 +1,7 @@
 """The main job (``shardline.examples.train``) as a pipeline, as ZeRO-3 replicas of one
 (``--pp 2`` on 4 processes), as DDP replicas of 2-way tensor parallelism (``--tp 2``), and
 as a pipeline of tensor-parallel stages (``--pp 2 --tp 2``), and in deterministic mode (DDP,
-ZeRO-3, a pipeline, tensor parallelism), under ``shardline run``.
+ZeRO-3, a pipeline, tensor parallelism, both), under ``shardline run``.
 
 Its verify step replays the same batches in one process (TinyGPT, whose output layer shares
 the token embedding: the first and last stages hold copies of one tied weight) and must find
@@ -65,18 +65,25 @@ def test_the_main_job_trains_as_a_pipeline_and_matches_one_process(
 
 
 @pytest.mark.parametrize(
-    "layout",
-    [["--strategy", "ddp"], ["--strategy", "zero3"], ["--strategy", "pp"], ["--tp", "2"]],
-    ids=["ddp", "zero3", "pp", "tp2"],
+    ("nproc", "layout"),
+    [
+        (2, ["--strategy", "ddp"]),
+        (2, ["--strategy", "zero3"]),
+        (2, ["--strategy", "pp"]),
+        (2, ["--tp", "2"]),
+        (4, ["--pp", "2", "--tp", "2"]),
+    ],
+    ids=["ddp", "zero3", "pp", "tp2", "pp2-tp2"],
 )
 @pytest.mark.timeout(300)
-def test_deterministic_mode_ends_with_one_process_bits(layout: list[str]) -> None:
+def test_deterministic_mode_ends_with_one_process_bits(nproc: int, layout: list[str]) -> None:
     """``--deterministic``: the replay in one process sums in the same tree; exactly equal.
 
     A pipeline too: one process trains on the whole batch at once (not as the stages do);
-    and tensor parallelism, whose split sums one process cuts into the same 2 blocks.
+    and tensor parallelism, alone or in a pipeline's stages, whose split sums one process
+    cuts into the same 2 blocks.
     """
-    rc, text = _main_job(2, [*layout, "--deterministic", "--steps", "20"])
+    rc, text = _main_job(nproc, [*layout, "--deterministic", "--steps", "20"])
     assert rc == 0, text
     verify = VERIFY.search(text)
     assert verify and verify.group(2).strip() == "the same bits", text

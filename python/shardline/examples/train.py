@@ -270,7 +270,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument(
         "--deterministic",
         action="store_true",
-        help="deterministic mode (ddp, zero1-3, pp, --pp and --tp): gradients summed per "
+        help="deterministic mode (ddp, zero1-3, pp, --pp, --tp and both): gradients summed per "
         "sequence in one fixed tree, so the run ends with the parameters of one process, bit "
         "for bit (verified exactly); processes, --batch-size and --microbatches powers of two",
     )
@@ -279,8 +279,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         type=int,
         default=None,
         help="deterministic mode: cut the sums tensor parallelism splits into this many blocks "
-        "(a power of two that --tp divides; default --tp), in the single-process replay too "
-        "(not with pipelines)",
+        "(a power of two that --tp divides; default --tp), in the single-process replay too",
     )
     p.add_argument(
         "--no-verify",
@@ -311,12 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     n = windows(tokens, cfg)
     probe = get_batch(tokens, list(range(n - cfg.batch_size, n)), cfg)  # same on every rank
 
-    model: nn.Module = build_model(cfg).to(device)
+    gpt = build_model(cfg).to(device)
+    model: nn.Module = gpt
     blocks = args.blocks if args.blocks is not None else max(1, args.tp)
-    if args.deterministic and (args.pp > 1 or args.strategy in ("pp", "auto")):
-        blocks = 1 if args.blocks is None else blocks  # a pipeline takes no blocks (refused)
     if args.deterministic:  # before distribute, which prepares the layers it rewrites too
-        make_deterministic(model, blocks=blocks)
+        make_deterministic(gpt, blocks=blocks)
+    loss_fn = gpt.loss_fn  # a pipeline's (deterministic mode: its sums cut into blocks)
     num_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     strategy = args.strategy if group is not None else "none"
@@ -325,9 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--pp {stages} does not divide {world_size} processes", file=sys.stderr)
         return 2
     pp = stages > 1 or strategy == "pp"
-    if args.deterministic and (strategy == "auto" or (pp and (args.tp > 1 or blocks > 1))):
-        print("--deterministic takes --strategy ddp, zero1, zero2, zero3, fsdp or pp, with --tp "
-              "or --pp (a pipeline without --tp and --blocks)", file=sys.stderr)  # fmt: skip
+    if args.deterministic and strategy == "auto":
+        print("--deterministic takes --strategy ddp, zero1, zero2, zero3, fsdp or pp",
+              file=sys.stderr)  # fmt: skip
         return 2
     tp = args.tp if group is not None else 1
     if strategy == "pp" and tp > 1:
@@ -355,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         model, opt = sl.distribute(  # type: ignore[assignment]
             as_sequential(model), opt, mesh=mesh,  # type: ignore[arg-type]
             strategy={a: plan[a] for a in keep}, microbatches=args.microbatches,
-            loss_fn=lm_loss, virtual_stages=virtual, deterministic=args.deterministic,
+            loss_fn=loss_fn, virtual_stages=virtual, deterministic=args.deterministic,
         )  # fmt: skip
         assert opt is not None
         what = f"{stages}-stage {args.schedule} pipeline{chunks}"
@@ -372,12 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     elif pp:  # every rank trains the same batches, each through its own stage
         chain = as_sequential(model)  # type: ignore[arg-type]
         if args.deterministic:
-            make_deterministic(chain, blocks=1)
+            make_deterministic(chain)  # its layers' blocks
         model = sl.pipeline(
             chain,
             schedule=args.schedule,
             microbatches=args.microbatches,
-            loss_fn=lm_loss,
+            loss_fn=loss_fn,
             virtual_stages=virtual,
         )
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -443,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             logits = model(probe[0])
             held = torch.zeros(())
             if logits is not None:
-                held = lm_loss(logits, probe[1]).reshape(())
+                held = loss_fn(logits, probe[1]).reshape(())
             sl.broadcast(held, src=(stages - 1) * tp)  # the last stage of the first replica
             final = float(held)
         else:

@@ -78,10 +78,10 @@ def distribute(
             gradients are computed per sample and summed in one fixed tree
             (``shardline.parallel.deterministic``), on this group's ranks too
             (``shardline.comm.tree.tree_group``). Rank ``r`` must hold samples
-            ``[r*b, (r+1)*b)`` of the global batch. On a mesh: a pipeline (``pp``) or
+            ``[r*b, (r+1)*b)`` of the global batch. On a mesh: a pipeline (``pp``),
             tensor parallelism (``tp``, its split sums cut into the blocks of
-            ``make_deterministic(model, blocks=)``: the ``tp`` size when not prepared),
-            each with replicas on ``dp``. ``None`` takes ``sl.init(deterministic=)``, else
+            ``make_deterministic(model, blocks=)``: the ``tp`` size when not prepared) or
+            both, with replicas on ``dp``. ``None`` takes ``sl.init(deterministic=)``, else
             ``SHARDLINE_DETERMINISTIC``.
         **options: Passed to the strategy (for DDP: ``bucket_cap_mb``, ``broadcast_buffers``,
             ``comm_hook``, ...; for ZeRO: ``unit_mb``, ``prefetch``, ``mixed_precision``; for
@@ -151,18 +151,12 @@ def _deterministic(
     if isinstance(strategy, dict):
         dp = strategy.get("dp", "ddp")
         axes = set(strategy)
-        pipeline = "pp" in axes and axes <= {"pp", "dp"}
-        tensor = "tp" in axes and axes <= {"tp", "dp"}
-        if {"pp", "tp"} <= axes:
-            raise InvalidArgumentError(
-                f"distribute(deterministic=True, strategy={strategy!r}): tensor parallelism "
-                "inside a pipeline's stages is not covered yet; deterministic mode takes a "
-                "pipeline ('pp') or tensor parallelism ('tp'), each with replicas ('dp')"
-            )
+        pipeline = "pp" in axes and axes <= {"pp", "tp", "dp"}
+        tensor = "tp" in axes and axes <= {"pp", "tp", "dp"}
         if not (pipeline or tensor) or dp not in _DETERMINISTIC:
             raise InvalidArgumentError(
-                f"distribute(deterministic=True) on a mesh covers a pipeline ('pp') or tensor "
-                f"parallelism ('tp'), each with replicas ('dp': "
+                f"distribute(deterministic=True) on a mesh covers a pipeline ('pp'), tensor "
+                f"parallelism ('tp') or both, with replicas ('dp': "
                 f"{', '.join(sorted(_DETERMINISTIC))}), not {strategy!r}"
             )
         if tensor and options.get("sequence_parallel"):

@@ -45,7 +45,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic.collector import Collector
 from shardline.parallel.deterministic.layers import ACTIVE, LAYERS, check_layer
 from shardline.parallel.deterministic.split import Split
-from shardline.parallel.tensor.auto import auto_plan
+from shardline.parallel.tensor.auto import auto_plan, chain_heads, tied_heads
 from shardline.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -79,9 +79,31 @@ def unit_of(model: nn.Module) -> int | None:
 
 
 def blocks_of(model: nn.Module) -> int | None:
-    """The blocks ``make_deterministic`` prepared ``model`` with; ``None``: not prepared."""
-    blocks: int | None = getattr(model, _BLOCKS, None) if is_deterministic(model) else None
-    return blocks
+    """The blocks ``make_deterministic`` prepared ``model`` with; ``None``: not prepared.
+
+    A model not prepared itself whose split layers were, as part of another (a chain of
+    the same layers, ``as_sequential``), has theirs.
+    """
+    if is_deterministic(model):
+        blocks: int = getattr(model, _BLOCKS)
+        return blocks
+    had = {s.blocks for s in _dense_splits(model).values()}
+    if len(had) > 1:
+        raise InvalidArgumentError(
+            f"deterministic mode: the layers of {type(model).__name__} were prepared with "
+            f"different blocks ({sorted(had)}), as parts of different models"
+        )
+    return had.pop() if had else None
+
+
+def _dense_splits(model: nn.Module) -> dict[str, Split]:
+    """The ``Split`` of each dense layer already prepared (one process's: no group)."""
+    out = {}
+    for name, m in model.named_modules():
+        split: Split | None = getattr(m, "_sl_split", None)
+        if split is not None and split.group is None:
+            out[name] = split
+    return out
 
 
 def make_deterministic(
@@ -135,7 +157,7 @@ def make_deterministic(
         _prepare_layers(model, getattr(model, _ROLES), blocks_of(model) or 1)
         return model
     unit = 1 if unit is None else unit
-    blocks = 1 if blocks is None else blocks
+    blocks = (blocks_of(model) or 1) if blocks is None else blocks
     if unit < 1:
         raise InvalidArgumentError(f"make_deterministic: unit must be >= 1, got {unit}")
     if blocks < 1 or blocks & (blocks - 1):
@@ -144,6 +166,16 @@ def make_deterministic(
             f"it serves divide it), got {blocks}"
         )
     roles, vocabulary = _split_roles(model, blocks) if blocks > 1 else ({}, False)
+    earlier = _dense_splits(model)
+    for name, m in model.named_modules():  # in the model's order: the first one named
+        prepared = name in earlier or (name in roles and hasattr(m, "_sl_name"))
+        if prepared and roles.get(name) != earlier.get(name):
+            before = earlier[name].blocks if name in earlier else 1
+            raise InvalidArgumentError(
+                f"make_deterministic(blocks={blocks}): {name!r} was prepared as part of "
+                f"another model, with blocks={before}; prepare this one with the same "
+                "blocks (or build it from fresh layers)"
+            )
     _prepare_layers(model, roles, blocks)
     if vocabulary and callable(getattr(model, "loss_fn", None)):
         loss = functools.partial(vocab_parallel_loss, group=None, blocks=blocks)
@@ -198,6 +230,12 @@ def _split_roles(model: nn.Module, blocks: int) -> tuple[dict[str, Split], bool]
             f"make_deterministic(blocks={blocks}) cuts the sums that tensor parallelism "
             f"splits, as plan='auto' splits them over {blocks} ranks: {exc}"
         ) from None
+    # A chain's output head (tied to its embedding or not) is split by vocabulary inside a
+    # pipeline's stages (``pipeline.whole_plan``): cut its sums too, whatever splits it.
+    for emb, head in tied_heads(model) + chain_heads(model):
+        rows = model.get_submodule(head).out_features
+        if head not in plan and isinstance(rows, int) and rows % blocks == 0:
+            plan |= {emb: "vocab", head: "vocab"}
     roles: dict[str, Split] = {}
     vocabulary = False
     for name, style in plan.items():

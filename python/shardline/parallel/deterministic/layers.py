@@ -30,7 +30,7 @@ from shardline.parallel.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from shardline.parallel.tensor.regions import reduce_from
+from shardline.parallel.tensor.regions import gather_from, reduce_from
 
 __all__ = ["ACTIVE", "LAYERS", "check_layer"]
 
@@ -208,7 +208,7 @@ def _column(self: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
     if c is None:
         return type(self).forward(self, x)
     out: torch.Tensor = _LinearFn.apply(x, self.weight, self.bias, c, self._sl_split)
-    return out
+    return gather_from(out, self.group) if self.gather_output else out
 
 
 def _row(self: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
@@ -274,12 +274,11 @@ def check_layer(name: str, m: nn.Module) -> None:
         or getattr(m, "transposed", False)
         or getattr(m, "replicas", 1) > 1
         or getattr(m, "input_shared", False)
-        or getattr(m, "gather_output", False)
         or not getattr(m, "input_is_parallel", True)
     ):
         raise InvalidArgumentError(
             f"deterministic mode: {type(m).__name__} {name!r} is split with sequence "
-            "parallelism, a Conv1D weight, key/value heads shared by ranks, a shared input, "
-            "a gathered output or an input split here, which it does not support; split it "
-            "as plan='auto' does without sequence_parallel"
+            "parallelism, a Conv1D weight, key/value heads shared by ranks, a shared input "
+            "or an input split here, which it does not support; split it as plan='auto' "
+            "does without sequence_parallel"
         )

@@ -19,7 +19,7 @@ from shardline.comm.tree import tree_group
 from shardline.comm.world import default_group
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import copies_over
-from shardline.parallel.deterministic import blocks_of, unit_of
+from shardline.parallel.deterministic import blocks_of, make_deterministic, unit_of
 from shardline.parallel.pipeline.materialize import is_meta, materialize
 from shardline.parallel.pipeline.replicas import ZERO_STAGES
 from shardline.parallel.pipeline.runtime import PipelineModule
@@ -137,8 +137,9 @@ def pipeline(
     parameters one process gets from the same samples, bit for bit
     (``pipeline.deterministic``), for any schedule, with a power-of-two number of
     micro-batches of a power-of-two number of units each, and ``dp_group``'s reductions in
-    the same tree. Not with ``tp_group``, ``recompute`` or ``compile``, nor a model split by
-    tracing.
+    the same tree; with ``tp_group``, its split sums cut into the model's ``blocks`` (a
+    multiple of the tp size) and the tp group's sums in the tree too. Not with
+    ``recompute`` or ``compile``, nor a model split by tracing.
 
     Raises:
         InvalidArgumentError: a model that is not an ``nn.Sequential``, more stages than
@@ -150,6 +151,7 @@ def pipeline(
     if unit is not None:
         _check_deterministic(model, microbatches, tp_group, recompute, compile)
         dp_group = tree_group(dp_group) if dp_group is not None else None
+        tp_group = tree_group(tp_group) if tp_group is not None else None
     if dp_strategy not in ("ddp", *ZERO_STAGES):
         raise InvalidArgumentError(
             f"pipeline: dp_strategy={dp_strategy!r}; use 'ddp', 'zero1', 'zero2' or 'zero3'"
@@ -192,6 +194,8 @@ def pipeline(
     copies = None
     if tp is not None and plan is not None:
         tensor_parallel(model, tp, {n: v for n, v in plan.items() if n.split(".")[0] in mine})
+        if unit is not None:  # the new layers: their split sums in the model's blocks
+            make_deterministic(model)
         by_name = {n: model.get_submodule(n) for n in mine}  # a child may be rewritten itself
         copies = copies_over(tp, model)
     stage = PipelineModule(
@@ -229,11 +233,6 @@ def _check_deterministic(
     other = [
         what
         for what, on in (
-            ("tensor parallelism (tp_group)", tp_group is not None and tp_group.world_size > 1),
-            (
-                f"blocks={blocks_of(model)} (tensor parallelism's cut sums)",
-                (blocks_of(model) or 1) > 1,
-            ),
             ("recompute", recompute),
             ("compile", bool(compile)),
             (f"{type(model).__name__} split by tracing", not isinstance(model, nn.Sequential)),
@@ -245,6 +244,14 @@ def _check_deterministic(
             f"pipeline: a model in deterministic mode (make_deterministic) with {other[0]} is "
             "not supported: its sums would have orders of their own. Use an nn.Sequential "
             "without it, or leave deterministic mode"
+        )
+    t = tp_group.world_size if tp_group is not None else 1
+    blocks = blocks_of(model) or 1
+    if blocks % t:
+        raise InvalidArgumentError(
+            f"pipeline: tensor parallelism over {t} ranks inside the stages of a model "
+            f"prepared with blocks={blocks}: the tp size must divide the blocks; prepare it "
+            f"with sl.make_deterministic(model, blocks={max(t, blocks)})"
         )
     if microbatches < 1 or microbatches & (microbatches - 1):
         raise InvalidArgumentError(
