@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategies", nargs="+", default=["ddp", "zero3"])
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (both sides)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (both sides)")
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
     os.environ.pop("SHARDLINE_DETERMINISTIC", None)  # each side says which it is
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def run(flags: list[str], strategy: str = strategy) -> float:
             flags = [*flags, "--tp", str(args.tp)] if args.tp > 1 else flags
+            flags = [*flags, "--pp", str(args.pp)] if args.pp > 1 else flags
             return _mainjob.tokens_per_s(args.nproc, args.steps, strategy, "cpu", flags=flags)
 
         got = _mainjob.alternate(
@@ -63,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         runs += " ".join(f"{x:,.0f}" for x in got["det"])
         lines.append(f"{strategy:9} {a:14,.0f} {b:12,.0f} {a / b - 1:+8.2%}   {runs}")
     tag = args.tag or f"cpu-{os.cpu_count()}c-{args.nproc}p" + (
-        f"-tp{args.tp}" if args.tp > 1 else ""
-    )
+        f"-pp{args.pp}" if args.pp > 1 else ""
+    ) + (f"-tp{args.tp}" if args.tp > 1 else "")
     _report.publish(
         _report.RESULTS / f"deterministic-{tag}",
         _report.header(Path(__file__).name, _report.machine("cpu")),

@@ -79,14 +79,25 @@ def pipelined(
             )  # fmt: skip
             assert maybe is not None
             opt = maybe
-        b, r = CFG.batch_size // replicas, g.rank // stages  # the mesh is row-major
-        for x, y in batches():
-            opt.zero_grad(set_to_none=True)
-            model.step(x[r * b : (r + 1) * b], target=y[r * b : (r + 1) * b])  # type: ignore[operator]
-            opt.step()
-        return {k: v.clone() for k, v in model.state_dict().items()}
+        return stepped(model, opt, g.rank // stages, replicas)  # the mesh is row-major
 
-    states = run_ranks(world, body, timeout=150)
+    return whole_model(run_ranks(world, body, timeout=150))
+
+
+def stepped(
+    model: nn.Module, opt: torch.optim.Optimizer, replica: int, replicas: int
+) -> dict[str, torch.Tensor]:
+    """``STEPS`` pipeline steps on replica ``replica``'s part of each batch; the whole model."""
+    b = CFG.batch_size // replicas
+    for x, y in batches():
+        opt.zero_grad(set_to_none=True)
+        model.step(x[replica * b : (replica + 1) * b], target=y[replica * b : (replica + 1) * b])  # type: ignore[operator]
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def whole_model(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The ranks' ``stepped`` models, checked equal, by the one process's names."""
     for other in states[1:]:  # state_dict() gives every rank the whole model
         assert differing(other, states[0]) == []
     return _as_one_process(states[0])

@@ -27,7 +27,7 @@ from shardline.parallel.deterministic.split import column_input_grad, row_output
 from shardline.parallel.tensor.loss import vocab_parallel_cross_entropy
 from tests._ranks import built_once, run_ranks
 from tests.test_deterministic import CFG, adam, batches, differing, pristine
-from tests.test_deterministic_pipeline import _as_one_process as as_one_process
+from tests.test_deterministic_pipeline import stepped, whole_model
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -118,17 +118,9 @@ def pipelined(
             virtual_stages=2 if schedule == "interleaved" else 1,
         )  # fmt: skip
         assert opt is not None
-        b, r = CFG.batch_size // replicas, mesh.local_rank("dp") if dp is not None else 0
-        for x, y in batches():
-            opt.zero_grad(set_to_none=True)
-            model.step(x[r * b : (r + 1) * b], target=y[r * b : (r + 1) * b])  # type: ignore[operator]
-            opt.step()
-        return {k: v.clone() for k, v in model.state_dict().items()}
+        return stepped(model, opt, mesh.local_rank("dp") if dp is not None else 0, replicas)
 
-    states = run_ranks(world, body, timeout=150)
-    for other in states[1:]:  # state_dict() gives every rank the whole model
-        assert differing(other, states[0]) == []
-    return as_one_process(states[0])
+    return whole_model(run_ranks(world, body, timeout=150))
 
 
 @pytest.mark.parametrize(
@@ -178,7 +170,7 @@ def test_a_ranks_blocks_then_the_ranks_make_the_one_process_sum(
     blocks_log: int, t_log: int, pieces: int, rows: int, seed: int
 ) -> None:
     """``row_output``/``column_input_grad`` over each rank's slice, then ``tree_sum`` over the
-    ranks, equal the one-process result bit for bit; the loss's softmax sum too."""
+    ranks, equal the one-process result bit for bit."""
     blocks, t = 1 << blocks_log, 1 << min(t_log, blocks_log)
     gen = torch.Generator().manual_seed(seed)
     s = 2 + seed % 5  # features per block
