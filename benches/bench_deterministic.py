@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("SHARDLINE_DETERMINISTIC", None)  # each side says which it is
     lines = [
         f"main job: {args.nproc} processes"
+        + (f" (--pp {args.pp})" if args.pp > 1 else "")
         + (f" (--tp {args.tp})" if args.tp > 1 else "")
         + f", cpu, {args.steps} steps, {args.pairs} pairs "
         "alternated per strategy; cost = default / deterministic - 1 (bar 10 %)",
