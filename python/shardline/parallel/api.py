@@ -145,7 +145,9 @@ def _deterministic(
 ) -> tuple[nn.Module, ProcessGroup | None]:
     """The model with per-sample gradients and the group that sums ranks in the same tree.
 
-    On a mesh: a pipeline (``pp``) and its replicas (``dp``); ``sl.pipeline`` sums them.
+    On a mesh (a pipeline ``pp``, tensor parallelism ``tp``, their replicas ``dp``) the group
+    is left as it is: ``sl.pipeline`` and ``compose`` sum on the mesh's axes in the tree. A
+    model not prepared yet gets blocks for the ``tp`` size.
     """
     blocks = None
     if isinstance(strategy, dict):

@@ -131,8 +131,9 @@ def make_deterministic(
     Args:
         model: The model; its parameters belong to the layers above.
         unit: Samples per unit (``None``: as prepared before, else 1).
-        blocks: Blocks of every split sum (``None``: as prepared before, else 1: nothing
-            is cut, and tensor parallelism is refused).
+        blocks: Blocks of every split sum (``None``: as prepared before, or as the model's
+            layers were as part of another model (``blocks_of``), else 1: nothing is cut,
+            and tensor parallelism is refused).
 
     Returns:
         ``model`` itself.
