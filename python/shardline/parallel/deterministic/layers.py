@@ -230,7 +230,8 @@ def _vocab_embedding(self: VocabParallelEmbedding, ids: torch.Tensor) -> torch.T
     here = (ids >= self.start) & (ids < self.start + rows)
     local = torch.where(here, ids - self.start, 0)
     out: torch.Tensor = _EmbeddingFn.apply(local, self.weight, self._local_pad, c, here)
-    return reduce_from(out, self.group)  # one rank's row and zeros: exact in any order
+    # One rank's row and zeros: x + 0 == x in any order (for every x but -0.0, read as +0.0).
+    return reduce_from(out, self.group)
 
 
 def _layer_norm(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
