@@ -180,6 +180,7 @@ def test_a_ranks_blocks_then_the_ranks_make_the_one_process_sum(
     parts = [row_output(x[..., r * cols : (r + 1) * cols], w[:, r * cols : (r + 1) * cols],
                         blocks // t) for r in range(t)]  # fmt: skip
     assert torch.equal(tree_sum(torch.stack(parts)), row_output(x, w, blocks))
+    assert (row_output(x, w, blocks) - x @ w.T).abs().max() < 1e-4  # the product it cuts
 
     dy = torch.randn(rows, 3, pieces * blocks * s, generator=gen)
     wc = torch.randn(pieces * blocks * s, 5, generator=gen)

@@ -153,9 +153,8 @@ def _deterministic(
     if isinstance(strategy, dict):
         dp = strategy.get("dp", "ddp")
         axes = set(strategy)
-        pipeline = "pp" in axes and axes <= {"pp", "tp", "dp"}
-        tensor = "tp" in axes and axes <= {"pp", "tp", "dp"}
-        if not (pipeline or tensor) or dp not in _DETERMINISTIC:
+        tensor = "tp" in axes
+        if not (axes <= {"pp", "tp", "dp"} and axes & {"pp", "tp"}) or dp not in _DETERMINISTIC:
             raise InvalidArgumentError(
                 f"distribute(deterministic=True) on a mesh covers a pipeline ('pp'), tensor "
                 f"parallelism ('tp') or both, with replicas ('dp': "
