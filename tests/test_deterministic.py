@@ -8,6 +8,8 @@ layouts without deterministic mode do not (checked, so the comparison can fail).
 from __future__ import annotations
 
 import copy
+import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ import shardline as sl
 from shardline.comm.tree import tree_group, tree_sum
 from shardline.errors import InvalidArgumentError
 from shardline.examples.train import Config, TinyGPT, corpus
-from shardline.parallel.deterministic import is_deterministic, make_deterministic
+from shardline.parallel.deterministic import is_deterministic, kernels, make_deterministic
 from tests._ranks import built_once, run_ranks, seeded
 
 pytestmark = pytest.mark.timeout(180)
@@ -66,7 +68,15 @@ def one_process() -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def layout(strategy: str, world: int, deterministic: bool) -> dict[str, torch.Tensor]:
+def train_bf16(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int) -> None:
+    """``train`` under CPU autocast: the products in bf16 (autocast is per thread)."""
+    with torch.autocast("cpu", torch.bfloat16):
+        train(model, opt, rank, world)
+
+
+def layout(
+    strategy: str, world: int, deterministic: bool, trainer: Callable[..., None] = train
+) -> dict[str, torch.Tensor]:
     def body(g: sl.ProcessGroup) -> dict[str, torch.Tensor]:
         plain = copy.deepcopy(pristine())
         model, opt = sl.distribute(
@@ -74,7 +84,7 @@ def layout(strategy: str, world: int, deterministic: bool) -> dict[str, torch.Te
             deterministic=deterministic,
         )  # fmt: skip
         assert opt is not None
-        train(model, opt, g.rank, world)
+        trainer(model, opt, g.rank, world)
         return {k: v.clone() for k, v in model.state_dict().items()}
 
     states = run_ranks(world, body, timeout=150)
@@ -93,6 +103,30 @@ def differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[st
 def test_every_layout_trains_to_one_process_bits(strategy: str, world: int) -> None:
     ref = one_process()
     assert differing(layout(strategy, world, deterministic=True), ref) == []
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_under_autocast_every_layout_trains_to_one_process_bits(strategy: str) -> None:
+    """bf16 autocast: each sample's products in bf16, widened to float32 before any sum."""
+    model = make_deterministic(copy.deepcopy(pristine()))
+    train_bf16(model, adam(model.parameters()), 0, 1)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(v.dtype == torch.float32 for v in ref.values())
+    fp32 = one_process()  # autocast was in effect: far more than float32 rounding apart
+    assert max((ref[k] - fp32[k]).abs().max().item() for k in ref) > 1e-4
+    for world in (2, 4):
+        assert differing(layout(strategy, world, True, trainer=train_bf16), ref) == []
+
+
+def test_a_cublas_workspace_set_otherwise_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU deterministic mode needs cuBLAS without a workspace (no split-K sums)."""
+    for name in kernels.CUBLAS_ENV:
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    kernels.cublas_env()
+    assert all(os.environ[k] == v for k, v in kernels.CUBLAS_ENV.items())
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    with pytest.raises(InvalidArgumentError, match=r"CUBLAS_WORKSPACE_CONFIG=:0:0.*':4096:8'"):
+        kernels.cublas_env()
 
 
 def test_without_it_the_layouts_differ_in_the_last_bits() -> None:

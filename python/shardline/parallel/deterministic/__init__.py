@@ -42,6 +42,7 @@ from torch import nn
 
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
+from shardline.parallel.deterministic import kernels
 from shardline.parallel.deterministic.collector import Collector
 from shardline.parallel.deterministic.layers import ACTIVE, LAYERS, check_layer
 from shardline.parallel.deterministic.split import Split
@@ -143,8 +144,11 @@ def make_deterministic(
             (named), an unsupported embedding option, ``unit < 1``, ``blocks`` not a power
             of two or not dividing a split layer's features, a tensor-parallel layer whose
             size does not divide ``blocks`` or that ``plan="auto"`` would not split so, or
-            a model prepared before with another unit or blocks.
+            a model prepared before with another unit or blocks, or (on a GPU) cuBLAS's
+            workspace set otherwise by the environment (``kernels.cublas_env``).
     """
+    if any(p.is_cuda for p in model.parameters()):
+        kernels.cublas_env()  # before the first product on the GPU, where cuBLAS reads it
     if is_deterministic(model):
         for what, value, had in (
             ("unit", unit, unit_of(model)),
@@ -308,17 +312,21 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "dimension is the batch"
         )
     own = LAYERS.get(type(self))  # the model is itself one layer
-    with collecting(first.shape[0], getattr(self, _ATTR)):
+    with collecting(first.shape[0], getattr(self, _ATTR), device=first.device):
         if own is not None:
             return own(self, *args, **kwargs)
         return type(self).forward(self, *args, **kwargs)
 
 
 @contextlib.contextmanager
-def collecting(batch: int, unit: int, *, held: bool = False) -> Iterator[Collector]:
+def collecting(
+    batch: int, unit: int, *, held: bool = False, device: torch.device | None = None
+) -> Iterator[Collector]:
     """A forward of ``batch`` samples: the prepared layers inside give to the collector yielded.
 
     It takes their per-unit gradients (``unit`` samples a unit); ``held``: see ``Collector``.
+    On a GPU (``device``) the forward runs under ``kernels``' settings, which give a sample
+    the same bits whatever the batch.
 
     Raises:
         InvalidArgumentError: ``batch`` is not a power-of-two number of units.
@@ -330,9 +338,13 @@ def collecting(batch: int, unit: int, *, held: bool = False) -> Iterator[Collect
             f"of units of {unit}; each rank (and each micro-batch) needs 2**k units so that "
             "its sum is a subtree of the whole batch's"
         )
+    gpu = device is not None and device.type == "cuda"
+    if gpu:
+        kernels.cublas_env()
     previous = getattr(ACTIVE, "collector", None)
     collector = ACTIVE.collector = Collector(units, batch, held=held)
     try:
-        yield collector
+        with kernels.attention() if gpu else contextlib.nullcontext():
+            yield collector
     finally:
         ACTIVE.collector = previous

@@ -11,10 +11,13 @@ all of them, and the units' blocks stay in cache for the tree.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from shardline.comm.tree import tree_sum
 from shardline.errors import InvalidArgumentError
+from shardline.parallel.deterministic import kernels
 
 __all__ = ["Collector", "Dense", "Lookups", "Products", "Use", "sum_uses", "use_of"]
 
@@ -27,6 +30,8 @@ _WIDER = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 class Use:
     """One use's per-unit gradients of a parameter, ``[units, *shape]``, made by rows."""
+
+    dtype: torch.dtype  # of the rows it makes
 
     def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
         """Rows ``[start, stop)`` of every unit's gradient, added into ``into`` if given."""
@@ -44,7 +49,7 @@ class Dense(Use):
     """Per-unit gradients already made (biases, norms: small)."""
 
     def __init__(self, per_unit: torch.Tensor) -> None:
-        self.per_unit = per_unit
+        self.per_unit, self.dtype = per_unit, per_unit.dtype
 
     def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
         """See ``Use.rows``."""
@@ -60,7 +65,7 @@ class Products(Use):
     """A linear layer's weight: unit ``u``'s gradient is ``dys[u].T @ xs[u]``."""
 
     def __init__(self, dys: torch.Tensor, xs: torch.Tensor) -> None:
-        self.dys, self.xs = dys, xs
+        self.dys, self.xs, self.dtype = dys, xs, dys.dtype
 
     def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
         """See ``Use.rows``."""
@@ -79,6 +84,7 @@ class Lookups(Use):
         self, units: int, unit: torch.Tensor, idx: torch.Tensor, dy: torch.Tensor, rows: int
     ) -> None:
         self.units, self.unit, self.idx, self.dy, self.total = units, unit, idx, dy, rows
+        self.dtype = dy.dtype
         self._sorted = False
 
     def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
@@ -95,8 +101,10 @@ class Lookups(Use):
             lo, hi = torch.searchsorted(self.idx, bounds).tolist()
             unit, idx, dy = self.unit[lo:hi], self.idx[lo:hi], self.dy[lo:hi]
         # index_add_ adds the gradients of one row in their order (the unit's tokens'),
-        # onto what the parameter's earlier uses gave.
-        into.view(-1, width).index_add_(0, unit * (stop - start) + (idx - start), dy)
+        # onto what the parameter's earlier uses gave (on a GPU: with torch's deterministic
+        # algorithms, not atomics).
+        with kernels.algorithms() if dy.is_cuda else contextlib.nullcontext():
+            into.view(-1, width).index_add_(0, unit * (stop - start) + (idx - start), dy)
         return into
 
     def tensors(self) -> list[torch.Tensor]:
@@ -180,30 +188,34 @@ class Collector:
 
 
 def sum_uses(param: torch.Tensor, given: list[Use]) -> torch.Tensor:
-    """``param``'s gradient: its uses added unit by unit, then the units in the tree."""
+    """``param``'s gradient: its uses added unit by unit, then the units in the tree.
+
+    Low-precision uses (bf16 parameters, or products under autocast) are widened to float32
+    before anything is added, and the gradient is rounded to ``param``'s dtype once.
+    """
     if param.dim() == 0:
         raise InvalidArgumentError("deterministic mode: a 0-d parameter has no rows to sum")
     n = param.shape[0]
     per_unit = BLOCK_ELEMENTS.get(param.device.type, BLOCK_ELEMENTS["cuda"])
     step = max(1, per_unit * n // max(1, param.numel()))
-    wide = _WIDER.get(param.dtype)
     if step >= n:
-        grad = tree_sum(_total(given, 0, n, wide), fresh=True)
-        return grad if wide is None else grad.to(param.dtype)
+        grad = tree_sum(_total(given, 0, n), fresh=True)
+        return grad if grad.dtype == param.dtype else grad.to(param.dtype)
     grad = param.new_empty(param.shape)
     for start in range(0, n, step):
         stop = min(n, start + step)
-        grad[start:stop] = tree_sum(_total(given, start, stop, wide), fresh=True)
+        grad[start:stop] = tree_sum(_total(given, start, stop), fresh=True)
     return grad
 
 
-def _total(given: list[Use], start: int, stop: int, wide: torch.dtype | None) -> torch.Tensor:
+def _total(given: list[Use], start: int, stop: int) -> torch.Tensor:
     block: torch.Tensor | None = None
     for use in given:
-        if wide is None:
-            block = use.rows(start, stop, block)
-        else:  # each use's low-precision block, widened before it is added
-            part = use.rows(start, stop, None).to(wide)
-            block = part if block is None else block.add_(part)
+        if block is not None and use.dtype == block.dtype:
+            block = use.rows(start, stop, block)  # added in place
+            continue
+        part = use.rows(start, stop, None)
+        part = part.to(_WIDER.get(part.dtype, part.dtype))
+        block = part if block is None else block.add_(part)
     assert block is not None
     return block

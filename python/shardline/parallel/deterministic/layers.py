@@ -73,18 +73,27 @@ def _evaluated(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return _row_forward(x, m.weight, m.bias, split)  # type: ignore[arg-type]
 
 
-def _bias_per_unit(dys: torch.Tensor, split: Split | None) -> torch.Tensor:
-    """A linear layer's bias gradient per unit: ``dys`` (``[units, rows, out]``) summed over rows.
+def _per_unit_sum(dys: torch.Tensor, split: Split | None = None) -> torch.Tensor:
+    """``dys`` (``[units, rows, *features]``) summed over rows: a bias's or norm's per-unit part.
 
-    A column layer's slice of the output features rounds as the whole does only if each
-    feature's rows are added alike at any width: ``dys.sum(1)`` vectorises across the
-    features and adds the last few (the tail past the vector width) another way, so a
-    feature's bits depend on where it sits. Its rows are added in the tree instead, a row at
-    a time (elementwise adds: the same bits at any width).
+    ``dys.sum(1)`` vectorises across the features and adds the last few (the tail past the
+    vector width) another way, so on CPU a feature's bits depend on where it sits, which a
+    column layer's slice of the output features changes; on a GPU the reduction's strategy
+    follows the whole tensor's shape, so they depend on the number of units too. There each
+    feature's rows are added in the tree instead, a row at a time (elementwise adds: the same
+    bits at any width and any number of units).
     """
-    if split is None or split.role != "column":
-        return dys.sum(1)
-    return tree_sum(dys, dim=1)
+    if dys.dtype in (torch.bfloat16, torch.float16):  # added in float32, as a product's are
+        dys = dys.float()
+    if dys.is_cuda or (split is not None and split.role == "column"):
+        return tree_sum(dys, dim=1)
+    return dys.sum(1)
+
+
+def _autocast(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast runs a matrix product on ``x``'s device in here, or ``None``."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 class _LinearFn(torch.autograd.Function):
@@ -97,9 +106,13 @@ class _LinearFn(torch.autograd.Function):
         c: Collector,
         split: Split | None,
     ) -> torch.Tensor:
+        ctx.keys = (c.use(weight), None if bias is None else c.use(bias))
+        low = _autocast(x)
+        if low is not None:  # as autocast runs F.linear: in its dtype, the backward too
+            x, weight = x.to(low), weight.to(low)
+            bias = None if bias is None else bias.to(low)
         ctx.save_for_backward(x, weight)
         ctx.c, ctx.split = c, split
-        ctx.keys = (c.use(weight), None if bias is None else c.use(bias))
         if split is None or split.role != "row":
             return F.linear(x, weight, bias)
         return _row_forward(x, weight, bias, split)
@@ -118,7 +131,7 @@ class _LinearFn(torch.autograd.Function):
             dx = dy.matmul(weight)
         dys = dy.reshape(c.units, -1, dy.shape[-1])
         dw = c.give(ctx.keys[0], Products(dys, x.reshape(c.units, -1, x.shape[-1])))
-        db = None if ctx.keys[1] is None else c.give(ctx.keys[1], Dense(_bias_per_unit(dys, split)))
+        db = None if ctx.keys[1] is None else c.give(ctx.keys[1], Dense(_per_unit_sum(dys, split)))
         return dx, dw, db, None, None
 
 
@@ -133,6 +146,8 @@ class _LayerNormFn(torch.autograd.Function):
         eps: float,
         c: Collector,
     ) -> torch.Tensor:
+        if _autocast(x) is not None:  # autocast runs layer norms in float32
+            x = x.float()
         out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
         ctx.save_for_backward(x, mean, rstd, weight, bias)
         ctx.shape, ctx.c = shape, c
@@ -152,9 +167,9 @@ class _LayerNormFn(torch.autograd.Function):
         dw = db = None
         if ctx.keys[0] is not None:
             products = torch.sub(x, mean).mul_(rstd).mul_(dy)  # x-hat times dy
-            dw = c.give(ctx.keys[0], Dense(products.reshape(dys.shape).sum(1)))
+            dw = c.give(ctx.keys[0], Dense(_per_unit_sum(products.reshape(dys.shape))))
         if ctx.keys[1] is not None:
-            db = c.give(ctx.keys[1], Dense(dys.sum(1)))
+            db = c.give(ctx.keys[1], Dense(_per_unit_sum(dys)))
         return dx, None, dw, db, None, None
 
 

@@ -128,9 +128,9 @@ class StepSums:
         self._sends.clear()
 
     @contextlib.contextmanager
-    def forward(self, s: int, i: int, batch: int) -> Iterator[None]:
+    def forward(self, s: int, i: int, batch: int, device: torch.device) -> Iterator[None]:
         """Around stage ``s``'s forward of micro-batch ``i`` (``batch`` samples) in training."""
-        with collecting(batch, self.unit, held=True) as c:
+        with collecting(batch, self.unit, held=True, device=device) as c:
             self._collectors[(s, i)] = c
             yield
 

@@ -229,7 +229,7 @@ class PipelineModule(StageMessages, PipelineState):
             store = st.stores[(s, i)] = WeightStore(self._deferred[s])
         sums: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if st.train and self._det is not None:  # per-unit gradients, summed in the tree
-            sums = self._det.forward(s, i, xs[0].shape[0])
+            sums = self._det.forward(s, i, xs[0].shape[0], xs[0].device)
         with torch.set_grad_enabled(st.train), self._amp(), forwarding(store), sums:
             if st.train and self.recompute:
                 # Only the stage's input is kept; backward recomputes the rest (same RNG).

@@ -1,0 +1,55 @@
+"""Deterministic mode on a GPU: a sample's gradient does not depend on the batch around it.
+
+One GPU stands in for the ranks: a batch's gradients equal the tree of its halves' (and of its
+quarters'), as DDP on 2 or 4 GPUs would sum them, in fp32 and under bf16 autocast, with 512
+positions (where flash attention's backward and cuBLAS's split-K would change the bits).
+The main job on 2 GPUs checks the same against its single-process replay.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.gpu._common import ROOT
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU host: pytest tests/gpu)"
+)
+
+
+def _run(args: list[str], timeout: float) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT)])}
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE"):
+        env.pop(name, None)  # make_deterministic sets them itself
+    proc = subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
+        check=False,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_batch_and_its_parts_give_the_same_bits() -> None:
+    out = _run([str(Path(__file__).with_name("_deterministic_worker.py"))], timeout=280)
+    lines = [line for line in out.splitlines() if ": differ " in line]
+    assert len(lines) == 6, out  # fp32 and bf16: repeat, halves, quarters
+    assert all(line.endswith("differ []") for line in lines), out
+    print(out)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (the 2-GPU host)")
+def test_the_main_job_on_two_gpus_ends_with_one_process_bits() -> None:
+    args = ["-m", "shardline", "run", "--nproc-per-node", "2", "-m", "shardline.examples.train",
+            "--device", "cuda", "--deterministic", "--steps", "30"]  # fmt: skip
+    out = _run(args, timeout=560)
+    assert "the same bits" in out, out
+    print(out)
