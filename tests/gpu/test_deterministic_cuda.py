@@ -3,7 +3,8 @@
 One GPU stands in for the ranks: a batch's gradients equal the tree of its halves' (and of its
 quarters'), as DDP on 2 or 4 GPUs would sum them, in fp32 and under bf16 autocast, with 512
 positions (where flash attention's backward and cuBLAS's split-K would change the bits).
-The main job on 2 GPUs checks the same against its single-process replay.
+The main job on 2 GPUs (DDP, ZeRO-3, a 2-stage pipeline, 2-way tensor parallelism) checks the
+same against its single-process replay.
 """
 
 from __future__ import annotations
@@ -47,9 +48,14 @@ def test_a_batch_and_its_parts_give_the_same_bits() -> None:
 
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (the 2-GPU host)")
-def test_the_main_job_on_two_gpus_ends_with_one_process_bits() -> None:
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["--strategy", "zero3"], ["--strategy", "pp"], ["--tp", "2"]],
+    ids=["ddp", "zero3", "pp", "tp2"],
+)
+def test_the_main_job_on_two_gpus_ends_with_one_process_bits(layout: list[str]) -> None:
     args = ["-m", "shardline", "run", "--nproc-per-node", "2", "-m", "shardline.examples.train",
-            "--device", "cuda", "--deterministic", "--steps", "30"]  # fmt: skip
+            "--device", "cuda", "--deterministic", "--steps", "30", *layout]  # fmt: skip
     out = _run(args, timeout=560)
     assert "the same bits" in out, out
     print(out)

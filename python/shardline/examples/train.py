@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         if pp:  # the logits come out of the last stage; its loss goes to every rank
             logits = model(probe[0])
-            held = torch.zeros(())
+            held = torch.zeros((), device=device)
             if logits is not None:
                 held = loss_fn(logits, probe[1]).reshape(())
             sl.broadcast(held, src=(stages - 1) * tp)  # the last stage of the first replica

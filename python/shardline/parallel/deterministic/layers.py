@@ -81,9 +81,9 @@ def _per_unit_sum(dys: torch.Tensor, split: Split | None = None) -> torch.Tensor
     column layer's slice of the output features changes; on a GPU the reduction's strategy
     follows the whole tensor's shape, so they depend on the number of units too. There each
     feature's rows are added in the tree instead, a row at a time (elementwise adds: the same
-    bits at any width and any number of units).
+    bits at any width and any number of units), in float32 for low-precision rows.
     """
-    if dys.dtype in (torch.bfloat16, torch.float16):  # added in float32, as a product's are
+    if dys.dtype in (torch.bfloat16, torch.float16):
         dys = dys.float()
     if dys.is_cuda or (split is not None and split.role == "column"):
         return tree_sum(dys, dim=1)
