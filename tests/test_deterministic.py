@@ -75,13 +75,17 @@ def train_bf16(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: i
 
 
 def layout(
-    strategy: str, world: int, deterministic: bool, trainer: Callable[..., None] = train
+    strategy: str,
+    world: int,
+    deterministic: bool,
+    trainer: Callable[..., None] = train,
+    **options: object,
 ) -> dict[str, torch.Tensor]:
     def body(g: sl.ProcessGroup) -> dict[str, torch.Tensor]:
         plain = copy.deepcopy(pristine())
         model, opt = sl.distribute(
             plain, adam(plain.parameters()), strategy=strategy, group=g,
-            deterministic=deterministic,
+            deterministic=deterministic, **options,
         )  # fmt: skip
         assert opt is not None
         trainer(model, opt, g.rank, world)
@@ -116,6 +120,18 @@ def test_under_autocast_every_layout_trains_to_one_process_bits(strategy: str) -
     assert max((ref[k] - fp32[k]).abs().max().item() for k in ref) > 1e-4
     for world in (2, 4):
         assert differing(layout(strategy, world, True, trainer=train_bf16), ref) == []
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_bf16_parameters_reduced_in_float32_train_to_one_process_bits(strategy: str) -> None:
+    """``MixedPrecision(bf16, reduce_dtype=float32)``: each rank's float32 sum is reduced,
+    not its rounding to bf16, as one process rounds only its whole sum."""
+    mp = sl.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ref = layout(strategy, 1, True, mixed_precision=mp)
+    fp32 = one_process()  # bf16 was in effect: far more than float32 rounding apart
+    assert max((ref[k] - fp32[k]).abs().max().item() for k in ref) > 1e-4
+    for world in (2, 4):
+        assert differing(layout(strategy, world, True, mixed_precision=mp), ref) == []
 
 
 def test_a_cublas_workspace_set_otherwise_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

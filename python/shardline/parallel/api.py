@@ -24,6 +24,7 @@ from shardline.parallel.compose import compose
 from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
 from shardline.parallel.deterministic import blocks_of, make_deterministic
+from shardline.parallel.deterministic.collector import keep_wide
 from shardline.parallel.fit import plan_strategy
 from shardline.parallel.pipeline_layout import WithLoss, with_loss
 from shardline.parallel.precision import MixedPrecision
@@ -184,12 +185,19 @@ def _deterministic(
     precision = options.get("mixed_precision")
     low = (torch.float16, torch.bfloat16)
     if precision is not None and getattr(precision, "param_dtype", None) in low:
-        _log.warning(
-            "distribute(deterministic=True) with %s compute: each rank's gradient sum is "
-            "rounded to it before the ranks' sum, so the bits depend on the world size (the "
-            "order of every sum is still fixed); compute in float32 for the same bits",
-            precision.param_dtype,
-        )
+        wide = precision.reduce_dtype == torch.float32 and mesh is None
+        if wide:  # ZeRO reduces each rank's float32 sum, before its rounding
+            keep_wide(model.parameters())
+        else:
+            _log.warning(
+                "distribute(deterministic=True) with %s compute and %s reductions: each "
+                "rank's gradient sum is rounded to it before the ranks' sum, so the bits "
+                "depend on the world size (the order of every sum is still fixed); reduce "
+                "in float32 (MixedPrecision(reduce_dtype=torch.float32), without a mesh) for "
+                "the same bits",
+                precision.param_dtype,
+                precision.reduce_dtype or precision.param_dtype,
+            )
     if mesh is not None:  # the pipeline, or compose, sums on the mesh's axes in the tree
         return make_deterministic(model, blocks=blocks), group
     return make_deterministic(model), tree_group(group if group is not None else default_group())

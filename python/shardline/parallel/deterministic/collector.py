@@ -12,14 +12,26 @@ all of them, and the units' blocks stay in cache for the tree.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardline.comm.tree import tree_sum
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic import kernels
 
-__all__ = ["Collector", "Dense", "Lookups", "Products", "Use", "sum_uses", "use_of"]
+__all__ = [
+    "Collector",
+    "Dense",
+    "Lookups",
+    "Products",
+    "Use",
+    "keep_wide",
+    "sum_uses",
+    "use_of",
+    "wide_grad",
+]
 
 # Elements per unit in one block of rows, by device: on CPU 16 units of 65536 fp32 are 4 MiB,
 # on a GPU whole layers' products fit and fewer blocks mean fewer kernel launches.
@@ -191,7 +203,8 @@ def sum_uses(param: torch.Tensor, given: list[Use]) -> torch.Tensor:
     """``param``'s gradient: its uses added unit by unit, then the units in the tree.
 
     Low-precision uses (bf16 parameters, or products under autocast) are widened to float32
-    before anything is added, and the gradient is rounded to ``param``'s dtype once.
+    before anything is added, and the gradient is rounded to ``param``'s dtype once (for a
+    parameter given to ``keep_wide``, the float32 sum is kept for ``wide_grad``).
     """
     if param.dim() == 0:
         raise InvalidArgumentError("deterministic mode: a 0-d parameter has no rows to sum")
@@ -200,11 +213,41 @@ def sum_uses(param: torch.Tensor, given: list[Use]) -> torch.Tensor:
     step = max(1, per_unit * n // max(1, param.numel()))
     if step >= n:
         grad = tree_sum(_total(given, 0, n), fresh=True)
-        return grad if grad.dtype == param.dtype else grad.to(param.dtype)
-    grad = param.new_empty(param.shape)
-    for start in range(0, n, step):
-        stop = min(n, start + step)
-        grad[start:stop] = tree_sum(_total(given, start, stop), fresh=True)
+    else:
+        wide = _WIDER.get(param.dtype, param.dtype)
+        grad = torch.empty(param.shape, dtype=wide, device=param.device)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            grad[start:stop] = tree_sum(_total(given, start, stop), fresh=True)
+    if grad.dtype == param.dtype:
+        return grad
+    if param in _WANTED:
+        _WIDE[param] = grad
+    return grad.to(param.dtype)
+
+
+# Low-precision parameters whose float32 gradient a strategy reduces in float32 (ZeRO with
+# ``MixedPrecision``): each rank's part of the sum then stays unrounded, as one process's
+# whole sum does, and the bits do not depend on the world size.
+_WANTED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_WIDE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def keep_wide(params: Iterable[torch.Tensor]) -> None:
+    """Keeps these parameters' float32 gradients, before rounding, for ``wide_grad``."""
+    for p in params:
+        _WANTED[p] = True
+
+
+def wide_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """``param``'s float32 gradient of its last sum, whose rounding is its ``.grad``, once.
+
+    ``None`` if there is none (not kept, not low precision, or already taken).
+    """
+    if param not in _WIDE:
+        return None
+    grad: torch.Tensor = _WIDE[param]
+    del _WIDE[param]
     return grad
 
 

@@ -22,6 +22,7 @@ from shardline.errors import ShardlineError
 from shardline.parallel.data.zero.base import TrainingState, Waitable, ZeroBase
 from shardline.parallel.data.zero.layout import UnitLayout
 from shardline.parallel.data.zero.units import GradState, ParamState, Unit, copy_stream
+from shardline.parallel.deterministic.collector import wide_grad
 
 if TYPE_CHECKING:
     from shardline.compression.codec import Compressor
@@ -364,6 +365,8 @@ class GatherReduceSchedule:
         if grad is None:
             return
         param.grad = None
+        wide = wide_grad(param)  # deterministic mode's sum before its rounding to bf16
+        grad = grad if wide is None else wide
         u, i = w._unit_of[id(param)], w._slot[id(param)]
         if u.grad_state is GradState.REDUCING:
             raise ShardlineError(
@@ -391,8 +394,10 @@ class GatherReduceSchedule:
         if g is None:
             return
         u = w._unit_of[id(p)]
+        wide = wide_grad(p)
         if u.grad_full is None or g._base is u.grad_full:
             return
+        g = g if wide is None else wide
         o = u.offsets[w._slot[id(p)]]
         with torch.no_grad():
             u.grad_full[o : o + p.numel()].view(g.shape).add_(g)
