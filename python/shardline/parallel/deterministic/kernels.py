@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from shardline import config
 from shardline.errors import InvalidArgumentError
 
 __all__ = ["CUBLAS_ENV", "algorithms", "attention", "cublas_env"]
@@ -46,7 +47,9 @@ def cublas_env() -> None:
         InvalidArgumentError: one of them is set to another value.
     """
     for name, value in CUBLAS_ENV.items():
-        had = os.environ.setdefault(name, value)
+        had = config.env_var(name)
+        if had is None:
+            os.environ[name] = had = value
         if had != value:
             raise InvalidArgumentError(
                 f"deterministic mode on a GPU needs {name}={value} (cuBLAS without a "
