@@ -42,31 +42,8 @@ pub fn tree_sum(parts: &[f32], units: usize, out: &mut [f32], parallel: bool) ->
     Ok(())
 }
 
-/// [`sum_any`] with the widest instruction set this CPU has. Each node is an elementwise
-/// add (no fused multiply-add, no reassociation), so every width gives the same bits.
-fn sum_columns(parts: &[f32], units: usize, n: usize, first: usize, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 support was just detected at runtime.
-        return unsafe { sum_avx2(parts, units, n, first, out) };
-    }
-    sum_any(parts, units, n, first, out)
-}
-
-/// [`sum_any`] compiled with AVX2 (256-bit vectors).
-///
-/// # Safety
-/// The CPU must support AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[inline(never)]
-unsafe fn sum_avx2(parts: &[f32], units: usize, n: usize, first: usize, out: &mut [f32]) {
-    sum_any(parts, units, n, first, out)
-}
-
 /// Columns `first..first + out.len()` of the tree sum, `COLUMNS` at a time in cache.
-#[inline(always)]
-fn sum_any(parts: &[f32], units: usize, n: usize, first: usize, out: &mut [f32]) {
+fn sum_columns(parts: &[f32], units: usize, n: usize, first: usize, out: &mut [f32]) {
     let mut scratch = vec![0f32; units * COLUMNS.min(out.len().max(1))];
     let mut done = 0;
     while done < out.len() {
@@ -83,38 +60,14 @@ fn sum_any(parts: &[f32], units: usize, n: usize, first: usize, out: &mut [f32])
 }
 
 /// Sums rows `lo..hi` of `rows` (each `width` long) in place; the row that holds the sum.
-///
-/// Without recursion, so that it inlines into [`sum_avx2`]: the tree over `n` rows is the
-/// perfect trees of `n`'s binary digits, largest first (`13 = 8 + 4 + 1`), added right to
-/// left (`P8 + (P4 + P1)`), which is what taking the largest power of two below `n` on the
-/// left, recursively, makes.
-#[inline(always)]
 fn reduce(rows: &mut [f32], width: usize, lo: usize, hi: usize) -> usize {
-    let mut starts = [0usize; usize::BITS as usize];
-    let (mut count, mut at, mut left) = (0, lo, hi - lo);
-    while left > 0 {
-        let size = 1usize << (usize::BITS - 1 - left.leading_zeros()); // highest digit
-        let mut step = 1;
-        while step < size {
-            for i in (at..at + size).step_by(2 * step) {
-                add_row(rows, width, i, i + step);
-            }
-            step *= 2;
-        }
-        starts[count] = at;
-        count += 1;
-        at += size;
-        left -= size;
+    let n = hi - lo;
+    if n == 1 {
+        return lo;
     }
-    for j in (0..count.saturating_sub(1)).rev() {
-        add_row(rows, width, starts[j], starts[j + 1]);
-    }
-    starts[0]
-}
-
-/// Row `a` += row `b` (`a < b`), element by element.
-#[inline(always)]
-fn add_row(rows: &mut [f32], width: usize, a: usize, b: usize) {
+    let left = 1usize << (usize::BITS - 1 - (n - 1).leading_zeros()); // largest power of 2 < n
+    let a = reduce(rows, width, lo, lo + left);
+    let b = reduce(rows, width, lo + left, hi);
     let (head, tail) = rows.split_at_mut(b * width);
     for (x, y) in head[a * width..(a + 1) * width]
         .iter_mut()
@@ -122,6 +75,7 @@ fn add_row(rows: &mut [f32], width: usize, a: usize, b: usize) {
     {
         *x += *y;
     }
+    a
 }
 
 #[cfg(test)]
