@@ -47,7 +47,7 @@ def _marks(dtype: Any) -> list[str]:
     def rand(*shape: int, scale: float = 1.0, g: torch.Generator = g) -> torch.Tensor:
         return (torch.randn(*shape, device=dev, generator=g) * scale).to(dtype)
 
-    x, dy = rand(b, t, d), rand(b, t, 4 * d)
+    x, dy, long = rand(b, t, d), rand(b, t, 4 * d), rand(b, 2 * t, 4 * d)
     w, head = rand(4 * d, d, scale=0.02), rand(256, d, scale=0.02)
     q, k, v = (rand(b, h, t, d // h) for _ in range(3))
     idx = torch.randint(0, 256, (b, t), device=dev, generator=g)
@@ -77,6 +77,7 @@ def _marks(dtype: Any) -> list[str]:
         "attention backward": attention_grads,
         "attention backward, math backend": lambda n: attention_grads(n, math=True),
         "per-sample sum over rows (sum(1))": lambda n: x[:n].float().sum(1),
+        "  the same, 1024 rows of 4096": lambda n: long[:n].float().sum(1),
         "embedding gradients (index_add_)": lookups,
         "  the same, deterministic algorithms": lambda n: lookups(n, deterministic=True),
         "layer norm forward": lambda n: F.layer_norm(x[:n], [d]),

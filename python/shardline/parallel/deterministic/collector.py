@@ -258,7 +258,8 @@ def _total(given: list[Use], start: int, stop: int) -> torch.Tensor:
             block = use.rows(start, stop, block)  # added in place
             continue
         part = use.rows(start, stop, None)
-        part = part.to(_WIDER.get(part.dtype, part.dtype))
+        if part.dtype in _WIDER:
+            part = part.to(_WIDER[part.dtype])
         block = part if block is None else block.add_(part)
     assert block is not None
     return block

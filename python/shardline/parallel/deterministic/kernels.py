@@ -16,6 +16,10 @@ bf16, measured with one batch against its halves):
   ``scaled_dot_product_attention`` on it (``attention``): more memory (the scores are kept).
 - **index_add_** (an embedding's per-unit gradients) adds with atomics unless torch's
   deterministic algorithms are on; they are, around it (``algorithms``).
+
+(A fourth, ``sum(1)`` over a sample's rows, whose strategy follows the whole tensor's shape,
+is avoided where the layers sum a bias's or a norm's rows: ``layers._per_unit_sum``.
+``benches/gpu_batch_invariance.py`` prints which ops keep a sample's bits on a given GPU.)
 """
 
 from __future__ import annotations
