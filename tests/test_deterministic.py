@@ -136,8 +136,9 @@ def test_bf16_parameters_reduced_in_float32_train_to_one_process_bits(strategy: 
 
 def test_a_cublas_workspace_set_otherwise_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU deterministic mode needs cuBLAS without a workspace (no split-K sums)."""
-    for name in kernels.CUBLAS_ENV:
-        monkeypatch.delenv(name, raising=False)  # restored after the test
+    for name in kernels.CUBLAS_ENV:  # recorded, so that the test leaves them as they were
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     kernels.cublas_env()
     assert all(os.environ[k] == v for k, v in kernels.CUBLAS_ENV.items())
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
