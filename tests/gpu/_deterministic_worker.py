@@ -1,12 +1,14 @@
 """One GPU, one process: a deterministic GPT's gradients for a batch against its parts'.
 
 Run by ``test_deterministic_cuda.py`` in a fresh process, so that cuBLAS first multiplies after
-``make_deterministic`` has set its workspace. Prints one line per check:
+``make_deterministic`` has set its workspace (``--without-kernel-settings``: the control, with
+``kernels``' settings off). Prints one line per check:
 ``<dtype> parts=<n>: differ [names]`` and ``<dtype> repeat: differ [names]``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -14,8 +16,10 @@ import torch
 import shardline as sl
 from shardline.comm.tree import tree_sum
 from shardline.examples.model import Config, TinyGPT
+from shardline.parallel.deterministic import kernels
 
-# 512 positions: long enough that flash attention's backward would split by the batch.
+# 512 positions, as in bench_zero.py's GPT (whose flash attention backward changed from run to
+# run on an H200).
 CFG = Config(d_model=256, num_layers=2, num_heads=4, seq_len=512, batch_size=8)
 
 
@@ -29,6 +33,10 @@ def grads(model: torch.nn.Module, rows: torch.Tensor, bf16: bool) -> dict[str, t
 
 
 def main() -> None:
+    if "--without-kernel-settings" in sys.argv:  # the control: GPU kernels as they come
+        kernels.cublas_env = lambda: None
+        kernels.attention = contextlib.nullcontext
+        kernels.algorithms = contextlib.nullcontext
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 One GPU stands in for the ranks: a batch's gradients equal the tree of its halves' (and of its
 quarters'), as DDP on 2 or 4 GPUs would sum them, in fp32 and under bf16 autocast, with 512
-positions (where flash attention's backward and cuBLAS's split-K would change the bits).
+positions; without ``kernels``' settings the same comparison fails (the control).
 The main job on 2 GPUs (DDP, ZeRO-3, a 2-stage pipeline, 2-way tensor parallelism) checks the
 same against its single-process replay.
 """
@@ -43,6 +43,17 @@ def test_a_batch_and_its_parts_give_the_same_bits() -> None:
     lines = [line for line in out.splitlines() if ": differ " in line]
     assert len(lines) == 6, out  # fp32 and bf16: repeat, halves, quarters
     assert all(line.endswith("differ []") for line in lines), out
+    print(out)
+
+
+@pytest.mark.timeout(300)
+def test_without_the_kernel_settings_the_parts_differ() -> None:
+    """The control: with GPU kernels as they come, the same comparison fails."""
+    worker = str(Path(__file__).with_name("_deterministic_worker.py"))
+    out = _run([worker, "--without-kernel-settings"], timeout=280)
+    lines = [line for line in out.splitlines() if ": differ " in line]
+    assert len(lines) == 6, out
+    assert not all(line.endswith("differ []") for line in lines), out
     print(out)
 
 
