@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardline.parallel.deterministic import kernels
 from tests.gpu._common import ROOT
 
 pytestmark = pytest.mark.skipif(
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 def _run(args: list[str], timeout: float) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT)])}
-    for name in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE"):
+    for name in kernels.CUBLAS_ENV:
         env.pop(name, None)  # make_deterministic sets them itself
     proc = subprocess.run(
         [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,

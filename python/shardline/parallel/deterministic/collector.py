@@ -244,7 +244,7 @@ def wide_grad(param: torch.Tensor) -> torch.Tensor | None:
 
     ``None`` if there is none (not kept, not low precision, or already taken).
     """
-    if param not in _WIDE:
+    if not _WIDE or param not in _WIDE:  # ZeRO's hook asks for every parameter: fast when none
         return None
     grad: torch.Tensor = _WIDE[param]
     del _WIDE[param]

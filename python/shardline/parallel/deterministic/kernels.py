@@ -2,7 +2,7 @@
 
 Deterministic mode fixes the order of every sum over samples; on CPU the kernels underneath
 already give a sample the same bits whatever the batch. On an H200 three kinds do not (fp32 and
-bf16, measured with one batch against its halves):
+bf16; 16 samples against their first 8, 4, 2 and 1, ``benches/gpu_batch_invariance.py``):
 
 - **cuBLAS** splits the reduction dimension of a product across thread blocks (split-K) when
   the output is small (few rows: a small batch; or few columns: a small vocabulary), and adds
@@ -18,8 +18,7 @@ bf16, measured with one batch against its halves):
   deterministic algorithms are on; they are, around it (``algorithms``).
 
 (A fourth, ``sum(1)`` over a sample's rows, whose strategy follows the whole tensor's shape,
-is avoided where the layers sum a bias's or a norm's rows: ``layers._per_unit_sum``.
-``benches/gpu_batch_invariance.py`` prints which ops keep a sample's bits on a given GPU.)
+is avoided where the layers sum a bias's or a norm's rows: ``layers._per_unit_sum``.)
 """
 
 from __future__ import annotations
