@@ -70,6 +70,8 @@ def _marks(dtype: Any) -> list[str]:
         "linear forward (1024 -> 4096)": lambda n: F.linear(x[:n], w),
         "output layer forward (vocab 256)": lambda n: F.linear(x[:n], head),
         "input gradient (4096 -> 1024)": lambda n: dy[:n].reshape(-1, 4 * d).mm(w).view(n, t, d),
+        "output layer forward, kernels.product": lambda n: kernels.product(x[:n], head, None),
+        "input gradient, kernels.product": lambda n: kernels.product(dy[:n], w.t(), None),
         "per-sample weight gradients (bmm)": lambda n: torch.bmm(dy[:n].transpose(1, 2), x[:n]),
         "attention forward": lambda n: F.scaled_dot_product_attention(
             q[:n], k[:n], v[:n], is_causal=True

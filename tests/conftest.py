@@ -10,6 +10,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
+# MKL's strict reproducible mode, before anything multiplies: deterministic mode needs it and
+# sets it itself in a process where MKL has not run yet, which this one is not by then.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 import torch
 
 from tests._ranks import THREAD_PREFIX

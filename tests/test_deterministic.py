@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -26,7 +28,7 @@ from tests._ranks import built_once, run_ranks, seeded
 
 pytestmark = pytest.mark.timeout(180)
 
-CFG = Config(d_model=32, num_layers=2, num_heads=4, seq_len=16, batch_size=8)
+CFG = Config(d_model=64, num_layers=2, num_heads=4, seq_len=16, batch_size=8)
 STEPS = 3
 
 
@@ -135,14 +137,14 @@ def test_bf16_parameters_reduced_in_float32_train_to_one_process_bits(strategy: 
 
 
 def test_a_cublas_workspace_set_otherwise_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU deterministic mode needs cuBLAS without a workspace (no split-K sums)."""
+    """On a GPU deterministic mode needs cuBLASLt without a workspace (no split-K sums)."""
     for name in kernels.CUBLAS_ENV:  # recorded, so that the test leaves them as they were
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     kernels.cublas_env()
     assert all(os.environ[k] == v for k, v in kernels.CUBLAS_ENV.items())
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    with pytest.raises(InvalidArgumentError, match=r"CUBLAS_WORKSPACE_CONFIG=:0:0.*':4096:8'"):
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "1024")
+    with pytest.raises(InvalidArgumentError, match=r"CUBLASLT_WORKSPACE_SIZE=0.*'1024'"):
         kernels.cublas_env()
 
 
@@ -318,3 +320,44 @@ def test_tree_sum_adds_in_the_canonical_tree(dtype: torch.dtype, n: int) -> None
     summed = tree_sum(both, dim=1)
     assert torch.equal(summed[0], _by_definition(list(rows)))
     assert torch.equal(summed[1], _by_definition(list(rows.flip(0))))
+
+
+_MKL_CHILD = """
+import os, sys, torch
+from shardline.errors import InvalidArgumentError
+from shardline.parallel.deterministic import kernels, make_deterministic
+if sys.argv[1] == "late":
+    torch.mm(torch.randn(8, 8), torch.randn(8, 8))  # MKL runs, in its default mode
+try:
+    make_deterministic(torch.nn.Linear(8, 8))
+except InvalidArgumentError as exc:
+    print("refused:", exc)
+else:
+    get, _ = kernels._mkl_cbwr()
+    print("strict:", bool(get(-1) & 0x10000), os.environ["MKL_CBWR"])
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("when", ["first", "late"])
+def test_mkl_strict_mode_is_set_before_mkl_runs_and_refused_after(when: str) -> None:
+    """On CPU, MKL's strict reproducible mode: set before its first product, else named."""
+    if kernels._mkl_cbwr() is None:
+        pytest.skip("this torch has no MKL (another BLAS): nothing to set")
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}  # MKL's default mode
+    done = subprocess.run(
+        [sys.executable, "-c", _MKL_CHILD, when], env=env, capture_output=True, text=True,
+        timeout=120, check=True,
+    )  # fmt: skip
+    if when == "first":
+        assert done.stdout.strip() == "strict: True AUTO,STRICT", done.stdout + done.stderr
+    else:
+        assert "refused:" in done.stdout and "MKL_CBWR=AUTO,STRICT" in done.stdout, done.stdout
+
+
+def test_blocks_narrower_than_the_cpu_kernels_allow_are_refused() -> None:
+    """A split sum cut into blocks under ``MIN_BLOCK`` features is refused, naming the layer."""
+    narrow = TinyGPT(Config(d_model=32, num_layers=1, num_heads=4, seq_len=16, batch_size=8))
+    with pytest.raises(InvalidArgumentError, match=r"'blocks.0.qkv' would be cut into blocks of 8"):
+        make_deterministic(narrow, blocks=4)
+    make_deterministic(narrow, blocks=2)  # 96 / (3 x 2) = 16 features a block: allowed

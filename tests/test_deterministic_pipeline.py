@@ -174,7 +174,7 @@ class _EveryOther(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(32, 32)
+        self.lin = nn.Linear(CFG.d_model, CFG.d_model)
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,7 +193,7 @@ def test_a_parameter_some_micro_batches_skip_is_named() -> None:
         return str(info.value)
 
     errors = run_ranks(2, body, timeout=60)
-    assert "shape [32, 32] got gradients from 2 of the step's 4" in errors[1]
+    assert f"shape [{CFG.d_model}, {CFG.d_model}] got gradients from 2 of the step's 4" in errors[1]
     assert "pipeline stage(s) [1] on rank 1 failed" in errors[0]  # at once, with the reason
 
 

@@ -64,6 +64,10 @@ LAZY = {
     ("shardline.comm.world", "shardline.comm.backends.mpi"): "MPI needs mpi4py (optional)",
     ("shardline.comm.world", "shardline.comm.backends.nccl"): "only a CUDA job needs NCCL",
     ("shardline.comm.rendezvous.generations", "shardline.comm.backends.nccl"): "only on CUDA",
+    ("shardline.comm.tree", "shardline.comm.tree_cuda"): "needs Triton (torch's CUDA builds)",
+    ("shardline.parallel.deterministic.layers", "shardline.parallel.deterministic.gpu_rows"): (
+        "needs Triton (torch's CUDA builds)"
+    ),
 }
 
 

@@ -454,8 +454,8 @@ LAUNCHER_VARIABLES: dict[str, str] = {
     "SLURM_TASKS_PER_NODE": "tasks per node, e.g. `4(x2),3`",
     "SLURM_LAUNCH_NODE_IPADDR": "address of the node srun ran on",
     "SLURM_JOB_NODELIST": "the allocation's hosts, e.g. `gpu[007-010]`",
-    "CUBLAS_WORKSPACE_CONFIG": "cuBLAS's workspace; deterministic mode on a GPU sets `:0:0`",
     "CUBLASLT_WORKSPACE_SIZE": "cuBLASLt's workspace (KiB); deterministic mode on a GPU sets 0",
+    "MKL_CBWR": "MKL's reproducible mode; deterministic mode on CPU sets `AUTO,STRICT`",
 }
 """The variables of torchrun, ``shardline run`` and SLURM that shardline reads (and cuBLAS's,
 which deterministic mode sets), and what each says. ``env_var`` refuses a name missing here."""

@@ -62,7 +62,27 @@ def tree_sum(parts: torch.Tensor, *, fresh: bool = False, dim: int = 0) -> torch
         threads = torch.get_num_threads() if out.numel() >= _THREADED else 1
         _native.tree_sum(rows, out, n, threads)
         return out
+    if fresh and parts.is_cuda and parts.dtype == torch.float32 and parts.is_contiguous():
+        kernel = _cuda_kernel()
+        if kernel is not None and n & (n - 1) == 0 and n <= kernel.MAX_ROWS:
+            summed: torch.Tensor = kernel.tree_sum_into(parts)  # one launch, the same adds
+            return summed
     return _torch_tree(parts)
+
+
+_CUDA: list[Any] = []  # the Triton kernel's module once looked for ([None]: no Triton here)
+
+
+def _cuda_kernel() -> Any:
+    """``shardline.comm.tree_cuda``, or ``None`` where Triton is not installed."""
+    if not _CUDA:
+        try:
+            from shardline.comm import tree_cuda  # noqa: PLC0415  (needs Triton)
+        except ImportError:
+            _CUDA.append(None)
+        else:
+            _CUDA.append(tree_cuda)
+    return _CUDA[0]
 
 
 def _torch_tree(parts: torch.Tensor) -> torch.Tensor:

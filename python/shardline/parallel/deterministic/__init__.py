@@ -63,6 +63,11 @@ __all__ = [
     "unit_of",
 ]
 
+# The fewest features a block of a split sum may have: MKL multiplies outputs of 8 columns or
+# fewer with other kernels than wider ones (measured on an AVX-512 CPU), so a tensor-parallel
+# slice that narrow would not round as the whole layer's product does.
+MIN_BLOCK = 16
+
 _ATTR = "_shardline_deterministic"
 _BLOCKS = "_shardline_deterministic_blocks"
 _ROLES = "_shardline_deterministic_roles"
@@ -149,6 +154,8 @@ def make_deterministic(
     """
     if any(p.is_cuda for p in model.parameters()):
         kernels.cublas_env()  # before the first product on the GPU, where cuBLAS reads it
+    if not all(p.is_cuda for p in model.parameters()):
+        kernels.mkl_strict()  # before MKL's first product on CPU, where it reads its mode
     if is_deterministic(model):
         for what, value, had in (
             ("unit", unit, unit_of(model)),
@@ -258,11 +265,18 @@ def _split_roles(model: nn.Module, blocks: int) -> tuple[dict[str, Split], bool]
                 f"make_deterministic(blocks={blocks}): plan='auto' splits {name!r} as "
                 f"{style!r}, which deterministic mode does not cut into blocks"
             )
+        kind = "output" if role == "column" else "input"
         if size % (pieces * blocks):
             raise InvalidArgumentError(
-                f"make_deterministic(blocks={blocks}): {name!r} has {size} "
-                f"{'output' if role == 'column' else 'input'} features, not "
-                f"{pieces * blocks} equal blocks; use fewer blocks"
+                f"make_deterministic(blocks={blocks}): {name!r} has {size} {kind} features, "
+                f"not {pieces * blocks} equal blocks; use fewer blocks"
+            )
+        if size // (pieces * blocks) < MIN_BLOCK:
+            raise InvalidArgumentError(
+                f"make_deterministic(blocks={blocks}): {name!r} would be cut into blocks of "
+                f"{size // (pieces * blocks)} {kind} features, under {MIN_BLOCK}: a product "
+                "that narrow runs other CPU kernels (MKL on AVX-512 CPUs), so a rank's slice "
+                "would not round as the whole layer does; use fewer blocks"
             )
         roles[name] = Split(role, pieces, blocks, None)
     return roles, vocabulary

@@ -7,15 +7,24 @@ bf16; 16 samples against their first 8, 4, 2 and 1, ``benches/gpu_batch_invarian
 - **cuBLAS** splits the reduction dimension of a product across thread blocks (split-K) when
   the output is small (few rows: a small batch; or few columns: a small vocabulary), and adds
   the parts in its workspace, so a sample's output rows depend on how many samples share the
-  product. Without a workspace it never splits: ``CUBLAS_WORKSPACE_CONFIG=:0:0`` and
-  ``CUBLASLT_WORKSPACE_SIZE=0`` (``cublas_env``), read when the process first multiplies on
-  the GPU.
+  product. cuBLASLt without a workspace never splits (``CUBLASLT_WORKSPACE_SIZE=0``,
+  ``cublas_env``, read when the process first multiplies on the GPU), and the layers' products
+  whose rows are samples go through it, as a product with a bias (``product``). cuBLAS itself
+  keeps its workspace: without one every call waited for its product (the host blocked, 80 us
+  a call on an H200) and a product with a bias ran 3.5x slower. The batched per-sample
+  products (``torch.bmm``) stay on cuBLAS: each sample's product has the same shape in every
+  layout, and they measured batch-invariant with the workspace.
 - **Attention**: the flash and memory-efficient kernels' backward passes add with atomics
   (the order changes from run to run) and choose their split by the batch. The math backend
   (batched products and a row-wise softmax) has neither, so deterministic forwards run
   ``scaled_dot_product_attention`` on it (``attention``): more memory (the scores are kept).
 - **index_add_** (an embedding's per-unit gradients) adds with atomics unless torch's
   deterministic algorithms are on; they are, around it (``algorithms``).
+
+On CPUs, **MKL** (torch's BLAS on x86) picks its kernels' code path by the data's memory
+alignment on CPUs with AVX-512, unless its strict reproducible mode is on: a batched product's
+second matrix then rounds differently from the same product alone. ``mkl_strict`` turns that
+mode on (``MKL_CBWR=AUTO,STRICT``) before MKL's first product, or refuses once it is too late.
 
 (A fourth, ``sum(1)`` over a sample's rows, whose strategy follows the whole tensor's shape,
 is avoided where the layers sum a bias's or a norm's rows: ``layers._per_unit_sum``.)
@@ -24,25 +33,44 @@ is avoided where the layers sum a bias's or a norm's rows: ``layers._per_unit_su
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shardline import config
 from shardline.errors import InvalidArgumentError
 
-__all__ = ["CUBLAS_ENV", "algorithms", "attention", "cublas_env"]
+__all__ = ["CUBLAS_ENV", "algorithms", "attention", "cublas_env", "mkl_strict", "product"]
 
-# cuBLAS and cuBLASLt without a workspace: no split-K, so no sum that depends on the shape.
-CUBLAS_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
+# cuBLASLt without a workspace: no split-K, so no sum that depends on the shape.
+CUBLAS_ENV = {"CUBLASLT_WORKSPACE_SIZE": "0"}
+_ZEROS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T`` (plus ``bias``) on a GPU, through cuBLASLt's product with a bias.
+
+    Without a bias it adds zeros (``x + 0 == x``; a ``-0.0`` comes out ``+0.0``): torch sends
+    a product with a bias to cuBLASLt, whose workspace ``cublas_env`` empties.
+    """
+    if bias is None:
+        key = (weight.shape[0], weight.dtype, weight.device)
+        bias = _ZEROS.get(key)
+        if bias is None:
+            bias = _ZEROS[key] = torch.zeros(key[0], dtype=key[1], device=key[2])
+    return F.linear(x, weight, bias)
 
 
 def cublas_env() -> None:
     """Sets ``CUBLAS_ENV`` in this process's environment (those not set yet).
 
-    cuBLAS reads them when the process first multiplies on the GPU, so this must run before
+    torch reads them when the process first multiplies on the GPU, so this must run before
     that: ``make_deterministic`` of a model on a GPU and each deterministic forward there
     call it.
 
@@ -55,11 +83,63 @@ def cublas_env() -> None:
             os.environ[name] = had = value
         if had != value:
             raise InvalidArgumentError(
-                f"deterministic mode on a GPU needs {name}={value} (cuBLAS without a "
+                f"deterministic mode on a GPU needs {name}={value} (cuBLASLt without a "
                 f"workspace never splits a product's sum, so a sample's bits do not depend on "
                 f"the batch), but it is set to {had!r}; unset it or set it to {value!r} "
                 "before the process starts"
             )
+
+
+_CBWR_AUTO, _CBWR_COMPATIBLE, _CBWR_STRICT = 2, 3, 0x10000  # mkl_service.h's modes
+_MKL: list[Any] = []  # (get, set) of MKL's reproducibility mode, once looked for; [None]: none
+
+
+def _mkl_cbwr() -> Any:
+    """MKL's ``cbwr`` get and set functions in this process, or ``None`` (no MKL)."""
+    if not _MKL:
+        found = None
+        where = [Path(torch.__file__).parent / "lib" / "libtorch_cpu.so", None]
+        for path, prefix in zip(where, ("mkl_serv_cbwr_", "mkl_cbwr_"), strict=True):
+            try:
+                lib = ctypes.CDLL(str(path) if path is not None else None)
+                get, put = getattr(lib, prefix + "get"), getattr(lib, prefix + "set")
+            except (OSError, AttributeError):
+                continue
+            get.argtypes, put.argtypes = [ctypes.c_int], [ctypes.c_int]
+            found = (get, put)
+            break
+        _MKL.append(found)
+    return _MKL[0]
+
+
+def mkl_strict() -> None:
+    """MKL's strict reproducible mode in this process (as ``MKL_CBWR=AUTO,STRICT`` sets it).
+
+    MKL reads its mode at its first product; ``make_deterministic`` of a model on CPU calls
+    this, so prepare the model before anything multiplies, or set the variable before the
+    process starts. Sets ``MKL_CBWR`` for the processes this one starts. Nothing to do
+    without MKL (other BLAS libraries).
+
+    Raises:
+        InvalidArgumentError: MKL has already run in another mode in this process.
+    """
+    cbwr = _mkl_cbwr()
+    if cbwr is None:
+        return
+    get, put = cbwr
+    mode = get(-1)  # MKL_CBWR_ALL
+    if mode & _CBWR_STRICT or mode & 0xFFFF == _CBWR_COMPATIBLE:
+        return
+    if put(_CBWR_AUTO | _CBWR_STRICT) == 0:
+        os.environ["MKL_CBWR"] = "AUTO,STRICT"
+        return
+    raise InvalidArgumentError(
+        "deterministic mode on CPU needs MKL's strict reproducible mode (without it, on CPUs "
+        "with AVX-512, a product's bits depend on its memory's alignment), and MKL has already "
+        "multiplied in this process in its default mode; set MKL_CBWR=AUTO,STRICT in the "
+        "environment before the process starts, or prepare the model (make_deterministic, "
+        "sl.distribute(..., deterministic=True)) before anything multiplies"
+    )
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from torch import nn
 
 from shardline.comm.tree import tree_sum
 from shardline.errors import InvalidArgumentError
+from shardline.parallel.deterministic import kernels
 from shardline.parallel.deterministic.collector import Collector, Dense, Lookups, Products
 from shardline.parallel.deterministic.split import Split, column_input_grad, row_output
 from shardline.parallel.tensor.layers import (
@@ -83,11 +84,29 @@ def _per_unit_sum(dys: torch.Tensor, split: Split | None = None) -> torch.Tensor
     feature's rows are added in the tree instead, a row at a time (elementwise adds: the same
     bits at any width and any number of units), in float32 for low-precision rows.
     """
+    if dys.is_cuda and _gpu_rows() is not None:
+        sums: torch.Tensor = _gpu_rows().row_sums(dys)  # one launch: each unit's rows in order
+        return sums
     if dys.dtype in (torch.bfloat16, torch.float16):
         dys = dys.float()
     if dys.is_cuda or (split is not None and split.role == "column"):
         return tree_sum(dys, dim=1)
     return dys.sum(1)
+
+
+_GPU_ROWS: list[Any] = []  # ``gpu_rows`` once looked for ([None]: no Triton here)
+
+
+def _gpu_rows() -> Any:
+    """``shardline.parallel.deterministic.gpu_rows``, or ``None`` without Triton."""
+    if not _GPU_ROWS:
+        try:
+            from shardline.parallel.deterministic import gpu_rows  # noqa: PLC0415  (Triton)
+        except ImportError:
+            _GPU_ROWS.append(None)
+        else:
+            _GPU_ROWS.append(gpu_rows)
+    return _GPU_ROWS[0]
 
 
 def _autocast(x: torch.Tensor) -> torch.dtype | None:
@@ -114,7 +133,7 @@ class _LinearFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.c, ctx.split = c, split
         if split is None or split.role != "row":
-            return F.linear(x, weight, bias)
+            return kernels.product(x, weight, bias) if x.is_cuda else F.linear(x, weight, bias)
         return _row_forward(x, weight, bias, split)
 
     @staticmethod
@@ -128,7 +147,7 @@ class _LinearFn(torch.autograd.Function):
             if split.group is not None:  # the ranks' sums (a column layer's copy_to)
                 split.group.all_reduce(dx)
         elif ctx.needs_input_grad[0]:
-            dx = dy.matmul(weight)
+            dx = kernels.product(dy, weight.t(), None) if dy.is_cuda else dy.matmul(weight)
         dys = dy.reshape(c.units, -1, dy.shape[-1])
         dw = c.give(ctx.keys[0], Products(dys, x.reshape(c.units, -1, x.shape[-1])))
         db = None if ctx.keys[1] is None else c.give(ctx.keys[1], Dense(_per_unit_sum(dys, split)))
@@ -163,8 +182,18 @@ class _LayerNormFn(torch.autograd.Function):
             dx = torch.ops.aten.native_layer_norm_backward(
                 dy, x, ctx.shape, mean, rstd, weight, bias, [True, False, False]
             )[0]
-        dys = dy.reshape(c.units, -1, *dy.shape[-len(ctx.shape) :])
         dw = db = None
+        if dy.is_cuda and _gpu_rows() is not None:  # both sums in one launch
+            w, b = _gpu_rows().norm_sums(
+                x, mean, rstd, dy, ctx.shape, c.units, ctx.keys[0] is not None,
+                ctx.keys[1] is not None,
+            )  # fmt: skip
+            if w is not None:
+                dw = c.give(ctx.keys[0], Dense(w))
+            if b is not None:
+                db = c.give(ctx.keys[1], Dense(b))
+            return dx, None, dw, db, None, None
+        dys = dy.reshape(c.units, -1, *dy.shape[-len(ctx.shape) :])
         if ctx.keys[0] is not None:
             products = torch.sub(x, mean).mul_(rstd).mul_(dy)  # x-hat times dy
             dw = c.give(ctx.keys[0], Dense(_per_unit_sum(products.reshape(dys.shape))))

@@ -1,0 +1,66 @@
+"""Deterministic mode's Triton sums on a GPU: the tree's bits, and sums that ignore the batch.
+
+``comm.tree_cuda`` adds a tree in one launch and must give the bits of the elementwise adds
+(``tree._torch_tree``), which other ranks' trees use; ``gpu_rows`` sums a unit's rows the same
+way whatever the number of units and the width (a column layer's slice of the features).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (the GPU host)", allow_module_level=True)
+triton = pytest.importorskip("triton", reason="needs Triton (torch's CUDA builds install it)")
+
+from shardline.comm import tree  # noqa: E402
+from shardline.comm.tree_cuda import tree_sum_into  # noqa: E402
+from shardline.parallel.deterministic.gpu_rows import norm_sums, row_sums  # noqa: E402
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16, 32, 64])
+@pytest.mark.parametrize("width", [1, 33, 1000, (1 << 20) + 3])
+def test_the_one_launch_tree_gives_the_elementwise_adds_bits(n: int, width: int) -> None:
+    parts = torch.randn(n, width, device="cuda", generator=torch.Generator("cuda").manual_seed(n))
+    want = tree._torch_tree(parts.clone())
+    assert torch.equal(_bits(tree_sum_into(parts.clone())), _bits(want))
+    assert torch.equal(_bits(tree.tree_sum(parts.clone(), fresh=True)), _bits(want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_sums_ignore_the_batch_and_the_width(dtype: torch.dtype) -> None:
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(16, 512, 1024, device="cuda", generator=g).to(dtype)
+    full = row_sums(x)
+    want = x.double().sum(1)
+    assert (full.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    for b in (8, 4, 2, 1):
+        assert torch.equal(_bits(row_sums(x[:b])), _bits(full[:b]))
+    assert torch.equal(_bits(row_sums(x[:, :, 256:768])), _bits(full[:, 256:768]))
+    assert torch.equal(_bits(row_sums(x[:, :, :3])), _bits(full[:, :3]))
+    assert torch.equal(_bits(row_sums(x)), _bits(full))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_sums_ignore_the_batch(dtype: torch.dtype) -> None:
+    g = torch.Generator("cuda").manual_seed(1)
+    x = torch.randn(16, 512, 1024, device="cuda", generator=g).to(dtype).float()
+    dy = torch.randn(16, 512, 1024, device="cuda", generator=g).to(dtype)
+    _, mean, rstd = torch.native_layer_norm(x, [1024], None, None, 1e-5)
+    dw, db = norm_sums(x, mean, rstd, dy, [1024], 16, True, True)
+    assert dw is not None and db is not None
+    want_w = ((x.double() - mean.double()) * rstd.double() * dy.double()).sum(1)
+    want_b = dy.double().sum(1)
+    assert (dw.double() - want_w).abs().max() <= 1e-5 * want_w.abs().max()
+    assert (db.double() - want_b).abs().max() <= 1e-5 * want_b.abs().max()
+    for b in (8, 4, 1):
+        w, bias = norm_sums(x[:b], mean[:b], rstd[:b], dy[:b], [1024], b, True, True)
+        assert w is not None and bias is not None
+        assert torch.equal(_bits(w), _bits(dw[:b])) and torch.equal(_bits(bias), _bits(db[:b]))
+    none, only = norm_sums(x, mean, rstd, dy, [1024], 16, False, True)
+    assert none is None and only is not None and torch.equal(_bits(only), _bits(db))
