@@ -4,11 +4,12 @@ For each op of the main job's transformer at the shapes of ``bench_zero.py``'s 1
 1024, 512 positions, 16 heads), in fp32 (TF32 off) and bf16, runs the op on a batch of 16
 samples and on its first 8, 4, 2 and 1, and prints whether those samples' output bits are
 the same (``=``) or not (``x``), and whether a second run of the whole batch repeats them.
-Deterministic mode needs ``=`` everywhere for the ops it runs; ``shardline.parallel.
+Two rows run ``kernels.product`` on shorter samples (16 tokens, 1 token). Deterministic mode
+needs ``=`` everywhere for the ops it runs; ``shardline.parallel.
 deterministic.kernels`` says how it gets them.
 
     python benches/gpu_batch_invariance.py                  # cuBLAS as configured
-    python benches/gpu_batch_invariance.py --no-workspace   # deterministic mode's cuBLAS
+    python benches/gpu_batch_invariance.py --no-workspace   # deterministic mode's cuBLASLt
 
 Writes ``benches/results/batch-invariance-<tag>.txt``.
 """
@@ -51,6 +52,8 @@ def _marks(dtype: Any) -> list[str]:
     w, head = rand(4 * d, d, scale=0.02), rand(256, d, scale=0.02)
     q, k, v = (rand(b, h, t, d // h) for _ in range(3))
     idx = torch.randint(0, 256, (b, t), device=dev, generator=g)
+    short, w_short = rand(b, 16, 256), rand(32, 256, scale=0.02)  # 16 tokens a sample
+    single, w_single = rand(b, 1, d), rand(d, d, scale=0.02)  # 1 token a sample
 
     def attention_grads(n: int, math: bool = False) -> torch.Tensor:
         qq, kk, vv = (z[:n].clone().requires_grad_(True) for z in (q, k, v))
@@ -72,6 +75,8 @@ def _marks(dtype: Any) -> list[str]:
         "input gradient (4096 -> 1024)": lambda n: dy[:n].reshape(-1, 4 * d).mm(w).view(n, t, d),
         "output layer forward, kernels.product": lambda n: kernels.product(x[:n], head, None),
         "input gradient, kernels.product": lambda n: kernels.product(dy[:n], w.t(), None),
+        "  16 tokens a sample (256 -> 32)": lambda n: kernels.product(short[:n], w_short, None),
+        "  1 token a sample (1024 -> 1024)": lambda n: kernels.product(single[:n], w_single, None),
         "per-sample weight gradients (bmm)": lambda n: torch.bmm(dy[:n].transpose(1, 2), x[:n]),
         "attention forward": lambda n: F.scaled_dot_product_attention(
             q[:n], k[:n], v[:n], is_causal=True
@@ -96,7 +101,11 @@ def _marks(dtype: Any) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--no-workspace", action="store_true", help="cuBLAS without a workspace")
+    p.add_argument(
+        "--no-workspace",
+        action="store_true",
+        help="deterministic mode's settings: cuBLASLt without a workspace",
+    )
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
     import torch  # noqa: PLC0415
@@ -114,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         "(= : the first b samples' bits equal theirs in the batch of 16; again: a second run "
         "of the batch of 16 repeats its bits)",
     ]
-    setting = "cuBLAS without a workspace" if args.no_workspace else "cuBLAS as configured"
+    setting = (
+        "cuBLASLt without a workspace (kernels.cublas_env)"
+        if args.no_workspace
+        else "cuBLAS as configured"
+    )
     tag = args.tag or ("gpu-no-workspace" if args.no_workspace else "gpu")
     _report.publish(
         _report.RESULTS / f"batch-invariance-{tag}",

@@ -17,6 +17,7 @@ triton = pytest.importorskip("triton", reason="needs Triton (torch's CUDA builds
 from shardline.comm import tree  # noqa: E402
 from shardline.comm.tree_cuda import tree_sum_into  # noqa: E402
 from shardline.parallel.deterministic.gpu_rows import norm_sums, row_sums  # noqa: E402
+from shardline.parallel.deterministic.split import column_input_grad, row_output  # noqa: E402
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -64,3 +65,25 @@ def test_norm_sums_ignore_the_batch(dtype: torch.dtype) -> None:
         assert torch.equal(_bits(w), _bits(dw[:b])) and torch.equal(_bits(bias), _bits(db[:b]))
     none, only = norm_sums(x, mean, rstd, dy, [1024], 16, False, True)
     assert none is None and only is not None and torch.equal(_bits(only), _bits(db))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_sums_ignore_the_batch_and_the_ranks(dtype: torch.dtype) -> None:
+    """Tensor parallelism's cut sums on a GPU: a rank's blocks then the ranks' tree give one
+    process's bits, and a sample's rows do not depend on the batch around it."""
+    g = torch.Generator("cuda").manual_seed(2)
+    x = torch.randn(8, 512, 1024, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(256, 1024, device="cuda", generator=g) * 0.02).to(dtype)
+    whole = row_output(x, w, 4)
+    for t in (2, 4):
+        cols = 1024 // t
+        parts = [row_output(x[..., r * cols : (r + 1) * cols], w[:, r * cols : (r + 1) * cols],
+                            4 // t) for r in range(t)]  # fmt: skip
+        assert torch.equal(_bits(tree.tree_sum(torch.stack(parts))), _bits(whole))
+    for b in (4, 1):
+        assert torch.equal(_bits(row_output(x[:b], w, 4)), _bits(whole[:b]))
+    dy = torch.randn(8, 512, 256, device="cuda", generator=g).to(dtype)
+    wc = (torch.randn(256, 1024, device="cuda", generator=g) * 0.02).to(dtype)
+    grad = column_input_grad(dy, wc, 1, 4)
+    for b in (4, 1):
+        assert torch.equal(_bits(column_input_grad(dy[:b], wc, 1, 4)), _bits(grad[:b]))

@@ -81,8 +81,9 @@ def _per_unit_sum(dys: torch.Tensor, split: Split | None = None) -> torch.Tensor
     vector width) another way, so on CPU a feature's bits depend on where it sits, which a
     column layer's slice of the output features changes; on a GPU the reduction's strategy
     follows the whole tensor's shape, so they depend on the number of units too. There each
-    feature's rows are added in the tree instead, a row at a time (elementwise adds: the same
-    bits at any width and any number of units), in float32 for low-precision rows.
+    unit's rows are added in order in one kernel (``gpu_rows``, Triton), or without Triton in
+    the tree, a row at a time (elementwise adds); either gives the same bits at any width and
+    any number of units, in float32 for low-precision rows.
     """
     if dys.is_cuda and _gpu_rows() is not None:
         sums: torch.Tensor = _gpu_rows().row_sums(dys)  # one launch: each unit's rows in order
