@@ -353,6 +353,12 @@ def test_mkl_strict_mode_is_set_before_mkl_runs_and_refused_after(when: str) -> 
         assert done.stdout.strip() == "strict: True AUTO,STRICT", done.stdout + done.stderr
     else:
         assert "refused:" in done.stdout and "MKL_CBWR=AUTO,STRICT" in done.stdout, done.stdout
+    env["MKL_CBWR"] = "AVX2"  # a mode of the user's choice that is not reproducible: named
+    done = subprocess.run(
+        [sys.executable, "-c", _MKL_CHILD, "first"], env=env, capture_output=True, text=True,
+        timeout=120, check=True,
+    )  # fmt: skip
+    assert "refused:" in done.stdout and "MKL_CBWR is 'AVX2'" in done.stdout, done.stdout
 
 
 def test_blocks_narrower_than_the_cpu_kernels_allow_are_refused() -> None:

@@ -121,7 +121,8 @@ def mkl_strict() -> None:
     without MKL (other BLAS libraries).
 
     Raises:
-        InvalidArgumentError: MKL has already run in another mode in this process.
+        InvalidArgumentError: MKL has already run in another mode in this process, or
+            ``MKL_CBWR`` asks for another mode.
     """
     cbwr = _mkl_cbwr()
     if cbwr is None:
@@ -130,6 +131,12 @@ def mkl_strict() -> None:
     mode = get(-1)  # MKL_CBWR_ALL
     if mode & _CBWR_STRICT or mode & 0xFFFF == _CBWR_COMPATIBLE:
         return
+    had = config.env_var("MKL_CBWR")
+    if had:  # the user's choice, not a reproducible one: named, not overridden
+        raise InvalidArgumentError(
+            f"deterministic mode on CPU needs MKL's strict reproducible mode, but MKL_CBWR is "
+            f"{had!r}; set it to 'AUTO,STRICT' (or add ',STRICT' to it) or unset it"
+        )
     if put(_CBWR_AUTO | _CBWR_STRICT) == 0:
         os.environ["MKL_CBWR"] = "AUTO,STRICT"
         return
