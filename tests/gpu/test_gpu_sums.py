@@ -14,8 +14,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the GPU host)", allow_module_level=True)
 triton = pytest.importorskip("triton", reason="needs Triton (torch's CUDA builds install it)")
 
-from shardline.comm import tree  # noqa: E402
+from shardline.comm import tree, tree_cuda  # noqa: E402
 from shardline.comm.tree_cuda import tree_sum_into  # noqa: E402
+from shardline.parallel.deterministic import gpu_rows, layers  # noqa: E402
 from shardline.parallel.deterministic.gpu_rows import norm_sums, row_sums  # noqa: E402
 from shardline.parallel.deterministic.split import column_input_grad, row_output  # noqa: E402
 
@@ -87,3 +88,25 @@ def test_split_sums_ignore_the_batch_and_the_ranks(dtype: torch.dtype) -> None:
     grad = column_input_grad(dy, wc, 1, 4)
     for b in (4, 1):
         assert torch.equal(_bits(column_input_grad(dy[:b], wc, 1, 4)), _bits(grad[:b]))
+
+
+def test_a_kernel_that_fails_to_build_falls_back_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Triton failing at its first launch (no C compiler, say) leaves the trees of adds."""
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(tree, "_CUDA", [])
+    monkeypatch.setattr(layers, "_GPU_ROWS", [])
+    monkeypatch.setattr(tree_cuda, "tree_sum_into", broken)
+    monkeypatch.setattr(gpu_rows, "row_sums", broken)
+    parts = torch.randn(4, 100, device="cuda")
+    with pytest.warns(UserWarning, match="tree kernel failed to build"):
+        got = tree.tree_sum(parts.clone(), fresh=True)
+    assert torch.equal(_bits(got), _bits(tree._torch_tree(parts)))
+    dys = torch.randn(2, 8, 16, device="cuda")
+    with pytest.warns(UserWarning, match="row-sum kernels failed to build"):
+        sums = layers._per_unit_sum(dys)
+    assert torch.equal(_bits(sums), _bits(tree.tree_sum(dys, dim=1)))

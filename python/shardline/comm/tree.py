@@ -21,6 +21,7 @@ values once, and ``a + b == b + a``. The strategies take such a group unchanged.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +64,7 @@ def tree_sum(parts: torch.Tensor, *, fresh: bool = False, dim: int = 0) -> torch
         _native.tree_sum(rows, out, n, threads)
         return out
     if fresh and parts.is_cuda and parts.dtype == torch.float32 and parts.is_contiguous():
-        kernel = _cuda_kernel()
+        kernel = _cuda_kernel(parts.device)
         if kernel is not None and n & (n - 1) == 0 and n <= kernel.MAX_ROWS:
             summed: torch.Tensor = kernel.tree_sum_into(parts)  # one launch, the same adds
             return summed
@@ -73,15 +74,29 @@ def tree_sum(parts: torch.Tensor, *, fresh: bool = False, dim: int = 0) -> torch
 _CUDA: list[Any] = []  # the Triton kernel's module once looked for ([None]: no Triton here)
 
 
-def _cuda_kernel() -> Any:
-    """``shardline.comm.tree_cuda``, or ``None`` where Triton is not installed."""
+def _cuda_kernel(device: torch.device) -> Any:
+    """``shardline.comm.tree_cuda``, or ``None`` without Triton.
+
+    Also ``None`` where Triton cannot build its kernel (no C compiler, say): the elementwise
+    adds then, with a warning.
+    """
     if not _CUDA:
         try:
             from shardline.comm import tree_cuda  # noqa: PLC0415  (needs Triton)
         except ImportError:
             _CUDA.append(None)
-        else:
-            _CUDA.append(tree_cuda)
+            return None
+        try:  # Triton compiles at the first launch
+            tree_cuda.tree_sum_into(torch.zeros(2, 1, device=device))
+        except Exception as exc:  # any failure to build: fall back
+            warnings.warn(
+                f"shardline: Triton's tree kernel failed to build ({exc!r:.200}); deterministic "
+                "sums on the GPU use elementwise adds instead (the same bits, more launches)",
+                stacklevel=3,
+            )
+            _CUDA.append(None)
+            return None
+        _CUDA.append(tree_cuda)
     return _CUDA[0]
 
 

@@ -14,6 +14,7 @@ sums in its group's tree, where the tensor-parallel layer's own regions would al
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -85,8 +86,8 @@ def _per_unit_sum(dys: torch.Tensor, split: Split | None = None) -> torch.Tensor
     the tree, a row at a time (elementwise adds); either gives the same bits at any width and
     any number of units, in float32 for low-precision rows.
     """
-    if dys.is_cuda and _gpu_rows() is not None:
-        sums: torch.Tensor = _gpu_rows().row_sums(dys)  # one launch: each unit's rows in order
+    if dys.is_cuda and _gpu_rows(dys.device) is not None:
+        sums: torch.Tensor = _gpu_rows(dys.device).row_sums(dys)  # each unit's rows in order
         return sums
     if dys.dtype in (torch.bfloat16, torch.float16):
         dys = dys.float()
@@ -98,15 +99,31 @@ def _per_unit_sum(dys: torch.Tensor, split: Split | None = None) -> torch.Tensor
 _GPU_ROWS: list[Any] = []  # ``gpu_rows`` once looked for ([None]: no Triton here)
 
 
-def _gpu_rows() -> Any:
-    """``shardline.parallel.deterministic.gpu_rows``, or ``None`` without Triton."""
+def _gpu_rows(device: torch.device) -> Any:
+    """``shardline.parallel.deterministic.gpu_rows``, or ``None`` without Triton.
+
+    Also ``None`` where Triton cannot build its kernels (no C compiler, say): the trees of adds
+    then, with a warning.
+    """
     if not _GPU_ROWS:
         try:
             from shardline.parallel.deterministic import gpu_rows  # noqa: PLC0415  (Triton)
         except ImportError:
             _GPU_ROWS.append(None)
-        else:
-            _GPU_ROWS.append(gpu_rows)
+            return None
+        try:  # Triton compiles at the first launch
+            z = torch.zeros(1, 1, 1, device=device)
+            gpu_rows.row_sums(z)
+            gpu_rows.norm_sums(z, z[..., 0], z[..., 0], z, [1], 1, True, True)
+        except Exception as exc:  # any failure to build: fall back
+            warnings.warn(
+                f"shardline: Triton's row-sum kernels failed to build ({exc!r:.200}); "
+                "deterministic sums on the GPU use trees of adds instead (more launches)",
+                stacklevel=3,
+            )
+            _GPU_ROWS.append(None)
+            return None
+        _GPU_ROWS.append(gpu_rows)
     return _GPU_ROWS[0]
 
 
@@ -184,8 +201,8 @@ class _LayerNormFn(torch.autograd.Function):
                 dy, x, ctx.shape, mean, rstd, weight, bias, [True, False, False]
             )[0]
         dw = db = None
-        if dy.is_cuda and _gpu_rows() is not None:  # both sums in one launch
-            w, b = _gpu_rows().norm_sums(
+        if dy.is_cuda and _gpu_rows(dy.device) is not None:  # both sums in one launch
+            w, b = _gpu_rows(dy.device).norm_sums(
                 x, mean, rstd, dy, ctx.shape, c.units, ctx.keys[0] is not None,
                 ctx.keys[1] is not None,
             )  # fmt: skip
