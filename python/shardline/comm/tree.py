@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from shardline.comm.work import Backend, Handle
 
-__all__ = ["tree_group", "tree_sum"]
+__all__ = ["built_kernels", "tree_group", "tree_sum"]
 
 _SUMS = ("sum", "avg")
 _THREADED = 1 << 16  # elements per row from which the engine's kernel sums on torch's threads
@@ -75,29 +75,45 @@ _CUDA: list[Any] = []  # the Triton kernel's module once looked for ([None]: no 
 
 
 def _cuda_kernel(device: torch.device) -> Any:
-    """``shardline.comm.tree_cuda``, or ``None`` without Triton.
+    """``shardline.comm.tree_cuda``, or ``None`` (see ``built_kernels``)."""
 
-    Also ``None`` where Triton cannot build its kernel (no C compiler, say): the elementwise
-    adds then, with a warning.
+    def load() -> Any:
+        from shardline.comm import tree_cuda  # noqa: PLC0415  (needs Triton)
+
+        return tree_cuda
+
+    def trial(module: Any) -> None:
+        module.tree_sum_into(torch.zeros(2, 1, device=device))
+
+    return built_kernels(_CUDA, load, trial, "tree kernel")
+
+
+def built_kernels(
+    cache: list[Any], load: Callable[[], Any], trial: Callable[[Any], None], what: str
+) -> Any:
+    """A module of Triton kernels, looked for once (kept in ``cache``), or ``None``.
+
+    ``None`` where ``load`` finds no Triton (CPU builds of torch), or where ``trial``, its
+    first launch, fails: Triton compiles then, and needs a C compiler. That failure is a
+    warning naming ``what``; the caller adds with torch's elementwise ops instead.
     """
-    if not _CUDA:
+    if not cache:
         try:
-            from shardline.comm import tree_cuda  # noqa: PLC0415  (needs Triton)
+            module = load()
         except ImportError:
-            _CUDA.append(None)
-            return None
-        try:  # Triton compiles at the first launch
-            tree_cuda.tree_sum_into(torch.zeros(2, 1, device=device))
-        except Exception as exc:  # any failure to build: fall back
-            warnings.warn(
-                f"shardline: Triton's tree kernel failed to build ({exc!r:.200}); deterministic "
-                "sums on the GPU use elementwise adds instead (the same bits, more launches)",
-                stacklevel=3,
-            )
-            _CUDA.append(None)
-            return None
-        _CUDA.append(tree_cuda)
-    return _CUDA[0]
+            module = None
+        if module is not None:
+            try:
+                trial(module)
+            except Exception as exc:  # any failure to build: fall back
+                warnings.warn(
+                    f"shardline: Triton's {what} failed to build ({exc!r:.200}); deterministic "
+                    "sums on the GPU use torch's elementwise adds instead (more launches)",
+                    stacklevel=4,
+                )
+                module = None
+        cache.append(module)
+    return cache[0]
 
 
 def _torch_tree(parts: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ sums in its group's tree, where the tensor-parallel layer's own regions would al
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardline.comm.tree import tree_sum
+from shardline.comm.tree import built_kernels, tree_sum
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic import kernels
 from shardline.parallel.deterministic.collector import Collector, Dense, Lookups, Products
@@ -100,31 +99,19 @@ _GPU_ROWS: list[Any] = []  # ``gpu_rows`` once looked for ([None]: no Triton her
 
 
 def _gpu_rows(device: torch.device) -> Any:
-    """``shardline.parallel.deterministic.gpu_rows``, or ``None`` without Triton.
+    """``shardline.parallel.deterministic.gpu_rows``, or ``None`` (see ``built_kernels``)."""
 
-    Also ``None`` where Triton cannot build its kernels (no C compiler, say): the trees of adds
-    then, with a warning.
-    """
-    if not _GPU_ROWS:
-        try:
-            from shardline.parallel.deterministic import gpu_rows  # noqa: PLC0415  (Triton)
-        except ImportError:
-            _GPU_ROWS.append(None)
-            return None
-        try:  # Triton compiles at the first launch
-            z = torch.zeros(1, 1, 1, device=device)
-            gpu_rows.row_sums(z)
-            gpu_rows.norm_sums(z, z[..., 0], z[..., 0], z, [1], 1, True, True)
-        except Exception as exc:  # any failure to build: fall back
-            warnings.warn(
-                f"shardline: Triton's row-sum kernels failed to build ({exc!r:.200}); "
-                "deterministic sums on the GPU use trees of adds instead (more launches)",
-                stacklevel=3,
-            )
-            _GPU_ROWS.append(None)
-            return None
-        _GPU_ROWS.append(gpu_rows)
-    return _GPU_ROWS[0]
+    def load() -> Any:
+        from shardline.parallel.deterministic import gpu_rows  # noqa: PLC0415  (Triton)
+
+        return gpu_rows
+
+    def trial(module: Any) -> None:
+        z = torch.zeros(1, 1, 1, device=device)
+        module.row_sums(z)
+        module.norm_sums(z, z[..., 0], z[..., 0], z, [1], 1, True, True)
+
+    return built_kernels(_GPU_ROWS, load, trial, "row-sum kernels")
 
 
 def _autocast(x: torch.Tensor) -> torch.dtype | None:
