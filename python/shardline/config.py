@@ -457,8 +457,9 @@ LAUNCHER_VARIABLES: dict[str, str] = {
     "CUBLASLT_WORKSPACE_SIZE": "cuBLASLt's workspace (KiB); deterministic mode on a GPU sets 0",
     "MKL_CBWR": "MKL's reproducible mode; deterministic mode on CPU sets `AUTO,STRICT`",
 }
-"""The variables of torchrun, ``shardline run`` and SLURM that shardline reads (and cuBLAS's,
-which deterministic mode sets), and what each says. ``env_var`` refuses a name missing here."""
+"""The variables of torchrun, ``shardline run`` and SLURM that shardline reads (and cuBLASLt's
+and MKL's, which deterministic mode sets), and what each says. ``env_var`` refuses a name
+missing here."""
 
 
 def _launcher_variable(name: str) -> str:
