@@ -339,26 +339,25 @@ else:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("when", ["first", "late"])
+@pytest.mark.parametrize("when", ["first", "late", "user-mode"])
 def test_mkl_strict_mode_is_set_before_mkl_runs_and_refused_after(when: str) -> None:
-    """On CPU, MKL's strict reproducible mode: set before its first product, else named."""
+    """On CPU, MKL's strict reproducible mode: set before its first product, else named; a
+    mode of the user's that is not reproducible is named, not overridden."""
     if kernels._mkl_cbwr() is None:
         pytest.skip("this torch has no MKL (another BLAS): nothing to set")
     env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}  # MKL's default mode
+    if when == "user-mode":
+        env["MKL_CBWR"] = "AVX2"
     done = subprocess.run(
         [sys.executable, "-c", _MKL_CHILD, when], env=env, capture_output=True, text=True,
         timeout=120, check=True,
     )  # fmt: skip
     if when == "first":
         assert done.stdout.strip() == "strict: True AUTO,STRICT", done.stdout + done.stderr
-    else:
+    elif when == "late":
         assert "refused:" in done.stdout and "MKL_CBWR=AUTO,STRICT" in done.stdout, done.stdout
-    env["MKL_CBWR"] = "AVX2"  # a mode of the user's choice that is not reproducible: named
-    done = subprocess.run(
-        [sys.executable, "-c", _MKL_CHILD, "first"], env=env, capture_output=True, text=True,
-        timeout=120, check=True,
-    )  # fmt: skip
-    assert "refused:" in done.stdout and "MKL_CBWR is 'AVX2'" in done.stdout, done.stdout
+    else:
+        assert "refused:" in done.stdout and "MKL_CBWR is 'AVX2'" in done.stdout, done.stdout
 
 
 def test_blocks_narrower_than_the_cpu_kernels_allow_are_refused() -> None:

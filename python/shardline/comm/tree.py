@@ -76,6 +76,8 @@ _CUDA: list[Any] = []  # the Triton kernel's module once looked for ([None]: no 
 
 def _cuda_kernel(device: torch.device) -> Any:
     """``shardline.comm.tree_cuda``, or ``None`` (see ``built_kernels``)."""
+    if _CUDA:  # looked for already: every parameter's sum asks
+        return _CUDA[0]
 
     def load() -> Any:
         from shardline.comm import tree_cuda  # noqa: PLC0415  (needs Triton)

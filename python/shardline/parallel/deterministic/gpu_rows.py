@@ -14,6 +14,8 @@ Importing this module needs Triton (installed with torch's CUDA builds).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -102,9 +104,7 @@ def norm_sums(
     ``x`` and ``dy`` are ``[..., *shape]``, their rows in ``units`` equal blocks; ``mean`` and
     ``rstd`` hold one value per row (``native_layer_norm``'s). ``None`` where not asked for.
     """
-    width = 1
-    for n in shape:
-        width *= n
+    width = math.prod(shape)
     total = x.numel() // width
     xs = x.reshape(total, width).contiguous()
     gs = dy.reshape(total, width).contiguous()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,25 +92,21 @@ def cublas_env() -> None:
 
 
 _CBWR_AUTO, _CBWR_COMPATIBLE, _CBWR_STRICT = 2, 3, 0x10000  # mkl_service.h's modes
-_MKL: list[Any] = []  # (get, set) of MKL's reproducibility mode, once looked for; [None]: none
 
 
+@functools.cache
 def _mkl_cbwr() -> Any:
     """MKL's ``cbwr`` get and set functions in this process, or ``None`` (no MKL)."""
-    if not _MKL:
-        found = None
-        where = [Path(torch.__file__).parent / "lib" / "libtorch_cpu.so", None]
-        for path, prefix in zip(where, ("mkl_serv_cbwr_", "mkl_cbwr_"), strict=True):
-            try:
-                lib = ctypes.CDLL(str(path) if path is not None else None)
-                get, put = getattr(lib, prefix + "get"), getattr(lib, prefix + "set")
-            except (OSError, AttributeError):
-                continue
-            get.argtypes, put.argtypes = [ctypes.c_int], [ctypes.c_int]
-            found = (get, put)
-            break
-        _MKL.append(found)
-    return _MKL[0]
+    where = [Path(torch.__file__).parent / "lib" / "libtorch_cpu.so", None]
+    for path, prefix in zip(where, ("mkl_serv_cbwr_", "mkl_cbwr_"), strict=True):
+        try:
+            lib = ctypes.CDLL(str(path) if path is not None else None)
+            get, put = getattr(lib, prefix + "get"), getattr(lib, prefix + "set")
+        except (OSError, AttributeError):
+            continue
+        get.argtypes, put.argtypes = [ctypes.c_int], [ctypes.c_int]
+        return get, put
+    return None
 
 
 def mkl_strict() -> None:

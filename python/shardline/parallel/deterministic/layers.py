@@ -85,8 +85,9 @@ def _per_unit_sum(dys: torch.Tensor, split: Split | None = None) -> torch.Tensor
     the tree, a row at a time (elementwise adds); either gives the same bits at any width and
     any number of units, in float32 for low-precision rows.
     """
-    if dys.is_cuda and _gpu_rows(dys.device) is not None:
-        sums: torch.Tensor = _gpu_rows(dys.device).row_sums(dys)  # each unit's rows in order
+    rows = _gpu_rows(dys.device) if dys.is_cuda else None
+    if rows is not None:
+        sums: torch.Tensor = rows.row_sums(dys)  # each unit's rows in order
         return sums
     if dys.dtype in (torch.bfloat16, torch.float16):
         dys = dys.float()
@@ -100,6 +101,8 @@ _GPU_ROWS: list[Any] = []  # ``gpu_rows`` once looked for ([None]: no Triton her
 
 def _gpu_rows(device: torch.device) -> Any:
     """``shardline.parallel.deterministic.gpu_rows``, or ``None`` (see ``built_kernels``)."""
+    if _GPU_ROWS:  # looked for already: every backward asks
+        return _GPU_ROWS[0]
 
     def load() -> Any:
         from shardline.parallel.deterministic import gpu_rows  # noqa: PLC0415  (Triton)
@@ -188,8 +191,9 @@ class _LayerNormFn(torch.autograd.Function):
                 dy, x, ctx.shape, mean, rstd, weight, bias, [True, False, False]
             )[0]
         dw = db = None
-        if dy.is_cuda and _gpu_rows(dy.device) is not None:  # both sums in one launch
-            w, b = _gpu_rows(dy.device).norm_sums(
+        rows = _gpu_rows(dy.device) if dy.is_cuda else None
+        if rows is not None:  # both sums in one launch
+            w, b = rows.norm_sums(
                 x, mean, rstd, dy, ctx.shape, c.units, ctx.keys[0] is not None,
                 ctx.keys[1] is not None,
             )  # fmt: skip
