@@ -93,9 +93,13 @@ def run_ranks(
     running after ``timeout`` seconds, aborts the groups and reports the stuck ranks.
     Groups are always shut down.
     """
-    # The harness's store (the master's own connection too: under load it once took more than
-    # a test's 3 s deadline) gets at least 30 s, whatever deadline the group under test has.
-    master = new_store(max(op_timeout, 30.0))
+    # The ranks are threads of this process, so they share an in-memory store. A TCPStore
+    # client per rank made torch look up the reverse DNS name of ::ffff:127.0.0.1 (it logs
+    # the address it connects to), and where the resolver drops some of those queries (CI's
+    # machines: about every 50th in a process) a connect took 5 s: a sixth of the
+    # collective tests' time. The store's deadline is at least 30 s, whatever the group's.
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=max(op_timeout, 30.0)))
     ids = host_ids(n, transport)
     results: list[Any] = [None] * n
     errors: dict[int, str] = {}
@@ -103,9 +107,6 @@ def run_ranks(
 
     def run(rank: int) -> None:
         try:
-            store = dist.TCPStore(
-                "127.0.0.1", master.port, None, False, timedelta(seconds=max(op_timeout, 30.0))
-            )
             g = init_process_group(
                 store,
                 rank,

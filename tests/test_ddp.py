@@ -25,7 +25,7 @@ from shardline.comm import ProcessGroup
 from shardline.comm.symmetric import wait_for_releases
 from shardline.errors import CommunicatorClosedError, InvalidArgumentError, ShardlineError
 from shardline.parallel import DistributedDataParallel
-from tests._ranks import new_store, run_ranks
+from tests._ranks import run_ranks
 from tests._symmetric_maps import in_symmetric_memory, symmetric_ranges
 from tests.multiprocess._launch import report
 from tests.multiprocess._launch import run as run_processes
@@ -61,11 +61,10 @@ def batch(step: int, rank: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tens
     return torch.randn(rows, IN, generator=g), torch.randn(rows, OUT, generator=g)
 
 
-def torch_gloo(port: int, rank: int, world_size: int) -> dist.ProcessGroup:
-    """A torch ProcessGroup on Gloo for one thread-rank (torch's DDP needs the c10d wrapper)."""
-    store = dist.PrefixStore(
-        "torch-ddp", dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30))
-    )
+def torch_gloo(shared: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
+    """A torch ProcessGroup on Gloo for one thread-rank (torch's DDP needs the c10d wrapper),
+    rendezvousing in ``shared``, the ranks' in-memory store (``run_ranks`` says why)."""
+    store = dist.PrefixStore("torch-ddp", shared)
     gloo = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=30))
     pg = dist.ProcessGroup(store, rank, world_size)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
@@ -104,12 +103,13 @@ def side_by_side(
     backend: str = "native",
 ) -> list[tuple[object, object]]:
     """Runs ``run`` on our DDP and on torch's DDP in every rank; returns both results."""
-    master = new_store()
+    shared = dist.HashStore()
+    shared.set_timeout(timedelta(seconds=30))
 
     def body(g: ProcessGroup) -> tuple[object, object]:
         torch.set_num_threads(1)
         a = run(ours(g), g.rank)
-        b = run(theirs(torch_gloo(master.port, g.rank, n)), g.rank)
+        b = run(theirs(torch_gloo(shared, g.rank, n)), g.rank)
         return a, b
 
     return run_ranks(n, body, backend=backend, timeout=90.0)
