@@ -16,7 +16,10 @@ Models:
 A third contender, ``no comm``, is our wrapper stepping under ``no_sync()``: the same step with
 no gradient communicated and no rank waiting for another, the floor of what hiding
 communication can give. The ``floor`` column is our step over it (1.00x: every byte of
-communication hidden behind backward and the ranks in step).
+communication hidden behind backward and the ranks in step). A fourth, ``in step``, is the
+same with one 4-byte all-reduce after backward: the ranks wait for each other every step, as
+under DDP, but move no gradient. Between ``no comm`` and it is what keeping the ranks in step
+costs (each step is its slowest rank's); between it and ours, what the gradients' bytes cost.
 
 Prints the throughput ratio ours/torch and writes JSON, a text table and (with matplotlib) a
 PNG to ``benches/results/``.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -80,12 +84,17 @@ def make_model(kind: str, device: Any, big: bool) -> tuple[Any, Any, int]:
     return model, batch_lm, cfg.batch_size * cfg.seq_len
 
 
-def step_fn(model: Any, opt: Any, batch: tuple[Any, ...], sync: bool = True) -> None:
+def step_fn(
+    model: Any, opt: Any, batch: tuple[Any, ...], sync: bool = True, meet: Any = None
+) -> None:
+    """One step; ``sync=False``: under ``no_sync()``, then ``meet()`` if given."""
     opt.zero_grad(set_to_none=True)
     with contextlib.nullcontext() if sync else model.no_sync():
         out = model(*batch)
         loss = out if out.dim() == 0 else out.float().pow(2).mean()
         loss.backward()
+    if meet is not None:
+        meet()
     opt.step()
 
 
@@ -107,13 +116,15 @@ def worker(args: argparse.Namespace) -> int:
         ours = sl.DistributedDataParallel(copy.deepcopy(base), group=ours_group, **args.ddp_kw)
         theirs = TorchDDP(copy.deepcopy(base), device_ids=[device.index] if cuda else None)
         alone = sl.DistributedDataParallel(copy.deepcopy(base), group=ours_group, **args.ddp_kw)
-        contenders = {"shardline": ours, "torch": theirs, "nocomm": alone}
+        contenders = {"shardline": ours, "torch": theirs, "nocomm": alone, "insync": alone}
+        meets = {"insync": functools.partial(ours_group.all_reduce, torch.zeros(1, device=device))}
+        unsynced = ("nocomm", "insync")  # the contenders under no_sync()
         opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in contenders.items()}
         batches = [make_batch() for _ in range(4)]
         times: dict[str, list[float]] = {k: [] for k in contenders}
         for name, m in contenders.items():  # warm-up, also the bucket rebuild
             for i in range(args.warmup):
-                step_fn(m, opts[name], batches[i % 4], sync=name != "nocomm")
+                step_fn(m, opts[name], batches[i % 4], name not in unsynced, meets.get(name))
         _harness.sync(device)
         for _ in range(args.repeats):
             for name, m in contenders.items():
@@ -121,7 +132,7 @@ def worker(args: argparse.Namespace) -> int:
                 _harness.sync(device)
                 t0 = time.perf_counter()
                 for i in range(args.steps):
-                    step_fn(m, opts[name], batches[i % 4], sync=name != "nocomm")
+                    step_fn(m, opts[name], batches[i % 4], name not in unsynced, meets.get(name))
                 _harness.sync(device)
                 times[name].append((time.perf_counter() - t0) / args.steps)
         # Report the slowest rank's median: a step is as slow as its slowest rank.
@@ -140,6 +151,7 @@ def worker(args: argparse.Namespace) -> int:
             row[f"{name}_per_s"] = items * world / t
         row["ratio"] = row["shardline_per_s"] / row["torch_per_s"]
         row["floor"] = row["shardline_step_ms"] / row["nocomm_step_ms"]
+        row["insync_over_nocomm"] = row["insync_step_ms"] / row["nocomm_step_ms"]
         results[kind] = row
         del ours, theirs, alone, contenders, opts
     return _harness.leave_job(rank, results, args.out)
@@ -153,6 +165,7 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
     lines = [
         f"{'model':8} {'ranks':>5} {'grads MB':>9} {'shardline/s':>13} {'torch/s':>13} "
         f"{'step ms ours':>12} {'step ms torch':>13} {'ratio':>6} {'no comm':>8} {'floor':>6}"
+        f" {'in step':>8}"
         f"   (peer: {peer})"
     ]
     for world, res in results.items():
@@ -169,8 +182,9 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
 def _floor(row: dict[str, Any]) -> str:
     """The no-communication step and ours over it (files from before it: blank)."""
     if "nocomm_step_ms" not in row:
-        return f"{'-':>8} {'-':>6}"
-    return f"{row['nocomm_step_ms']:8.2f} {row['floor']:5.2f}x"
+        return f"{'-':>8} {'-':>6} {'-':>8}"
+    insync = f"{row['insync_step_ms']:8.2f}" if "insync_step_ms" in row else f"{'-':>8}"
+    return f"{row['nocomm_step_ms']:8.2f} {row['floor']:5.2f}x {insync}"
 
 
 def progress(args: argparse.Namespace, world: int, res: dict[str, Any], _seconds: float) -> str:
