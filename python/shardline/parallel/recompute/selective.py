@@ -226,10 +226,14 @@ def note_norm_eps(module: nn.Module, _args: Any, output: Any) -> None:
 
     The norm's backward node does not keep eps, and recomputing its output needs it.
     """
-    if _state.blocks and isinstance(output, torch.Tensor) and output.grad_fn is not None:
+    fn = output.grad_fn if isinstance(output, torch.Tensor) else None
+    if _state.blocks and fn is not None:
+        # One read of ``grad_fn``, kept: torch 2.11 makes a new Python object for a node at
+        # each read while none is alive, so a second read's id was not the key (its norms'
+        # outputs were then kept, or not, as memory addresses happened to be reused).
         block = _state.blocks[-1]
-        block.eps[id(output.grad_fn)] = module.eps  # type: ignore[assignment]
-        block.nodes.append(output.grad_fn)
+        block.eps[id(fn)] = module.eps  # type: ignore[assignment]
+        block.nodes.append(fn)
 
 
 def enter_block(hooks: bool) -> _Block:
