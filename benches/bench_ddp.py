@@ -37,6 +37,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,11 @@ def make_model(kind: str, device: Any, big: bool) -> tuple[Any, Any, int]:
 
 
 def step_fn(
-    model: Any, opt: Any, batch: tuple[Any, ...], sync: bool = True, meet: Any = None
+    model: Any,
+    opt: Any,
+    batch: tuple[Any, ...],
+    sync: bool = True,
+    meet: Callable[[], object] | None = None,
 ) -> None:
     """One step; ``sync=False``: under ``no_sync()``, then ``meet()`` if given."""
     opt.zero_grad(set_to_none=True)
@@ -151,7 +156,6 @@ def worker(args: argparse.Namespace) -> int:
             row[f"{name}_per_s"] = items * world / t
         row["ratio"] = row["shardline_per_s"] / row["torch_per_s"]
         row["floor"] = row["shardline_step_ms"] / row["nocomm_step_ms"]
-        row["insync_over_nocomm"] = row["insync_step_ms"] / row["nocomm_step_ms"]
         results[kind] = row
         del ours, theirs, alone, contenders, opts
     return _harness.leave_job(rank, results, args.out)

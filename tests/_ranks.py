@@ -16,7 +16,16 @@ import torch.distributed as dist
 
 from shardline.comm import ProcessGroup, init_process_group
 
-__all__ = ["SECRET", "THREAD_PREFIX", "built_once", "host_ids", "new_store", "run_ranks", "seeded"]
+__all__ = [
+    "SECRET",
+    "THREAD_PREFIX",
+    "built_once",
+    "host_ids",
+    "new_store",
+    "run_ranks",
+    "seeded",
+    "shared_store",
+]
 
 SECRET = b"shardline-test-secret"
 THREAD_PREFIX = "shardline-rank-"
@@ -74,6 +83,14 @@ def new_store(timeout: float = 30.0) -> dist.TCPStore:
     )
 
 
+def shared_store(timeout: float = 30.0) -> dist.HashStore:
+    """An in-memory store for ranks that are threads of this process (``run_ranks`` says why
+    not a TCPStore)."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=timeout))
+    return store
+
+
 def run_ranks(
     n: int,
     body: Callable[[ProcessGroup], Any],
@@ -98,8 +115,7 @@ def run_ranks(
     # the address it connects to), and where the resolver drops some of those queries (CI's
     # machines: about every 50th in a process) a connect took 5 s: a sixth of the
     # collective tests' time. The store's deadline is at least 30 s, whatever the group's.
-    store = dist.HashStore()
-    store.set_timeout(timedelta(seconds=max(op_timeout, 30.0)))
+    store = shared_store(max(op_timeout, 30.0))
     ids = host_ids(n, transport)
     results: list[Any] = [None] * n
     errors: dict[int, str] = {}

@@ -25,7 +25,7 @@ from shardline.comm import ProcessGroup
 from shardline.comm.symmetric import wait_for_releases
 from shardline.errors import CommunicatorClosedError, InvalidArgumentError, ShardlineError
 from shardline.parallel import DistributedDataParallel
-from tests._ranks import run_ranks
+from tests._ranks import run_ranks, shared_store
 from tests._symmetric_maps import in_symmetric_memory, symmetric_ranges
 from tests.multiprocess._launch import report
 from tests.multiprocess._launch import run as run_processes
@@ -103,8 +103,7 @@ def side_by_side(
     backend: str = "native",
 ) -> list[tuple[object, object]]:
     """Runs ``run`` on our DDP and on torch's DDP in every rank; returns both results."""
-    shared = dist.HashStore()
-    shared.set_timeout(timedelta(seconds=30))
+    shared = shared_store()
 
     def body(g: ProcessGroup) -> tuple[object, object]:
         torch.set_num_threads(1)
