@@ -2,7 +2,8 @@
 //!
 //! Ops run strictly in issue order. A blocking call with nothing queued runs inline on the
 //! caller's thread (no hand-off, so small ops cost microseconds); anything else goes to the
-//! communicator's one worker thread and returns a [`Work`]. Every op gets a deadline, a
+//! communicator's one worker thread and returns a [`Work`], and a caller that then waits for
+//! it runs it itself if the worker has not started it. Every op gets a deadline, a
 //! sequence number and a signature; the first failure aborts the transports for every rank
 //! and leaves the communicator closed, so later calls fail fast instead of hanging.
 //!
@@ -12,18 +13,19 @@
 //! - [`work`]: [`Work`], an op's completion.
 //! - [`dispatch`]: the route of each op to a transport and an algorithm, by [`Mode`].
 //! - [`mailbox`]: which message a receive takes (by source and tag, or from any source).
+//! - [`queue`]: the worker thread, and a waiting caller, that run queued ops in order.
 //! - [`sends`]: the send lane, which runs sends to ranks of this host beside the queue.
-//! - this file: [`Communicator`], the queue and the worker that run ops in order.
+//! - this file: [`Communicator`], submission, and what runs one op (numbering, deadline).
 
 pub mod config;
 pub mod dispatch;
 mod mailbox;
 pub mod op;
+mod queue;
 mod sends;
 pub mod work;
 
 use std::any::Any;
-use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -33,6 +35,7 @@ pub use dispatch::Mode;
 use dispatch::Router;
 use op::{sig_of, validate};
 pub use op::{Op, RawBuf};
+use queue::{panic_message, run_guarded, worker_loop, Job, Queue};
 use sends::SendLane;
 pub use work::{Outcome, Work};
 
@@ -42,21 +45,6 @@ use crate::transport::tcp::TcpListenerHandle;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-struct Job {
-    op: Op,
-    work: Work,
-    keepalive: Box<dyn Any + Send>,
-    /// Submitted with `async_op`: it overlaps the caller's compute, so no helper threads.
-    async_op: bool,
-}
-
-#[derive(Default)]
-struct Queue {
-    items: VecDeque<Job>,
-    running: usize,
-    closed: bool,
 }
 
 struct Shared {
@@ -208,6 +196,12 @@ impl Communicator {
         Ok(work)
     }
 
+    /// Runs the queued ops up to `work` on this thread when the worker is not running one, as
+    /// a caller about to wait for `work` may ([`queue::run_until`]).
+    pub fn run_until(&self, work: &Work) {
+        queue::run_until(&self.shared, work);
+    }
+
     /// Fails pending and future ops here and on every peer with `reason`.
     pub fn abort(&self, reason: &str) {
         let err = Error::new(
@@ -247,64 +241,6 @@ fn closed_error(rank: usize) -> Error {
         ErrorKind::Closed,
         format!("rank {rank}: the communicator was shut down; create a new group"),
     )
-}
-
-/// Runs one op; a panic (a bug in the engine) becomes an error on this rank, breaks the
-/// communicator like any failure, and leaves the queue usable for the error to surface.
-///
-/// `helpers`: whether a large shared-memory op may split its passes over the communicator's
-/// helper threads. Only ops the caller waits for do: an async op runs beside the caller's
-/// compute, whose cores the helpers would take.
-fn run_guarded(shared: &Shared, op: &Op, helpers: bool) -> Outcome {
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        lock(&shared.core).run(op, helpers)
-    }));
-    outcome.unwrap_or_else(|panic| {
-        let what = panic_message(panic.as_ref());
-        let err = Error::new(
-            ErrorKind::Protocol,
-            format!(
-                "rank {}: internal error in the collective engine ({what}); please report it",
-                shared.rank
-            ),
-        );
-        lock(&shared.core).fail(&err);
-        Err(err)
-    })
-}
-
-/// What a caught panic says (its `&str` or `String` payload).
-fn panic_message(panic: &(dyn Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
-}
-
-fn worker_loop(shared: &Shared) {
-    loop {
-        let job = {
-            let mut q = lock(&shared.queue);
-            loop {
-                if q.running == 0 {
-                    if let Some(j) = q.items.pop_front() {
-                        q.running += 1;
-                        break j;
-                    }
-                    if q.closed {
-                        return;
-                    }
-                }
-                q = shared.cv.wait(q).unwrap_or_else(|e| e.into_inner());
-            }
-        };
-        let r = run_guarded(shared, &job.op, !job.async_op);
-        job.work.complete(r);
-        drop(job.keepalive);
-        lock(&shared.queue).running -= 1;
-        shared.cv.notify_all();
-    }
 }
 
 impl Core {
@@ -450,6 +386,47 @@ mod tests {
             for (seen, buf) in got {
                 assert_eq!(seen, (mode, 4096, spin, 3), "{mode:?}");
                 assert!(buf == want, "{mode:?}: wrong all_reduce result");
+            }
+        }
+    }
+
+    #[test]
+    fn a_caller_waiting_for_queued_ops_runs_them_in_order() {
+        // Whoever runs each op (the worker or the waiting caller), every result is the sum of
+        // its own buffers: the ops ran one at a time, in the order both ranks issued them.
+        let n = 4096;
+        let got = on_one_host(
+            |_| {},
+            |c| {
+                let mut bufs: Vec<Vec<u8>> = (0..6)
+                    .map(|k| f32_bytes((0..n).map(|i| (i * (k + 1) + c.rank()) as f32)))
+                    .collect();
+                for _round in 0..3 {
+                    let works: Vec<Work> = bufs
+                        .iter_mut()
+                        .map(|b| {
+                            let op = Op::AllReduce {
+                                buf: RawBuf::from_slice(b),
+                                dtype: DType::F32,
+                                op: ReduceOp::Sum,
+                            };
+                            c.submit(op, Box::new(()), true).unwrap()
+                        })
+                        .collect();
+                    let last = works.last().unwrap();
+                    c.run_until(last);
+                    for w in &works {
+                        w.wait_for(None).unwrap();
+                    }
+                }
+                bufs
+            },
+        );
+        for (r, bufs) in got.iter().enumerate() {
+            for (k, b) in bufs.iter().enumerate() {
+                // x + rank summed over two ranks, three times: 8x + 4.
+                let want = f32_bytes((0..n).map(|i| (8 * (i * (k + 1)) + 4) as f32));
+                assert!(*b == want, "rank {r}, buffer {k}");
             }
         }
     }

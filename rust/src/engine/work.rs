@@ -48,6 +48,11 @@ impl Work {
         self.inner.cv.notify_all();
     }
 
+    /// Whether `other` is this op's completion (a clone of it).
+    pub(super) fn same(&self, other: &Work) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// Whether the op has finished (successfully or not).
     pub fn is_completed(&self) -> bool {
         lock(&self.inner.done).is_some()

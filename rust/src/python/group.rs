@@ -1,6 +1,6 @@
 //! `Group`, `Work`, `Listener` and the arena helpers: thin adapters over the engine.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
@@ -63,6 +63,8 @@ pub fn arena_sweep(directory: &str) -> usize {
 #[pyclass(name = "Work", module = "shardline._native")]
 pub struct PyWork {
     work: Work,
+    /// The communicator of a queued op, whose queue `wait` may run up to it.
+    comm: Option<Weak<Communicator>>,
 }
 
 fn wait_work(py: Python<'_>, work: &Work, timeout: Option<f64>) -> PyResult<()> {
@@ -99,6 +101,13 @@ impl PyWork {
     /// Blocks until done (raises the op's error); `timeout` in seconds.
     #[pyo3(signature = (timeout = None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        // With no timeout of its own the caller runs the op itself if the worker has not
+        // started it (`Communicator::run_until`); a timeout could not bound an op run here.
+        if timeout.is_none() && !self.work.is_completed() {
+            if let Some(comm) = self.comm.as_ref().and_then(Weak::upgrade) {
+                py.detach(|| comm.run_until(&self.work));
+            }
+        }
         wait_work(py, &self.work, timeout)
     }
 
@@ -163,14 +172,20 @@ impl PyGroup {
         if async_op {
             let keep: Vec<_> = held.into_iter().map(|h| h.keep).collect();
             let work = comm.submit(op, Box::new(keep), true).py_err()?;
-            return Ok(PyWork { work });
+            let comm = Some(Arc::downgrade(&comm));
+            return Ok(PyWork { work, comm });
         }
+        // Queued behind others, it is run here with them (`Communicator::run_until`).
         let work = py
-            .detach(|| comm.submit(op, Box::new(()), false))
+            .detach(|| {
+                let work = comm.submit(op, Box::new(()), false)?;
+                comm.run_until(&work);
+                Ok(work)
+            })
             .py_err()?;
         wait_work(py, &work, None)?;
         drop(held);
-        Ok(PyWork { work })
+        Ok(PyWork { work, comm: None })
     }
 }
 

@@ -79,6 +79,10 @@ __all__ = ["DistributedDataParallel"]
 _MIB = 1 << 20
 
 
+def _done() -> None:
+    """A bucket reduced already has nothing left to finish."""
+
+
 class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module):
     """Replicates ``module`` on every rank of ``group`` and averages gradients in backward.
 
@@ -166,6 +170,8 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
         self._buffers_list = [b for b in module.buffers() if b.numel() > 0]
         self._device = self._params[0].device if self._params else torch.device("cpu")
         self._symmetric_choice = symmetric
+        # On CPU the final callback reduces the last bucket itself (see _launch_ready).
+        self._wait_last = self._device.type == "cpu"
         self.symmetric = wants_symmetric(self.group, self._device, symmetric, "DDP")
         for name, p in named:
             if p.is_sparse:
@@ -489,16 +495,32 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
         self._buckets[self._slot[i][0]].pending -= 1
         self._launch_ready(step)
 
-    def _launch_ready(self, step: StepState) -> None:
-        while step.next_bucket < len(self._buckets):
+    def _launch_ready(self, step: StepState, final: bool = False) -> None:
+        """Starts the buckets that are complete, in index order.
+
+        The last bucket is complete only when backward is: on CPU it is left to the final
+        callback (``final``), which reduces it waiting, so the engine runs it on this thread
+        with its comm threads rather than alone on its worker beside nothing to overlap.
+        """
+        last = len(self._buckets) - 1
+        while step.next_bucket <= last:
             bucket = self._buckets[step.next_bucket]
             if bucket.pending > 0:
                 return
-            bucket.finish = self._start(bucket)
+            wait = step.next_bucket == last and self._wait_last
+            if wait and not final:
+                return
+            bucket.finish = self._start(bucket, wait=wait)
             step.next_bucket += 1
 
     @charged
-    def _start(self, bucket: Bucket) -> Callable[[], None]:
+    def _start(self, bucket: Bucket, wait: bool = False) -> Callable[[], None]:
+        """Starts reducing ``bucket``; returns what finishes it. ``wait``: reduce it now, on
+        this thread, where the default reduction allows (else as usual)."""
+        plain = self._hook is allreduce_hook and self._compression is None
+        if wait and plain:
+            self.group.all_reduce(bucket.flat, "avg" if bucket.in_place else "sum")
+            return _done
         if bucket.in_place:
             # avg divides by the world size inside the reduction, as the bucket copy would.
             work = self.group.all_reduce(bucket.flat, "avg", async_op=True)
@@ -531,18 +553,20 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
                     self._fill_slot(i, p.grad, used=False)
                     step.ready[i] = True
                     self._buckets[self._slot[i][0]].pending -= 1
-            self._launch_ready(step)
+            self._launch_ready(step, final=True)
             # Through pinned memory: a plain host-to-device copy would block this thread until
             # the GPU finished the backward, so the optimizer's kernels would be queued late.
             on_gpu = self._device.type == "cuda"
             used_t = torch.tensor(self._used_since_sync, dtype=torch.uint8, pin_memory=on_gpu)
             used_t = used_t.to(self._device, non_blocking=True)
-            mask_work = self.group.all_reduce(used_t, "max", async_op=True)
+            # Waited for here when the last bucket was: handed to the engine's worker thread,
+            # it would wait for that thread to get a core, which a busy host gives late.
+            mask_work = self.group.all_reduce(used_t, "max", async_op=not self._wait_last)
             for bucket in self._buckets:
                 assert bucket.finish is not None
                 bucket.finish()
-            assert mask_work is not None
-            mask_work.wait()
+            if mask_work is not None:
+                mask_work.wait()
             # A parameter this rank used was used by some rank: only parameters unused here
             # need the mask's verdict. Reading it costs a device sync on GPUs, so it is read
             # only then (the common case, every parameter used, never syncs).
