@@ -695,6 +695,36 @@ def test_in_place_gradients_keep_the_ready_order() -> None:
     assert layout == [["b.weight"], ["c.bias", "c.weight", "b.bias", "a.bias"], ["a.weight"]]
 
 
+def test_the_last_bucket_and_the_mask_are_reduced_waiting_on_cpu() -> None:
+    """The last bucket fills as backward ends: the final callback reduces it, and the mask of
+    used parameters, on the rank's own thread; the others start during backward."""
+
+    def body(g: ProcessGroup) -> tuple[list[tuple[torch.dtype, int, bool]], list[int]]:
+        calls: list[tuple[torch.dtype, int, bool]] = []
+        inner = g.all_reduce
+
+        def recording(tensor: torch.Tensor, op: object = "sum", async_op: bool = False) -> Any:
+            calls.append((tensor.dtype, tensor.numel(), async_op))
+            return inner(tensor, op, async_op)
+
+        model = DistributedDataParallel(
+            Shuffled(), group=g, bucket_cap_mb=1e-6, first_bucket_mb=1e-6
+        )
+        for step in range(2):  # the second step runs on the rebuilt buckets
+            if step == 1:
+                g.all_reduce = recording  # type: ignore[method-assign]
+            x, y = batch(step, g.rank)
+            nn.functional.mse_loss(model(x), y).backward()
+        return calls, [b.flat.numel() for b in model._buckets]
+
+    calls, sizes = run_ranks(2, body)[0]
+    assert len(sizes) == 6
+    assert calls == [(torch.float32, n, True) for n in sizes[:-1]] + [
+        (torch.float32, sizes[-1], False),
+        (torch.uint8, 6, False),
+    ]
+
+
 def test_different_models_are_named() -> None:
     def body(g: ProcessGroup) -> str:
         width = HIDDEN if g.rank == 0 else HIDDEN + 1
