@@ -515,8 +515,11 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
 
     @charged
     def _start(self, bucket: Bucket, wait: bool = False) -> Callable[[], None]:
-        """Starts reducing ``bucket``; returns what finishes it. ``wait``: reduce it now, on
-        this thread, where the default reduction allows (else as usual)."""
+        """Starts reducing ``bucket``; returns what finishes it.
+
+        ``wait``: reduce it now, on this thread, where the default reduction allows (else as
+        usual).
+        """
         plain = self._hook is allreduce_hook and self._compression is None
         if wait and plain:
             self.group.all_reduce(bucket.flat, "avg" if bucket.in_place else "sum")
