@@ -79,10 +79,6 @@ __all__ = ["DistributedDataParallel"]
 _MIB = 1 << 20
 
 
-def _done() -> None:
-    """A bucket reduced already has nothing left to finish."""
-
-
 class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module):
     """Replicates ``module`` on every rank of ``group`` and averages gradients in backward.
 
@@ -515,15 +511,11 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
 
     @charged
     def _start(self, bucket: Bucket, wait: bool = False) -> Callable[[], None]:
-        """Starts reducing ``bucket``; returns what finishes it.
-
-        ``wait``: reduce it now, on this thread, where the default reduction allows (else as
-        usual).
-        """
+        """Starts reducing ``bucket`` (``wait``: now, where the hook allows); its finish."""
         plain = self._hook is allreduce_hook and self._compression is None
         if wait and plain:
             self.group.all_reduce(bucket.flat, "avg" if bucket.in_place else "sum")
-            return _done
+            return lambda: None  # reduced already
         if bucket.in_place:
             # avg divides by the world size inside the reduction, as the bucket copy would.
             work = self.group.all_reduce(bucket.flat, "avg", async_op=True)
