@@ -7,6 +7,7 @@
 //! - [`reduce`]: vectorisable reduction kernels (f16/bf16 accumulate in f32).
 //! - [`signature`]: op signatures, compared across ranks before any data moves.
 //! - [`wait`]: spin-then-futex waiting with deadlines.
+//! - [`interrupt`]: a Python caller's signal handlers, run while its thread waits in an op.
 //! - [`memcpy`]: copies into shared memory, with streaming stores where they pay.
 //! - [`transport`]: bytes between ranks: the point-to-point interface, a shared-memory arena
 //!   inside a host, framed and authenticated TCP between hosts.
@@ -26,6 +27,7 @@ pub mod collectives;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod interrupt;
 pub mod kernels;
 pub mod memcpy;
 pub mod reduce;

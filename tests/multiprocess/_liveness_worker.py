@@ -12,8 +12,10 @@ import copy
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -149,12 +151,56 @@ def pipeline_kill() -> None:
         print(f"STEP {step}", flush=True)
 
 
+def signals_in_waits() -> None:
+    """Rank 1 is ``WORKER_LATE_S`` late for two blocking all-reduces; rank 0, waiting in them,
+    gets signals meanwhile and must handle them then, not when the wait ends: ``SIGUSR1``
+    (the flight recorder's dump, while the job goes on), then ``SIGINT``, whose
+    ``KeyboardInterrupt`` ends the wait and aborts the group for rank 1."""
+    sl.init()
+    late = float(os.environ["WORKER_LATE_S"])
+    t = torch.ones(1024)
+    if sl.get_rank() == 1:
+        for _ in range(2):
+            time.sleep(late)
+            sl.all_reduce(t)
+            print("PEER_STEP_DONE", flush=True)
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    dump = Path(os.environ["SHARDLINE_FLIGHT_DIR"]) / "rank0.json"
+    written: list[float] = []
+
+    def ask_for_a_dump() -> None:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.monotonic() + 2 * late
+        while not dump.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        written.append(time.monotonic())
+
+    asker = threading.Thread(target=ask_for_a_dump)
+    asker.start()
+    t0 = time.monotonic()
+    sl.all_reduce(t)
+    returned = time.monotonic()
+    asker.join()
+    print(f"DUMPED {written[0] - t0:.2f} RETURNED {returned - t0:.2f}", flush=True)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        sl.all_reduce(t)
+    except KeyboardInterrupt:
+        print(f"INTERRUPTED {time.monotonic() - t0:.2f}", flush=True)
+        os._exit(0)  # the group is aborted; nothing to shut down
+    print("NOT_INTERRUPTED", flush=True)
+
+
 SCENARIOS = {
     "join": join,
     "slow_peer": slow_peer,
     "all_reduce_loop": all_reduce_loop,
     "strategies_vs_single": strategies_vs_single,
     "pipeline_kill": pipeline_kill,
+    "signals_in_waits": signals_in_waits,
 }
 
 if __name__ == "__main__":

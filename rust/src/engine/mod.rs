@@ -178,9 +178,10 @@ impl Communicator {
             drop(keepalive);
             let mut q = lock(&self.shared.queue);
             q.running -= 1;
-            // Wake the worker only if it has something to do: a needless wake-up costs a
-            // syscall and steals a core from the peers this rank is synchronising with.
-            if !q.items.is_empty() {
+            // Wake the worker only if it has something to do (or must stop): a needless
+            // wake-up costs a syscall and steals a core from the peers this rank is
+            // synchronising with.
+            if !q.items.is_empty() || q.closed {
                 self.shared.cv.notify_all();
             }
             return Ok(Work::finished(r));

@@ -84,18 +84,29 @@ pub(super) fn worker_loop(shared: &Shared) {
 
 /// Runs `job`, records its outcome and frees the queue for the next op.
 fn finish(shared: &Shared, job: Job, helpers: bool) {
+    let _running = Running(shared);
     let r = run_guarded(shared, &job.op, helpers);
     job.work.complete(r);
     drop(job.keepalive);
-    lock(&shared.queue).running -= 1;
-    shared.cv.notify_all();
+}
+
+/// Frees the queue for the next op when dropped, also if dropping a job's buffers panicked
+/// (the worker would otherwise wait for an op that nobody runs).
+struct Running<'a>(&'a Shared);
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        lock(&self.0.queue).running -= 1;
+        self.0.cv.notify_all();
+    }
 }
 
 /// A caller about to wait for `work` runs the queued ops up to it itself, while the worker
 /// is not running one: the ops would run in the same order, and the caller need not wait for
 /// the worker to get a core, which a host whose cores all compute gives milliseconds late.
-/// Its helper threads may split them (the caller's own cores are idle while it waits).
-/// Returns at once when `work` is not queued here (done, running, or on the send lane).
+/// Async ops use the helper threads only when the process's main thread waits: its compute
+/// waits too, while another thread's wait (a completion thread) may be beside it. Returns at
+/// once when `work` is not queued here (done, being run, or on the send lane).
 pub(super) fn run_until(shared: &Shared, work: &Work) {
     while !work.is_completed() {
         let job = {
@@ -109,6 +120,7 @@ pub(super) fn run_until(shared: &Shared, work: &Work) {
             q.running += 1;
             job
         };
-        finish(shared, job, true);
+        let helpers = !job.async_op || crate::interrupt::is_main_thread();
+        finish(shared, job, helpers);
     }
 }

@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 
 use super::buffer::{hold, Held};
 use super::errors::{to_py, IntoPy};
+use super::signals;
 use crate::engine::{CommConfig, Communicator, Op, Work};
 use crate::error::{Error, ErrorKind};
 use crate::memcpy::StreamMode;
@@ -105,7 +106,10 @@ impl PyWork {
         // started it (`Communicator::run_until`); a timeout could not bound an op run here.
         if timeout.is_none() && !self.work.is_completed() {
             if let Some(comm) = self.comm.as_ref().and_then(Weak::upgrade) {
-                py.detach(|| comm.run_until(&self.work));
+                signals::run_ops(py, || {
+                    comm.run_until(&self.work);
+                    Ok(())
+                })?;
             }
         }
         wait_work(py, &self.work, timeout)
@@ -176,13 +180,11 @@ impl PyGroup {
             return Ok(PyWork { work, comm });
         }
         // Queued behind others, it is run here with them (`Communicator::run_until`).
-        let work = py
-            .detach(|| {
-                let work = comm.submit(op, Box::new(()), false)?;
-                comm.run_until(&work);
-                Ok(work)
-            })
-            .py_err()?;
+        let work = signals::run_ops(py, || {
+            let work = comm.submit(op, Box::new(()), false)?;
+            comm.run_until(&work);
+            Ok(work)
+        })?;
         wait_work(py, &work, None)?;
         drop(held);
         Ok(PyWork { work, comm: None })

@@ -3,6 +3,7 @@
 //! - [`errors`]: the one table from engine error kinds to `shardline.errors` classes.
 //! - [`buffer`]: caller memory in, zero copy.
 //! - [`group`]: `Group`, `Work`, `Listener` and the arena helpers over [`crate::engine`].
+//! - [`signals`]: the program's signal handlers while a caller's thread runs ops.
 //! - [`kernels`]: compute kernels over caller tensors (the 1-bit codec, CPU optimizer steps).
 //! - [`shard`]: `write_shard` and `ShardReader` over [`crate::shard`].
 //! - [`symmetric`]: symmetric memory (segment files, a group's allocations).
@@ -14,6 +15,7 @@ mod errors;
 mod group;
 mod kernels;
 mod shard;
+mod signals;
 mod symmetric;
 
 use pyo3::prelude::*;
@@ -22,6 +24,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    signals::install();
     m.add_class::<group::PyGroup>()?;
     m.add_class::<group::PyWork>()?;
     m.add_class::<group::PyListener>()?;

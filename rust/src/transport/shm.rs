@@ -522,6 +522,7 @@ impl Arena {
         if let Some(e) = self.aborted() {
             return Err(e);
         }
+        crate::interrupt::poll(self.global[self.me], what)?;
         let c = self.ctrl(r);
         let gone =
             c.departed.load(Ordering::Acquire) != 0 || !pid_alive(c.pid.load(Ordering::Acquire));

@@ -6,7 +6,8 @@ buffers at construction, then on every backward:
 1. each parameter's post-accumulate-grad hook copies its gradient, divided by the world size,
    into a flat bucket; when every gradient of a bucket has arrived, the bucket's all-reduce is
    started asynchronously (buckets always start in index order, so every rank issues the same
-   collectives in the same order) while autograd carries on;
+   collectives in the same order) while autograd carries on; on CPU the last bucket, complete
+   only as backward ends, is left to step 2, which reduces it on its own thread;
 2. at the end of backward (an autograd final callback) parameters whose hook did not fire are
    treated as unused on this rank: their bucket slot carries their current gradient or zeros, a
    one-byte-per-parameter "used" mask is max-reduced, and the call waits for every bucket before
@@ -554,8 +555,8 @@ class DistributedDataParallel(CallerSteps, JoinUneven, ModelParallel, nn.Module)
             on_gpu = self._device.type == "cuda"
             used_t = torch.tensor(self._used_since_sync, dtype=torch.uint8, pin_memory=on_gpu)
             used_t = used_t.to(self._device, non_blocking=True)
-            # Waited for here when the last bucket was: handed to the engine's worker thread,
-            # it would wait for that thread to get a core, which a busy host gives late.
+            # Waited for here on CPU: handed to the engine's worker thread, it would wait for
+            # that thread to get a core, which a busy host gives late.
             mask_work = self.group.all_reduce(used_t, "max", async_op=not self._wait_last)
             for bucket in self._buckets:
                 assert bucket.finish is not None

@@ -282,6 +282,7 @@ impl Arena {
             if let Some(e) = self.aborted() {
                 return Err(e);
             }
+            crate::interrupt::poll(self.global[self.me], &"a point-to-point transfer")?;
             self.peer_still_there(peer, signal, target)
         });
         match res {
