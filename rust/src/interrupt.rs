@@ -4,8 +4,9 @@
 //! thread with the GIL released. The program's signal handlers (Ctrl-C's
 //! `KeyboardInterrupt`, the flight recorder's `SIGUSR1` dump) would wait for the op to end:
 //! up to its deadline when a peer is stuck. While the process's main thread runs ops for its
-//! caller ([`Polling`]), its waits on shared memory call [`poll`], which runs the handlers
-//! through the hook the Python module sets ([`set_hook`]), at most every [`EVERY`]. A handler
+//! caller ([`Polling`]), its waits (on shared memory, and on sockets, which then sleep at most
+//! [`EVERY`] at a time) call [`poll`] or [`raised`], which run the handlers through the hook
+//! the Python module sets ([`set_hook`]), at most every [`EVERY`]. A handler
 //! that raises fails the op, which aborts the group on every rank as any failure does, and
 //! the caller raises the handler's exception.
 
@@ -56,9 +57,14 @@ impl Drop for Polling {
     }
 }
 
-/// Runs the handlers if this thread polls and [`EVERY`] has passed since it last did; a
-/// handler that raised is an error naming `rank` and `what` it was waiting in.
-pub fn poll(rank: usize, what: &dyn Display) -> Result<()> {
+/// Whether this thread polls: its waits should sleep at most [`EVERY`] at a time.
+pub fn polling() -> bool {
+    LAST.with(|l| l.get().is_some())
+}
+
+/// Runs the handlers if this thread polls and [`EVERY`] has passed since it last did; whether
+/// one raised.
+pub fn raised() -> bool {
     let due = LAST.with(|l| match l.get() {
         Some(t) if t.elapsed() >= EVERY => {
             l.set(Some(Instant::now()));
@@ -66,16 +72,26 @@ pub fn poll(rank: usize, what: &dyn Display) -> Result<()> {
         }
         _ => false,
     });
-    match HOOK.get() {
-        Some(hook) if due && hook() => Err(Error::new(
-            ErrorKind::Closed,
-            format!(
-                "rank {rank} was interrupted in {what}: a signal handler raised while it waited \
-                 (Ctrl-C?); the group is aborted"
-            ),
-        )),
-        _ => Ok(()),
+    due && HOOK.get().is_some_and(|hook| hook())
+}
+
+/// [`raised`] as an error naming `rank` and `what` it was waiting in.
+pub fn poll(rank: usize, what: &dyn Display) -> Result<()> {
+    if raised() {
+        return Err(interrupted(rank, what));
     }
+    Ok(())
+}
+
+/// The error of an op whose wait a signal handler's exception ended.
+pub fn interrupted(rank: usize, what: &dyn Display) -> Error {
+    Error::new(
+        ErrorKind::Closed,
+        format!(
+            "rank {rank} was interrupted in {what}: a signal handler raised while it waited \
+             (Ctrl-C?); the group is aborted"
+        ),
+    )
 }
 
 /// Whether this is the process's main thread (the one Python runs signal handlers on).

@@ -50,6 +50,10 @@ pub(crate) fn handshake_io_error(f: Fail, step: &str) -> Error {
             format!("the peer stopped answering during the handshake ({step}): {why}"),
         ),
         Fail::Os(e) => Error::io(format!("handshake ({step})"), e),
+        Fail::Interrupted => Error::new(
+            ErrorKind::Closed,
+            format!("the handshake ({step}) was interrupted: a signal handler raised"),
+        ),
     }
 }
 

@@ -20,6 +20,8 @@ pub(crate) enum Fail {
     Unanswered(String),
     /// Any other operating-system error.
     Os(io::Error),
+    /// A signal handler of the caller raised while it waited ([`crate::interrupt`]).
+    Interrupted,
 }
 
 /// Result of socket helpers.
@@ -44,17 +46,22 @@ pub(crate) fn classify(e: io::Error) -> Option<Fail> {
     }
 }
 
-/// Waits until one of `fds` is ready for its events or the deadline passes.
+/// Waits until one of `fds` is ready for its events or the deadline passes; on a thread that
+/// runs its caller's signal handlers ([`crate::interrupt`]), in slices between which they run.
 pub(crate) fn poll_until(fds: &mut [libc::pollfd], deadline: Instant) -> IoRes<()> {
     loop {
+        if crate::interrupt::raised() {
+            return Err(Fail::Interrupted);
+        }
         let now = Instant::now();
         if now >= deadline {
             return Err(Fail::Timeout);
         }
-        let ms = (deadline - now)
-            .as_micros()
-            .div_ceil(1000)
-            .min(i32::MAX as u128) as libc::c_int;
+        let mut wait = deadline - now;
+        if crate::interrupt::polling() {
+            wait = wait.min(crate::interrupt::EVERY);
+        }
+        let ms = wait.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
         // SAFETY: `fds` is a valid, exclusively borrowed slice of pollfd for the whole call and
         // its length is passed alongside it.
         let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };

@@ -223,6 +223,7 @@ impl TcpMesh {
                 format!("rank {me} {doing} rank {peer} ({addr}) during {sig}"),
                 e,
             ),
+            Fail::Interrupted => crate::interrupt::interrupted(me, sig),
         }
     }
 
