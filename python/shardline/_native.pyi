@@ -425,6 +425,45 @@ def sgd_step(
             momentum without a buffer.
     """
 
+def unit_products(
+    dys: Any,
+    xs: Any,
+    out: Any,
+    units: int,
+    rows: int,
+    outs: int,
+    ins: int,
+    start: int,
+    stop: int,
+    tree: bool,
+    threads: int = 1,
+) -> None:
+    """Rows ``start..stop`` of a linear layer's weight gradient for each unit, or their sum.
+
+    ``dys`` (float32, ``units x rows x outs``) and ``xs`` (``units x rows x ins``) are the
+    units' output gradients and inputs; ``out`` gets ``units x (stop - start) x ins`` values,
+    or with ``tree`` their canonical tree sum over the units. On ``threads`` threads; the bits
+    are the same for any number, and for any rows asked for.
+    """
+
+def unit_row_sums(rows: Any, out: Any, units: int, features: int, threads: int = 1) -> None:
+    """Per-unit sums over rows: float32 ``rows`` (``units`` units of rows of ``features``)
+    into ``out`` (``units x features``), each feature adding its unit's rows in order."""
+
+def unit_norm_sums(
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    dy: Any,
+    weight: Any | None,
+    bias: Any | None,
+    units: int,
+    features: int,
+    threads: int = 1,
+) -> None:
+    """A layer norm's per-unit sums: ``weight`` of ``((x - mean) * rstd) * dy`` and ``bias``
+    of ``dy`` over each unit's rows, in order (float32; ``mean`` and ``rstd`` one per row)."""
+
 def tree_sum(parts: Any, out: Any, units: int, threads: int = 1) -> None:
     """Sums the ``units`` rows of float32 ``parts`` into ``out`` in the canonical tree.
 

@@ -4,6 +4,9 @@
 //!   error feedback fused into the encoding pass.
 //! - [`optim`]: Adam, AdamW and SGD steps over float32 buffers (optimizer state on the CPU).
 //! - [`tree`]: the canonical tree sum of deterministic mode.
+//! - [`unit_products`]: a linear layer's weight gradient per unit of the batch, and their
+//!   tree sum (deterministic mode).
+//! - [`unit_rows`]: per-unit sums over rows for biases and layer norms (deterministic mode).
 //!
 //! Kernels take little-endian bytes, like [`crate::reduce`], and split their work over a
 //! rayon pool of the size the caller asks for ([`pool`]): the Python layer passes torch's
@@ -12,6 +15,8 @@
 pub mod onebit;
 pub mod optim;
 pub mod tree;
+pub mod unit_products;
+pub mod unit_rows;
 
 use std::sync::{Arc, Mutex};
 

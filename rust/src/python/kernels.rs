@@ -154,6 +154,129 @@ pub fn tree_sum(
         .py_err()
 }
 
+/// Rows `start..stop` of a linear layer's weight gradient for each of `units` units
+/// (`dys`: contiguous float32 `units x rows x outs`, `xs`: `units x rows x ins`) into `out`
+/// (`units x (stop - start) x ins`), or with `tree` their canonical tree sum
+/// (`(stop - start) x ins`); see `kernels::unit_products`.
+#[pyfunction]
+#[pyo3(signature = (dys, xs, out, units, rows, outs, ins, start, stop, tree, threads=1))]
+#[allow(clippy::too_many_arguments)]
+pub fn unit_products(
+    py: Python<'_>,
+    dys: &Bound<'_, PyAny>,
+    xs: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    units: usize,
+    rows: usize,
+    outs: usize,
+    ins: usize,
+    start: usize,
+    stop: usize,
+    tree: bool,
+    threads: usize,
+) -> PyResult<()> {
+    let d = hold(dys, false, "dys")?;
+    let x = hold(xs, false, "xs")?;
+    let mut o = hold(out, true, "out")?;
+    let (db, xb, ob) = (bytes_of(&d), bytes_of(&x), bytes_of_mut(&mut o));
+    disjoint(db, ob, "dys and out")?;
+    disjoint(xb, ob, "xs and out")?;
+    let (d, x, o) = (f32s_ro(db, "dys")?, f32s_ro(xb, "xs")?, f32s(ob, "out")?);
+    let shape = kernels::unit_products::Shape {
+        units,
+        rows,
+        outs,
+        ins,
+    };
+    let parallel = threads > 1;
+    py.detach(|| {
+        kernels::run(threads, || {
+            if tree {
+                kernels::unit_products::tree(d, x, shape, start, stop, o, parallel)
+            } else {
+                kernels::unit_products::products(d, x, shape, start, stop, o, parallel)
+            }
+        })
+    })
+    .py_err()
+}
+
+/// Per-unit sums over rows of float32 `rows` (contiguous, `units` units of rows of
+/// `features`) into `out` (`units x features`), each unit's rows added in order.
+#[pyfunction]
+#[pyo3(signature = (rows, out, units, features, threads=1))]
+pub fn unit_row_sums(
+    py: Python<'_>,
+    rows: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    units: usize,
+    features: usize,
+    threads: usize,
+) -> PyResult<()> {
+    let r = hold(rows, false, "rows")?;
+    let mut o = hold(out, true, "out")?;
+    let (rb, ob) = (bytes_of(&r), bytes_of_mut(&mut o));
+    disjoint(rb, ob, "rows and out")?;
+    let (r, o) = (f32s_ro(rb, "rows")?, f32s(ob, "out")?);
+    py.detach(|| {
+        kernels::run(threads, || {
+            kernels::unit_rows::row_sums(r, units, features, o, threads > 1)
+        })
+    })
+    .py_err()
+}
+
+/// A layer norm's per-unit sums (`kernels::unit_rows::norm_sums`) of float32 `x`, `mean`,
+/// `rstd` and `dy` into `weight` and `bias` (`units x features` each, either may be None).
+#[pyfunction]
+#[pyo3(signature = (x, mean, rstd, dy, weight, bias, units, features, threads=1))]
+#[allow(clippy::too_many_arguments)]
+pub fn unit_norm_sums(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    mean: &Bound<'_, PyAny>,
+    rstd: &Bound<'_, PyAny>,
+    dy: &Bound<'_, PyAny>,
+    weight: Option<&Bound<'_, PyAny>>,
+    bias: Option<&Bound<'_, PyAny>>,
+    units: usize,
+    features: usize,
+    threads: usize,
+) -> PyResult<()> {
+    let ins = [
+        hold(x, false, "x")?,
+        hold(mean, false, "mean")?,
+        hold(rstd, false, "rstd")?,
+        hold(dy, false, "dy")?,
+    ];
+    let mut w = weight.map(|t| hold(t, true, "weight")).transpose()?;
+    let mut b = bias.map(|t| hold(t, true, "bias")).transpose()?;
+    let wb = w.as_mut().map(bytes_of_mut);
+    let bb = b.as_mut().map(bytes_of_mut);
+    let bytes: Vec<&[u8]> = ins.iter().map(bytes_of).collect();
+    for (out, name) in [(wb.as_deref(), "weight"), (bb.as_deref(), "bias")] {
+        if let Some(out) = out {
+            for (i, what) in bytes.iter().zip(["x", "mean", "rstd", "dy"]) {
+                disjoint(i, out, &format!("{what} and {name}"))?;
+            }
+        }
+    }
+    if let (Some(a), Some(c)) = (wb.as_deref(), bb.as_deref()) {
+        disjoint(a, c, "weight and bias")?;
+    }
+    let (x, mean) = (f32s_ro(bytes[0], "x")?, f32s_ro(bytes[1], "mean")?);
+    let (rstd, dy) = (f32s_ro(bytes[2], "rstd")?, f32s_ro(bytes[3], "dy")?);
+    let w = wb.map(|v| f32s(v, "weight")).transpose()?;
+    let b = bb.map(|v| f32s(v, "bias")).transpose()?;
+    py.detach(|| {
+        kernels::run(threads, || {
+            let rows = kernels::unit_rows::NormRows { x, mean, rstd, dy };
+            kernels::unit_rows::norm_sums(rows, units, features, w, b, threads > 1)
+        })
+    })
+    .py_err()
+}
+
 /// One Adam (or, with `decoupled`, AdamW) step of float32 `param` with `grad`, its moments
 /// updated in place; torch's formulas.
 #[pyfunction]

@@ -44,5 +44,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::adam_step, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::sgd_step, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::tree_sum, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::unit_products, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::unit_row_sums, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::unit_norm_sums, m)?)?;
     Ok(())
 }

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardline import _native
 from shardline.comm.tree import tree_sum
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic import kernels
@@ -36,6 +37,8 @@ __all__ = [
 # Elements per unit in one block of rows, by device: on CPU 16 units of 65536 fp32 are 4 MiB,
 # on a GPU whole layers' products fit and fewer blocks mean fewer kernel launches.
 BLOCK_ELEMENTS = {"cpu": 1 << 16, "cuda": 1 << 22}
+# Multiply-adds of the units' products from which the engine runs them on torch's threads.
+_THREADED_PRODUCTS = 1 << 22
 # Low-precision gradients are summed in float32 and rounded once, as one GEMM's output is.
 _WIDER = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
@@ -74,15 +77,49 @@ class Dense(Use):
 
 
 class Products(Use):
-    """A linear layer's weight: unit ``u``'s gradient is ``dys[u].T @ xs[u]``."""
+    """A linear layer's weight: unit ``u``'s gradient is ``dys[u].T @ xs[u]``.
+
+    Float32 on CPU, the engine computes each unit's product (``_native.unit_products``: one
+    small GEMM each, whose bits do not depend on the rows asked for) and, for ``summed``,
+    adds them in the canonical tree as they come, without holding every unit's product:
+    faster than ``torch.bmm`` and then ``tree_sum``. Elsewhere ``torch.bmm``. Every layout
+    takes the same path for the same parameter, so the bits agree across layouts.
+    """
 
     def __init__(self, dys: torch.Tensor, xs: torch.Tensor) -> None:
+        self.native = (
+            dys.device.type == "cpu" and dys.dtype == xs.dtype == torch.float32 and dys.dim() == 3
+        )
+        if self.native:
+            dys, xs = dys.contiguous(), xs.contiguous()
         self.dys, self.xs, self.dtype = dys, xs, dys.dtype
 
     def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
         """See ``Use.rows``."""
-        block = torch.bmm(self.dys[:, :, start:stop].transpose(1, 2), self.xs)
+        if self.native:
+            block = self._engine(start, stop, tree=False)
+        else:
+            block = torch.bmm(self.dys[:, :, start:stop].transpose(1, 2), self.xs)
         return block if into is None else into.add_(block)
+
+    def summed(self) -> torch.Tensor:
+        """The units' gradients summed in the canonical tree (``native`` only).
+
+        The bits of ``tree_sum(self.rows(0, outs, None))``, without every unit's at once.
+        """
+        return self._engine(0, self.dys.shape[2], tree=True)
+
+    def _engine(self, start: int, stop: int, *, tree: bool) -> torch.Tensor:
+        units, rows, outs = self.dys.shape
+        ins = self.xs.shape[2]
+        shape = (stop - start, ins) if tree else (units, stop - start, ins)
+        out = torch.empty(shape, dtype=torch.float32)
+        work = units * rows * (stop - start) * ins  # multiply-adds
+        threads = torch.get_num_threads() if work >= _THREADED_PRODUCTS else 1
+        _native.unit_products(
+            self.dys, self.xs, out, units, rows, outs, ins, start, stop, tree, threads
+        )
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
         """See ``Use.tensors``."""
@@ -211,7 +248,10 @@ def sum_uses(param: torch.Tensor, given: list[Use]) -> torch.Tensor:
     n = param.shape[0]
     per_unit = BLOCK_ELEMENTS.get(param.device.type, BLOCK_ELEMENTS["cuda"])
     step = max(1, per_unit * n // max(1, param.numel()))
-    if step >= n:
+    one = given[0] if len(given) == 1 else None
+    if isinstance(one, Products) and one.native:  # the engine's products, summed as they come
+        grad = one.summed()
+    elif step >= n:
         grad = tree_sum(_total(given, 0, n), fresh=True)
     else:
         wide = _WIDER.get(param.dtype, param.dtype)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardline import _native
 from shardline.comm.tree import built_kernels, tree_sum
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic import kernels
@@ -91,9 +92,21 @@ def _per_unit_sum(dys: torch.Tensor, split: Split | None = None) -> torch.Tensor
         return sums
     if dys.dtype in (torch.bfloat16, torch.float16):
         dys = dys.float()
+    if dys.dtype == torch.float32 and not dys.is_cuda:  # the engine: each unit's rows in order
+        out = dys.new_empty(dys.shape[:1] + dys.shape[2:])
+        _native.unit_row_sums(dys.contiguous(), out, dys.shape[0], out[0].numel(), _threads(dys))
+        return out
     if dys.is_cuda or (split is not None and split.role == "column"):
         return tree_sum(dys, dim=1)
     return dys.sum(1)
+
+
+def _threads(t: torch.Tensor) -> int:
+    """Torch's intra-op threads for a large tensor's per-unit sums, else one."""
+    return torch.get_num_threads() if t.numel() >= _THREADED_ROWS else 1
+
+
+_THREADED_ROWS = 1 << 18  # elements from which the engine's row sums run on torch's threads
 
 
 _GPU_ROWS: list[Any] = []  # ``gpu_rows`` once looked for ([None]: no Triton here)
@@ -201,6 +214,19 @@ class _LayerNormFn(torch.autograd.Function):
                 dw = c.give(ctx.keys[0], Dense(w))
             if b is not None:
                 db = c.give(ctx.keys[1], Dense(b))
+            return dx, None, dw, db, None, None
+        want_w, want_b = ctx.keys[0] is not None, ctx.keys[1] is not None
+        native = x.dtype == dy.dtype == torch.float32 and not dy.is_cuda
+        if native and (want_w or want_b):  # the engine's sums, in one pass
+            w = x.new_empty(c.units, *ctx.shape) if want_w else None
+            b = x.new_empty(c.units, *ctx.shape) if want_b else None
+            features = x.shape[-len(ctx.shape) :].numel()
+            _native.unit_norm_sums(
+                x.contiguous(), mean.contiguous(), rstd.contiguous(), dy.contiguous(), w, b,
+                c.units, features, _threads(x),
+            )  # fmt: skip
+            dw = None if w is None else c.give(ctx.keys[0], Dense(w))
+            db = None if b is None else c.give(ctx.keys[1], Dense(b))
             return dx, None, dw, db, None, None
         dys = dy.reshape(c.units, -1, *dy.shape[-len(ctx.shape) :])
         if ctx.keys[0] is not None:

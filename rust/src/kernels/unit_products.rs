@@ -1,0 +1,408 @@
+//! A linear layer's weight gradient per unit, and its canonical tree sum (deterministic mode).
+//!
+//! Unit `u` of a batch gives the weight the gradient `dys[u]^T @ xs[u]`: `dys[u]` holds its
+//! rows' output gradients (`rows x outs`), `xs[u]` their inputs (`rows x ins`). Deterministic
+//! mode adds the units' gradients in the canonical tree ([`crate::kernels::tree`]), so that the
+//! sum does not depend on how the units were split across ranks.
+//!
+//! Each unit's product is one small GEMM (`matrixmultiply`'s, with its own choice of vector
+//! instructions). Every element of it is a dot product over the unit's `rows` in a fixed order
+//! whatever the rows of the output asked for or the memory's alignment (a test checks it), so a
+//! unit's gradient has the same bits in every layout, one process included, and in any block
+//! of the output. [`tree`] computes a block of output rows for every unit at a time into a few
+//! cache-sized buffers and adds them as they come (a binary counter: two sums of the same
+//! number of units are added as soon as both exist, the rest folded from the right at the
+//! end, which is the canonical tree), so the units' products are never all in memory at once.
+
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+
+/// The shapes of one call: `units` units of `rows` rows; `outs` output and `ins` input features.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    /// Units of the batch (samples, or groups of them).
+    pub units: usize,
+    /// Rows per unit (its tokens): the length of each dot product.
+    pub rows: usize,
+    /// Output features: rows of the weight.
+    pub outs: usize,
+    /// Input features: columns of the weight.
+    pub ins: usize,
+}
+
+/// Elements of one block of output rows: 64 KiB of float32, a few of which (one per level of
+/// the tree) stay in the second-level cache.
+const BLOCK: usize = 16 * 1024;
+
+impl Shape {
+    /// Refuses inputs of other sizes, and an `out` of other than `out` values.
+    fn check(&self, dys: &[f32], xs: &[f32], start: usize, stop: usize, out: usize) -> Result<()> {
+        let Shape {
+            units,
+            rows,
+            outs,
+            ins,
+        } = *self;
+        if dys.len() != units * rows * outs || xs.len() != units * rows * ins {
+            return Err(Error::invalid(format!(
+                "unit products: {} and {} values are not {units} units of {rows} rows of {outs} \
+                 and {ins} features",
+                dys.len(),
+                xs.len()
+            )));
+        }
+        if units == 0 || start > stop || stop > outs || out != self.out_len(start, stop) {
+            return Err(Error::invalid(format!(
+                "unit products: rows {start}..{stop} of {outs} into {out} values ({units} units)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn out_len(&self, start: usize, stop: usize) -> usize {
+        (stop - start) * self.ins
+    }
+}
+
+/// Rows `start..stop` of unit `u`'s gradient, written to `out` (`(stop - start) * ins`).
+fn product(
+    dys: &[f32],
+    xs: &[f32],
+    s: Shape,
+    u: usize,
+    start: usize,
+    stop: usize,
+    out: &mut [f32],
+) {
+    let (k, m, n) = (s.rows, stop - start, s.ins);
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let a = &dys[u * k * s.outs + start..];
+    let b = &xs[u * k * n..(u + 1) * k * n];
+    // SAFETY: A is `dys[u]` transposed, rows `start..stop`: element (r, j) at `r + j * outs`
+    // from `a`, the largest index (m - 1) + (k - 1) * outs < (k * outs) - start, inside `a`.
+    // B is `xs[u]`, row-major `k x n`, inside `b`. C is `out`, row-major `m x n`, which the
+    // caller sized exactly. The slices borrow distinct buffers (`out` is `&mut`), and
+    // matrixmultiply reads and writes only within those bounds.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            1,
+            s.outs as isize,
+            b.as_ptr(),
+            n as isize,
+            1,
+            0.0,
+            out.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+}
+
+/// Rows `start..stop` of every unit's gradient, unit by unit, into `out`
+/// (`units * (stop - start) * ins` values).
+pub fn products(
+    dys: &[f32],
+    xs: &[f32],
+    s: Shape,
+    start: usize,
+    stop: usize,
+    out: &mut [f32],
+    parallel: bool,
+) -> Result<()> {
+    let whole = out.len() / s.units.max(1);
+    s.check(
+        dys,
+        xs,
+        start,
+        stop,
+        if out.len() % s.units.max(1) == 0 {
+            whole
+        } else {
+            usize::MAX
+        },
+    )?;
+    let each = (stop - start) * s.ins;
+    if each == 0 {
+        return Ok(());
+    }
+    let one = |(u, piece): (usize, &mut [f32])| product(dys, xs, s, u, start, stop, piece);
+    if parallel {
+        out.par_chunks_mut(each).enumerate().for_each(one);
+    } else {
+        out.chunks_mut(each).enumerate().for_each(one);
+    }
+    Ok(())
+}
+
+/// Rows `start..stop` of the units' gradients summed in the canonical tree, into `out`
+/// (`(stop - start) * ins` values): the same bits as [`products`] then
+/// [`crate::kernels::tree::tree_sum`] over the units.
+pub fn tree(
+    dys: &[f32],
+    xs: &[f32],
+    s: Shape,
+    start: usize,
+    stop: usize,
+    out: &mut [f32],
+    parallel: bool,
+) -> Result<()> {
+    s.check(dys, xs, start, stop, out.len())?;
+    if out.is_empty() {
+        return Ok(());
+    }
+    // Output rows per block: a cache's worth, and with threads at least a block for each.
+    let mut per = (BLOCK / s.ins.max(1)).max(1);
+    if parallel {
+        per = per.min((stop - start).div_ceil(rayon::current_num_threads().max(1)));
+    }
+    let one = |(b, piece): (usize, &mut [f32])| {
+        let lo = start + b * per;
+        block(dys, xs, s, lo, lo + piece.len() / s.ins, piece);
+    };
+    if parallel {
+        out.par_chunks_mut(per * s.ins).enumerate().for_each(one);
+    } else {
+        out.chunks_mut(per * s.ins).enumerate().for_each(one);
+    }
+    Ok(())
+}
+
+/// One block of output rows of [`tree`]: a binary counter over the units.
+fn block(dys: &[f32], xs: &[f32], s: Shape, lo: usize, hi: usize, out: &mut [f32]) {
+    let len = out.len();
+    let levels = (usize::BITS - s.units.leading_zeros()) as usize + 1;
+    let mut bufs: Vec<Vec<f32>> = Vec::with_capacity(levels);
+    let mut free: Vec<usize> = Vec::with_capacity(levels);
+    // (units summed, buffer): sums of strictly fewer units towards the top.
+    let mut stack: Vec<(usize, usize)> = Vec::with_capacity(levels);
+    for u in 0..s.units {
+        let mut buf = free.pop().unwrap_or_else(|| {
+            bufs.push(vec![0f32; len]);
+            bufs.len() - 1
+        });
+        product(dys, xs, s, u, lo, hi, &mut bufs[buf]);
+        let mut size = 1;
+        while let Some(&(n, left)) = stack.last() {
+            if n != size {
+                break;
+            }
+            stack.pop();
+            add_into(&mut bufs, left, buf);
+            free.push(buf);
+            buf = left;
+            size *= 2;
+        }
+        stack.push((size, buf));
+    }
+    let (_, mut right) = stack.pop().expect("units >= 1");
+    while let Some((_, left)) = stack.pop() {
+        add_into(&mut bufs, left, right);
+        right = left;
+    }
+    out.copy_from_slice(&bufs[right]);
+}
+
+/// `bufs[into] += bufs[from]` (float addition commutes: the bits are those of either order).
+fn add_into(bufs: &mut [Vec<f32>], into: usize, from: usize) {
+    debug_assert_ne!(into, from);
+    let (a, b) = if into < from {
+        let (head, tail) = bufs.split_at_mut(from);
+        (&mut head[into], &tail[0])
+    } else {
+        let (head, tail) = bufs.split_at_mut(into);
+        (&mut tail[0], &head[from])
+    };
+    add(a, b);
+}
+
+fn add(a: &mut [f32], b: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 support was just detected at runtime.
+        return unsafe { add_avx2(a, b) };
+    }
+    add_plain(a, b);
+}
+
+#[inline(always)]
+fn add_plain(a: &mut [f32], b: &[f32]) {
+    for (x, y) in a.iter_mut().zip(b) {
+        *x += *y;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn add_avx2(a: &mut [f32], b: &[f32]) {
+    add_plain(a, b);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::test_values;
+    use crate::kernels::tree::tree_sum;
+
+    /// Unit `u`'s gradient by the definition, element by element (a dot product in row order
+    /// need not round as the GEMM does: only used where bits are not compared).
+    fn naive(dys: &[f32], xs: &[f32], s: Shape, u: usize) -> Vec<f64> {
+        let mut g = vec![0f64; s.outs * s.ins];
+        for r in 0..s.rows {
+            for o in 0..s.outs {
+                let d = dys[(u * s.rows + r) * s.outs + o] as f64;
+                for i in 0..s.ins {
+                    g[o * s.ins + i] += d * xs[(u * s.rows + r) * s.ins + i] as f64;
+                }
+            }
+        }
+        g
+    }
+
+    fn inputs(s: Shape, seed: u32) -> (Vec<f32>, Vec<f32>) {
+        (
+            test_values(s.units * s.rows * s.outs, seed),
+            test_values(s.units * s.rows * s.ins, seed + 1),
+        )
+    }
+
+    #[test]
+    fn each_unit_is_its_product_and_any_rows_have_the_same_bits() {
+        let s = Shape {
+            units: 3,
+            rows: 37,
+            outs: 45,
+            ins: 19,
+        };
+        let (dys, xs) = inputs(s, 5);
+        let mut all = vec![0f32; s.units * s.outs * s.ins];
+        products(&dys, &xs, s, 0, s.outs, &mut all, false).unwrap();
+        for u in 0..s.units {
+            let want = naive(&dys, &xs, s, u);
+            let got = &all[u * s.outs * s.ins..(u + 1) * s.outs * s.ins];
+            for (g, w) in got.iter().zip(&want) {
+                assert!((*g as f64 - w).abs() < 1e-5, "{g} vs {w}");
+            }
+        }
+        for (start, stop) in [(0, 1), (3, 11), (44, 45), (7, 45)] {
+            let mut part = vec![0f32; s.units * (stop - start) * s.ins];
+            products(&dys, &xs, s, start, stop, &mut part, true).unwrap();
+            for u in 0..s.units {
+                for r in start..stop {
+                    for i in 0..s.ins {
+                        let a = part[(u * (stop - start) + r - start) * s.ins + i];
+                        let b = all[(u * s.outs + r) * s.ins + i];
+                        assert_eq!(a.to_bits(), b.to_bits());
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_tree_is_the_products_summed_by_tree_sum_and_blocks_of_units_are_subtrees() {
+        for (units, rows, outs, ins) in [(1, 5, 3, 2), (16, 64, 300, 70), (13, 9, 40, 600)] {
+            let s = Shape {
+                units,
+                rows,
+                outs,
+                ins,
+            };
+            let (dys, xs) = inputs(s, units as u32);
+            let mut each = vec![0f32; units * outs * ins];
+            products(&dys, &xs, s, 0, outs, &mut each, false).unwrap();
+            let mut want = vec![0f32; outs * ins];
+            tree_sum(&each, units, &mut want, false).unwrap();
+            for parallel in [false, true] {
+                let mut got = vec![0f32; outs * ins];
+                tree(&dys, &xs, s, 0, outs, &mut got, parallel).unwrap();
+                assert!(got
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()));
+                let (start, stop) = (outs / 3, outs);
+                let mut part = vec![0f32; (stop - start) * ins];
+                tree(&dys, &xs, s, start, stop, &mut part, parallel).unwrap();
+                assert!(part
+                    .iter()
+                    .zip(&want[start * ins..])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()));
+            }
+        }
+        // Four ranks of 4 units each, their sums added in the tree: the 16 units' tree.
+        let s = Shape {
+            units: 16,
+            rows: 8,
+            outs: 33,
+            ins: 17,
+        };
+        let (dys, xs) = inputs(s, 99);
+        let mut whole = vec![0f32; s.outs * s.ins];
+        tree(&dys, &xs, s, 0, s.outs, &mut whole, false).unwrap();
+        let quarter = Shape { units: 4, ..s };
+        let mut ranks = vec![0f32; 4 * s.outs * s.ins];
+        for (r, piece) in ranks.chunks_mut(s.outs * s.ins).enumerate() {
+            let d = &dys[r * 4 * s.rows * s.outs..(r + 1) * 4 * s.rows * s.outs];
+            let x = &xs[r * 4 * s.rows * s.ins..(r + 1) * 4 * s.rows * s.ins];
+            tree(d, x, quarter, 0, s.outs, piece, false).unwrap();
+        }
+        let mut summed = vec![0f32; s.outs * s.ins];
+        tree_sum(&ranks, 4, &mut summed, false).unwrap();
+        assert!(whole
+            .iter()
+            .zip(&summed)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
+    #[test]
+    fn the_bits_do_not_depend_on_alignment() {
+        let s = Shape {
+            units: 2,
+            rows: 70,
+            outs: 21,
+            ins: 35,
+        };
+        let (dys, xs) = inputs(s, 3);
+        let mut want = vec![0f32; s.outs * s.ins];
+        tree(&dys, &xs, s, 0, s.outs, &mut want, false).unwrap();
+        let shifted = |v: &[f32], by: usize| {
+            let mut w = vec![0f32; v.len() + by];
+            w[by..].copy_from_slice(v);
+            w
+        };
+        let (d, x) = (shifted(&dys, 1), shifted(&xs, 3));
+        let mut got = vec![0f32; s.outs * s.ins + 2];
+        tree(&d[1..], &x[3..], s, 0, s.outs, &mut got[2..], false).unwrap();
+        assert!(got[2..]
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
+    #[test]
+    fn wrong_sizes_are_refused() {
+        let s = Shape {
+            units: 2,
+            rows: 3,
+            outs: 4,
+            ins: 5,
+        };
+        let (dys, xs) = inputs(s, 1);
+        let mut out = vec![0f32; 4 * 5];
+        assert!(tree(&dys[1..], &xs, s, 0, 4, &mut out, false).is_err());
+        assert!(tree(&dys, &xs, s, 0, 5, &mut out, false).is_err());
+        assert!(tree(&dys, &xs, s, 0, 3, &mut out, false).is_err());
+        assert!(products(&dys, &xs, s, 0, 4, &mut out, false).is_err());
+    }
+}

@@ -1,0 +1,101 @@
+"""Deterministic mode's CPU kernels: per-unit weight gradients, row sums and layer-norm sums.
+
+Each is checked against an independent reference (``torch.bmm`` in float64 for the values, the
+definition row by row in float32 for the bits) and for what the layouts rely on: a unit's bits
+do not depend on the rows or features asked for (tensor-parallel slices), on the number of
+units (a rank's share of the batch) or on the number of threads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from shardline.comm.tree import tree_sum
+from shardline.parallel.deterministic.collector import Products
+from shardline.parallel.deterministic.layers import _LayerNormFn, _per_unit_sum
+
+
+def _values(*shape: int, seed: int) -> torch.Tensor:
+    """Float32 values whose sums depend on the order of the additions (exponents spread)."""
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    return (v * torch.exp2(torch.randint(-8, 8, shape, generator=gen).double())).float()
+
+
+@pytest.mark.parametrize(("units", "rows", "outs", "ins"), [(16, 64, 96, 40), (3, 300, 17, 5)])
+def test_unit_products_are_each_units_product_and_any_slice_has_the_same_bits(
+    units: int, rows: int, outs: int, ins: int
+) -> None:
+    dys, xs = _values(units, rows, outs, seed=1), _values(units, rows, ins, seed=2)
+    p = Products(dys, xs)
+    assert p.native
+    each = p.rows(0, outs, None)
+    want = torch.bmm(dys.double().transpose(1, 2), xs.double())
+    scale = torch.bmm(dys.double().abs().transpose(1, 2), xs.double().abs())
+    assert ((each.double() - want).abs() <= rows * 2.0**-24 * scale).all()  # float32 bound
+    # A column-parallel rank's rows of the weight, and a row-parallel rank's input features.
+    a, b = outs // 3, outs - 2
+    assert torch.equal(p.rows(a, b, None), each[:, a:b])
+    assert torch.equal(Products(dys[:, :, a:b], xs).rows(0, b - a, None), each[:, a:b])
+    c = ins // 2
+    assert torch.equal(Products(dys, xs[:, :, :c]).rows(0, outs, None), each[:, :, :c])
+    # The fused sum is the canonical tree over the units' products, bit for bit.
+    assert torch.equal(p.summed(), tree_sum(each))
+
+
+def test_a_ranks_share_of_the_units_is_a_subtree_on_any_number_of_threads() -> None:
+    units, rows, outs, ins = 16, 32, 128, 64  # enough multiply-adds to use the threads
+    dys, xs = _values(units, rows, outs, seed=3), _values(units, rows, ins, seed=4)
+    threads = torch.get_num_threads()
+    try:
+        got = []
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            whole = Products(dys, xs).summed()
+            ranks = [Products(dys[r * 4 : (r + 1) * 4], xs[r * 4 : (r + 1) * 4]) for r in range(4)]
+            assert torch.equal(tree_sum(torch.stack([p.summed() for p in ranks])), whole)
+            got.append(whole)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[0], got[1])
+
+
+def _rows_in_order(t: torch.Tensor) -> torch.Tensor:
+    """Each unit's rows added one after the other, from zero (the definition)."""
+    return functools.reduce(torch.add, t.unbind(1), torch.zeros_like(t[:, 0]))
+
+
+def test_row_sums_add_each_units_rows_in_order_whatever_the_features_beside() -> None:
+    dys = _values(4, 37, 3, 19, seed=5)
+    sums = _per_unit_sum(dys)
+    assert torch.equal(sums, _rows_in_order(dys))
+    assert torch.equal(_per_unit_sum(dys[..., 4:11].contiguous()), sums[..., 4:11])
+    assert torch.equal(_per_unit_sum(dys[:1]), sums[:1])
+
+
+def test_layer_norm_sums_are_the_products_added_in_order() -> None:
+    units, per, width = 4, 9, 48
+    x, dy = _values(units, per, width, seed=6), _values(units, per, width, seed=7)
+    weight, bias = torch.ones(width), torch.zeros(width)
+    _, mean, rstd = torch.native_layer_norm(x, [width], weight, bias, 1e-5)
+
+    got: list[torch.Tensor] = []
+
+    class Given:  # stands in for the collector: keeps what the layer gives
+        units = 4
+
+        def give(self, key: int, use: object) -> None:
+            got.append(use.per_unit)  # type: ignore[attr-defined]
+
+    class Ctx:
+        saved_tensors = (x, mean, rstd, weight, bias)
+        needs_input_grad = (False,)
+        shape, c, keys = [width], Given(), (1, 2)
+
+    _LayerNormFn.backward(Ctx(), dy)
+    w, b = got
+    assert torch.equal(w, _rows_in_order(((x - mean) * rstd) * dy))
+    assert torch.equal(b, _rows_in_order(dy))
