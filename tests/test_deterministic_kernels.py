@@ -63,6 +63,20 @@ def test_a_ranks_share_of_the_units_is_a_subtree_on_any_number_of_threads() -> N
     assert torch.equal(got[0], got[1])
 
 
+def test_the_tree_sum_of_long_rows_has_the_same_bits_on_any_number_of_threads() -> None:
+    rows = _values(16, 200_000, seed=8)  # long enough to use the threads
+    threads = torch.get_num_threads()
+    try:
+        got = []
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            got.append(tree_sum(rows))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[0], got[1])
+    assert torch.equal(got[0], tree_sum(torch.stack([tree_sum(rows[:8]), tree_sum(rows[8:])])))
+
+
 def _rows_in_order(t: torch.Tensor) -> torch.Tensor:
     """Each unit's rows added one after the other, from zero (the definition)."""
     return functools.reduce(torch.add, t.unbind(1), torch.zeros_like(t[:, 0]))

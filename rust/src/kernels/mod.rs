@@ -1,5 +1,6 @@
 //! Compute kernels the Python layer runs on CPU tensors, outside any collective.
 //!
+//! - [`openmp`]: parallel loops on the OpenMP threads torch runs (deterministic mode's kernels).
 //! - [`onebit`]: the 1-bit gradient codec (signs plus a mean magnitude per block), with its
 //!   error feedback fused into the encoding pass.
 //! - [`optim`]: Adam, AdamW and SGD steps over float32 buffers (optimizer state on the CPU).
@@ -10,9 +11,12 @@
 //!
 //! Kernels take little-endian bytes, like [`crate::reduce`], and split their work over a
 //! rayon pool of the size the caller asks for ([`pool`]): the Python layer passes torch's
-//! intra-op thread count, so a rank uses the cores it was given and no more.
+//! intra-op thread count, so a rank uses the cores it was given and no more. Deterministic
+//! mode's kernels, which run between torch's operations in a backward, use torch's own OpenMP
+//! threads instead ([`openmp`]).
 
 pub mod onebit;
+pub mod openmp;
 pub mod optim;
 pub mod tree;
 pub mod unit_products;

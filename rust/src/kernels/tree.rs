@@ -9,20 +9,18 @@
 //! this is its one-pass form for CPU float32: the rows of a few columns at a time are summed
 //! in cache.
 
-use rayon::prelude::*;
-
 use crate::error::{Error, Result};
+use crate::kernels::openmp;
 
 /// Columns summed together: `units * COLUMNS` floats stay in the first-level cache.
 const COLUMNS: usize = 256;
 
 /// Sums the `units` rows of `parts` (row-major, `units * out.len()` values) into `out`.
 ///
-/// Columns are independent: with `parallel`, the threads of the pool this runs in
-/// ([`crate::kernels::run`]) each take their own runs of them; the bits do not depend on how
-/// many threads there are. Without it everything runs on the caller's thread (never on
-/// rayon's global pool, whose threads would compete with the other ranks on the machine).
-pub fn tree_sum(parts: &[f32], units: usize, out: &mut [f32], parallel: bool) -> Result<()> {
+/// Columns are independent: with `threads` above one, threads of torch's OpenMP runtime
+/// ([`crate::kernels::openmp`]) each take their own runs of them; the bits do not depend on how
+/// many threads there are. With one, everything runs on the caller's thread.
+pub fn tree_sum(parts: &[f32], units: usize, out: &mut [f32], threads: usize) -> Result<()> {
     let n = out.len();
     if units == 0 || parts.len() != units * n {
         return Err(Error::invalid(format!(
@@ -30,16 +28,15 @@ pub fn tree_sum(parts: &[f32], units: usize, out: &mut [f32], parallel: bool) ->
             parts.len()
         )));
     }
-    if !parallel {
+    if threads <= 1 {
         sum_columns(parts, units, n, 0, out);
         return Ok(());
     }
     // Runs of columns big enough to be worth a task.
-    let run = (COLUMNS * 16).max(n.div_ceil(rayon::current_num_threads().max(1)));
-    out.par_chunks_mut(run).enumerate().for_each(|(i, piece)| {
+    let run = (COLUMNS * 16).max(n.div_ceil(threads));
+    openmp::chunks_mut(out, run, threads, |i, piece| {
         sum_columns(parts, units, n, i * run, piece);
-    });
-    Ok(())
+    })
 }
 
 /// Columns `first..first + out.len()` of the tree sum, `COLUMNS` at a time in cache.
@@ -109,7 +106,7 @@ mod tests {
                     .collect();
                 let flat: Vec<f32> = rows.concat();
                 let mut out = vec![0f32; n];
-                tree_sum(&flat, units, &mut out, false).unwrap();
+                tree_sum(&flat, units, &mut out, 1).unwrap();
                 let want = reference(&rows);
                 assert!(out
                     .iter()
@@ -130,19 +127,19 @@ mod tests {
             })
             .collect();
         let mut whole = vec![0f32; n];
-        tree_sum(&flat, b * w, &mut whole, false).unwrap();
+        tree_sum(&flat, b * w, &mut whole, 1).unwrap();
         let mut blocks = vec![0f32; w * n];
         for r in 0..w {
             tree_sum(
                 &flat[r * b * n..(r + 1) * b * n],
                 b,
                 &mut blocks[r * n..(r + 1) * n],
-                false,
+                1,
             )
             .unwrap();
         }
         let mut twice = vec![0f32; n];
-        tree_sum(&blocks, w, &mut twice, false).unwrap();
+        tree_sum(&blocks, w, &mut twice, 1).unwrap();
         assert!(whole
             .iter()
             .zip(&twice)
@@ -156,9 +153,9 @@ mod tests {
             .flat_map(|u| test_values(n, u as u32 + 11))
             .collect();
         let mut one = vec![0f32; n];
-        tree_sum(&flat, units, &mut one, false).unwrap();
+        tree_sum(&flat, units, &mut one, 1).unwrap();
         let mut four = vec![0f32; n];
-        crate::kernels::run(4, || tree_sum(&flat, units, &mut four, true)).unwrap();
+        tree_sum(&flat, units, &mut four, 4).unwrap();
         assert!(one
             .iter()
             .zip(&four)
@@ -168,7 +165,7 @@ mod tests {
     #[test]
     fn a_wrong_size_is_refused() {
         let mut out = vec![0f32; 3];
-        assert!(tree_sum(&[0.0; 7], 2, &mut out, false).is_err());
-        assert!(tree_sum(&[], 0, &mut out, true).is_err());
+        assert!(tree_sum(&[0.0; 7], 2, &mut out, 1).is_err());
+        assert!(tree_sum(&[], 0, &mut out, 4).is_err());
     }
 }

@@ -14,9 +14,8 @@
 //! number of units are added as soon as both exist, the rest folded from the right at the
 //! end, which is the canonical tree), so the units' products are never all in memory at once.
 
-use rayon::prelude::*;
-
 use crate::error::{Error, Result};
+use crate::kernels::openmp;
 
 /// The shapes of one call: `units` units of `rows` rows; `outs` output and `ins` input features.
 #[derive(Clone, Copy, Debug)]
@@ -119,7 +118,7 @@ pub fn products(
     start: usize,
     stop: usize,
     out: &mut [f32],
-    parallel: bool,
+    threads: usize,
 ) -> Result<()> {
     let whole = out.len() / s.units.max(1);
     s.check(
@@ -137,13 +136,9 @@ pub fn products(
     if each == 0 {
         return Ok(());
     }
-    let one = |(u, piece): (usize, &mut [f32])| product(dys, xs, s, u, start, stop, piece);
-    if parallel {
-        out.par_chunks_mut(each).enumerate().for_each(one);
-    } else {
-        out.chunks_mut(each).enumerate().for_each(one);
-    }
-    Ok(())
+    openmp::chunks_mut(out, each, threads, |u, piece| {
+        product(dys, xs, s, u, start, stop, piece)
+    })
 }
 
 /// Rows `start..stop` of the units' gradients summed in the canonical tree, into `out`
@@ -156,30 +151,25 @@ pub fn tree(
     start: usize,
     stop: usize,
     out: &mut [f32],
-    parallel: bool,
+    threads: usize,
 ) -> Result<()> {
     s.check(dys, xs, start, stop, out.len())?;
     if out.is_empty() {
         return Ok(());
     }
-    // Output rows per block: a cache's worth, and with threads at least a block for each.
+    // Output rows per block: a cache's worth, and with threads at least a block for each
+    // (every element's bits are the same in any block).
     let mut per = (BLOCK / s.ins.max(1)).max(1);
-    if parallel {
-        per = per.min((stop - start).div_ceil(rayon::current_num_threads().max(1)));
+    if threads > 1 {
+        per = per.min((stop - start).div_ceil(threads));
     }
-    let one = |(b, piece): (usize, &mut [f32])| {
+    openmp::chunks_mut(out, per * s.ins, threads, |b, piece| {
         let lo = start + b * per;
         block(dys, xs, s, lo, lo + piece.len() / s.ins, piece);
-    };
-    if parallel {
-        out.par_chunks_mut(per * s.ins).enumerate().for_each(one);
-    } else {
-        out.chunks_mut(per * s.ins).enumerate().for_each(one);
-    }
-    Ok(())
+    })
 }
 
-/// One block of output rows of [`tree`]: a binary counter over the units.
+/// Rows `lo..hi` of [`tree`]: a binary counter over the units.
 fn block(dys: &[f32], xs: &[f32], s: Shape, lo: usize, hi: usize, out: &mut [f32]) {
     let len = out.len();
     let levels = (usize::BITS - s.units.leading_zeros()) as usize + 1;
@@ -206,7 +196,7 @@ fn block(dys: &[f32], xs: &[f32], s: Shape, lo: usize, hi: usize, out: &mut [f32
         }
         stack.push((size, buf));
     }
-    let (_, mut right) = stack.pop().expect("units >= 1");
+    let (_, mut right) = stack.pop().expect("at least one unit");
     while let Some((_, left)) = stack.pop() {
         add_into(&mut bufs, left, right);
         right = left;
@@ -287,7 +277,7 @@ mod tests {
         };
         let (dys, xs) = inputs(s, 5);
         let mut all = vec![0f32; s.units * s.outs * s.ins];
-        products(&dys, &xs, s, 0, s.outs, &mut all, false).unwrap();
+        products(&dys, &xs, s, 0, s.outs, &mut all, 1).unwrap();
         for u in 0..s.units {
             let want = naive(&dys, &xs, s, u);
             let got = &all[u * s.outs * s.ins..(u + 1) * s.outs * s.ins];
@@ -297,7 +287,7 @@ mod tests {
         }
         for (start, stop) in [(0, 1), (3, 11), (44, 45), (7, 45)] {
             let mut part = vec![0f32; s.units * (stop - start) * s.ins];
-            products(&dys, &xs, s, start, stop, &mut part, true).unwrap();
+            products(&dys, &xs, s, start, stop, &mut part, 4).unwrap();
             for u in 0..s.units {
                 for r in start..stop {
                     for i in 0..s.ins {
@@ -321,19 +311,19 @@ mod tests {
             };
             let (dys, xs) = inputs(s, units as u32);
             let mut each = vec![0f32; units * outs * ins];
-            products(&dys, &xs, s, 0, outs, &mut each, false).unwrap();
+            products(&dys, &xs, s, 0, outs, &mut each, 1).unwrap();
             let mut want = vec![0f32; outs * ins];
-            tree_sum(&each, units, &mut want, false).unwrap();
-            for parallel in [false, true] {
+            tree_sum(&each, units, &mut want, 1).unwrap();
+            for threads in [1, 3] {
                 let mut got = vec![0f32; outs * ins];
-                tree(&dys, &xs, s, 0, outs, &mut got, parallel).unwrap();
+                tree(&dys, &xs, s, 0, outs, &mut got, threads).unwrap();
                 assert!(got
                     .iter()
                     .zip(&want)
                     .all(|(a, b)| a.to_bits() == b.to_bits()));
                 let (start, stop) = (outs / 3, outs);
                 let mut part = vec![0f32; (stop - start) * ins];
-                tree(&dys, &xs, s, start, stop, &mut part, parallel).unwrap();
+                tree(&dys, &xs, s, start, stop, &mut part, threads).unwrap();
                 assert!(part
                     .iter()
                     .zip(&want[start * ins..])
@@ -349,20 +339,45 @@ mod tests {
         };
         let (dys, xs) = inputs(s, 99);
         let mut whole = vec![0f32; s.outs * s.ins];
-        tree(&dys, &xs, s, 0, s.outs, &mut whole, false).unwrap();
+        tree(&dys, &xs, s, 0, s.outs, &mut whole, 1).unwrap();
         let quarter = Shape { units: 4, ..s };
         let mut ranks = vec![0f32; 4 * s.outs * s.ins];
         for (r, piece) in ranks.chunks_mut(s.outs * s.ins).enumerate() {
             let d = &dys[r * 4 * s.rows * s.outs..(r + 1) * 4 * s.rows * s.outs];
             let x = &xs[r * 4 * s.rows * s.ins..(r + 1) * 4 * s.rows * s.ins];
-            tree(d, x, quarter, 0, s.outs, piece, false).unwrap();
+            tree(d, x, quarter, 0, s.outs, piece, 1).unwrap();
         }
         let mut summed = vec![0f32; s.outs * s.ins];
-        tree_sum(&ranks, 4, &mut summed, false).unwrap();
+        tree_sum(&ranks, 4, &mut summed, 1).unwrap();
         assert!(whole
             .iter()
             .zip(&summed)
             .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
+    #[test]
+    fn the_threads_cut_the_rows_without_changing_a_bit() {
+        // The blocks of output rows follow `threads` alone, so this cuts them differently
+        // even where no OpenMP runtime is loaded.
+        for units in [16usize, 13, 2] {
+            let s = Shape {
+                units,
+                rows: 9,
+                outs: 6,
+                ins: 30,
+            };
+            let (dys, xs) = inputs(s, 7 + units as u32);
+            let mut want = vec![0f32; s.outs * s.ins];
+            tree(&dys, &xs, s, 0, s.outs, &mut want, 1).unwrap();
+            for threads in [2, 3, 8, 64] {
+                let mut got = vec![0f32; s.outs * s.ins];
+                tree(&dys, &xs, s, 0, s.outs, &mut got, threads).unwrap();
+                assert!(got
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()));
+            }
+        }
     }
 
     #[test]
@@ -375,7 +390,7 @@ mod tests {
         };
         let (dys, xs) = inputs(s, 3);
         let mut want = vec![0f32; s.outs * s.ins];
-        tree(&dys, &xs, s, 0, s.outs, &mut want, false).unwrap();
+        tree(&dys, &xs, s, 0, s.outs, &mut want, 1).unwrap();
         let shifted = |v: &[f32], by: usize| {
             let mut w = vec![0f32; v.len() + by];
             w[by..].copy_from_slice(v);
@@ -383,7 +398,7 @@ mod tests {
         };
         let (d, x) = (shifted(&dys, 1), shifted(&xs, 3));
         let mut got = vec![0f32; s.outs * s.ins + 2];
-        tree(&d[1..], &x[3..], s, 0, s.outs, &mut got[2..], false).unwrap();
+        tree(&d[1..], &x[3..], s, 0, s.outs, &mut got[2..], 1).unwrap();
         assert!(got[2..]
             .iter()
             .zip(&want)
@@ -400,9 +415,9 @@ mod tests {
         };
         let (dys, xs) = inputs(s, 1);
         let mut out = vec![0f32; 4 * 5];
-        assert!(tree(&dys[1..], &xs, s, 0, 4, &mut out, false).is_err());
-        assert!(tree(&dys, &xs, s, 0, 5, &mut out, false).is_err());
-        assert!(tree(&dys, &xs, s, 0, 3, &mut out, false).is_err());
-        assert!(products(&dys, &xs, s, 0, 4, &mut out, false).is_err());
+        assert!(tree(&dys[1..], &xs, s, 0, 4, &mut out, 1).is_err());
+        assert!(tree(&dys, &xs, s, 0, 5, &mut out, 1).is_err());
+        assert!(tree(&dys, &xs, s, 0, 3, &mut out, 1).is_err());
+        assert!(products(&dys, &xs, s, 0, 4, &mut out, 1).is_err());
     }
 }

@@ -7,9 +7,8 @@
 //! slice of them rounds as the whole does); the features are vectorised across, one lane each.
 //! Deterministic mode's units are then added in the canonical tree ([`crate::kernels::tree`]).
 
-use rayon::prelude::*;
-
 use crate::error::{Error, Result};
+use crate::kernels::openmp;
 
 /// `out[u, f] = sum over r of rows[u, r, f]` (row-major `units x per x features`), rows added
 /// in order.
@@ -18,18 +17,16 @@ pub fn row_sums(
     units: usize,
     features: usize,
     out: &mut [f32],
-    parallel: bool,
+    threads: usize,
 ) -> Result<()> {
     let per = per_unit(rows.len(), units, features, out.len(), "row sums")?;
-    let one = |(u, sums): (usize, &mut [f32])| {
+    openmp::chunks_mut(out, features, threads, |u, sums| {
         sums.fill(0.0);
         for r in 0..per {
             let row = &rows[(u * per + r) * features..(u * per + r + 1) * features];
             add(sums, row);
         }
-    };
-    each_unit(out, features, parallel, one);
-    Ok(())
+    })
 }
 
 /// A layer norm's saved rows and their output gradients: `x` and `dy` are `units x per x
@@ -54,7 +51,7 @@ pub fn norm_sums(
     features: usize,
     weight: Option<&mut [f32]>,
     bias: Option<&mut [f32]>,
-    parallel: bool,
+    threads: usize,
 ) -> Result<()> {
     let NormRows { x, mean, rstd, dy } = rows;
     let sums = units * features;
@@ -74,7 +71,7 @@ pub fn norm_sums(
                 "norm sums: the bias's sums are of the wrong size",
             ));
         }
-        row_sums(dy, units, features, b, parallel)?;
+        row_sums(dy, units, features, b, threads)?;
     }
     let Some(w) = weight else { return Ok(()) };
     if w.len() != sums {
@@ -82,7 +79,7 @@ pub fn norm_sums(
             "norm sums: the weight's sums are of the wrong size",
         ));
     }
-    let one = |(u, sums): (usize, &mut [f32])| {
+    openmp::chunks_mut(w, features, threads, |u, sums| {
         sums.fill(0.0);
         let mut hat = vec![0f32; features];
         for r in u * per..(u + 1) * per {
@@ -90,9 +87,7 @@ pub fn norm_sums(
             products(&mut hat, &x[span.clone()], &dy[span], mean[r], rstd[r]);
             add(sums, &hat);
         }
-    };
-    each_unit(w, features, parallel, one);
-    Ok(())
+    })
 }
 
 /// Rows per unit, checking that `len` values are `units` units of whole rows and `out` holds
@@ -105,19 +100,6 @@ fn per_unit(len: usize, units: usize, features: usize, out: usize, what: &str) -
         )));
     }
     Ok(len / (units * features))
-}
-
-fn each_unit(
-    out: &mut [f32],
-    features: usize,
-    parallel: bool,
-    one: impl Fn((usize, &mut [f32])) + Sync + Send,
-) {
-    if parallel {
-        out.par_chunks_mut(features).enumerate().for_each(one);
-    } else {
-        out.chunks_mut(features).enumerate().for_each(one);
-    }
 }
 
 fn add(sums: &mut [f32], row: &[f32]) {
@@ -174,7 +156,7 @@ mod tests {
         let (units, per, features) = (3usize, 5usize, 37usize);
         let rows = test_values(units * per * features, 4);
         let mut out = vec![0f32; units * features];
-        row_sums(&rows, units, features, &mut out, false).unwrap();
+        row_sums(&rows, units, features, &mut out, 1).unwrap();
         for u in 0..units {
             for f in 0..features {
                 let mut want = 0f32;
@@ -191,7 +173,7 @@ mod tests {
             .flat_map(|r| r[lo..hi].to_vec())
             .collect();
         let mut part = vec![0f32; units * (hi - lo)];
-        row_sums(&sliced, units, hi - lo, &mut part, true).unwrap();
+        row_sums(&sliced, units, hi - lo, &mut part, 3).unwrap();
         for u in 0..units {
             for f in lo..hi {
                 let a = part[u * (hi - lo) + f - lo];
@@ -199,7 +181,7 @@ mod tests {
             }
         }
         let mut first = vec![0f32; features];
-        row_sums(&rows[..per * features], 1, features, &mut first, false).unwrap();
+        row_sums(&rows[..per * features], 1, features, &mut first, 1).unwrap();
         assert!(first
             .iter()
             .zip(&out[..features])
@@ -223,9 +205,9 @@ mod tests {
             rstd: &rstd,
             dy: &dy,
         };
-        norm_sums(rows, units, features, Some(&mut w), Some(&mut b), false).unwrap();
+        norm_sums(rows, units, features, Some(&mut w), Some(&mut b), 1).unwrap();
         let mut sums = vec![0f32; units * features];
-        row_sums(&dy, units, features, &mut sums, false).unwrap();
+        row_sums(&dy, units, features, &mut sums, 1).unwrap();
         assert!(b.iter().zip(&sums).all(|(p, q)| p.to_bits() == q.to_bits()));
         for u in 0..units {
             for f in 0..features {
@@ -243,8 +225,8 @@ mod tests {
     fn wrong_sizes_are_refused() {
         let v = vec![0f32; 12];
         let mut out = vec![0f32; 6];
-        assert!(row_sums(&v, 5, 3, &mut out, false).is_err());
-        assert!(row_sums(&v, 2, 3, &mut out[..5], false).is_err());
+        assert!(row_sums(&v, 5, 3, &mut out, 1).is_err());
+        assert!(row_sums(&v, 2, 3, &mut out[..5], 1).is_err());
         let m = vec![0f32; 3];
         let rows = NormRows {
             x: &v,
@@ -252,6 +234,6 @@ mod tests {
             rstd: &m,
             dy: &v,
         };
-        assert!(norm_sums(rows, 2, 3, Some(&mut out), None, false).is_err());
+        assert!(norm_sums(rows, 2, 3, Some(&mut out), None, 1).is_err());
     }
 }

@@ -145,12 +145,8 @@ pub fn tree_sum(
     let (pb, ob) = (bytes_of(&p), bytes_of_mut(&mut o));
     disjoint(pb, ob, "parts and out")?;
     let (p, o) = (f32s_ro(pb, "parts")?, f32s(ob, "out")?);
-    if threads <= 1 {
-        return py
-            .detach(|| kernels::tree::tree_sum(p, units, o, false))
-            .py_err();
-    }
-    py.detach(|| kernels::run(threads, || kernels::tree::tree_sum(p, units, o, true)))
+    // On torch's OpenMP threads (`kernels::openmp`), not a pool of the engine's own.
+    py.detach(|| kernels::tree::tree_sum(p, units, o, threads))
         .py_err()
 }
 
@@ -188,15 +184,13 @@ pub fn unit_products(
         outs,
         ins,
     };
-    let parallel = threads > 1;
+    // On torch's OpenMP threads (`kernels::openmp`), not a pool of the engine's own.
     py.detach(|| {
-        kernels::run(threads, || {
-            if tree {
-                kernels::unit_products::tree(d, x, shape, start, stop, o, parallel)
-            } else {
-                kernels::unit_products::products(d, x, shape, start, stop, o, parallel)
-            }
-        })
+        if tree {
+            kernels::unit_products::tree(d, x, shape, start, stop, o, threads)
+        } else {
+            kernels::unit_products::products(d, x, shape, start, stop, o, threads)
+        }
     })
     .py_err()
 }
@@ -218,12 +212,8 @@ pub fn unit_row_sums(
     let (rb, ob) = (bytes_of(&r), bytes_of_mut(&mut o));
     disjoint(rb, ob, "rows and out")?;
     let (r, o) = (f32s_ro(rb, "rows")?, f32s(ob, "out")?);
-    py.detach(|| {
-        kernels::run(threads, || {
-            kernels::unit_rows::row_sums(r, units, features, o, threads > 1)
-        })
-    })
-    .py_err()
+    py.detach(|| kernels::unit_rows::row_sums(r, units, features, o, threads))
+        .py_err()
 }
 
 /// A layer norm's per-unit sums (`kernels::unit_rows::norm_sums`) of float32 `x`, `mean`,
@@ -268,13 +258,9 @@ pub fn unit_norm_sums(
     let (rstd, dy) = (f32s_ro(bytes[2], "rstd")?, f32s_ro(bytes[3], "dy")?);
     let w = wb.map(|v| f32s(v, "weight")).transpose()?;
     let b = bb.map(|v| f32s(v, "bias")).transpose()?;
-    py.detach(|| {
-        kernels::run(threads, || {
-            let rows = kernels::unit_rows::NormRows { x, mean, rstd, dy };
-            kernels::unit_rows::norm_sums(rows, units, features, w, b, threads > 1)
-        })
-    })
-    .py_err()
+    let rows = kernels::unit_rows::NormRows { x, mean, rstd, dy };
+    py.detach(|| kernels::unit_rows::norm_sums(rows, units, features, w, b, threads))
+        .py_err()
 }
 
 /// One Adam (or, with `decoupled`, AdamW) step of float32 `param` with `grad`, its moments
