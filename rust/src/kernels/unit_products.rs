@@ -35,8 +35,16 @@ pub struct Shape {
 const BLOCK: usize = 16 * 1024;
 
 impl Shape {
-    /// Refuses inputs of other sizes, and an `out` of other than `out` values.
-    fn check(&self, dys: &[f32], xs: &[f32], start: usize, stop: usize, out: usize) -> Result<()> {
+    /// Refuses inputs of other sizes, rows outside the weight's, and an `out` of other than
+    /// `per_unit` values (one unit's rows `start..stop`) times `copies`.
+    fn check(
+        &self,
+        dys: &[f32],
+        xs: &[f32],
+        (start, stop): (usize, usize),
+        out: usize,
+        copies: usize,
+    ) -> Result<()> {
         let Shape {
             units,
             rows,
@@ -51,16 +59,12 @@ impl Shape {
                 xs.len()
             )));
         }
-        if units == 0 || start > stop || stop > outs || out != self.out_len(start, stop) {
+        if units == 0 || start > stop || stop > outs || out != copies * (stop - start) * ins {
             return Err(Error::invalid(format!(
-                "unit products: rows {start}..{stop} of {outs} into {out} values ({units} units)"
+                "unit products: rows {start}..{stop} of {outs} ({units} units) into {out} values"
             )));
         }
         Ok(())
-    }
-
-    fn out_len(&self, start: usize, stop: usize) -> usize {
-        (stop - start) * self.ins
     }
 }
 
@@ -120,18 +124,7 @@ pub fn products(
     out: &mut [f32],
     threads: usize,
 ) -> Result<()> {
-    let whole = out.len() / s.units.max(1);
-    s.check(
-        dys,
-        xs,
-        start,
-        stop,
-        if out.len() % s.units.max(1) == 0 {
-            whole
-        } else {
-            usize::MAX
-        },
-    )?;
+    s.check(dys, xs, (start, stop), out.len(), s.units)?;
     let each = (stop - start) * s.ins;
     if each == 0 {
         return Ok(());
@@ -153,7 +146,7 @@ pub fn tree(
     out: &mut [f32],
     threads: usize,
 ) -> Result<()> {
-    s.check(dys, xs, start, stop, out.len())?;
+    s.check(dys, xs, (start, stop), out.len(), 1)?;
     if out.is_empty() {
         return Ok(());
     }
