@@ -53,6 +53,36 @@ pub fn run<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
     }
 }
 
+/// `into[i] += from[i]`, with AVX2 where the CPU has it (each element one addition: the same
+/// bits on every instruction set).
+pub(crate) fn add_into(into: &mut [f32], from: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 support was just detected at runtime.
+        return unsafe { add_into_avx2(into, from) };
+    }
+    add_into_plain(into, from);
+}
+
+#[inline(always)]
+fn add_into_plain(into: &mut [f32], from: &[f32]) {
+    for (x, y) in into.iter_mut().zip(from) {
+        *x += *y;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn add_into_avx2(into: &mut [f32], from: &[f32]) {
+    add_into_plain(into, from);
+}
+
+/// Whether two float slices hold the same bits, for the kernels' tests.
+#[cfg(test)]
+pub(crate) fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
 /// Deterministic values in [-0.5, 0.5) for the kernels' tests.
 #[cfg(test)]
 pub(crate) fn test_values(n: usize, seed: u32) -> Vec<f32> {

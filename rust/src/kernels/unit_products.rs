@@ -15,7 +15,7 @@
 //! end, which is the canonical tree), so the units' products are never all in memory at once.
 
 use crate::error::{Error, Result};
-use crate::kernels::openmp;
+use crate::kernels::{self, openmp};
 
 /// The shapes of one call: `units` units of `rows` rows; `outs` output and `ins` input features.
 #[derive(Clone, Copy, Debug)]
@@ -207,36 +207,14 @@ fn add_into(bufs: &mut [Vec<f32>], into: usize, from: usize) {
         let (head, tail) = bufs.split_at_mut(into);
         (&mut tail[0], &head[from])
     };
-    add(a, b);
-}
-
-fn add(a: &mut [f32], b: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 support was just detected at runtime.
-        return unsafe { add_avx2(a, b) };
-    }
-    add_plain(a, b);
-}
-
-#[inline(always)]
-fn add_plain(a: &mut [f32], b: &[f32]) {
-    for (x, y) in a.iter_mut().zip(b) {
-        *x += *y;
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn add_avx2(a: &mut [f32], b: &[f32]) {
-    add_plain(a, b);
+    kernels::add_into(a, b);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::test_values;
     use crate::kernels::tree::tree_sum;
+    use crate::kernels::{same_bits, test_values};
 
     /// Unit `u`'s gradient by the definition, element by element (a dot product in row order
     /// need not round as the GEMM does: only used where bits are not compared).
@@ -259,6 +237,22 @@ mod tests {
             test_values(s.units * s.rows * s.ins, seed + 1),
         )
     }
+
+    /// Inputs of these shapes and their whole tree, on one thread.
+    fn summed(units: usize, rows: usize, outs: usize, ins: usize, seed: u32) -> Summed {
+        let s = Shape {
+            units,
+            rows,
+            outs,
+            ins,
+        };
+        let (dys, xs) = inputs(s, seed);
+        let mut want = vec![0f32; outs * ins];
+        tree(&dys, &xs, s, 0, outs, &mut want, 1).unwrap();
+        (s, dys, xs, want)
+    }
+
+    type Summed = (Shape, Vec<f32>, Vec<f32>, Vec<f32>);
 
     #[test]
     fn each_unit_is_its_product_and_any_rows_have_the_same_bits() {
@@ -310,29 +304,15 @@ mod tests {
             for threads in [1, 3] {
                 let mut got = vec![0f32; outs * ins];
                 tree(&dys, &xs, s, 0, outs, &mut got, threads).unwrap();
-                assert!(got
-                    .iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()));
+                assert!(same_bits(&got, &want));
                 let (start, stop) = (outs / 3, outs);
                 let mut part = vec![0f32; (stop - start) * ins];
                 tree(&dys, &xs, s, start, stop, &mut part, threads).unwrap();
-                assert!(part
-                    .iter()
-                    .zip(&want[start * ins..])
-                    .all(|(a, b)| a.to_bits() == b.to_bits()));
+                assert!(same_bits(&part, &want[start * ins..]));
             }
         }
         // Four ranks of 4 units each, their sums added in the tree: the 16 units' tree.
-        let s = Shape {
-            units: 16,
-            rows: 8,
-            outs: 33,
-            ins: 17,
-        };
-        let (dys, xs) = inputs(s, 99);
-        let mut whole = vec![0f32; s.outs * s.ins];
-        tree(&dys, &xs, s, 0, s.outs, &mut whole, 1).unwrap();
+        let (s, dys, xs, whole) = summed(16, 8, 33, 17, 99);
         let quarter = Shape { units: 4, ..s };
         let mut ranks = vec![0f32; 4 * s.outs * s.ins];
         for (r, piece) in ranks.chunks_mut(s.outs * s.ins).enumerate() {
@@ -342,10 +322,7 @@ mod tests {
         }
         let mut summed = vec![0f32; s.outs * s.ins];
         tree_sum(&ranks, 4, &mut summed, 1).unwrap();
-        assert!(whole
-            .iter()
-            .zip(&summed)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(same_bits(&whole, &summed));
     }
 
     #[test]
@@ -353,37 +330,18 @@ mod tests {
         // The blocks of output rows follow `threads` alone, so this cuts them differently
         // even where no OpenMP runtime is loaded.
         for units in [16usize, 13, 2] {
-            let s = Shape {
-                units,
-                rows: 9,
-                outs: 6,
-                ins: 30,
-            };
-            let (dys, xs) = inputs(s, 7 + units as u32);
-            let mut want = vec![0f32; s.outs * s.ins];
-            tree(&dys, &xs, s, 0, s.outs, &mut want, 1).unwrap();
+            let (s, dys, xs, want) = summed(units, 9, 6, 30, 7 + units as u32);
             for threads in [2, 3, 8, 64] {
                 let mut got = vec![0f32; s.outs * s.ins];
                 tree(&dys, &xs, s, 0, s.outs, &mut got, threads).unwrap();
-                assert!(got
-                    .iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()));
+                assert!(same_bits(&got, &want));
             }
         }
     }
 
     #[test]
     fn the_bits_do_not_depend_on_alignment() {
-        let s = Shape {
-            units: 2,
-            rows: 70,
-            outs: 21,
-            ins: 35,
-        };
-        let (dys, xs) = inputs(s, 3);
-        let mut want = vec![0f32; s.outs * s.ins];
-        tree(&dys, &xs, s, 0, s.outs, &mut want, 1).unwrap();
+        let (s, dys, xs, want) = summed(2, 70, 21, 35, 3);
         let shifted = |v: &[f32], by: usize| {
             let mut w = vec![0f32; v.len() + by];
             w[by..].copy_from_slice(v);
@@ -392,10 +350,7 @@ mod tests {
         let (d, x) = (shifted(&dys, 1), shifted(&xs, 3));
         let mut got = vec![0f32; s.outs * s.ins + 2];
         tree(&d[1..], &x[3..], s, 0, s.outs, &mut got[2..], 1).unwrap();
-        assert!(got[2..]
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(same_bits(&got[2..], &want));
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! Deterministic mode's units are then added in the canonical tree ([`crate::kernels::tree`]).
 
 use crate::error::{Error, Result};
-use crate::kernels::openmp;
+use crate::kernels::{self, openmp};
 
 /// `out[u, f] = sum over r of rows[u, r, f]` (row-major `units x per x features`), rows added
 /// in order.
@@ -24,7 +24,7 @@ pub fn row_sums(
         sums.fill(0.0);
         for r in 0..per {
             let row = &rows[(u * per + r) * features..(u * per + r + 1) * features];
-            add(sums, row);
+            kernels::add_into(sums, row);
         }
     })
 }
@@ -85,7 +85,7 @@ pub fn norm_sums(
         for r in u * per..(u + 1) * per {
             let span = r * features..(r + 1) * features;
             products(&mut hat, &x[span.clone()], &dy[span], mean[r], rstd[r]);
-            add(sums, &hat);
+            kernels::add_into(sums, &hat);
         }
     })
 }
@@ -100,28 +100,6 @@ fn per_unit(len: usize, units: usize, features: usize, out: usize, what: &str) -
         )));
     }
     Ok(len / (units * features))
-}
-
-fn add(sums: &mut [f32], row: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 support was just detected at runtime.
-        return unsafe { add_avx2(sums, row) };
-    }
-    add_plain(sums, row);
-}
-
-#[inline(always)]
-fn add_plain(sums: &mut [f32], row: &[f32]) {
-    for (s, v) in sums.iter_mut().zip(row) {
-        *s += *v;
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn add_avx2(sums: &mut [f32], row: &[f32]) {
-    add_plain(sums, row);
 }
 
 fn products(hat: &mut [f32], x: &[f32], dy: &[f32], mean: f32, rstd: f32) {

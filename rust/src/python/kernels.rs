@@ -129,6 +129,22 @@ fn f32s_ro<'a>(bytes: &'a [u8], what: &str) -> PyResult<&'a [f32]> {
     })
 }
 
+/// Runs `kernel` on float32 `input` (read) and `out` (written), separate contiguous buffers,
+/// with the GIL released.
+fn read_write(
+    py: Python<'_>,
+    (input, what_in): (&Bound<'_, PyAny>, &str),
+    (out, what_out): (&Bound<'_, PyAny>, &str),
+    kernel: impl FnOnce(&[f32], &mut [f32]) -> crate::error::Result<()> + Send,
+) -> PyResult<()> {
+    let i = hold(input, false, what_in)?;
+    let mut o = hold(out, true, what_out)?;
+    let (ib, ob) = (bytes_of(&i), bytes_of_mut(&mut o));
+    disjoint(ib, ob, &format!("{what_in} and {what_out}"))?;
+    let (i, o) = (f32s_ro(ib, what_in)?, f32s(ob, what_out)?);
+    py.detach(|| kernel(i, o)).py_err()
+}
+
 /// Sums the `units` rows of float32 `parts` (contiguous, `units * out.numel()` values) into
 /// `out` in the canonical tree (see `kernels::tree`), on `threads` threads.
 #[pyfunction]
@@ -140,14 +156,10 @@ pub fn tree_sum(
     units: usize,
     threads: usize,
 ) -> PyResult<()> {
-    let p = hold(parts, false, "parts")?;
-    let mut o = hold(out, true, "out")?;
-    let (pb, ob) = (bytes_of(&p), bytes_of_mut(&mut o));
-    disjoint(pb, ob, "parts and out")?;
-    let (p, o) = (f32s_ro(pb, "parts")?, f32s(ob, "out")?);
     // On torch's OpenMP threads (`kernels::openmp`), not a pool of the engine's own.
-    py.detach(|| kernels::tree::tree_sum(p, units, o, threads))
-        .py_err()
+    read_write(py, (parts, "parts"), (out, "out"), |p, o| {
+        kernels::tree::tree_sum(p, units, o, threads)
+    })
 }
 
 /// Rows `start..stop` of a linear layer's weight gradient for each of `units` units
@@ -207,13 +219,9 @@ pub fn unit_row_sums(
     features: usize,
     threads: usize,
 ) -> PyResult<()> {
-    let r = hold(rows, false, "rows")?;
-    let mut o = hold(out, true, "out")?;
-    let (rb, ob) = (bytes_of(&r), bytes_of_mut(&mut o));
-    disjoint(rb, ob, "rows and out")?;
-    let (r, o) = (f32s_ro(rb, "rows")?, f32s(ob, "out")?);
-    py.detach(|| kernels::unit_rows::row_sums(r, units, features, o, threads))
-        .py_err()
+    read_write(py, (rows, "rows"), (out, "out"), |r, o| {
+        kernels::unit_rows::row_sums(r, units, features, o, threads)
+    })
 }
 
 /// A layer norm's per-unit sums (`kernels::unit_rows::norm_sums`) of float32 `x`, `mean`,
