@@ -5,7 +5,8 @@
 //! each parallel region, waiting for the next one. Threads of another pool (rayon's) started
 //! right after that find every core taken, and the spinning threads then find theirs taken
 //! when the next region of torch starts: on a 16-core host, deterministic mode's per-unit
-//! products on rayon threads between torch's matrix products made a step 2.4x slower. Here a
+//! products on rayon threads between torch's matrix products made a step 2.3x slower (2
+//! processes of 8 threads) than on torch's OpenMP threads. Here a
 //! loop's tasks run on the OpenMP runtime the process has loaded (GNU's `libgomp`, which
 //! torch's Linux wheels ship, or LLVM's and Intel's, which offer the same entry point), as a
 //! `#pragma omp parallel` region of torch's would: the threads that are spinning take them.
