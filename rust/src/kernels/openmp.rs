@@ -58,11 +58,6 @@ fn runtime() -> Option<Parallel> {
     })
 }
 
-/// Whether loops can run on an OpenMP runtime of this process.
-pub fn available() -> bool {
-    runtime().is_some()
-}
-
 struct Loop<'a> {
     tasks: usize,
     next: AtomicUsize,
