@@ -7,12 +7,18 @@
 //!
 //! Each unit's product is one small GEMM (`matrixmultiply`'s, with its own choice of vector
 //! instructions). Every element of it is a dot product over the unit's `rows` in a fixed order
-//! whatever the rows of the output asked for or the memory's alignment (a test checks it), so a
-//! unit's gradient has the same bits in every layout, one process included, and in any block
-//! of the output. [`tree`] computes a block of output rows for every unit at a time into a few
-//! cache-sized buffers and adds them as they come (a binary counter: two sums of the same
-//! number of units are added as soon as both exist, the rest folded from the right at the
-//! end, which is the canonical tree), so the units' products are never all in memory at once.
+//! whatever the rows and columns of the output asked for or the memory's alignment (tests
+//! check it), so a unit's gradient has the same bits in every layout, one process included,
+//! and in any tile of the output. [`tree`] computes a tile of the output for every unit at a
+//! time into a few cache-sized buffers and adds them as they come (a binary counter: two sums
+//! of the same number of units are added as soon as both exist, the rest folded from the right
+//! at the end, which is the canonical tree), so the units' products are never all in memory at
+//! once. With threads, the tiles are cut from rows and columns both ([`tiles`]): a weight of
+//! few rows cut by rows alone gave each thread a GEMM a few rows high, which costs more in
+//! copying its inputs than in products (64 x 256 on 8 threads took longer than on 2).
+
+use std::ops::Range;
+use std::sync::Mutex;
 
 use crate::error::{Error, Result};
 use crate::kernels::{self, openmp};
@@ -68,17 +74,18 @@ impl Shape {
     }
 }
 
-/// Rows `start..stop` of unit `u`'s gradient, written to `out` (`(stop - start) * ins`).
+/// Rows `rows` and columns `cols` of unit `u`'s gradient, written to `out` (row-major,
+/// `rows.len() * cols.len()` values).
 fn product(
     dys: &[f32],
     xs: &[f32],
     s: Shape,
     u: usize,
-    start: usize,
-    stop: usize,
+    rows: Range<usize>,
+    cols: Range<usize>,
     out: &mut [f32],
 ) {
-    let (k, m, n) = (s.rows, stop - start, s.ins);
+    let (k, m, n) = (s.rows, rows.len(), cols.len());
     if m == 0 || n == 0 {
         return;
     }
@@ -86,13 +93,15 @@ fn product(
         out.fill(0.0);
         return;
     }
-    let a = &dys[u * k * s.outs + start..];
-    let b = &xs[u * k * n..(u + 1) * k * n];
-    // SAFETY: A is `dys[u]` transposed, rows `start..stop`: element (r, j) at `r + j * outs`
-    // from `a`, the largest index (m - 1) + (k - 1) * outs < (k * outs) - start, inside `a`.
-    // B is `xs[u]`, row-major `k x n`, inside `b`. C is `out`, row-major `m x n`, which the
-    // caller sized exactly. The slices borrow distinct buffers (`out` is `&mut`), and
-    // matrixmultiply reads and writes only within those bounds.
+    let a = &dys[u * k * s.outs + rows.start..];
+    let b = &xs[u * k * s.ins + cols.start..(u + 1) * k * s.ins];
+    // SAFETY: A is `dys[u]` transposed, rows `rows`: element (r, j) at `r + j * outs` from
+    // `a`, the largest index (m - 1) + (k - 1) * outs < (k * outs) - rows.start, inside `a`.
+    // B is `xs[u]`'s columns `cols`, row-major with row stride `ins`: element (j, c) at
+    // `j * ins + c`, the largest (k - 1) * ins + (n - 1) < k * ins - cols.start (as
+    // cols.end <= ins), inside `b`. C is `out`, row-major `m x n`, which the caller sized
+    // exactly. The slices borrow distinct buffers (`out` is `&mut`), and matrixmultiply reads
+    // and writes only within those bounds.
     unsafe {
         matrixmultiply::sgemm(
             m,
@@ -103,7 +112,7 @@ fn product(
             1,
             s.outs as isize,
             b.as_ptr(),
-            n as isize,
+            s.ins as isize,
             1,
             0.0,
             out.as_mut_ptr(),
@@ -130,7 +139,7 @@ pub fn products(
         return Ok(());
     }
     openmp::chunks_mut(out, each, threads, |u, piece| {
-        product(dys, xs, s, u, start, stop, piece)
+        product(dys, xs, s, u, start..stop, 0..s.ins, piece)
     })
 }
 
@@ -150,20 +159,68 @@ pub fn tree(
     if out.is_empty() {
         return Ok(());
     }
-    // Output rows per block: a cache's worth, and with threads at least a block for each
-    // (every element's bits are the same in any block).
-    let mut per = (BLOCK / s.ins.max(1)).max(1);
-    if threads > 1 {
-        per = per.min((stop - start).div_ceil(threads));
+    let (rows, n) = (stop - start, s.ins);
+    if threads <= 1 {
+        // Output rows per block: a cache's worth.
+        let per = (BLOCK / n.max(1)).max(1);
+        for (b, piece) in out.chunks_mut(per * n).enumerate() {
+            let lo = start + b * per;
+            block(dys, xs, s, lo..lo + piece.len() / n, 0..n, piece);
+        }
+        return Ok(());
     }
-    openmp::chunks_mut(out, per * s.ins, threads, |b, piece| {
-        let lo = start + b * per;
-        block(dys, xs, s, lo, lo + piece.len() / s.ins, piece);
-    })
+    let (tall, wide) = tiles(rows, n, threads);
+    // Bands of `tall` output rows, each cut into tiles `wide` columns wide.
+    let bands: Vec<Mutex<&mut [f32]>> = out.chunks_mut(tall * n).map(Mutex::new).collect();
+    let across = n.div_ceil(wide);
+    openmp::for_each(bands.len() * across, threads, &|t| {
+        let (band, c0) = (t / across, t % across * wide);
+        let lo = start + band * tall;
+        let (hi, c1) = ((lo + tall).min(stop), (c0 + wide).min(n));
+        let mut tile = vec![0f32; (hi - lo) * (c1 - c0)];
+        block(dys, xs, s, lo..hi, c0..c1, &mut tile);
+        // A band's tiles are copied in one at a time: the lock is held for a copy only.
+        let mut into = bands[band].lock().unwrap_or_else(|e| e.into_inner());
+        for (row, values) in into.chunks_mut(n).zip(tile.chunks(c1 - c0)) {
+            row[c0..c1].copy_from_slice(values);
+        }
+    });
+    Ok(())
 }
 
-/// Rows `lo..hi` of [`tree`]: a binary counter over the units.
-fn block(dys: &[f32], xs: &[f32], s: Shape, lo: usize, hi: usize, out: &mut [f32]) {
+/// Tiles of `rows x cols` outputs for `threads` threads: `(tall, wide)`.
+///
+/// The columns are cut into a divisor of `threads` pieces and the rows into the rest, taking
+/// the cut whose tiles copy the least input per product (`(tall + wide) / (tall * wide)`;
+/// ties to fewer column pieces); pieces are at least 16 columns wide. A tile holds at most
+/// [`BLOCK`] values (more bands than threads then), so that its buffers stay in cache.
+fn tiles(rows: usize, cols: usize, threads: usize) -> (usize, usize) {
+    let cost = |tall: usize, wide: usize| (tall + wide) as f64 / (tall * wide) as f64;
+    let mut best = (rows.div_ceil(threads).max(1), cols);
+    for across in (2..=threads).filter(|a| threads % a == 0) {
+        let wide = cols.div_ceil(across);
+        if wide < 16 {
+            break;
+        }
+        let tall = rows.div_ceil(threads / across).max(1);
+        if cost(tall, wide) < cost(best.0, best.1) {
+            best = (tall, wide);
+        }
+    }
+    let (tall, wide) = best;
+    ((BLOCK / wide).clamp(1, tall), wide)
+}
+
+/// Rows `rows` and columns `cols` of [`tree`] into `out` (row-major): a binary counter over
+/// the units.
+fn block(
+    dys: &[f32],
+    xs: &[f32],
+    s: Shape,
+    rows: Range<usize>,
+    cols: Range<usize>,
+    out: &mut [f32],
+) {
     let len = out.len();
     let levels = (usize::BITS - s.units.leading_zeros()) as usize + 1;
     let mut bufs: Vec<Vec<f32>> = Vec::with_capacity(levels);
@@ -175,7 +232,7 @@ fn block(dys: &[f32], xs: &[f32], s: Shape, lo: usize, hi: usize, out: &mut [f32
             bufs.push(vec![0f32; len]);
             bufs.len() - 1
         });
-        product(dys, xs, s, u, lo, hi, &mut bufs[buf]);
+        product(dys, xs, s, u, rows.clone(), cols.clone(), &mut bufs[buf]);
         let mut size = 1;
         while let Some(&(n, left)) = stack.last() {
             if n != size {
@@ -337,6 +394,34 @@ mod tests {
                 assert!(same_bits(&got, &want));
             }
         }
+    }
+
+    #[test]
+    fn the_threads_cut_the_columns_without_changing_a_bit() {
+        // Few rows and many columns: the tiles are cut from the columns too.
+        for (units, outs, ins) in [(16usize, 6, 64), (5, 64, 256), (3, 2, 100)] {
+            let (s, dys, xs, want) = summed(units, 9, outs, ins, 11 + units as u32);
+            for threads in [2, 4, 8, 12] {
+                let (tall, wide) = tiles(outs, ins, threads);
+                assert!(tall >= 1 && (16..=ins).contains(&wide), "{tall} x {wide}");
+                let mut got = vec![0f32; s.outs * s.ins];
+                tree(&dys, &xs, s, 0, s.outs, &mut got, threads).unwrap();
+                assert!(same_bits(&got, &want), "{units} {outs} {ins} {threads}");
+                let (start, stop) = (1, outs);
+                let mut part = vec![0f32; (stop - start) * ins];
+                tree(&dys, &xs, s, start, stop, &mut part, threads).unwrap();
+                assert!(same_bits(&part, &want[start * ins..]));
+            }
+        }
+    }
+
+    #[test]
+    fn tiles_copy_the_least_input_per_product() {
+        assert_eq!(tiles(64, 256, 8), (32, 64)); // rows alone: 8 x 256
+        assert_eq!(tiles(256, 64, 8), (32, 64));
+        assert_eq!(tiles(64, 64, 8), (16, 32));
+        assert_eq!(tiles(4, 20, 8), (1, 20)); // columns no narrower than 16
+        assert_eq!(tiles(4096, 4096, 4), (8, 2048)); // a tile within BLOCK values
     }
 
     #[test]
