@@ -113,3 +113,36 @@ def test_layer_norm_sums_are_the_products_added_in_order() -> None:
     w, b = got
     assert torch.equal(w, _rows_in_order(((x - mean) * rstd) * dy))
     assert torch.equal(b, _rows_in_order(dy))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_input_gradient_is_torchs_and_its_bits_follow_the_row_alone(
+    affine: bool,
+) -> None:
+    units, per, width = 4, 9, 45
+    x, dy = _values(units, per, width, seed=8), _values(units, per, width, seed=9)
+    weight = torch.rand(width, generator=torch.Generator().manual_seed(3)) + 0.5
+    w, b = (weight, torch.zeros(width)) if affine else (None, None)
+    _, mean, rstd = torch.native_layer_norm(x, [width], w, b, 1e-5)
+
+    def dx_of(rows: int) -> torch.Tensor:
+        class Ctx:
+            saved_tensors = (x[:rows], mean[:rows], rstd[:rows], w, b)
+            needs_input_grad = (True,)
+            shape, keys = [width], (None, None)
+
+            class c:  # the collector, of which only the units are read here
+                units = rows
+
+        got = _LayerNormFn.backward(Ctx(), dy[:rows])[0]
+        assert got is not None
+        return got
+
+    dx = dx_of(units)
+    want = torch.ops.aten.native_layer_norm_backward(
+        dy.double(), x.double(), [width], mean.double(), rstd.double(),
+        None if w is None else w.double(), None if b is None else b.double(),
+        [True, False, False],
+    )[0]  # fmt: skip
+    torch.testing.assert_close(dx.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(dx_of(1), dx[:1])  # one unit's rows: the same bits

@@ -450,7 +450,7 @@ def unit_row_sums(rows: Any, out: Any, units: int, features: int, threads: int =
     """Per-unit sums over rows: float32 ``rows`` (``units`` units of rows of ``features``)
     into ``out`` (``units x features``), each feature adding its unit's rows in order."""
 
-def unit_norm_sums(
+def unit_norm_backward(
     x: Any,
     mean: Any,
     rstd: Any,
@@ -460,9 +460,13 @@ def unit_norm_sums(
     units: int,
     features: int,
     threads: int = 1,
+    gamma: Any | None = None,
+    dx: Any | None = None,
 ) -> None:
-    """A layer norm's per-unit sums: ``weight`` of ``((x - mean) * rstd) * dy`` and ``bias``
-    of ``dy`` over each unit's rows, in order (float32; ``mean`` and ``rstd`` one per row)."""
+    """A layer norm's backward (float32; ``mean`` and ``rstd`` one per row): the per-unit sums,
+    ``weight`` of ``((x - mean) * rstd) * dy`` and ``bias`` of ``dy`` over each unit's rows in
+    order, and the input's gradient ``dx`` (``gamma``: the norm's weight, if it has one), in one
+    pass over the rows; any output may be ``None``."""
 
 def tree_sum(parts: Any, out: Any, units: int, threads: int = 1) -> None:
     """Sums the ``units`` rows of float32 ``parts`` into ``out`` in the canonical tree.

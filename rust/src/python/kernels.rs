@@ -224,12 +224,13 @@ pub fn unit_row_sums(
     })
 }
 
-/// A layer norm's per-unit sums (`kernels::unit_rows::norm_sums`) of float32 `x`, `mean`,
-/// `rstd` and `dy` into `weight` and `bias` (`units x features` each, either may be None).
+/// A layer norm's backward (`kernels::unit_rows::norm_backward`) from float32 `x`, `mean`,
+/// `rstd` and `dy`: the per-unit sums into `weight` and `bias` (`units x features` each) and
+/// the input's gradient into `dx` (`gamma`: the norm's weight); every output may be None.
 #[pyfunction]
-#[pyo3(signature = (x, mean, rstd, dy, weight, bias, units, features, threads=1))]
+#[pyo3(signature = (x, mean, rstd, dy, weight, bias, units, features, threads=1, gamma=None, dx=None))]
 #[allow(clippy::too_many_arguments)]
-pub fn unit_norm_sums(
+pub fn unit_norm_backward(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
     mean: &Bound<'_, PyAny>,
@@ -240,34 +241,57 @@ pub fn unit_norm_sums(
     units: usize,
     features: usize,
     threads: usize,
+    gamma: Option<&Bound<'_, PyAny>>,
+    dx: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    let ins = [
+    let mut ins = vec![
         hold(x, false, "x")?,
         hold(mean, false, "mean")?,
         hold(rstd, false, "rstd")?,
         hold(dy, false, "dy")?,
     ];
-    let mut w = weight.map(|t| hold(t, true, "weight")).transpose()?;
-    let mut b = bias.map(|t| hold(t, true, "bias")).transpose()?;
-    let wb = w.as_mut().map(bytes_of_mut);
-    let bb = b.as_mut().map(bytes_of_mut);
+    let mut names = vec!["x", "mean", "rstd", "dy"];
+    if let Some(g) = gamma {
+        ins.push(hold(g, false, "gamma")?);
+        names.push("gamma");
+    }
+    let mut outs = Vec::new();
+    for (t, name) in [(weight, "weight"), (bias, "bias"), (dx, "dx")] {
+        outs.push(t.map(|t| hold(t, true, name)).transpose()?);
+    }
     let bytes: Vec<&[u8]> = ins.iter().map(bytes_of).collect();
-    for (out, name) in [(wb.as_deref(), "weight"), (bb.as_deref(), "bias")] {
-        if let Some(out) = out {
-            for (i, what) in bytes.iter().zip(["x", "mean", "rstd", "dy"]) {
-                disjoint(i, out, &format!("{what} and {name}"))?;
+    let mut out_bytes: Vec<Option<&mut [u8]>> = outs
+        .iter_mut()
+        .map(|o| o.as_mut().map(bytes_of_mut))
+        .collect();
+    let out_names = ["weight", "bias", "dx"];
+    for (o, name) in out_bytes.iter().zip(out_names) {
+        let Some(o) = o.as_deref() else { continue };
+        for (i, what) in bytes.iter().zip(&names) {
+            disjoint(i, o, &format!("{what} and {name}"))?;
+        }
+    }
+    for i in 0..out_bytes.len() {
+        for j in i + 1..out_bytes.len() {
+            if let (Some(a), Some(b)) = (out_bytes[i].as_deref(), out_bytes[j].as_deref()) {
+                disjoint(a, b, &format!("{} and {}", out_names[i], out_names[j]))?;
             }
         }
     }
-    if let (Some(a), Some(c)) = (wb.as_deref(), bb.as_deref()) {
-        disjoint(a, c, "weight and bias")?;
-    }
     let (x, mean) = (f32s_ro(bytes[0], "x")?, f32s_ro(bytes[1], "mean")?);
     let (rstd, dy) = (f32s_ro(bytes[2], "rstd")?, f32s_ro(bytes[3], "dy")?);
+    let gamma = bytes.get(4).map(|g| f32s_ro(g, "gamma")).transpose()?;
+    let mut it = out_bytes.drain(..);
+    let (wb, bb, db) = (
+        it.next().flatten(),
+        it.next().flatten(),
+        it.next().flatten(),
+    );
     let w = wb.map(|v| f32s(v, "weight")).transpose()?;
     let b = bb.map(|v| f32s(v, "bias")).transpose()?;
+    let d = db.map(|v| f32s(v, "dx")).transpose()?;
     let rows = kernels::unit_rows::NormRows { x, mean, rstd, dy };
-    py.detach(|| kernels::unit_rows::norm_sums(rows, units, features, w, b, threads))
+    py.detach(|| kernels::unit_rows::norm_backward(rows, units, features, gamma, d, w, b, threads))
         .py_err()
 }
 

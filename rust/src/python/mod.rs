@@ -46,6 +46,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::tree_sum, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::unit_products, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::unit_row_sums, m)?)?;
-    m.add_function(wrap_pyfunction!(kernels::unit_norm_sums, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::unit_norm_backward, m)?)?;
     Ok(())
 }

@@ -198,8 +198,24 @@ class _LayerNormFn(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, mean, rstd, weight, bias = ctx.saved_tensors
         c: Collector = ctx.c
+        want_x, want_w, want_b = ctx.needs_input_grad[0], *(k is not None for k in ctx.keys)
+        native = x.dtype == dy.dtype == torch.float32 and not dy.is_cuda
+        if native and (weight is None or weight.dtype == torch.float32):
+            # The engine: the input's gradient and the per-unit sums in one pass over the rows.
+            dx = torch.empty_like(x) if want_x else None
+            w = x.new_empty(c.units, *ctx.shape) if want_w else None
+            b = x.new_empty(c.units, *ctx.shape) if want_b else None
+            features = x.shape[-len(ctx.shape) :].numel()
+            gamma = None if weight is None else weight.reshape(-1)
+            _native.unit_norm_backward(
+                x.contiguous(), mean.contiguous(), rstd.contiguous(), dy.contiguous(), w, b,
+                c.units, features, _threads(x), gamma=gamma, dx=dx,
+            )  # fmt: skip
+            dw = None if w is None else c.give(ctx.keys[0], Dense(w))
+            db = None if b is None else c.give(ctx.keys[1], Dense(b))
+            return dx, None, dw, db, None, None
         dx = None
-        if ctx.needs_input_grad[0]:
+        if want_x:
             dx = torch.ops.aten.native_layer_norm_backward(
                 dy, x, ctx.shape, mean, rstd, weight, bias, [True, False, False]
             )[0]
@@ -207,32 +223,18 @@ class _LayerNormFn(torch.autograd.Function):
         rows = _gpu_rows(dy.device) if dy.is_cuda else None
         if rows is not None:  # both sums in one launch
             w, b = rows.norm_sums(
-                x, mean, rstd, dy, ctx.shape, c.units, ctx.keys[0] is not None,
-                ctx.keys[1] is not None,
+                x, mean, rstd, dy, ctx.shape, c.units, want_w, want_b,
             )  # fmt: skip
             if w is not None:
                 dw = c.give(ctx.keys[0], Dense(w))
             if b is not None:
                 db = c.give(ctx.keys[1], Dense(b))
             return dx, None, dw, db, None, None
-        want_w, want_b = ctx.keys[0] is not None, ctx.keys[1] is not None
-        native = x.dtype == dy.dtype == torch.float32 and not dy.is_cuda
-        if native and (want_w or want_b):  # the engine's sums, in one pass
-            w = x.new_empty(c.units, *ctx.shape) if want_w else None
-            b = x.new_empty(c.units, *ctx.shape) if want_b else None
-            features = x.shape[-len(ctx.shape) :].numel()
-            _native.unit_norm_sums(
-                x.contiguous(), mean.contiguous(), rstd.contiguous(), dy.contiguous(), w, b,
-                c.units, features, _threads(x),
-            )  # fmt: skip
-            dw = None if w is None else c.give(ctx.keys[0], Dense(w))
-            db = None if b is None else c.give(ctx.keys[1], Dense(b))
-            return dx, None, dw, db, None, None
         dys = dy.reshape(c.units, -1, *dy.shape[-len(ctx.shape) :])
-        if ctx.keys[0] is not None:
+        if want_w:
             products = torch.sub(x, mean).mul_(rstd).mul_(dy)  # x-hat times dy
             dw = c.give(ctx.keys[0], Dense(_per_unit_sum(products.reshape(dys.shape))))
-        if ctx.keys[1] is not None:
+        if want_b:
             db = c.give(ctx.keys[1], Dense(_per_unit_sum(dys)))
         return dx, None, dw, db, None, None
 
