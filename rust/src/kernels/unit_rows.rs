@@ -50,8 +50,7 @@ pub struct NormRows<'a> {
 /// `((x - mean) * rstd) * dy` and `bias[u, f]` of `dy` over unit `u`'s rows (each product
 /// rounded as three separate operations), and the input's gradient `dx` (the norm's weight
 /// `gamma`, if it has one, `features` values), each optional. One pass over a unit's rows
-/// makes both: apart, torch's own backward for `dx` and these sums read `x` and `dy` twice and
-/// cost 2-3 times the norm's default backward.
+/// makes both, where torch's backward for `dx` and then these sums read `x` and `dy` twice.
 #[allow(clippy::too_many_arguments)]
 pub fn norm_backward(
     rows: NormRows<'_>,
@@ -196,7 +195,8 @@ fn input_grad(dx: &mut [f32], x: &[f32], dy: &[f32], gamma: &[f32], mean: f32, r
 fn input_grad_plain(dx: &mut [f32], x: &[f32], dy: &[f32], gamma: &[f32], mean: f32, rstd: f32) {
     const LANES: usize = 8;
     let (mut a, mut b) = ([0f32; LANES], [0f32; LANES]);
-    // Feature `f` adds into lane `f % 8`, in order (written so that the lanes vectorise).
+    // Feature `f` adds into lane `f % 8`, in order (`input_grad_avx2` keeps the lanes in
+    // one register each; the compiler does not vectorise this loop).
     let (xs, ds, gs) = (
         x.chunks_exact(LANES),
         dy.chunks_exact(LANES),
