@@ -146,3 +146,6 @@ def test_layer_norm_input_gradient_is_torchs_and_its_bits_follow_the_row_alone(
     )[0]  # fmt: skip
     torch.testing.assert_close(dx.double(), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(dx_of(1), dx[:1])  # one unit's rows: the same bits
+    x = x.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, strided
+    assert not x.is_contiguous()
+    assert torch.equal(dx_of(units), dx)

@@ -202,7 +202,7 @@ class _LayerNormFn(torch.autograd.Function):
         native = x.dtype == dy.dtype == torch.float32 and not dy.is_cuda
         if native and (weight is None or weight.dtype == torch.float32):
             # The engine: the input's gradient and the per-unit sums in one pass over the rows.
-            dx = torch.empty_like(x) if want_x else None
+            dx = torch.empty(x.shape, dtype=x.dtype) if want_x else None  # x may be strided
             w = x.new_empty(c.units, *ctx.shape) if want_w else None
             b = x.new_empty(c.units, *ctx.shape) if want_b else None
             features = x.shape[-len(ctx.shape) :].numel()
