@@ -22,8 +22,6 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use crate::error::Result;
-
 /// `GOMP_parallel(fn, data, num_threads, flags)`: runs `fn(data)` on a team of threads, the
 /// caller included, and returns when all have returned (GCC's ABI since 4.9).
 type Parallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
@@ -115,6 +113,18 @@ pub fn for_each(tasks: usize, threads: usize, task: &(dyn Fn(usize) + Sync)) {
     }
 }
 
+/// `out` cut into pieces of `each` values (the last may be shorter), for [`for_each`]'s tasks
+/// to write: each takes its own ([`take`]), or locks a shared one for a moment.
+pub fn pieces(out: &mut [f32], each: usize) -> Vec<Mutex<&mut [f32]>> {
+    out.chunks_mut(each.max(1)).map(Mutex::new).collect()
+}
+
+/// Piece `i` of [`pieces`], taken whole by the one task it belongs to (so the lock is never
+/// contended; it is left empty).
+pub fn take<'a>(pieces: &[Mutex<&'a mut [f32]>], i: usize) -> &'a mut [f32] {
+    std::mem::take(&mut *pieces[i].lock().unwrap_or_else(|e| e.into_inner()))
+}
+
 /// `out` cut into pieces of `chunk` values (the last may be shorter); `task(i, piece)` for
 /// each, as [`for_each`] runs them.
 pub fn chunks_mut(
@@ -122,14 +132,9 @@ pub fn chunks_mut(
     chunk: usize,
     threads: usize,
     task: impl Fn(usize, &mut [f32]) + Sync,
-) -> Result<()> {
-    let pieces: Vec<Mutex<&mut [f32]>> = out.chunks_mut(chunk.max(1)).map(Mutex::new).collect();
-    for_each(pieces.len(), threads, &|i| {
-        // Each piece is taken by exactly one task: the lock is never contended.
-        let mut piece = pieces[i].lock().unwrap_or_else(|e| e.into_inner());
-        task(i, &mut piece);
-    });
-    Ok(())
+) {
+    let pieces = pieces(out, chunk);
+    for_each(pieces.len(), threads, &|i| task(i, take(&pieces, i)));
 }
 
 #[cfg(test)]
@@ -144,8 +149,7 @@ mod tests {
                 for (j, v) in piece.iter_mut().enumerate() {
                     *v += (i * 7 + j) as f32;
                 }
-            })
-            .unwrap();
+            });
             assert!(out.iter().enumerate().all(|(j, v)| *v == j as f32));
         }
     }

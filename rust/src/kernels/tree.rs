@@ -36,7 +36,8 @@ pub fn tree_sum(parts: &[f32], units: usize, out: &mut [f32], threads: usize) ->
     let run = (COLUMNS * 16).max(n.div_ceil(threads));
     openmp::chunks_mut(out, run, threads, |i, piece| {
         sum_columns(parts, units, n, i * run, piece);
-    })
+    });
+    Ok(())
 }
 
 /// Columns `first..first + out.len()` of the tree sum, `COLUMNS` at a time in cache.

@@ -18,7 +18,6 @@
 //! copying its inputs than in products (64 x 256 on 8 threads took longer than on 2).
 
 use std::ops::Range;
-use std::sync::Mutex;
 
 use crate::error::{Error, Result};
 use crate::kernels::{self, openmp};
@@ -140,7 +139,8 @@ pub fn products(
     }
     openmp::chunks_mut(out, each, threads, |u, piece| {
         product(dys, xs, s, u, start..stop, 0..s.ins, piece)
-    })
+    });
+    Ok(())
 }
 
 /// Rows `start..stop` of the units' gradients summed in the canonical tree, into `out`
@@ -171,7 +171,7 @@ pub fn tree(
     }
     let (tall, wide) = tiles(rows, n, threads);
     // Bands of `tall` output rows, each cut into tiles `wide` columns wide.
-    let bands: Vec<Mutex<&mut [f32]>> = out.chunks_mut(tall * n).map(Mutex::new).collect();
+    let bands = openmp::pieces(out, tall * n);
     let across = n.div_ceil(wide);
     openmp::for_each(bands.len() * across, threads, &|t| {
         let (band, c0) = (t / across, t % across * wide);

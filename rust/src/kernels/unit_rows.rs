@@ -29,7 +29,8 @@ pub fn row_sums(
             let row = &rows[(u * per + r) * features..(u * per + r + 1) * features];
             kernels::add_into(sums, row);
         }
-    })
+    });
+    Ok(())
 }
 
 /// A layer norm's saved rows and their output gradients: `x` and `dy` are `units x per x
@@ -50,7 +51,8 @@ pub struct NormRows<'a> {
 /// `((x - mean) * rstd) * dy` and `bias[u, f]` of `dy` over unit `u`'s rows (each product
 /// rounded as three separate operations), and the input's gradient `dx` (the norm's weight
 /// `gamma`, if it has one, `features` values), each optional. One pass over a unit's rows
-/// makes both, where torch's backward for `dx` and then these sums read `x` and `dy` twice.
+/// makes all three, where torch's backward for `dx` and then these sums read `x` and `dy`
+/// twice.
 #[allow(clippy::too_many_arguments)]
 pub fn norm_backward(
     rows: NormRows<'_>,
@@ -85,14 +87,8 @@ pub fn norm_backward(
     if weight.as_ref().is_some_and(|w| w.len() != sums) {
         return Err(wrong("the weight's sums"));
     }
-    if let Some(b) = bias {
-        if b.len() != sums {
-            return Err(wrong("the bias's sums"));
-        }
-        row_sums(dy, units, features, b, threads)?;
-    }
-    if weight.is_none() && dx.is_none() {
-        return Ok(());
+    if bias.as_ref().is_some_and(|b| b.len() != sums) {
+        return Err(wrong("the bias's sums"));
     }
     let ones = if gamma.is_none() && dx.is_some() {
         vec![1f32; features]
@@ -100,17 +96,23 @@ pub fn norm_backward(
         Vec::new()
     };
     let gamma = gamma.unwrap_or(&ones);
-    let (sums_of, grads_of) = (pieces(weight, features), pieces(dx, per * features));
+    let sums_of = weight.map(|o| openmp::pieces(o, features));
+    let biases_of = bias.map(|o| openmp::pieces(o, features));
+    let grads_of = dx.map(|o| openmp::pieces(o, per * features));
     openmp::for_each(units, threads, &|u| {
-        let (mut w, mut d) = (take(&sums_of, u), take(&grads_of, u));
-        if let Some(w) = w.as_deref_mut() {
-            w.fill(0.0);
+        let (mut w, mut b) = (take(&sums_of, u), take(&biases_of, u));
+        let mut d = take(&grads_of, u);
+        for sums in [w.as_deref_mut(), b.as_deref_mut()].into_iter().flatten() {
+            sums.fill(0.0);
         }
         let mut hat = vec![0f32; features];
         for r in 0..per {
             let i = u * per + r;
             let span = i * features..(i + 1) * features;
             let (xr, dyr) = (&x[span.clone()], &dy[span]);
+            if let Some(b) = b.as_deref_mut() {
+                kernels::add_into(b, dyr); // as `row_sums` adds them
+            }
             if let Some(w) = w.as_deref_mut() {
                 products(&mut hat, xr, dyr, mean[i], rstd[i]);
                 kernels::add_into(w, &hat);
@@ -124,19 +126,9 @@ pub fn norm_backward(
     Ok(())
 }
 
-/// `out` cut into pieces of `each` values, each taken by exactly one task ([`take`]): the
-/// locks are never contended.
-fn pieces(out: Option<&mut [f32]>, each: usize) -> Vec<Mutex<&mut [f32]>> {
-    out.map(|o| o.chunks_mut(each).map(Mutex::new).collect())
-        .unwrap_or_default()
-}
-
-/// Piece `u` of [`pieces`] (`None` where there is no output).
-fn take<'a>(pieces: &[Mutex<&'a mut [f32]>], u: usize) -> Option<&'a mut [f32]> {
-    let piece = pieces.get(u)?;
-    Some(std::mem::take(
-        &mut *piece.lock().unwrap_or_else(|e| e.into_inner()),
-    ))
+/// Unit `u`'s piece of an optional output ([`openmp::take`]).
+fn take<'a>(pieces: &Option<Vec<Mutex<&'a mut [f32]>>>, u: usize) -> Option<&'a mut [f32]> {
+    pieces.as_ref().map(|p| openmp::take(p, u))
 }
 
 /// Rows per unit, checking that `len` values are `units` units of whole rows and `out` holds

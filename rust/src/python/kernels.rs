@@ -260,7 +260,7 @@ pub fn unit_norm_backward(
         outs.push(t.map(|t| hold(t, true, name)).transpose()?);
     }
     let bytes: Vec<&[u8]> = ins.iter().map(bytes_of).collect();
-    let mut out_bytes: Vec<Option<&mut [u8]>> = outs
+    let out_bytes: Vec<Option<&mut [u8]>> = outs
         .iter_mut()
         .map(|o| o.as_mut().map(bytes_of_mut))
         .collect();
@@ -281,12 +281,7 @@ pub fn unit_norm_backward(
     let (x, mean) = (f32s_ro(bytes[0], "x")?, f32s_ro(bytes[1], "mean")?);
     let (rstd, dy) = (f32s_ro(bytes[2], "rstd")?, f32s_ro(bytes[3], "dy")?);
     let gamma = bytes.get(4).map(|g| f32s_ro(g, "gamma")).transpose()?;
-    let mut it = out_bytes.drain(..);
-    let (wb, bb, db) = (
-        it.next().flatten(),
-        it.next().flatten(),
-        it.next().flatten(),
-    );
+    let [wb, bb, db]: [Option<&mut [u8]>; 3] = out_bytes.try_into().expect("three outputs");
     let w = wb.map(|v| f32s(v, "weight")).transpose()?;
     let b = bb.map(|v| f32s(v, "bias")).transpose()?;
     let d = db.map(|v| f32s(v, "dx")).transpose()?;
