@@ -35,6 +35,7 @@ __all__ = [
     "finish",
     "free_port",
     "kill_all",
+    "orphaned_shm",
     "report",
     "run",
     "spawn",
@@ -225,3 +226,15 @@ def run(n: int, scenario: str, timeout: float = 90, **kwargs: object) -> list[Ra
     ranks = finish(start(n, scenario, **kwargs), timeout)  # type: ignore[arg-type]
     assert all(r.rc == 0 for r in ranks), report(ranks)
     return ranks
+
+
+def orphaned_shm() -> set[str]:
+    """Our ``/dev/shm`` entries whose creator (``shardline-<pid>-...``) is gone: what a test
+    may have left behind (a live creator, another test's or another job's beside it, still
+    owns its entry)."""
+    left = set()
+    for path in Path("/dev/shm").glob("shardline-*"):
+        pid = path.name.split("-")[1]
+        if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+            left.add(path.name)
+    return left

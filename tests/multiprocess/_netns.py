@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tests.multiprocess._launch import Rank, kill_all, report, spawn
+from tests.multiprocess._launch import Rank, kill_all, orphaned_shm, report, spawn
 
 __all__ = ["Hosts", "namespaces_allowed"]
 
@@ -32,17 +32,6 @@ __all__ = ["Hosts", "namespaces_allowed"]
 def _run(tool: str, *args: str, check: bool = True) -> str:
     done = subprocess.run([tool, *args], check=check, capture_output=True, text=True, timeout=20)
     return done.stdout
-
-
-def _shm_entries() -> set[str]:
-    """Our ``/dev/shm`` entries whose creator (``shardline-<pid>-...``) is gone: what a test
-    may have left behind (a live creator, another test's, still owns its entry)."""
-    left = set()
-    for path in Path("/dev/shm").glob("shardline-*"):
-        pid = path.name.split("-")[1]
-        if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
-            left.add(path.name)
-    return left
 
 
 class Hosts:
@@ -82,7 +71,7 @@ class Hosts:
     def open(self) -> Hosts:
         """Builds the switch, the hosts and their links (removing leftovers of an interrupted
         run of the same tag first)."""
-        self._shm_before = _shm_entries()
+        self._shm_before = orphaned_shm()
         self._delete([self.switch, *map(self.ns, self.names)])
         sw = self.switch
         _run("ip", "netns", "add", sw)
@@ -183,7 +172,7 @@ class Hosts:
         self._delete(self._made)
         self._made.clear()
         self._tmp.cleanup()
-        return sorted(_shm_entries() - self._shm_before)
+        return sorted(orphaned_shm() - self._shm_before)
 
     @staticmethod
     def _delete(names: list[str]) -> None:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tests.multiprocess import _elastic_worker as worker
-from tests.multiprocess._launch import PYTHONPATH, free_port
+from tests.multiprocess._launch import PYTHONPATH, free_port, orphaned_shm
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("native")]
 
@@ -133,9 +133,9 @@ def check_final(job: Job, batch: int = 8) -> list[dict[str, int]]:
 
 @pytest.fixture
 def shm_clean() -> object:
-    before = set(os.listdir("/dev/shm"))
+    before = orphaned_shm()
     yield
-    left = {n for n in set(os.listdir("/dev/shm")) - before if "shardline" in n}
+    left = orphaned_shm() - before
     assert not left, f"left in /dev/shm: {left}"
 
 
