@@ -25,6 +25,10 @@ Table of contents:
 - ``DistributedSampler``: each rank's share of a dataset, resumable mid-epoch (``shardline.data``).
 - ``shardline run`` (``shardline.launch``): the launcher; ``python -m shardline run ...``.
 - ``ShardlineError`` and its subclasses (``shardline.errors``).
+
+Importing shardline moves every object that exists by then (torch's modules with it) out of
+the cycle collector's reach (``gc.freeze``): full collections and the process's exit no
+longer walk them. Objects created later are collected as usual.
 """
 
 from __future__ import annotations
@@ -148,10 +152,11 @@ __all__ = [
 # What this import brought in (torch with it: some 200,000 objects, nearly all functions,
 # classes and constants that live as long as the process) leaves the cycle collector's reach.
 # Each full collection walked them all (0.1 s on 2 cores: a stall that every other rank of a
-# synchronous step waits out), and so did the interpreter's last collections at exit, 0.5 s
-# of every worker's and launcher's exit (`python -c "import shardline"`: 2.7-2.8 s of CPU
-# without this, 2.1-2.2 s with it). Objects created later (the model, the optimizer) are
-# collected as usual; an object from before this import that later becomes cyclic garbage is
-# never freed. (Freezing at exit instead leaves unfreed the objects of libraries imported
-# later, and triton's, through nanobind, then report themselves as leaked.)
+# synchronous step waits out), and so did the interpreter's last collections at exit, some
+# 0.5 s of every worker's and launcher's exit (`python -c "import shardline"`, 4 runs each
+# way, alternated: 2.1-2.6 s of CPU with this, 2.7-3.4 s without). Objects created later (the
+# model, the optimizer) are collected as usual; an object from before this import that later
+# becomes cyclic garbage is never freed. (Freezing at exit instead leaves unfreed the objects
+# of libraries imported later, and triton's, through nanobind, then report themselves as
+# leaked.)
 _gc.freeze()
