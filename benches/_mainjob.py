@@ -39,10 +39,15 @@ def tokens_per_s(
 
 
 def alternate(pairs: int, sides: Mapping[str, Callable[[int], float]]) -> dict[str, list[float]]:
-    """``pairs`` runs of each side (called with the pair's index), the order flipped each pair."""
+    """``pairs`` runs of each side (called with the pair's index), the order flipped each pair.
+
+    Each run's result is also printed as it comes (to stderr), so that a bench stopped by a
+    time limit still shows the runs it finished.
+    """
     names = list(sides)
     got: dict[str, list[float]] = {n: [] for n in names}
     for i in range(pairs):
         for name in names if i % 2 == 0 else names[::-1]:
             got[name].append(sides[name](i))
+            print(f"pair {i + 1}/{pairs}: {name} {got[name][-1]:,.1f}", file=sys.stderr, flush=True)
     return got
