@@ -152,9 +152,9 @@ __all__ = [
 # What this import brought in (torch with it: some 200,000 objects, nearly all functions,
 # classes and constants that live as long as the process) leaves the cycle collector's reach.
 # Each full collection walked them all (0.1 s on 2 cores: a stall that every other rank of a
-# synchronous step waits out), and so did the interpreter's last collections at exit, some
-# 0.5 s of every worker's and launcher's exit (`python -c "import shardline"`, 4 runs each
-# way, alternated: 2.1-2.6 s of CPU with this, 2.7-3.4 s without). Objects created later (the
+# synchronous step waits out), and so did the interpreter's last collections at exit, 0.6-0.9
+# s of every worker's and launcher's exit (`python -c "import shardline"`, 4 runs each way,
+# alternated: 2.3-2.6 s of CPU with this, 3.1-3.4 s without). Objects created later (the
 # model, the optimizer) are collected as usual; an object from before this import that later
 # becomes cyclic garbage is never freed. (Freezing at exit instead leaves unfreed the objects
 # of libraries imported later, and triton's, through nanobind, then report themselves as
