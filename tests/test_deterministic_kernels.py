@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardline.comm.tree import tree_sum
-from shardline.parallel.deterministic.collector import Products
+from shardline.parallel.deterministic.collector import Lookups, Products, _total, sum_uses
 from shardline.parallel.deterministic.layers import _LayerNormFn, _per_unit_sum
 
 
@@ -61,6 +61,57 @@ def test_a_ranks_share_of_the_units_is_a_subtree_on_any_number_of_threads() -> N
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(got[0], got[1])
+
+
+def _lookups(units: int, tokens: int, rows: int, width: int, seed: int) -> Lookups:
+    """An embedding's lookups of ``rows`` rows: few, so most are read several times a unit."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, rows, (units * tokens,), generator=gen)
+    unit = torch.arange(units).repeat_interleave(tokens)
+    return Lookups(units, unit, idx, _values(units * tokens, width, seed=seed), rows)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_tied_weights_lookups_are_added_in_the_engines_tree_as_index_add_does(
+    threads: int,
+) -> None:
+    # The output layer's products, then the embedding's lookups (and a second embedding's),
+    # added unit by unit in their order, then the tree: the engine in one pass against the
+    # rows of each use added (``index_add_``) and ``tree_sum``.
+    units, tokens, outs, ins = 8, 32, 24, 40
+    weight = torch.zeros(outs, ins)
+    dys, xs = _values(units, tokens, outs, seed=5), _values(units, tokens, ins, seed=6)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for given in (
+            [Products(dys, xs), _lookups(units, tokens, outs, ins, 7)],
+            [
+                Products(dys, xs),
+                _lookups(units, tokens, outs, ins, 8),
+                _lookups(units, 5, outs, ins, 9),
+            ],
+            [_lookups(units, tokens, outs, ins, 10)],  # an embedding of its own
+            [_lookups(units, tokens, outs, ins, 11), _lookups(units, 3, outs, ins, 12)],
+        ):
+            want = tree_sum(_total(given, 0, outs))
+            got = sum_uses(weight, given)
+            assert torch.equal(got, want)
+            # A rank's share of the units is a subtree.
+            halves = [sum_uses(weight, [_half(u, h) for u in given]) for h in range(2)]
+            assert torch.equal(tree_sum(torch.stack(halves)), got)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _half(use: Products | Lookups, h: int) -> Products | Lookups:
+    """Units ``[h * n/2, (h + 1) * n/2)`` of ``use``: what a rank of two holds."""
+    if isinstance(use, Products):
+        n = use.dys.shape[0] // 2
+        return Products(use.dys[h * n : (h + 1) * n], use.xs[h * n : (h + 1) * n])
+    n = use.units // 2
+    mine = (use.unit >= h * n) & (use.unit < (h + 1) * n)
+    return Lookups(n, use.unit[mine] - h * n, use.idx[mine], use.dy[mine], use.total)
 
 
 def test_the_tree_sum_of_long_rows_has_the_same_bits_on_any_number_of_threads() -> None:

@@ -437,13 +437,17 @@ def unit_products(
     stop: int,
     tree: bool,
     threads: int = 1,
+    lookups: tuple[Any, Any, Any] | None = None,
 ) -> None:
     """Rows ``start..stop`` of a linear layer's weight gradient for each unit, or their sum.
 
     ``dys`` (float32, ``units x rows x outs``) and ``xs`` (``units x rows x ins``) are the
     units' output gradients and inputs; ``out`` gets ``units x (stop - start) x ins`` values,
     or with ``tree`` their canonical tree sum over the units. On ``threads`` threads; the bits
-    are the same for any number, and for any rows asked for.
+    are the same for any number, and for any rows asked for. ``lookups`` (``tree`` only):
+    ``(offsets, idx, dy)``, an embedding's lookups of the weight's rows (int64 ``units + 1``
+    offsets into int64 ``idx``, float32 ``dy`` of ``len(idx) x ins``), each unit's added in
+    order onto its product before the tree.
     """
 
 def unit_row_sums(rows: Any, out: Any, units: int, features: int, threads: int = 1) -> None:

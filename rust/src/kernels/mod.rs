@@ -7,6 +7,7 @@
 //! - [`tree`]: the canonical tree sum of deterministic mode.
 //! - [`unit_products`]: a linear layer's weight gradient per unit of the batch, and their
 //!   tree sum (deterministic mode).
+//! - [`unit_lookups`]: an embedding's lookups added onto a tied weight's per-unit products.
 //! - [`unit_rows`]: per-unit sums over rows for biases and layer norms (deterministic mode).
 //!
 //! Kernels take little-endian bytes, like [`crate::reduce`], and split their work over a
@@ -19,6 +20,7 @@ pub mod onebit;
 pub mod openmp;
 pub mod optim;
 pub mod tree;
+pub mod unit_lookups;
 pub mod unit_products;
 pub mod unit_rows;
 

@@ -16,10 +16,17 @@
 //! once. With threads, the tiles are cut from rows and columns both ([`tiles`]): a weight of
 //! few rows cut by rows alone gave each thread a GEMM a few rows high, which costs more in
 //! copying its inputs than in products (64 x 256 on 8 threads took longer than on 2).
+//!
+//! A weight tied to an embedding (a language model's output layer) is also given rows by the
+//! embedding's lookups: one process adds each unit's lookups onto that unit's product, then
+//! the units in the tree. [`tree_with`] does that inside the same pass ([`Lookups`]), in the
+//! lookups' order ([`crate::kernels::unit_lookups`]): the bits of the product, then
+//! `index_add_`, then the tree.
 
 use std::ops::Range;
 
 use crate::error::{Error, Result};
+use crate::kernels::unit_lookups::Lookups;
 use crate::kernels::{self, openmp};
 
 /// The shapes of one call: `units` units of `rows` rows; `outs` output and `ins` input features.
@@ -155,7 +162,25 @@ pub fn tree(
     out: &mut [f32],
     threads: usize,
 ) -> Result<()> {
+    tree_with(dys, xs, s, start, stop, None, out, threads)
+}
+
+/// [`tree`], each unit's `lookups` (if any) added onto its product before the tree.
+#[allow(clippy::too_many_arguments)]
+pub fn tree_with(
+    dys: &[f32],
+    xs: &[f32],
+    s: Shape,
+    start: usize,
+    stop: usize,
+    lookups: Option<Lookups<'_>>,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<()> {
     s.check(dys, xs, (start, stop), out.len(), 1)?;
+    if let Some(l) = &lookups {
+        l.check(&s)?;
+    }
     if out.is_empty() {
         return Ok(());
     }
@@ -165,7 +190,7 @@ pub fn tree(
         let per = (BLOCK / n.max(1)).max(1);
         for (b, piece) in out.chunks_mut(per * n).enumerate() {
             let lo = start + b * per;
-            block(dys, xs, s, lo..lo + piece.len() / n, 0..n, piece);
+            block(dys, xs, s, lookups, lo..lo + piece.len() / n, 0..n, piece);
         }
         return Ok(());
     }
@@ -178,7 +203,7 @@ pub fn tree(
         let lo = start + band * tall;
         let (hi, c1) = ((lo + tall).min(stop), (c0 + wide).min(n));
         let mut tile = vec![0f32; (hi - lo) * (c1 - c0)];
-        block(dys, xs, s, lo..hi, c0..c1, &mut tile);
+        block(dys, xs, s, lookups, lo..hi, c0..c1, &mut tile);
         // A band's tiles are copied in one at a time: the lock is held for a copy only.
         let mut into = bands[band].lock().unwrap_or_else(|e| e.into_inner());
         for (row, values) in into.chunks_mut(n).zip(tile.chunks(c1 - c0)) {
@@ -217,6 +242,7 @@ fn block(
     dys: &[f32],
     xs: &[f32],
     s: Shape,
+    lookups: Option<Lookups<'_>>,
     rows: Range<usize>,
     cols: Range<usize>,
     out: &mut [f32],
@@ -233,6 +259,9 @@ fn block(
             bufs.len() - 1
         });
         product(dys, xs, s, u, rows.clone(), cols.clone(), &mut bufs[buf]);
+        if let Some(l) = &lookups {
+            l.add(&s, u, &rows, &cols, &mut bufs[buf]);
+        }
         let mut size = 1;
         while let Some(&(n, left)) = stack.last() {
             if n != size {

@@ -129,6 +129,18 @@ fn f32s_ro<'a>(bytes: &'a [u8], what: &str) -> PyResult<&'a [f32]> {
     })
 }
 
+/// `bytes` as read-only int64 values.
+fn i64s_ro<'a>(bytes: &'a [u8], what: &str) -> PyResult<&'a [i64]> {
+    if bytes.is_empty() {
+        return Ok(&[]);
+    }
+    bytemuck::try_cast_slice(bytes).map_err(|_| {
+        to_py(Error::invalid(format!(
+            "{what} is not an 8-byte aligned int64 buffer"
+        )))
+    })
+}
+
 /// Runs `kernel` on float32 `input` (read) and `out` (written), separate contiguous buffers,
 /// with the GIL released.
 fn read_write(
@@ -166,8 +178,12 @@ pub fn tree_sum(
 /// (`dys`: contiguous float32 `units x rows x outs`, `xs`: `units x rows x ins`) into `out`
 /// (`units x (stop - start) x ins`), or with `tree` their canonical tree sum
 /// (`(stop - start) x ins`); see `kernels::unit_products`.
+///
+/// `lookups` (with `tree`): `(offsets, idx, dy)`, an embedding's lookups of the weight's rows
+/// added onto each unit's product before the tree (`kernels::unit_lookups::Lookups`; int64
+/// `offsets` and `idx`, float32 `dy`).
 #[pyfunction]
-#[pyo3(signature = (dys, xs, out, units, rows, outs, ins, start, stop, tree, threads=1))]
+#[pyo3(signature = (dys, xs, out, units, rows, outs, ins, start, stop, tree, threads=1, lookups=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn unit_products(
     py: Python<'_>,
@@ -182,6 +198,7 @@ pub fn unit_products(
     stop: usize,
     tree: bool,
     threads: usize,
+    lookups: Option<(Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>)>,
 ) -> PyResult<()> {
     let d = hold(dys, false, "dys")?;
     let x = hold(xs, false, "xs")?;
@@ -189,7 +206,31 @@ pub fn unit_products(
     let (db, xb, ob) = (bytes_of(&d), bytes_of(&x), bytes_of_mut(&mut o));
     disjoint(db, ob, "dys and out")?;
     disjoint(xb, ob, "xs and out")?;
+    let held = match &lookups {
+        None => None,
+        Some((offsets, idx, dy)) if tree => Some([
+            hold(offsets, false, "offsets")?,
+            hold(idx, false, "idx")?,
+            hold(dy, false, "lookups' dy")?,
+        ]),
+        Some(_) => {
+            return Err(to_py(Error::invalid(
+                "unit products: lookups are added in the tree only (tree=True)",
+            )))
+        }
+    };
+    if let Some([_, _, dy]) = &held {
+        disjoint(bytes_of(dy), ob, "the lookups' dy and out")?;
+    }
     let (d, x, o) = (f32s_ro(db, "dys")?, f32s_ro(xb, "xs")?, f32s(ob, "out")?);
+    let lookups = match &held {
+        None => None,
+        Some([offsets, idx, dy]) => Some(kernels::unit_lookups::Lookups {
+            offsets: i64s_ro(bytes_of(offsets), "offsets")?,
+            idx: i64s_ro(bytes_of(idx), "idx")?,
+            dy: f32s_ro(bytes_of(dy), "the lookups' dy")?,
+        }),
+    };
     let shape = kernels::unit_products::Shape {
         units,
         rows,
@@ -199,7 +240,7 @@ pub fn unit_products(
     // On torch's OpenMP threads (`kernels::openmp`), not a pool of the engine's own.
     py.detach(|| {
         if tree {
-            kernels::unit_products::tree(d, x, shape, start, stop, o, threads)
+            kernels::unit_products::tree_with(d, x, shape, start, stop, lookups, o, threads)
         } else {
             kernels::unit_products::products(d, x, shape, start, stop, o, threads)
         }

@@ -102,14 +102,19 @@ class Products(Use):
             block = torch.bmm(self.dys[:, :, start:stop].transpose(1, 2), self.xs)
         return block if into is None else into.add_(block)
 
-    def summed(self) -> torch.Tensor:
+    def summed(self, lookups: list[Lookups] | None = None) -> torch.Tensor:
         """The units' gradients summed in the canonical tree (``native`` only).
 
         The bits of ``tree_sum(self.rows(0, outs, None))``, without every unit's at once.
+        ``lookups`` (``native``, given after this use): an embedding tied to the weight, whose
+        rows each unit adds onto its product before the tree, in their order: the bits of
+        ``_total`` then ``tree_sum``.
         """
-        return self._engine(0, self.dys.shape[2], tree=True)
+        return self._engine(0, self.dys.shape[2], tree=True, lookups=lookups)
 
-    def _engine(self, start: int, stop: int, *, tree: bool) -> torch.Tensor:
+    def _engine(
+        self, start: int, stop: int, *, tree: bool, lookups: list[Lookups] | None = None
+    ) -> torch.Tensor:
         units, rows, outs = self.dys.shape
         ins = self.xs.shape[2]
         shape = (stop - start, ins) if tree else (units, stop - start, ins)
@@ -117,9 +122,17 @@ class Products(Use):
         work = units * rows * (stop - start) * ins  # multiply-adds
         threads = torch.get_num_threads() if work >= _THREADED_PRODUCTS else 1
         _native.unit_products(
-            self.dys, self.xs, out, units, rows, outs, ins, start, stop, tree, threads
-        )
+            self.dys, self.xs, out, units, rows, outs, ins, start, stop, tree, threads,
+            lookups=_by_unit(units, lookups) if lookups else None,
+        )  # fmt: skip
         return out
+
+    @staticmethod
+    def of_lookups(lookups: list[Lookups]) -> Products:
+        """No product, for a weight only embeddings use: ``summed(lookups)`` sums theirs."""
+        first = lookups[0]
+        return Products(first.dy.new_empty(first.units, 0, first.total),
+                        first.dy.new_empty(first.units, 0, first.dy.shape[-1]))  # fmt: skip
 
     def tensors(self) -> list[torch.Tensor]:
         """See ``Use.tensors``."""
@@ -127,7 +140,10 @@ class Products(Use):
 
 
 class Lookups(Use):
-    """An embedding's weight: each unit's output gradients added onto the rows it read."""
+    """An embedding's weight: each unit's output gradients added onto the rows it read.
+
+    ``unit`` is nondecreasing (each unit's lookups in its tokens' order).
+    """
 
     def __init__(
         self, units: int, unit: torch.Tensor, idx: torch.Tensor, dy: torch.Tensor, rows: int
@@ -135,6 +151,13 @@ class Lookups(Use):
         self.units, self.unit, self.idx, self.dy, self.total = units, unit, idx, dy, rows
         self.dtype = dy.dtype
         self._sorted = False
+        # Float32 on CPU, the engine adds them inside its tree (``Products.summed``).
+        self.native = dy.device.type == "cpu" and dy.dtype == torch.float32 and dy.dim() == 2
+
+    @property
+    def in_order(self) -> bool:
+        """For the engine: ``native``, and its lookups still by unit (``rows`` sorts them)."""
+        return self.native and not self._sorted
 
     def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
         """See ``Use.rows``."""
@@ -248,12 +271,10 @@ def sum_uses(param: torch.Tensor, given: list[Use]) -> torch.Tensor:
     n = param.shape[0]
     per_unit = BLOCK_ELEMENTS.get(param.device.type, BLOCK_ELEMENTS["cuda"])
     step = max(1, per_unit * n // max(1, param.numel()))
-    one = given[0] if len(given) == 1 else None
-    if isinstance(one, Products) and one.native:  # the engine's products, summed as they come
-        grad = one.summed()
-    elif step >= n:
+    grad = _engine_sum(given)  # the engine's products (and lookups), summed as they come
+    if grad is None and step >= n:
         grad = tree_sum(_total(given, 0, n), fresh=True)
-    else:
+    elif grad is None:
         wide = _WIDER.get(param.dtype, param.dtype)
         grad = torch.empty(param.shape, dtype=wide, device=param.device)
         for start in range(0, n, step):
@@ -264,6 +285,37 @@ def sum_uses(param: torch.Tensor, given: list[Use]) -> torch.Tensor:
     if param in _WANTED:
         _WIDE[param] = grad
     return grad.to(param.dtype)
+
+
+def _engine_sum(given: list[Use]) -> torch.Tensor | None:
+    """The engine's tree over units of a weight's uses (``None``: not for it).
+
+    For a linear layer's float32 products on CPU, and the embeddings' lookups that follow
+    them (a tied weight) or make them all: the bits of ``_total`` then ``tree_sum``.
+    """
+    first, rest = given[0], given[1:]
+    lookups = [u for u in rest if isinstance(u, Lookups) and u.in_order]
+    if len(lookups) < len(rest):
+        return None
+    if isinstance(first, Products) and first.native:
+        return first.summed(lookups)
+    if isinstance(first, Lookups) and first.in_order:
+        return Products.of_lookups([first]).summed([first, *lookups])
+    return None
+
+
+def _by_unit(units: int, lookups: list[Lookups]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The lookups as the engine takes them: ``(offsets, idx, dy)`` by unit, in their order."""
+    unit = torch.cat([u.unit for u in lookups]) if len(lookups) > 1 else lookups[0].unit
+    idx = torch.cat([u.idx for u in lookups]) if len(lookups) > 1 else lookups[0].idx
+    idx = idx.to(torch.int64)
+    dy = torch.cat([u.dy for u in lookups]) if len(lookups) > 1 else lookups[0].dy
+    if len(lookups) > 1:  # each unit's: the first use's in order, then the next use's
+        order = torch.sort(unit, stable=True).indices
+        unit, idx, dy = unit[order], idx[order], dy[order]
+    offsets = torch.zeros(units + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(unit, minlength=units), 0, out=offsets[1:])
+    return offsets, idx.contiguous(), dy.contiguous()
 
 
 # Low-precision parameters whose float32 gradient a strategy reduces in float32 (ZeRO with
