@@ -8,7 +8,7 @@ Two tables, one process, times in microseconds per call (the median of ``--repea
   (``_native.unit_products``) on 1, 2, 4 ... threads of torch's OpenMP runtime.
 - **Layer norm backward** (16 x 64 rows of 64): torch's own (``aten``: the input's gradient
   and both parameters' sums over all rows) against the engine's one pass (the input's
-  gradient and the per-sequence sums).
+  gradient and the per-sequence sums) on 1 thread and on all of them.
 
     python benches/bench_deterministic_kernels.py                 # threads 1 and 2
     python benches/bench_deterministic_kernels.py --threads 1 2 4 8
@@ -86,14 +86,18 @@ def layer_norm(threads: int, calls: int, repeats: int) -> None:
         calls,
         repeats,
     )  # fmt: skip
-    ours = timed(
-        lambda: _native.unit_norm_backward(
-            x, mean, rstd, dy, w, b, UNITS, width, 1, gamma=gamma, dx=dx
-        ),
-        calls,
-        repeats,
-    )  # fmt: skip
-    print(f"threads {threads} layer norm backward: aten {aten:.0f}  engine {ours:.0f}")
+    ours = {
+        k: timed(
+            lambda k=k: _native.unit_norm_backward(
+                x, mean, rstd, dy, w, b, UNITS, width, k, gamma=gamma, dx=dx
+            ),
+            calls,
+            repeats,
+        )
+        for k in sorted({1, threads})
+    }  # fmt: skip
+    engine = "  ".join(f"engine x{k} {v:.0f}" for k, v in ours.items())
+    print(f"threads {threads} layer norm backward: aten {aten:.0f}  {engine}")
 
 
 def main() -> None:

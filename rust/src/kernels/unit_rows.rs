@@ -444,6 +444,48 @@ mod tests {
     }
 
     #[test]
+    fn the_norms_pass_has_the_same_bits_on_any_number_of_threads() {
+        let (units, per, features) = (16usize, 6usize, 40usize);
+        let x = test_values(units * per * features, 11);
+        let dy = test_values(units * per * features, 12);
+        let mean = test_values(units * per, 13);
+        let rstd: Vec<f32> = test_values(units * per, 14)
+            .iter()
+            .map(|v| v + 1.0)
+            .collect();
+        let gamma = test_values(features, 15);
+        let rows = NormRows {
+            x: &x,
+            mean: &mean,
+            rstd: &rstd,
+            dy: &dy,
+        };
+        let run = |threads: usize| {
+            let (mut w, mut b) = (vec![0f32; units * features], vec![0f32; units * features]);
+            let mut dx = vec![0f32; x.len()];
+            let (g, d) = (Some(&gamma[..]), Some(&mut dx[..]));
+            norm_backward(
+                rows,
+                units,
+                features,
+                g,
+                d,
+                Some(&mut w),
+                Some(&mut b),
+                threads,
+            )
+            .unwrap();
+            [w, b, dx]
+        };
+        let one = run(1);
+        for threads in [2, 3, 8, 32] {
+            for (a, b) in run(threads).iter().zip(&one) {
+                assert!(a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()));
+            }
+        }
+    }
+
+    #[test]
     fn wrong_sizes_are_refused() {
         let v = vec![0f32; 12];
         let mut out = vec![0f32; 6];

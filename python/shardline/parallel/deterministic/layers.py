@@ -101,12 +101,15 @@ def _per_unit_sum(dys: torch.Tensor, split: Split | None = None) -> torch.Tensor
     return dys.sum(1)
 
 
-def _threads(t: torch.Tensor) -> int:
-    """Torch's intra-op threads for a large tensor's per-unit sums, else one."""
-    return torch.get_num_threads() if t.numel() >= _THREADED_ROWS else 1
+def _threads(t: torch.Tensor, threaded: int = 1 << 18) -> int:
+    """Torch's intra-op threads for a tensor of ``threaded`` elements or more, else one."""
+    return torch.get_num_threads() if t.numel() >= threaded else 1
 
 
-_THREADED_ROWS = 1 << 18  # elements from which the engine's row sums run on torch's threads
+# Elements from which the engine's layer-norm pass runs on torch's threads: about ten
+# operations an element, where a bias's row sums (the default above) do one. On 16 x 64 rows
+# of 64 (65,536), two threads took 28 us against 40 on one (2-core VM).
+_THREADED_NORM = 1 << 15
 
 
 _GPU_ROWS: list[Any] = []  # ``gpu_rows`` once looked for ([None]: no Triton here)
@@ -209,7 +212,7 @@ class _LayerNormFn(torch.autograd.Function):
             gamma = None if weight is None else weight.reshape(-1)
             _native.unit_norm_backward(
                 x.contiguous(), mean.contiguous(), rstd.contiguous(), dy.contiguous(), w, b,
-                c.units, features, _threads(x), gamma=gamma, dx=dx,
+                c.units, features, _threads(x, _THREADED_NORM), gamma=gamma, dx=dx,
             )  # fmt: skip
             dw = None if w is None else c.give(ctx.keys[0], Dense(w))
             db = None if b is None else c.give(ctx.keys[1], Dense(b))
