@@ -100,6 +100,9 @@ def test_a_tied_weights_lookups_are_added_in_the_engines_tree_as_index_add_does(
             # A rank's share of the units is a subtree.
             halves = [sum_uses(weight, [_half(u, h) for u in given]) for h in range(2)]
             assert torch.equal(tree_sum(torch.stack(halves)), got)
+        # An embedding large enough for the threads, alone.
+        big = [_lookups(16, 64, 2048, 128, 13)]
+        assert torch.equal(sum_uses(torch.zeros(2048, 128), big), tree_sum(_total(big, 0, 2048)))
     finally:
         torch.set_num_threads(saved)
 

@@ -119,7 +119,9 @@ class Products(Use):
         ins = self.xs.shape[2]
         shape = (stop - start, ins) if tree else (units, stop - start, ins)
         out = torch.empty(shape, dtype=torch.float32)
-        work = units * rows * (stop - start) * ins  # multiply-adds
+        # Multiply-adds; with no product (an embedding's lookups alone), the units' rows to
+        # fill and add: a large vocabulary's are worth the threads too.
+        work = units * max(rows, 1) * (stop - start) * ins
         threads = torch.get_num_threads() if work >= _THREADED_PRODUCTS else 1
         _native.unit_products(
             self.dys, self.xs, out, units, rows, outs, ins, start, stop, tree, threads,
