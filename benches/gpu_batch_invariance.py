@@ -55,11 +55,12 @@ def _marks(dtype: Any) -> list[str]:
     short, w_short = rand(b, 16, 256), rand(32, 256, scale=0.02)  # 16 tokens a sample
     single, w_single = rand(b, 1, d), rand(d, d, scale=0.02)  # 1 token a sample
 
-    def attention_grads(n: int, math: bool = False) -> torch.Tensor:
+    def attention_grads(n: int, backend: Any = None, fixed: bool = False) -> torch.Tensor:
         qq, kk, vv = (z[:n].clone().requires_grad_(True) for z in (q, k, v))
-        with sdpa_kernel(SDPBackend.MATH) if math else contextlib.nullcontext():
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
             o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
-        o.backward(torch.ones_like(o))
+        with kernels.algorithms() if fixed else contextlib.nullcontext():
+            o.backward(torch.ones_like(o))
         return torch.cat([qq.grad, kk.grad, vv.grad], dim=1)  # type: ignore[list-item]
 
     def lookups(n: int, deterministic: bool = False) -> torch.Tensor:
@@ -82,7 +83,11 @@ def _marks(dtype: Any) -> list[str]:
             q[:n], k[:n], v[:n], is_causal=True
         ),
         "attention backward": attention_grads,
-        "attention backward, math backend": lambda n: attention_grads(n, math=True),
+        "attention backward, math backend": lambda n: attention_grads(n, SDPBackend.MATH),
+        "  memory-efficient kernel": lambda n: attention_grads(n, SDPBackend.EFFICIENT_ATTENTION),
+        "  efficient, deterministic algorithms": lambda n: attention_grads(
+            n, SDPBackend.EFFICIENT_ATTENTION, fixed=True
+        ),
         "per-sample sum over rows (sum(1))": lambda n: x[:n].float().sum(1),
         "  the same, 1024 rows of 4096": lambda n: long[:n].float().sum(1),
         "embedding gradients (index_add_)": lookups,

@@ -43,6 +43,7 @@ from torch import nn
 from shardline.comm.group import ProcessGroup
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic import kernels
+from shardline.parallel.deterministic.attention import DeterministicAttention
 from shardline.parallel.deterministic.collector import Collector
 from shardline.parallel.deterministic.layers import ACTIVE, LAYERS, check_layer
 from shardline.parallel.deterministic.split import Split
@@ -358,7 +359,10 @@ def collecting(
     previous = getattr(ACTIVE, "collector", None)
     collector = ACTIVE.collector = Collector(units, batch, held=held)
     try:
-        with kernels.attention() if gpu else contextlib.nullcontext():
+        with contextlib.ExitStack() as gpu_settings:
+            if gpu:  # attention's kernels: see ``kernels`` and ``attention``
+                gpu_settings.enter_context(kernels.attention())
+                gpu_settings.enter_context(DeterministicAttention())
             yield collector
     finally:
         ACTIVE.collector = previous

@@ -14,10 +14,12 @@ bf16; 16 samples against their first 8, 4, 2 and 1, ``benches/gpu_batch_invarian
   a call on an H200) and a product with a bias ran 3.5x slower. The batched per-sample
   products (``torch.bmm``) stay on cuBLAS: each sample's product has the same shape in every
   layout, and they measured batch-invariant with the workspace.
-- **Attention**: the flash and memory-efficient kernels' backward passes add with atomics
-  (the order changes from run to run) and choose their split by the batch. The math backend
-  (batched products and a row-wise softmax) has neither, so deterministic forwards run
-  ``scaled_dot_product_attention`` on it (``attention``): more memory (the scores are kept).
+- **Attention**: the flash kernel's output and gradients depend on the batch and the run;
+  the memory-efficient kernel's backward adds with atomics (the order changes from run to
+  run) unless torch's deterministic algorithms are on. Deterministic forwards run each
+  ``scaled_dot_product_attention`` on the memory-efficient kernel with its backward under
+  those algorithms (``attention.DeterministicAttention``), and any call that does not see on
+  the math backend (batched products and a row-wise softmax: slower, and the scores kept).
 - **index_add_** (an embedding's per-unit gradients) adds with atomics unless torch's
   deterministic algorithms are on; they are, around it (``algorithms``).
 
@@ -151,6 +153,8 @@ def attention() -> Iterator[None]:
     """``scaled_dot_product_attention`` on the math backend inside the block (its backward too).
 
     The backward runs the kernels the forward chose, so the block covers the forward only.
+    ``attention.DeterministicAttention`` takes the calls it sees to the memory-efficient
+    kernel; this is for the others.
     """
     with sdpa_kernel(SDPBackend.MATH):
         yield

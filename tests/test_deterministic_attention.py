@@ -1,0 +1,55 @@
+"""Deterministic mode's attention routing (``parallel.deterministic.attention``), on CPU.
+
+On a GPU the mode runs ``scaled_dot_product_attention`` on the memory-efficient kernel with a
+fixed backward (its bits are checked by ``tests/gpu/test_deterministic_cuda.py``). Here, where
+that kernel does not exist, the same path falls back to the math backend: it must give
+exactly what the math backend gives alone, whatever way the model calls the function, and
+refuse a second backward with a clear error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from shardline.errors import InvalidArgumentError
+from shardline.parallel.deterministic.attention import DeterministicAttention
+
+_sdpa = torch._C._nn.scaled_dot_product_attention  # what F's name refers to
+
+
+def _inputs() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 4, 16, 8, generator=g, requires_grad=True) for _ in range(3)]
+
+
+@pytest.mark.parametrize("call", [F.scaled_dot_product_attention, _sdpa])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_in_the_mode_is_the_math_backends_where_no_fused_kernel_runs(
+    call: object, causal: bool
+) -> None:
+    q, k, v = _inputs()
+    dout = torch.randn(2, 4, 16, 8, generator=torch.Generator().manual_seed(1))
+    with sdpa_kernel(SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    with DeterministicAttention():
+        got = call(q, k, v, is_causal=causal)  # type: ignore[operator]
+    assert got.grad_fn is not None and "Attention" in type(got.grad_fn).__name__
+    assert torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), want_grads, strict=True):
+        assert torch.equal(a, b)
+    # Without grad, nothing to route: the forward alone.
+    with torch.no_grad(), DeterministicAttention():
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, is_causal=causal), want)
+
+
+def test_a_second_backward_through_the_attention_is_refused_by_name() -> None:
+    q, k, v = _inputs()
+    with DeterministicAttention():
+        loss = F.scaled_dot_product_attention(q, k, v).square().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(InvalidArgumentError, match="second backward through one forward"):
+        loss.backward()
