@@ -400,16 +400,22 @@ mod tests {
         }
     }
 
+    /// A norm's saved rows for `units` units of `per` rows: `x`, `dy`, `mean` and `rstd`
+    /// (`rstd` in 1..2), from seeds `seed..seed + 4`.
+    fn norm_inputs(units: usize, per: usize, features: usize, seed: u32) -> [Vec<f32>; 4] {
+        let rstd = test_values(units * per, seed + 3);
+        [
+            test_values(units * per * features, seed),
+            test_values(units * per * features, seed + 1),
+            test_values(units * per, seed + 2),
+            rstd.iter().map(|v| v + 1.0).collect(),
+        ]
+    }
+
     #[test]
     fn norm_sums_are_the_products_added_in_order() {
         let (units, per, features) = (2usize, 4usize, 19usize);
-        let x = test_values(units * per * features, 1);
-        let dy = test_values(units * per * features, 2);
-        let mean = test_values(units * per, 3);
-        let rstd: Vec<f32> = test_values(units * per, 4)
-            .iter()
-            .map(|v| v + 1.0)
-            .collect();
+        let [x, dy, mean, rstd] = norm_inputs(units, per, features, 1);
         let (mut w, mut b) = (vec![0f32; units * features], vec![0f32; units * features]);
         let rows = NormRows {
             x: &x,
@@ -446,13 +452,7 @@ mod tests {
     #[test]
     fn the_norms_pass_has_the_same_bits_on_any_number_of_threads() {
         let (units, per, features) = (16usize, 6usize, 40usize);
-        let x = test_values(units * per * features, 11);
-        let dy = test_values(units * per * features, 12);
-        let mean = test_values(units * per, 13);
-        let rstd: Vec<f32> = test_values(units * per, 14)
-            .iter()
-            .map(|v| v + 1.0)
-            .collect();
+        let [x, dy, mean, rstd] = norm_inputs(units, per, features, 11);
         let gamma = test_values(features, 15);
         let rows = NormRows {
             x: &x,

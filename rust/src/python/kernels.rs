@@ -117,28 +117,27 @@ fn f32s<'a>(bytes: &'a mut [u8], what: &str) -> PyResult<&'a mut [f32]> {
     })
 }
 
-/// `bytes` as read-only float32 values.
-fn f32s_ro<'a>(bytes: &'a [u8], what: &str) -> PyResult<&'a [f32]> {
+/// `bytes` as read-only values of `T`; `kind` names them in the error ("float32").
+fn values_ro<'a, T: bytemuck::Pod>(bytes: &'a [u8], what: &str, kind: &str) -> PyResult<&'a [T]> {
     if bytes.is_empty() {
         return Ok(&[]);
     }
     bytemuck::try_cast_slice(bytes).map_err(|_| {
         to_py(Error::invalid(format!(
-            "{what} is not a 4-byte aligned float32 buffer"
+            "{what} is not a {}-byte aligned {kind} buffer",
+            std::mem::size_of::<T>()
         )))
     })
 }
 
+/// `bytes` as read-only float32 values.
+fn f32s_ro<'a>(bytes: &'a [u8], what: &str) -> PyResult<&'a [f32]> {
+    values_ro(bytes, what, "float32")
+}
+
 /// `bytes` as read-only int64 values.
 fn i64s_ro<'a>(bytes: &'a [u8], what: &str) -> PyResult<&'a [i64]> {
-    if bytes.is_empty() {
-        return Ok(&[]);
-    }
-    bytemuck::try_cast_slice(bytes).map_err(|_| {
-        to_py(Error::invalid(format!(
-            "{what} is not an 8-byte aligned int64 buffer"
-        )))
-    })
+    values_ro(bytes, what, "int64")
 }
 
 /// Runs `kernel` on float32 `input` (read) and `out` (written), separate contiguous buffers,

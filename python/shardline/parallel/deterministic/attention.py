@@ -2,12 +2,13 @@
 
 ``scaled_dot_product_attention`` has three fused GPU backends and the math one (batched
 products and a row-wise softmax). On an H200 (bf16, 16 x 16 heads x 512 x 64, causal; a probe
-of each backend on 16 samples against their first 8, 4, 2 and 1, and a repeat):
+of each backend on 16 samples against their first 8, 4, 2 and 1, and a repeat; the
+memory-efficient rows of ``benches/gpu_batch_invariance.py`` check the same):
 
-- flash attention's output and gradients depend on the batch and change from run to run;
+- flash attention's gradients depend on the batch and change from run to run;
 - the memory-efficient kernel's depend on neither the batch nor the run once torch's
-  deterministic algorithms are on (its backward then adds without atomics); without them
-  they still do not depend on the batch but change from run to run;
+  deterministic algorithms are on (its backward then adds without atomics), in fp32 and
+  bf16; without them they change from run to run (and in fp32 with the batch too);
 - the math backend's depend on neither, and its forward and backward took 3.0 ms where the
   memory-efficient one's took 0.6 ms (it multiplies in float32 and keeps the scores).
 

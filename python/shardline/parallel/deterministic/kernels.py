@@ -14,7 +14,7 @@ bf16; 16 samples against their first 8, 4, 2 and 1, ``benches/gpu_batch_invarian
   a call on an H200) and a product with a bias ran 3.5x slower. The batched per-sample
   products (``torch.bmm``) stay on cuBLAS: each sample's product has the same shape in every
   layout, and they measured batch-invariant with the workspace.
-- **Attention**: the flash kernel's output and gradients depend on the batch and the run;
+- **Attention**: the flash kernel's gradients depend on the batch and the run;
   the memory-efficient kernel's backward adds with atomics (the order changes from run to
   run) unless torch's deterministic algorithms are on. Deterministic forwards run each
   ``scaled_dot_product_attention`` on the memory-efficient kernel with its backward under
