@@ -401,7 +401,7 @@ mod tests {
     }
 
     /// A norm's saved rows for `units` units of `per` rows: `x`, `dy`, `mean` and `rstd`
-    /// (`rstd` in 1..2), from seeds `seed..seed + 4`.
+    /// (`rstd` in 0.5..1.5), from seeds `seed..seed + 4`.
     fn norm_inputs(units: usize, per: usize, features: usize, seed: u32) -> [Vec<f32>; 4] {
         let rstd = test_values(units * per, seed + 3);
         [
