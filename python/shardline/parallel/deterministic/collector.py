@@ -130,11 +130,13 @@ class Products(Use):
         return out
 
     @staticmethod
-    def of_lookups(lookups: list[Lookups]) -> Products:
-        """No product, for a weight only embeddings use: ``summed(lookups)`` sums theirs."""
-        first = lookups[0]
-        return Products(first.dy.new_empty(first.units, 0, first.total),
-                        first.dy.new_empty(first.units, 0, first.dy.shape[-1]))  # fmt: skip
+    def none_for(use: Lookups) -> Products:
+        """No product (zero rows a unit), shaped as ``use``'s weight, which only embeddings use.
+
+        ``summed(lookups)`` then sums the lookups alone.
+        """
+        return Products(use.dy.new_empty(use.units, 0, use.total),
+                        use.dy.new_empty(use.units, 0, use.dy.shape[-1]))  # fmt: skip
 
     def tensors(self) -> list[torch.Tensor]:
         """See ``Use.tensors``."""
@@ -302,22 +304,21 @@ def _engine_sum(given: list[Use]) -> torch.Tensor | None:
     if isinstance(first, Products) and first.native:
         return first.summed(lookups)
     if isinstance(first, Lookups) and first.in_order:
-        return Products.of_lookups([first]).summed([first, *lookups])
+        return Products.none_for(first).summed([first, *lookups])
     return None
 
 
 def _by_unit(units: int, lookups: list[Lookups]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The lookups as the engine takes them: ``(offsets, idx, dy)`` by unit, in their order."""
-    unit = torch.cat([u.unit for u in lookups]) if len(lookups) > 1 else lookups[0].unit
-    idx = torch.cat([u.idx for u in lookups]) if len(lookups) > 1 else lookups[0].idx
-    idx = idx.to(torch.int64)
-    dy = torch.cat([u.dy for u in lookups]) if len(lookups) > 1 else lookups[0].dy
-    if len(lookups) > 1:  # each unit's: the first use's in order, then the next use's
+    if len(lookups) == 1:
+        unit, idx, dy = lookups[0].unit, lookups[0].idx, lookups[0].dy
+    else:  # each unit's: the first use's in order, then the next use's
+        unit, idx, dy = (torch.cat([getattr(u, a) for u in lookups]) for a in ("unit", "idx", "dy"))
         order = torch.sort(unit, stable=True).indices
         unit, idx, dy = unit[order], idx[order], dy[order]
     offsets = torch.zeros(units + 1, dtype=torch.int64)
     torch.cumsum(torch.bincount(unit, minlength=units), 0, out=offsets[1:])
-    return offsets, idx.contiguous(), dy.contiguous()
+    return offsets, idx.to(torch.int64).contiguous(), dy.contiguous()
 
 
 # Low-precision parameters whose float32 gradient a strategy reduces in float32 (ZeRO with

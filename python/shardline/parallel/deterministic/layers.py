@@ -101,15 +101,15 @@ def _per_unit_sum(dys: torch.Tensor, split: Split | None = None) -> torch.Tensor
     return dys.sum(1)
 
 
-def _threads(t: torch.Tensor, threaded: int = 1 << 18) -> int:
+_THREADED_ROWS = 1 << 18  # elements from which the engine's row sums run on torch's threads
+# The same for the layer norm's pass: about ten operations an element, where the row sums do
+# one. On 16 x 64 rows of 64 (65,536), two threads took 28 us against 40 on one (2-core VM).
+_THREADED_NORM = 1 << 15
+
+
+def _threads(t: torch.Tensor, threaded: int = _THREADED_ROWS) -> int:
     """Torch's intra-op threads for a tensor of ``threaded`` elements or more, else one."""
     return torch.get_num_threads() if t.numel() >= threaded else 1
-
-
-# Elements from which the engine's layer-norm pass runs on torch's threads: about ten
-# operations an element, where a bias's row sums (the default above) do one. On 16 x 64 rows
-# of 64 (65,536), two threads took 28 us against 40 on one (2-core VM).
-_THREADED_NORM = 1 << 15
 
 
 _GPU_ROWS: list[Any] = []  # ``gpu_rows`` once looked for ([None]: no Triton here)
