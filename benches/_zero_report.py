@@ -63,6 +63,9 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
         ref_loss = rows[ref_name]["loss"] if ref_name else None
         fs = rows.get("fsdp2", {})
         mem_key = "peak_bytes" if cuda else "persistent_bytes"
+        # A bf16 loss is read at bf16's precision: one step of it (2**-7 relative at most)
+        # apart is the same training.
+        tolerance = 2.0**-7 if res["config"].get("dtype") == "bf16" else 1e-3
 
         def batch_of(r: dict[str, Any], default: int = res["config"]["batch_per_rank"]) -> int:
             return int(r.get("batch_per_rank", default))
@@ -78,7 +81,7 @@ def table(results: dict[int, dict[str, Any]], device: str) -> str:
                 check = "(other batch)"
             elif ref_loss is not None and "loss" in r:
                 rel = abs(r["loss"] - ref_loss) / max(abs(ref_loss), 1e-12)
-                if not rel <= 1e-3:  # NaN too
+                if not rel <= tolerance:  # NaN too
                     check = f"WARN {rel:.1e} vs {ref_name}"
             lines.append(
                 f"{world:5d} {name:9} {batch_of(r):5d} {r.get('step_ms', math.nan):9.2f} "

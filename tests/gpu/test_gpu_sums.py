@@ -2,7 +2,9 @@
 
 ``comm.tree_cuda`` adds a tree in one launch and must give the bits of the elementwise adds
 (``tree._torch_tree``), which other ranks' trees use; ``gpu_rows`` sums a unit's rows the same
-way whatever the number of units and the width (a column layer's slice of the features).
+way whatever the number of units and the width (a column layer's slice of the features);
+``gpu_products`` makes a unit's weight gradient with the same bits whatever the number of units
+and the outputs asked for, and its tree gives the elementwise adds' bits over them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ triton = pytest.importorskip("triton", reason="needs Triton (torch's CUDA builds
 
 from shardline.comm import tree, tree_cuda  # noqa: E402
 from shardline.comm.tree_cuda import tree_sum_into  # noqa: E402
-from shardline.parallel.deterministic import gpu_rows, layers  # noqa: E402
+from shardline.parallel.deterministic import collector, gpu_products, gpu_rows, layers  # noqa: E402
 from shardline.parallel.deterministic.gpu_rows import norm_sums, row_sums  # noqa: E402
 from shardline.parallel.deterministic.split import column_input_grad, row_output  # noqa: E402
 
@@ -90,6 +92,77 @@ def test_split_sums_ignore_the_batch_and_the_ranks(dtype: torch.dtype) -> None:
         assert torch.equal(_bits(column_input_grad(dy[:b], wc, 1, 4)), _bits(grad[:b]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("units", [1, 2, 3, 5, 7, 8, 16])
+def test_unit_products_tree_gives_the_elementwise_adds_bits(dtype: torch.dtype, units: int) -> None:
+    g = torch.Generator("cuda").manual_seed(units)
+    dys = torch.randn(units, 70, 300, device="cuda", generator=g).to(dtype)
+    xs = torch.randn(units, 70, 200, device="cuda", generator=g).to(dtype)
+    per = gpu_products.products(dys, xs, 0, 300, tree=False)
+    assert per.dtype == torch.float32
+    # float32 products of bf16 values are exact: only the accumulation rounds
+    want = torch.bmm(dys.double().transpose(1, 2), xs.double())
+    torch.testing.assert_close(per.double(), want, rtol=1e-5, atol=1e-5)
+    summed = gpu_products.products(dys, xs, 0, 300, tree=True)
+    assert torch.equal(_bits(summed), _bits(tree._torch_tree(per.clone())))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_units_product_ignores_the_batch_and_the_outputs_asked_for(dtype: torch.dtype) -> None:
+    g = torch.Generator("cuda").manual_seed(0)
+    dys = torch.randn(16, 512, 1024, device="cuda", generator=g).to(dtype)
+    xs = torch.randn(16, 512, 768, device="cuda", generator=g).to(dtype)
+    per = gpu_products.products(dys, xs, 0, 1024, tree=False)
+    for units in (8, 2, 1):  # fewer units a rank
+        got = gpu_products.products(dys[:units], xs[:units], 0, 1024, tree=False)
+        assert torch.equal(_bits(got), _bits(per[:units]))
+    # a block of a tied weight's outputs, a column layer's slice
+    assert torch.equal(
+        _bits(gpu_products.products(dys, xs, 100, 701, tree=False)), _bits(per[:, 100:701])
+    )
+    eight = gpu_products.products(dys[8:], xs[8:], 100, 701, tree=True)
+    assert torch.equal(_bits(eight), _bits(tree._torch_tree(per[8:, 100:701].clone())))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("units", [1, 2, 8, 16, 64])
+def test_row_and_norm_trees_give_the_elementwise_adds_bits(dtype: torch.dtype, units: int) -> None:
+    g = torch.Generator("cuda").manual_seed(units)
+    dys = torch.randn(units, 64, 1000, device="cuda", generator=g).to(dtype)
+    per = row_sums(dys)
+    assert torch.equal(_bits(row_sums(dys, tree=True)), _bits(tree._torch_tree(per.clone())))
+    x = torch.randn(units, 64, 1000, device="cuda", generator=g).to(dtype)
+    _, mean, rstd = torch.native_layer_norm(x.float(), [1000], None, None, 1e-5)
+    w, b = norm_sums(x, mean, rstd, dys, [1000], units, True, True)
+    tw, tb = norm_sums(x, mean, rstd, dys, [1000], units, True, True, tree=True)
+    assert torch.equal(_bits(tw), _bits(tree._torch_tree(w.clone())))
+    assert torch.equal(_bits(tb), _bits(tree._torch_tree(b.clone())))
+    # a bias's only use: the tree in one launch, the sum_uses gives the parameter
+    use = collector.Rows(lambda t: row_sums(dys, tree=t), gpu_rows.tree_fits(units))
+    grad = collector.sum_uses(torch.empty(1000, device="cuda"), [use])
+    assert torch.equal(_bits(grad), _bits(tree.tree_sum(per, fresh=True)))
+
+
+def test_trees_in_one_launch_take_what_fits() -> None:
+    assert [gpu_rows.tree_fits(n) for n in (1, 2, 3, 6, 64, 128)] == [
+        True, True, False, False, True, False
+    ]  # fmt: skip
+    dys = torch.randn(6, 4, 32, device="cuda")
+    with pytest.raises(ValueError, match="power of two"):
+        row_sums(dys, tree=True)
+    use = collector.Rows(lambda t: row_sums(dys, tree=t), gpu_rows.tree_fits(6))
+    grad = collector.sum_uses(torch.empty(32, device="cuda"), [use])  # sums, then the tree
+    assert torch.equal(_bits(grad), _bits(tree.tree_sum(row_sums(dys), fresh=True)))
+    # more units than a products tree in one launch takes: per-unit products, then the tree
+    many = gpu_products.MAX_UNITS * 2
+    dys, xs = (torch.randn(many, 8, n, device="cuda").bfloat16() for n in (16, 4))
+    use = collector.Products(dys, xs)
+    assert use.gpu and not use.tree_fits
+    grad = collector.sum_uses(torch.empty(16, 4, device="cuda"), [use])
+    per = gpu_products.products(dys, xs, 0, 16, tree=False)
+    assert torch.equal(_bits(grad), _bits(tree.tree_sum(per, fresh=True)))
+
+
 def test_a_kernel_that_fails_to_build_falls_back_with_a_warning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -102,6 +175,8 @@ def test_a_kernel_that_fails_to_build_falls_back_with_a_warning(
     monkeypatch.setattr(layers, "_GPU_ROWS", [])
     monkeypatch.setattr(tree_cuda, "tree_sum_into", broken)
     monkeypatch.setattr(gpu_rows, "row_sums", broken)
+    monkeypatch.setattr(collector, "_GPU_PRODUCTS", [])
+    monkeypatch.setattr(gpu_products, "products", broken)
     parts = torch.randn(4, 100, device="cuda")
     with pytest.warns(UserWarning, match="tree kernel failed to build"):
         got = tree.tree_sum(parts.clone(), fresh=True)
@@ -110,3 +185,8 @@ def test_a_kernel_that_fails_to_build_falls_back_with_a_warning(
     with pytest.warns(UserWarning, match="row-sum kernels failed to build"):
         sums = layers._per_unit_sum(dys)
     assert torch.equal(_bits(sums), _bits(tree.tree_sum(dys, dim=1)))
+    dys, xs = (torch.randn(2, 8, n, device="cuda").bfloat16() for n in (16, 4))
+    with pytest.warns(UserWarning, match="per-unit product kernel failed to build"):
+        use = collector.Products(dys, xs)
+    assert not use.gpu and use.dtype == torch.bfloat16
+    assert torch.equal(use.rows(0, 16, None), torch.bmm(dys.transpose(1, 2), xs))

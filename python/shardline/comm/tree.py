@@ -91,13 +91,17 @@ def _cuda_kernel(device: torch.device) -> Any:
 
 
 def built_kernels(
-    cache: list[Any], load: Callable[[], Any], trial: Callable[[Any], None], what: str
+    cache: list[Any],
+    load: Callable[[], Any],
+    trial: Callable[[Any], None],
+    what: str,
+    instead: str = "torch's elementwise adds (more launches)",
 ) -> Any:
     """A module of Triton kernels, looked for once (kept in ``cache``), or ``None``.
 
     ``None`` where ``load`` finds no Triton (CPU builds of torch), or where ``trial``, its
     first launch, fails: Triton compiles then, and needs a C compiler. That failure is a
-    warning naming ``what``; the caller adds with torch's elementwise ops instead.
+    warning naming ``what`` and what the caller does ``instead``.
     """
     if not cache:
         try:
@@ -110,7 +114,7 @@ def built_kernels(
             except Exception as exc:  # any failure to build: fall back
                 warnings.warn(
                     f"shardline: Triton's {what} failed to build ({exc!r:.200}); deterministic "
-                    "sums on the GPU use torch's elementwise adds instead (more launches)",
+                    f"sums on the GPU use {instead} instead",
                     stacklevel=4,
                 )
                 module = None

@@ -8,6 +8,10 @@ all its threads (a barrier), stores the sums into the first rows of ``parts`` (w
 caller lets go), and goes on to the next level. Each addition is the tree's, one float32 add
 in the same order, so the bits are those of the elementwise adds.
 
+``push`` and ``fold`` are the same tree inside a kernel that makes its leaves one after the
+other (deterministic mode's per-unit sums: ``gpu_rows``, ``gpu_products``), in registers: a
+binary counter whose level ``j`` holds the sum of ``2**j`` consecutive leaves, a subtree.
+
 Importing this module needs Triton (installed with torch's CUDA builds).
 """
 
@@ -17,9 +21,81 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_ROWS", "tree_sum_into"]
+__all__ = ["MAX_LEAVES", "MAX_ROWS", "fold", "push", "tree_sum_into"]
 
 MAX_ROWS = 64  # the most rows one launch adds (a power of two); more: the elementwise adds
+MAX_LEAVES = 64  # the most leaves ``push`` and ``fold`` add (levels 0-6 of the counter)
+
+
+@triton.jit
+def push(u: tl.constexpr, p, s0, s1, s2, s3, s4, s5, s6):
+    """Adds leaf ``u`` (value ``p``; leaves ``0..u-1`` pushed before) to the counter ``s0..s6``.
+
+    Leaf ``u`` closes the subtrees of its trailing ones, left + right (each the tree's add),
+    and the result is held at the level above them. Returns the new ``s0..s6``.
+    """
+    if u % 2 == 1:
+        p = s0 + p
+    if u % 4 == 3:
+        p = s1 + p
+    if u % 8 == 7:
+        p = s2 + p
+    if u % 16 == 15:
+        p = s3 + p
+    if u % 32 == 31:
+        p = s4 + p
+    if u % 64 == 63:
+        p = s5 + p
+    if u % 2 == 0:
+        s0 = p
+    elif u % 4 == 1:
+        s1 = p
+    elif u % 8 == 3:
+        s2 = p
+    elif u % 16 == 7:
+        s3 = p
+    elif u % 32 == 15:
+        s4 = p
+    elif u % 64 == 31:
+        s5 = p
+    else:
+        s6 = p
+    return s0, s1, s2, s3, s4, s5, s6
+
+
+@triton.jit
+def fold(LEAVES: tl.constexpr, s0, s1, s2, s3, s4, s5, s6):
+    """The canonical tree's sum of ``LEAVES`` pushed leaves (``1 <= LEAVES <= MAX_LEAVES``).
+
+    The counter holds one subtree per set bit of ``LEAVES``; the canonical tree is the largest
+    (left) plus the tree of the rest, so they are added from the smallest up.
+    """
+    if LEAVES % 2 == 1:  # the smallest subtree: the lowest set bit's
+        total = s0
+    elif LEAVES % 4 == 2:
+        total = s1
+    elif LEAVES % 8 == 4:
+        total = s2
+    elif LEAVES % 16 == 8:
+        total = s3
+    elif LEAVES % 32 == 16:
+        total = s4
+    elif LEAVES % 64 == 32:
+        total = s5
+    else:
+        total = s6
+    # then each larger one, left of what is added so far: bit j set and a lower one too
+    if LEAVES % 4 > 2:
+        total = s1 + total
+    if LEAVES % 8 > 4:
+        total = s2 + total
+    if LEAVES % 16 > 8:
+        total = s3 + total
+    if LEAVES % 32 > 16:
+        total = s4 + total
+    if LEAVES % 64 > 32:
+        total = s5 + total
+    return total
 
 
 @triton.jit

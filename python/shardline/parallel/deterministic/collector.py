@@ -12,13 +12,14 @@ all of them, and the units' blocks stay in cache for the tree.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardline import _native
-from shardline.comm.tree import tree_sum
+from shardline.comm.tree import built_kernels, tree_sum
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic import kernels
 
@@ -27,6 +28,7 @@ __all__ = [
     "Dense",
     "Lookups",
     "Products",
+    "Rows",
     "Use",
     "keep_wide",
     "sum_uses",
@@ -76,14 +78,43 @@ class Dense(Use):
         return [torch.tensor([_DENSE]), self.per_unit]
 
 
+class Rows(Use):
+    """Per-unit sums over rows made on a GPU on demand (a bias's, a norm's: ``gpu_rows``).
+
+    ``make(tree)`` gives every unit's sums, ``[units, *shape]`` (``tree=False``), or their
+    canonical tree (``tree=True``, where ``tree_fits``) in the same launch: the parameter's
+    gradient where this is its only use (``summed``).
+    """
+
+    dtype = torch.float32
+
+    def __init__(self, make: Callable[[bool], torch.Tensor], tree_fits: bool) -> None:
+        self._make, self.tree_fits = make, tree_fits
+
+    def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
+        """See ``Use.rows``."""
+        block = self._make(False)[:, start:stop]
+        return block if into is None else into.add_(block)
+
+    def summed(self) -> torch.Tensor:
+        """The units' sums added in the canonical tree (``tree_fits``): ``tree_sum``'s bits."""
+        return self._make(True)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """See ``Use.tensors`` (as ``Dense``)."""
+        return Dense(self._make(False)).tensors()
+
+
 class Products(Use):
     """A linear layer's weight: unit ``u``'s gradient is ``dys[u].T @ xs[u]``.
 
     Float32 on CPU, the engine computes each unit's product (``_native.unit_products``: one
     small GEMM each, whose bits do not depend on the rows asked for) and, for ``summed``,
     adds them in the canonical tree as they come, without holding every unit's product:
-    faster than ``torch.bmm`` and then ``tree_sum``. Elsewhere ``torch.bmm``. Every layout
-    takes the same path for the same parameter, so the bits agree across layouts.
+    faster than ``torch.bmm`` and then ``tree_sum``. In bf16 or fp16 on a GPU (autocast),
+    one Triton kernel does the same (``gpu_products``: float32 products, never rounded to
+    the low precision; ``gpu``). Elsewhere ``torch.bmm``. Every layout takes the same path
+    for the same parameter, so the bits agree across layouts.
     """
 
     def __init__(self, dys: torch.Tensor, xs: torch.Tensor) -> None:
@@ -92,25 +123,44 @@ class Products(Use):
         )
         if self.native:
             dys, xs = dys.contiguous(), xs.contiguous()
-        self.dys, self.xs, self.dtype = dys, xs, dys.dtype
+        self.gpu = (
+            dys.is_cuda
+            and dys.dtype == xs.dtype
+            and dys.dtype in _WIDER
+            and dys.dim() == 3
+            and max(dys.numel(), xs.numel(), dys.shape[0] * dys.shape[2] * xs.shape[2]) < 1 << 31
+            and _gpu_products(dys.device) is not None
+        )
+        self.dys, self.xs = dys, xs
+        self.dtype = torch.float32 if self.gpu else dys.dtype
+        # ``gpu``: whether ``summed`` makes the tree in the same launch (few enough units)
+        self.tree_fits = self.gpu and dys.shape[0] <= _gpu_products(dys.device).MAX_UNITS
 
     def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
         """See ``Use.rows``."""
         if self.native:
             block = self._engine(start, stop, tree=False)
+        elif self.gpu:
+            block = _gpu_products(self.dys.device).products(self.dys, self.xs, start, stop,
+                                                            tree=False)  # fmt: skip
         else:
             block = torch.bmm(self.dys[:, :, start:stop].transpose(1, 2), self.xs)
         return block if into is None else into.add_(block)
 
     def summed(self, lookups: list[Lookups] | None = None) -> torch.Tensor:
-        """The units' gradients summed in the canonical tree (``native`` only).
+        """The units' gradients summed in the canonical tree (``native``, or ``tree_fits``).
 
         The bits of ``tree_sum(self.rows(0, outs, None))``, without every unit's at once.
         ``lookups`` (``native``, given after this use): an embedding tied to the weight, whose
         rows each unit adds onto its product before the tree, in their order: the bits of
         ``_total`` then ``tree_sum``.
         """
-        return self._engine(0, self.dys.shape[2], tree=True, lookups=lookups)
+        outs = self.dys.shape[2]
+        if self.gpu:  # (``tree_fits``)
+            kernel = _gpu_products(self.dys.device)
+            summed: torch.Tensor = kernel.products(self.dys, self.xs, 0, outs, tree=True)
+            return summed
+        return self._engine(0, outs, tree=True, lookups=lookups)
 
     def _engine(
         self, start: int, stop: int, *, tree: bool, lookups: list[Lookups] | None = None
@@ -295,9 +345,13 @@ def _engine_sum(given: list[Use]) -> torch.Tensor | None:
     """The engine's tree over units of a weight's uses (``None``: not for it).
 
     For a linear layer's float32 products on CPU, and the embeddings' lookups that follow
-    them (a tied weight) or make them all: the bits of ``_total`` then ``tree_sum``.
+    them (a tied weight) or make them all: the bits of ``_total`` then ``tree_sum``. On a GPU,
+    for its low-precision products or a bias's or norm's sums, used once: the tree made in
+    the same launch (``gpu_products``, ``gpu_rows``), the same bits.
     """
     first, rest = given[0], given[1:]
+    if (isinstance(first, Products) and first.gpu) or isinstance(first, Rows):
+        return first.summed() if first.tree_fits and not rest else None
     lookups = [u for u in rest if isinstance(u, Lookups) and u.in_order]
     if len(lookups) < len(rest):
         return None
@@ -306,6 +360,28 @@ def _engine_sum(given: list[Use]) -> torch.Tensor | None:
     if isinstance(first, Lookups) and first.in_order:
         return Products.none_for(first).summed([first, *lookups])
     return None
+
+
+_GPU_PRODUCTS: list[Any] = []  # ``gpu_products`` once looked for ([None]: no Triton here)
+
+
+def _gpu_products(device: torch.device) -> Any:
+    """``shardline.parallel.deterministic.gpu_products``, or ``None`` (see ``built_kernels``)."""
+    if _GPU_PRODUCTS:  # looked for already: every linear layer's backward asks
+        return _GPU_PRODUCTS[0]
+
+    def load() -> Any:
+        from shardline.parallel.deterministic import gpu_products  # noqa: PLC0415  (Triton)
+
+        return gpu_products
+
+    def trial(module: Any) -> None:
+        z = torch.zeros(2, 1, 1, dtype=torch.bfloat16, device=device)
+        module.products(z, z, 0, 1, tree=True)
+        module.products(z, z, 0, 1, tree=False)
+
+    instead = "torch.bmm, whose bf16 products round before the tree: other bits than Triton's"
+    return built_kernels(_GPU_PRODUCTS, load, trial, "per-unit product kernel", instead)
 
 
 def _by_unit(units: int, lookups: list[Lookups]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,6 +9,14 @@ additions whatever the number of units, the features' width or where a feature s
 column layer's slice). The tree of elementwise adds it replaces took nine launches for 512
 rows, each with three Python calls.
 
+Where a bias or a norm is used once its gradient is the tree over units of those sums
+(``tree=True``). ``row_sums`` makes it in the same launch: each program takes a block of
+features for every unit at once (a row of each unit a step, each unit's rows in order) and
+adds the units level by level, pairs ``2i`` and ``2i+1``. ``norm_sums`` writes the units'
+weight and bias sums side by side and adds both in one ``tree_sum`` (a second launch, not
+three: its loads of ``x`` per unit were 2.7x slower as one launch's, on an H200). Both give
+the bits of ``tree_sum`` over the per-unit sums.
+
 Importing this module needs Triton (installed with torch's CUDA builds).
 """
 
@@ -20,10 +28,27 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["norm_sums", "row_sums"]
+from shardline.comm.tree import tree_sum
+
+__all__ = ["MAX_UNITS", "norm_sums", "row_sums", "tree_fits"]
+
+MAX_UNITS = 64  # the most units a tree in one launch adds (a power of two)
 
 _BLOCK = 128  # features per program
 _UNROLL = 8  # rows loaded before they are added (in order)
+
+
+@triton.jit
+def _unit_rows(src, rows, width, mask, UNROLL: tl.constexpr):
+    """The rows below ``src`` (row 0's addresses, any shape) added in order, in float32."""
+    acc = tl.zeros(src.shape, dtype=tl.float32)
+    whole = rows - rows % UNROLL
+    for r in range(0, whole, UNROLL):
+        for i in tl.static_range(UNROLL):
+            acc += tl.load(src + (r + i) * width, mask=mask, other=0.0).to(tl.float32)
+    for r in range(whole, rows):
+        acc += tl.load(src + r * width, mask=mask, other=0.0).to(tl.float32)
+    return acc
 
 
 @triton.jit
@@ -31,15 +56,46 @@ def _rows_kernel(x, out, rows, width, UNROLL: tl.constexpr, BLOCK: tl.constexpr)
     unit = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < width
-    src = x + unit * rows * width + col
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    whole = rows - rows % UNROLL
-    for r in range(0, whole, UNROLL):
-        for i in tl.static_range(UNROLL):
-            acc += tl.load(src + (r + i) * width, mask=mask, other=0.0).to(tl.float32)
-    for r in range(whole, rows):
-        acc += tl.load(src + r * width, mask=mask, other=0.0).to(tl.float32)
+    acc = _unit_rows(x + unit * rows * width + col, rows, width, mask, UNROLL)
     tl.store(out + unit * width + col, acc, mask=mask)
+
+
+@triton.jit
+def _halve(acc, N: tl.constexpr, BLOCK: tl.constexpr):
+    """One level of the tree over ``acc``'s ``N`` rows: rows ``2i`` + ``2i+1``."""
+    left, right = tl.split(tl.permute(tl.reshape(acc, [N // 2, 2, BLOCK]), (0, 2, 1)))
+    return left + right
+
+
+@triton.jit
+def _tree(acc, UNITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The canonical tree over ``acc``'s ``UNITS`` rows (a power of two up to 64), ``[BLOCK]``."""
+    if UNITS >= 64:
+        acc = _halve(acc, 64, BLOCK)
+    if UNITS >= 32:
+        acc = _halve(acc, 32, BLOCK)
+    if UNITS >= 16:
+        acc = _halve(acc, 16, BLOCK)
+    if UNITS >= 8:
+        acc = _halve(acc, 8, BLOCK)
+    if UNITS >= 4:
+        acc = _halve(acc, 4, BLOCK)
+    if UNITS >= 2:
+        acc = _halve(acc, 2, BLOCK)
+    return tl.reshape(acc, [BLOCK])
+
+
+@triton.jit
+def _rows_tree_kernel(
+    x, out, rows, width, UNITS: tl.constexpr, UNROLL: tl.constexpr, BLOCK: tl.constexpr
+):
+    # Every unit's rows at once (one row of each unit per step, each unit's in order), then
+    # the tree over the units.
+    unit = tl.arange(0, UNITS).to(tl.int64)[:, None]
+    col = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = (col < width)[None, :] & (unit < UNITS)
+    acc = _unit_rows(x + unit * rows * width + col[None, :], rows, width, mask, UNROLL)
+    tl.store(out + col, _tree(acc, UNITS, BLOCK), mask=col < width)
 
 
 @triton.jit
@@ -54,38 +110,55 @@ def _norm_row(xs, gs, mean, rstd, r, width, mask, acc_w, acc_b, WEIGHT: tl.const
 
 
 @triton.jit
-def _norm_kernel(
-    x, mean, rstd, dy, dw, db, rows, width,
-    WEIGHT: tl.constexpr, BIAS: tl.constexpr, UNROLL: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    unit = tl.program_id(0).to(tl.int64)
-    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = col < width
-    first = unit * rows
-    xs, gs = x + first * width + col, dy + first * width + col
-    ms, rs = mean + first, rstd + first
-    acc_w = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK], dtype=tl.float32)
+def _unit_norm(xs, gs, ms, rs, rows, width, mask, WEIGHT: tl.constexpr, UNROLL: tl.constexpr):
+    """The rows' ``x_hat * dy`` and ``dy`` below ``xs``/``gs`` (row 0's), added in order."""
+    acc_w = tl.zeros(gs.shape, dtype=tl.float32)
+    acc_b = tl.zeros(gs.shape, dtype=tl.float32)
     whole = rows - rows % UNROLL
     for r in range(0, whole, UNROLL):
         for i in tl.static_range(UNROLL):
             acc_w, acc_b = _norm_row(xs, gs, ms, rs, r + i, width, mask, acc_w, acc_b, WEIGHT)
     for r in range(whole, rows):
         acc_w, acc_b = _norm_row(xs, gs, ms, rs, r, width, mask, acc_w, acc_b, WEIGHT)
+    return acc_w, acc_b
+
+
+@triton.jit
+def _norm_kernel(
+    x, mean, rstd, dy, dw, db, rows, width, stride,
+    WEIGHT: tl.constexpr, BIAS: tl.constexpr, UNROLL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    unit = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < width
+    first = unit * rows
+    acc_w, acc_b = _unit_norm(x + first * width + col, dy + first * width + col, mean + first,
+                              rstd + first, rows, width, mask, WEIGHT, UNROLL)  # fmt: skip
     if WEIGHT:
-        tl.store(dw + unit * width + col, acc_w, mask=mask)
+        tl.store(dw + unit * stride + col, acc_w, mask=mask)
     if BIAS:
-        tl.store(db + unit * width + col, acc_b, mask=mask)
+        tl.store(db + unit * stride + col, acc_b, mask=mask)
 
 
-def row_sums(per_unit: torch.Tensor) -> torch.Tensor:
-    """``per_unit`` (``[units, rows, *features]``) summed over rows, in float32."""
+def row_sums(per_unit: torch.Tensor, *, tree: bool = False) -> torch.Tensor:
+    """``per_unit`` (``[units, rows, *features]``) summed over rows, in float32.
+
+    ``tree``: those sums added over units in the canonical tree (``[*features]``; units as
+    ``tree_fits`` says), in the same launch: the bits of ``tree_sum`` over them.
+    """
     units, rows = per_unit.shape[:2]
     x = per_unit.reshape(units, rows, -1).contiguous()
     width = x.shape[2]
+    if tree:
+        block = _tree_block(units)
+        out = torch.empty(width, dtype=torch.float32, device=x.device)
+        _rows_tree_kernel[(triton.cdiv(width, block),)](x, out, rows, width, UNITS=units,
+                                                        UNROLL=_UNROLL, BLOCK=block)  # fmt: skip
+        return out.view(per_unit.shape[2:])
     out = torch.empty((units, width), dtype=torch.float32, device=x.device)
-    grid = (units, triton.cdiv(width, _BLOCK))
-    _rows_kernel[grid](x, out, rows, width, UNROLL=_UNROLL, BLOCK=_BLOCK)
+    _rows_kernel[(units, triton.cdiv(width, _BLOCK))](
+        x, out, rows, width, UNROLL=_UNROLL, BLOCK=_BLOCK
+    )
     return out.view(units, *per_unit.shape[2:])
 
 
@@ -98,25 +171,49 @@ def norm_sums(
     units: int,
     weight: bool,
     bias: bool,
+    *,
+    tree: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A layer norm's per-unit weight and bias gradients, float32, ``[units, *shape]``.
 
     ``x`` and ``dy`` are ``[..., *shape]``, their rows in ``units`` equal blocks; ``mean`` and
     ``rstd`` hold one value per row (``native_layer_norm``'s). ``None`` where not asked for.
+    ``tree``: each summed over units in the canonical tree (``[*shape]``): the units' weight
+    and bias sums lie side by side in one buffer, and one ``tree_sum`` adds both.
     """
     width = math.prod(shape)
     total = x.numel() // width
     xs = x.reshape(total, width).contiguous()
     gs = dy.reshape(total, width).contiguous()
     ms, rs = mean.reshape(total).contiguous(), rstd.reshape(total).contiguous()
-    dw = torch.empty((units, width), dtype=torch.float32, device=x.device) if weight else None
-    db = torch.empty((units, width), dtype=torch.float32, device=x.device) if bias else None
-    grid = (units, triton.cdiv(width, _BLOCK))
-    _norm_kernel[grid](
-        xs, ms, rs, gs, gs if dw is None else dw, gs if db is None else db, total // units,
-        width, WEIGHT=weight, BIAS=bias, UNROLL=_UNROLL, BLOCK=_BLOCK,
+    kinds = int(weight) + int(bias)
+    per = torch.empty((units, max(kinds, 1), width), dtype=torch.float32, device=x.device)
+    dw, db = per[:, 0], per[:, kinds - 1]
+    _norm_kernel[(units, triton.cdiv(width, _BLOCK))](
+        xs, ms, rs, gs, dw, db, total // units, width, kinds * width,
+        WEIGHT=weight, BIAS=bias, UNROLL=_UNROLL, BLOCK=_BLOCK,
     )  # fmt: skip
+    if tree:
+        sums = tree_sum(per, fresh=True)
+        dw, db = sums[0], sums[kinds - 1]
+    lead = () if tree else (units,)
     return (
-        None if dw is None else dw.view(units, *shape),
-        None if db is None else db.view(units, *shape),
+        dw.view(*lead, *shape) if weight else None,
+        db.view(*lead, *shape) if bias else None,
     )
+
+
+def tree_fits(units: int) -> bool:
+    """Whether ``tree=True`` takes ``units`` units: a power of two, at most ``MAX_UNITS``."""
+    return 1 <= units <= MAX_UNITS and units & (units - 1) == 0
+
+
+def _tree_block(units: int) -> int:
+    """Features a program of a tree launch takes: ``_BLOCK`` values a row, all units'.
+
+    As many programs as the per-unit launch's: the rows' in-order adds bound both.
+    """
+    if not tree_fits(units):
+        raise ValueError(f"a tree in one launch adds 1 to {MAX_UNITS} units, a power of two, "
+                         f"not {units}")  # fmt: skip
+    return max(16, _BLOCK // units)

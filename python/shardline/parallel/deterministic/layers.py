@@ -13,6 +13,7 @@ sums in its group's tree, where the tensor-parallel layer's own regions would al
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,14 @@ from shardline import _native
 from shardline.comm.tree import built_kernels, tree_sum
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic import kernels
-from shardline.parallel.deterministic.collector import Collector, Dense, Lookups, Products
+from shardline.parallel.deterministic.collector import (
+    Collector,
+    Dense,
+    Lookups,
+    Products,
+    Rows,
+    Use,
+)
 from shardline.parallel.deterministic.split import Split, column_input_grad, row_output
 from shardline.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -101,6 +109,14 @@ def _per_unit_sum(dys: torch.Tensor, split: Split | None = None) -> torch.Tensor
     return dys.sum(1)
 
 
+def _bias_use(dys: torch.Tensor, split: Split | None) -> Use:
+    """A bias's per-unit gradients: its output gradient summed over each unit's rows."""
+    rows = _gpu_rows(dys.device) if dys.is_cuda else None
+    if rows is None:
+        return Dense(_per_unit_sum(dys, split))
+    return Rows(lambda tree: rows.row_sums(dys, tree=tree), rows.tree_fits(dys.shape[0]))
+
+
 _THREADED_ROWS = 1 << 18  # elements from which the engine's row sums run on torch's threads
 # The same for the layer norm's pass: about ten operations an element, where the row sums do
 # one. On 16 x 64 rows of 64 (65,536), two threads took 28 us against 40 on one (2-core VM).
@@ -174,7 +190,7 @@ class _LinearFn(torch.autograd.Function):
             dx = kernels.product(dy, weight.t(), None) if dy.is_cuda else dy.matmul(weight)
         dys = dy.reshape(c.units, -1, dy.shape[-1])
         dw = c.give(ctx.keys[0], Products(dys, x.reshape(c.units, -1, x.shape[-1])))
-        db = None if ctx.keys[1] is None else c.give(ctx.keys[1], Dense(_per_unit_sum(dys, split)))
+        db = None if ctx.keys[1] is None else c.give(ctx.keys[1], _bias_use(dys, split))
         return dx, dw, db, None, None
 
 
@@ -224,14 +240,21 @@ class _LayerNormFn(torch.autograd.Function):
             )[0]
         dw = db = None
         rows = _gpu_rows(dy.device) if dy.is_cuda else None
-        if rows is not None:  # both sums in one launch
-            w, b = rows.norm_sums(
-                x, mean, rstd, dy, ctx.shape, c.units, want_w, want_b,
-            )  # fmt: skip
-            if w is not None:
-                dw = c.give(ctx.keys[0], Dense(w))
-            if b is not None:
-                db = c.give(ctx.keys[1], Dense(b))
+        if rows is not None:  # both sums in one launch (and both trees in one more)
+            made: dict[bool, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+
+            def make(tree: bool, which: int) -> torch.Tensor:
+                if tree not in made:
+                    made[tree] = rows.norm_sums(x, mean, rstd, dy, ctx.shape, c.units, want_w,
+                                                want_b, tree=tree)  # fmt: skip
+                got = made[tree][which]
+                assert got is not None
+                return got
+
+            if want_w:
+                dw = c.give(ctx.keys[0], Rows(functools.partial(make, which=0), tree_fits=True))
+            if want_b:
+                db = c.give(ctx.keys[1], Rows(functools.partial(make, which=1), tree_fits=True))
             return dx, None, dw, db, None, None
         dys = dy.reshape(c.units, -1, *dy.shape[-len(ctx.shape) :])
         if want_w:
