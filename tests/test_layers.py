@@ -68,6 +68,10 @@ LAZY = {
     ("shardline.parallel.deterministic.layers", "shardline.parallel.deterministic.gpu_rows"): (
         "needs Triton (torch's CUDA builds)"
     ),
+    (
+        "shardline.parallel.deterministic.collector",
+        "shardline.parallel.deterministic.gpu_products",
+    ): "needs Triton (torch's CUDA builds)",
 }
 
 
