@@ -90,10 +90,17 @@ class Rows(Use):
 
     def __init__(self, make: Callable[[bool], torch.Tensor], tree_fits: bool) -> None:
         self._make, self.tree_fits = make, tree_fits
+        self._per_unit: torch.Tensor | None = None
+
+    def per_unit(self) -> torch.Tensor:
+        """Every unit's sums, made once."""
+        if self._per_unit is None:
+            self._per_unit = self._make(False)
+        return self._per_unit
 
     def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
         """See ``Use.rows``."""
-        block = self._make(False)[:, start:stop]
+        block = self.per_unit()[:, start:stop]
         return block if into is None else into.add_(block)
 
     def summed(self) -> torch.Tensor:
@@ -102,7 +109,7 @@ class Rows(Use):
 
     def tensors(self) -> list[torch.Tensor]:
         """See ``Use.tensors`` (as ``Dense``)."""
-        return Dense(self._make(False)).tensors()
+        return Dense(self.per_unit()).tensors()
 
 
 class Products(Use):

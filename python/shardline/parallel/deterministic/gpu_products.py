@@ -25,8 +25,9 @@ from shardline.comm.tree_cuda import fold, push
 __all__ = ["MAX_UNITS", "products"]
 
 # The most units one launch adds in its tree: the kernel is built for each number of units,
-# each unit's loop written out, and took 5 s to build for 16 units on an H200's host (80 s
-# for 64). More: the per-unit products in blocks of outputs, then ``tree_sum``.
+# each unit's loop written out (a test of 16 units took 8-12 s on an H200's host, building
+# included; of 64, 73-80 s). More: the per-unit products in blocks of outputs, then
+# ``tree_sum``.
 MAX_UNITS = 16
 # One tile shape for every call (a unit's bits follow it), the fastest of those timed on an
 # H200 for the 101M GPT's layers at 8 units: 64 x 64 tiles, blocks of 64 rows, 4 warps, 4

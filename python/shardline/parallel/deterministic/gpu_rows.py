@@ -204,7 +204,10 @@ def norm_sums(
 
 
 def tree_fits(units: int) -> bool:
-    """Whether ``tree=True`` takes ``units`` units: a power of two, at most ``MAX_UNITS``."""
+    """Whether ``row_sums(tree=True)`` takes ``units`` units: a power of two up to ``MAX_UNITS``.
+
+    (``norm_sums(tree=True)`` takes any number: its tree is ``tree_sum``'s launch.)
+    """
     return 1 <= units <= MAX_UNITS and units & (units - 1) == 0
 
 
