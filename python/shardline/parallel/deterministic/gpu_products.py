@@ -7,7 +7,7 @@ program makes one tile of the gradient (``BM`` outputs by ``BN`` inputs) for eve
 unit after the other, accumulating each unit's rows in float32 in the same blocks of ``BK``
 (one fixed tile shape: a unit's bits never depend on the number of units or the outputs asked
 for), and adds the units' tiles in the canonical tree as they come (``tree_cuda.push``: one tile
-held per level of a binary counter, at most seven). So ``products(tree=True)``
+held per level of a binary counter, at most five for ``MAX_UNITS``). So ``products(tree=True)``
 gives the bits of ``tree_sum`` over ``products(tree=False)``'s float32 per-unit products,
 which the blocks of a tied weight take, with nothing in between written to memory.
 
@@ -31,7 +31,7 @@ __all__ = ["MAX_UNITS", "products"]
 MAX_UNITS = 16
 # One tile shape for every call (a unit's bits follow it), the fastest of those timed on an
 # H200 for the 101M GPT's layers at 8 units: 64 x 64 tiles, blocks of 64 rows, 4 warps, 4
-# stages. A tile is 32 registers a thread; the counter holds up to seven (64 units).
+# stages. A tile is 32 registers a thread; the counter holds up to five (16 units).
 _BM, _BN, _BK, _WARPS, _STAGES = 64, 64, 64, 4, 4
 
 
