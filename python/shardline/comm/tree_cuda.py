@@ -21,10 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_LEAVES", "MAX_ROWS", "fold", "push", "tree_sum_into"]
+__all__ = ["MAX_ROWS", "fold", "push", "tree_sum_into"]
 
 MAX_ROWS = 64  # the most rows one launch adds (a power of two); more: the elementwise adds
-MAX_LEAVES = 64  # the most leaves ``push`` and ``fold`` add (levels 0-6 of the counter)
 
 
 @triton.jit
@@ -65,7 +64,7 @@ def push(u: tl.constexpr, p, s0, s1, s2, s3, s4, s5, s6):
 
 @triton.jit
 def fold(LEAVES: tl.constexpr, s0, s1, s2, s3, s4, s5, s6):
-    """The canonical tree's sum of ``LEAVES`` pushed leaves (``1 <= LEAVES <= MAX_LEAVES``).
+    """The canonical tree's sum of ``LEAVES`` pushed leaves (``1 <= LEAVES <= 64``: levels 0-6).
 
     The counter holds one subtree per set bit of ``LEAVES``; the canonical tree is the largest
     (left) plus the tree of the rest, so they are added from the smallest up.
