@@ -4,9 +4,10 @@ The interpreter runs a kernel's code with numpy, so the bits are not the GPU's; 
 anywhere Triton is installed is the kernels' logic: the binary counter's tree over any number
 of units (``tree_cuda.push``, ``fold``) is the canonical tree (``tree._torch_tree``) of the same
 kernel's per-unit results (``gpu_products``' products, ``gpu_rows``' row and norm sums); the
-masks at the edges of the rows, outputs and inputs; and that a unit's product does not change
-with the number of units or the outputs asked for. The GPU's bits are checked by
-``tests/gpu/test_gpu_sums.py``.
+masks at the edges of the rows, outputs and inputs and at a slice of the outputs; that a
+unit's product does not change with the number of units; and the trees' roundings to a lower
+precision made in their launch (``rounded``), which equal ``Tensor.to``'s. The GPU's bits are
+checked by ``tests/gpu/test_gpu_sums.py``.
 """
 
 from __future__ import annotations
@@ -48,9 +49,15 @@ _CHECK = textwrap.dedent(
         torch.testing.assert_close(per.double(), want, rtol=1e-5, atol=1e-5)
         whole = gp.products(d, x, 0, outs, tree=True)
         assert torch.equal(bits(whole), bits(tree._torch_tree(per.clone()))), units
+        # A slice of the outputs: the masks and offsets (the interpreter's products are
+        # numpy's, whose bits may follow a value's place in the tile, as the GPU's do not)
         lo, hi = outs // 3, outs - 1
-        assert torch.equal(bits(gp.products(d, x, lo, hi, tree=False)), bits(per[:, lo:hi]))
-        assert torch.equal(bits(gp.products(d, x, lo, hi, tree=True)), bits(whole[lo:hi]))
+        close = dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gp.products(d, x, lo, hi, tree=False), per[:, lo:hi], **close)
+        torch.testing.assert_close(gp.products(d, x, lo, hi, tree=True), whole[lo:hi], **close)
+        r = torch.empty(outs, ins, dtype=torch.half)  # the tree rounded in the same launch
+        assert torch.equal(bits(gp.products(d, x, 0, outs, tree=True, rounded=r)), bits(whole))
+        assert torch.equal(r, whole.half())
         few = max(1, units // 2)
         assert torch.equal(bits(gp.products(d[:few], x[:few], 0, outs, tree=False)),
                            bits(per[:few]))
@@ -68,6 +75,15 @@ _CHECK = textwrap.dedent(
         assert torch.equal(bits(tb), bits(tree._torch_tree(b.clone())))
         none, alone = gr.norm_sums(x, mean, rstd, dy, [width], units, False, True, tree=True)
         assert none is None and torch.equal(bits(alone), bits(tb))
+        r = torch.empty(width, dtype=torch.half)  # rounded in the trees' launch
+        assert torch.equal(bits(gr.row_sums(d, tree=True, rounded=r)), bits(tree._torch_tree(per)))
+        assert torch.equal(r, gr.row_sums(d, tree=True).half())
+        r = torch.empty(2, width, dtype=torch.half)
+        gr.norm_sums(x, mean, rstd, dy, [width], units, True, True, tree=True, rounded=r)
+        assert torch.equal(r, torch.stack([tw, tb]).half())
+        r = torch.empty(1, width, dtype=torch.half)
+        gr.norm_sums(x, mean, rstd, dy, [width], units, False, True, tree=True, rounded=r)
+        assert torch.equal(r[0], tb.half())
     print("checked")
     """
 )

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the GPU host)", allow_module_level=True)
 triton = pytest.importorskip("triton", reason="needs Triton (torch's CUDA builds install it)")
 
-from shardline.comm import tree, tree_cuda  # noqa: E402
+from shardline.comm import tree, tree_cuda, triton_launch  # noqa: E402
 from shardline.comm.tree_cuda import tree_sum_into  # noqa: E402
 from shardline.parallel.deterministic import collector, gpu_products, gpu_rows, layers  # noqa: E402
 from shardline.parallel.deterministic.gpu_rows import norm_sums, row_sums  # noqa: E402
@@ -138,7 +138,7 @@ def test_row_and_norm_trees_give_the_elementwise_adds_bits(dtype: torch.dtype, u
     assert torch.equal(_bits(tw), _bits(tree._torch_tree(w.clone())))
     assert torch.equal(_bits(tb), _bits(tree._torch_tree(b.clone())))
     # a bias's only use: the tree in one launch, the sum_uses gives the parameter
-    use = collector.Rows(lambda t: row_sums(dys, tree=t), gpu_rows.tree_fits(units))
+    use = collector.Rows(lambda t, _: (row_sums(dys, tree=t), None), gpu_rows.tree_fits(units))
     grad = collector.sum_uses(torch.empty(1000, device="cuda"), [use])
     assert torch.equal(_bits(grad), _bits(tree.tree_sum(per, fresh=True)))
 
@@ -150,7 +150,7 @@ def test_trees_in_one_launch_take_what_fits() -> None:
     dys = torch.randn(6, 4, 32, device="cuda")
     with pytest.raises(ValueError, match="power of two"):
         row_sums(dys, tree=True)
-    use = collector.Rows(lambda t: row_sums(dys, tree=t), gpu_rows.tree_fits(6))
+    use = collector.Rows(lambda t, _: (row_sums(dys, tree=t), None), gpu_rows.tree_fits(6))
     grad = collector.sum_uses(torch.empty(32, device="cuda"), [use])  # sums, then the tree
     assert torch.equal(_bits(grad), _bits(tree.tree_sum(row_sums(dys), fresh=True)))
     # more units than a products tree in one launch takes: per-unit products, then the tree
@@ -190,3 +190,66 @@ def test_a_kernel_that_fails_to_build_falls_back_with_a_warning(
         use = collector.Products(dys, xs)
     assert not use.gpu and use.dtype == torch.bfloat16
     assert torch.equal(use.rows(0, 16, None), torch.bmm(dys.transpose(1, 2), xs))
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("units", [1, 2, 8])
+def test_the_trees_rounded_in_their_launch_are_tensor_to(low: torch.dtype, units: int) -> None:
+    """``rounded``: each tree's float32 sum rounded as ``Tensor.to`` rounds, in its launch."""
+    g = torch.Generator("cuda").manual_seed(units)
+    dys, xs = (torch.randn(units, 96, n, device="cuda", generator=g).to(low) for n in (200, 72))
+    r = torch.empty(200, 72, dtype=low, device="cuda")
+    whole = gpu_products.products(dys, xs, 0, 200, tree=True, rounded=r)
+    assert torch.equal(_bits(whole), _bits(gpu_products.products(dys, xs, 0, 200, tree=True)))
+    assert torch.equal(r, whole.to(low))
+    r = torch.empty(200, dtype=low, device="cuda")
+    sums = row_sums(dys, tree=True, rounded=r)
+    assert torch.equal(r, sums.to(low))
+    x = torch.randn(units, 96, 200, device="cuda", generator=g).to(low)
+    _, mean, rstd = torch.native_layer_norm(x.float(), [200], None, None, 1e-5)
+    r = torch.empty(2, 200, dtype=low, device="cuda")
+    w, b = norm_sums(x, mean, rstd, dys, [200], units, True, True, tree=True, rounded=r)
+    assert torch.equal(r, torch.stack([w, b]).to(low))
+    if units > 1:
+        parts = torch.randn(units, 1000, device="cuda", generator=g)
+        r = torch.empty(1000, dtype=low, device="cuda")
+        sums = tree_sum_into(parts.clone(), rounded=r)
+        assert torch.equal(r, sums.to(low))
+
+
+def test_a_low_precision_parameters_gradient_comes_rounded_from_the_launch() -> None:
+    """``sum_uses`` of a bf16 weight: the float32 tree rounded (and kept where wanted)."""
+    g = torch.Generator("cuda").manual_seed(5)
+    dys, xs = (torch.randn(8, 64, n, device="cuda", generator=g).bfloat16() for n in (48, 40))
+    weight = torch.empty(48, 40, dtype=torch.bfloat16, device="cuda")
+    want = gpu_products.products(dys, xs, 0, 48, tree=True)
+    grad = collector.sum_uses(weight, [collector.Products(dys, xs)])
+    assert grad.dtype == torch.bfloat16 and torch.equal(grad, want.to(torch.bfloat16))
+    collector.keep_wide([weight])
+    grad = collector.sum_uses(weight, [collector.Products(dys, xs)])
+    wide = collector.wide_grad(weight)
+    assert wide is not None and torch.equal(_bits(wide), _bits(want))
+    assert torch.equal(grad, want.to(torch.bfloat16))
+    bias = torch.empty(48, dtype=torch.bfloat16, device="cuda")
+    grad = collector.sum_uses(bias, [layers._bias_use(dys, None)])
+    assert torch.equal(grad, row_sums(dys, tree=True).to(torch.bfloat16))
+
+
+def test_launches_after_the_first_take_the_built_kernel_for_its_arguments() -> None:
+    """``triton_launch``: later calls skip the JIT; an unaligned or odd argument builds anew."""
+    g = torch.Generator("cuda").manual_seed(6)
+    parts = torch.randn(8, 4096, device="cuda", generator=g)
+    want = tree._torch_tree(parts.clone())
+    for _ in range(3):  # the JIT's launch, then the built kernel's
+        assert torch.equal(_bits(tree_sum_into(parts.clone())), _bits(want))
+    built = triton_launch._BUILT[tree_cuda._tree_kernel]
+    assert any(v is not None for v in built.values())
+    # The same values at an address 4 bytes past 16-byte alignment, and an odd width.
+    flat = torch.empty(parts.numel() + 1, device="cuda")[1:]
+    unaligned = flat.view(8, 4096).copy_(parts)
+    assert unaligned.data_ptr() % 16 != 0
+    assert torch.equal(_bits(tree_sum_into(unaligned)), _bits(want))
+    odd = torch.randn(8, 4093, device="cuda", generator=g)
+    for _ in range(2):
+        assert torch.equal(_bits(tree_sum_into(odd.clone())), _bits(tree._torch_tree(odd.clone())))
+    assert len(built) >= 3

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shardline.comm.triton_launch import launch
+
 __all__ = ["MAX_ROWS", "fold", "push", "tree_sum_into"]
 
 MAX_ROWS = 64  # the most rows one launch adds (a power of two); more: the elementwise adds
@@ -98,7 +100,10 @@ def fold(LEAVES: tl.constexpr, s0, s1, s2, s3, s4, s5, s6):
 
 
 @triton.jit
-def _tree_kernel(parts, out, width, N: tl.constexpr, LEVELS: tl.constexpr, BLOCK: tl.constexpr):
+def _tree_kernel(
+    parts, out, low, width,
+    N: tl.constexpr, LEVELS: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     col = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_row = col < width
     pair = tl.arange(0, N // 2).to(tl.int64)
@@ -114,20 +119,34 @@ def _tree_kernel(parts, out, width, N: tl.constexpr, LEVELS: tl.constexpr, BLOCK
         if level == LEVELS - 1:
             first = (pair == 0)[:, None] & in_row[None, :]
             tl.store(out + pair[:, None] * 0 + col[None, :], total, mask=first)
+            if ROUND:  # the sum in another dtype too: no launch to round it
+                low_ty = low.dtype.element_ty
+                tl.store(low + pair[:, None] * 0 + col[None, :], total.to(low_ty), mask=first)
         else:
             tl.store(parts + pair[:, None] * width + col[None, :], total, mask=mask)
             tl.debug_barrier()
 
 
-def tree_sum_into(parts: torch.Tensor) -> torch.Tensor:
+def tree_sum_into(parts: torch.Tensor, *, rounded: torch.Tensor | None = None) -> torch.Tensor:
     """The tree sum over dim 0 of ``parts``, which it overwrites (the caller lets it go).
 
     ``parts``: float32, contiguous, on a GPU, ``2**k`` rows (``1 <= k``, at most ``MAX_ROWS``).
+    ``rounded`` (contiguous, as many values as a row): also filled with the sum rounded to its
+    dtype, as ``Tensor.to`` rounds (to nearest, ties to even), in the same launch.
     """
     n = parts.shape[0]
     width = parts[0].numel()
     out = torch.empty(parts.shape[1:], dtype=parts.dtype, device=parts.device)
     block = max(32, min(512, 1024 // (n // 2)))
     grid = (triton.cdiv(width, block),)
-    _tree_kernel[grid](parts, out, width, N=n, LEVELS=n.bit_length() - 1, BLOCK=block)
+    if rounded is not None and (rounded.numel() != width or not rounded.is_contiguous()):
+        raise ValueError(f"tree_sum_into: rounded is {list(rounded.shape)}, not {width} "
+                         "contiguous values")  # fmt: skip
+    low = out if rounded is None else rounded
+    launch(
+        _tree_kernel,
+        grid,
+        (parts, out, low, width),
+        {"N": n, "LEVELS": n.bit_length() - 1, "ROUND": rounded is not None, "BLOCK": block},
+    )
     return out

@@ -78,24 +78,29 @@ class Dense(Use):
         return [torch.tensor([_DENSE]), self.per_unit]
 
 
+# A parameter's gradient in float32 and, where asked for, rounded to a lower precision.
+Summed = tuple[torch.Tensor, torch.Tensor | None]
+
+
 class Rows(Use):
     """Per-unit sums over rows made on a GPU on demand (a bias's, a norm's: ``gpu_rows``).
 
-    ``make(tree)`` gives every unit's sums, ``[units, *shape]`` (``tree=False``), or their
-    canonical tree (``tree=True``, where ``tree_fits``) in the same launch: the parameter's
-    gradient where this is its only use (``summed``).
+    ``make(False, None)`` gives every unit's sums, ``[units, *shape]``; ``make(True, low)``
+    their canonical tree (where ``tree_fits``) in the same launch, and with ``low`` a dtype
+    that tree rounded to it too: the parameter's gradient where this is its only use
+    (``summed``).
     """
 
     dtype = torch.float32
 
-    def __init__(self, make: Callable[[bool], torch.Tensor], tree_fits: bool) -> None:
+    def __init__(self, make: Callable[[bool, torch.dtype | None], Summed], tree_fits: bool) -> None:
         self._make, self.tree_fits = make, tree_fits
         self._per_unit: torch.Tensor | None = None
 
     def per_unit(self) -> torch.Tensor:
         """Every unit's sums, made once."""
         if self._per_unit is None:
-            self._per_unit = self._make(False)
+            self._per_unit = self._make(False, None)[0]
         return self._per_unit
 
     def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
@@ -103,9 +108,12 @@ class Rows(Use):
         block = self.per_unit()[:, start:stop]
         return block if into is None else into.add_(block)
 
-    def summed(self) -> torch.Tensor:
-        """The units' sums added in the canonical tree (``tree_fits``): ``tree_sum``'s bits."""
-        return self._make(True)
+    def summed(self, low: torch.dtype | None = None) -> Summed:
+        """The units' sums added in the canonical tree (``tree_fits``): ``tree_sum``'s bits.
+
+        And with ``low``, that sum rounded to it (``Tensor.to``'s bits), from the same launch.
+        """
+        return self._make(True, low)
 
     def tensors(self) -> list[torch.Tensor]:
         """See ``Use.tensors`` (as ``Dense``)."""
@@ -154,20 +162,25 @@ class Products(Use):
             block = torch.bmm(self.dys[:, :, start:stop].transpose(1, 2), self.xs)
         return block if into is None else into.add_(block)
 
-    def summed(self, lookups: list[Lookups] | None = None) -> torch.Tensor:
+    def summed(
+        self, lookups: list[Lookups] | None = None, low: torch.dtype | None = None
+    ) -> Summed:
         """The units' gradients summed in the canonical tree (``native``, or ``tree_fits``).
 
         The bits of ``tree_sum(self.rows(0, outs, None))``, without every unit's at once.
         ``lookups`` (``native``, given after this use): an embedding tied to the weight, whose
         rows each unit adds onto its product before the tree, in their order: the bits of
-        ``_total`` then ``tree_sum``.
+        ``_total`` then ``tree_sum``. ``low`` (``gpu``): that sum rounded to it too
+        (``Tensor.to``'s bits), from the same launch; else the second item is ``None``.
         """
         outs = self.dys.shape[2]
         if self.gpu:  # (``tree_fits``)
             kernel = _gpu_products(self.dys.device)
-            summed: torch.Tensor = kernel.products(self.dys, self.xs, 0, outs, tree=True)
-            return summed
-        return self._engine(0, outs, tree=True, lookups=lookups)
+            shape, device = (outs, self.xs.shape[2]), self.dys.device
+            rounded = None if low is None else torch.empty(shape, dtype=low, device=device)
+            summed = kernel.products(self.dys, self.xs, 0, outs, tree=True, rounded=rounded)
+            return summed, rounded
+        return self._engine(0, outs, tree=True, lookups=lookups), None
 
     def _engine(
         self, start: int, stop: int, *, tree: bool, lookups: list[Lookups] | None = None
@@ -332,7 +345,9 @@ def sum_uses(param: torch.Tensor, given: list[Use]) -> torch.Tensor:
     n = param.shape[0]
     per_unit = BLOCK_ELEMENTS.get(param.device.type, BLOCK_ELEMENTS["cuda"])
     step = max(1, per_unit * n // max(1, param.numel()))
-    grad = _engine_sum(given)  # the engine's products (and lookups), summed as they come
+    # The engine's products (and lookups), summed as they come; on a GPU rounded to the
+    # parameter's dtype in the same launch.
+    grad, rounded = _engine_sum(given, param.dtype if param.dtype in _WIDER else None)
     if grad is None and step >= n:
         grad = tree_sum(_total(given, 0, n), fresh=True)
     elif grad is None:
@@ -345,28 +360,29 @@ def sum_uses(param: torch.Tensor, given: list[Use]) -> torch.Tensor:
         return grad
     if param in _WANTED:
         _WIDE[param] = grad
-    return grad.to(param.dtype)
+    return grad.to(param.dtype) if rounded is None else rounded
 
 
-def _engine_sum(given: list[Use]) -> torch.Tensor | None:
-    """The engine's tree over units of a weight's uses (``None``: not for it).
+def _engine_sum(given: list[Use], low: torch.dtype | None) -> Summed | tuple[None, None]:
+    """The engine's tree over units of a weight's uses (``(None, None)``: not for it).
 
     For a linear layer's float32 products on CPU, and the embeddings' lookups that follow
     them (a tied weight) or make them all: the bits of ``_total`` then ``tree_sum``. On a GPU,
     for its low-precision products or a bias's or norm's sums, used once: the tree made in
-    the same launch (``gpu_products``, ``gpu_rows``), the same bits.
+    the same launch (``gpu_products``, ``gpu_rows``), the same bits, and rounded to ``low``
+    there too.
     """
     first, rest = given[0], given[1:]
     if (isinstance(first, Products) and first.gpu) or isinstance(first, Rows):
-        return first.summed() if first.tree_fits and not rest else None
+        return first.summed(low=low) if first.tree_fits and not rest else (None, None)
     lookups = [u for u in rest if isinstance(u, Lookups) and u.in_order]
     if len(lookups) < len(rest):
-        return None
+        return None, None
     if isinstance(first, Products) and first.native:
         return first.summed(lookups)
     if isinstance(first, Lookups) and first.in_order:
         return Products.none_for(first).summed([first, *lookups])
-    return None
+    return None, None
 
 
 _GPU_PRODUCTS: list[Any] = []  # ``gpu_products`` once looked for ([None]: no Triton here)

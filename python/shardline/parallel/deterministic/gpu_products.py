@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from shardline.comm.tree_cuda import fold, push
+from shardline.comm.triton_launch import launch
 
 __all__ = ["MAX_UNITS", "products"]
 
@@ -55,8 +56,8 @@ def _tile(dys, xs, u, m, n, rows, stop, ins, s_du, s_dr, s_xu, s_xr, BK: tl.cons
 
 @triton.jit
 def _products_kernel(
-    dys, xs, out, rows, start, stop, ins, s_du, s_dr, s_xu, s_xr,
-    TREE: tl.constexpr, UNITS: tl.constexpr,
+    dys, xs, out, low, rows, start, stop, ins, s_du, s_dr, s_xu, s_xr,
+    TREE: tl.constexpr, UNITS: tl.constexpr, ROUND: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     m = start + tl.program_id(0) * BM + tl.arange(0, BM)
@@ -67,6 +68,8 @@ def _products_kernel(
         u = tl.program_id(2).to(tl.int64)
         p = _tile(dys, xs, u, m, n, rows, stop, ins, s_du, s_dr, s_xu, s_xr, BK)
         tl.store(out + u * (stop - start) * ins + at, p, mask=keep)
+        if ROUND:
+            tl.store(low + u * (stop - start) * ins + at, p.to(low.dtype.element_ty), mask=keep)
     else:  # every unit in turn, added in the tree as they come
         s0 = tl.zeros((BM, BN), dtype=tl.float32)
         s1, s2, s3, s4, s5, s6 = s0, s0, s0, s0, s0, s0
@@ -75,16 +78,26 @@ def _products_kernel(
             s0, s1, s2, s3, s4, s5, s6 = push(u, p, s0, s1, s2, s3, s4, s5, s6)
         total = fold(UNITS, s0, s1, s2, s3, s4, s5, s6)
         tl.store(out + at, total, mask=keep)
+        if ROUND:  # the gradient in the parameter's dtype too: no launch to round it
+            tl.store(low + at, total.to(low.dtype.element_ty), mask=keep)
 
 
 def products(
-    dys: torch.Tensor, xs: torch.Tensor, start: int, stop: int, *, tree: bool
+    dys: torch.Tensor,
+    xs: torch.Tensor,
+    start: int,
+    stop: int,
+    *,
+    tree: bool,
+    rounded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Outputs ``[start, stop)`` of every unit's ``dys[u].T @ xs[u]``, in float32.
 
     ``dys`` (``[units, rows, outs]``) and ``xs`` (``[units, rows, ins]``): one dtype, on a GPU.
     ``tree``: their sum over units in the canonical tree, ``[stop - start, ins]`` (at most
-    ``MAX_UNITS`` units); else ``[units, stop - start, ins]``.
+    ``MAX_UNITS`` units); else ``[units, stop - start, ins]``. ``rounded`` (contiguous, of
+    that shape, any float dtype): also filled with the result rounded to its dtype, as
+    ``Tensor.to`` rounds (to nearest, ties to even), in the same launch.
     """
     units, rows, _ = dys.shape
     ins = xs.shape[2]
@@ -97,9 +110,14 @@ def products(
     grid = (triton.cdiv(stop - start, _BM), triton.cdiv(ins, _BN), 1 if tree else units)
     if tree and not 1 <= units <= MAX_UNITS:
         raise ValueError(f"products(tree=True) adds 1 to {MAX_UNITS} units, not {units}")
-    _products_kernel[grid](
-        dys, xs, out, rows, start, stop, ins, dys.stride(0), dys.stride(1), xs.stride(0),
-        xs.stride(1), TREE=tree, UNITS=units if tree else 1, BM=_BM, BN=_BN, BK=_BK,
+    if rounded is not None and (rounded.shape != out.shape or not rounded.is_contiguous()):
+        raise ValueError(f"products: rounded is {list(rounded.shape)}, not {list(shape)}")
+    launch(
+        _products_kernel, grid,
+        (dys, xs, out, out if rounded is None else rounded, rows, start, stop, ins,
+         dys.stride(0), dys.stride(1), xs.stride(0), xs.stride(1)),
+        {"TREE": tree, "UNITS": units if tree else 1, "ROUND": rounded is not None, "BM": _BM,
+         "BN": _BN, "BK": _BK},
         num_warps=_WARPS, num_stages=_STAGES,
     )  # fmt: skip
     return out

@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 
 from shardline.comm.tree import tree_sum
+from shardline.comm.tree_cuda import MAX_ROWS, tree_sum_into
+from shardline.comm.triton_launch import launch
 
 __all__ = ["MAX_UNITS", "norm_sums", "row_sums", "tree_fits"]
 
@@ -87,15 +89,19 @@ def _tree(acc, UNITS: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _rows_tree_kernel(
-    x, out, rows, width, UNITS: tl.constexpr, UNROLL: tl.constexpr, BLOCK: tl.constexpr
-):
+    x, out, low, rows, width,
+    UNITS: tl.constexpr, ROUND: tl.constexpr, UNROLL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     # Every unit's rows at once (one row of each unit per step, each unit's in order), then
     # the tree over the units.
     unit = tl.arange(0, UNITS).to(tl.int64)[:, None]
     col = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = (col < width)[None, :] & (unit < UNITS)
     acc = _unit_rows(x + unit * rows * width + col[None, :], rows, width, mask, UNROLL)
-    tl.store(out + col, _tree(acc, UNITS, BLOCK), mask=col < width)
+    total = _tree(acc, UNITS, BLOCK)
+    tl.store(out + col, total, mask=col < width)
+    if ROUND:  # the gradient in the parameter's dtype too: no launch to round it
+        tl.store(low + col, total.to(low.dtype.element_ty), mask=col < width)
 
 
 @triton.jit
@@ -140,11 +146,15 @@ def _norm_kernel(
         tl.store(db + unit * stride + col, acc_b, mask=mask)
 
 
-def row_sums(per_unit: torch.Tensor, *, tree: bool = False) -> torch.Tensor:
+def row_sums(
+    per_unit: torch.Tensor, *, tree: bool = False, rounded: torch.Tensor | None = None
+) -> torch.Tensor:
     """``per_unit`` (``[units, rows, *features]``) summed over rows, in float32.
 
     ``tree``: those sums added over units in the canonical tree (``[*features]``; units as
-    ``tree_fits`` says), in the same launch: the bits of ``tree_sum`` over them.
+    ``tree_fits`` says), in the same launch: the bits of ``tree_sum`` over them; and
+    ``rounded`` (contiguous, ``[*features]``), if given, filled with them rounded to its
+    dtype as ``Tensor.to`` rounds, in that launch too.
     """
     units, rows = per_unit.shape[:2]
     x = per_unit.reshape(units, rows, -1).contiguous()
@@ -152,14 +162,28 @@ def row_sums(per_unit: torch.Tensor, *, tree: bool = False) -> torch.Tensor:
     if tree:
         block = _tree_block(units)
         out = torch.empty(width, dtype=torch.float32, device=x.device)
-        _rows_tree_kernel[(triton.cdiv(width, block),)](x, out, rows, width, UNITS=units,
-                                                        UNROLL=_UNROLL, BLOCK=block)  # fmt: skip
+        low = out if rounded is None else _flat(rounded, width)
+        launch(
+            _rows_tree_kernel,
+            (triton.cdiv(width, block),),
+            (x, out, low, rows, width),
+            {"UNITS": units, "ROUND": rounded is not None, "UNROLL": _UNROLL, "BLOCK": block},
+        )
         return out.view(per_unit.shape[2:])
+    if rounded is not None:
+        raise ValueError("row_sums: rounded goes with tree=True")
     out = torch.empty((units, width), dtype=torch.float32, device=x.device)
-    _rows_kernel[(units, triton.cdiv(width, _BLOCK))](
-        x, out, rows, width, UNROLL=_UNROLL, BLOCK=_BLOCK
-    )
+    launch(_rows_kernel, (units, triton.cdiv(width, _BLOCK)), (x, out, rows, width),
+           {"UNROLL": _UNROLL, "BLOCK": _BLOCK})  # fmt: skip
     return out.view(units, *per_unit.shape[2:])
+
+
+def _flat(rounded: torch.Tensor, width: int) -> torch.Tensor:
+    """``rounded`` as the kernels write it: contiguous, ``width`` values."""
+    if rounded.numel() != width or not rounded.is_contiguous():
+        raise ValueError(f"rounded is {list(rounded.shape)} (contiguous: "
+                         f"{rounded.is_contiguous()}), not {width} contiguous values")  # fmt: skip
+    return rounded
 
 
 def norm_sums(
@@ -173,13 +197,17 @@ def norm_sums(
     bias: bool,
     *,
     tree: bool = False,
+    rounded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A layer norm's per-unit weight and bias gradients, float32, ``[units, *shape]``.
 
     ``x`` and ``dy`` are ``[..., *shape]``, their rows in ``units`` equal blocks; ``mean`` and
     ``rstd`` hold one value per row (``native_layer_norm``'s). ``None`` where not asked for.
     ``tree``: each summed over units in the canonical tree (``[*shape]``): the units' weight
-    and bias sums lie side by side in one buffer, and one ``tree_sum`` adds both.
+    and bias sums lie side by side in one buffer, and one ``tree_sum`` adds both; and
+    ``rounded`` (contiguous, the weight's then the bias's, those asked for), if given, filled
+    with them rounded to its dtype as ``Tensor.to`` rounds (in the tree's launch where it
+    takes one).
     """
     width = math.prod(shape)
     total = x.numel() // width
@@ -189,12 +217,21 @@ def norm_sums(
     kinds = int(weight) + int(bias)
     per = torch.empty((units, max(kinds, 1), width), dtype=torch.float32, device=x.device)
     dw, db = per[:, 0], per[:, kinds - 1]
-    _norm_kernel[(units, triton.cdiv(width, _BLOCK))](
-        xs, ms, rs, gs, dw, db, total // units, width, kinds * width,
-        WEIGHT=weight, BIAS=bias, UNROLL=_UNROLL, BLOCK=_BLOCK,
+    launch(
+        _norm_kernel, (units, triton.cdiv(width, _BLOCK)),
+        (xs, ms, rs, gs, dw, db, total // units, width, kinds * width),
+        {"WEIGHT": weight, "BIAS": bias, "UNROLL": _UNROLL, "BLOCK": _BLOCK},
     )  # fmt: skip
+    if rounded is not None and not tree:
+        raise ValueError("norm_sums: rounded goes with tree=True")
     if tree:
-        sums = tree_sum(per, fresh=True)
+        low = None if rounded is None else _flat(rounded, per[0].numel())
+        if low is not None and 2 <= units <= MAX_ROWS and units & (units - 1) == 0:
+            sums = tree_sum_into(per, rounded=low)  # the tree and its rounding: one launch
+        else:
+            sums = tree_sum(per, fresh=True)
+            if low is not None:
+                low.copy_(sums.view(low.shape))
         dw, db = sums[0], sums[kinds - 1]
     lead = () if tree else (units,)
     return (

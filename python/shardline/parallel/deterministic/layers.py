@@ -32,6 +32,7 @@ from shardline.parallel.deterministic.collector import (
     Lookups,
     Products,
     Rows,
+    Summed,
     Use,
 )
 from shardline.parallel.deterministic.split import Split, column_input_grad, row_output
@@ -114,7 +115,12 @@ def _bias_use(dys: torch.Tensor, split: Split | None) -> Use:
     rows = _gpu_rows(dys.device) if dys.is_cuda else None
     if rows is None:
         return Dense(_per_unit_sum(dys, split))
-    return Rows(lambda tree: rows.row_sums(dys, tree=tree), rows.tree_fits(dys.shape[0]))
+
+    def make(tree: bool, low: torch.dtype | None) -> Summed:
+        rounded = None if low is None else dys.new_empty(dys.shape[2:], dtype=low)
+        return rows.row_sums(dys, tree=tree, rounded=rounded), rounded
+
+    return Rows(make, rows.tree_fits(dys.shape[0]))
 
 
 _THREADED_ROWS = 1 << 18  # elements from which the engine's row sums run on torch's threads
@@ -241,15 +247,18 @@ class _LayerNormFn(torch.autograd.Function):
         dw = db = None
         rows = _gpu_rows(dy.device) if dy.is_cuda else None
         if rows is not None:  # both sums in one launch (and both trees in one more)
-            made: dict[bool, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+            made: dict[Any, tuple[tuple[Any, Any], torch.Tensor | None]] = {}
+            kinds = int(want_w) + int(want_b)
 
-            def make(tree: bool, which: int) -> torch.Tensor:
-                if tree not in made:
-                    made[tree] = rows.norm_sums(x, mean, rstd, dy, ctx.shape, c.units, want_w,
-                                                want_b, tree=tree)  # fmt: skip
-                got = made[tree][which]
-                assert got is not None
-                return got
+            def make(tree: bool, low: torch.dtype | None, which: int) -> Summed:
+                if (tree, low) not in made:  # both parameters' at the first one's call
+                    rounded = None if low is None else dy.new_empty(kinds, *ctx.shape, dtype=low)
+                    sums = rows.norm_sums(x, mean, rstd, dy, ctx.shape, c.units, want_w, want_b,
+                                          tree=tree, rounded=rounded)  # fmt: skip
+                    made[tree, low] = sums, rounded
+                sums, rounded = made[tree, low]
+                at = min(which, kinds - 1)  # the bias alone: the buffer's first
+                return sums[which], None if rounded is None else rounded[at]
 
             if want_w:
                 dw = c.give(ctx.keys[0], Rows(functools.partial(make, which=0), tree_fits=True))
