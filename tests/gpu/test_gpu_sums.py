@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the GPU host)", allow_module_level=True)
 triton = pytest.importorskip("triton", reason="needs Triton (torch's CUDA builds install it)")
 
-from shardline.comm import tree, tree_cuda, triton_launch  # noqa: E402
+from shardline.comm import tree, tree_cuda  # noqa: E402
 from shardline.comm.tree_cuda import tree_sum_into  # noqa: E402
 from shardline.parallel.deterministic import collector, gpu_products, gpu_rows, layers  # noqa: E402
 from shardline.parallel.deterministic.gpu_rows import norm_sums, row_sums  # noqa: E402
@@ -233,23 +233,3 @@ def test_a_low_precision_parameters_gradient_comes_rounded_from_the_launch() -> 
     bias = torch.empty(48, dtype=torch.bfloat16, device="cuda")
     grad = collector.sum_uses(bias, [layers._bias_use(dys, None)])
     assert torch.equal(grad, row_sums(dys, tree=True).to(torch.bfloat16))
-
-
-def test_launches_after_the_first_take_the_built_kernel_for_its_arguments() -> None:
-    """``triton_launch``: later calls skip the JIT; an unaligned or odd argument builds anew."""
-    g = torch.Generator("cuda").manual_seed(6)
-    parts = torch.randn(8, 4096, device="cuda", generator=g)
-    want = tree._torch_tree(parts.clone())
-    for _ in range(3):  # the JIT's launch, then the built kernel's
-        assert torch.equal(_bits(tree_sum_into(parts.clone())), _bits(want))
-    built = triton_launch._BUILT[tree_cuda._tree_kernel]
-    assert any(v is not None for v in built.values())
-    # The same values at an address 4 bytes past 16-byte alignment, and an odd width.
-    flat = torch.empty(parts.numel() + 1, device="cuda")[1:]
-    unaligned = flat.view(8, 4096).copy_(parts)
-    assert unaligned.data_ptr() % 16 != 0
-    assert torch.equal(_bits(tree_sum_into(unaligned)), _bits(want))
-    odd = torch.randn(8, 4093, device="cuda", generator=g)
-    for _ in range(2):
-        assert torch.equal(_bits(tree_sum_into(odd.clone())), _bits(tree._torch_tree(odd.clone())))
-    assert len(built) >= 3

@@ -21,8 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from shardline.comm.triton_launch import launch
-
 __all__ = ["MAX_ROWS", "fold", "push", "tree_sum_into"]
 
 MAX_ROWS = 64  # the most rows one launch adds (a power of two); more: the elementwise adds
@@ -143,10 +141,8 @@ def tree_sum_into(parts: torch.Tensor, *, rounded: torch.Tensor | None = None) -
         raise ValueError(f"tree_sum_into: rounded is {list(rounded.shape)}, not {width} "
                          "contiguous values")  # fmt: skip
     low = out if rounded is None else rounded
-    launch(
-        _tree_kernel,
-        grid,
-        (parts, out, low, width),
-        {"N": n, "LEVELS": n.bit_length() - 1, "ROUND": rounded is not None, "BLOCK": block},
-    )
+    _tree_kernel[grid](
+        parts, out, low, width, N=n, LEVELS=n.bit_length() - 1, ROUND=rounded is not None,
+        BLOCK=block,
+    )  # fmt: skip
     return out

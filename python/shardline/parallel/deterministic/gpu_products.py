@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from shardline.comm.tree_cuda import fold, push
-from shardline.comm.triton_launch import launch
 
 __all__ = ["MAX_UNITS", "products"]
 
@@ -112,12 +111,10 @@ def products(
         raise ValueError(f"products(tree=True) adds 1 to {MAX_UNITS} units, not {units}")
     if rounded is not None and (rounded.shape != out.shape or not rounded.is_contiguous()):
         raise ValueError(f"products: rounded is {list(rounded.shape)}, not {list(shape)}")
-    launch(
-        _products_kernel, grid,
-        (dys, xs, out, out if rounded is None else rounded, rows, start, stop, ins,
-         dys.stride(0), dys.stride(1), xs.stride(0), xs.stride(1)),
-        {"TREE": tree, "UNITS": units if tree else 1, "ROUND": rounded is not None, "BM": _BM,
-         "BN": _BN, "BK": _BK},
+    _products_kernel[grid](
+        dys, xs, out, out if rounded is None else rounded, rows, start, stop, ins,
+        dys.stride(0), dys.stride(1), xs.stride(0), xs.stride(1), TREE=tree,
+        UNITS=units if tree else 1, ROUND=rounded is not None, BM=_BM, BN=_BN, BK=_BK,
         num_warps=_WARPS, num_stages=_STAGES,
     )  # fmt: skip
     return out

@@ -30,7 +30,6 @@ import triton.language as tl
 
 from shardline.comm.tree import tree_sum
 from shardline.comm.tree_cuda import MAX_ROWS, tree_sum_into
-from shardline.comm.triton_launch import launch
 
 __all__ = ["MAX_UNITS", "norm_sums", "row_sums", "tree_fits"]
 
@@ -163,18 +162,17 @@ def row_sums(
         block = _tree_block(units)
         out = torch.empty(width, dtype=torch.float32, device=x.device)
         low = out if rounded is None else _flat(rounded, width)
-        launch(
-            _rows_tree_kernel,
-            (triton.cdiv(width, block),),
-            (x, out, low, rows, width),
-            {"UNITS": units, "ROUND": rounded is not None, "UNROLL": _UNROLL, "BLOCK": block},
-        )
+        _rows_tree_kernel[(triton.cdiv(width, block),)](
+            x, out, low, rows, width, UNITS=units, ROUND=rounded is not None, UNROLL=_UNROLL,
+            BLOCK=block,
+        )  # fmt: skip
         return out.view(per_unit.shape[2:])
     if rounded is not None:
         raise ValueError("row_sums: rounded goes with tree=True")
     out = torch.empty((units, width), dtype=torch.float32, device=x.device)
-    launch(_rows_kernel, (units, triton.cdiv(width, _BLOCK)), (x, out, rows, width),
-           {"UNROLL": _UNROLL, "BLOCK": _BLOCK})  # fmt: skip
+    _rows_kernel[(units, triton.cdiv(width, _BLOCK))](
+        x, out, rows, width, UNROLL=_UNROLL, BLOCK=_BLOCK
+    )
     return out.view(units, *per_unit.shape[2:])
 
 
@@ -217,10 +215,9 @@ def norm_sums(
     kinds = int(weight) + int(bias)
     per = torch.empty((units, max(kinds, 1), width), dtype=torch.float32, device=x.device)
     dw, db = per[:, 0], per[:, kinds - 1]
-    launch(
-        _norm_kernel, (units, triton.cdiv(width, _BLOCK)),
-        (xs, ms, rs, gs, dw, db, total // units, width, kinds * width),
-        {"WEIGHT": weight, "BIAS": bias, "UNROLL": _UNROLL, "BLOCK": _BLOCK},
+    _norm_kernel[(units, triton.cdiv(width, _BLOCK))](
+        xs, ms, rs, gs, dw, db, total // units, width, kinds * width,
+        WEIGHT=weight, BIAS=bias, UNROLL=_UNROLL, BLOCK=_BLOCK,
     )  # fmt: skip
     if rounded is not None and not tree:
         raise ValueError("norm_sums: rounded goes with tree=True")
