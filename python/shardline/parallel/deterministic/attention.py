@@ -13,10 +13,14 @@ memory-efficient rows of ``benches/gpu_batch_invariance.py`` check the same):
   memory-efficient one's took 0.6 ms (it multiplies in float32 and keeps the scores).
 
 So a deterministic forward on a GPU runs each ``scaled_dot_product_attention`` on the
-memory-efficient kernel, in an autograd function whose backward turns torch's deterministic
-algorithms on around the kernel's backward (``DeterministicAttention``, a torch function mode
-that sees every call, however the model refers to the function). Inputs that kernel does not
-take (``sdpa_kernel`` finds no kernel for them) run on the math backend, as before.
+memory-efficient kernel (``DeterministicAttention``, a torch function mode that sees every
+call, however the model refers to the function), and hooks on its autograd node turn torch's
+deterministic algorithms on for the node's backward alone: before it, and back after it (a
+backward that failed inside leaves them on until the next deterministic forward). Inputs that
+kernel does not take (``sdpa_kernel`` finds no kernel for them) run on the math backend, as
+before. (Earlier, an autograd function ran the kernel on an inner graph and its backward
+called ``torch.autograd.grad`` on it: about 180 us of host time per backward on an H200's
+host, and a second backward through one forward was refused.)
 """
 
 from __future__ import annotations
@@ -28,9 +32,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from shardline.errors import InvalidArgumentError
-from shardline.parallel.deterministic import kernels
-
 __all__ = ["DeterministicAttention"]
 
 _SDPA = F.scaled_dot_product_attention
@@ -38,6 +39,11 @@ _SDPA = F.scaled_dot_product_attention
 
 class DeterministicAttention(TorchFunctionMode):
     """Inside it, ``scaled_dot_product_attention`` runs as the module doc says."""
+
+    def __enter__(self) -> DeterministicAttention:
+        _restore(every=True)  # left on by a backward that failed inside the kernel's
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
 
     def __torch_function__(
         self,
@@ -49,52 +55,50 @@ class DeterministicAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not _SDPA:
             return func(*args, **kwargs)
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return _Attention.apply(kwargs, *args)
-        return _forward(args, kwargs)  # no backward: the kernel's forward depends on neither
+        out, efficient = _forward(args, kwargs)
+        node = out.grad_fn
+        if efficient and node is not None:  # its backward under fixed algorithms
+            node.register_prehook(_fix)
+            node.register_hook(_unfix)
+        return out
 
 
-def _forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    """The memory-efficient kernel's attention, or the math backend's where it has none."""
+def _forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, bool]:
+    """The memory-efficient kernel's attention, or the math backend's where it has none.
+
+    And whether it is the memory-efficient kernel's.
+    """
     try:
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
             out: torch.Tensor = _SDPA(*args, **kwargs)
+            return out, True
     except RuntimeError:  # "No available kernel": shapes, dtypes or masks it does not take
         with sdpa_kernel(SDPBackend.MATH):
             out = _SDPA(*args, **kwargs)
-    return out
+        return out, False
 
 
-class _Attention(torch.autograd.Function):
-    """The attention of ``_forward`` on a graph of its own; backward under fixed algorithms."""
+# The deterministic-algorithms setting as each running attention backward found it (the
+# autograd node's pre-hook turns it on, its hook restores it).
+_SAVED: list[tuple[bool, bool]] = []
 
-    @staticmethod
-    def forward(ctx: Any, kwargs: dict[str, Any], *args: Any) -> torch.Tensor:
-        # The inputs as leaves of an inner graph, whose backward is run by this one's.
-        leaves = [
-            a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-            for a in args
-        ]
-        with torch.enable_grad():
-            out = _forward(tuple(leaves), kwargs)
-        ctx.leaves, ctx.out = leaves, out
-        return out.detach()
 
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if ctx.out is None:
-            raise InvalidArgumentError(
-                "deterministic mode on a GPU: a second backward through one forward's "
-                "attention (retain_graph=True) is not supported, as its inner graph is freed "
-                "by the first; run the forward again for each backward"
-            )
-        leaves, out = ctx.leaves, ctx.out
-        ctx.leaves = ctx.out = None  # the inner graph is freed by this backward, as torch's
-        wanted = [
-            i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.requires_grad
-        ]
-        with kernels.algorithms():  # the kernel's backward without atomics
-            grads = torch.autograd.grad(out, [leaves[i] for i in wanted], dout)
-        by_index = dict(zip(wanted, grads, strict=True))
-        return (None, *(by_index.get(i) for i in range(len(leaves))))
+def _fix(grad_outputs: Any) -> None:
+    """Before the kernel's backward: torch's deterministic algorithms on (no atomics)."""
+    on = torch.are_deterministic_algorithms_enabled()
+    _SAVED.append((on, torch.is_deterministic_algorithms_warn_only_enabled()))
+    if not on:
+        torch.use_deterministic_algorithms(True)
+
+
+def _unfix(grad_inputs: Any, grad_outputs: Any) -> None:
+    """After it: the setting as it was."""
+    _restore()
+
+
+def _restore(*, every: bool = False) -> None:
+    while _SAVED:
+        on, warn_only = _SAVED.pop()
+        torch.use_deterministic_algorithms(on, warn_only=warn_only)
+        if not every:
+            return
