@@ -6,7 +6,8 @@ of units (``tree_cuda.push``, ``fold``) is the canonical tree (``tree._torch_tre
 kernel's per-unit results (``gpu_products``' products, ``gpu_rows``' row and norm sums); the
 masks at the edges of the rows, outputs and inputs and at a slice of the outputs; that a
 unit's product does not change with the number of units; and the trees' roundings to a lower
-precision made in their launch (``rounded``), which equal ``Tensor.to``'s. The GPU's bits are
+precision made in their launch (``rounded``), which equal ``Tensor.to``'s; and a linear
+layer's bias's tree made by its weight's launch, which equals ``row_sums``'. The GPU's bits are
 checked by ``tests/gpu/test_gpu_sums.py``.
 """
 
@@ -58,6 +59,15 @@ _CHECK = textwrap.dedent(
         r = torch.empty(outs, ins, dtype=torch.half)  # the tree rounded in the same launch
         assert torch.equal(bits(gp.products(d, x, 0, outs, tree=True, rounded=r)), bits(whole))
         assert torch.equal(r, whole.half())
+        if units & (units - 1) == 0:  # a bias's tree by the same launch: row_sums' bits
+            bias, b_low, w_low = torch.empty(outs), torch.empty(outs).half(), torch.empty_like(r)
+            w = gp.products(d, x, 0, outs, tree=True, rounded=w_low, bias=bias, bias_rounded=b_low)
+            assert torch.equal(bits(w), bits(whole)) and torch.equal(w_low, r)
+            assert torch.equal(bits(bias), bits(gr.row_sums(d, tree=True)))
+            assert torch.equal(b_low, bias.half())
+            part = torch.empty(hi - lo)
+            gp.products(d, x, lo, hi, tree=True, bias=part)
+            assert torch.equal(bits(part), bits(gr.row_sums(d[:, :, lo:hi], tree=True)))
         few = max(1, units // 2)
         assert torch.equal(bits(gp.products(d[:few], x[:few], 0, outs, tree=False)),
                            bits(per[:few]))

@@ -18,7 +18,13 @@ triton = pytest.importorskip("triton", reason="needs Triton (torch's CUDA builds
 
 from shardline.comm import tree, tree_cuda  # noqa: E402
 from shardline.comm.tree_cuda import tree_sum_into  # noqa: E402
-from shardline.parallel.deterministic import collector, gpu_products, gpu_rows, layers  # noqa: E402
+from shardline.parallel.deterministic import (  # noqa: E402
+    collector,
+    gpu_products,
+    gpu_rows,
+    layers,
+    make_deterministic,
+)
 from shardline.parallel.deterministic.gpu_rows import norm_sums, row_sums  # noqa: E402
 from shardline.parallel.deterministic.split import column_input_grad, row_output  # noqa: E402
 
@@ -233,3 +239,43 @@ def test_a_low_precision_parameters_gradient_comes_rounded_from_the_launch() -> 
     bias = torch.empty(48, dtype=torch.bfloat16, device="cuda")
     grad = collector.sum_uses(bias, [layers._bias_use(dys, None)])
     assert torch.equal(grad, row_sums(dys, tree=True).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("units", [1, 2, 8, 16])
+def test_a_bias_tree_from_its_weights_launch_has_the_row_sums_bits(
+    dtype: torch.dtype, units: int
+) -> None:
+    """``products(bias=...)``: the bias's tree by extra programs of the weight's launch."""
+    g = torch.Generator("cuda").manual_seed(units)
+    dys, xs = (torch.randn(units, 96, n, device="cuda", generator=g).to(dtype) for n in (700, 72))
+    bias, b_low = torch.empty(700, device="cuda"), torch.empty(700, dtype=dtype, device="cuda")
+    w_low = torch.empty(700, 72, dtype=dtype, device="cuda")
+    w = gpu_products.products(dys, xs, 0, 700, tree=True, rounded=w_low, bias=bias,
+                              bias_rounded=b_low)  # fmt: skip
+    assert torch.equal(_bits(w), _bits(gpu_products.products(dys, xs, 0, 700, tree=True)))
+    assert torch.equal(_bits(bias), _bits(row_sums(dys, tree=True)))
+    assert torch.equal(b_low, bias.to(dtype)) and torch.equal(w_low, w.to(dtype))
+    part = torch.empty(599, device="cuda")  # a column layer's slice of the outputs
+    gpu_products.products(dys, xs, 100, 699, tree=True, bias=part)
+    assert torch.equal(_bits(part), _bits(row_sums(dys[:, :, 100:699], tree=True)))
+
+
+def test_a_linear_layers_bias_from_its_weights_launch_trains_to_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bf16 ``nn.Linear``'s gradients through the fused launch equal the two launches'."""
+    torch.manual_seed(0)
+    layer = make_deterministic(torch.nn.Linear(64, 48).cuda().bfloat16())
+    x = torch.randn(8, 32, 64, device="cuda").bfloat16()
+
+    def grads() -> list[torch.Tensor]:
+        layer.zero_grad(set_to_none=True)
+        layer(x).float().square().sum().backward()
+        return [p.grad.clone() for p in layer.parameters()]  # type: ignore[union-attr]
+
+    fused = grads()
+    alone = layers._bias_use
+    monkeypatch.setattr(layers, "_bias_use", lambda dys, split, weight=None: alone(dys, split))
+    for a, b in zip(fused, grads(), strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)

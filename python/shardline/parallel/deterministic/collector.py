@@ -150,6 +150,12 @@ class Products(Use):
         self.dtype = torch.float32 if self.gpu else dys.dtype
         # ``gpu``: whether ``summed`` makes the tree in the same launch (few enough units)
         self.tree_fits = self.gpu and dys.shape[0] <= _gpu_products(dys.device).MAX_UNITS
+        # ``bias_fits``: whether that launch can make the layer's bias's tree too, from the
+        # same ``dys`` (a power of two of units); ``with_bias`` (set by the layer): it does.
+        units = dys.shape[0]
+        self.bias_fits = self.tree_fits and units & (units - 1) == 0
+        self.with_bias = False
+        self._made: dict[torch.dtype | None, tuple[Summed, Summed]] = {}
 
     def rows(self, start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
         """See ``Use.rows``."""
@@ -174,6 +180,8 @@ class Products(Use):
         (``Tensor.to``'s bits), from the same launch; else the second item is ``None``.
         """
         outs = self.dys.shape[2]
+        if self.gpu and self.with_bias:
+            return self._both(low)[0]
         if self.gpu:  # (``tree_fits``)
             kernel = _gpu_products(self.dys.device)
             shape, device = (outs, self.xs.shape[2]), self.dys.device
@@ -181,6 +189,28 @@ class Products(Use):
             summed = kernel.products(self.dys, self.xs, 0, outs, tree=True, rounded=rounded)
             return summed, rounded
         return self._engine(0, outs, tree=True, lookups=lookups), None
+
+    def bias_summed(self, low: torch.dtype | None) -> Summed:
+        """``with_bias``: the bias's tree, ``row_sums(tree=True)``'s bits.
+
+        From the launch that makes the weight's, once for both.
+        """
+        return self._both(low)[1]
+
+    def _both(self, low: torch.dtype | None) -> tuple[Summed, Summed]:
+        made = self._made.get(low)
+        if made is None:
+            outs, ins, device = self.dys.shape[2], self.xs.shape[2], self.dys.device
+            w_low = b_low = None
+            if low is not None:
+                w_low = torch.empty((outs, ins), dtype=low, device=device)
+                b_low = torch.empty(outs, dtype=low, device=device)
+            b = torch.empty(outs, dtype=torch.float32, device=device)
+            kernel = _gpu_products(device)
+            w = kernel.products(self.dys, self.xs, 0, outs, tree=True, rounded=w_low, bias=b,
+                                bias_rounded=b_low)  # fmt: skip
+            made = self._made[low] = (w, w_low), (b, b_low)
+        return made
 
     def _engine(
         self, start: int, stop: int, *, tree: bool, lookups: list[Lookups] | None = None

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from shardline.comm.tree_cuda import fold, push
+from shardline.parallel.deterministic.gpu_rows import _UNROLL, _tree, _unit_rows, tree_fits
 
 __all__ = ["MAX_UNITS", "products"]
 
@@ -55,15 +56,24 @@ def _tile(dys, xs, u, m, n, rows, stop, ins, s_du, s_dr, s_xu, s_xr, BK: tl.cons
 
 @triton.jit
 def _products_kernel(
-    dys, xs, out, low, rows, start, stop, ins, s_du, s_dr, s_xu, s_xr,
-    TREE: tl.constexpr, UNITS: tl.constexpr, ROUND: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    dys, xs, out, low, bias, bias_low, rows, start, stop, ins, s_du, s_dr, s_xu, s_xr,
+    TREE: tl.constexpr, UNITS: tl.constexpr, ROUND: tl.constexpr, BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
     m = start + tl.program_id(0) * BM + tl.arange(0, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     keep = (m < stop)[:, None] & (n < ins)[None, :]
     at = (m - start)[:, None].to(tl.int64) * ins + n[None, :]
-    if not TREE:  # one unit a program, written whole
+    if BIAS and tl.program_id(1) * BN >= ins:  # past the inputs: the bias's tree at outputs m
+        # ``row_sums(tree=True)``'s adds (each unit's rows in order, then the units pairwise)
+        unit = tl.arange(0, UNITS).to(tl.int64)[:, None]
+        live = (m < stop)[None, :] & (unit < UNITS)
+        acc = _unit_rows(dys + unit * s_du + m[None, :], rows, s_dr, live, UNROLL)
+        summed = _tree(acc, UNITS, BM)
+        tl.store(bias + (m - start), summed, mask=m < stop)
+        if ROUND:
+            tl.store(bias_low + (m - start), summed.to(bias_low.dtype.element_ty), mask=m < stop)
+    elif not TREE:  # one unit a program, written whole
         u = tl.program_id(2).to(tl.int64)
         p = _tile(dys, xs, u, m, n, rows, stop, ins, s_du, s_dr, s_xu, s_xr, BK)
         tl.store(out + u * (stop - start) * ins + at, p, mask=keep)
@@ -89,6 +99,8 @@ def products(
     *,
     tree: bool,
     rounded: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    bias_rounded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Outputs ``[start, stop)`` of every unit's ``dys[u].T @ xs[u]``, in float32.
 
@@ -97,6 +109,11 @@ def products(
     ``MAX_UNITS`` units); else ``[units, stop - start, ins]``. ``rounded`` (contiguous, of
     that shape, any float dtype): also filled with the result rounded to its dtype, as
     ``Tensor.to`` rounds (to nearest, ties to even), in the same launch.
+
+    ``bias`` (``tree``, float32, contiguous, ``[stop - start]``; a power of two of units, as
+    ``gpu_rows.tree_fits`` says): filled with the bias's gradient, ``dys``' rows summed and
+    the units added in the tree, with ``gpu_rows.row_sums(tree=True)``'s bits, by extra
+    programs of the same launch; ``bias_rounded`` (with ``rounded``) its rounding.
     """
     units, rows, _ = dys.shape
     ins = xs.shape[2]
@@ -106,15 +123,32 @@ def products(
         xs = xs.contiguous()
     shape = (stop - start, ins) if tree else (units, stop - start, ins)
     out = torch.empty(shape, dtype=torch.float32, device=dys.device)
-    grid = (triton.cdiv(stop - start, _BM), triton.cdiv(ins, _BN), 1 if tree else units)
+    if bias is not None and not (
+        tree
+        and tree_fits(units)
+        and bias.shape == (stop - start,)
+        and bias.is_contiguous()
+        and (rounded is None) == (bias_rounded is None)
+        and (bias_rounded is None or bias_rounded.shape == bias.shape)
+    ):  # fmt: skip
+        raise ValueError(
+            f"products: a bias of {list(bias.shape)} for {units} units ({stop - start} "
+            "outputs wanted, with the tree and a power of two of units; rounded with the "
+            "weight or not at all)"
+        )
+    # ``bias``: one more column of programs, past the inputs' tiles
+    columns = triton.cdiv(ins, _BN) + (bias is not None)
+    grid = (triton.cdiv(stop - start, _BM), columns, 1 if tree else units)
     if tree and not 1 <= units <= MAX_UNITS:
         raise ValueError(f"products(tree=True) adds 1 to {MAX_UNITS} units, not {units}")
     if rounded is not None and (rounded.shape != out.shape or not rounded.is_contiguous()):
         raise ValueError(f"products: rounded is {list(rounded.shape)}, not {list(shape)}")
+    low = out if rounded is None else rounded
     _products_kernel[grid](
-        dys, xs, out, out if rounded is None else rounded, rows, start, stop, ins,
+        dys, xs, out, low, out if bias is None else bias,
+        low if bias_rounded is None else bias_rounded, rows, start, stop, ins,
         dys.stride(0), dys.stride(1), xs.stride(0), xs.stride(1), TREE=tree,
-        UNITS=units if tree else 1, ROUND=rounded is not None, BM=_BM, BN=_BN, BK=_BK,
-        num_warps=_WARPS, num_stages=_STAGES,
+        UNITS=units if tree else 1, ROUND=rounded is not None, BIAS=bias is not None,
+        BM=_BM, BN=_BN, BK=_BK, UNROLL=_UNROLL, num_warps=_WARPS, num_stages=_STAGES,
     )  # fmt: skip
     return out

@@ -110,13 +110,21 @@ def _per_unit_sum(dys: torch.Tensor, split: Split | None = None) -> torch.Tensor
     return dys.sum(1)
 
 
-def _bias_use(dys: torch.Tensor, split: Split | None) -> Use:
-    """A bias's per-unit gradients: its output gradient summed over each unit's rows."""
+def _bias_use(dys: torch.Tensor, split: Split | None, weight: Products | None = None) -> Use:
+    """A bias's per-unit gradients: its output gradient summed over each unit's rows.
+
+    ``weight``: the layer's weight's use; on a GPU, where its launch can, it makes the bias's
+    tree too (``Products.bias_summed``), with the same bits.
+    """
     rows = _gpu_rows(dys.device) if dys.is_cuda else None
     if rows is None:
         return Dense(_per_unit_sum(dys, split))
+    if weight is not None and weight.bias_fits and rows.tree_fits(dys.shape[0]):
+        weight.with_bias = True
 
     def make(tree: bool, low: torch.dtype | None) -> Summed:
+        if tree and weight is not None and weight.with_bias:
+            return weight.bias_summed(low)
         rounded = None if low is None else dys.new_empty(dys.shape[2:], dtype=low)
         return rows.row_sums(dys, tree=tree, rounded=rounded), rounded
 
@@ -195,8 +203,10 @@ class _LinearFn(torch.autograd.Function):
         elif ctx.needs_input_grad[0]:
             dx = kernels.product(dy, weight.t(), None) if dy.is_cuda else dy.matmul(weight)
         dys = dy.reshape(c.units, -1, dy.shape[-1])
-        dw = c.give(ctx.keys[0], Products(dys, x.reshape(c.units, -1, x.shape[-1])))
-        db = None if ctx.keys[1] is None else c.give(ctx.keys[1], _bias_use(dys, split))
+        weight_use = Products(dys, x.reshape(c.units, -1, x.shape[-1]))
+        bias_use = None if ctx.keys[1] is None else _bias_use(dys, split, weight_use)
+        dw = c.give(ctx.keys[0], weight_use)
+        db = None if bias_use is None else c.give(ctx.keys[1], bias_use)
         return dx, dw, db, None, None
 
 
