@@ -9,7 +9,10 @@ unit after the other, accumulating each unit's rows in float32 in the same block
 for), and adds the units' tiles in the canonical tree as they come (``tree_cuda.push``: one tile
 held per level of a binary counter, at most five for ``MAX_UNITS``). So ``products(tree=True)``
 gives the bits of ``tree_sum`` over ``products(tree=False)``'s float32 per-unit products,
-which the blocks of a tied weight take, with nothing in between written to memory.
+which the blocks of a tied weight take, with nothing in between written to memory. The same
+launch can write the sum rounded to the parameter's dtype (``rounded``) and make the layer's
+bias's tree (``bias``: one more column of programs, with ``gpu_rows.row_sums``' additions),
+which would each take a launch of their own.
 
 Importing this module needs Triton (installed with torch's CUDA builds).
 """
