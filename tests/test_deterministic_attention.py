@@ -73,3 +73,26 @@ def test_the_setting_a_failed_backward_left_on_is_restored_by_the_next_forward()
         assert torch.is_deterministic_algorithms_warn_only_enabled()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+class _FakeEfficientAttention(torch.autograd.Function):
+    """A node named as the memory-efficient kernel's (``...EfficientAttentionBackward``)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+
+def test_the_kernels_node_is_found_behind_single_input_nodes_only() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    out = _FakeEfficientAttention.apply(x)
+    assert attention._kernel_node(out) is out.grad_fn
+    sliced = out[:, :6].transpose(0, 1)  # what a padded head size's output goes through
+    assert attention._kernel_node(sliced) is out.grad_fn
+    assert attention._kernel_node(out + x) is None  # two inputs: not followed
+    assert attention._kernel_node(x.exp()) is None
+    assert attention._kernel_node(out[:, :6].t().exp().sin(), depth=3) is None

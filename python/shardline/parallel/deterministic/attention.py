@@ -14,9 +14,10 @@ memory-efficient rows of ``benches/gpu_batch_invariance.py`` check the same):
 
 So a deterministic forward on a GPU runs each ``scaled_dot_product_attention`` on the
 memory-efficient kernel (``DeterministicAttention``, a torch function mode that sees every
-call, however the model refers to the function), and hooks on its autograd node turn torch's
-deterministic algorithms on for the node's backward alone: before it, and back after it (a
-backward that failed inside leaves them on until the next deterministic forward). Inputs that
+call, however the model refers to the function), and hooks on the kernel's autograd node turn
+torch's deterministic algorithms on for that node's backward alone: before it, and back after
+it (a backward that failed inside leaves them on until the next deterministic forward). Where
+the node is not found behind the output, the call runs again on the math backend. Inputs that
 kernel does not take (``sdpa_kernel`` finds no kernel for them) run on the math backend, as
 before. (Earlier, an autograd function ran the kernel on an inner graph and its backward
 called ``torch.autograd.grad`` on it: about 180 us of host time per backward on an H200's
@@ -56,11 +57,34 @@ class DeterministicAttention(TorchFunctionMode):
         if func is not _SDPA:
             return func(*args, **kwargs)
         out, efficient = _forward(args, kwargs)
-        node = out.grad_fn
-        if efficient and node is not None:  # its backward under fixed algorithms
-            node.register_prehook(_fix)
-            node.register_hook(_unfix)
+        if not efficient or out.grad_fn is None:
+            return out
+        node = _kernel_node(out)
+        if node is None:  # not found behind what the call did after it: the math backend
+            with sdpa_kernel(SDPBackend.MATH):
+                return _SDPA(*args, **kwargs)
+        node.register_prehook(_fix)  # the kernel's backward under fixed algorithms
+        node.register_hook(_unfix)
         return out
+
+
+def _kernel_node(out: torch.Tensor, depth: int = 4) -> Any:
+    """The memory-efficient kernel's autograd node behind ``out``, or ``None``.
+
+    ``out``'s own, or one a few single-input nodes back (a slice that drops the padding of
+    a head size the kernel rounds up, say).
+    """
+    node = out.grad_fn
+    for _ in range(depth):
+        if node is None:
+            return None
+        if "EfficientAttention" in node.name():
+            return node
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+    return None
 
 
 def _forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, bool]:
