@@ -5,7 +5,7 @@ anywhere Triton is installed is the kernels' logic: the binary counter's tree ov
 of units (``tree_cuda.push``, ``fold``) is the canonical tree (``tree._torch_tree``) of the same
 kernel's per-unit results (``gpu_products``' products, ``gpu_rows``' row and norm sums); the
 masks at the edges of the rows, outputs and inputs and at a slice of the outputs; that a
-unit's product does not change with the number of units; and the trees' roundings to a lower
+unit's product does not change with the number of units; the trees' roundings to a lower
 precision made in their launch (``rounded``), which equal ``Tensor.to``'s; and a linear
 layer's bias's tree made by its weight's launch, which equals ``row_sums``'. The GPU's bits are
 checked by ``tests/gpu/test_gpu_sums.py``.

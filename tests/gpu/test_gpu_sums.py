@@ -4,7 +4,9 @@
 (``tree._torch_tree``), which other ranks' trees use; ``gpu_rows`` sums a unit's rows the same
 way whatever the number of units and the width (a column layer's slice of the features);
 ``gpu_products`` makes a unit's weight gradient with the same bits whatever the number of units
-and the outputs asked for, and its tree gives the elementwise adds' bits over them.
+and the outputs asked for, and its tree gives the elementwise adds' bits over them. The trees'
+roundings made in their launch equal ``Tensor.to``'s, and a bias's tree made by its weight's
+launch has ``row_sums``' bits.
 """
 
 from __future__ import annotations
