@@ -8,10 +8,13 @@ CUDA) and torch's ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` on
 
 Prints step time, tokens/s and their ratio, and our measured bubble (the share of a step a
 rank spends waiting for messages, from the runtime's own timeline, mean over ranks; on GPUs
-the timeline is CUDA events, the device's time) next to
-the theory (the schedule simulated with unit costs, forward 1 and backward 2: (p - 1) /
-(m + p - 1) for GPipe and 1F1B). Zero-bubble ZB-H1 has no torch peer with one stage per rank:
-it alternates with our own 1F1B instead, and its row says how it compares. Writes ``.txt``,
+the timeline is CUDA events, the device's time) next to two theories: the schedule simulated
+with unit costs (forward 1, backward 2: (p - 1) / (m + p - 1) for GPipe and 1F1B), and the
+same schedule simulated with the costs its actions measured in the timed step (each stage's
+mean forward, backward, input and weight pass): what the schedule itself leaves idle on this
+machine, so the difference from the measured bubble is the runtime's. Zero-bubble (ZB-H1,
+and ZB-H2 with up to 2p - 1 micro-batches held) has no torch peer with one stage per rank: it
+alternates with our own 1F1B instead, and its row says how it compares. Writes ``.txt``,
 ``.json`` and a plot of one step's timeline per rank to ``benches/results/``.
 
     python benches/bench_pipeline.py --ranks 2                       # CPU, here
@@ -31,9 +34,14 @@ from typing import Any
 import _harness
 import _report
 
-# Our schedule -> torch's class of the same name; zero-bubble ZB-H1 (one stage per rank) has
+# Our schedule -> torch's class of the same name; zero-bubble (one stage per rank) has
 # none in torch (its zero-bubble schedules run two stages per rank), so it runs alone.
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zero_bubble": None}
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "zero_bubble": None,
+    "zero_bubble_h2": None,
+}
 
 
 def build(args: argparse.Namespace, device: Any) -> Any:
@@ -139,10 +147,13 @@ def one_schedule(
 
         steps["shardline_1f1b"] = base_step
     busy: list[float] = []
+    took: dict[str, list[float]] = {}  # this rank's actions' seconds, by kind, every timed step
 
     def after(name: str) -> None:
         if name == "shardline":
             busy.append(ours.last_step["busy"] / ours.last_step["seconds"])
+            for kind, t0, t1 in ours.last_step["timeline"]:
+                took.setdefault(kind, []).append(t1 - t0)
 
     times, peak = _harness.alternate(steps, args, device, after)
     # The slowest rank's median step; the bubble is the mean over ranks of the waiting share.
@@ -151,17 +162,27 @@ def one_schedule(
         [statistics.median(times[k]) for k in steps], dtype=torch.float64, device=device
     )
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    # Each round's blocks, the slowest rank's: the ratio of the two sides round by round.
+    blocks = torch.tensor([times[k] for k in steps], dtype=torch.float64, device=device)
+    dist.all_reduce(blocks, op=dist.ReduceOp.MAX)
+    base = list(steps).index("torch" if peer else "shardline_1f1b")
+    rounds = (blocks[base] / blocks[0]).tolist()
     bubble = torch.tensor([1.0 - statistics.median(busy)], dtype=torch.float64, device=device)
     dist.all_reduce(bubble)
     timeline: list[Any] = [None] * world
     dist.all_gather_object(timeline, ours.last_step["timeline"])
+    costs: list[Any] = [None] * world
+    dist.all_gather_object(costs, {kind: statistics.fmean(v) for kind, v in took.items()})
     peaks: list[Any] = [None] * world
     dist.all_gather_object(peaks, peak)
     tokens = args.batch * cfg.seq_len
+    actions = build_schedule(schedule, world, m)
     row: dict[str, Any] = {
         "tokens_per_step": tokens,
         "bubble_measured": float(bubble) / world,
-        "bubble_theory": simulate(build_schedule(schedule, world, m), world).bubble,
+        "bubble_theory": simulate(actions, world).bubble,
+        "bubble_at_measured_costs": simulate(actions, world, cost=measured(costs)).bubble,
+        "action_ms": [{k: v * 1e3 for k, v in c.items()} for c in costs],
         "timeline": timeline,
     }
     for name, t in zip(steps, med.tolist(), strict=True):
@@ -172,7 +193,14 @@ def one_schedule(
         row["ratio"] = row["shardline_tokens_per_s"] / row["torch_tokens_per_s"]
     else:
         row["ratio_vs_1f1b"] = row["shardline_tokens_per_s"] / row["shardline_1f1b_tokens_per_s"]
+    row["ratio_rounds"] = rounds  # tokens/s against the other side's, in each round
     return row
+
+
+def measured(costs: list[dict[str, float]]) -> Any:
+    """Each action's cost as its stage measured it: the mean of its kind on that rank over
+    the timed steps (``costs[rank][kind]``)."""
+    return lambda a: costs[a.stage][a.kind]
 
 
 # -- parent --------------------------------------------------------------------------------------
@@ -180,8 +208,8 @@ def one_schedule(
 
 def table(results: dict[int, dict[str, Any]], m: int) -> str:
     lines = [
-        f"{'schedule':11} {'stages':>6} {'m':>3} {'ours tok/s':>11} {'torch tok/s':>12} "
-        f"{'ratio':>6} {'ours ms':>8} {'torch ms':>9} {'bubble':>7} {'theory':>7}"
+        f"{'schedule':14} {'stages':>6} {'m':>3} {'ours tok/s':>11} {'torch tok/s':>12} "
+        f"{'ratio':>6} {'ours ms':>8} {'torch ms':>9} {'bubble':>7} {'theory':>7} {'at costs':>8}"
     ]
     for world, res in results.items():
         for schedule, row in res.items():
@@ -195,11 +223,12 @@ def table(results: dict[int, dict[str, Any]], m: int) -> str:
                 else ""
             )
             lines.append(
-                f"{schedule:11} {world:6d} {m:3d} {row['shardline_tokens_per_s']:11,.0f} "
+                f"{schedule:14} {world:6d} {m:3d} {row['shardline_tokens_per_s']:11,.0f} "
                 + (f"{theirs:12,.0f} {row['ratio']:5.2f}x " if theirs else f"{'-':>12} {'-':>6} ")
                 + f"{row['shardline_step_ms']:8.1f} "
                 + (f"{row['torch_step_ms']:9.1f} " if theirs else f"{'-':>9} ")
-                + f"{row['bubble_measured']:7.1%} {row['bubble_theory']:7.1%}"
+                + f"{row['bubble_measured']:7.1%} {row['bubble_theory']:7.1%} "
+                + f"{row['bubble_at_measured_costs']:8.1%}"
                 + memory
                 + (
                     f"  {row['ratio_vs_1f1b']:.2f}x our 1f1b "
@@ -207,8 +236,16 @@ def table(results: dict[int, dict[str, Any]], m: int) -> str:
                     if "ratio_vs_1f1b" in row
                     else ""
                 )
+                + rounds(row.get("ratio_rounds"))
             )
     return "\n".join(lines)
+
+
+def rounds(ratios: list[float] | None) -> str:
+    """The ratio round by round (alternated blocks): its range and median."""
+    if not ratios:
+        return ""
+    return f"  rounds {min(ratios):.2f}-{max(ratios):.2f}x, median {statistics.median(ratios):.2f}x"
 
 
 def plot(results: dict[int, dict[str, Any]], path: Path) -> str:

@@ -112,6 +112,7 @@ def whole_model(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor
         (2, "interleaved", 2, 2, None),  # 4 stages on 2 ranks: the tied copies on one rank each
         (4, "1f1b", 4, 4, None),
         (4, "zero_bubble", 4, 4, None),
+        (4, "zero_bubble_h2", 8, 4, None),
         (4, "1f1b", 2, 2, "ddp"),
         (4, "interleaved", 2, 2, "zero3"),  # 2 chunks per rank, wrapped together
         (4, "zero_bubble", 2, 2, "zero3"),

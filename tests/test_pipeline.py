@@ -111,7 +111,7 @@ CASES = [
     for m in (1, p, 2 * p)
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2))
     if not (schedule == "interleaved" and m % p)
-]
+] + [("zero_bubble_h2", 4, 8, 1)]
 
 
 @pytest.mark.parametrize(("schedule", "p", "m", "v"), CASES, ids=str)

@@ -90,8 +90,12 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
-@pytest.mark.parametrize("p", [2, 3])
-def test_a_zero_bubble_pipeline_of_blocks_trains_as_one_process_bit_for_bit(p: int) -> None:
+@pytest.mark.parametrize(
+    ("p", "schedule"), [(2, "zero_bubble"), (3, "zero_bubble"), (3, "zero_bubble_h2")]
+)
+def test_a_zero_bubble_pipeline_of_blocks_trains_as_one_process_bit_for_bit(
+    p: int, schedule: str
+) -> None:
     m, steps = 4, 3
     gen = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 8, 32, generator=gen), torch.randn(8, 8, 5, generator=gen))
@@ -106,7 +110,7 @@ def test_a_zero_bubble_pipeline_of_blocks_trains_as_one_process_bit_for_bit(p: i
     want = ref.state_dict()
 
     def body(g: sl.ProcessGroup) -> tuple[dict[str, torch.Tensor], set[int]]:
-        model = sl.pipeline(blocks(3), g, schedule="zero_bubble", microbatches=m, loss_fn=_loss)
+        model = sl.pipeline(blocks(3), g, schedule=schedule, microbatches=m, loss_fn=_loss)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for x, y in data:
             opt.zero_grad()

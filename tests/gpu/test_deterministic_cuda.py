@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from shardline.parallel.deterministic import kernels
+from shardline.parallel.deterministic import attention, kernels
 from tests.gpu._common import ROOT
 
 pytestmark = pytest.mark.skipif(
@@ -56,6 +57,36 @@ def test_without_the_kernel_settings_the_parts_differ() -> None:
     assert len(lines) == 6, out
     assert not all(line.endswith("differ []") for line in lines), out
     print(out)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("head", [64, 72])  # 72: the kernel pads the head, a slice follows
+def test_attention_hooks_the_efficient_kernels_own_node(head: int) -> None:
+    """On a GPU the attention runs on the memory-efficient kernel, whose node is found behind
+    the output (no rerun on the math backend); its gradients repeat bit for bit, also
+    through a second backward of one forward, and the setting is restored after each."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(
+            2, 4, 256, head, device="cuda", dtype=torch.bfloat16, generator=gen
+        ).requires_grad_()
+        for _ in range(3)
+    )
+    before = torch.are_deterministic_algorithms_enabled()
+    grads = []
+    for _ in range(2):
+        with attention.DeterministicAttention():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        node = attention._kernel_node(out)
+        assert node is not None and "EfficientAttention" in node.name(), out.grad_fn
+        dy = torch.ones_like(out)
+        grads.append(torch.autograd.grad(out, (q, k, v), dy, retain_graph=True))
+        assert torch.are_deterministic_algorithms_enabled() == before
+        again = torch.autograd.grad(out, (q, k, v), dy)
+        for a, b in zip(grads[-1], again, strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.timeout(600)

@@ -241,7 +241,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         "pp: a pipeline, one stage per process",
     )
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule (pp): gpipe, 1f1b, "
-                   "interleaved, zero_bubble")  # fmt: skip
+                   "interleaved, zero_bubble, zero_bubble_h2")  # fmt: skip
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (pp)")
     p.add_argument(
         "--pp",

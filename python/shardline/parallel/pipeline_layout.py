@@ -172,7 +172,7 @@ class PipelineLayout:
             return peak
         if recompute:
             return round(self.held * in_flight(schedule, self.size, self.microbatches, self.stage))
-        if schedule == "zero_bubble" and self.deferred:
+        if schedule in schedules.SPLIT and self.deferred:
             # a forward keeps the micro-batch, its input pass swaps it for what the weight
             # pass needs, the weight pass frees that
             held = {"F": self.kept, "I": self.deferred - self.kept, "W": -self.deferred}

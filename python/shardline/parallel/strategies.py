@@ -90,7 +90,7 @@ _MESH = (
 )
 _ELSEWHERE = {
     **dict.fromkeys(
-        ("pp", "pipeline", "gpipe", "1f1b", "interleaved", "zero_bubble"),
+        ("pp", "pipeline", "gpipe", "1f1b", "interleaved", "zero_bubble", "zero_bubble_h2"),
         f"{_MESH}, or alone with sl.pipeline(model, group, schedule='1f1b', ...)",
     ),
     **dict.fromkeys(

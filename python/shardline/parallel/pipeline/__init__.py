@@ -3,7 +3,8 @@
 ``pipeline(model, group, schedule=..., microbatches=m, split=..., loss_fn=...)`` returns the
 ``PipelineModule`` this rank runs; ``model.step(inputs, target=...)`` then runs forward and
 backward of every micro-batch under the schedule (``schedules``: GPipe, 1F1B, interleaved
-1F1B, zero-bubble ZB-H1, each a list of actions per rank), and ``model(x)`` runs inference.
+1F1B, zero-bubble ZB-H1 and ZB-H2, each a list of actions per rank), and ``model(x)`` runs
+inference.
 """
 
 from __future__ import annotations
@@ -79,8 +80,11 @@ def pipeline(
             with ``split`` naming submodules and ``example`` (split by tracing); built the
             same way on every rank, possibly on the meta device.
         group: The pipeline's ranks, in stage order; ``None``: the default group.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (``virtual_stages >= 2``) or
-            ``"zero_bubble"`` (ZB-H1: backward split into input and weight passes).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (``virtual_stages >= 2``),
+            ``"zero_bubble"`` (ZB-H1: backward split into input and weight passes, with
+            1F1B's memory) or ``"zero_bubble_h2"`` (the same with up to ``2p - 1``
+            micro-batches held per rank: a shorter step where an input pass costs more than
+            a forward, as on CPUs).
         microbatches: Micro-batches per ``step``; the batch must divide evenly.
         split: ``"auto"`` (contiguous stages balanced by compute: each child's FLOPs on
             ``example`` when given, else its parameter count) or the names of the children

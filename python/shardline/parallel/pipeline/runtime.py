@@ -32,6 +32,7 @@ from shardline.parallel.pipeline.deferred import WeightStore, forwarding, instal
 from shardline.parallel.pipeline.deterministic import StepSums
 from shardline.parallel.pipeline.messages import Key, StageMessages, Step
 from shardline.parallel.pipeline.replicas import StageReplicas
+from shardline.parallel.pipeline.schedules import SPLIT
 from shardline.parallel.pipeline.split_backward import input_pass, weight_pass
 from shardline.parallel.pipeline.stage_state import PipelineState
 from shardline.parallel.pipeline.tied import TensorInfo, Tied, sum_tied_grads, sync_copies
@@ -126,9 +127,9 @@ class PipelineModule(StageMessages, PipelineState):
                 for name, buf in m._buffers.items():
                     persistent = name not in m._non_persistent_buffers_set
                     self.register_buffer(name, buf, persistent=persistent)
-        if compile and schedule == "zero_bubble":
+        if compile and schedule in SPLIT:
             raise InvalidArgumentError(
-                "pipeline: compile= with schedule='zero_bubble' is not supported: a compiled "
+                f"pipeline: compile= with schedule={schedule!r} is not supported: a compiled "
                 "stage's backward is one fused node, which cannot be split into input and "
                 "weight passes; use '1f1b', 'gpipe' or 'interleaved' with compile="
             )
@@ -139,7 +140,7 @@ class PipelineModule(StageMessages, PipelineState):
         # recomputation reruns the forward in backward.
         self._deferred: dict[int, list[torch.Tensor]] = {}
         self._checked: set[int] = set()  # stages whose notes were checked (WeightStore.covers)
-        if schedule == "zero_bubble" and not recompute and deterministic is None:
+        if schedule in SPLIT and not recompute and deterministic is None:
             for s, m in plain.items():
                 norms = install(m) if s > 0 else None
                 if norms is not None:

@@ -20,7 +20,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel.pipeline.actions import Action, stage_rank
 from shardline.parallel.pipeline.simulate import zero_bubble
 
-__all__ = ["SCHEDULES", "Action", "build", "check", "stage_rank"]
+__all__ = ["SCHEDULES", "SPLIT", "Action", "build", "check", "stage_rank"]
 
 
 def _gpipe(p: int, m: int, v: int) -> list[list[Action]]:
@@ -97,19 +97,30 @@ def _zero_bubble(p: int, m: int, v: int) -> list[list[Action]]:
     return zero_bubble(p, m)
 
 
+def _zero_bubble_h2(p: int, m: int, v: int) -> list[list[Action]]:
+    # ZB-H2's memory: up to 2p - 1 micro-batches held per rank (GPipe's m at most), room for
+    # more forwards ahead where the input pass costs more than a forward (simulate.py).
+    assert v == 1
+    return zero_bubble(p, m, limit=2 * p - 1)
+
+
 SCHEDULES = {
     "gpipe": _gpipe,
     "1f1b": _one_f_one_b,
     "interleaved": _interleaved,
     "zero_bubble": _zero_bubble,
+    "zero_bubble_h2": _zero_bubble_h2,
 }
+# Schedules whose backward is split into input and weight passes (``I`` and ``W``).
+SPLIT = ("zero_bubble", "zero_bubble_h2")
 
 
 def build(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """Every rank's actions for one step of schedule ``name``, checked by ``check``.
 
     Args:
-        name: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zero_bubble"``.
+        name: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zero_bubble"`` (ZB-H1) or
+            ``"zero_bubble_h2"`` (up to ``2p - 1`` micro-batches held).
         p: Ranks in the pipeline.
         m: Micro-batches per step.
         v: Virtual stages (model chunks) per rank: 1, except for ``"gpipe"`` (any) and
@@ -127,7 +138,7 @@ def build(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
             f"a pipeline needs at least one rank, micro-batch and stage per rank; got p={p}, "
             f"microbatches={m}, virtual_stages={v}"
         )
-    if name in ("1f1b", "zero_bubble") and v != 1:
+    if name in ("1f1b", *SPLIT) and v != 1:
         raise InvalidArgumentError(
             f"schedule={name!r} runs one stage per rank; for virtual_stages={v} use "
             "schedule='interleaved' (or 'gpipe')"
