@@ -10,11 +10,13 @@ Prints step time, tokens/s and their ratio, and our measured bubble (the share o
 rank spends waiting for messages, from the runtime's own timeline, mean over ranks; on GPUs
 the timeline is CUDA events, the device's time) next to two theories: the schedule simulated
 with unit costs (forward 1, backward 2: (p - 1) / (m + p - 1) for GPipe and 1F1B), and the
-same schedule simulated with the costs its actions measured in the timed step (each stage's
-mean forward, backward, input and weight pass): what the schedule itself leaves idle on this
-machine, so the difference from the measured bubble is the runtime's. Zero-bubble (ZB-H1,
-and ZB-H2 with up to 2p - 1 micro-batches held) has no torch peer with one stage per rank: it
-alternates with our own 1F1B instead, and its row says how it compares. Writes ``.txt``,
+same schedule simulated with the costs its actions measured in the timed steps (each
+stage's mean forward, backward, input and weight pass): what the schedule itself leaves idle
+on this machine, so the measured bubble beyond it is the runtime's, and the actions' times
+varying from step to step. The ratio is also given round by round (alternated blocks).
+Zero-bubble (ZB-H1, and ZB-H2 with up to 2p - 1 micro-batches held) has no torch peer with
+one stage per rank: it alternates with our own 1F1B instead, and its row says how it
+compares. Writes ``.txt``,
 ``.json`` and a plot of one step's timeline per rank to ``benches/results/``.
 
     python benches/bench_pipeline.py --ranks 2                       # CPU, here
@@ -198,8 +200,7 @@ def one_schedule(
 
 
 def measured(costs: list[dict[str, float]]) -> Any:
-    """Each action's cost as its stage measured it: the mean of its kind on that rank over
-    the timed steps (``costs[rank][kind]``)."""
+    """Each action's cost as its stage measured it (``costs[rank][kind]``, timed steps' mean)."""
     return lambda a: costs[a.stage][a.kind]
 
 
