@@ -261,6 +261,13 @@ def test_1f1b_first_stage_holds_at_most_p_microbatches() -> None:
     assert peaks[0] == {0: 4} and peaks[3] == {3: 1}, peaks
 
 
+def test_zero_bubble_h2_holds_up_to_2p_minus_1_microbatches() -> None:
+    """ZB-H2 uses its room: 2p - 1 micro-batches held at once on a stage (1F1B's first: p)."""
+    results = run_ranks(4, lambda g: train(g, "zero_bubble_h2", 8, 1), timeout=60)
+    peaks = [peak for _, _, peak in results]
+    assert peaks[0] == {0: 7} and all(max(p.values()) <= 7 for p in peaks), peaks
+
+
 class _Slow(nn.Module):
     """Sleeps in forward: a stage the next one must wait for."""
 
