@@ -17,7 +17,8 @@ needs nothing from other ranks, so it fills what would be a bubble). A few rules
 on its first stage, so the peak over ranks is 1F1B's.
 
 With ``limit=2p - 1`` (ZB-H2's memory, the paper's second schedule) the same scheduler runs
-more forwards ahead. Under the unit costs both take the same step. Where an input pass costs
+more forwards ahead. Under the unit costs its step is ZB-H1's or shorter (shorter for 46 of
+the 280 sizes up to 8 ranks and 4p micro-batches, by one unit). Where an input pass costs
 more than a forward and a backward less than two (small CPU stages measured ``I`` 1.15 ``F``,
 ``W`` 0.7 ``F``, ``B`` 1.67 ``F``), the weight passes ZB-H1 holds back no longer cover the
 gaps, and the room for more forwards does: at 4 ranks and 8 micro-batches, under those
