@@ -99,8 +99,9 @@ def simulate(
                 if need is not None and need not in end:
                     break
                 start = max(clock[r], end[need] if need is not None else 0.0)
-                clock[r] = start + took(a)
-                busy[r] += took(a)
+                spent = took(a)
+                clock[r] = start + spent
+                busy[r] += spent
                 end[(a.kind, a.stage, a.mb)] = clock[r]
                 pos[r] += 1
                 moved = True
