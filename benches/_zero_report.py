@@ -27,8 +27,10 @@ RECOMPUTE_IMPLS = ("zero3-sel", "zero2-sel", "fsdp2-sel")
 # here (``fully_shard`` per block), or layers merged up to ``unit_mb``.
 UNIT_IMPLS = ("zero3-blocks", "zero3-size")
 # Not run by default: deterministic mode (``sl.distribute(..., deterministic=True)``: gradients
-# per sequence, summed in one fixed tree; the same bits at any world size), for its cost.
-DET_IMPLS = ("zero1-det", "zero2-det", "zero3-det")
+# per sequence, summed in one fixed tree; the same bits at any world size), and repeatable mode
+# (``-rep``: ``deterministic="repeat"``, the same bits run after run for one layout), for their
+# cost.
+DET_IMPLS = ("zero1-det", "zero2-det", "zero3-det", "zero1-rep", "zero2-rep", "zero3-rep")
 MIB = 2**20
 MEM_KEYS = (
     "persistent_bytes",

@@ -11,6 +11,7 @@ The bar is 10 %. That the two sides train the same model is the job's own ``veri
     python benches/bench_deterministic.py                       # 2 processes, ddp and zero3
     python benches/bench_deterministic.py --nproc 8 --strategies ddp zero1 zero2 zero3
     python benches/bench_deterministic.py --strategies ddp --tp 2   # tensor parallelism
+    python benches/bench_deterministic.py --mode repeat   # the same bits run after run only
 
 Writes ``benches/results/deterministic-<tag>.{txt,json}``.
 """
@@ -37,14 +38,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (both sides)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (both sides)")
+    p.add_argument(
+        "--mode",
+        choices=["layouts", "repeat"],
+        default="layouts",
+        help="layouts: --deterministic (every layout's bits); repeat: --deterministic repeat",
+    )
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
+    det_flags = ["--deterministic"] + (["repeat"] if args.mode == "repeat" else [])
     os.environ.pop("SHARDLINE_DETERMINISTIC", None)  # each side says which it is
     lines = [
         f"main job: {args.nproc} processes"
         + (f" (--pp {args.pp})" if args.pp > 1 else "")
         + (f" (--tp {args.tp})" if args.tp > 1 else "")
-        + f", cpu, {args.steps} steps, {args.pairs} pairs "
+        + f", cpu, {args.steps} steps, {args.pairs} pairs, {' '.join(det_flags)}, "
         "alternated per strategy; cost = default / deterministic - 1 (bar 10 %)",
         f"{'strategy':9} {'default tok/s':>14} {'det tok/s':>12} {'cost':>8}   "
         "runs (default | det)",
@@ -58,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             return _mainjob.tokens_per_s(args.nproc, args.steps, strategy, "cpu", flags=flags)
 
         got = _mainjob.alternate(
-            args.pairs, {"default": lambda _i: run([]), "det": lambda _i: run(["--deterministic"])}
+            args.pairs, {"default": lambda _i: run([]), "det": lambda _i: run(det_flags)}
         )
         a, b = statistics.median(got["default"]), statistics.median(got["det"])
         rows[strategy] = {**got, "cost": a / b - 1}
@@ -67,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{strategy:9} {a:14,.0f} {b:12,.0f} {a / b - 1:+8.2%}   {runs}")
     tag = args.tag or f"cpu-{os.cpu_count()}c-{args.nproc}p" + (
         f"-pp{args.pp}" if args.pp > 1 else ""
-    ) + (f"-tp{args.tp}" if args.tp > 1 else "")
+    ) + (f"-tp{args.tp}" if args.tp > 1 else "") + ("-repeat" if args.mode == "repeat" else "")
     _report.publish(
         _report.RESULTS / f"deterministic-{tag}",
         _report.header(Path(__file__).name, _report.machine("cpu")),

@@ -209,9 +209,10 @@ def build_impl(
             zero_kw = {**zero_kw, "recompute": "selective"}
         else:
             sl.parallel.recompute.recompute_blocks(model, "selective")
-    if name.endswith("-det"):
-        name = name.removesuffix("-det")
-        zero_kw = {**zero_kw, "deterministic": True}
+    for suffix, mode in (("-det", True), ("-rep", "repeat")):
+        if name.endswith(suffix):
+            name = name.removesuffix(suffix)
+            zero_kw = {**zero_kw, "deterministic": mode}
     for rule in ("blocks", "size"):
         if name.endswith(f"-{rule}"):
             name = name.removesuffix(f"-{rule}")
@@ -324,6 +325,9 @@ def worker(args: argparse.Namespace) -> int:
         return build_impl(name, base, device, args.lr, args.zero_kw, args.dtype)
 
     def step(name: str, model: Any, opt: Any, counter: list[int]) -> Any:
+        # Repeatable mode turns torch's deterministic algorithms on for the whole process;
+        # the implementations alternate here, so each step runs with its own choice.
+        torch.use_deterministic_algorithms(name.endswith("-rep"))
         chosen = batches(batch_of[name])
         x, y = chosen[counter[0] % len(chosen)]
         counter[0] += 1
@@ -497,6 +501,7 @@ def worker(args: argparse.Namespace) -> int:
     for n, t, lo in zip(names, med.tolist()[: len(names)], lss.tolist()[: len(names)], strict=True):
         items = batch_of[n] * seq_len * world  # tokens per step, all ranks
         rows[n].update(step_ms=t * 1e3, tokens_per_s=items / t, loss=lo, batch_per_rank=batch_of[n])
+        rows[n]["block_ms"] = [b * 1e3 for b in times[n]]  # this rank's blocks, in order
     for n in impls:
         if n in errors:
             rows[n]["error"] = errors[n]

@@ -105,6 +105,14 @@ def _flag(text: str) -> bool:
     return text == "1"
 
 
+def _determinism(text: str) -> bool | str:
+    if text.lower() == "repeat":
+        return "repeat"
+    if text not in ("0", "1"):
+        raise _Invalid("must be 1 (every layout), repeat (one layout, run after run) or 0 (off)")
+    return text == "1"
+
+
 def _text(text: str) -> str:
     return text
 
@@ -319,13 +327,15 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "SHARDLINE_DETERMINISTIC",
-        "`0`, `1`",
+        "`0`, `1`, `repeat`",
         "0",
-        "Deterministic mode: gradients summed per sample in one fixed tree over the batch, so "
-        "that one process, DDP, ZeRO-1/2/3, pipelines and tensor parallelism train to the same "
-        "parameters, bit for bit, at any power-of-two world size (`sl.distribute("
-        "deterministic=)` decides per call).",
-        _flag,
+        "Deterministic mode: `1`: gradients summed per sample in one fixed tree over the batch, "
+        "so that one process, DDP, ZeRO-1/2/3, pipelines and tensor parallelism train to the "
+        "same parameters, bit for bit, at any power-of-two world size; `repeat`: the same bits "
+        "run after run for one layout, on the model's own kernels (torch's deterministic "
+        "algorithms, sums across ranks in a fixed order) (`sl.distribute(deterministic=)` "
+        "decides per call).",
+        _determinism,
         False,
     ),
     Setting(
@@ -456,9 +466,11 @@ LAUNCHER_VARIABLES: dict[str, str] = {
     "SLURM_JOB_NODELIST": "the allocation's hosts, e.g. `gpu[007-010]`",
     "CUBLASLT_WORKSPACE_SIZE": "cuBLASLt's workspace (KiB); deterministic mode on a GPU sets 0",
     "MKL_CBWR": "MKL's reproducible mode; deterministic mode on CPU sets `AUTO,STRICT`",
+    "CUBLAS_WORKSPACE_CONFIG": "cuBLAS's workspace per stream; `deterministic='repeat'` sets "
+    "`:4096:8` on a GPU",
 }
-"""The variables of torchrun, ``shardline run`` and SLURM that shardline reads (and cuBLASLt's
-and MKL's, which deterministic mode sets), and what each says. ``env_var`` refuses a name
+"""The variables of torchrun, ``shardline run`` and SLURM that shardline reads (and cuBLAS's,
+cuBLASLt's and MKL's, which deterministic mode sets), and what each says. ``env_var`` refuses a name
 missing here."""
 
 

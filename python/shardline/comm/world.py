@@ -47,7 +47,12 @@ from shardline.comm.rendezvous.store import (
 )
 from shardline.comm.trace import device as device_times
 from shardline.comm.trace.recorder import TRACER
-from shardline.errors import CollectiveTimeoutError, PeerLostError, ShardlineError
+from shardline.errors import (
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+    PeerLostError,
+    ShardlineError,
+)
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -136,7 +141,7 @@ class _Job:
 _lock = threading.Lock()
 _default: ProcessGroup | None = None
 _job: _Job | None = None
-_settings: dict[str, bool | None] = {"deterministic": None}  # init()'s choices for this job
+_settings: dict[str, bool | str | None] = {"deterministic": None}  # init()'s choices for this job
 _elastic: ElasticJob | None = None
 _atexit_registered = False
 
@@ -194,7 +199,7 @@ def init(
     timeout: timedelta | float | None = None,
     *,
     trace: str | os.PathLike[str] | None = None,
-    deterministic: bool | None = None,
+    deterministic: bool | str | None = None,
 ) -> ProcessGroup:
     """Joins the job described by the environment and creates the default group.
 
@@ -217,9 +222,10 @@ def init(
         trace: A folder where this rank writes its timeline, settings and heartbeat
             (``shardline.trace``; read by ``shardline doctor`` and ``shardline trace merge``).
             ``None`` takes ``SHARDLINE_TRACE``; unset, nothing is traced.
-        deterministic: The default of ``sl.distribute(deterministic=)`` for this job: one
-            process and every power-of-two world size train to the same parameters, bit for
-            bit. ``None`` takes ``SHARDLINE_DETERMINISTIC``.
+        deterministic: The default of ``sl.distribute(deterministic=)`` for this job:
+            ``True``, one process and every power-of-two world size train to the same
+            parameters, bit for bit; ``"repeat"``, the same bits run after run for one
+            layout. ``None`` takes ``SHARDLINE_DETERMINISTIC``.
 
     Returns:
         The default group.
@@ -237,6 +243,12 @@ def init(
             raise ShardlineError(
                 f"shardline is already initialised on rank {_default.rank}; call "
                 "shardline.shutdown() first"
+            )
+        if not (deterministic is None or isinstance(deterministic, bool)
+                or deterministic == "repeat"):  # fmt: skip
+            raise InvalidArgumentError(
+                f"init(deterministic={deterministic!r}): use True (the same bits in every "
+                "layout), 'repeat' (the same bits run after run, for one layout) or False"
             )
         _settings["deterministic"] = deterministic
         if (trace is not None or config.get("SHARDLINE_TRACE")) and config.get(
@@ -476,13 +488,15 @@ def default_group() -> ProcessGroup:
     return _default
 
 
-def deterministic_default() -> bool:
-    """Whether ``distribute`` runs in deterministic mode when not told.
+def deterministic_default() -> bool | str:
+    """The mode ``distribute`` runs in when not told: ``False``, ``True`` or ``"repeat"``.
 
     ``init``'s choice, else ``SHARDLINE_DETERMINISTIC``.
     """
     chosen = _settings["deterministic"]
-    return bool(config.get("SHARDLINE_DETERMINISTIC")) if chosen is None else chosen
+    if chosen is None:
+        chosen = config.get("SHARDLINE_DETERMINISTIC")
+    return chosen if isinstance(chosen, str) else bool(chosen)
 
 
 def shutdown() -> None:

@@ -49,6 +49,7 @@ from shardline.examples.model import (
     windows,
 )
 from shardline.parallel.deterministic import make_deterministic
+from shardline.parallel.deterministic.repeat import repeatable_kernels
 
 # The model and data live in ``model``; they stay importable from here, where the main job's
 # users (tests, benches, the docs) have always found them.
@@ -269,10 +270,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     )
     p.add_argument(
         "--deterministic",
-        action="store_true",
+        nargs="?",
+        const="layouts",
+        choices=["layouts", "repeat"],
+        default=None,
         help="deterministic mode (ddp, zero1-3, pp, --pp, --tp and both): gradients summed per "
         "sequence in one fixed tree, so the run ends with the parameters of one process, bit "
-        "for bit (verified exactly); processes, --batch-size and --microbatches powers of two",
+        "for bit (verified exactly); processes, --batch-size and --microbatches powers of two. "
+        "'--deterministic repeat': the same bits run after run for this layout only, on the "
+        "model's own kernels",
     )
     p.add_argument(
         "--blocks",
@@ -313,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     gpt = build_model(cfg).to(device)
     model: nn.Module = gpt
     blocks = args.blocks if args.blocks is not None else max(1, args.tp)
-    if args.deterministic:  # before distribute, which prepares the layers it rewrites too
+    full = args.deterministic == "layouts"  # the same bits in every layout
+    det: bool | str = "repeat" if args.deterministic == "repeat" else full
+    if full:  # before distribute, which prepares the layers it rewrites too
         make_deterministic(gpt, blocks=blocks)
     loss_fn = gpt.loss_fn  # a pipeline's (deterministic mode: its sums cut into blocks)
     num_params = sum(p.numel() for p in model.parameters())
@@ -324,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--pp {stages} does not divide {world_size} processes", file=sys.stderr)
         return 2
     pp = stages > 1 or strategy == "pp"
-    if args.deterministic and strategy == "auto":
+    if det and strategy == "auto":
         print("--deterministic takes --strategy ddp, zero1, zero2, zero3, fsdp or pp",
               file=sys.stderr)  # fmt: skip
         return 2
@@ -354,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         model, opt = sl.distribute(  # type: ignore[assignment]
             as_sequential(model), opt, mesh=mesh,  # type: ignore[arg-type]
             strategy={a: plan[a] for a in keep}, microbatches=args.microbatches,
-            loss_fn=loss_fn, virtual_stages=virtual, deterministic=args.deterministic,
+            loss_fn=loss_fn, virtual_stages=virtual, deterministic=det,
         )  # fmt: skip
         assert opt is not None
         what = f"{stages}-stage {args.schedule} pipeline{chunks}"
@@ -364,14 +372,15 @@ def main(argv: list[str] | None = None) -> int:
     elif tp > 1:  # every layer split over tp ranks, replicas on the rest
         mesh = sl.DeviceMesh({"dp": replicas, "tp": tp})
         model, opt = sl.distribute(  # type: ignore[assignment]
-            model, opt, mesh=mesh, strategy={"dp": dp, "tp": "auto"},
-            deterministic=args.deterministic,
+            model, opt, mesh=mesh, strategy={"dp": dp, "tp": "auto"}, deterministic=det,
         )  # fmt: skip
         strategy = f"{replicas} {dp} replica(s) of {tp}-way tensor parallelism"
     elif pp:  # every rank trains the same batches, each through its own stage
         chain = as_sequential(model)  # type: ignore[arg-type]
-        if args.deterministic:
+        if full:
             make_deterministic(chain)  # its layers' blocks
+        elif det:  # a pipeline alone sums nothing across ranks: its kernels are the rest
+            repeatable_kernels(chain)
         model = sl.pipeline(
             chain,
             schedule=args.schedule,
@@ -391,9 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             hook["compression"] = args.compression
         lossy = f"{args.compression} compression" if args.compression else ""
         lossy = lossy or (f"{args.comm_hook} comm hook" if "comm_hook" in hook else "")
-        model, _ = sl.distribute(
-            model, opt, strategy=strategy, deterministic=args.deterministic, **hook
-        )
+        model, _ = sl.distribute(model, opt, strategy=strategy, deterministic=det, **hook)
     batches = rank_batches(n, replica, replicas, cfg, size)
     if rank == 0:
         print(
@@ -464,12 +471,12 @@ def main(argv: list[str] | None = None) -> int:
             tied_first = pp and dp != "ddp" and replicas > 1  # ZeRO's order of the sums
             reference, _ = single_process_loss(tokens, cfg, replicas, probe, size=size,
                                                microbatches=args.microbatches,
-                                               pipeline=pp and not args.deterministic,
+                                               pipeline=pp and not full,
                                                tied_first=tied_first,
-                                               deterministic=args.deterministic,
+                                               deterministic=full,
                                                blocks=blocks)  # fmt: skip
             diff = abs(reference - final)
-            if args.deterministic:
+            if full:
                 ok = reference == final
                 verdict = "the same bits" if ok else "MISMATCH (deterministic mode)"
             elif lossy:  # another model: did it train (see compressed_verdict)

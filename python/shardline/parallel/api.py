@@ -25,6 +25,12 @@ from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
 from shardline.parallel.deterministic import blocks_of, make_deterministic
 from shardline.parallel.deterministic.collector import keep_wide
+from shardline.parallel.deterministic.repeat import (
+    REPEAT,
+    fixed_sums,
+    mode_of,
+    repeatable_kernels,
+)
 from shardline.parallel.fit import plan_strategy
 from shardline.parallel.pipeline_layout import WithLoss, with_loss
 from shardline.parallel.precision import MixedPrecision
@@ -45,7 +51,7 @@ def distribute(
     group: ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
     recompute: str | None = None,
-    deterministic: bool | None = None,
+    deterministic: bool | str | None = None,
     **options: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Wraps ``model`` (and ``optimizer``) for data-parallel training on ``group``.
@@ -82,7 +88,10 @@ def distribute(
             ``[r*b, (r+1)*b)`` of the global batch. On a mesh: a pipeline (``pp``),
             tensor parallelism (``tp``, its split sums cut into the blocks of
             ``make_deterministic(model, blocks=)``: the ``tp`` size when not prepared) or
-            both, with replicas on ``dp``. ``None`` takes ``sl.init(deterministic=)``, else
+            both, with replicas on ``dp``. ``"repeat"``: the same bits run after run for
+            this layout only, at the cost of torch's deterministic kernels
+            (``shardline.parallel.deterministic.repeat``; every strategy but ``async`` and
+            ``hogwild``, on a mesh too). ``None`` takes ``sl.init(deterministic=)``, else
             ``SHARDLINE_DETERMINISTIC``.
         **options: Passed to the strategy (for DDP: ``bucket_cap_mb``, ``broadcast_buffers``,
             ``comm_hook``, ...; for ZeRO: ``unit_mb``, ``prefetch``, ``mixed_precision``; for
@@ -99,9 +108,10 @@ def distribute(
     """
     if mesh is None and not isinstance(strategy, dict):  # (before the model changes)
         _check_options(strategies.strategy(strategy).name, options)
-    if deterministic is None:
-        deterministic = deterministic_default()
-    if deterministic:
+    deterministic = deterministic_default() if deterministic is None else mode_of(deterministic)
+    if deterministic == REPEAT:
+        group = _repeatable(model, strategy, group, mesh)
+    elif deterministic:
         model, group = _deterministic(model, strategy, group, mesh, recompute, options)
     # Compared across ranks by ``shardline doctor`` when the job is traced.
     trace.note(
@@ -134,6 +144,31 @@ def distribute(
     if optimizer is not None and callable(bind):  # async: the loop's optimizer pushes and pulls
         return wrapped, bind(optimizer)
     return wrapped, optimizer
+
+
+def _repeatable(
+    model: nn.Module,
+    strategy: str | dict[str, str],
+    group: ProcessGroup | None,
+    mesh: DeviceMesh | None,
+) -> ProcessGroup | None:
+    """Repeatable kernels for this process, and the group with its sums in a fixed order.
+
+    On a mesh the group is left as it is: ``compose`` fixes its axes' sums.
+    """
+    if not isinstance(strategy, dict) and strategies.strategy(strategy).name in _TIMED:
+        raise InvalidArgumentError(
+            f"distribute(deterministic='repeat'): {strategy!r} applies each update when it "
+            "arrives, so its result depends on the ranks' timing; use 'ddp', a ZeRO stage or "
+            "'local_sgd'"
+        )
+    repeatable_kernels(model)
+    if mesh is not None or isinstance(strategy, dict):
+        return group
+    return fixed_sums(group if group is not None else default_group())
+
+
+_TIMED = frozenset({"async", "hogwild"})
 
 
 def _deterministic(

@@ -18,6 +18,8 @@ may be built from the dense model before the call.
 
 ``deterministic``: the ``tp`` and ``dp`` groups add in the canonical tree (``tree_group``), and
 the model (prepared by ``make_deterministic``) has its tensor-parallel layers prepared too.
+``"repeat"``: every axis that sums (``tp``, ``dp``, HSDP's two) adds in a fixed order
+(``repeat.fixed_sums``); the model is not prepared.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from shardline.parallel import strategies
 from shardline.parallel._common import ModelParallel, copies_over
 from shardline.parallel.data.zero.optimizers import check_optimizer
 from shardline.parallel.deterministic import make_deterministic
+from shardline.parallel.deterministic.repeat import REPEAT, fixed_sums
 from shardline.parallel.pipeline import pipeline
 from shardline.parallel.tensor import tensor_parallel
 
@@ -51,7 +54,7 @@ def compose(
     mesh: DeviceMesh | None,
     options: dict[str, Any],
     *,
-    deterministic: bool = False,
+    deterministic: bool | str = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """``distribute()`` on a mesh: a strategy per axis (see the module docstring)."""
     if mesh is None or not isinstance(strategy, dict):
@@ -102,7 +105,7 @@ def compose(
             f"{sorted(strategy)} must be the same"
         )
     if "pp" in strategy:
-        return _pipeline(model, optimizer, strategy, mesh, dp, options)
+        return _pipeline(model, optimizer, strategy, mesh, dp, options, deterministic)
     return _layers(model, optimizer, strategy, mesh, dp, options, deterministic)
 
 
@@ -113,17 +116,20 @@ def _pipeline(
     mesh: DeviceMesh,
     dp: str | None,
     options: dict[str, Any],
+    deterministic: bool | str,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     options.pop("sequence_parallel", None)  # off here: refused above when on
     tp = "tp" in strategy
     before = _names_of(model, optimizer) if tp else {}
+    # Deterministic mode: ``pipeline`` sums on the tree itself (the model is prepared).
+    fixed = fixed_sums if deterministic == REPEAT else (lambda g: g)
     stage = pipeline(
         model,
         mesh.group("pp"),
         schedule=strategy["pp"],
-        dp_group=mesh.group("dp") if dp is not None else None,
+        dp_group=fixed(mesh.group("dp")) if dp is not None else None,
         dp_strategy=dp or "ddp",
-        tp_group=mesh.group("tp") if tp else None,
+        tp_group=fixed(mesh.group("tp")) if tp else None,
         tp_plan=strategy.get("tp", "auto"),
         **options,
     )
@@ -167,7 +173,7 @@ def _layers(
     mesh: DeviceMesh,
     dp: str | None,
     options: dict[str, Any],
-    deterministic: bool,
+    deterministic: bool | str,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Tensor parallelism on ``tp`` (if named), then DDP or ZeRO on ``dp``.
 
@@ -194,12 +200,14 @@ def _layers(
 
     def axis(name: str) -> ProcessGroup:
         g = mesh.group(name)
+        if deterministic == REPEAT:
+            return fixed_sums(g)
         return tree_group(g) if deterministic else g
 
     tp = axis("tp") if "tp" in strategy else None
     if tp is not None:
         model = tensor_parallel(model, tp, strategy["tp"], sequence_parallel=sp)
-        if deterministic:  # its new layers: their split sums in the model's blocks
+        if deterministic is True:  # its new layers: their split sums in the model's blocks
             make_deterministic(model)
         now = dict(model.named_parameters(remove_duplicate=False))
         for group in groups:  # the same names, now this rank's slices
@@ -209,7 +217,7 @@ def _layers(
     # Before ZeRO takes the parameters' memory over.
     copies = copies_over(tp, model) if tp is not None else None
     if "dp_replicate" in strategy:
-        options = {**options, "replicate_group": mesh.group("dp_replicate")}
+        options = {**options, "replicate_group": axis("dp_replicate")}
     wrapped = row.wrap(model, group=axis("dp_shard" if "dp_shard" in strategy else "dp"),
                        **options)  # fmt: skip
     if tp is not None and copies is not None:
