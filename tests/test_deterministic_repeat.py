@@ -169,3 +169,30 @@ def test_the_setting_takes_repeat(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_init_refuses_another_mode() -> None:
     with pytest.raises(InvalidArgumentError, match=r"init\(deterministic='always'\)"):
         sl.init(deterministic="always")
+
+
+def test_on_a_mesh_the_sharded_axis_adds_in_the_tree() -> None:
+    """``compose``'s path: ZeRO-3 on a mesh's ``dp_shard`` axis (4 ranks over Gloo) ends the
+    step with the tree's parameters; the same mesh without the mode does not (the control)."""
+
+    def on_mesh(deterministic: bool | str) -> list[dict[str, torch.Tensor]]:
+        def body(g: sl.ProcessGroup) -> dict[str, torch.Tensor]:
+            plain = copy.deepcopy(pristine())
+            opt = torch.optim.SGD(plain.parameters(), lr=1.0)
+            mesh = sl.DeviceMesh({"dp_shard": WORLD}, group=g)
+            model, opt = sl.distribute(
+                plain, opt, mesh=mesh, strategy={"dp_shard": "zero3"},
+                deterministic=deterministic,
+            )  # fmt: skip
+            assert opt is not None
+            opt.zero_grad(set_to_none=True)
+            model(*rank_slice(g.rank)).backward()
+            opt.step()
+            return {k: v.clone() for k, v in model.state_dict().items()}
+
+        states: list[dict[str, torch.Tensor]] = run_ranks(WORLD, body, backend="gloo", timeout=150)
+        return states
+
+    want = reference("tree")
+    assert all(differing(state, want) == [] for state in on_mesh("repeat"))
+    assert differing(on_mesh(False)[0], want), "ZeRO-3 over Gloo matched the tree: blind"

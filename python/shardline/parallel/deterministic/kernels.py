@@ -144,7 +144,7 @@ def mkl_strict() -> None:
         "with AVX-512, a product's bits depend on its memory's alignment), and MKL has already "
         "multiplied in this process in its default mode; set MKL_CBWR=AUTO,STRICT in the "
         "environment before the process starts, or prepare the model (make_deterministic, "
-        "sl.distribute(..., deterministic=True)) before anything multiplies"
+        "sl.distribute(..., deterministic=True or 'repeat')) before anything multiplies"
     )
 
 
