@@ -244,8 +244,9 @@ def init(
                 f"shardline is already initialised on rank {_default.rank}; call "
                 "shardline.shutdown() first"
             )
-        if not (deterministic is None or isinstance(deterministic, bool)
-                or deterministic == "repeat"):  # fmt: skip
+        if isinstance(deterministic, str) and deterministic.strip().lower() == "repeat":
+            deterministic = "repeat"
+        elif not (deterministic is None or isinstance(deterministic, bool)):
             raise InvalidArgumentError(
                 f"init(deterministic={deterministic!r}): use True (the same bits in every "
                 "layout), 'repeat' (the same bits run after run, for one layout) or False"

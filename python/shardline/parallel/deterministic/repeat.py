@@ -3,9 +3,9 @@
 Deterministic mode (``deterministic=True``) trains every layout to the same parameters, at the
 price of per-sample gradients. Much reproducibility needs less: the same job run again, on
 the same number of ranks, strategy and hardware, ends with the same bits, so a loss spike at
-step 40,000 comes back at step 40,000 and a run resumed from a checkpoint continues as the
-first one did. Two runs of one layout make the same sums over their samples; what still
-differs between them is:
+step 40,000 comes back at step 40,000, and a run resumed from a checkpoint (its optimizer's
+state, data order and random state restored too) continues as the first one did. Two runs of
+one layout make the same sums over their samples; what still differs between them is:
 
 1. Kernels that add with atomics, or pick an algorithm by timing: torch's deterministic
    algorithms replace them, or raise naming the op (``torch.use_deterministic_algorithms``;
