@@ -325,9 +325,12 @@ def worker(args: argparse.Namespace) -> int:
         return build_impl(name, base, device, args.lr, args.zero_kw, args.dtype)
 
     def step(name: str, model: Any, opt: Any, counter: list[int]) -> Any:
-        # Repeatable mode turns torch's deterministic algorithms on for the whole process;
-        # the implementations alternate here, so each step runs with its own choice.
-        torch.use_deterministic_algorithms(name.endswith("-rep"))
+        # Repeatable mode turns torch's deterministic algorithms on, and their filling of new
+        # tensors off, for the whole process; the implementations alternate here, so each
+        # step runs with its own choice (the others: torch's defaults).
+        repeat = name.endswith("-rep")
+        torch.use_deterministic_algorithms(repeat)
+        torch.utils.deterministic.fill_uninitialized_memory = not repeat  # type: ignore[attr-defined]
         chosen = batches(batch_of[name])
         x, y = chosen[counter[0] % len(chosen)]
         counter[0] += 1

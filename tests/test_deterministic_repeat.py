@@ -36,9 +36,11 @@ WORLD = 4
 def _kernels_as_they_were() -> Iterator[None]:
     """Repeatable mode turns torch's deterministic algorithms on for the process: restored."""
     had, bench = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
+    fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
     yield
     torch.use_deterministic_algorithms(had)
     torch.backends.cudnn.benchmark = bench
+    torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
 
 
 @built_once

@@ -89,7 +89,7 @@ def repeatable_kernels(model: torch.nn.Module) -> None:
     torch.use_deterministic_algorithms(True)
     # Off: with deterministic algorithms torch fills every new tensor before use, so that
     # code reading memory it never wrote reads the same; no kernel of a training step does,
-    # and on an H200 the 101M GPT's step made 111 such launches more.
+    # and on an H200 the fills took 111 launches of the 101M GPT's step.
     torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
 
