@@ -198,3 +198,17 @@ def test_on_a_mesh_the_sharded_axis_adds_in_the_tree() -> None:
     want = reference("tree")
     assert all(differing(state, want) == [] for state in on_mesh("repeat"))
     assert differing(on_mesh(False)[0], want), "ZeRO-3 over Gloo matched the tree: blind"
+
+
+def test_a_pipeline_takes_the_jobs_repeatable_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sl.pipeline`` has no ``deterministic=``: it follows ``init``'s, here the setting's."""
+    monkeypatch.setenv("SHARDLINE_DETERMINISTIC", "repeat")
+    torch.use_deterministic_algorithms(False)
+
+    def body(g: sl.ProcessGroup) -> bool:
+        with seeded(0):
+            chain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        sl.pipeline(chain, g, microbatches=2, loss_fn=lambda out, target: out.sum())
+        return torch.are_deterministic_algorithms_enabled()
+
+    assert run_ranks(2, body) == [True, True]

@@ -17,10 +17,11 @@ from torch import nn
 
 from shardline.comm.group import ProcessGroup
 from shardline.comm.tree import tree_group
-from shardline.comm.world import default_group
+from shardline.comm.world import default_group, deterministic_default
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import copies_over
 from shardline.parallel.deterministic import blocks_of, make_deterministic, unit_of
+from shardline.parallel.deterministic.repeat import REPEAT, fixed_sums, repeatable_kernels
 from shardline.parallel.pipeline.materialize import is_meta, materialize
 from shardline.parallel.pipeline.replicas import ZERO_STAGES
 from shardline.parallel.pipeline.runtime import PipelineModule
@@ -143,7 +144,10 @@ def pipeline(
     micro-batches of a power-of-two number of units each, and ``dp_group``'s reductions in
     the same tree; with ``tp_group``, its split sums cut into the model's ``blocks`` (a
     multiple of the tp size) and the tp group's sums in the tree too. Not with
-    ``recompute`` or ``compile``, nor a model split by tracing.
+    ``recompute`` or ``compile``, nor a model split by tracing. Under
+    ``sl.init(deterministic="repeat")`` (or ``SHARDLINE_DETERMINISTIC=repeat``) any model
+    runs in repeatable mode (``deterministic.repeat``): repeatable kernels, and the sums of
+    ``dp_group`` and ``tp_group`` in a fixed order.
 
     Raises:
         InvalidArgumentError: a model that is not an ``nn.Sequential``, more stages than
@@ -156,6 +160,10 @@ def pipeline(
         _check_deterministic(model, microbatches, tp_group, recompute, compile)
         dp_group = tree_group(dp_group) if dp_group is not None else None
         tp_group = tree_group(tp_group) if tp_group is not None else None
+    elif deterministic_default() == REPEAT:  # sl.init(deterministic="repeat"), the setting
+        repeatable_kernels(model)
+        dp_group = fixed_sums(dp_group) if dp_group is not None else None
+        tp_group = fixed_sums(tp_group) if tp_group is not None else None
     if dp_strategy not in ("ddp", *ZERO_STAGES):
         raise InvalidArgumentError(
             f"pipeline: dp_strategy={dp_strategy!r}; use 'ddp', 'zero1', 'zero2' or 'zero3'"
