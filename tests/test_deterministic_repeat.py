@@ -200,15 +200,21 @@ def test_on_a_mesh_the_sharded_axis_adds_in_the_tree() -> None:
     assert differing(on_mesh(False)[0], want), "ZeRO-3 over Gloo matched the tree: blind"
 
 
-def test_a_pipeline_takes_the_jobs_repeatable_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``sl.pipeline`` has no ``deterministic=``: it follows ``init``'s, here the setting's."""
+@pytest.mark.parametrize(("asked", "on"), [(None, True), (False, False)])
+def test_a_pipeline_takes_the_jobs_repeatable_mode(
+    monkeypatch: pytest.MonkeyPatch, asked: bool | None, on: bool
+) -> None:
+    """``sl.pipeline(deterministic=None)`` follows ``init``'s mode, here the setting's;
+    ``False`` keeps it off."""
     monkeypatch.setenv("SHARDLINE_DETERMINISTIC", "repeat")
     torch.use_deterministic_algorithms(False)
 
     def body(g: sl.ProcessGroup) -> bool:
         with seeded(0):
             chain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-        sl.pipeline(chain, g, microbatches=2, loss_fn=lambda out, target: out.sum())
+        sl.pipeline(
+            chain, g, microbatches=2, loss_fn=lambda out, target: out.sum(), deterministic=asked
+        )
         return torch.are_deterministic_algorithms_enabled()
 
-    assert run_ranks(2, body) == [True, True]
+    assert run_ranks(2, body) == [on, on]

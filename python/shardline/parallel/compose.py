@@ -121,16 +121,17 @@ def _pipeline(
     options.pop("sequence_parallel", None)  # off here: refused above when on
     tp = "tp" in strategy
     before = _names_of(model, optimizer) if tp else {}
-    # Deterministic mode: ``pipeline`` sums on the tree itself (the model is prepared).
-    fixed = fixed_sums if deterministic == REPEAT else (lambda g: g)
+    # ``pipeline`` fixes its groups' sums itself: in the tree for a prepared model
+    # (deterministic mode), in a fixed order in repeatable mode.
     stage = pipeline(
         model,
         mesh.group("pp"),
         schedule=strategy["pp"],
-        dp_group=fixed(mesh.group("dp")) if dp is not None else None,
+        dp_group=mesh.group("dp") if dp is not None else None,
         dp_strategy=dp or "ddp",
-        tp_group=fixed(mesh.group("tp")) if tp else None,
+        tp_group=mesh.group("tp") if tp else None,
         tp_plan=strategy.get("tp", "auto"),
+        deterministic=REPEAT if deterministic == REPEAT else False,
         **options,
     )
     if optimizer is not None:

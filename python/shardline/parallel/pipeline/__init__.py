@@ -21,7 +21,12 @@ from shardline.comm.world import default_group, deterministic_default
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import copies_over
 from shardline.parallel.deterministic import blocks_of, make_deterministic, unit_of
-from shardline.parallel.deterministic.repeat import REPEAT, fixed_sums, repeatable_kernels
+from shardline.parallel.deterministic.repeat import (
+    REPEAT,
+    fixed_sums,
+    mode_of,
+    repeatable_kernels,
+)
 from shardline.parallel.pipeline.materialize import is_meta, materialize
 from shardline.parallel.pipeline.replicas import ZERO_STAGES
 from shardline.parallel.pipeline.runtime import PipelineModule
@@ -67,6 +72,7 @@ def pipeline(
     compile: bool | dict[str, Any] = False,
     tp_group: ProcessGroup | None = None,
     tp_plan: str | Mapping[str, Any] = "auto",
+    deterministic: bool | str | None = None,
 ) -> PipelineModule:
     """Splits ``model`` into ``group.world_size * virtual_stages`` stages; returns this rank's.
 
@@ -137,6 +143,12 @@ def pipeline(
             are rewritten by ``sl.tensor_parallel`` over it. ``nn.Sequential`` models only.
         tp_plan: ``"auto"``, or ``{module name: style}`` by the whole model's names: the
             plan is made for the whole model and kept where it names this rank's modules.
+        deterministic: ``"repeat"``: repeatable mode (``deterministic.repeat``): the same
+            bits run after run for this layout (repeatable kernels, and the sums of
+            ``dp_group`` and ``tp_group`` in a fixed order). ``None`` takes
+            ``sl.init(deterministic=)``, else ``SHARDLINE_DETERMINISTIC``, where it says
+            ``"repeat"``. Deterministic mode across layouts comes from the model instead
+            (``sl.make_deterministic``, below), whatever this says.
 
     A model prepared by ``sl.make_deterministic`` trains in deterministic mode: to the
     parameters one process gets from the same samples, bit for bit
@@ -144,10 +156,7 @@ def pipeline(
     micro-batches of a power-of-two number of units each, and ``dp_group``'s reductions in
     the same tree; with ``tp_group``, its split sums cut into the model's ``blocks`` (a
     multiple of the tp size) and the tp group's sums in the tree too. Not with
-    ``recompute`` or ``compile``, nor a model split by tracing. Under
-    ``sl.init(deterministic="repeat")`` (or ``SHARDLINE_DETERMINISTIC=repeat``) any model
-    runs in repeatable mode (``deterministic.repeat``): repeatable kernels, and the sums of
-    ``dp_group`` and ``tp_group`` in a fixed order.
+    ``recompute`` or ``compile``, nor a model split by tracing.
 
     Raises:
         InvalidArgumentError: a model that is not an ``nn.Sequential``, more stages than
@@ -160,7 +169,7 @@ def pipeline(
         _check_deterministic(model, microbatches, tp_group, recompute, compile)
         dp_group = tree_group(dp_group) if dp_group is not None else None
         tp_group = tree_group(tp_group) if tp_group is not None else None
-    elif deterministic_default() == REPEAT:  # sl.init(deterministic="repeat"), the setting
+    elif (deterministic_default() if deterministic is None else mode_of(deterministic)) == REPEAT:
         repeatable_kernels(model)
         dp_group = fixed_sums(dp_group) if dp_group is not None else None
         tp_group = fixed_sums(tp_group) if tp_group is not None else None
