@@ -44,8 +44,7 @@ def _main_job(nproc: int, args: list[str], script: str | None = None) -> tuple[i
         # rank) in the bit-for-bit test; other schedules are only a name passed on. Each case
         # costs CI ~17 s.)
         (2, ["--strategy", "pp", "--schedule", "zero_bubble"], "2-stage zero_bubble pipeline"),
-        (4, ["--strategy", "zero3", "--pp", "2"], "2 zero3 replicas of a 2-stage 1f1b pipeline"),
-        (  # repeatable mode on the mesh's axes (its bits are this layout's: "same model")
+        (  # in repeatable mode (on the mesh's axes; its bits are this layout's: "same model")
             4,
             ["--strategy", "zero3", "--pp", "2", "--deterministic", "repeat"],
             "2 zero3 replicas of a 2-stage 1f1b pipeline",
