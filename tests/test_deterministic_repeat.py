@@ -10,6 +10,7 @@ order) does not.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -23,7 +24,7 @@ from shardline.comm.tree import tree_sum
 from shardline.errors import InvalidArgumentError
 from shardline.examples.train import Config, TinyGPT, corpus
 from shardline.parallel.deterministic import is_deterministic
-from shardline.parallel.deterministic.repeat import mode_of
+from shardline.parallel.deterministic.repeat import mode_of, repeatable_kernels
 from tests._ranks import built_once, run_ranks, seeded
 
 pytestmark = pytest.mark.timeout(180)
@@ -218,3 +219,18 @@ def test_a_pipeline_takes_the_jobs_repeatable_mode(
         return torch.are_deterministic_algorithms_enabled()
 
     assert run_ranks(2, body) == [on, on]
+
+
+def test_on_a_gpu_a_cublas_workspace_set_otherwise_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset, ``CUBLAS_WORKSPACE_CONFIG`` is set to cuBLAS's fixed workspace; a value that is
+    not one is refused by name (the GPU branch, taken here by saying there is one)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    repeatable_kernels(nn.Linear(2, 2))
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    with pytest.raises(InvalidArgumentError, match=r"CUBLAS_WORKSPACE_CONFIG is ':0:0'"):
+        repeatable_kernels(nn.Linear(2, 2))
