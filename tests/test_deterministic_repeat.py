@@ -24,7 +24,7 @@ from shardline.comm.tree import tree_sum
 from shardline.errors import InvalidArgumentError
 from shardline.examples.train import Config, TinyGPT, corpus
 from shardline.parallel.deterministic import is_deterministic
-from shardline.parallel.deterministic.repeat import mode_of, repeatable_kernels
+from shardline.parallel.deterministic.repeat import repeatable_kernels
 from tests._ranks import built_once, run_ranks, seeded
 
 pytestmark = pytest.mark.timeout(180)
@@ -151,26 +151,27 @@ def test_a_strategy_whose_result_follows_the_timing_is_refused(strategy: str) ->
 
 
 def test_the_mode_is_true_false_or_repeat() -> None:
+    mode_of = world_mod.deterministic_mode
     assert mode_of(True) is True and mode_of(False) is False
     assert mode_of("Repeat") == "repeat"
     with pytest.raises(InvalidArgumentError, match=r"deterministic='often': use True"):
         mode_of("often")
-    with pytest.raises(InvalidArgumentError, match=r"deterministic=1: use True"):
-        mode_of(1)
+    with pytest.raises(InvalidArgumentError, match=r"^distribute\(\): deterministic=1: use True"):
+        mode_of(1, "distribute()")
 
 
 def test_the_setting_takes_repeat(monkeypatch: pytest.MonkeyPatch) -> None:
     for text, want in (("repeat", "repeat"), ("1", True), ("0", False), ("", False)):
         monkeypatch.setenv("SHARDLINE_DETERMINISTIC", text)
         assert config.get("SHARDLINE_DETERMINISTIC") == want
-        assert world_mod.deterministic_default() == want
+        assert world_mod.deterministic_mode() == want
     monkeypatch.setenv("SHARDLINE_DETERMINISTIC", "yes")
     with pytest.raises(InvalidArgumentError, match=r"SHARDLINE_DETERMINISTIC='yes' must be 1"):
         config.get("SHARDLINE_DETERMINISTIC")
 
 
 def test_init_refuses_another_mode() -> None:
-    with pytest.raises(InvalidArgumentError, match=r"init\(deterministic='always'\)"):
+    with pytest.raises(InvalidArgumentError, match=r"init\(\): deterministic='always'"):
         sl.init(deterministic="always")
 
 

@@ -244,14 +244,9 @@ def init(
                 f"shardline is already initialised on rank {_default.rank}; call "
                 "shardline.shutdown() first"
             )
-        if isinstance(deterministic, str) and deterministic.strip().lower() == "repeat":
-            deterministic = "repeat"
-        elif not (deterministic is None or isinstance(deterministic, bool)):
-            raise InvalidArgumentError(
-                f"init(deterministic={deterministic!r}): use True (the same bits in every "
-                "layout), 'repeat' (the same bits run after run, for one layout) or False"
-            )
-        _settings["deterministic"] = deterministic
+        _settings["deterministic"] = (
+            None if deterministic is None else deterministic_mode(deterministic, "init()")
+        )
         if (trace is not None or config.get("SHARDLINE_TRACE")) and config.get(
             "SHARDLINE_TRACE_GPU"
         ):
@@ -489,15 +484,29 @@ def default_group() -> ProcessGroup:
     return _default
 
 
-def deterministic_default() -> bool | str:
-    """The mode ``distribute`` runs in when not told: ``False``, ``True`` or ``"repeat"``.
+REPEAT = "repeat"  # the deterministic mode of one layout's bits, run after run
 
-    ``init``'s choice, else ``SHARDLINE_DETERMINISTIC``.
+
+def deterministic_mode(value: object = None, where: str = "") -> bool | str:
+    """``value`` as a deterministic mode: ``False``, ``True`` or ``"repeat"``.
+
+    ``True``: every layout's bits the same; ``"repeat"``: one layout's, run after run.
+    ``None`` takes ``init``'s choice, else ``SHARDLINE_DETERMINISTIC``.
+
+    Raises:
+        InvalidArgumentError: any other value, naming the call (``where``).
     """
-    chosen = _settings["deterministic"]
-    if chosen is None:
-        chosen = config.get("SHARDLINE_DETERMINISTIC")
-    return chosen if isinstance(chosen, str) else bool(chosen)
+    if value is None:
+        chosen = _settings["deterministic"]
+        value = config.get("SHARDLINE_DETERMINISTIC") if chosen is None else chosen
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() == REPEAT:
+        return REPEAT
+    raise InvalidArgumentError(
+        f"{where + ': ' if where else ''}deterministic={value!r}: use True (the same bits in "
+        "every layout), 'repeat' (the same bits run after run, for one layout) or False"
+    )
 
 
 def shutdown() -> None:

@@ -49,7 +49,6 @@ from shardline.examples.model import (
     windows,
 )
 from shardline.parallel.deterministic import make_deterministic
-from shardline.parallel.deterministic.repeat import repeatable_kernels
 
 # The model and data live in ``model``; they stay importable from here, where the main job's
 # users (tests, benches, the docs) have always found them.
@@ -379,14 +378,13 @@ def main(argv: list[str] | None = None) -> int:
         chain = as_sequential(model)  # type: ignore[arg-type]
         if full:
             make_deterministic(chain)  # its layers' blocks
-        elif det:  # a pipeline alone sums nothing across ranks: its kernels are the rest
-            repeatable_kernels(chain)
         model = sl.pipeline(
             chain,
             schedule=args.schedule,
             microbatches=args.microbatches,
             loss_fn=loss_fn,
             virtual_stages=virtual,
+            deterministic=det,
         )
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         strategy = f"a {world_size}-stage {args.schedule} pipeline{chunks}"

@@ -15,7 +15,7 @@ from shardline.comm import trace
 from shardline.comm.group import ProcessGroup
 from shardline.comm.mesh import DeviceMesh
 from shardline.comm.tree import tree_group
-from shardline.comm.world import default_group, deterministic_default
+from shardline.comm.world import REPEAT, default_group, deterministic_mode
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
 from shardline.parallel.candidate import Candidate
@@ -25,12 +25,7 @@ from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
 from shardline.parallel.deterministic import blocks_of, make_deterministic
 from shardline.parallel.deterministic.collector import keep_wide
-from shardline.parallel.deterministic.repeat import (
-    REPEAT,
-    fixed_sums,
-    mode_of,
-    repeatable_kernels,
-)
+from shardline.parallel.deterministic.repeat import fixed_sums, repeatable_kernels
 from shardline.parallel.fit import plan_strategy
 from shardline.parallel.pipeline_layout import WithLoss, with_loss
 from shardline.parallel.precision import MixedPrecision
@@ -108,7 +103,7 @@ def distribute(
     """
     if mesh is None and not isinstance(strategy, dict):  # (before the model changes)
         _check_options(strategies.strategy(strategy).name, options)
-    deterministic = deterministic_default() if deterministic is None else mode_of(deterministic)
+    deterministic = deterministic_mode(deterministic, "distribute()")
     if deterministic == REPEAT:
         group = _repeatable(model, strategy, group, mesh)
     elif deterministic:

@@ -32,12 +32,13 @@ from torch import nn
 from shardline.comm.group import ProcessGroup
 from shardline.comm.mesh import DeviceMesh
 from shardline.comm.tree import tree_group
+from shardline.comm.world import REPEAT
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
 from shardline.parallel._common import ModelParallel, copies_over
 from shardline.parallel.data.zero.optimizers import check_optimizer
 from shardline.parallel.deterministic import make_deterministic
-from shardline.parallel.deterministic.repeat import REPEAT, fixed_sums
+from shardline.parallel.deterministic.repeat import fixed_sums
 from shardline.parallel.pipeline import pipeline
 from shardline.parallel.tensor import tensor_parallel
 

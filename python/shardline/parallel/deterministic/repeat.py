@@ -34,32 +34,16 @@ import torch
 from shardline import config
 from shardline.comm.group import ProcessGroup
 from shardline.comm.tree import tree_group
+from shardline.comm.world import REPEAT
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic import kernels
 
-__all__ = ["CUBLAS_WORKSPACE", "REPEAT", "fixed_sums", "mode_of", "repeatable_kernels"]
+__all__ = ["CUBLAS_WORKSPACE", "REPEAT", "fixed_sums", "repeatable_kernels"]
 
-REPEAT = "repeat"
 # cuBLAS's fixed workspace per stream that torch's deterministic algorithms ask for.
 CUBLAS_WORKSPACE = ":4096:8"
 _REPEATABLE_CUBLAS = (":4096:8", ":16:8")
 _OWN_ORDER = ("native",)  # backends whose sums add the ranks in a fixed order
-
-
-def mode_of(value: object, where: str = "deterministic") -> bool | str:
-    """``value`` as a deterministic mode: ``False``, ``True`` (every layout) or ``"repeat"``.
-
-    Raises:
-        InvalidArgumentError: any other value, naming ``where``.
-    """
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() == REPEAT:
-        return REPEAT
-    raise InvalidArgumentError(
-        f"{where}={value!r}: use True (the same bits in every layout), 'repeat' (the same "
-        "bits run after run, for one layout) or False"
-    )
 
 
 def repeatable_kernels(model: torch.nn.Module) -> None:

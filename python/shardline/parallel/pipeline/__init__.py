@@ -17,16 +17,11 @@ from torch import nn
 
 from shardline.comm.group import ProcessGroup
 from shardline.comm.tree import tree_group
-from shardline.comm.world import default_group, deterministic_default
+from shardline.comm.world import REPEAT, default_group, deterministic_mode
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import copies_over
 from shardline.parallel.deterministic import blocks_of, make_deterministic, unit_of
-from shardline.parallel.deterministic.repeat import (
-    REPEAT,
-    fixed_sums,
-    mode_of,
-    repeatable_kernels,
-)
+from shardline.parallel.deterministic.repeat import fixed_sums, repeatable_kernels
 from shardline.parallel.pipeline.materialize import is_meta, materialize
 from shardline.parallel.pipeline.replicas import ZERO_STAGES
 from shardline.parallel.pipeline.runtime import PipelineModule
@@ -169,7 +164,7 @@ def pipeline(
         _check_deterministic(model, microbatches, tp_group, recompute, compile)
         dp_group = tree_group(dp_group) if dp_group is not None else None
         tp_group = tree_group(tp_group) if tp_group is not None else None
-    elif (deterministic_default() if deterministic is None else mode_of(deterministic)) == REPEAT:
+    elif deterministic_mode(deterministic, "pipeline()") == REPEAT:
         repeatable_kernels(model)
         dp_group = fixed_sums(dp_group) if dp_group is not None else None
         tp_group = fixed_sums(tp_group) if tp_group is not None else None
