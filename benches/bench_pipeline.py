@@ -13,7 +13,9 @@ with unit costs (forward 1, backward 2: (p - 1) / (m + p - 1) for GPipe and 1F1B
 same schedule simulated with the costs its actions measured in the timed steps (each
 stage's mean forward, backward, input and weight pass): what the schedule itself leaves idle
 on this machine, so the measured bubble beyond it is the runtime's, and the actions' times
-varying from step to step. The ratio is also given round by round (alternated blocks).
+varying from step to step. The ratio is also given round by round (alternated blocks), and
+each side's page faults per step (the most of any rank): memory the C library handed back
+and took again, which the kernel maps and zeroes anew (``SHARDLINE_KEEP_FREED_MEMORY``).
 Zero-bubble (ZB-H1, and ZB-H2 with up to 2p - 1 micro-batches held) has no torch peer with
 one stage per rank: it alternates with our own 1F1B instead, and its row says how it
 compares. Writes ``.txt``,
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 from collections import OrderedDict
@@ -148,6 +151,8 @@ def one_schedule(
             opts["shardline_1f1b"].step()
 
         steps["shardline_1f1b"] = base_step
+    faults: dict[str, list[int]] = {k: [] for k in steps}  # this rank's page faults, per step
+    steps = {k: counted(fn, faults[k]) for k, fn in steps.items()}
     busy: list[float] = []
     took: dict[str, list[float]] = {}  # this rank's actions' seconds, by kind, every timed step
 
@@ -177,6 +182,11 @@ def one_schedule(
     dist.all_gather_object(costs, {kind: statistics.fmean(v) for kind, v in took.items()})
     peaks: list[Any] = [None] * world
     dist.all_gather_object(peaks, peak)
+    # The most a rank faulted pages in per step (median of its steps), by side.
+    most = torch.tensor(
+        [statistics.median(faults[k]) for k in steps], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
     tokens = args.batch * cfg.seq_len
     actions = build_schedule(schedule, world, m)
     row: dict[str, Any] = {
@@ -191,12 +201,26 @@ def one_schedule(
         row[f"{name}_step_ms"] = t * 1e3
         row[f"{name}_tokens_per_s"] = tokens / t
         row[f"{name}_peak_bytes_per_stage"] = [pk[name] for pk in peaks]
+    for name, n in zip(steps, most.tolist(), strict=True):
+        row[f"{name}_page_faults_per_step"] = n
     if peer:
         row["ratio"] = row["shardline_tokens_per_s"] / row["torch_tokens_per_s"]
     else:
         row["ratio_vs_1f1b"] = row["shardline_tokens_per_s"] / row["shardline_1f1b_tokens_per_s"]
     row["ratio_rounds"] = rounds  # tokens/s against the other side's, in each round
     return row
+
+
+def counted(step: Any, faults: list[int]) -> Any:
+    """``step``, noting the minor page faults each call took (pages the kernel had to map
+    and zero: memory malloc gave back and took again)."""
+
+    def run() -> None:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        step()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+    return run
 
 
 def measured(costs: list[dict[str, float]]) -> Any:
@@ -238,6 +262,7 @@ def table(results: dict[int, dict[str, Any]], m: int) -> str:
                     else ""
                 )
                 + rounds(row.get("ratio_rounds"))
+                + page_faults(row)
             )
     return "\n".join(lines)
 
@@ -247,6 +272,17 @@ def rounds(ratios: list[float] | None) -> str:
     if not ratios:
         return ""
     return f"  rounds {min(ratios):.2f}-{max(ratios):.2f}x, median {statistics.median(ratios):.2f}x"
+
+
+def page_faults(row: dict[str, Any]) -> str:
+    """The page faults a step took (the most of any rank, median over its steps), both sides."""
+    ours = row.get("shardline_page_faults_per_step")
+    if ours is None:  # results written before the bench counted them
+        return ""
+    other, name = row.get("torch_page_faults_per_step"), "torch"
+    if other is None:
+        other, name = row.get("shardline_1f1b_page_faults_per_step"), "our 1f1b"
+    return f"  page faults/step {ours:,.0f} ({name} {other:,.0f})"
 
 
 def plot(results: dict[int, dict[str, Any]], path: Path) -> str:

@@ -53,6 +53,7 @@ from shardline.errors import (
     PeerLostError,
     ShardlineError,
 )
+from shardline.heap import keep_freed_memory
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -207,7 +208,9 @@ def init(
     the TCPStore (a client of the launcher's under ``shardline run`` or torchrun, else hosted
     by rank 0), and connects every rank. With ``backend="mpi"`` the ranks are MPI's and no
     store is opened: plain ``mpirun -n 4 python train.py`` works, and where
-    ``RANK``/``WORLD_SIZE`` are set they must match MPI's.
+    ``RANK``/``WORLD_SIZE`` are set they must match MPI's. On every backend but NCCL the
+    process's heap then keeps freed memory for the next step instead of faulting it in again
+    (``shardline.heap``; ``SHARDLINE_KEEP_FREED_MEMORY=0`` leaves malloc as it was).
 
     Args:
         backend: ``"native"`` (CPU tensors), ``"nccl"`` (CUDA tensors, one GPU per rank,
@@ -255,11 +258,11 @@ def init(
         named = backend.strip().lower() if backend else config.get("SHARDLINE_BACKEND")
         if named == "mpi":  # MPI has its own rendezvous
             _default = _init_mpi(timeout)
-            _start_recorder(_default, trace)
+            _joined(_default, trace)
             return _default
         if config.raw("SHARDLINE_ELASTIC_SLOT") or config.raw("SHARDLINE_ELASTIC_STANDBY"):
             _default = _init_elastic(backend, timeout, explicit=bool(named))
-            _start_recorder(_default, trace)
+            _joined(_default, trace)
             return _default
         info = read_env()
         chosen = choose_backend(backend, local_world_size=info.local_world_size)
@@ -300,7 +303,7 @@ def init(
             raise
         _default, _job = group, job
         failures.use_job_store(job.store)
-        _start_recorder(group, trace)
+        _joined(group, trace)
         return group
 
 
@@ -431,6 +434,16 @@ def reform() -> ProcessGroup:
         failures.use_job_store(e.store)
     _start_recorder(group)
     return group
+
+
+def _joined(group: ProcessGroup, trace: str | os.PathLike[str] | None) -> None:
+    """Once joined: the heap keeps freed memory on CPU backends; the recorders start.
+
+    See ``shardline.heap`` (unless ``SHARDLINE_KEEP_FREED_MEMORY=0``).
+    """
+    if group.backend != "nccl" and config.get("SHARDLINE_KEEP_FREED_MEMORY"):
+        keep_freed_memory()
+    _start_recorder(group, trace)
 
 
 def _start_recorder(group: ProcessGroup, trace: str | os.PathLike[str] | None = None) -> None:
