@@ -2,8 +2,8 @@
 
 The layers, bottom up (``docs/reference/packages.md`` lists the same for users):
 
-- base: errors, dtypes, config (the settings table), the version, progress, pinned memory,
-  the engine's extension: every layer may import them;
+- base: errors, dtypes, config (the settings table), the heap, the version, progress, pinned
+  memory, the engine's extension: every layer may import them;
 - ``comm``: rendezvous, process groups, backends, collectives, the torch backend;
 - ``compression``: gradient codecs, comm hooks;
 - ``optim``: optimizers;
@@ -36,6 +36,7 @@ LAYERS = [
         "shardline.config",
         "shardline.dtypes",
         "shardline.errors",
+        "shardline.heap",
     },
     {"shardline.comm"},
     {"shardline.compression"},

@@ -319,10 +319,11 @@ SETTINGS: tuple[Setting, ...] = (
         "SHARDLINE_KEEP_FREED_MEMORY",
         "`0`, `1`",
         "1",
-        "On CPU backends (native, Gloo, MPI) `init` has glibc's malloc keep freed memory for "
-        "reuse: the top of its heap given back to the system only past 2 GiB free, blocks up "
-        "to 32 MiB from the heap, so a step whose tensors vary in size stops faulting fresh "
-        "pages in. The process keeps its peak step's memory. `0`: malloc's defaults.",
+        "On CPU backends (native, Gloo, MPI; and torch's `shardline` backend) `init` has "
+        "glibc's malloc keep freed memory for reuse: the top of its heap given back to the "
+        "system only past 2 GiB free, blocks up to 32 MiB from the heap, so a step whose "
+        "tensors vary in size stops faulting fresh pages in. The process keeps its peak "
+        "step's memory. `0`: malloc's defaults.",
         _flag,
         True,
     ),

@@ -12,8 +12,9 @@ between 128 KiB and 4 MiB ran 2-5x slower than with the memory kept.
 ``keep_freed_memory`` raises both thresholds (``mallopt``): the top of the heap is given
 back only past 2 GiB free, and blocks up to 32 MiB (the most glibc allows) come from the
 heap. The process then keeps the memory of its peak step, as it would need it again next
-step. Blocks above 32 MiB still come from fresh mappings. ``init`` calls it on CPU backends
-unless ``SHARDLINE_KEEP_FREED_MEMORY=0``; on a C library other than glibc it does nothing.
+step. Blocks above 32 MiB still come from fresh mappings. ``init`` calls it on CPU backends,
+and so does torch's ``shardline`` backend when it makes a group, unless
+``SHARDLINE_KEEP_FREED_MEMORY=0``; on a C library other than glibc it does nothing.
 """
 
 from __future__ import annotations

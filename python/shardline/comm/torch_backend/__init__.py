@@ -45,6 +45,7 @@ from shardline.comm.torch_backend.process_group import BACKEND_NAME, ShardlinePr
 from shardline.comm.torch_backend.work import ShardlineWork
 from shardline.comm.trace.recorder import TRACER
 from shardline.errors import ShardlineError
+from shardline.heap import keep_freed_memory
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -178,6 +179,8 @@ def _create_group(opts: Any, backend_options: object | None = None) -> Shardline
         timeout=timeout,
         master_addr=_master_addr(store),
     )
+    if config.get("SHARDLINE_KEEP_FREED_MEMORY"):  # as ``shardline.init`` does on CPU
+        keep_freed_memory()
     where = config.get("SHARDLINE_TRACE")
     if where and not TRACER.active and not dist.is_initialized():  # the default group
         TRACER.start(where, rank=group.rank, world_size=group.world_size, backend=BACKEND_NAME)
