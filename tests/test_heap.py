@@ -52,7 +52,7 @@ for how in sys.argv[1:]:
     read[how] = blocks()
 print(json.dumps(read))
 """
-MIB = 1 << 20  # (most of the forty: a few may fit in what the heap held before)
+MIB = 1 << 20
 
 
 def _glibc() -> tuple[int, ...] | None:
@@ -91,7 +91,8 @@ def heap(*steps: str, **env: str) -> dict[str, dict[str, int]]:
 
 def test_kept_blocks_come_from_the_heap_and_stay_there() -> None:
     read = heap("plain", "keep")
-    # The control: with malloc's initial thresholds it maps each block and unmaps it.
+    # 36 of the forty MiB: a few blocks may fit in what the heap held before. The control:
+    # with malloc's initial thresholds it maps each block and unmaps it.
     assert read["plain"]["mapped"] >= 36 * MIB and read["plain"]["kept"] < 8 * MIB
     assert read["keep"]["mapped"] == 0 and read["keep"]["kept"] >= 36 * MIB
 
