@@ -34,11 +34,10 @@ import torch
 from shardline import config
 from shardline.comm.group import ProcessGroup
 from shardline.comm.tree import tree_group
-from shardline.comm.world import REPEAT
 from shardline.errors import InvalidArgumentError
 from shardline.parallel.deterministic import kernels
 
-__all__ = ["CUBLAS_WORKSPACE", "REPEAT", "fixed_sums", "repeatable_kernels"]
+__all__ = ["CUBLAS_WORKSPACE", "fixed_sums", "repeatable_kernels"]
 
 # cuBLAS's fixed workspace per stream that torch's deterministic algorithms ask for.
 CUBLAS_WORKSPACE = ":4096:8"
