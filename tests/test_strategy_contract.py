@@ -283,5 +283,7 @@ def test_replicated_values_missing_on_a_rank_fail_every_rank_at_once(tmp_path: P
 
     # run_ranks fails ranks still running at 60 s; the commit deadline is 300 s
     messages = run_ranks(2, body, timeout=60)
-    assert all("different replicated state" in m and "only_on_rank_1" in m for m in messages)
+    assert all("different replicated state" in m and "only_on_rank_1" in m for m in messages), (
+        messages
+    )
     assert not (tmp_path / "ck").exists()

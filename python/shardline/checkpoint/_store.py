@@ -137,8 +137,13 @@ def write_rank(
 def mark_failed(partial: Path, rank: int, reason: str) -> None:
     """Leaves this rank's failure in a partial checkpoint, so no other rank waits for it."""
     # (when the directory is gone the others time out, as they would have)
+    # Written whole, then renamed: a rank polling for it could read it still empty, and say
+    # the failure without its reason.
+    marker = partial / f"{FAILED}.rank{rank:05d}"
+    tmp = marker.with_name(f".{marker.name}.tmp")  # not matched by raise_if_failed's glob
     with contextlib.suppress(OSError):
-        (partial / f"{FAILED}.rank{rank:05d}").write_text(reason)
+        tmp.write_text(reason)
+        tmp.rename(marker)
 
 
 def raise_if_failed(partial: Path, final: Path) -> None:

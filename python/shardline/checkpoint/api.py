@@ -15,6 +15,7 @@ import secrets
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,7 @@ class SaveHandle:
         self.path = path
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._taken = False  # whether wait() handed the error to the program
         self._thread: threading.Thread | None = None
 
     def _run(self, job: Any) -> None:
@@ -95,8 +97,26 @@ class SaveHandle:
         if not self._done.wait(timeout):
             raise CheckpointError(f"checkpoint {self.path} still being written after {timeout} s")
         if self._error is not None:
+            self._taken = True
             raise self._error
         return self.path
+
+    def _settle(self) -> None:
+        """Waits for this save to finish, for the next one; its error stays with this handle.
+
+        An error nobody took with ``wait()`` becomes a warning here: a failed save (a full
+        disk, a lost rank) must not go unseen, nor fail every later save of the process.
+        """
+        self._done.wait()
+        if self._error is not None and not self._taken:
+            self._taken = True
+            warnings.warn(
+                f"the asynchronous checkpoint save to {self.path} failed and its error was "
+                f"never taken with handle.wait(): {type(self._error).__name__}: {self._error}; "
+                "the next save goes ahead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 def _capture_rng() -> dict[str, Any]:
@@ -157,7 +177,9 @@ def save(
         compress: A zstd level (e.g. 3) for ``.safetensors.zst`` shards; ``None``: plain
             safetensors files that other tools read.
         async_: Snapshot the state into host memory, return at once and write in a
-            background thread; ``handle.wait()`` commits (a later save waits for it too).
+            background thread; ``handle.wait()`` commits or raises its error. A later save
+            waits for it first; an error nobody took with ``wait()`` is then a
+            ``RuntimeWarning``, and the later save goes ahead.
             The host buffers are kept and reused by the next async save.
         keep_last: Afterwards keep only the newest ``keep_last`` checkpoints next to ``path``.
         progress: A progress line on stderr for this rank's shard. ``None``: on rank 0 for
@@ -176,9 +198,9 @@ def save(
     """
     global _pending  # noqa: PLW0603  # one save in flight per process
     with _pending_lock:
-        previous = _pending
+        previous, _pending = _pending, None
     if previous is not None:
-        previous.wait()
+        previous._settle()
     g = _group(group)
     rank, world = (g.rank, g.world_size) if g is not None else (0, 1)
     final = Path(path)
