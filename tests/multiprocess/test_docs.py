@@ -78,6 +78,11 @@ def blocks(page: Path) -> list[Block]:
 
 
 ALL = [b for page in PAGES for b in blocks(page) if b.lang != "text"]
+# A block that repeats an earlier one (the README's quick start is also the getting-started
+# page's) runs once: same code, same set-up, run the same way.
+FIRST: dict[tuple[str, str, str, str], Block] = {}
+for _b in ALL:
+    FIRST.setdefault((_b.lang, _b.code, _b.setup, _b.how), _b)
 
 
 def test_the_pages_hold_code_blocks() -> None:
@@ -111,6 +116,9 @@ def test_the_code_block_runs(block: Block, tmp_path: Path) -> None:
         reason = block.how.removeprefix("skip:").strip()
         assert len(reason.split()) >= 4, f"{block.name}: say why it is skipped"
         pytest.skip(reason)
+    first = FIRST[(block.lang, block.code, block.setup, block.how)]
+    if first is not block:
+        pytest.skip(f"the same block as {first.name}, which runs")
     if block.lang == "bash":
         assert block.how == "run", f"{block.name}: a bash block needs <!-- test: run --> or skip"
     else:
