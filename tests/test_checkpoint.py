@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ from torch import nn
 
 import shardline as sl
 from shardline import checkpoint
-from shardline.checkpoint import _store, api
 from shardline.comm import ProcessGroup
 from shardline.errors import CheckpointError
 from tests._ranks import run_ranks
@@ -351,67 +349,6 @@ def test_async_saves_in_a_row_reuse_buffers_without_mixing_snapshots(tmp_path: P
         checkpoint.load(tmp_path / f"ck{i}", model=loaded)
         for k, v in want.items():
             assert torch.equal(loaded.state_dict()[k], v), (i, k)
-
-
-def test_a_failed_async_save_fails_once_and_the_next_save_goes_ahead(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A save that failed in the background (here a full disk) raises through its handle;
-    the process's later saves are not failed by it. An error nobody took with ``wait()``
-    is a warning at the next save, which still saves."""
-    real = api.write_rank
-    full = [True]
-
-    def write_rank(*args: Any, **kwargs: Any) -> Any:
-        if full[0]:
-            full[0] = False
-            raise OSError(28, "No space left on device")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(api, "write_rank", write_rank)
-    model = make()
-    handle = checkpoint.save(tmp_path / "a", model=model, async_=True)
-    with pytest.raises(OSError, match="No space left"):
-        handle.wait()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # taken: nothing to say
-        assert checkpoint.save(tmp_path / "b", model=model).wait() == tmp_path / "b"
-    full[0] = True
-    checkpoint.save(tmp_path / "c", model=model, async_=True)  # fails; nobody waits for it
-    with pytest.warns(RuntimeWarning, match=r"save to \S+/c failed .*No space left"):
-        checkpoint.save(tmp_path / "d", model=model)
-    for name in ("b", "d"):
-        loaded = make(seed=9)
-        checkpoint.load(tmp_path / name, model=loaded)
-        assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in full_state(model).items())
-    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
-
-
-def test_a_failure_marker_is_read_whole_or_not_at_all(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A rank polling for another's failure must never read its marker half written: it
-    would say that rank failed without saying why."""
-    partial, final = tmp_path / "ck.partial", tmp_path / "ck"
-    partial.mkdir()
-    seen: list[str | None] = []
-    real = Path.write_text
-
-    def write_text(self: Path, data: str, *args: Any, **kwargs: Any) -> int:
-        self.touch()  # the file exists, its text not yet written: a poller may look now
-        try:
-            _store.raise_if_failed(partial, final)
-            seen.append(None)
-        except CheckpointError as exc:
-            seen.append(str(exc))
-        return real(self, data, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "write_text", write_text)
-    _store.mark_failed(partial, 1, "OSError: [Errno 28] No space left on device")
-    monkeypatch.undo()
-    assert seen == [None]
-    with pytest.raises(CheckpointError, match=r"rank 1 failed: OSError: \[Errno 28\] No space"):
-        _store.raise_if_failed(partial, final)
 
 
 class TiedAtTheEnd(nn.Module):

@@ -6,17 +6,23 @@ Layout of a committed checkpoint ``path``::
     path/index.json                every tensor: dtype, global shape, chunks (file, range)
     path/COMMIT                    written last; readers ignore directories without it
 
-Saving writes into ``path.partial``: every rank writes and fsyncs its shard file and a small
-manifest; rank 0 waits for all manifests, writes the index and ``COMMIT`` (fsynced), renames the
-directory to ``path`` and fsyncs the parent. A crash at any point leaves either the previous
-checkpoint or the new one, never a torn one.
+Saving writes into ``path.partial-<nonce>``, a folder of that save's own: every rank writes
+and fsyncs its shard file and a small manifest; rank 0 waits for all manifests, writes the
+index and ``COMMIT`` (fsynced), puts the folder in ``path``'s place and fsyncs the parent. A
+checkpoint already at ``path`` is swapped out in one step (``renameat2``'s exchange, where the
+filesystem has it; else renamed to ``path.old-<nonce>`` first) and then deleted. A crash at any
+point leaves either the previous checkpoint or the new one, never a torn one. Finding
+checkpoints (``latest``, ``keep_last``) passes over these working folders (``is_working``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -52,6 +58,58 @@ READ_THREADS = 8
 COMMIT = "COMMIT"
 FAILED = "FAILED"  # a rank's failure marker in a partial checkpoint
 SCHEMA = 1
+
+
+# A save's folders that are not checkpoints: ``<name>.partial-<nonce>`` (``.partial``, as
+# earlier versions named it) and ``<name>.old-<nonce>``, the checkpoint it replaces.
+_WORKING = re.compile(r"\.(partial(-[0-9a-f]+)?|old-\d+)$")
+
+
+def working_folder(final: Path, nonce: int) -> Path:
+    """Where the save with ``nonce`` writes ``final`` before it commits."""
+    return final.with_name(f"{final.name}.partial-{nonce:x}")
+
+
+def is_working(path: Path) -> bool:
+    """Whether ``path`` is a save's working folder (see ``_WORKING``), not a checkpoint."""
+    return _WORKING.search(path.name) is not None
+
+
+def remove_stale(final: Path, keep: Path) -> None:
+    """Removes ``final``'s working folders left by earlier saves (died or failed), but ``keep``.
+
+    Only once every rank is in the save that writes ``keep``: then none still writes into
+    an earlier one, nor waits for the failure another rank left there.
+    """
+    with contextlib.suppress(OSError):
+        for p in final.parent.iterdir():
+            rest = p.name[len(final.name) :]
+            if p != keep and p.name.startswith(final.name) and _WORKING.fullmatch(rest):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2  # renameat2's flag (linux/fs.h)
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps the names of ``a`` and ``b`` in one step; False where that is not available.
+
+    Linux's ``renameat2(RENAME_EXCHANGE)`` (glibc 2.28 or later; ext4, xfs, btrfs, tmpfs, but
+    not every network filesystem): ``b`` is never missing, not even for an instant.
+    """
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"swapping {a} and {b}: {os.strerror(err)}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -237,10 +295,14 @@ def commit(
         os.fsync(f.fileno())
     _fsync_dir(partial)
     old = None
-    if final.exists():
+    if not final.exists():
+        partial.rename(final)
+    elif _exchange(partial, final):
+        old = partial  # the previous checkpoint, now under the working folder's name
+    else:  # two renames: between them only path.old-<nonce> holds a checkpoint
         old = final.with_name(f"{final.name}.old-{header.get('nonce', 0)}")
         final.rename(old)
-    partial.rename(final)
+        partial.rename(final)
     _fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import secrets
-import shutil
 import threading
 import time
 import warnings
@@ -35,7 +34,9 @@ from shardline.checkpoint._store import (
     is_committed,
     mark_failed,
     raise_if_failed,
+    remove_stale,
     shard_name,
+    working_folder,
     write_rank,
 )
 from shardline.checkpoint.maintenance import rotate
@@ -204,20 +205,23 @@ def save(
     g = _group(group)
     rank, world = (g.rank, g.world_size) if g is not None else (0, 1)
     final = Path(path)
-    partial = final.with_name(final.name + ".partial")
     user = dict(extra or {})
     try:
         extra_json = json.loads(json.dumps(user))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"save({final}): extra is not JSON-serialisable: {exc}") from exc
     nonce = secrets.randbits(62) if rank == 0 else 0
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    if g is not None:  # rank 0's nonce, and nobody writes before the directory exists
+    if g is not None:  # rank 0's nonce; from here every rank is past its previous save
         t = torch.tensor([nonce], dtype=torch.int64, device=_device(g))
         g.broadcast(t, src=0)
         nonce = int(t.item())
+    # This save's own folder. A rank may still be in an earlier save to the same path when
+    # rank 0 starts this one (rank 0 failed fast and retried): that save's folder, and the
+    # failure rank 0 left there for it, stay until every rank is here.
+    partial = working_folder(final, nonce)
+    partial.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        remove_stale(final, keep=partial)
 
     pieces: list[Piece] = []
     aliases: dict[str, str] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +17,38 @@ import numpy as np
 import torch
 
 from shardline import _native
-from shardline.checkpoint._store import INDEX, Checkpoint, is_committed
-from shardline.checkpoint.pieces import dtype_name
+from shardline.checkpoint._store import INDEX, Checkpoint, is_committed, is_working
+from shardline.checkpoint.pieces import dtype_name, is_local_key
 from shardline.errors import CheckpointError
 
 __all__ = ["consolidate", "info", "latest", "rotate", "verify"]
 
 
-def _committed_under(root: Path) -> list[Path]:
+def _committed_under(root: Path) -> list[tuple[tuple[float, float], Path]]:
+    """The committed checkpoints in ``root``, each with its age (step, then time).
+
+    Passes over a save's working folders (a save in progress, or one that died) and, with a
+    warning, a checkpoint whose index cannot be read: one unreadable folder must not hide
+    the others.
+    """
     if not root.is_dir():
         return []
-    return [p for p in root.iterdir() if p.is_dir() and is_committed(p)]
+    found = []
+    for p in root.iterdir():
+        if not p.is_dir() or is_working(p) or not is_committed(p):
+            continue
+        try:
+            found.append((_age_key(p), p))
+        except FileNotFoundError:
+            continue  # deleted meanwhile (another process's keep_last)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            warnings.warn(
+                f"{p / INDEX} is unreadable ({type(exc).__name__}: {exc}); passed over as a "
+                "checkpoint (`shardline ckpt verify` checks one)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return found
 
 
 def _age_key(path: Path) -> tuple[float, float]:
@@ -37,7 +59,7 @@ def _age_key(path: Path) -> tuple[float, float]:
 
 def rotate(final: Path, keep: int) -> None:
     """Keeps only the newest ``keep`` committed checkpoints next to ``final`` (and it)."""
-    others = sorted(_committed_under(final.parent), key=_age_key)
+    others = [p for _, p in sorted(_committed_under(final.parent))]
     for old in others[: max(0, len(others) - max(keep, 1))]:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
@@ -46,14 +68,14 @@ def rotate(final: Path, keep: int) -> None:
 def latest(root: str | os.PathLike[str]) -> Path | None:
     """The newest committed checkpoint under ``root`` (by step, then time), or ``None``."""
     found = _committed_under(Path(root))
-    return max(found, key=_age_key) if found else None
+    return max(found)[1] if found else None
 
 
 def info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What a checkpoint holds and how it was written (strategy, shards, precision, ...)."""
     with Checkpoint(path) as ck:
         idx = ck.index
-        model_keys = [k for k in ck.tensors if k.startswith("model/")]
+        model_keys = [k for k in ck.tensors if k.startswith("model/") and not is_local_key(k)]
         return {
             "path": str(ck.path),
             "writer": idx.get("writer"),
@@ -113,7 +135,8 @@ def consolidate(
     with Checkpoint(path) as ck:
         dst = Path(out)
         dst.mkdir(parents=True, exist_ok=True)
-        keys = [k for k in ck.tensors if k.startswith("model/")]
+        # The model's tensors; not a strategy's per-rank values (``Local``: residuals, ...)
+        keys = [k for k in ck.tensors if k.startswith("model/") and not is_local_key(k)]
         groups: list[list[str]] = [[]]
         size = 0
         for k in keys:

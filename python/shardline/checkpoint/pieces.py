@@ -54,6 +54,11 @@ def local_key(key: str, rank: int) -> str:
     return f"{key}#rank{rank}"
 
 
+def is_local_key(key: str) -> bool:
+    """Whether ``key`` holds one rank's ``Local`` value (``local_key``), not the model's."""
+    return "#rank" in key
+
+
 def flat_index(shape: tuple[int, ...], index: tuple[int, ...]) -> int:
     """Row-major position of ``index`` in a tensor of ``shape``."""
     pos = 0

@@ -19,7 +19,13 @@ import torch
 from torch import nn
 
 from shardline.checkpoint._store import Checkpoint
-from shardline.checkpoint.pieces import flat_index, global_shape, local_key, targets_of
+from shardline.checkpoint.pieces import (
+    flat_index,
+    global_shape,
+    is_local_key,
+    local_key,
+    targets_of,
+)
 from shardline.errors import CheckpointError, InvalidArgumentError
 from shardline.parallel import contract
 from shardline.parallel.contract import Local, Shard
@@ -58,7 +64,7 @@ def plan_model(
     stored = {
         k[len("model/") :]
         for k in list(ck.tensors) + list(ck.aliases)
-        if k.startswith("model/") and "#rank" not in k
+        if k.startswith("model/") and not is_local_key(k)
     }
     locals_ = {n for n, v in sd.items() if isinstance(v, Local)}
     missing = sorted(n for n in sd if n not in locals_ and not ck.has(f"model/{n}"))
@@ -122,7 +128,7 @@ def plan_optimizer(
             )
     by_param: dict[str, list[str]] = {}
     for key in ck.tensors:
-        if key.startswith("optim/") and "#rank" not in key:
+        if key.startswith("optim/") and not is_local_key(key):
             name, _, k = key[len("optim/") :].rpartition("/")
             by_param.setdefault(name, []).append(k)
     values = saved.get("values", {})
