@@ -371,6 +371,20 @@ def test_gives_up_after_max_restarts(tmp_path: Path, pid_dir: Path) -> None:
     assert "giving up after 2 attempts" in res.stderr, _show(res)
 
 
+@pytest.mark.parametrize("code", [0, 3])
+def test_an_elastic_job_whose_workers_end_before_it_forms_ends_with_their_code(
+    tmp_path: Path, pid_dir: Path, code: int
+) -> None:
+    """Workers that end at once (a wrong module name, ``--help``) before the first generation
+    is published: the launcher ends with their code, not waits for a generation forever."""
+    script = tmp_path / "ends.py"  # (not _script's header, which reads RANK: elastic sets none)
+    script.write_text(f"raise SystemExit({code})\n")
+    env = _env(tmp_path, pid_dir, {"SHARDLINE_SECRET": "elastic-test"})
+    args = ["--nnodes", "1:2", "--master-port", str(free_port()), "--nproc-per-node", "2"]
+    res = _finish(_start([*args, str(script)], env), timeout=60)
+    assert res.returncode == code, _show(res)
+
+
 def test_worker_killed_by_a_signal_is_reported_by_name(tmp_path: Path, pid_dir: Path) -> None:
     script = _script(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)\n")
     res = _launch(["--nproc-per-node", "1", str(script)], _env(tmp_path, pid_dir))

@@ -308,7 +308,10 @@ class Coordinator:
         members, all_over = self.members(now)
         if members != self._seen:
             self._seen, self._seen_since = members, now
-        self.finished = all_over and self.published is not None
+        # Over once every slot is done or gone: after a generation, or before any if the
+        # workers all ended first (a typo in the module's name, ``--help``); a node counts
+        # from its registration, which comes after its slots are up.
+        self.finished = all_over and (self.published is not None or bool(self._nproc))
         current = self.published.members if self.published is not None else ()
         if self.finished or members == current or now - self._seen_since < SETTLE_S:
             return None
