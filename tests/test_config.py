@@ -71,6 +71,9 @@ def test_python_reads_settings_only_through_config() -> None:
         ("SHARDLINE_INSECURE", None, False),
         ("SHARDLINE_STREAM_STORES", "0", "0"),
         ("SHARDLINE_SECRET", " keep blanks ", " keep blanks "),
+        ("SHARDLINE_TIMEOUT", "1e9", 1e9),
+        ("SHARDLINE_KEEPALIVE", "0", 0.0),
+        ("SHARDLINE_SPIN_US", str(2**31 - 1), 2**31 - 1),
     ],
 )
 def test_values_parse_with_their_defaults(name: str, text: str | None, value: object) -> None:
@@ -89,6 +92,31 @@ def test_values_parse_with_their_defaults(name: str, text: str | None, value: ob
         ("SHARDLINE_DEVICE", "gpu", "is not a device"),
         ("SHARDLINE_INSECURE", "yes", "must be 1 (on) or 0 (off)"),
         ("SHARDLINE_STREAM_STORES", "3", "is not a streaming-store mode"),
+        # Past these the clocks and integers below overflowed, far from the setting's name
+        ("SHARDLINE_TIMEOUT", "inf", "must be a number of seconds from 0.001 to 1e+09"),
+        ("SHARDLINE_TIMEOUT", "1e10", "must be a number of seconds from 0.001 to 1e+09"),
+        ("SHARDLINE_TIMEOUT", "1e-7", "must be a number of seconds from 0.001 to 1e+09"),
+        ("SHARDLINE_TRACE_INTERVAL", "inf", "must be a number of seconds from 0.001 to 1e+09"),
+        (
+            "SHARDLINE_KEEPALIVE",
+            "1e308",
+            "must be a number of seconds from 0.001 to 1e+09, 0 for off",
+        ),
+        (
+            "SHARDLINE_KEEPALIVE",
+            "nan",
+            "must be a number of seconds from 0.001 to 1e+09, 0 for off",
+        ),
+        (
+            "SHARDLINE_SPIN_US",
+            str(10**23),
+            "must be an integer of at least 0 (microseconds), at most 2147483647",
+        ),
+        (
+            "SHARDLINE_ONESHOT_BYTES",
+            str(2**63),
+            f"must be an integer of at least 0 (bytes), at most {2**48}",
+        ),
     ],
 )
 def test_a_bad_value_is_refused_by_name(name: str, text: str, rule: str) -> None:

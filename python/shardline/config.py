@@ -47,7 +47,17 @@ class _Invalid(ValueError):
     """A parser's reason for refusing a value (the text after ``NAME='value'``)."""
 
 
-def _integer(minimum: int, expect: str) -> Callable[[str], int]:
+# The largest values taken: past them the engine's and torch's clocks and integers overflow
+# (a deadline of 1e10 s wrapped the store's clock; 2**63 microseconds overflowed a C long)
+# and the program failed far from the setting, in words that did not name it. A second's
+# thousandth is the least time: under it a timeout rounded to 0 ms.
+_MAX_SECONDS = 1e9  # some 31 years
+_MIN_SECONDS = 1e-3
+_MAX_COUNT = 2**31 - 1
+_MAX_BYTES = 2**48  # 256 TiB
+
+
+def _integer(minimum: int, expect: str, maximum: int = _MAX_COUNT) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -55,28 +65,35 @@ def _integer(minimum: int, expect: str) -> Callable[[str], int]:
             raise _Invalid(f"must be {expect}") from None
         if value < minimum:
             raise _Invalid(f"must be {expect}")
+        if value > maximum:
+            raise _Invalid(f"must be {expect}, at most {maximum}")
         return value
 
     return parse
 
 
-def _seconds(text: str) -> float:
+def _float_seconds(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise _Invalid("is not a number of seconds") from None
+
+
+def _seconds(text: str) -> float:
+    value = _float_seconds(text)
     if not value > 0:
         raise _Invalid("must be a positive number of seconds")
+    if not _MIN_SECONDS <= value <= _MAX_SECONDS:
+        raise _Invalid(f"must be a number of seconds from {_MIN_SECONDS:g} to {_MAX_SECONDS:g}")
     return value
 
 
 def _seconds_or_off(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise _Invalid("is not a number of seconds") from None
-    if not value >= 0 or value == float("inf"):
-        raise _Invalid("must be a number of seconds, 0 for off")
+    value = _float_seconds(text)
+    if not (value == 0 or _MIN_SECONDS <= value <= _MAX_SECONDS):
+        raise _Invalid(
+            f"must be a number of seconds from {_MIN_SECONDS:g} to {_MAX_SECONDS:g}, 0 for off"
+        )
     return value
 
 
@@ -251,7 +268,11 @@ SETTINGS: tuple[Setting, ...] = (
         "by machine",
         "Bytes per shared-memory slot (4 MiB on few cores, 1 MiB with 4 comm threads, else "
         "256 KiB).",
-        _integer(4096, "an integer of at least 4096 (bytes per shared-memory slot, page-sized)"),
+        _integer(
+            4096,
+            "an integer of at least 4096 (bytes per shared-memory slot, page-sized)",
+            _MAX_BYTES,
+        ),
     ),
     Setting(
         "SHARDLINE_COMM_THREADS",
@@ -265,7 +286,7 @@ SETTINGS: tuple[Setting, ...] = (
         "bytes",
         "1 MiB with 4 threads, else 4 MiB",
         "The smallest op the comm threads split.",
-        _integer(0, "an integer of at least 0 (bytes)"),
+        _integer(0, "an integer of at least 0 (bytes)", _MAX_BYTES),
     ),
     Setting(
         "SHARDLINE_SPIN_US",
@@ -293,7 +314,7 @@ SETTINGS: tuple[Setting, ...] = (
         "Shared-memory all-reduces up to this size run in one shot (every rank reads every "
         "input), larger ones in two phases. Unset: each group's first all-reduce times both on "
         "its ranks and takes the crossover (at most 262144; 262144 when ranks outnumber cores).",
-        _integer(0, "an integer of at least 0 (bytes)"),
+        _integer(0, "an integer of at least 0 (bytes)", _MAX_BYTES),
     ),
     Setting(
         "SHARDLINE_NCCL_MAX_CTAS",

@@ -76,9 +76,9 @@ class DistributedSampler(Sampler[int]):
         loader = DataLoader(dataset, batch_size=32, sampler=sampler)
         for epoch in range(ckpt["epoch"], num_epochs):
             sampler.set_epoch(epoch)                       # keeps a loaded mid-epoch position
-            for batch in loader:
-                step(batch)
-                sampler.advance(len(batch))
+            for x, y in loader:
+                step(x, y)
+                sampler.advance(len(x))                    # samples, not len((x, y))
                 if time_to_save():
                     save({"sampler": sampler.state_dict(), "epoch": epoch, ...})
     """
