@@ -159,8 +159,9 @@ def test_a_folder_without_traces_and_a_corrupt_file_are_errors(tmp_path: Path) -
         doctor.examine(tmp_path / "missing")
     with pytest.raises(InvalidArgumentError, match="holds no rank's trace"):
         doctor.examine(tmp_path)
-    (tmp_path / "rank0.config.json").write_text("{not json")
-    with pytest.raises(InvalidArgumentError, match=r"rank0\.config\.json is not a shardline"):
+    # A timeline line that is not the tracer's (not the last, which may be being written)
+    (tmp_path / "rank0.trace.jsonl").write_text('{"k": "ops"}\n{"k": "step"}\n')
+    with pytest.raises(InvalidArgumentError, match=r"rank0\.trace\.jsonl is not a shardline"):
         doctor.examine(tmp_path)
 
 
@@ -335,3 +336,51 @@ def test_gpu_times_are_taken_unless_turned_off(
         assert RECORDER.device_sink is None and RECORDER.sink is not None
     finally:
         t.stop()
+
+
+def test_gather_and_scatter_record_each_ranks_own_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rooted gather or scatter is recorded with the size every rank passes (its own part),
+    not the root's whole buffer: the doctor compares the sizes across ranks, and named every
+    correct gather and scatter a mismatch."""
+    import threading
+
+    from shardline.comm import ProcessGroup
+    from tests._ranks import run_ranks
+
+    rank_of: dict[int, int] = {}
+    seen: list[tuple[int, str, int]] = []
+    real = RECORDER.start
+
+    def start(group: str, seq: int, op: str, numel: int, *rest: object) -> object:
+        seen.append((rank_of[threading.get_ident()], op, numel))
+        return real(group, seq, op, numel, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RECORDER, "start", start)
+    monkeypatch.setattr(RECORDER, "sink", [])  # listening, as under a tracer
+
+    def body(g: ProcessGroup) -> None:
+        rank_of[threading.get_ident()] = g.rank
+        x = torch.full((4,), float(g.rank))
+        g.gather(x, [torch.empty(4) for _ in range(3)] if g.rank == 1 else None, dst=1)
+        g.scatter(x, torch.ones(12) if g.rank == 2 else None, src=2)
+
+    run_ranks(3, body)
+    rooted = sorted(s for s in seen if s[1] in ("gather", "scatter"))
+    assert rooted == [(r, op, 4) for r in range(3) for op in ("gather", "scatter")], rooted
+
+
+def test_a_settings_or_heartbeat_file_cut_short_is_read_as_missing(tmp_path: Path) -> None:
+    """A crash can leave a rank's ``now.json`` or ``config.json`` empty or half written: the
+    doctor and the merge still read the folder, and say which file they passed over (they
+    refused the whole folder, or raised AttributeError on a JSON list)."""
+    steps = [100.0 + 0.1 * k for k in range(8)]
+    for r in range(3):
+        _rank(tmp_path, r, {}, steps, 0.02)
+    (tmp_path / "rank1.now.json").write_text('{"rank": 1, "ti')
+    (tmp_path / "rank2.config.json").write_text("[]")
+    rep = doctor.examine(tmp_path)
+    assert rep.ranks == 3 and len(rep.notes) == 2, rep.text()
+    assert "rank1.now.json (" in rep.text() and "rank2.config.json (a JSON list" in rep.text()
+    assert rep.culprits("straggler") == set(), rep.text()
+    names = {e["name"] for e in merge.chrome_trace(tmp_path)["traceEvents"] if e["ph"] == "X"}
+    assert "all_reduce #0" in names

@@ -131,6 +131,17 @@ def test_a_corrupt_dump_is_an_error_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "rank0.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"rank0\.json is not a flight-recorder dump"):
         load_dumps(tmp_path)
+    (tmp_path / "rank0.json").write_text('{"rank": 0}')  # JSON, not a dump: no traceback
+    with pytest.raises(ValueError, match=r"rank0\.json is not a flight-recorder dump \(it lacks"):
+        load_dumps(tmp_path)
+
+
+def test_a_tracers_files_beside_the_dumps_are_not_read_as_dumps(tmp_path: Path) -> None:
+    """``SHARDLINE_TRACE`` and ``SHARDLINE_FLIGHT_DIR`` may name one folder: its
+    ``rank<r>.config.json`` and ``rank<r>.now.json`` are not dumps (``why`` raised KeyError)."""
+    (tmp_path / "rank0.config.json").write_text('{"rank": 0, "settings": {}}')
+    (tmp_path / "rank0.now.json").write_text('{"rank": 0, "state": "running"}')
+    assert load_dumps(tmp_path) == []
 
 
 def test_every_op_is_recorded_numbered_per_group_and_per_peer() -> None:

@@ -212,7 +212,9 @@ class ProcessGroup:
         else:
             seq = self._messages.get((op, peer), 0)
             self._messages[(op, peer)] = seq + 1
-        t = keepalive[-1] if keepalive else None  # the flat tensor the op runs on
+        # The flat tensor the op runs on; for gather and scatter this rank's own part, the
+        # same on every rank (the root's whole buffer made every other rank look mismatched).
+        t = keepalive[-1] if keepalive else None
         if isinstance(t, torch.Tensor):
             return RECORDER.start(self.name, seq, op, t.numel(), t.dtype, peer)
         return RECORDER.start(self.name, seq, op, 0, None, peer)
@@ -390,7 +392,7 @@ class ProcessGroup:
                     f"gather on rank {self.rank}: the destination rank must pass gather_list"
                 )
             out, finalize = shapes.flat_output(self, gather_list, "gather", inp)
-            keep += [gather_list, out]
+            keep[1:] = [gather_list, out, inp]  # this rank's own part last: what is recorded
         self._count("gather", self._rooted(inp, dst == self.rank, to_root=True, parts=True))
         return self._submit(
             "gather",
@@ -434,7 +436,7 @@ class ProcessGroup:
                 inp,
                 f"world_size {self.world_size} x tensor's {out.numel()}",
             )
-            keep += [scatter_list, inp]
+            keep[1:] = [scatter_list, inp, out]  # this rank's own part last: what is recorded
         self._count("scatter", self._rooted(out, src == self.rank, to_root=False, parts=True))
         return self._submit(
             "scatter",

@@ -17,6 +17,7 @@ or busy outside shardline); ranks 0, 1, 3 wait in it since 31 s".
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import Counter
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardline.comm import flight
+
+_DUMP = re.compile(r"rank\d+\.json")  # a rank's dump, as the recorder names it
 
 if TYPE_CHECKING:
     from shardline.comm.group import ProcessGroup
@@ -160,11 +163,18 @@ def load_dumps(directory: Path) -> list[dict[str, Any]]:
             f"{flight.default_dir().parent}/<MASTER_ADDR>-<MASTER_PORT>)"
         )
     dumps = []
-    for path in sorted(directory.glob("rank*.json")):
+    # rank<r>.json only: a tracer's rank<r>.config.json and .now.json may share the folder
+    for path in sorted(p for p in directory.glob("rank*.json") if _DUMP.fullmatch(p.name)):
         try:
-            dumps.append(json.loads(path.read_text()))
+            dump = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path} is not a flight-recorder dump ({exc})") from exc
+        if not isinstance(dump, dict) or not {"rank", "ops", "time"} <= dump.keys():
+            raise ValueError(
+                f"{path} is not a flight-recorder dump (it lacks its rank, ops or time); "
+                "remove it, or point `shardline why` at the folder the error named"
+            )
+        dumps.append(dump)
     return sorted(dumps, key=lambda d: d["rank"])
 
 

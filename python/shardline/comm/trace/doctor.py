@@ -66,6 +66,7 @@ class Report:
     live: bool  # a heartbeat is fresh: the job runs
     steps: int  # the most optimizer steps a rank reported
     findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # files read as missing, and why
 
     def culprits(self, kind: str) -> set[int]:
         """The ranks blamed by findings of ``kind``."""
@@ -77,9 +78,10 @@ class Report:
             f"{self.ranks} rank{'s' if self.ranks != 1 else ''} traced, "
             f"{'running' if self.live else 'not running'}, {self.steps} steps"
         )
+        notes = "".join(f"\n(unreadable, read as missing: {n})" for n in self.notes)
         if not self.findings:
-            return f"{head}: no hang, no straggler, no mismatch; settings agree"
-        return head + ":\n" + "\n".join(f"- {f.kind}: {f.text}" for f in self.findings)
+            return f"{head}: no hang, no straggler, no mismatch; settings agree{notes}"
+        return head + ":\n" + "\n".join(f"- {f.kind}: {f.text}" for f in self.findings) + notes
 
 
 def examine(
@@ -111,7 +113,8 @@ def examine(
     ref = now if live else max(beats, default=now)  # a finished job: as its last heartbeat saw
     world = max((int(r.config.get("world_size", 0)) for r in ranks.values()), default=0)
     report = Report(ranks=max(world, len(ranks)), live=live,
-                    steps=max((len(r.steps) for r in ranks.values()), default=0))  # fmt: skip
+                    steps=max((len(r.steps) for r in ranks.values()), default=0),
+                    notes=[n for r in ranks.values() for n in r.unreadable])  # fmt: skip
     # A job that runs no more: a rank whose heartbeat still says "running" ended unannounced.
     state = {r: _state(ranks.get(r), ref, stale if live else -1.0) for r in range(report.ranks)}
     report.live = live = any(s["kind"] == "running" for s in state.values())

@@ -29,14 +29,18 @@ class Rank:
     ops: list[list[Any]] = field(default_factory=list)  # finished ops, flight records
     steps: list[dict[str, Any]] = field(default_factory=list)
     spans: list[dict[str, Any]] = field(default_factory=list)
+    # Its settings or heartbeat file that could not be read (cut short by a crash): read as
+    # missing, and said, rather than the whole folder refused
+    unreadable: list[str] = field(default_factory=list)
 
 
 def load(directory: str | Path) -> dict[int, Rank]:
     """Every rank's files in ``directory``, by rank.
 
     Raises:
-        InvalidArgumentError: no such folder, no rank's file in it, or a file that is not
-            what the tracer writes (named, with what to do).
+        InvalidArgumentError: no such folder, no rank's file in it, or a timeline that is
+            not what the tracer writes (named, with what to do). A settings or heartbeat file
+            that cannot be read is left empty and named in ``Rank.unreadable``.
     """
     path = Path(directory)
     if not path.is_dir():
@@ -50,13 +54,21 @@ def load(directory: str | Path) -> dict[int, Rank]:
             continue
         r = int(m.group(1))
         rank = ranks.setdefault(r, Rank(r))
-        try:
+        if m.group(2) != "trace.jsonl":
+            try:
+                value = json.loads(file.read_text())
+                if not isinstance(value, dict):
+                    raise ValueError(f"a JSON {type(value).__name__}, not an object")
+            except (OSError, ValueError) as exc:
+                rank.unreadable.append(f"{file.name} ({exc})")
+                continue
             if m.group(2) == "config.json":
-                rank.config = json.loads(file.read_text())
-            elif m.group(2) == "now.json":
-                rank.now = json.loads(file.read_text())
+                rank.config = value
             else:
-                _events(file, rank)
+                rank.now = value
+            continue
+        try:
+            _events(file, rank)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InvalidArgumentError(
                 f"{file} is not a shardline trace file ({exc}); remove it or trace again"
