@@ -12,7 +12,9 @@ index and ``COMMIT`` (fsynced), puts the folder in ``path``'s place and fsyncs t
 checkpoint already at ``path`` is swapped out in one step (``renameat2``'s exchange, where the
 filesystem has it; else renamed to ``path.old-<nonce>`` first) and then deleted. A crash at any
 point leaves either the previous checkpoint or the new one, never a torn one. Finding
-checkpoints (``latest``, ``keep_last``) passes over these working folders (``is_working``).
+checkpoints (``latest``, ``keep_last``) passes over these working folders (``is_working``);
+only a crash between the fallback's two renames leaves the previous checkpoint under
+``path.old-<nonce>`` alone, where ``latest`` does not look.
 """
 
 from __future__ import annotations
