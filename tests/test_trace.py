@@ -384,3 +384,44 @@ def test_a_settings_or_heartbeat_file_cut_short_is_read_as_missing(tmp_path: Pat
     assert rep.culprits("straggler") == set(), rep.text()
     names = {e["name"] for e in merge.chrome_trace(tmp_path)["traceEvents"] if e["ph"] == "X"}
     assert "all_reduce #0" in names
+
+
+def test_a_job_killed_as_a_whole_still_says_where_each_rank_was(tmp_path: Path) -> None:
+    """Killed together (a time limit, SIGKILL), every rank's process is gone: the hang is
+    still named, with where the rank outside the collective was at its last heartbeat (it
+    said only that the process was gone)."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    pid, host, beat = int(dead.stdout), socket.gethostname(), 1000.0
+    waiting = ["world", 3, "all_reduce", 4, "float32", None, beat - 10, None, "running", "t.py:9"]
+    for r, running, where in ((0, [waiting], "t.py:9"), (1, [], "hang.py:3")):
+        (tmp_path / f"rank{r}.config.json").write_text(json.dumps(
+            {"rank": r, "world_size": 2, "backend": "native", "settings": {}, "notes": {}}
+        ))  # fmt: skip
+        (tmp_path / f"rank{r}.now.json").write_text(json.dumps(
+            {"rank": r, "pid": pid, "host": host, "time": beat, "interval": 1,
+             "state": "running", "running": running,
+             "threads": [{"name": "MainThread", "main": True, "where": where,
+                          "function": "load_batch" if r else "step"}]}
+        ))  # fmt: skip
+        (tmp_path / f"rank{r}.trace.jsonl").write_text("")
+    rep = doctor.examine(tmp_path, now=beat + 600)
+    assert rep.culprits("hang") == {1}, rep.text()
+    assert "at its last heartbeat it ran hang.py:3 (in load_batch)" in rep.text(), rep.text()
+
+
+def test_trace_merge_into_a_missing_folder_is_an_error_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardline.cli import main
+
+    _rank(tmp_path, 0, {}, [100.0, 100.1], 0.02)
+    out = tmp_path / "no-such-folder" / "trace.json"
+    assert main(["trace", "merge", str(tmp_path), "-o", str(out)]) == 2
+    assert f"cannot write the trace: [Errno 2] No such file or directory: '{out}'" in (
+        capsys.readouterr().err
+    )

@@ -247,6 +247,9 @@ def _trace(ns: argparse.Namespace) -> int:
     except InvalidArgumentError as exc:
         print(f"shardline trace merge: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the output's folder is missing or not writable
+        print(f"shardline trace merge: error: cannot write the trace: {exc}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 

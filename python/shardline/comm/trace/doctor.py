@@ -172,16 +172,20 @@ def _state(rank: Rank | None, ref: float, stale: float) -> dict[str, Any]:
         return {"kind": "exited", "running": running, "time": beat, "text": f"{how}{after}"}
     age = ref - beat
     alive = _alive(int(now.get("pid", -1)), str(now.get("host", "")))
-    if age > stale or alive is False:
-        if alive is False:
-            text = (f"is gone: its process (pid {now['pid']} on {now['host']}) no longer "
-                    f"exists{after}")  # fmt: skip
-            return {"kind": "gone", "running": running, "time": beat, "text": text}
-        text = (f"does not answer: no heartbeat for {age:.0f} s (stopped, or stuck in native "
-                f"code that holds the GIL){after}")  # fmt: skip
-        return {"kind": "silent", "running": running, "time": beat, "text": text}
     main = next((t for t in now.get("threads", []) if t.get("main")), None)
     where = main.get("where") if main else None
+    if age > stale or alive is False:
+        # Where its last heartbeat saw it: a job killed as a whole (a time limit, SIGKILL)
+        # leaves every rank gone, and this says where each one was.
+        fn = f" (in {main['function']})" if main and main.get("function") else ""
+        was = f"; at its last heartbeat it ran {where}{fn}" if where and not running else ""
+        if alive is False:
+            text = (f"is gone: its process (pid {now['pid']} on {now['host']}) no longer "
+                    f"exists{after}{was}")  # fmt: skip
+            return {"kind": "gone", "running": running, "time": beat, "text": text}
+        text = (f"does not answer: no heartbeat for {age:.0f} s (stopped, or stuck in native "
+                f"code that holds the GIL){after}{was}")  # fmt: skip
+        return {"kind": "silent", "running": running, "time": beat, "text": text}
     return {"kind": "running", "running": running, "where": where, "time": beat,
             "function": main.get("function") if main else None, "last": last}  # fmt: skip
 
