@@ -316,6 +316,32 @@ def test_a_rank_outside_a_sub_group_skips_its_collectives_as_torch_does(backend:
         sl.NON_MEMBER.all_reduce(torch.ones(1))
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp", "hier"])
+def test_a_float16_mean_that_fits_is_finite_on_every_path(transport: str) -> None:
+    """Every rank's 60,000 in float16: the mean fits, the sum (120,000) does not. Over TCP's
+    ring and tree and across hosts the partial sums stayed float16 and the mean read inf; each
+    input is now divided by n first (NCCL's ncclAvg), as shared memory's float32 sums never
+    needed. Small and large tensors take different paths; reduce leaves non-roots' input."""
+    need_native()
+    n = 3 if transport == "hier" else 2
+
+    def body(g: ProcessGroup) -> list[float]:
+        seen = []
+        for numel in (4, 1 << 20):
+            t = torch.full((numel,), 60000.0, dtype=torch.float16)
+            g.all_reduce(t, "avg")
+            r = torch.full((numel,), 60000.0, dtype=torch.float16)
+            g.reduce(r, 0, "avg")
+            out = torch.empty(numel, dtype=torch.float16)
+            g.reduce_scatter(out, torch.full((n * numel,), 60000.0, dtype=torch.float16), "avg")
+            seen += [t.float().unique().item(), r.float().unique().item()]
+            seen.append(out.float().unique().item())
+        return seen
+
+    for rank, seen in enumerate(run_ranks(n, body, transport=transport)):
+        assert seen == [60000.0] * 6, (rank, seen)
+
+
 @pytest.mark.parametrize(
     ("backend", "transport"),
     [("native", "shm"), ("native", "tcp"), ("native", "hier"), ("gloo", "shm")],

@@ -572,6 +572,14 @@ pub fn reduce_into(dst: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) {
     run(dst, Job::Into(src), dtype, op);
 }
 
+/// Whether a multi-step average (the TCP ring and tree, and across hosts) scales each input
+/// by `1 / n` (divides it by `n`) before summing, as NCCL's `ncclAvg` does for floats, instead of dividing the
+/// sum: float16 partial sums, kept in float16 between steps, overflow to infinity where the
+/// mean does not (a loss-scaled gradient). bfloat16 has float32's range: it divides once.
+pub fn premultiplied_avg(dtype: DType, op: ReduceOp) -> bool {
+    op == ReduceOp::Avg && dtype == DType::F16
+}
+
 /// Divides every element by `divisor` (floating-point dtypes; integers are left as they are).
 pub fn scale(dst: &mut [u8], dtype: DType, divisor: usize) {
     if divisor <= 1 || !dtype.is_float() {

@@ -16,7 +16,7 @@ use std::time::Instant;
 use super::ring::position;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::reduce::{reduce_into, scale, ReduceOp};
+use crate::reduce::{premultiplied_avg, reduce_into, scale, ReduceOp};
 use crate::signature::OpSig;
 use crate::transport::p2p::P2p;
 
@@ -108,6 +108,17 @@ pub fn reduce<P: P2p>(
     let vr = (me + n - root) % n;
     let member = |v: usize| members[(v + root) % n];
     let mut acc: Option<Vec<u8>> = None;
+    let premul = premultiplied_avg(dtype, op);
+    if premul {
+        // Each member's share of the mean, summed up the tree (other members' buffers stay)
+        let target = if vr == 0 {
+            &mut *buf
+        } else {
+            acc.get_or_insert_with(|| buf.to_vec())
+        };
+        scale(target, dtype, n);
+    }
+    let op = if premul { ReduceOp::Sum } else { op };
     let mut scratch = Vec::new();
     let mut mask = 1;
     while mask < n {

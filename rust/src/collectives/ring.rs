@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::reduce::{reduce_into, reduce_slices, scale, ReduceOp};
+use crate::reduce::{premultiplied_avg, reduce_into, reduce_slices, scale, ReduceOp};
 use crate::signature::OpSig;
 use crate::transport::p2p::P2p;
 
@@ -235,8 +235,13 @@ impl Ring {
             return self.direct_reduce(p, members, me, buf, |_| &own, dtype, op, sig, deadline);
         }
         let blocks = even_blocks(count, n, dtype.size());
-        self.reduce_scatter_in_place(p, members, me, buf, &blocks, 1, dtype, op, sig, deadline)?;
-        if op == ReduceOp::Avg {
+        let premul = premultiplied_avg(dtype, op);
+        if premul {
+            scale(buf, dtype, n); // the result overwrites it: scaled in place
+        }
+        let sum = if premul { ReduceOp::Sum } else { op };
+        self.reduce_scatter_in_place(p, members, me, buf, &blocks, 1, dtype, sum, sig, deadline)?;
+        if sum == ReduceOp::Avg {
             scale(&mut buf[blocks[(me + 1) % n].clone()], dtype, n);
         }
         self.all_gather_in_place(p, members, me, buf, &blocks, 1, dtype, sig, deadline)
@@ -281,13 +286,18 @@ impl Ring {
         let mut work = std::mem::take(&mut self.work);
         work.clear();
         work.extend_from_slice(inp);
+        let premul = premultiplied_avg(dtype, op);
+        if premul {
+            scale(&mut work, dtype, n); // a copy: the input stays as it was
+        }
+        let sum = if premul { ReduceOp::Sum } else { op };
         let r = self.reduce_scatter_in_place(
-            p, members, me, &mut work, &blocks, 0, dtype, op, sig, deadline,
+            p, members, me, &mut work, &blocks, 0, dtype, sum, sig, deadline,
         );
         out.copy_from_slice(&work[blocks[me].clone()]);
         self.work = work;
         r?;
-        if op == ReduceOp::Avg {
+        if sum == ReduceOp::Avg {
             scale(out, dtype, n);
         }
         Ok(())

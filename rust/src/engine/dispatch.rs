@@ -366,6 +366,10 @@ impl Router {
         } else {
             op
         };
+        let premul = reduce::premultiplied_avg(dtype, op);
+        if premul {
+            reduce::scale(buf, dtype, self.world); // this rank's share of the mean, in place
+        }
         if let Some(a) = self.arena.as_mut() {
             a.all_reduce(None, buf, dtype, partial, sig, Some(0), deadline)?;
         }
@@ -373,7 +377,7 @@ impl Router {
             let leaders = self.leaders.clone();
             let mesh = self.mesh()?;
             ring::all_reduce(mesh, &leaders, buf, dtype, partial, sig, deadline)?;
-            if op == ReduceOp::Avg {
+            if op == ReduceOp::Avg && !premul {
                 reduce::scale(buf, dtype, self.world);
             }
         }
