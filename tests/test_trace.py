@@ -425,17 +425,3 @@ def test_trace_merge_into_a_missing_folder_is_an_error_not_a_traceback(
     assert f"cannot write the trace: [Errno 2] No such file or directory: '{out}'" in (
         capsys.readouterr().err
     )
-
-
-def test_a_run_traced_into_a_folder_drops_the_ranks_an_earlier_run_left(tmp_path: Path) -> None:
-    """A folder traced again by a job of fewer ranks: the earlier run's higher ranks are not
-    this job's (the doctor read them as a rank of it, hung and blaming the new rank 0)."""
-    for name in ("rank1.config.json", "rank1.now.json", "rank1.trace.jsonl", "rank7.now.json"):
-        (tmp_path / name).write_text("{}")
-    (tmp_path / "notes.txt").write_text("the user's")
-    t = Tracer()
-    t.start(tmp_path, rank=0, world_size=1, backend="native", interval=60.0)
-    t.stop()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "notes.txt", "rank0.config.json", "rank0.now.json", "rank0.trace.jsonl"
-    ]  # fmt: skip

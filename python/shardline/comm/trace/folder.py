@@ -11,7 +11,7 @@ from typing import Any
 from shardline.comm import flight
 from shardline.errors import InvalidArgumentError
 
-__all__ = ["DEVICE_END", "DEVICE_START", "Rank", "device_span", "load", "rank_of", "span"]
+__all__ = ["DEVICE_END", "DEVICE_START", "Rank", "device_span", "load", "span"]
 
 # An op timed on its GPU: its record carries its device start and end (wall clock) here.
 DEVICE_START, DEVICE_END = 10, 11
@@ -32,12 +32,6 @@ class Rank:
     # Its settings or heartbeat file that could not be read (cut short by a crash): read as
     # missing, and said, rather than the whole folder refused
     unreadable: list[str] = field(default_factory=list)
-
-
-def rank_of(path: Path) -> int | None:
-    """The rank whose tracer wrote ``path`` (``rank<r>.config.json``, ...), else ``None``."""
-    m = _FILE.match(path.name)
-    return int(m.group(1)) if m is not None else None
 
 
 def load(directory: str | Path) -> dict[int, Rank]:

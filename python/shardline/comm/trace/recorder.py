@@ -52,7 +52,6 @@ from shardline import config
 from shardline._version import __version__
 from shardline.comm import flight
 from shardline.comm.flight import RECORDER
-from shardline.comm.trace import folder
 from shardline.comm.trace.device import CHUNK, DeviceTimes, pause
 from shardline.errors import ShardlineError
 
@@ -123,12 +122,6 @@ class Tracer:
             "notes": self._notes,
         }
         self._info = info
-        if rank == 0:  # an earlier run's ranks that this one does not have: not this job's
-            for old in path.iterdir():
-                r = folder.rank_of(old)
-                if r is not None and r >= world_size:
-                    with contextlib.suppress(OSError):
-                        old.unlink()
         _write_atomic(path / f"rank{rank}.config.json", info)
         # A job's rank starts its timeline afresh (a folder traced twice holds the last run).
         self._file = open(path / f"rank{rank}.trace.jsonl", "w", encoding="utf-8")  # noqa: SIM115
