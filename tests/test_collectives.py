@@ -10,7 +10,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import shardline as sl
 from shardline.comm import ProcessGroup
 from tests._ranks import run_ranks
 from tests.conftest import need_native
@@ -286,34 +285,6 @@ def test_subgroup_ranks_and_names(backend: str) -> None:
         return None if sub is None else (sub.rank, sub.world_size, sub.name)
 
     assert run_ranks(3, body, backend=backend) == [(0, 2, "world.0"), None, (1, 2, "world.0")]
-
-
-def test_a_rank_outside_a_sub_group_skips_its_collectives_as_torch_does(backend: str) -> None:
-    """``shardline.new_group`` gives a rank outside the group ``NON_MEMBER``; passed as
-    ``group=``, each call does nothing there (torch's ``NON_GROUP_MEMBER``). It ran on the
-    whole group instead (``None`` was the default group) and paired with the members' next
-    call: the world all-reduce after it read 5, not 3."""
-
-    def body(g: ProcessGroup) -> tuple[Any, ...]:
-        sub = sl.new_group([0, 1], group=g)
-        t = torch.full((2,), float(g.rank + 1))
-        sl.all_reduce(t, group=sub)
-        world = torch.ones(2)
-        sl.all_reduce(world, group=g)
-        names = sl.all_gather_object(f"r{g.rank}", group=sub)
-        sent = sl.broadcast_object("from 0" if g.rank == 0 else "mine", src=0, group=sub)
-        where = (sl.get_rank(sub), sl.get_world_size(sub), bool(sub))
-        if not sub:  # a member would wait here for a message
-            assert sl.recv(torch.empty(1), 0, group=sub) == -1
-            assert sl.barrier(group=sub) is None
-        return t.tolist(), world.tolist(), names, sent, where
-
-    r0, r1, r2 = run_ranks(3, body, backend=backend)
-    assert r0 == ([3.0, 3.0], [3.0, 3.0], ["r0", "r1"], "from 0", (0, 2, True)), r0
-    assert r1 == ([3.0, 3.0], [3.0, 3.0], ["r0", "r1"], "from 0", (1, 2, True)), r1
-    assert r2 == ([3.0, 3.0], [3.0, 3.0], [], "mine", (-1, -1, False)), r2
-    with pytest.raises(AttributeError, match="not in the group new_group made"):
-        sl.NON_MEMBER.all_reduce(torch.ones(1))
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp", "hier"])

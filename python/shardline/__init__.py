@@ -7,8 +7,7 @@ Table of contents:
   ``scatter``, ``all_to_all``, ``barrier``, ``send``, ``recv``: collectives on the default
   group (or ``group=``); ``async_op=True`` returns a ``Work``. ``all_gather_object`` and
   ``broadcast_object``: any picklable object.
-- ``new_group``, ``ProcessGroup``, ``DeviceMesh``: sub-groups and named axes; ``NON_MEMBER``,
-  what ``new_group`` gives a rank outside the group (the functions above skip it).
+- ``new_group``, ``ProcessGroup``, ``DeviceMesh``: sub-groups and named axes.
 - ``symmetric_empty``: a CPU tensor every rank of the host maps, whose all-reduce copies
   nothing through the engine's slots.
 - ``distribute``, ``DistributedDataParallel``, ``ShardedDataParallel`` (ZeRO 1/2/3, FSDP),
@@ -41,7 +40,6 @@ from shardline._version import __version__
 from shardline.comm import ProcessGroup, Work, init_process_group, trace
 from shardline.comm import torch_backend as _torch_backend  # noqa: F401  # registers "shardline"
 from shardline.comm.collectives import (
-    NON_MEMBER,
     all_gather,
     all_reduce,
     all_to_all,
@@ -93,7 +91,6 @@ from shardline.parallel import (
 )
 
 __all__ = [
-    "NON_MEMBER",
     "AuthenticationError",
     "CheckpointError",
     "CollectiveMismatchError",

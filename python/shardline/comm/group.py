@@ -539,8 +539,7 @@ class ProcessGroup:
 
         Every rank of this group must call ``new_group`` with the same ranks, in the same order
         as its other ``new_group`` calls (torch.distributed semantics); ranks outside the
-        sub-group get ``None`` (``shardline.new_group`` gives them ``NON_MEMBER``, which the
-        module-level collectives skip). The sub-group's rank ``i`` is the ``i``-th smallest member.
+        sub-group get ``None``. The sub-group's rank ``i`` is the ``i``-th smallest member.
         ``overlap_compute`` says the group's collectives will run beside compute: on NCCL they
         then take fewer thread blocks (``SHARDLINE_NCCL_OVERLAP_CTAS``, default 8), so fewer
         SMs are taken from the kernels they overlap; CPU backends ignore it.

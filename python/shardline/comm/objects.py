@@ -15,14 +15,13 @@ from typing import Any
 
 import torch
 
-from shardline.comm.collectives import Group, NonMember
 from shardline.comm.group import ProcessGroup
 from shardline.comm.world import default_group
 
 __all__ = ["all_gather_object", "broadcast_object"]
 
 
-def _group(group: Group) -> ProcessGroup | NonMember:
+def _group(group: ProcessGroup | None) -> ProcessGroup:
     return group if group is not None else default_group()
 
 
@@ -35,7 +34,7 @@ def _unpickled(payload: torch.Tensor) -> Any:
     return pickle.loads(payload.cpu().numpy().tobytes())  # trusted peers: see the module doc
 
 
-def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
+def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank. Collective.
 
     Args:
@@ -43,15 +42,12 @@ def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
         group: The ranks taking part; the default group when ``None``.
 
     Returns:
-        ``[obj of rank 0, obj of rank 1, ...]`` (copies, also this rank's own); ``[]`` on a
-        rank outside ``group`` (``NON_MEMBER``), which takes no part.
+        ``[obj of rank 0, obj of rank 1, ...]`` (copies, also this rank's own).
 
     Raises:
         ShardlineError: a collective failed (``PeerLostError``, ``CollectiveTimeoutError``).
     """
     g = _group(group)
-    if isinstance(g, NonMember):
-        return []
     payload = _pickled(obj, g.device)
     sizes = torch.empty(g.world_size, dtype=torch.int64, device=g.device)
     g.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=g.device))
@@ -60,7 +56,7 @@ def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
     return [_unpickled(o) for o in outs]
 
 
-def broadcast_object(obj: Any, src: int = 0, group: Group = None) -> Any:
+def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup | None = None) -> Any:
     """Rank ``src``'s ``obj`` on every rank. Collective.
 
     Args:
@@ -69,16 +65,13 @@ def broadcast_object(obj: Any, src: int = 0, group: Group = None) -> Any:
         group: The ranks taking part; the default group when ``None``.
 
     Returns:
-        ``src``'s object (a copy, on ``src`` too); ``obj`` itself on a rank outside ``group``
-        (``NON_MEMBER``), which takes no part.
+        ``src``'s object (a copy, on ``src`` too).
 
     Raises:
         InvalidArgumentError: ``src`` is not a rank of the group.
         ShardlineError: a collective failed.
     """
     g = _group(group)
-    if isinstance(g, NonMember):
-        return obj
     payload = _pickled(obj, g.device) if g.rank == src else None
     size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
     size = size.to(g.device)
