@@ -212,9 +212,7 @@ class ProcessGroup:
         else:
             seq = self._messages.get((op, peer), 0)
             self._messages[(op, peer)] = seq + 1
-        # The flat tensor the op runs on; for gather and scatter this rank's own part, the
-        # same on every rank (the root's whole buffer made every other rank look mismatched).
-        t = keepalive[-1] if keepalive else None
+        t = keepalive[-1] if keepalive else None  # the flat tensor, gather's/scatter's own part
         if isinstance(t, torch.Tensor):
             return RECORDER.start(self.name, seq, op, t.numel(), t.dtype, peer)
         return RECORDER.start(self.name, seq, op, 0, None, peer)
