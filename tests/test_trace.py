@@ -98,12 +98,12 @@ def _line_of(text: str) -> int:
 
 
 def _rank(folder: Path, r: int, settings: dict[str, object], steps: list[float],
-          gaps: float | list[float]) -> None:  # fmt: skip
+          gaps: float | list[float], world: int = 3) -> None:  # fmt: skip
     """A finished rank's files: ``steps`` end times, one all-reduce before each, ``gaps``
     seconds outside communication per step (one for all, or one per step)."""
     (folder / f"rank{r}.config.json").write_text(json.dumps(
-        {"rank": r, "world_size": 3, "backend": "native", "versions": {"torch": "2"},
-         "settings": settings, "notes": {}}
+        {"rank": r, "world_size": world, "backend": "native", "versions": {"torch": "2"},
+         "settings": settings, "notes": {}, "started": steps[0] - 1.0}
     ))  # fmt: skip
     lines = []
     for n, t1 in enumerate(steps):
@@ -159,6 +159,23 @@ def test_a_slow_rank_is_named_though_a_busy_host_delays_the_others_in_half_their
     rep = doctor.examine(tmp_path, steps=20, slower=0.07)
     assert rep.culprits("straggler") == {2}, rep.text()
     assert "rank 2 spends 24.0 ms per step outside communication" in rep.text(), rep.text()
+
+
+def test_an_earlier_runs_higher_ranks_in_the_folder_are_left_out_and_said(
+    tmp_path: Path,
+) -> None:
+    """A 4-rank run traced here, then a 3-rank run into the same folder: the first run's
+    rank 3 (slower, other settings, its heartbeat long stale) is no rank of the job."""
+    earlier = [50.0 + 0.1 * k for k in range(25)]
+    for r in range(4):
+        _rank(tmp_path, r, {"SHARDLINE_SPIN_US": 0}, earlier, 0.04 if r == 3 else 0.02, world=4)
+    steps = [100.0 + 0.1 * k for k in range(25)]
+    for r in range(3):
+        _rank(tmp_path, r, {"SHARDLINE_SPIN_US": 50}, steps, 0.02)
+    rep = doctor.examine(tmp_path)
+    assert rep.ranks == 3 and rep.findings == [], rep.text()
+    assert "rank3.* left out: the newest run" in rep.text() and "has 3 ranks" in rep.text()
+    assert sorted({e["pid"] for e in merge.chrome_trace(tmp_path)["traceEvents"]}) == [0, 1, 2]
 
 
 def test_ranks_that_agree_give_no_finding(tmp_path: Path) -> None:

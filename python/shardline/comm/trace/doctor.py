@@ -66,7 +66,7 @@ class Report:
     live: bool  # a heartbeat is fresh: the job runs
     steps: int  # the most optimizer steps a rank reported
     findings: list[Finding] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # files read as missing, and why
+    notes: list[str] = field(default_factory=list)  # files read as missing or left out, why
 
     def culprits(self, kind: str) -> set[int]:
         """The ranks blamed by findings of ``kind``."""
@@ -78,7 +78,7 @@ class Report:
             f"{self.ranks} rank{'s' if self.ranks != 1 else ''} traced, "
             f"{'running' if self.live else 'not running'}, {self.steps} steps"
         )
-        notes = "".join(f"\n(unreadable, read as missing: {n})" for n in self.notes)
+        notes = "".join(f"\n({n})" for n in self.notes)
         if not self.findings:
             return f"{head}: no hang, no straggler, no mismatch; settings agree{notes}"
         return head + ":\n" + "\n".join(f"- {f.kind}: {f.text}" for f in self.findings) + notes
@@ -102,7 +102,8 @@ def examine(
         hang_after: Seconds the waiting ranks must have waited before a hang is called.
         now: The time to judge heartbeats by; the clock by default.
     """
-    ranks = load(directory)
+    left_out: list[str] = []
+    ranks = load(directory, left_out)
     now = time.time() if now is None else now
     beats = [float(r.now["time"]) for r in ranks.values() if r.now]
     interval = max((float(r.now.get("interval", 1.0)) for r in ranks.values() if r.now),
@@ -111,10 +112,13 @@ def examine(
     live = any(now - t <= stale and r.now.get("state") == "running"
                for r in ranks.values() for t in [float(r.now.get("time", 0))] if r.now)  # fmt: skip
     ref = now if live else max(beats, default=now)  # a finished job: as its last heartbeat saw
-    world = max((int(r.config.get("world_size", 0)) for r in ranks.values()), default=0)
+    configs = [r.config for r in ranks.values() if r.config]
+    newest = max(configs, key=lambda c: float(c.get("started", 0.0)), default={})
+    world = int(newest.get("world_size", 0))  # the newest run's (``load`` left out others)
     report = Report(ranks=max(world, len(ranks)), live=live,
                     steps=max((len(r.steps) for r in ranks.values()), default=0),
-                    notes=[n for r in ranks.values() for n in r.unreadable])  # fmt: skip
+                    notes=[f"unreadable, read as missing: {n}" for r in ranks.values()
+                           for n in r.unreadable] + left_out)  # fmt: skip
     # A job that runs no more: a rank whose heartbeat still says "running" ended unannounced.
     state = {r: _state(ranks.get(r), ref, stale if live else -1.0) for r in range(report.ranks)}
     report.live = live = any(s["kind"] == "running" for s in state.values())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,12 @@ class Rank:
     unreadable: list[str] = field(default_factory=list)
 
 
-def load(directory: str | Path) -> dict[int, Rank]:
+def load(directory: str | Path, notes: list[str] | None = None) -> dict[int, Rank]:
     """Every rank's files in ``directory``, by rank.
+
+    Only the newest run's ranks: a folder traced again by a job of fewer ranks (or an
+    elastic job's later, smaller generation) still holds the earlier run's higher ranks;
+    they are left out and said in ``notes`` (when given).
 
     Raises:
         InvalidArgumentError: no such folder, no rank's file in it, or a timeline that is
@@ -78,7 +83,26 @@ def load(directory: str | Path) -> dict[int, Rank]:
             f"{path} holds no rank's trace (rank<r>.config.json, .now.json, .trace.jsonl); was "
             "the job started with SHARDLINE_TRACE set to it?"
         )
-    return ranks
+    return _newest_run(ranks, notes if notes is not None else [])
+
+
+def _newest_run(ranks: dict[int, Rank], notes: list[str]) -> dict[int, Rank]:
+    """The ranks of the run whose rank started tracing last: below its world size."""
+    started = [r.config for r in ranks.values() if isinstance(r.config.get("started"), int | float)]
+    if not started:
+        return ranks
+    newest = max(started, key=lambda c: c["started"])
+    world = newest.get("world_size")
+    if not isinstance(world, int) or world < 1:
+        return ranks
+    earlier = sorted(r for r in ranks if r >= world)
+    for r in earlier:
+        notes.append(
+            f"rank{r}.* left out: the newest run (rank {newest.get('rank')} started "
+            f"{time.strftime('%H:%M:%S', time.localtime(newest['started']))}) has {world} "
+            f"rank{'s' if world != 1 else ''}, so they are an earlier run's"
+        )
+    return {r: v for r, v in ranks.items() if r < world}
 
 
 def _events(file: Path, rank: Rank) -> None:
