@@ -178,6 +178,35 @@ def test_an_earlier_runs_higher_ranks_in_the_folder_are_left_out_and_said(
     assert sorted({e["pid"] for e in merge.chrome_trace(tmp_path)["traceEvents"]}) == [0, 1, 2]
 
 
+def test_a_long_timeline_is_read_from_its_recent_history(tmp_path: Path) -> None:
+    """The doctor reads the end of each rank's timeline (``history`` bytes): a mismatch and
+    the step count there are found; one early in a long job is left, and the report says so.
+    """
+    ops, every = 2000, 50
+    for r in range(3):
+        _rank(tmp_path, r, {}, [100.0], 0.02)
+        lines = []
+        for k in range(ops):
+            odd = r == 1 and k in (5, ops - 5)
+            op = ["world", k, "broadcast" if odd else "all_reduce", 4, "float32", None,
+                  1000.0 + k, 1000.5 + k, "done", "train.py:9"]  # fmt: skip
+            lines.append({"k": "ops", "r": [op]})
+            if k % every == every - 1:
+                lines.append({"k": "step", "n": k // every, "t0": 1000.6 + k, "t1": 1000.7 + k})
+        text = "".join(json.dumps(x) + "\n" for x in lines)
+        (tmp_path / f"rank{r}.trace.jsonl").write_text(text)
+    assert len(text) > 200_000
+    rep = doctor.examine(tmp_path, history=20_000)
+    assert rep.steps == ops // every, rep.text()
+    assert [f.text.split(" where")[0] for f in rep.findings if f.kind == "mismatch"] == [
+        f"rank 1 called broadcast as #{ops - 5} (issued at train.py:9)"
+    ], rep.text()
+    assert "ranks 0, 1, 2: only the last 0.0190735 MiB read, older ops not checked" in rep.text()
+    whole = doctor.examine(tmp_path, history=None)
+    assert whole.culprits("mismatch") == {1} and len(whole.findings) == 2, whole.text()
+    assert whole.notes == [], whole.text()
+
+
 def test_ranks_that_agree_give_no_finding(tmp_path: Path) -> None:
     steps = [100.0 + 0.1 * k for k in range(25)]
     for r in range(3):

@@ -220,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long ranks must wait in a collective to call it a hang (2)",
     )
+    doctor.add_argument(
+        "--all",
+        action="store_true",
+        help="read every rank's whole timeline (by default its last 8 MiB: its recent ops)",
+    )
     trace = commands.add_parser("trace", help="work with a traced job's timelines")
     trace_actions = trace.add_subparsers(dest="action", required=True, metavar="ACTION")
     merge_cmd = trace_actions.add_parser(
@@ -232,8 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _doctor(ns: argparse.Namespace) -> int:
     try:
-        report = doctor.examine(ns.dir, steps=ns.steps, slower=ns.slower,
-                                hang_after=ns.hang_after)  # fmt: skip
+        report = doctor.examine(ns.dir, steps=ns.steps, slower=ns.slower, hang_after=ns.hang_after,
+                                history=None if ns.all else doctor.HISTORY_BYTES)  # fmt: skip
     except InvalidArgumentError as exc:
         print(f"shardline doctor: error: {exc}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -35,12 +36,15 @@ class Rank:
     unreadable: list[str] = field(default_factory=list)
 
 
-def load(directory: str | Path, notes: list[str] | None = None) -> dict[int, Rank]:
+def load(
+    directory: str | Path, notes: list[str] | None = None, *, tail: int | None = None
+) -> dict[int, Rank]:
     """Every rank's files in ``directory``, by rank.
 
     Only the newest run's ranks: a folder traced again by a job of fewer ranks (or an
     elastic job's later, smaller generation) still holds the earlier run's higher ranks;
-    they are left out and said in ``notes`` (when given).
+    they are left out and said in ``notes`` (when given). With ``tail``, only the last
+    ``tail`` bytes of a longer timeline are read (its recent history), and said in ``notes``.
 
     Raises:
         InvalidArgumentError: no such folder, no rank's file in it, or a timeline that is
@@ -53,6 +57,7 @@ def load(directory: str | Path, notes: list[str] | None = None) -> dict[int, Ran
             f"{path} is not a folder; pass the folder the job traced into (SHARDLINE_TRACE)"
         )
     ranks: dict[int, Rank] = {}
+    cut: list[int] = []
     for file in sorted(path.iterdir()):
         m = _FILE.match(file.name)
         if m is None:
@@ -73,7 +78,8 @@ def load(directory: str | Path, notes: list[str] | None = None) -> dict[int, Ran
                 rank.now = value
             continue
         try:
-            _events(file, rank)
+            if _events(file, rank, tail):
+                cut.append(r)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InvalidArgumentError(
                 f"{file} is not a shardline trace file ({exc}); remove it or trace again"
@@ -83,7 +89,15 @@ def load(directory: str | Path, notes: list[str] | None = None) -> dict[int, Ran
             f"{path} holds no rank's trace (rank<r>.config.json, .now.json, .trace.jsonl); was "
             "the job started with SHARDLINE_TRACE set to it?"
         )
-    return _newest_run(ranks, notes if notes is not None else [])
+    notes = notes if notes is not None else []
+    ranks = _newest_run(ranks, notes)
+    if cut := [r for r in cut if r in ranks]:
+        notes.append(
+            f"the timeline{'s' if len(cut) > 1 else ''} of rank{'s' if len(cut) > 1 else ''} "
+            f"{', '.join(map(str, cut))}: only the last {(tail or 0) / 2**20:g} MiB read, "
+            "older ops not checked"
+        )
+    return ranks
 
 
 def _newest_run(ranks: dict[int, Rank], notes: list[str]) -> dict[int, Rank]:
@@ -105,8 +119,17 @@ def _newest_run(ranks: dict[int, Rank], notes: list[str]) -> dict[int, Rank]:
     return {r: v for r, v in ranks.items() if r < world}
 
 
-def _events(file: Path, rank: Rank) -> None:
-    text = file.read_text()
+def _events(file: Path, rank: Rank, tail: int | None) -> bool:
+    """Reads ``file``'s events into ``rank`` (its last ``tail`` bytes); whether it cut."""
+    with open(file, "rb") as f:
+        size, cut = os.fstat(f.fileno()).st_size, False
+        if tail is not None and size > tail:
+            f.seek(size - tail)
+            cut = True
+        data = f.read()
+    if cut:
+        data = data[data.find(b"\n") + 1 :]  # from the first whole line on
+    text = data.decode("utf-8")
     lines = text.split("\n")
     if lines and lines[-1] and not text.endswith("\n"):
         lines = lines[:-1]  # a line being written as we read
@@ -126,6 +149,7 @@ def _events(file: Path, rank: Rank) -> None:
             rank.steps.append(event)
         elif kind == "span":
             rank.spans.append(event)
+    return cut
 
 
 def device_span(op: list[Any]) -> tuple[float, float] | None:
