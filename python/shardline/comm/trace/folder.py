@@ -114,7 +114,7 @@ def _newest_run(ranks: dict[int, Rank], notes: list[str]) -> dict[int, Rank]:
         notes.append(
             f"rank{r}.* left out: the newest run (rank {newest.get('rank')} started "
             f"{time.strftime('%H:%M:%S', time.localtime(newest['started']))}) has {world} "
-            f"rank{'s' if world != 1 else ''}, so they are an earlier run's"
+            f"rank{'s' if world != 1 else ''}: these are an earlier run's (or generation's)"
         )
     return {r: v for r, v in ranks.items() if r < world}
 
