@@ -178,6 +178,21 @@ def test_an_earlier_runs_higher_ranks_in_the_folder_are_left_out_and_said(
     assert sorted({e["pid"] for e in merge.chrome_trace(tmp_path)["traceEvents"]}) == [0, 1, 2]
 
 
+def test_a_settings_file_whose_start_or_world_is_not_a_number_is_read_without_them(
+    tmp_path: Path,
+) -> None:
+    steps = [100.0 + 0.1 * k for k in range(25)]
+    for r in range(3):
+        _rank(tmp_path, r, {}, steps, 0.02)
+    config = tmp_path / "rank1.config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "started": "today"}))
+    assert doctor.examine(tmp_path).findings == []
+    config.write_text(json.dumps({**json.loads(config.read_text()), "started": 1e12,
+                                  "world_size": "3"}))  # fmt: skip
+    rep = doctor.examine(tmp_path)
+    assert rep.ranks == 3 and rep.culprits("settings") == {1}, rep.text()
+
+
 def test_a_long_timeline_is_read_from_its_recent_history(tmp_path: Path) -> None:
     """The doctor reads the end of each rank's timeline (``history`` bytes): a mismatch and
     the step count there are found; one early in a long job is left, and the report says so.
