@@ -193,11 +193,9 @@ def test_a_settings_file_whose_start_or_world_is_not_a_number_is_read_without_th
     assert rep.ranks == 3 and rep.culprits("settings") == {1}, rep.text()
 
 
-def test_a_long_timeline_is_read_from_its_recent_history(tmp_path: Path) -> None:
-    """The doctor reads the end of each rank's timeline (``history`` bytes): a mismatch and
-    the step count there are found; one early in a long job is left, and the report says so.
-    """
-    ops, every = 2000, 50
+def _long_timeline(tmp_path: Path, ops: int, every: int) -> str:
+    """3 ranks of ``ops`` all-reduces, a step every ``every``; rank 1 calls a broadcast as
+    op 5 and as op ``ops - 5``. Returns the last rank's timeline."""
     for r in range(3):
         _rank(tmp_path, r, {}, [100.0], 0.02)
         lines = []
@@ -210,7 +208,15 @@ def test_a_long_timeline_is_read_from_its_recent_history(tmp_path: Path) -> None
                 lines.append({"k": "step", "n": k // every, "t0": 1000.6 + k, "t1": 1000.7 + k})
         text = "".join(json.dumps(x) + "\n" for x in lines)
         (tmp_path / f"rank{r}.trace.jsonl").write_text(text)
-    assert len(text) > 200_000
+    return text
+
+
+def test_a_long_timeline_is_read_from_its_recent_history(tmp_path: Path) -> None:
+    """The doctor reads the end of each rank's timeline (``history`` bytes): a mismatch and
+    the step count there are found; one early in a long job is left, and the report says so.
+    """
+    ops, every = 2000, 50
+    assert len(_long_timeline(tmp_path, ops, every)) > 200_000
     rep = doctor.examine(tmp_path, history=20_000)
     assert rep.steps == ops // every, rep.text()
     assert [f.text.split(" where")[0] for f in rep.findings if f.kind == "mismatch"] == [
@@ -502,3 +508,18 @@ def test_trace_merge_into_a_missing_folder_is_an_error_not_a_traceback(
     assert f"cannot write the trace: [Errno 2] No such file or directory: '{out}'" in (
         capsys.readouterr().err
     )
+
+
+def test_the_doctor_command_reads_the_recent_history_and_all_of_it_with_all(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardline.cli import main
+
+    _long_timeline(tmp_path, 2000, 50)
+    monkeypatch.setattr(doctor, "HISTORY_BYTES", 20_000)
+    assert main(["doctor", str(tmp_path)]) == 1
+    recent = capsys.readouterr().out
+    assert recent.count("- mismatch:") == 1 and "older ops not checked" in recent, recent
+    assert main(["doctor", "--all", str(tmp_path)]) == 1
+    everything = capsys.readouterr().out
+    assert everything.count("- mismatch:") == 2 and "not checked" not in everything, everything
