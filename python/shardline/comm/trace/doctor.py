@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from shardline.comm import flight
-from shardline.comm.trace.folder import Rank, load, span
+from shardline.comm.trace.folder import Rank, load, newest_world, span
 
 __all__ = ["Finding", "Report", "examine"]
 
@@ -119,11 +119,7 @@ def examine(
     live = any(now - t <= stale and r.now.get("state") == "running"
                for r in ranks.values() for t in [float(r.now.get("time", 0))] if r.now)  # fmt: skip
     ref = now if live else max(beats, default=now)  # a finished job: as its last heartbeat saw
-    configs = [r.config for r in ranks.values() if r.config]
-    newest = max(configs, key=lambda c: float(c["started"]) if _number(c.get("started")) else 0.0,
-                 default={})  # fmt: skip
-    world = newest.get("world_size", 0)  # the newest run's (``load`` left out others)
-    world = world if isinstance(world, int) else 0
+    world = newest_world(ranks)  # ``load`` left out other runs' ranks
     report = Report(ranks=max(world, len(ranks)), live=live,
                     steps=max((int(r.steps[-1]["n"]) + 1 for r in ranks.values() if r.steps),
                               default=0),
@@ -342,10 +338,6 @@ def _mismatch(ranks: dict[int, Rank]) -> list[Finding]:
         group = "" if key[0] == "world" else f" in group {key[0]!r}"
         found.append(Finding("mismatch", tuple(odd), "; ".join(parts) + group))
     return found
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 # -- straggler ----------------------------------------------------------------------------------

@@ -13,7 +13,15 @@ from typing import Any
 from shardline.comm import flight
 from shardline.errors import InvalidArgumentError
 
-__all__ = ["DEVICE_END", "DEVICE_START", "Rank", "device_span", "load", "span"]
+__all__ = [
+    "DEVICE_END",
+    "DEVICE_START",
+    "Rank",
+    "device_span",
+    "load",
+    "newest_world",
+    "span",
+]
 
 # An op timed on its GPU: its record carries its device start and end (wall clock) here.
 DEVICE_START, DEVICE_END = 10, 11
@@ -100,14 +108,31 @@ def load(
     return ranks
 
 
+def _newest_config(ranks: dict[int, Rank]) -> dict[str, Any]:
+    """The settings of the rank that started tracing last: ``{}`` if none says when."""
+    started = [r.config for r in ranks.values() if _number(r.config.get("started"))]
+    return max(started, key=lambda c: float(c["started"]), default={})
+
+
+def newest_world(ranks: dict[int, Rank]) -> int:
+    """The newest run's world size, or 0 where no settings file gives one.
+
+    Where none says when it started (an earlier tracer's files), the largest any gives.
+    """
+    newest = _newest_config(ranks)
+    configs = [newest] if newest else [r.config for r in ranks.values()]
+    worlds = [w for c in configs if isinstance(w := c.get("world_size"), int) and _number(w)]
+    return max((w for w in worlds if w >= 1), default=0)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _newest_run(ranks: dict[int, Rank], notes: list[str]) -> dict[int, Rank]:
     """The ranks of the run whose rank started tracing last: below its world size."""
-    started = [r.config for r in ranks.values() if isinstance(r.config.get("started"), int | float)]
-    if not started:
-        return ranks
-    newest = max(started, key=lambda c: c["started"])
-    world = newest.get("world_size")
-    if not isinstance(world, int) or world < 1:
+    newest, world = _newest_config(ranks), newest_world(ranks)
+    if not newest or not world:
         return ranks
     earlier = sorted(r for r in ranks if r >= world)
     for r in earlier:
