@@ -7,7 +7,9 @@ of ``--steps`` steps, alternating which side goes first, so both sides see the s
 it prints each side's median step time and ``on / off - 1``. The step times still drift by
 more than a percent between blocks: it also prints the CPU time per step of the program's
 thread on each side and of the tracer's thread, whose sum is what tracing costs a step that
-the host's launching bounds. ``--no-gpu-times`` traces without the NCCL ops' GPU times.
+the host's launching bounds. ``--no-gpu-times`` traces without the NCCL ops' GPU times;
+``--torch-events`` takes them through torch's events, one Python call each, instead of the
+driver's batches with the GIL released.
 
     python benches/bench_trace_blocks.py --device cuda              # medium GPT, bf16
     python benches/bench_trace_blocks.py --device cpu --size small --dtype fp32
@@ -53,8 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         "--no-gpu-times", action="store_true",
         help="trace without the NCCL ops' GPU times (host times only)",
     )  # fmt: skip
+    p.add_argument(
+        "--torch-events", action="store_true",
+        help="GPU times through torch's events, one call each (the way before the driver's)",
+    )  # fmt: skip
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
+    if args.torch_events:
+        device_times.use_events(device_times.TORCH)
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}.items():  # fmt: skip
         os.environ.setdefault(k, v)
@@ -133,9 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         + statistics.median(cpu["tracer"])
     )  # fmt: skip
     paired = statistics.median(on / off - 1 for on, off in zip(res["on"], res["off"], strict=True))
+    how = (
+        "host times only" if args.no_gpu_times
+        else "GPU times through torch's events" if args.torch_events
+        else f"GPU times through {type(device_times.events()).__name__.strip('_')}"
+    )  # fmt: skip
     lines = [
         f"zero3, 1 process, {args.device}, {args.size} GPT {args.dtype}, {args.blocks} blocks of "
-        f"{args.steps} steps per side, alternated",
+        f"{args.steps} steps per side, alternated; {how}",
         f"tracing off: {a:.2f} ms/step (median; blocks {[round(v, 2) for v in res['off']]})",
         f"tracing on:  {b:.2f} ms/step (median; blocks {[round(v, 2) for v in res['on']]})",
         f"overhead: {b / a - 1:+.2%} (on / off - 1; bar 1 %); median of the pairs' ratios "

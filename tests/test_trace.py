@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardline import _native
 from shardline.comm import flight
 from shardline.comm.flight import RECORDER
 from shardline.comm.trace import device, doctor, folder, merge
@@ -75,7 +76,7 @@ def test_a_long_write_goes_in_chunks_with_the_gil_released_between(
     paused: list[str] = []
     monkeypatch.setattr(device, "pause", lambda: paused.append("read"))
     monkeypatch.setattr("shardline.comm.trace.recorder.pause", lambda: paused.append("write"))
-    tracer.device = device.DeviceTimes(clock=_Clock)
+    tracer.device = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
     RECORDER.device_sink = tracer.device.add
     n = 2 * device.CHUNK + 5
     for k in range(n):
@@ -282,12 +283,10 @@ class _Work:
 
 
 class _Clock:
-    def __init__(self, device: int) -> None:
-        self.offset = 1000.0 * (device + 1)  # device time 0 is wall time 1000 (GPU 0)
-
-    def wall_of(self, event: _Event) -> float:
-        assert event.at is not None
-        return self.offset + event.at
+    def __init__(self, gpu: int, kind: device.Events) -> None:
+        assert kind is device.TORCH  # the stand-in events are read as torch's are
+        self.ref = _Event(0.0)
+        self.wall = 1000.0 * (gpu + 1)  # device time 0 is wall time 1000 (GPU 0)
 
 
 def _timed(chain: str, at: float, work: _Work, queued: float | None = None) -> device.OpTiming:
@@ -297,7 +296,7 @@ def _timed(chain: str, at: float, work: _Work, queued: float | None = None) -> d
 
 
 def test_device_times_chain_an_async_groups_ops_and_bracket_blocking_ones() -> None:
-    times = device.DeviceTimes(clock=_Clock)
+    times = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
     a, b, c, blocking = ([] for _ in range(4))  # records: identity is all that matters
     w_a, w_b, w_c = _Work(), _Work(), _Work()
     times.add(a, _timed("g", 1.0, w_a))  # queued when the caller's stream reached 1.0
@@ -328,7 +327,7 @@ def test_the_newest_ended_op_of_a_chain_vouches_for_the_earlier_ones() -> None:
             asked.append(id(self))
             return super().is_completed()
 
-    times = device.DeviceTimes(clock=_Clock)
+    times = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
     records = [[] for _ in range(5)]
     works = [Counted(1.0) for _ in range(4)] + [Counted()]  # the newest is still running
     for k, (r, w) in enumerate(zip(records, works, strict=True)):
@@ -339,7 +338,7 @@ def test_the_newest_ended_op_of_a_chain_vouches_for_the_earlier_ones() -> None:
 
 
 def test_device_times_give_up_on_an_op_that_never_ends_and_skip_a_failed_one() -> None:
-    times = device.DeviceTimes(clock=_Clock)
+    times = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
     stuck, failed, later = [], [], []
     times.add(stuck, _timed("g", 1.0, _Work(), queued=10.0))
     broken = _Work(1.0)
@@ -359,7 +358,7 @@ def test_device_times_give_up_on_an_op_that_never_ends_and_skip_a_failed_one() -
 def test_an_op_timed_on_its_gpu_is_written_once_the_gpu_is_past_it(
     tracer: Tracer, tmp_path: Path
 ) -> None:
-    tracer.device = device.DeviceTimes(clock=_Clock)
+    tracer.device = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
     RECORDER.device_sink = tracer.device.add
     record = RECORDER.start("world", 0, "all_reduce", 8, torch.float32, None)
     work = _Work()
@@ -523,3 +522,17 @@ def test_the_doctor_command_reads_the_recent_history_and_all_of_it_with_all(
     assert main(["doctor", "--all", str(tmp_path)]) == 1
     everything = capsys.readouterr().out
     assert everything.count("- mismatch:") == 2 and "not checked" not in everything, everything
+
+
+def test_events_go_through_the_driver_where_one_is_loaded_and_through_torch_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    here = _native.cuda_events_available()
+    for loaded, kind in ((False, device._TorchEvents), (True, device._DriverEvents)):
+        monkeypatch.setattr(device, "_KIND", [None])
+        monkeypatch.setattr(_native, "cuda_events_available", lambda loaded=loaded: loaded)
+        assert isinstance(device.events(), kind)
+        assert device.events() is device.events()  # chosen once
+    if not here:  # no driver loaded in this process: each call says so
+        with pytest.raises(InvalidArgumentError, match="no CUDA driver is loaded"):
+            _native.cuda_events_elapsed(0, [1], [2])

@@ -477,3 +477,18 @@ def tree_sum(parts: Any, out: Any, units: int, threads: int = 1) -> None:
 
     On ``threads`` threads; the bits are the same for any number.
     """
+
+# -- CUDA events through the loaded driver (the tracer's GPU times) --------------------------
+
+def cuda_events_available() -> bool:
+    """Whether this process has loaded a CUDA driver these functions can use."""
+
+def cuda_event_create(device: int) -> int:
+    """A new timing event of GPU ``device`` (its handle; kept for the process's life)."""
+
+def cuda_event_record(device: int, event: int, stream: int) -> None:
+    """Records ``event`` on ``stream`` (a raw stream handle; 0: the default stream)."""
+
+def cuda_events_elapsed(device: int, firsts: list[int], seconds: list[int]) -> list[float]:
+    """Milliseconds from each first event to its second; NaN where there is none (a pair the
+    GPU is not past yet). Reads with the GIL released."""

@@ -16,6 +16,8 @@
 //! - [`engine`]: the communicator: its settings, op queue, worker thread, inline fast path,
 //!   routing of each op to an algorithm, `Work`.
 //! - [`kernels`]: compute the Python layer runs on CPU tensors (the 1-bit gradient codec).
+//! - [`cuda_events`]: CUDA events made and read through the driver torch loaded (the
+//!   tracer's GPU times, many events a call).
 //! - [`shard`]: checkpoint shard files (safetensors-compatible, CRC32C-checked, optional
 //!   zstd frames), written from and read into caller memory.
 //! - `python` (feature `python`): the PyO3 bindings, the only code that knows Python.
@@ -24,6 +26,7 @@
 #![deny(missing_docs)]
 
 pub mod collectives;
+pub mod cuda_events;
 pub mod dtype;
 pub mod engine;
 pub mod error;

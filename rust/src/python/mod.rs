@@ -7,10 +7,12 @@
 //! - [`kernels`]: compute kernels over caller tensors (the 1-bit codec, CPU optimizer steps).
 //! - [`shard`]: `write_shard` and `ShardReader` over [`crate::shard`].
 //! - [`symmetric`]: symmetric memory (segment files, a group's allocations).
+//! - [`cuda`]: CUDA events read through the loaded driver (the tracer's GPU times).
 //!
 //! Every setting arrives as an argument: nothing here reads the environment.
 
 mod buffer;
+mod cuda;
 mod errors;
 mod group;
 mod kernels;
@@ -47,5 +49,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::unit_products, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::unit_row_sums, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::unit_norm_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_events_available, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_event_create, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_event_record, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_events_elapsed, m)?)?;
     Ok(())
 }

@@ -19,30 +19,46 @@ maps event times onto ``time.time()``: an event recorded on an idle stream of th
 waited for once, when the tracer's thread reads the GPU's first op. Events are reused once
 read.
 
-Cost on the program's thread, per op: one or two pooled events recorded on the current
-stream (2.5 microseconds each on an H200 host); on the tracer's thread, two readings of
-the GPU's clock per op, ``CHUNK`` ops at a time with a ``pause`` between
-(``benches/bench_trace_blocks.py`` measures a whole step).
+Events are made, recorded and read through the CUDA driver that torch loaded, by the native
+module (``_DriverEvents``): the tracer's thread reads a whole batch in one call with the GIL
+released, where torch's ``Event.elapsed_time`` is a call per pair with the GIL held. Without
+the native module or a loaded driver, torch's events serve (``TORCH``). A blocking op's two
+events are read without asking first whether the GPU is past them: a pair it is not past
+reads NaN.
+
+Cost per op: on the program's thread, one or two pooled events recorded on the current stream
+(and NCCL's own timing, in torch); on the tracer's thread, one or two event readings, NCCL's
+timing of an asynchronous op, and the bookkeeping here, ``CHUNK`` ops at a time with a
+``pause`` between. ``benches/bench_trace_ops.py`` measures it per op where the host bounds the
+loop (``docs/guides/troubleshooting.md`` gives the numbers), ``benches/bench_trace_blocks.py``
+on a whole training step; both measure the way through torch's events too.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 __all__ = [
     "CHUNK",
+    "THREAD_NAME",
+    "TORCH",
     "DeviceTimes",
+    "Events",
     "OpTiming",
     "begin",
     "enable_nccl_timing",
+    "events",
     "nccl_timing_enabled",
     "pause",
+    "use_events",
 ]
 
 # Give up on an op's device time this long after it was queued (its work failed, or the
@@ -62,9 +78,18 @@ CHUNK = 64
 _PAUSE_S = 100e-6
 
 
+# The tracer's thread's name: the one thread that pauses (on the program's thread, in the
+# tracer's last write, a pause would only make it wait).
+THREAD_NAME = "shardline-trace"
+
+
 def pause() -> None:
-    """Releases the GIL for a moment: a thread waiting for it takes it (see ``CHUNK``)."""
-    time.sleep(_PAUSE_S)
+    """Releases the GIL for a moment, on the tracer's thread: a thread waiting takes it.
+
+    See ``CHUNK``.
+    """
+    if threading.current_thread().name == THREAD_NAME:
+        time.sleep(_PAUSE_S)
 
 
 def enable_nccl_timing() -> None:
@@ -101,48 +126,143 @@ class OpTiming(NamedTuple):
     queued: float
 
 
+class Events(Protocol):
+    """How events of one GPU are made, recorded and read (``_DriverEvents`` or ``TORCH``).
+
+    An event is whatever ``new`` returns; ``elapsed`` reads many pairs at once (NaN for a
+    pair the GPU is not past yet, which is how the tracer learns that it is).
+    """
+
+    def new(self, device: int) -> Any:
+        """A new timing event of GPU ``device``."""
+        ...
+
+    def record(self, device: int, event: Any) -> None:
+        """Records ``event`` on GPU ``device``'s current stream."""
+        ...
+
+    def of_torch(self, event: torch.cuda.Event) -> Any:
+        """``event`` (a recorded torch event) as this kind's event."""
+        ...
+
+    def elapsed(self, device: int, firsts: list[Any], seconds: list[Any]) -> list[float]:
+        """Milliseconds from each first event to its second; NaN where there is no time."""
+        ...
+
+
+class _TorchEvents:
+    """torch's ``Event`` objects, one call each (no native module, or no loaded driver)."""
+
+    def new(self, device: int) -> Any:
+        return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+    def record(self, device: int, event: Any) -> None:
+        torch._C._CudaEventBase.record(event, _current_stream(device)[0])
+
+    def of_torch(self, event: torch.cuda.Event) -> Any:
+        return event
+
+    def elapsed(self, device: int, firsts: list[Any], seconds: list[Any]) -> list[float]:
+        out = []
+        for a, b in zip(firsts, seconds, strict=True):
+            try:
+                out.append(float(a.elapsed_time(b)))
+            except RuntimeError:  # not reached, or never recorded
+                out.append(math.nan)
+        return out
+
+
+class _DriverEvents:
+    """Driver event handles (ints), through the native module: reads of many with no GIL."""
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+        self.new = native.cuda_event_create
+        self.elapsed = native.cuda_events_elapsed
+
+    def record(self, device: int, event: Any) -> None:
+        self._native.cuda_event_record(device, event, _current_stream(device)[1])
+
+    def of_torch(self, event: torch.cuda.Event) -> Any:
+        return event.cuda_event
+
+
+TORCH: Events = _TorchEvents()
+_KIND: list[Events | None] = [None]  # the kind this process records with, chosen once
+
+
+def events() -> Events:
+    """The kind of events this process records with: the driver's where it can, else torch's.
+
+    Chosen at the first traced op (CUDA is initialised by then) and kept: an event is read
+    by the kind that recorded it.
+    """
+    kind = _KIND[0]
+    if kind is None:
+        try:
+            from shardline import _native  # noqa: PLC0415  (reads through torch without it)
+        except ImportError:  # the package without its built engine: torch's events serve
+            kind = TORCH
+        else:
+            kind = _DriverEvents(_native) if _native.cuda_events_available() else TORCH
+        _KIND[0] = kind
+    return kind
+
+
+def use_events(kind: Events | None) -> None:
+    """Records with ``kind`` from now on (``None``: choose again); before any op is traced.
+
+    For measuring one kind against the other (``benches/bench_trace_blocks.py``).
+    """
+    _KIND[0] = kind
+    _FREE.clear()
+
+
 # Events read by the tracer, by GPU, for the next ops (deque: appends and pops from either
 # thread are atomic).
 _FREE: dict[int, deque[Any]] = {}
-# The current stream of each GPU as torch last gave it: (torch's key for it, the Stream).
-_STREAMS: dict[int, tuple[Any, Any]] = {}
+# The current stream of each GPU as torch last gave it: torch's key for it, and the stream as
+# a torch ``Stream`` and as the driver's handle.
+_STREAMS: dict[int, tuple[Any, Any, int]] = {}
 
 
-def _current_stream(index: int) -> Any:
-    """``torch.cuda.current_stream(index)``, without making a new ``Stream`` for each op."""
+def _current_stream(index: int) -> tuple[Any, int]:
+    """``torch.cuda.current_stream(index)`` and its handle, without a new ``Stream`` per op."""
     key = torch._C._cuda_getCurrentStream(index)
     known = _STREAMS.get(index)
     if known is not None and known[0] == key:
-        return known[1]
+        return known[1], known[2]
     stream = torch.cuda.Stream(  # type: ignore[no-untyped-call]
         stream_id=key[0], device_index=key[1], device_type=key[2]
     )
-    _STREAMS[index] = (key, stream)
-    return stream
+    _STREAMS[index] = (key, stream, int(stream.cuda_stream))
+    return stream, int(stream.cuda_stream)
 
 
 def begin(index: int) -> Any:
     """An event recorded now on GPU ``index``'s current stream, for the op about to be queued."""
+    kind = _KIND[0] or events()
     free = _FREE.get(index)
-    event = free.pop() if free else torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    torch._C._CudaEventBase.record(event, _current_stream(index))
+    event = free.pop() if free else kind.new(index)
+    kind.record(index, event)
     return event
 
 
 class _Clock:
-    """One GPU's event times as ``time.time()``: a reference event and its wall time."""
+    """One GPU's event times as ``time.time()``.
 
-    def __init__(self, device: int) -> None:
+    ``ref`` is a reference event (of the kind given), ``wall`` its wall time.
+    """
+
+    def __init__(self, device: int, kind: Events) -> None:
         with torch.cuda.device(device):
             # An idle stream: the event completes as soon as it is queued.
             stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-            self.ref = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            self.ref.record(stream)
-            self.ref.synchronize()
+            self._event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self._event.record(stream)
+            self._event.synchronize()
             self.wall = time.time()
-
-    def wall_of(self, event: Any) -> float:
-        return self.wall + float(self.ref.elapsed_time(event)) / 1e3
+        self.ref = kind.of_torch(self._event)
 
 
 class DeviceTimes:
@@ -152,8 +272,18 @@ class DeviceTimes:
     tracer's (under its flush lock, one at a time).
     """
 
-    def __init__(self, clock: Callable[[int], Any] = _Clock) -> None:
+    def __init__(
+        self,
+        clock: Callable[[int, Events], Any] = _Clock,
+        kind: Events | None = None,
+    ) -> None:
+        """Follows no op yet.
+
+        ``clock(device, kind)`` gives a GPU's clock (``ref`` and ``wall``); ``kind`` says how
+        events are read (default: the process's, ``events()``).
+        """
         self._make_clock = clock
+        self._kind = kind
         self._clocks: dict[int, Any] = {}
         self._pending: list[tuple[list[Any], OpTiming]] = []
         self._new: list[tuple[list[Any], OpTiming]] = []  # appended by the program's thread
@@ -185,61 +315,102 @@ class DeviceTimes:
         self._pending += self._new[:n]
         del self._new[:n]
         pending = self._pending
+        if not pending:
+            return
+        kind = self._kind or events()
         # The ops of a chain end in the order they were queued: the newest one that ended
         # vouches for every earlier one (one question per chain, not one per op).
         ended: dict[tuple[int, str], int] = {}
         for i in range(len(pending) - 1, -1, -1):
-            t = pending[i][1]
-            if t.chain is not None and (t.device, t.chain) not in ended and t.work.is_completed():
-                ended[(t.device, t.chain)] = i
+            gpu, chain, _, _, work, _ = pending[i][1]
+            if chain is not None and (gpu, chain) not in ended and work.is_completed():
+                ended[(gpu, chain)] = i
+        # A blocking op has ended once its end event has: its length, read for each GPU in
+        # one call, is NaN until then (no separate question whether it ended).
+        ends: dict[int, list[int]] = {}
+        for i, (_, t) in enumerate(pending):
+            if t[1] is None:
+                ends.setdefault(t[0], []).append(i)
+        lengths: dict[int, float] = {}
+        isnan = math.isnan
+        for gpu, idx in ends.items():
+            ms = kind.elapsed(gpu, [pending[i][1][2] for i in idx], [pending[i][1][3] for i in idx])
+            lengths.update((i, m / 1e3) for i, m in zip(idx, ms, strict=True) if not isnan(m))
         blocked: set[tuple[int, str]] = set()
         left: list[tuple[list[Any], OpTiming]] = []
-        for i, (record, t) in enumerate(pending):
-            if i and not i % CHUNK:
-                pause()
-            key = (t.device, t.chain) if t.chain is not None else None
-            if key is None:
-                past = bool(t.end.query())
+        past: list[tuple[list[Any], OpTiming, tuple[int, str] | None, float]] = []
+        nan = math.nan
+        for i, op in enumerate(pending):
+            t = op[1]
+            if t[1] is None:
+                key = None
+                over = i in lengths
             else:
-                past = key not in blocked and i <= ended.get(key, -1)
-            if not past:
-                if now - t.queued > GIVE_UP_S:
-                    self._times[id(record)] = None
-                    if key is not None:
-                        self._chain_end.pop(key, None)
-                    continue
-                if key is not None:
-                    blocked.add(key)
-                left.append((record, t))
+                key = (t[0], t[1])
+                over = key not in blocked and i <= ended.get(key, -1)
+            if over:
+                past.append((op[0], t, key, lengths.get(i, nan)))
                 continue
-            self._times[id(record)] = self._read(t, key)
-            free = _FREE.setdefault(t.device, deque())
-            free.append(t.start)
-            if t.end is not None:
-                free.append(t.end)
+            if now - t[5] > GIVE_UP_S:
+                self._times[id(op[0])] = None
+                if key is not None:
+                    self._chain_end.pop(key, None)
+                continue
+            if key is not None:
+                blocked.add(key)
+            left.append(op)
         self._pending = left
+        if past:
+            self._read(kind, past)
 
-    def _read(self, t: OpTiming, key: tuple[int, str] | None) -> tuple[float, float] | None:
-        """The device start and end of an op the GPU is past (``None`` for a failed one).
+    def _read(
+        self,
+        kind: Events,
+        past: list[tuple[list[Any], OpTiming, tuple[int, str] | None, float]],
+    ) -> None:
+        """Notes the device start and end of ops the GPU is past (``None`` for a failed one).
 
-        Only ever asked for such an op: reading one the GPU is not past raises, and torch's
-        error costs far more than asking first.
+        ``past`` holds each op's record, timing, chain and length where it is known (a
+        blocking op's). Only ever asked for ops the GPU is past: reading one it is not past
+        gives no time. Each GPU's start events are read against its clock in one call; an
+        asynchronous op's length is NCCL's timing of it. The loop runs once per traced op on
+        the tracer's thread, with the GIL held: kept to plain tuple and dict operations.
         """
-        clock = self._clocks.get(t.device)
-        if clock is None:
-            clock = self._clocks[t.device] = self._make_clock(t.device)
-        try:
-            if t.end is not None:
-                length = float(t.start.elapsed_time(t.end)) / 1e3
+        starts: list[float] = [math.nan] * len(past)
+        by_device: dict[int, list[int]] = {}
+        for k, op in enumerate(past):
+            by_device.setdefault(op[1][0], []).append(k)
+        for gpu, idx in by_device.items():
+            clock = self._clocks.get(gpu)
+            if clock is None:
+                clock = self._clocks[gpu] = self._make_clock(gpu, kind)
+            ms = kind.elapsed(gpu, [clock.ref] * len(idx), [past[k][1][2] for k in idx])
+            wall = clock.wall
+            for k, m in zip(idx, ms, strict=True):
+                starts[k] = wall + m / 1e3
+        times, chain_end, isnan = self._times, self._chain_end, math.isnan
+        free = {gpu: _FREE.setdefault(gpu, deque()) for gpu in by_device}
+        for k, (record, (gpu, _, first, last, work, _), key, blocking_length) in enumerate(past):
+            if k and not k % CHUNK:
+                pause()
+            length = blocking_length
+            if last is None:
+                try:
+                    length = float(work._get_duration()) / 1e3
+                except RuntimeError:  # a failed op: NCCL has no timing of it
+                    length = math.nan
+            start = starts[k]
+            if isnan(length) or isnan(start):
+                times[id(record)] = None
             else:
-                length = float(t.work._get_duration()) / 1e3
-        except RuntimeError:  # a failed op: NCCL has no timing of it
-            return None
-        start = clock.wall_of(t.start)
-        if key is not None:
-            start = max(start, self._chain_end.get(key, start))
-            self._chain_end[key] = start + length
-        return start, start + length
+                if key is not None:
+                    start = max(start, chain_end.get(key, start))
+                    chain_end[key] = start + length
+                times[id(record)] = (start, start + length)
+            pool = free[gpu]
+            pool.append(first)
+            if last is not None:
+                pool.append(last)
 
     def pop(self, record: list[Any]) -> tuple[float, float] | None:
         """``record``'s device start and end (wall clock), once; ``None`` when it has none."""

@@ -52,7 +52,7 @@ from shardline import config
 from shardline._version import __version__
 from shardline.comm import flight
 from shardline.comm.flight import RECORDER
-from shardline.comm.trace.device import CHUNK, DeviceTimes, pause
+from shardline.comm.trace.device import CHUNK, THREAD_NAME, DeviceTimes, pause
 from shardline.errors import ShardlineError
 
 __all__ = ["TRACER", "Tracer"]
@@ -130,7 +130,7 @@ class Tracer:
         if config.get("SHARDLINE_TRACE_GPU"):
             RECORDER.device_sink = self.device.add
         self._install_hooks()
-        self._thread = threading.Thread(target=self._loop, name="shardline-trace", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
         self._thread.start()
         if not self._exit_registered:
             atexit.register(self._at_exit)
@@ -247,7 +247,7 @@ class Tracer:
         main = threading.main_thread().ident
         threads = []
         for t in threading.enumerate():
-            if t.ident is None or t.ident not in frames or t.name == "shardline-trace":
+            if t.ident is None or t.ident not in frames or t.name == THREAD_NAME:
                 continue
             f = flight.program_frame(frames[t.ident])
             if f is None and t.ident != main:

@@ -1,0 +1,282 @@
+//! CUDA events made, recorded and read through the CUDA driver the process has already
+//! loaded: the tracer's GPU times (`shardline.comm.trace.device`), many events a call.
+//!
+//! The tracer reads two or three events per NCCL op. Through torch each reading is a Python
+//! call of a few microseconds that holds the GIL, which the training thread needs to launch
+//! its next kernel; here one call reads a whole list with the GIL released, at the driver's
+//! own cost (well under a microsecond an event). Event handles are the driver's `CUevent`s,
+//! which the CUDA runtime's `cudaEvent_t` (torch's events) also are.
+//!
+//! The driver is looked for with `dlopen(RTLD_NOLOAD)`: only a `libcuda.so.1` that torch has
+//! loaded is used, and nothing is loaded here. Without one, [`Driver::get`] finds none and
+//! the caller reads its events through torch.
+//!
+//! Each call names the GPU its events belong to. Where the calling thread's current CUDA
+//! context is another GPU's (or none), that GPU's primary context (the one torch uses) is made
+//! current for the call and the thread's own put back after it.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::sync::{Mutex, OnceLock};
+
+use crate::error::{Error, Result};
+
+type CuResult = c_int;
+/// `CUevent`, `CUstream` and `CUcontext`: opaque driver handles.
+type Handle = *mut c_void;
+
+const CUDA_SUCCESS: CuResult = 0;
+/// `CU_EVENT_DEFAULT`: an event that keeps its time (timing is on unless disabled).
+const CU_EVENT_DEFAULT: c_uint = 0;
+
+/// The driver entry points used here, with `cuda.h`'s signatures.
+struct Driver {
+    event_create: unsafe extern "C" fn(*mut Handle, c_uint) -> CuResult,
+    event_record: unsafe extern "C" fn(Handle, Handle) -> CuResult,
+    event_elapsed: unsafe extern "C" fn(*mut f32, Handle, Handle) -> CuResult,
+    ctx_get_current: unsafe extern "C" fn(*mut Handle) -> CuResult,
+    ctx_set_current: unsafe extern "C" fn(Handle) -> CuResult,
+    ctx_get_device: unsafe extern "C" fn(*mut c_int) -> CuResult,
+    device_get: unsafe extern "C" fn(*mut c_int, c_int) -> CuResult,
+    primary_ctx_retain: unsafe extern "C" fn(*mut Handle, c_int) -> CuResult,
+    error_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+}
+
+/// Looks up `name` in `handle` as a function of type `F`.
+///
+/// # Safety
+/// `F` must be an `extern "C"` function pointer type with the symbol's C signature, and the
+/// library must stay loaded for as long as the pointer is used.
+unsafe fn symbol<F: Copy>(handle: *mut c_void, name: &CStr) -> Option<F> {
+    // SAFETY: `handle` is a live dlopen handle and `name` a C string.
+    let found = unsafe { libc::dlsym(handle, name.as_ptr()) };
+    if found.is_null() {
+        return None;
+    }
+    // SAFETY: the caller vouches that `F` is the symbol's function pointer type; a function
+    // pointer has a data pointer's size on every platform CUDA runs on.
+    Some(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&found) })
+}
+
+impl Driver {
+    /// The driver the process has loaded, looked for once; `None` where torch loaded none.
+    fn get() -> Option<&'static Driver> {
+        static FOUND: OnceLock<Option<Driver>> = OnceLock::new();
+        FOUND.get_or_init(Driver::find).as_ref()
+    }
+
+    fn find() -> Option<Driver> {
+        // SAFETY: with RTLD_NOLOAD, dlopen only looks for a library already loaded and
+        // returns a handle to it, or null; it loads nothing and runs no code. The handle is
+        // never closed, so every function found stays mapped for the process's life.
+        let lib = unsafe {
+            libc::dlopen(
+                c"libcuda.so.1".as_ptr(),
+                libc::RTLD_NOLOAD | libc::RTLD_LAZY,
+            )
+        };
+        if lib.is_null() {
+            return None;
+        }
+        // SAFETY: each lookup's type is `cuda.h`'s signature of that function, none of which
+        // has changed since CUDA 4; `lib` stays loaded (above).
+        unsafe {
+            Some(Driver {
+                event_create: symbol(lib, c"cuEventCreate")?,
+                event_record: symbol(lib, c"cuEventRecord")?,
+                event_elapsed: symbol(lib, c"cuEventElapsedTime")?,
+                ctx_get_current: symbol(lib, c"cuCtxGetCurrent")?,
+                ctx_set_current: symbol(lib, c"cuCtxSetCurrent")?,
+                ctx_get_device: symbol(lib, c"cuCtxGetDevice")?,
+                device_get: symbol(lib, c"cuDeviceGet")?,
+                primary_ctx_retain: symbol(lib, c"cuDevicePrimaryCtxRetain")?,
+                error_name: symbol(lib, c"cuGetErrorName")?,
+            })
+        }
+    }
+
+    /// An error naming the driver's result `code` and what failed.
+    fn error(&self, code: CuResult, what: &str) -> Error {
+        let mut name: *const c_char = std::ptr::null();
+        // SAFETY: cuGetErrorName writes a pointer to a static C string, or leaves it null for
+        // an unknown code.
+        let known = unsafe { (self.error_name)(code, &mut name) } == CUDA_SUCCESS;
+        let name = if known && !name.is_null() {
+            // SAFETY: a non-null name is a static, NUL-terminated string of the driver's.
+            unsafe { CStr::from_ptr(name) }
+                .to_string_lossy()
+                .into_owned()
+        } else {
+            format!("CUDA error {code}")
+        };
+        Error::invalid(format!("{what}: {name}"))
+    }
+
+    /// Runs `f` with GPU `device`'s context current on this thread, then puts the thread's
+    /// own back.
+    fn on_device<T>(&self, device: i32, f: impl FnOnce() -> T) -> Result<T> {
+        let mut current: Handle = std::ptr::null_mut();
+        // SAFETY: both calls write one value into the local they are given.
+        unsafe {
+            if (self.ctx_get_current)(&mut current) == CUDA_SUCCESS && !current.is_null() {
+                let mut on = -1;
+                if (self.ctx_get_device)(&mut on) == CUDA_SUCCESS && on == device {
+                    return Ok(f());
+                }
+            }
+        }
+        let context = self.primary_context(device)?;
+        // SAFETY: `context` is a primary context this process holds (retained, never
+        // released); `current` is the thread's own context or null, valid to restore.
+        let set = unsafe { (self.ctx_set_current)(context) };
+        if set != CUDA_SUCCESS {
+            return Err(self.error(set, &format!("making GPU {device}'s context current")));
+        }
+        let out = f();
+        // SAFETY: as above.
+        unsafe { (self.ctx_set_current)(current) };
+        Ok(out)
+    }
+
+    /// GPU `device`'s primary context, retained once per process and kept.
+    fn primary_context(&self, device: i32) -> Result<Handle> {
+        static KEPT: Mutex<Option<HashMap<i32, usize>>> = Mutex::new(None);
+        let mut kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+        let map = kept.get_or_insert_with(HashMap::new);
+        if let Some(&context) = map.get(&device) {
+            return Ok(context as Handle);
+        }
+        let mut dev = 0;
+        let mut context: Handle = std::ptr::null_mut();
+        // SAFETY: each call writes one value into the local it is given.
+        let code = unsafe { (self.device_get)(&mut dev, device) };
+        if code != CUDA_SUCCESS {
+            return Err(self.error(code, &format!("finding GPU {device}")));
+        }
+        // SAFETY: as above; `dev` is a device the driver just named.
+        let code = unsafe { (self.primary_ctx_retain)(&mut context, dev) };
+        if code != CUDA_SUCCESS {
+            return Err(self.error(code, &format!("taking GPU {device}'s primary context")));
+        }
+        map.insert(device, context as usize);
+        Ok(context)
+    }
+}
+
+/// The loaded driver, or an error that says none is.
+fn driver() -> Result<&'static Driver> {
+    Driver::get().ok_or_else(|| {
+        Error::invalid(
+            "no CUDA driver is loaded in this process (libcuda.so.1): initialise CUDA \
+             through torch first, or read the events through torch",
+        )
+    })
+}
+
+/// Whether the process has a CUDA driver loaded that the functions here can use.
+pub fn available() -> bool {
+    Driver::get().is_some()
+}
+
+/// A new event of GPU `device` that keeps its time; its handle, which lives as long as the
+/// process (events are pooled and reused by the caller, never destroyed).
+pub fn create(device: i32) -> Result<usize> {
+    let d = driver()?;
+    let mut event: Handle = std::ptr::null_mut();
+    // SAFETY: cuEventCreate writes one handle into the local it is given.
+    let code = d.on_device(device, || unsafe {
+        (d.event_create)(&mut event, CU_EVENT_DEFAULT)
+    })?;
+    if code != CUDA_SUCCESS {
+        return Err(d.error(code, &format!("creating an event on GPU {device}")));
+    }
+    Ok(event as usize)
+}
+
+/// Records `event` on `stream` (a raw `CUstream`; 0 is the legacy default stream) of GPU
+/// `device`.
+pub fn record(device: i32, event: usize, stream: usize) -> Result<()> {
+    let d = driver()?;
+    // SAFETY: the handles are the caller's live event and stream of GPU `device` (a wrong one
+    // is an error the driver returns, not undefined behaviour, for handles it gave out).
+    let code = d.on_device(device, || unsafe {
+        (d.event_record)(event as Handle, stream as Handle)
+    })?;
+    if code != CUDA_SUCCESS {
+        return Err(d.error(code, &format!("recording an event on GPU {device}")));
+    }
+    Ok(())
+}
+
+/// For each pair of events of GPU `device`, the milliseconds from the first to the second;
+/// NaN where the driver has no time for the pair: one the GPU has not reached yet (how a
+/// caller learns that), or one never recorded.
+pub fn elapsed(device: i32, firsts: &[usize], seconds: &[usize]) -> Result<Vec<f64>> {
+    if firsts.len() != seconds.len() {
+        return Err(Error::invalid(format!(
+            "{} first events and {} second ones: pass one of each per pair",
+            firsts.len(),
+            seconds.len()
+        )));
+    }
+    let d = driver()?;
+    d.on_device(device, || {
+        firsts
+            .iter()
+            .zip(seconds)
+            .map(|(&a, &b)| {
+                let mut ms = 0f32;
+                // SAFETY: the handles are live events of the caller's (see `record`);
+                // cuEventElapsedTime writes one float into the local it is given.
+                let code = unsafe { (d.event_elapsed)(&mut ms, a as Handle, b as Handle) };
+                if code == CUDA_SUCCESS {
+                    f64::from(ms)
+                } else {
+                    f64::NAN
+                }
+            })
+            .collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_loaded_driver_every_call_says_so_and_nothing_is_loaded() {
+        if available() {
+            return; // a host whose process loaded CUDA: the GPU tests cover it
+        }
+        for err in [
+            create(0).unwrap_err(),
+            record(0, 1, 0).unwrap_err(),
+            elapsed(0, &[1], &[2]).unwrap_err(),
+        ] {
+            assert!(
+                err.message.contains("no CUDA driver is loaded"),
+                "{}",
+                err.message
+            );
+        }
+        // Looking did not load it.
+        // SAFETY: RTLD_NOLOAD only asks whether the library is loaded.
+        let lib = unsafe {
+            libc::dlopen(
+                c"libcuda.so.1".as_ptr(),
+                libc::RTLD_NOLOAD | libc::RTLD_LAZY,
+            )
+        };
+        assert!(lib.is_null());
+    }
+
+    #[test]
+    fn pairs_of_unequal_length_are_refused_before_the_driver_is_asked() {
+        let err = elapsed(0, &[1, 2], &[3]).unwrap_err();
+        assert!(
+            err.message.contains("2 first events and 1 second"),
+            "{}",
+            err.message
+        );
+    }
+}

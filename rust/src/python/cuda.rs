@@ -1,0 +1,39 @@
+//! CUDA events through the loaded driver ([`crate::cuda_events`]): the tracer's GPU times.
+//! Handles are plain integers (torch's `Event.cuda_event`, `Stream.cuda_stream`); the reads
+//! of many events run with the GIL released.
+
+use pyo3::prelude::*;
+
+use super::errors::IntoPy;
+use crate::cuda_events;
+
+/// Whether this process has loaded a CUDA driver these functions can use.
+#[pyfunction]
+pub fn cuda_events_available() -> bool {
+    cuda_events::available()
+}
+
+/// A new timing event of GPU `device` (its handle; kept for the process's life).
+#[pyfunction]
+pub fn cuda_event_create(device: i32) -> PyResult<usize> {
+    cuda_events::create(device).py_err()
+}
+
+/// Records `event` on `stream` (a raw stream handle; 0: the default stream) of GPU `device`.
+#[pyfunction]
+pub fn cuda_event_record(device: i32, event: usize, stream: usize) -> PyResult<()> {
+    cuda_events::record(device, event, stream).py_err()
+}
+
+/// For each pair (`firsts[i]`, `seconds[i]`) of GPU `device`'s events, the milliseconds
+/// between them; NaN where the driver has no time for the pair.
+#[pyfunction]
+pub fn cuda_events_elapsed(
+    py: Python<'_>,
+    device: i32,
+    firsts: Vec<usize>,
+    seconds: Vec<usize>,
+) -> PyResult<Vec<f64>> {
+    py.detach(|| cuda_events::elapsed(device, &firsts, &seconds))
+        .py_err()
+}
