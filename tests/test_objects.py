@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from fractions import Fraction
 from typing import Any
@@ -110,3 +111,29 @@ def test_default_group_and_top_level_names(monkeypatch: pytest.MonkeyPatch) -> N
         assert sl.broadcast_object([1, 2]) == [1, 2]
     finally:
         sl.shutdown()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_object_that_does_not_pickle_fails_every_rank_at_once(backend: str, world: int) -> None:
+    """Rank 1's object holds a lock: rank 1 raises with pickle's error, every other rank
+    raises naming rank 1, and none waits for bytes that will not come."""
+
+    def body(g: ProcessGroup) -> list[str]:
+        errors = []
+        for call in (
+            lambda: all_gather_object(threading.Lock() if g.rank == 1 else g.rank, g),
+            lambda: broadcast_object(threading.Lock() if g.rank == 1 else None, 1, g),
+        ):
+            with pytest.raises(InvalidArgumentError) as info:
+                call()
+            errors.append(str(info.value))
+        # The group still works: the next call of every rank is answered.
+        assert all_gather_object(g.rank, g) == list(range(g.world_size))
+        return errors
+
+    for r, (gathered, broadcast) in enumerate(run_ranks(world, body, backend=backend)):
+        for text in (gathered, broadcast):
+            if r == 1:
+                assert "its object cannot be pickled" in text and "lock" in text, text
+            else:
+                assert "the object of rank 1 cannot be pickled" in text, text

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,6 +193,47 @@ def test_a_settings_file_whose_start_or_world_is_not_a_number_is_read_without_th
                                   "world_size": "3"}))  # fmt: skip
     rep = doctor.examine(tmp_path)
     assert rep.ranks == 3 and rep.culprits("settings") == {1}, rep.text()
+
+
+def _beat(folder: Path, r: int, at: float) -> None:
+    """Rank ``r``'s heartbeat of a running job on another host, taken at ``at``."""
+    (folder / f"rank{r}.now.json").write_text(json.dumps(
+        {"rank": r, "pid": os.getpid(), "host": "elsewhere", "time": at, "interval": 1,
+         "state": "running", "running": [], "threads": []}
+    ))  # fmt: skip
+
+
+@pytest.mark.parametrize("beating", [True, False])
+def test_a_rank_whose_host_clock_is_behind_is_alive_while_it_beats(
+    tmp_path: Path, beating: bool
+) -> None:
+    """Rank 1's host clock is 6 s behind the doctor's: its heartbeat reads 6 s old, staler than
+    a live job's may be. While it still beats it is alive (and the clock said); once it stops
+    it is silent."""
+    steps = [100.0 + 0.1 * k for k in range(25)]
+    for r in range(3):
+        _rank(tmp_path, r, {}, steps, 0.02)
+        _beat(tmp_path, r, time.time() - (6.0 if r == 1 else 0.0))
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.2):
+            _beat(tmp_path, 1, time.time() - 6.0)
+
+    writer = threading.Thread(target=beat, daemon=True)
+    if beating:
+        writer.start()
+    try:
+        rep = doctor.examine(tmp_path)
+    finally:
+        stop.set()
+    if beating:
+        writer.join()
+        assert rep.live and rep.findings == [], rep.text()
+        assert any("rank 1's heartbeat" in n and "6 s behind" in n for n in rep.notes), rep.notes
+    else:
+        assert rep.culprits("silent") == {1}, rep.text()
+        assert "no heartbeat for 6 s" in rep.text(), rep.text()
 
 
 def _long_timeline(tmp_path: Path, ops: int, every: int) -> str:

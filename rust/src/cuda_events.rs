@@ -59,10 +59,15 @@ unsafe fn symbol<F: Copy>(handle: *mut c_void, name: &CStr) -> Option<F> {
 }
 
 impl Driver {
-    /// The driver the process has loaded, looked for once; `None` where torch loaded none.
+    /// The driver the process has loaded; `None` where torch has loaded none yet. Found
+    /// once; until then each call looks again (CUDA may be initialised later).
     fn get() -> Option<&'static Driver> {
-        static FOUND: OnceLock<Option<Driver>> = OnceLock::new();
-        FOUND.get_or_init(Driver::find).as_ref()
+        static FOUND: OnceLock<Driver> = OnceLock::new();
+        if let Some(driver) = FOUND.get() {
+            return Some(driver);
+        }
+        let driver = Driver::find()?;
+        Some(FOUND.get_or_init(|| driver))
     }
 
     fn find() -> Option<Driver> {

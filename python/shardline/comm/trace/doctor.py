@@ -18,12 +18,15 @@ Four checks, each a finding that names the rank:
   (``shardline.trace.note``; ``distribute`` notes its strategy) that differ between ranks.
 
 A live job's heartbeats are at most one interval old, so the doctor answers within a
-second or two of being asked.
+second or two of being asked. A heartbeat that looks older is read again an interval and a
+half later before its rank is called silent: still beating, it comes from a host whose clock
+is behind the doctor's (said in the report's notes), and the rank is alive.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import statistics
@@ -109,13 +112,36 @@ def examine(
         history: Bytes read from the end of each rank's timeline (``None``: all of it).
         now: The time to judge heartbeats by; the clock by default.
     """
-    left_out: list[str] = []
-    ranks = load(directory, left_out, tail=history)
+    notes: list[str] = []
+    ranks = load(directory, notes, tail=history)
+    clock = now is None
     now = time.time() if now is None else now
-    beats = [float(r.now["time"]) for r in ranks.values() if r.now]
     interval = max((float(r.now.get("interval", 1.0)) for r in ranks.values() if r.now),
                    default=1.0)  # fmt: skip
     stale = 2.5 * interval + 1.0
+    if clock:
+        # A heartbeat that looks stale by this clock may still be beating, on a host whose
+        # clock is behind this one's. Where one looks stale, it is read again an interval
+        # and a half later: one that moved on and is still as stale by this clock is alive,
+        # and judged by this clock from now on. One that moved on and is fresh was only
+        # late (a busy host): it is judged as first read, with the other ranks' heartbeats
+        # (one snapshot of them all).
+        old = {r: float(x.now["time"]) for r, x in ranks.items()
+               if x.now and x.now.get("state") == "running"
+               and now - float(x.now["time"]) > stale}  # fmt: skip
+        if old:
+            time.sleep(min(1.5 * interval + 0.2, 3.0))
+            for r, seen in old.items():
+                beat = _heartbeat(Path(directory), r)
+                behind = time.time() - float(beat["time"]) if beat is not None else 0.0
+                if beat is not None and float(beat["time"]) > seen and behind > stale:
+                    ranks[r].now = {**beat, "time": now}
+                    notes.append(
+                        f"rank {r}'s heartbeat reads {behind:.0f} s old by this host's clock "
+                        f"but still beats: its host's clock is some {behind:.0f} s behind "
+                        "(read as alive; the times it wrote are that much early)"
+                    )
+    beats = [float(r.now["time"]) for r in ranks.values() if r.now]
     live = any(now - t <= stale and r.now.get("state") == "running"
                for r in ranks.values() for t in [float(r.now.get("time", 0))] if r.now)  # fmt: skip
     ref = now if live else max(beats, default=now)  # a finished job: as its last heartbeat saw
@@ -124,7 +150,7 @@ def examine(
                     steps=max((int(r.steps[-1]["n"]) + 1 for r in ranks.values() if r.steps),
                               default=0),
                     notes=[f"unreadable, read as missing: {n}" for r in ranks.values()
-                           for n in r.unreadable] + left_out)  # fmt: skip
+                           for n in r.unreadable] + notes)  # fmt: skip
     # A job that runs no more: a rank whose heartbeat still says "running" ended unannounced.
     state = {r: _state(ranks.get(r), ref, stale if live else -1.0) for r in range(report.ranks)}
     report.live = live = any(s["kind"] == "running" for s in state.values())
@@ -140,6 +166,18 @@ def examine(
 
 
 # -- each rank's state ---------------------------------------------------------------------------
+
+
+def _heartbeat(directory: Path, r: int) -> dict[str, Any] | None:
+    """Rank ``r``'s heartbeat read now; ``None`` where it cannot be read."""
+    try:
+        beat = json.loads((directory / f"rank{r}.now.json").read_text())
+        if isinstance(beat, dict):
+            float(beat["time"])
+            return beat
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
 
 
 def _label(op: list[Any]) -> str:
