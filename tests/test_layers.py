@@ -59,6 +59,7 @@ LAZY = {
     ("shardline.cli", "shardline._native"): "the package works without the built engine",
     ("shardline.comm.backends.native", "shardline._native"): "the same: Gloo, NCCL, MPI need none",
     ("shardline.comm.trace.device", "shardline._native"): "the same: it reads through torch then",
+    ("shardline.comm.trace.recorder", "shardline._native"): "the same: it writes with json then",
     ("shardline.comm", "shardline.comm.backends.native"): "a backend loads with its first group",
     ("shardline.comm", "shardline.comm.backends.gloo"): "a backend loads with its first group",
     ("shardline.comm", "shardline.comm.backends.nccl"): "a backend loads with its first group",

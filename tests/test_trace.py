@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardline import _native
 from shardline.comm import flight
 from shardline.comm.flight import RECORDER
-from shardline.comm.trace import device, doctor, folder, merge
+from shardline.comm.trace import device, doctor, folder, merge, recorder
 from shardline.comm.trace.recorder import Tracer
 from shardline.errors import InvalidArgumentError
 
@@ -578,3 +580,41 @@ def test_events_go_through_the_driver_where_one_is_loaded_and_through_torch_else
     if not here:  # no driver loaded in this process: each call says so
         with pytest.raises(InvalidArgumentError, match="no CUDA driver is loaded"):
             _native.cuda_events_elapsed(0, [1], [2])
+
+
+_TEXT = st.text(max_size=12)  # quotes, backslashes, control and non-ASCII characters too
+_RECORD = st.tuples(
+    _TEXT,  # group
+    st.integers(0, 2**40),  # number
+    _TEXT,  # op
+    st.integers(0, 2**62),  # numel
+    st.sampled_from([None, "float32", torch.float32, torch.bfloat16, torch.int64, torch.bool]),
+    st.none() | st.integers(0, 1 << 20),  # peer
+    st.floats(0, 2e9, allow_nan=False),  # start
+    st.none() | st.floats(0, 2e9, allow_nan=False),  # end
+    st.sampled_from(["running", "done", "PeerLostError"]),
+    st.none() | _TEXT,  # where
+)
+_SPAN = st.none() | st.tuples(st.floats(-1e12, 1e12), st.floats(-1e12, 1e12))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_RECORD, _SPAN), max_size=8))
+def test_the_native_line_of_ops_reads_back_as_json_dumps_line(ops: list[tuple]) -> None:
+    """The tracer's native encoder writes what ``json.dumps`` writes, value for value."""
+    records = [list(r) for r, _ in ops]
+    spans = [s for _, s in ops]
+    line = _native.trace_ops_line(records, spans, flight.dtype_names())
+    want = {"k": "ops", "r": [flight.plain(r) + list(s or ())
+                              for r, s in zip(records, spans, strict=True)]}  # fmt: skip
+    assert json.loads(line) == json.loads(json.dumps(want))
+
+
+def test_a_line_the_native_encoder_does_not_write_is_written_by_json(tmp_path: Path) -> None:
+    """A value the native encoder refuses (a float that is not finite) takes ``json.dumps``,
+    as the tracer wrote before."""
+    record = ["world", 0, "all_reduce", 4, torch.float32, None, 1.0, float("inf"), "done", None]
+    with pytest.raises(ValueError, match="not finite"):
+        _native.trace_ops_line([record], [None], flight.dtype_names())
+    line = recorder._ops_line([record], [None])
+    assert line == json.dumps({"k": "ops", "r": [flight.plain(record)]})

@@ -492,3 +492,10 @@ def cuda_event_record(device: int, event: int, stream: int) -> None:
 def cuda_events_elapsed(device: int, firsts: list[int], seconds: list[int]) -> list[float]:
     """Milliseconds from each first event to its second; NaN where there is none (a pair the
     GPU is not past yet). Reads with the GIL released."""
+
+# -- the tracer's timeline ----------------------------------------------------------------------
+
+def trace_ops_line(records: list[Any], spans: list[Any], dtypes: dict[Any, str]) -> str:
+    """``{"k":"ops","r":[...]}`` for the flight recorder's ``records``, each with its device
+    span (or ``None``) appended, dtypes named by ``dtypes``. ``ValueError`` for a value it does
+    not write (a float that is not finite), ``TypeError`` for a record that is not a list."""

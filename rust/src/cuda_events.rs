@@ -1,11 +1,11 @@
 //! CUDA events made, recorded and read through the CUDA driver the process has already
 //! loaded: the tracer's GPU times (`shardline.comm.trace.device`), many events a call.
 //!
-//! The tracer reads two or three events per NCCL op. Through torch each reading is a Python
+//! The tracer reads one or two events per NCCL op. Through torch each reading is a Python
 //! call of a few microseconds that holds the GIL, which the training thread needs to launch
 //! its next kernel; here one call reads a whole list with the GIL released, at the driver's
-//! own cost (well under a microsecond an event). Event handles are the driver's `CUevent`s,
-//! which the CUDA runtime's `cudaEvent_t` (torch's events) also are.
+//! own cost. Event handles are the driver's `CUevent`s, which the CUDA runtime's
+//! `cudaEvent_t` (torch's events) also are.
 //!
 //! The driver is looked for with `dlopen(RTLD_NOLOAD)`: only a `libcuda.so.1` that torch has
 //! loaded is used, and nothing is loaded here. Without one, [`Driver::get`] finds none and
@@ -202,8 +202,10 @@ pub fn create(device: i32) -> Result<usize> {
 /// `device`.
 pub fn record(device: i32, event: usize, stream: usize) -> Result<()> {
     let d = driver()?;
-    // SAFETY: the handles are the caller's live event and stream of GPU `device` (a wrong one
-    // is an error the driver returns, not undefined behaviour, for handles it gave out).
+    // SAFETY: the caller passes handles the driver gave out and that live as long as the
+    // process: events from `create` or torch's (kept by their owners), and torch's streams.
+    // These functions are the tracer's alone (`shardline._native` is private): a made-up
+    // integer would be undefined behaviour, and none is ever passed.
     let code = d.on_device(device, || unsafe {
         (d.event_record)(event as Handle, stream as Handle)
     })?;
@@ -231,7 +233,7 @@ pub fn elapsed(device: i32, firsts: &[usize], seconds: &[usize]) -> Result<Vec<f
             .zip(seconds)
             .map(|(&a, &b)| {
                 let mut ms = 0f32;
-                // SAFETY: the handles are live events of the caller's (see `record`);
+                // SAFETY: the handles are live events the driver gave out (see `record`);
                 // cuEventElapsedTime writes one float into the local it is given.
                 let code = unsafe { (d.event_elapsed)(&mut ms, a as Handle, b as Handle) };
                 if code == CUDA_SUCCESS {

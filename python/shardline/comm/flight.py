@@ -31,7 +31,15 @@ from typing import Any
 
 from shardline import config
 
-__all__ = ["RECORDER", "FlightRecorder", "callsite", "default_dir", "plain", "program_frame"]
+__all__ = [
+    "RECORDER",
+    "FlightRecorder",
+    "callsite",
+    "default_dir",
+    "dtype_names",
+    "plain",
+    "program_frame",
+]
 
 # A record: [group, number, op, numel, dtype, peer, start, end, state, where]; end is None
 # while the op runs, state "running", "done" or the error's class name; where is the caller's
@@ -191,6 +199,14 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 _DTYPE_NAMES: dict[object, str] = {None: ""}  # torch.float32 -> "float32", as met
+
+
+def dtype_names() -> dict[object, str]:
+    """The dtypes met so far, by their names in written records; a writer may add to it.
+
+    ``torch.float32`` is "float32", ``None`` "".
+    """
+    return _DTYPE_NAMES
 
 
 def plain(record: list[Any]) -> list[Any]:

@@ -8,6 +8,7 @@
 //! - [`shard`]: `write_shard` and `ShardReader` over [`crate::shard`].
 //! - [`symmetric`]: symmetric memory (segment files, a group's allocations).
 //! - [`cuda`]: CUDA events read through the loaded driver (the tracer's GPU times).
+//! - [`trace`]: the tracer's timeline lines, encoded in one call.
 //!
 //! Every setting arrives as an argument: nothing here reads the environment.
 
@@ -19,6 +20,7 @@ mod kernels;
 mod shard;
 mod signals;
 mod symmetric;
+mod trace;
 
 use pyo3::prelude::*;
 
@@ -53,5 +55,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda::cuda_event_create, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_event_record, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_events_elapsed, m)?)?;
+    m.add_function(wrap_pyfunction!(trace::trace_ops_line, m)?)?;
     Ok(())
 }

@@ -58,8 +58,8 @@ from shardline.errors import ShardlineError
 __all__ = ["TRACER", "Tracer"]
 
 # Event lines of ``rank<r>.trace.jsonl``: {"k": "ops", "r": [<flight record>, ...]} for the ops
-# that finished since the last write (a line per ``CHUNK`` of them: one call of the JSON
-# encoder each; a record timed on its GPU has its device start and end appended),
+# that finished since the last write (a line per ``CHUNK`` of them: one call of the native
+# encoder each, ``_ops_line``; a record timed on its GPU has its device start and end appended),
 # {"k": "step", "n": n, "t0": start, "t1": end} for an optimizer step,
 # {"k": "span", "name": name, "t0": start, "t1": end, "where": "file:line"} for a span.
 
@@ -233,8 +233,8 @@ class Tracer:
         for i in range(0, len(done), CHUNK):
             if i:
                 pause()
-            part = [_op_record(r, device.pop(r)) for r in done[i : i + CHUNK]]
-            lines.append(json.dumps({"k": "ops", "r": part}))
+            part = done[i : i + CHUNK]
+            lines.append(_ops_line(part, [device.pop(r) for r in part]))
         lines += [json.dumps(e) for e in events]
         if lines:
             self._file.write("\n".join(lines) + "\n")
@@ -268,6 +268,33 @@ class Tracer:
             "threads": threads,
         }
         _write_atomic(self.directory / f"rank{self.rank}.now.json", now)
+
+
+# The native encoder of a line of ops (``_native.trace_ops_line``), looked for at the first
+# write; ``None`` where the package runs without its built engine.
+_ENCODER: list[Any] = []
+
+
+def _ops_line(records: list[list[Any]], spans: list[tuple[float, float] | None]) -> str:
+    """``{"k": "ops", "r": [...]}`` for ``records``, each with its device span where it has one.
+
+    Encoded natively in one call where it can; a record holding a value the native encoder
+    does not write (a float that is not finite, say) takes ``json.dumps``, as all do without
+    the engine.
+    """
+    if not _ENCODER:
+        try:
+            from shardline import _native  # noqa: PLC0415  (the package works without it)
+        except ImportError:
+            _ENCODER.append(None)
+        else:
+            _ENCODER.append(_native.trace_ops_line)
+    encode = _ENCODER[0]
+    if encode is not None:
+        with contextlib.suppress(ValueError, TypeError):
+            return str(encode(records, spans, flight.dtype_names()))
+    part = [_op_record(r, span) for r, span in zip(records, spans, strict=True)]
+    return json.dumps({"k": "ops", "r": part})
 
 
 def _op_record(record: list[Any], on_device: tuple[float, float] | None) -> list[Any]:
