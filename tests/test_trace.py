@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -618,3 +619,26 @@ def test_a_line_the_native_encoder_does_not_write_is_written_by_json(tmp_path: P
         _native.trace_ops_line([record], [None], flight.dtype_names())
     line = recorder._ops_line([record], [None])
     assert line == json.dumps({"k": "ops", "r": [flight.plain(record)]})
+
+
+def test_an_op_takes_a_kept_event_or_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``begin`` records a kept event where one is kept; none kept (or another thread took
+    the last), a new one."""
+    recorded: list[str] = []
+
+    class Kind:
+        made = 0
+
+        def new(self, gpu: int) -> str:
+            Kind.made += 1
+            return f"new{Kind.made}"
+
+        def record(self, gpu: int, event: str) -> None:
+            recorded.append(event)
+
+    monkeypatch.setattr(device, "_KIND", [Kind()])
+    monkeypatch.setattr(device, "_FREE", {})
+    assert device.begin(0) == "new1"
+    device._FREE[0] = deque(["kept"])
+    assert [device.begin(0), device.begin(0)] == ["kept", "new2"]
+    assert recorded == ["new1", "kept", "new2"]

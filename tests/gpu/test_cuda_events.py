@@ -72,7 +72,7 @@ def test_a_traced_ops_device_times_read_through_the_driver_match_torchs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """One blocking op bracketed by the tracer's events, read by a ``DeviceTimes`` of each
-    kind: the same start (within the clocks' calibration) and the same length."""
+    kind: placed between its queuing and the host's wait for it, and as long either way."""
     spans = {}
     for kind in (device.events(), device.TORCH):
         monkeypatch.setattr(device, "_KIND", [kind])

@@ -243,7 +243,10 @@ def begin(index: int) -> Any:
     """An event recorded now on GPU ``index``'s current stream, for the op about to be queued."""
     kind = _KIND[0] or events()
     free = _FREE.get(index)
-    event = free.pop() if free else kind.new(index)
+    try:
+        event = free.pop() if free is not None else kind.new(index)
+    except IndexError:  # none kept, or another thread queuing an op took the last one
+        event = kind.new(index)
     kind.record(index, event)
     return event
 
