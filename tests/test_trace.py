@@ -199,11 +199,14 @@ def test_a_settings_file_whose_start_or_world_is_not_a_number_is_read_without_th
 
 
 def _beat(folder: Path, r: int, at: float) -> None:
-    """Rank ``r``'s heartbeat of a running job on another host, taken at ``at``."""
-    (folder / f"rank{r}.now.json").write_text(json.dumps(
+    """Rank ``r``'s heartbeat of a running job on another host, taken at ``at``; written
+    whole, then renamed into place, as the tracer writes it (a reader never sees half)."""
+    tmp = folder / f"rank{r}.now.json.tmp"
+    tmp.write_text(json.dumps(
         {"rank": r, "pid": os.getpid(), "host": "elsewhere", "time": at, "interval": 1,
          "state": "running", "running": [], "threads": []}
     ))  # fmt: skip
+    tmp.replace(folder / f"rank{r}.now.json")
 
 
 @pytest.mark.parametrize("beating", [True, False])
