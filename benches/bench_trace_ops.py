@@ -8,7 +8,8 @@ GPU and waits for them, a loop bound by the host alone, in rounds alternated bet
 
 - ``off``: untraced, on an NCCL group made without NCCL's timing (as an untraced job's is);
 - ``nccl-timed``: untraced, on a group made with NCCL's timing (what that alone costs);
-- ``host``: traced with host times only (``SHARDLINE_TRACE_GPU=0``), on that group too;
+- ``host``: traced with host times only (``SHARDLINE_TRACE_GPU=0``), on the group made
+  without NCCL's timing (as such a job's are);
 - ``gpu``: traced with GPU times, the driver's events read in batches;
 - ``gpu-torch``: the same through torch's events, one call each (as before the driver's).
 
