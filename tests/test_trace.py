@@ -625,8 +625,8 @@ def test_a_line_the_native_encoder_does_not_write_is_written_by_json(tmp_path: P
 
 
 def test_an_op_takes_a_kept_event_or_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``begin`` records a kept event where one is kept; none kept (or another thread took
-    the last), a new one."""
+    """``begin`` records a kept event where one is kept; none kept, a new one; and where
+    another thread took the last kept one between a look and the take, a new one too."""
     recorded: list[str] = []
 
     class Kind:
@@ -644,4 +644,14 @@ def test_an_op_takes_a_kept_event_or_a_new_one(monkeypatch: pytest.MonkeyPatch) 
     assert device.begin(0) == "new1"
     device._FREE[0] = deque(["kept"])
     assert [device.begin(0), device.begin(0)] == ["kept", "new2"]
-    assert recorded == ["new1", "kept", "new2"]
+
+    class Raced(deque):  # looks non-empty, but the last event is gone when taken
+        def __bool__(self) -> bool:
+            return True
+
+        def __len__(self) -> int:
+            return 1
+
+    device._FREE[0] = Raced()
+    assert device.begin(0) == "new3"
+    assert recorded == ["new1", "kept", "new2", "new3"]

@@ -43,17 +43,10 @@ impl Serialize for Value<'_, '_> {
         if let Ok(t) = o.cast::<PyString>() {
             return s.serialize_str(&t.to_cow().map_err(S::Error::custom)?);
         }
-        if let Ok(l) = o.cast::<PyList>() {
-            let mut seq = s.serialize_seq(Some(l.len()))?;
-            for item in l.iter() {
-                seq.serialize_element(&Value(&item))?;
-            }
-            return seq.end();
-        }
-        if let Ok(t) = o.cast::<PyTuple>() {
-            let mut seq = s.serialize_seq(Some(t.len()))?;
-            for item in t.iter() {
-                seq.serialize_element(&Value(&item))?;
+        if o.is_instance_of::<PyList>() || o.is_instance_of::<PyTuple>() {
+            let mut seq = s.serialize_seq(o.len().ok())?;
+            for item in o.try_iter().map_err(S::Error::custom)? {
+                seq.serialize_element(&Value(&item.map_err(S::Error::custom)?))?;
             }
             return seq.end();
         }

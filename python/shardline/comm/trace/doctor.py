@@ -26,7 +26,6 @@ is behind the doctor's (said in the report's notes), and the rank is alive.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import socket
 import statistics
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from shardline.comm import flight
-from shardline.comm.trace.folder import Rank, load, newest_world, span
+from shardline.comm.trace.folder import Rank, load, newest_world, read_object, span
 
 __all__ = ["Finding", "Report", "examine"]
 
@@ -133,8 +132,10 @@ def examine(
             time.sleep(min(1.5 * interval + 0.2, 3.0))
             for r, seen in old.items():
                 beat = _heartbeat(Path(directory), r)
-                behind = time.time() - float(beat["time"]) if beat is not None else 0.0
-                if beat is not None and float(beat["time"]) > seen and behind > stale:
+                if beat is None or float(beat["time"]) <= seen:
+                    continue  # not beating (or unreadable now): as first read
+                behind = time.time() - float(beat["time"])
+                if behind > stale:
                     ranks[r].now = {**beat, "time": now}
                     notes.append(
                         f"rank {r}'s heartbeat reads {behind:.0f} s old by this host's clock "
@@ -169,15 +170,13 @@ def examine(
 
 
 def _heartbeat(directory: Path, r: int) -> dict[str, Any] | None:
-    """Rank ``r``'s heartbeat read now; ``None`` where it cannot be read."""
+    """Rank ``r``'s heartbeat read now; ``None`` where it cannot be read or has no time."""
     try:
-        beat = json.loads((directory / f"rank{r}.now.json").read_text())
-        if isinstance(beat, dict):
-            float(beat["time"])
-            return beat
+        beat = read_object(directory / f"rank{r}.now.json")
+        float(beat["time"])
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return None
+        return None
+    return beat
 
 
 def _label(op: list[Any]) -> str:

@@ -20,6 +20,7 @@ __all__ = [
     "device_span",
     "load",
     "newest_world",
+    "read_object",
     "span",
 ]
 
@@ -74,9 +75,7 @@ def load(
         rank = ranks.setdefault(r, Rank(r))
         if m.group(2) != "trace.jsonl":
             try:
-                value = json.loads(file.read_text())
-                if not isinstance(value, dict):
-                    raise ValueError(f"a JSON {type(value).__name__}, not an object")
+                value = read_object(file)
             except (OSError, ValueError) as exc:
                 rank.unreadable.append(f"{file.name} ({exc})")
                 continue
@@ -106,6 +105,19 @@ def load(
             "older ops not checked"
         )
     return ranks
+
+
+def read_object(file: Path) -> dict[str, Any]:
+    """A settings or heartbeat file's JSON object.
+
+    Raises:
+        OSError: it cannot be read.
+        ValueError: it is not JSON, or not an object (cut short, say).
+    """
+    value = json.loads(file.read_text())
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def _newest_config(ranks: dict[int, Rank]) -> dict[str, Any]:
