@@ -68,11 +68,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(k, v)
     os.environ.pop("SHARDLINE_TRACE", None)  # the blocks say when it traces
     cuda = args.device == "cuda"
-    if cuda:
-        # What ``sl.init(trace=...)`` does for its NCCL groups, here for the whole run (the
-        # tracer comes and goes between blocks): NCCL records a start event per op, so both
-        # sides carry that one event record; the "on" blocks add our event and the reading.
-        device_times.enable_nccl_timing()
     group = sl.init(backend="nccl" if cuda else "native")
     d_model, layers, heads, seq_len, batch = SIZES[args.size]
     cfg = Config(d_model=d_model, num_layers=layers, num_heads=heads, seq_len=seq_len)

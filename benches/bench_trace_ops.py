@@ -6,15 +6,16 @@ launching pays all of it, and a step's time moves by more than a percent from bl
 ``--ops`` tiny asynchronous all-reduces (and a blocking one every ``--blocking-every``) on one
 GPU and waits for them, a loop bound by the host alone, in rounds alternated between:
 
-- ``off``: untraced, on an NCCL group made without NCCL's timing (as an untraced job's is);
-- ``nccl-timed``: untraced, on a group made with NCCL's timing (what that alone costs);
-- ``host``: traced with host times only (``SHARDLINE_TRACE_GPU=0``), on the group made
-  without NCCL's timing (as such a job's are);
+- ``off``: untraced;
+- ``nccl-timed``: untraced, on an NCCL group made with NCCL's own timing of its ops
+  (``TORCH_NCCL_ENABLE_TIMING``, torch's way to learn when an op ran on the GPU): what that
+  alone costs;
+- ``host``: traced with host times only (``SHARDLINE_TRACE_GPU=0``);
 - ``gpu``: traced with GPU times, the driver's events read in batches;
-- ``gpu-torch``: the same through torch's events, one call each (as before the driver's).
+- ``gpu-torch``: the same through torch's events, one call each.
 
-The rounds with GPU times run on a group made with NCCL's timing, as ``init(trace=...)``
-makes them. Each traced round starts and stops the tracer inside its timing, and lasts a few
+Every side but ``nccl-timed`` runs on a group made without NCCL's timing, as a traced job's
+are. Each traced round starts and stops the tracer inside its timing, and lasts a few
 of the tracer's 1 s intervals, so most ops are written by its thread as in a long job. It
 prints each side's microseconds per op (median of the rounds), its difference from ``off``
 (what tracing adds to each NCCL op of a step bound by the host: the program's thread's own
@@ -62,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(k, v)
     os.environ.pop("SHARDLINE_TRACE", None)
     world = sl.init(backend="nccl")
-    untimed = world.new_group([0])  # made before NCCL's timing is on: as untraced
-    device_times.enable_nccl_timing()
+    untimed = world.new_group([0])
+    os.environ["TORCH_NCCL_ENABLE_TIMING"] = "1"  # read by torch when a group is made
     timed = world.new_group([0])
+    del os.environ["TORCH_NCCL_ENABLE_TIMING"]
     assert untimed is not None and timed is not None
     x = torch.ones(256, device="cuda")
     driver = device_times.events()
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     def round_(side: str, folder: str) -> tuple[float, float, list[int], list[float]]:
         """(µs per op of the loop, the tracer's thread's CPU µs per op, GC passes and GC
         milliseconds by generation)."""
-        group = untimed if side in ("off", "host") else timed
+        group = timed if side == "nccl-timed" else untimed
         device_times.use_events(device_times.TORCH if side == "gpu-torch" else driver)
         torch.cuda.synchronize()
         passes = [s["collections"] for s in gc.get_stats()]

@@ -5,6 +5,7 @@ The fault-injection trials on real jobs are in ``tests/multiprocess/test_doctor.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -12,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 
 from shardline import _native
 from shardline.comm import flight
+from shardline.comm.backends._deferred import TracedDeferred
 from shardline.comm.flight import RECORDER
 from shardline.comm.trace import device, doctor, folder, merge, recorder
 from shardline.comm.trace.recorder import Tracer
@@ -85,7 +88,7 @@ def test_a_long_write_goes_in_chunks_with_the_gil_released_between(
     n = 2 * device.CHUNK + 5
     for k in range(n):
         record = RECORDER.start("world", k, "all_reduce", 8, torch.float32, None)
-        handle = type("Handle", (), {"timing": _timed("world", float(k), _Work(1.0))})
+        handle = type("Handle", (), {"timing": _timed("world", float(k), _Event(k + 1e-3))})
         RECORDER.timed(record, handle)
         RECORDER.finish(record)
     tracer.flush()
@@ -315,92 +318,112 @@ class _Event:
         return (end.at - self.at) * 1e3
 
 
-class _Work:
-    """A torch ``Work``'s stand-in: NCCL's timing of it (``ms``), once it completed."""
-
-    def __init__(self, ms: float | None = None) -> None:
-        self.ms = ms
-
-    def is_completed(self) -> bool:
-        return self.ms is not None
-
-    def _get_duration(self) -> float:
-        if self.ms is None:
-            raise RuntimeError("not completed")
-        return self.ms
-
-
 class _Clock:
     def __init__(self, gpu: int, kind: device.Events) -> None:
-        assert kind is device.TORCH  # the stand-in events are read as torch's are
         self.ref = _Event(0.0)
         self.wall = 1000.0 * (gpu + 1)  # device time 0 is wall time 1000 (GPU 0)
 
 
-def _timed(chain: str, at: float, work: _Work, queued: float | None = None) -> device.OpTiming:
-    """An asynchronous op of group ``chain``, queued when the caller's stream was at ``at``."""
+def _timed(
+    chain: str | None, at: float, end: _Event, queued: float | None = None, gpu: int = 0
+) -> device.OpTiming:
+    """An op of group ``chain`` (``None``: blocking), queued when the caller's stream was at
+    ``at``, ending at ``end``."""
     when = time.time() if queued is None else queued
-    return device.OpTiming(0, chain, _Event(at), None, work, when)
+    keep, turns = ([], ["last", "first"]) if chain else ((), ())
+    return device.OpTiming(gpu, chain, _Event(at), end, keep, turns, when)
 
 
 def test_device_times_chain_an_async_groups_ops_and_bracket_blocking_ones() -> None:
     times = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
     a, b, c, blocking = ([] for _ in range(4))  # records: identity is all that matters
-    w_a, w_b, w_c = _Work(), _Work(), _Work()
-    times.add(a, _timed("g", 1.0, w_a))  # queued when the caller's stream reached 1.0
-    times.add(b, _timed("g", 1.5, w_b))  # queued before a ended: runs after it
-    times.add(c, _timed("h", 2.0, w_c))  # another group: its own stream
-    end = _Event(None)  # on the caller's stream, between two events
-    times.add(blocking, device.OpTiming(0, None, _Event(3.0), end, None, time.time()))
+    e_a, e_b, e_c, e_blocking = (_Event(None) for _ in range(4))
+    times.add(a, _timed("g", 1.0, e_a))  # queued when the caller's stream reached 1.0
+    times.add(b, _timed("g", 1.5, e_b))  # queued before a ended: runs after it
+    times.add(c, _timed("h", 2.0, e_c))  # another group: its own stream
+    times.add(blocking, _timed(None, 3.0, e_blocking))  # on the caller's stream
     times.resolve()
     assert all(times.waiting(r) for r in (a, b, c, blocking))
-    w_a.ms, w_c.ms, end.at = 800.0, 250.0, 3.4
+    e_a.at, e_c.at, e_blocking.at = 1.8, 2.25, 3.4
     times.resolve()
     assert not times.waiting(a) and times.waiting(b) and not times.waiting(c)
-    assert times.pop(a) == (1001.0, 1001.8)
-    assert times.pop(c) == (1002.0, 1002.25)
+    assert times.pop(a) == pytest.approx((1001.0, 1001.8))
+    assert times.pop(c) == pytest.approx((1002.0, 1002.25))
     assert times.pop(blocking) == pytest.approx((1003.0, 1003.4))
-    w_b.ms = 100.0
+    e_b.at = 1.9
     times.resolve()
     assert times.pop(b) == pytest.approx((1001.8, 1001.9))  # after a, not at its queuing
     assert times.pop(b) is None and not times.waiting(b)  # once
 
 
-def test_the_newest_ended_op_of_a_chain_vouches_for_the_earlier_ones() -> None:
-    """Ops of one NCCL stream end in order: only the newest is asked whether it ended."""
-    asked: list[int] = []
+def test_each_gpus_events_are_read_in_one_call_and_reused_once_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[int, int]] = []
 
-    class Counted(_Work):
-        def is_completed(self) -> bool:
-            asked.append(id(self))
-            return super().is_completed()
+    class Counted(device._TorchEvents):
+        def elapsed(self, gpu: int, firsts: list[Any], seconds: list[Any]) -> list[float]:
+            calls.append((gpu, len(firsts)))
+            return super().elapsed(gpu, firsts, seconds)
 
-    times = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
+    monkeypatch.setattr(device, "_FREE", {})
+    times = device.DeviceTimes(clock=_Clock, kind=Counted())
     records = [[] for _ in range(5)]
-    works = [Counted(1.0) for _ in range(4)] + [Counted()]  # the newest is still running
-    for k, (r, w) in enumerate(zip(records, works, strict=True)):
-        times.add(r, _timed("g", float(k), w))
+    timings = [_timed("g", float(k), _Event(k + 0.5), gpu=k % 2) for k in range(5)]
+    timings.append(_timed(None, 9.0, _Event(9.5)))  # a blocking op: no handle waits later
+    records.append([])
+    for r, t in zip(records, timings, strict=True):
+        times.add(r, t)
     times.resolve()
-    assert asked == [id(works[4]), id(works[3])]
-    assert [times.waiting(r) for r in records] == [False] * 4 + [True]
+    assert sorted(calls) == [(0, 8), (1, 4)]  # a start and an end per op
+    assert times.pop(records[3]) == pytest.approx((2003.0, 2003.5))  # GPU 1's clock
+    # Start events go back at once, and a blocking op's end; an asynchronous op's end once
+    # its handle is done with it too (it may still wait for it).
+    assert [len(device._FREE[g]) for g in (0, 1)] == [5, 2]
+    for t in timings[:5]:
+        device.done_with(t)
+    assert [len(device._FREE[g]) for g in (0, 1)] == [8, 4]
+    assert timings[0].end in device._FREE[0] and timings[1].end in device._FREE[1]
 
 
-def test_device_times_give_up_on_an_op_that_never_ends_and_skip_a_failed_one() -> None:
+def test_device_times_give_up_on_an_op_that_never_ends_and_keep_its_buffers() -> None:
     times = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
-    stuck, failed, later = [], [], []
-    times.add(stuck, _timed("g", 1.0, _Work(), queued=10.0))
-    broken = _Work(1.0)
-    broken.ms = None  # completed (it failed), but NCCL has no timing of it
-    broken.is_completed = lambda: True  # type: ignore[method-assign]
-    times.add(failed, _timed("h", 1.0, broken))
+    stuck, later = [], []
+    timing = _timed("g", 1.0, _Event(None), queued=10.0)
+    timing.keep.append(("buffers",))  # its handle was dropped before its wait
+    times.add(stuck, timing)
     times.resolve(now=10.0 + device.GIVE_UP_S / 2)
-    assert times.waiting(stuck) and not times.waiting(failed) and times.pop(failed) is None
+    assert times.waiting(stuck)
     times.resolve(now=10.0 + device.GIVE_UP_S + 1)
     assert not times.waiting(stuck) and times.pop(stuck) is None
-    times.add(later, _timed("g", 2.0, _Work(5.0)))  # the chain goes on from its own event
+    assert times._stuck == [[("buffers",)]]  # the GPU may still use them: never let go
+    times.add(later, _timed("g", 2.0, _Event(2.005)))  # the chain goes on from its own event
     times.resolve()
-    assert times.pop(later) == (1002.0, 1002.005)
+    assert times.pop(later) == pytest.approx((1002.0, 1002.005))
     times.finish(wait=0.0)  # nothing left: returns at once
+
+
+def test_a_traced_handle_dropped_before_its_wait_leaves_its_buffers_to_the_tracer() -> None:
+    """An op a tracer runs on its group's stream has no buffers kept by torch: the handle
+    keeps them until its wait, or hands them on when dropped unwaited."""
+
+    done: list[object] = []
+
+    def handle(timing: device.OpTiming) -> TracedDeferred:
+        h = TracedDeferred([timing], wait=lambda *_: None, done=done.append, keep=buffers)
+        h.timing = timing
+        return h
+
+    buffers = (torch.ones(4),)
+    waited = handle(_timed("g", 1.0, _Event(None)))
+    dropped = handle(kept := _timed("g", 1.0, _Event(None)))
+    waited.wait()
+    assert waited.timing.keep == [] and done == [waited.timing]  # done with its end event
+    del dropped
+    gc.collect()
+    assert kept.keep == [buffers] and done[1] is kept
+    waited.wait()  # again: nothing more
+    assert len(done) == 2
 
 
 def test_an_op_timed_on_its_gpu_is_written_once_the_gpu_is_past_it(
@@ -409,14 +432,14 @@ def test_an_op_timed_on_its_gpu_is_written_once_the_gpu_is_past_it(
     tracer.device = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
     RECORDER.device_sink = tracer.device.add
     record = RECORDER.start("world", 0, "all_reduce", 8, torch.float32, None)
-    work = _Work()
-    RECORDER.timed(record, type("Handle", (), {"timing": _timed("world", 5.0, work)}))
+    end = _Event(None)
+    RECORDER.timed(record, type("Handle", (), {"timing": _timed("world", 5.0, end)}))
     RECORDER.finish(record)  # queued and returned on the host; the GPU is not there yet
     tracer.flush()
     assert not (tmp_path / "rank0.trace.jsonl").read_text()
     now = json.loads((tmp_path / "rank0.now.json").read_text())
     assert [o[flight.OP] for o in now["running"]] == ["all_reduce"]  # shown, ended on the host
-    work.ms = 20.0
+    end.at = 5.02
     tracer.flush()
     (line,) = [json.loads(x) for x in (tmp_path / "rank0.trace.jsonl").read_text().splitlines()]
     (written,) = line["r"]
@@ -582,8 +605,13 @@ def test_events_go_through_the_driver_where_one_is_loaded_and_through_torch_else
         assert isinstance(device.events(), kind)
         assert device.events() is device.events()  # chosen once
     if not here:  # no driver loaded in this process: each call says so
-        with pytest.raises(InvalidArgumentError, match="no CUDA driver is loaded"):
-            _native.cuda_events_elapsed(0, [1], [2])
+        for call in (
+            lambda: _native.cuda_events_elapsed(0, [1], [2]),
+            lambda: _native.cuda_stream_create(0),
+            lambda: _native.cuda_stream_wait(0, 1, 2),
+        ):
+            with pytest.raises(InvalidArgumentError, match="no CUDA driver is loaded"):
+                call()
 
 
 _TEXT = st.text(max_size=12)  # quotes, backslashes, control and non-ASCII characters too
@@ -636,10 +664,12 @@ def test_an_op_takes_a_kept_event_or_a_new_one(monkeypatch: pytest.MonkeyPatch) 
             Kind.made += 1
             return f"new{Kind.made}"
 
-        def record(self, gpu: int, event: str) -> None:
+        def record(self, gpu: int, event: str, stream: object) -> None:
+            assert stream == "current"
             recorded.append(event)
 
     monkeypatch.setattr(device, "_KIND", [Kind()])
+    monkeypatch.setattr(device, "_current_stream", lambda gpu: "current")
     monkeypatch.setattr(device, "_FREE", {})
     assert device.begin(0) == "new1"
     device._FREE[0] = deque(["kept"])

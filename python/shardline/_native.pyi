@@ -489,6 +489,13 @@ def cuda_event_create(device: int) -> int:
 def cuda_event_record(device: int, event: int, stream: int) -> None:
     """Records ``event`` on ``stream`` (a raw stream handle; 0: the default stream)."""
 
+def cuda_stream_create(device: int) -> int:
+    """A new stream of GPU ``device`` that does not wait on the default stream (its handle;
+    kept for the process's life)."""
+
+def cuda_stream_wait(device: int, stream: int, event: int) -> None:
+    """Makes ``stream`` wait on the GPU until ``event`` is reached; the host does not wait."""
+
 def cuda_events_elapsed(device: int, firsts: list[int], seconds: list[int]) -> list[float]:
     """Milliseconds from each first event to its second; NaN where there is none (a pair the
     GPU is not past yet). Reads with the GIL released."""

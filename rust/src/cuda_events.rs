@@ -1,5 +1,6 @@
 //! CUDA events made, recorded and read through the CUDA driver the process has already
-//! loaded: the tracer's GPU times (`shardline.comm.trace.device`), many events a call.
+//! loaded: the tracer's GPU times (`shardline.comm.trace.device`), many events a call; and
+//! the streams the tracer runs a group's asynchronous ops on, which wait on such events.
 //!
 //! The tracer reads one or two events per NCCL op. Through torch each reading is a Python
 //! call of a few microseconds that holds the GIL, which the training thread needs to launch
@@ -28,12 +29,17 @@ type Handle = *mut c_void;
 const CUDA_SUCCESS: CuResult = 0;
 /// `CU_EVENT_DEFAULT`: an event that keeps its time (timing is on unless disabled).
 const CU_EVENT_DEFAULT: c_uint = 0;
+/// `CU_STREAM_NON_BLOCKING`: a stream that does not wait on the legacy default stream (as
+/// torch's own streams).
+const CU_STREAM_NON_BLOCKING: c_uint = 1;
 
 /// The driver entry points used here, with `cuda.h`'s signatures.
 struct Driver {
     event_create: unsafe extern "C" fn(*mut Handle, c_uint) -> CuResult,
     event_record: unsafe extern "C" fn(Handle, Handle) -> CuResult,
     event_elapsed: unsafe extern "C" fn(*mut f32, Handle, Handle) -> CuResult,
+    stream_create: unsafe extern "C" fn(*mut Handle, c_uint) -> CuResult,
+    stream_wait_event: unsafe extern "C" fn(Handle, Handle, c_uint) -> CuResult,
     ctx_get_current: unsafe extern "C" fn(*mut Handle) -> CuResult,
     ctx_set_current: unsafe extern "C" fn(Handle) -> CuResult,
     ctx_get_device: unsafe extern "C" fn(*mut c_int) -> CuResult,
@@ -90,6 +96,8 @@ impl Driver {
                 event_create: symbol(lib, c"cuEventCreate")?,
                 event_record: symbol(lib, c"cuEventRecord")?,
                 event_elapsed: symbol(lib, c"cuEventElapsedTime")?,
+                stream_create: symbol(lib, c"cuStreamCreate")?,
+                stream_wait_event: symbol(lib, c"cuStreamWaitEvent")?,
                 ctx_get_current: symbol(lib, c"cuCtxGetCurrent")?,
                 ctx_set_current: symbol(lib, c"cuCtxSetCurrent")?,
                 ctx_get_device: symbol(lib, c"cuCtxGetDevice")?,
@@ -215,6 +223,36 @@ pub fn record(device: i32, event: usize, stream: usize) -> Result<()> {
     Ok(())
 }
 
+/// A new stream of GPU `device` that does not wait on the legacy default stream; its handle,
+/// which lives as long as the process (one per traced group, never destroyed).
+pub fn stream_create(device: i32) -> Result<usize> {
+    let d = driver()?;
+    let mut stream: Handle = std::ptr::null_mut();
+    // SAFETY: cuStreamCreate writes one handle into the local it is given.
+    let code = d.on_device(device, || unsafe {
+        (d.stream_create)(&mut stream, CU_STREAM_NON_BLOCKING)
+    })?;
+    if code != CUDA_SUCCESS {
+        return Err(d.error(code, &format!("creating a stream on GPU {device}")));
+    }
+    Ok(stream as usize)
+}
+
+/// Makes `stream` of GPU `device` wait, on the GPU, until `event` (as last recorded) is
+/// reached; the host does not wait.
+pub fn stream_wait(device: i32, stream: usize, event: usize) -> Result<()> {
+    let d = driver()?;
+    // SAFETY: as in `record`: live handles the driver gave out, `stream` from `stream_create`
+    // or torch's, `event` from `create`.
+    let code = d.on_device(device, || unsafe {
+        (d.stream_wait_event)(stream as Handle, event as Handle, 0)
+    })?;
+    if code != CUDA_SUCCESS {
+        return Err(d.error(code, &format!("making a stream of GPU {device} wait")));
+    }
+    Ok(())
+}
+
 /// For each pair of events of GPU `device`, the milliseconds from the first to the second;
 /// NaN where the driver has no time for the pair: one the GPU has not reached yet (how a
 /// caller learns that), or one never recorded.
@@ -258,6 +296,8 @@ mod tests {
         for err in [
             create(0).unwrap_err(),
             record(0, 1, 0).unwrap_err(),
+            stream_create(0).unwrap_err(),
+            stream_wait(0, 1, 2).unwrap_err(),
             elapsed(0, &[1], &[2]).unwrap_err(),
         ] {
             assert!(

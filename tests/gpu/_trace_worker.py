@@ -2,8 +2,11 @@
 
 Traces into ``SHARDLINE_TRACE``. Queues tens of milliseconds of matrix products on its GPU, then a
 64 MiB all-reduce behind them (asynchronous, then blocking), and notes on the host when it
-queued each all-reduce and when it saw the products end. Prints those times as one JSON line,
-then ``OK``.
+queued each all-reduce and when it saw the products end. Prints those times as one JSON line.
+Then checks that a traced asynchronous op, which runs on its group's own stream, still reads
+its input after the work queued before it, is seen whole by the work queued after its wait,
+and reads its input right though the caller dropped it (and the handle) before the GPU got
+there. Prints ``OK``.
 """
 
 from __future__ import annotations
@@ -39,8 +42,32 @@ def main() -> None:
             work.wait()
         torch.cuda.synchronize()
     print(json.dumps(seen), flush=True)
+    _streams_in_order(group, dev)
     sl.shutdown()
     print("OK", flush=True)
+
+
+def _streams_in_order(group: sl.ProcessGroup, dev: torch.device) -> None:
+    n, rank = group.world_size, group.rank
+    assert os.environ.get("TORCH_NCCL_ENABLE_TIMING") is None  # events of our own, not NCCL's
+    size = 64 << 20
+    want = torch.arange(1, n + 1, device=dev, dtype=torch.float32).repeat_interleave(size)
+    for dropped in (False, True):
+        inp = torch.zeros(size, device=dev)
+        out = torch.zeros(n * size, device=dev)
+        torch.cuda._sleep(100_000_000)  # tens of ms on the caller's stream
+        inp.fill_(rank + 1)  # queued behind the sleep: the gather must wait for it
+        work = group.all_gather(out, inp, async_op=True)
+        if dropped:  # the caller lets go of the input and the handle before the GPU gets there
+            del inp, work
+            junk = torch.empty(size, device=dev)  # would take the input's memory if freed
+            junk.fill_(-1.0)
+            torch.cuda.synchronize()
+        else:
+            work.wait()
+        got = out.clone()  # on the caller's stream, after the wait
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), (dropped, got.unique())
 
 
 if __name__ == "__main__":

@@ -52,10 +52,10 @@ def test_events_made_by_the_driver_bracket_work_as_torchs_do_and_a_pending_one_i
     start, end = kind.new(0), kind.new(0)
     ref_start, ref_end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
     torch.cuda.synchronize()
-    kind.record(0, start)
+    kind.record(0, start, device._current_stream(0))
     ref_start.record()
     _products(times=40)
-    kind.record(0, end)
+    kind.record(0, end, device._current_stream(0))
     ref_end.record()
     # The GPU reaches ``start`` at once; ``end`` waits behind some 100 ms of products.
     deadline = time.time() + 5
@@ -83,7 +83,7 @@ def test_a_traced_ops_device_times_read_through_the_driver_match_torchs(
         t0 = device.begin(0)
         _products(times=10)
         t1 = device.begin(0)
-        times.add(record, device.OpTiming(0, None, t0, t1, None, queued))
+        times.add(record, device.OpTiming(0, None, t0, t1, (), (), queued))
         torch.cuda.synchronize()
         done = time.time()
         times.resolve()

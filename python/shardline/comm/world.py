@@ -45,7 +45,6 @@ from shardline.comm.rendezvous.store import (
     linger_after_failure,
     publish_failure,
 )
-from shardline.comm.trace import device as device_times
 from shardline.comm.trace.recorder import TRACER
 from shardline.errors import (
     CollectiveTimeoutError,
@@ -250,11 +249,6 @@ def init(
         _settings["deterministic"] = (
             None if deterministic is None else deterministic_mode(deterministic, "init()")
         )
-        if (trace is not None or config.get("SHARDLINE_TRACE")) and config.get(
-            "SHARDLINE_TRACE_GPU"
-        ):
-            # NCCL groups made from now on time their ops on the GPU for the timeline.
-            device_times.enable_nccl_timing()
         named = backend.strip().lower() if backend else config.get("SHARDLINE_BACKEND")
         if named == "mpi":  # MPI has its own rendezvous
             _default = _init_mpi(timeout)

@@ -1,4 +1,5 @@
-//! CUDA events through the loaded driver ([`crate::cuda_events`]): the tracer's GPU times.
+//! CUDA events and streams through the loaded driver ([`crate::cuda_events`]): the tracer's
+//! GPU times.
 //! Handles are plain integers (torch's `Event.cuda_event`, `Stream.cuda_stream`); the reads
 //! of many events run with the GIL released.
 
@@ -23,6 +24,18 @@ pub fn cuda_event_create(device: i32) -> PyResult<usize> {
 #[pyfunction]
 pub fn cuda_event_record(device: i32, event: usize, stream: usize) -> PyResult<()> {
     cuda_events::record(device, event, stream).py_err()
+}
+
+/// A new stream of GPU `device` (its handle; kept for the process's life).
+#[pyfunction]
+pub fn cuda_stream_create(device: i32) -> PyResult<usize> {
+    cuda_events::stream_create(device).py_err()
+}
+
+/// Makes `stream` of GPU `device` wait on the GPU for `event`; the host does not wait.
+#[pyfunction]
+pub fn cuda_stream_wait(device: i32, stream: usize, event: usize) -> PyResult<()> {
+    cuda_events::stream_wait(device, stream, event).py_err()
 }
 
 /// For each pair (`firsts[i]`, `seconds[i]`) of GPU `device`'s events, the milliseconds

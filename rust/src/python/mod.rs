@@ -55,6 +55,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda::cuda_event_create, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_event_record, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_events_elapsed, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_stream_create, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_stream_wait, m)?)?;
     m.add_function(wrap_pyfunction!(trace::trace_ops_line, m)?)?;
     Ok(())
 }

@@ -15,7 +15,7 @@ from typing import Any
 
 from shardline.errors import ShardlineError
 
-__all__ = ["DONE", "Deferred", "torch_works_completed", "wait_torch_works"]
+__all__ = ["DONE", "Deferred", "TracedDeferred", "torch_works_completed", "wait_torch_works"]
 
 
 def wait_torch_works(works: Sequence[Any], timeout: float | None) -> None:
@@ -107,6 +107,41 @@ class Deferred:
         """Whether the op finished (successfully or not)."""
         works = self._works
         return not works or self._test(works)
+
+
+class TracedDeferred(Deferred):
+    """The handle of an op a tracer ran on its group's own stream (``comm.trace.device``).
+
+    Torch keeps none of such an op's buffers alive (it ran as a blocking op there): ``keep``
+    holds them until the wait, as for any handle, and a handle dropped before its wait leaves
+    them in its ``timing.keep``, which the tracer holds until the GPU is past the op. Its
+    works are the op's timing, waited for and tested by the ``wait`` and ``test`` given;
+    ``done(timing)`` runs once, when the handle no longer needs the op's end event (after its
+    wait, or when dropped).
+    """
+
+    __slots__ = ("_done",)
+
+    def __init__(self, works: Sequence[Any], *, done: Callable[[Any], None], **kwargs: Any) -> None:
+        super().__init__(works, **kwargs)
+        self._done: Callable[[Any], None] | None = done
+
+    def wait(self, timeout: float | None = None) -> None:
+        """As ``Deferred.wait``; then lets go of the op's end event."""
+        super().wait(timeout)
+        self._release()
+
+    def _release(self) -> None:
+        done, timing = self._done, self.timing
+        if done is not None and timing is not None:
+            self._done = None
+            done(timing)
+
+    def __del__(self) -> None:
+        keep, timing = self._keep, self.timing
+        if keep is not None and timing is not None:  # dropped before its wait
+            timing.keep.append(keep)
+        self._release()
 
 
 DONE = Deferred()

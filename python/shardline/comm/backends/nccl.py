@@ -36,7 +36,7 @@ from shardline.comm.backends._common import (
     pad_unequal,
     scatter_args,
 )
-from shardline.comm.backends._deferred import DONE, Deferred
+from shardline.comm.backends._deferred import DONE, Deferred, TracedDeferred
 from shardline.comm.flight import RECORDER
 from shardline.comm.rendezvous.store import StoreClient, store_barrier
 from shardline.comm.trace import device as device_times
@@ -177,9 +177,7 @@ class NcclBackend:
         self.device = device
         torch.cuda.set_device(device)
         self._gpu: int = device.index if device.index is not None else 0
-        if RECORDER.device_sink is not None:  # traced on GPUs: NCCL times each op too
-            device_times.enable_nccl_timing()
-        self._nccl_timed = device_times.nccl_timing_enabled()
+        self._side: device_times.SideStream | None = None  # for traced asynchronous ops
         prefixed = dist.PrefixStore(f"shardline/{name}/nccl", store)  # type: ignore[attr-defined]
         opts: Any = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout)
@@ -217,50 +215,93 @@ class NcclBackend:
         """Queues ``fn(*args)`` (one torch op); a blocking call waits and returns ``DONE``.
 
         The hot path of every collective: no closure is built, errors are translated. While
-        a tracer listens, the handle carries the op's ``timing`` on the GPU
-        (``shardline.comm.trace.device``).
+        a tracer takes GPU times, ``_run_timed`` runs it instead.
         """
-        # While a tracer takes GPU times: an event before the op (see trace.device); an
-        # asynchronous op needs NCCL's timing too, which groups made while tracing have.
-        start = (
-            device_times.begin(self._gpu)
-            if RECORDER.device_sink is not None and (self._nccl_timed or not async_op)
-            else None
-        )
+        if RECORDER.device_sink is not None:
+            return self._run_timed(what, fn, args, async_op, after, keep)
         try:
             work = fn(*args)
             if not async_op and work is not None:  # asyncOp=False: on the current stream
                 work.wait()
         except RuntimeError as exc:
             raise _translate(exc, what, self.rank) from exc
-        handle = DONE
         if async_op:
-            handle = Deferred(
-                [work],
+            return Deferred(
+                [work] if work is not None else (),  # None: run blocking (tracing stopped)
                 after=after,
                 translate=partial(_translate, what=what, rank=self.rank),
                 keep=keep,
             )
-        elif after is not None:
+        if after is not None:
             after()
-        if start is not None:
-            if async_op:
-                timing = device_times.OpTiming(
-                    self._gpu, self.group_name, start, None, work, time.time()
-                )
-            else:
-                end = device_times.begin(self._gpu)
-                timing = device_times.OpTiming(self._gpu, None, start, end, None, time.time())
-                handle = Deferred()
-            handle.timing = timing
+        return DONE
+
+    def _run_timed(
+        self,
+        what: str,
+        fn: Callable[..., dist.Work | None],
+        args: tuple[Any, ...],
+        async_op: bool,
+        after: Callable[[], None] | None,
+        keep: tuple[object, ...],
+    ) -> Deferred:
+        """``_run`` between two events, the handle carrying the op's ``timing`` on the GPU.
+
+        A blocking op runs on the current stream; an asynchronous one on the group's own
+        stream, which waits for the current one first (see ``shardline.comm.trace.device``).
+        Either is waited for on the stream it ran on, so the end event follows it; the
+        caller's ``wait`` makes its own stream wait for an asynchronous op's end.
+        """
+        gpu = self._gpu
+        side = None
+        if async_op:
+            side = self._side
+            if side is None:
+                side = self._side = device_times.SideStream(gpu)
+            start, back = device_times.enter(side)
+        else:
+            start = device_times.begin(gpu)
+        try:
+            work = fn(*args)
+            if work is not None:  # on NCCL's stream (send, recv): this stream waits for it
+                work.wait()
+            end = device_times.begin(gpu)
+        except RuntimeError as exc:
+            raise _translate(exc, what, self.rank) from exc
+        finally:
+            if side is not None:
+                device_times.leave(back)
+        queued = time.time()
+        if side is None:
+            if after is not None:
+                after()
+            handle = Deferred()
+            handle.timing = device_times.OpTiming(gpu, None, start, end, (), (), queued)
+            return handle
+        timing = device_times.OpTiming(
+            gpu, self.group_name, start, end, [], ["last", "first"], queued
+        )
+        handle = TracedDeferred(
+            [timing],
+            wait=device_times.wait_ends,
+            test=device_times.ends_reached,
+            done=device_times.done_with,
+            after=after,
+            translate=partial(_translate, what=what, rank=self.rank),
+            keep=(*keep, args),  # torch keeps none of a blocking op's buffers
+        )
+        handle.timing = timing
         return handle
 
     def _options(self, kind: type, async_op: bool, op: str | None = None, root: int = -1) -> Any:
         """Torch's options object for one op, made once and kept (see ``_with_async``).
 
         Keyed by plain values (a reduction's name, not torch's ``ReduceOp``, whose hash is a
-        slow call): looking it up is a few hundred nanoseconds.
+        slow call): looking it up is a few hundred nanoseconds. While a tracer takes GPU
+        times, an asynchronous op is queued as a blocking one (on the group's own stream:
+        ``_run_timed``).
         """
+        async_op = async_op and RECORDER.device_sink is None
         key = (kind, async_op, op, root)
         opts = self._opts.get(key)
         if opts is None:
@@ -321,14 +362,14 @@ class NcclBackend:
         self, out: torch.Tensor | None, inp: torch.Tensor, root: int, *, async_op: bool = True
     ) -> Deferred:
         args = gather_args(out, inp, root, self.world_size)
-        _with_async(args[2], async_op)
+        _with_async(args[2], async_op and RECORDER.device_sink is None)  # as in _options
         return self._run("gather", self._pg.gather, args, async_op)
 
     def scatter(
         self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
     ) -> Deferred:
         args = scatter_args(out, inp, root, self.world_size)
-        _with_async(args[2], async_op)
+        _with_async(args[2], async_op and RECORDER.device_sink is None)  # as in _options
         return self._run("scatter", self._pg.scatter, args, async_op)
 
     def all_to_all(

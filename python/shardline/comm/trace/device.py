@@ -1,47 +1,51 @@
-"""When a traced op ran on its GPU: CUDA events and NCCL's own timing.
+"""When a traced op ran on its GPU: CUDA events around it.
 
 An NCCL op returns to Python when it is queued; it runs on the GPU later. While a tracer
-listens, the nccl backend attaches an ``OpTiming`` to each op's handle and the tracer turns
-it into the op's device start and end, on the same wall clock as every other time it writes:
+takes GPU times, the nccl backend runs each op between two events and attaches an
+``OpTiming`` to its handle; the tracer turns the events into the op's device start and end,
+on the same wall clock as every other time it writes:
 
-- a blocking op runs on the caller's stream, between two events recorded around it there;
-- an asynchronous op runs on its group's NCCL stream, which first waits for the caller's
-  stream and runs the group's ops one after another. One event on the caller's stream, just
-  before the op is queued, and the end of the group's previous op say when it could start:
-  at the later of the two. NCCL times the op itself (``TORCH_NCCL_ENABLE_TIMING``, which
-  ``enable_nccl_timing`` sets for the groups made while tracing is on:
-  ``Work._get_duration``); it ends that long after its start. A group made before (NCCL
-  does not time its ops) gets no device times for its asynchronous ops.
+- a blocking op runs on the caller's stream, between two events recorded there;
+- an asynchronous op runs on a stream of its group's own (``SideStream``; untraced, it would
+  run on torch's NCCL stream of the group, which torch does not show): that stream first
+  waits for the caller's stream up to the op's start event, runs the op as a blocking op, and
+  records the end event. The group's ops run there one after another: an op starts at the
+  later of its start event and the end of the group's previous op. The caller's ``wait``
+  makes its own stream wait for the op's end, as it does for torch's stream. Torch keeps no
+  buffer of such an op alive (it runs "blocking"): the handle does (``TracedDeferred``), and
+  a handle dropped before its wait hands its buffers to the op's timing, which the tracer
+  keeps until the GPU is past the op.
+
+NCCL's own timing (``TORCH_NCCL_ENABLE_TIMING``), which this replaced, cost 13-18 µs per op
+on an H200 host; the events here cost some 5.
 
 Nothing here waits for the GPU on the program's thread: the tracer's thread reads each op
-once the GPU is past it (``DeviceTimes.resolve``) and keeps it until then. One clock per GPU
-maps event times onto ``time.time()``: an event recorded on an idle stream of that GPU and
-waited for once, when the tracer's thread reads the GPU's first op. Events are reused once
-read.
+once the GPU is past its end event (``DeviceTimes.resolve``) and keeps it until then. One
+clock per GPU maps event times onto ``time.time()``: an event recorded on an idle stream of
+that GPU and waited for once, when the tracer's thread first reads that GPU's ops. Events
+are reused once read.
 
 Events are made, recorded and read through the CUDA driver that torch loaded, by the native
 module (``_DriverEvents``): the tracer's thread reads a whole batch in one call with the GIL
 released, where torch's ``Event.elapsed_time`` is a call per pair with the GIL held. Without
-the native module or a loaded driver, torch's events serve (``TORCH``). A blocking op's two
-events are read without asking first whether the GPU is past them: a pair it is not past
-reads NaN.
+the native module or a loaded driver, torch's events serve (``TORCH``). An event the GPU has
+not reached reads NaN: that is how the tracer learns it.
 
-Cost per op: on the program's thread, one or two pooled events recorded on the current stream
-(and NCCL's own timing, in torch); on the tracer's thread, one or two event readings, NCCL's
-timing of an asynchronous op, and the bookkeeping here, ``CHUNK`` ops at a time with a
-``pause`` between. ``benches/bench_trace_ops.py`` measures it per op where the host bounds the
-loop (``docs/guides/troubleshooting.md`` gives the numbers), ``benches/bench_trace_blocks.py``
-on a whole training step; both measure the way through torch's events too.
+Cost per op: on the program's thread, two pooled events recorded, and for an asynchronous op
+one stream wait and two switches of the current stream; on the tracer's thread, two event
+readings and the bookkeeping here, ``CHUNK`` ops at a time with a ``pause`` between.
+``benches/bench_trace_ops.py`` measures it per op where the host bounds the loop
+(``docs/guides/troubleshooting.md`` gives the numbers), ``benches/bench_trace_blocks.py`` on
+a whole training step; both measure the way through torch's events too.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -53,20 +57,22 @@ __all__ = [
     "DeviceTimes",
     "Events",
     "OpTiming",
+    "SideStream",
     "begin",
-    "enable_nccl_timing",
+    "done_with",
+    "ends_reached",
+    "enter",
     "events",
-    "nccl_timing_enabled",
+    "leave",
     "pause",
     "use_events",
+    "wait_ends",
 ]
 
 # Give up on an op's device time this long after it was queued (its work failed, or the
 # group was torn down before it ran): the op is then written with its host times only.
 GIVE_UP_S = 60.0
 
-
-_NCCL_TIMING = [False]  # whether enable_nccl_timing ran in this process
 
 # The tracer's thread reads and writes this many ops, then pauses for ``_PAUSE_S`` with the
 # GIL released. Left to itself, the interpreter hands the GIL to a waiting thread only every
@@ -92,29 +98,20 @@ def pause() -> None:
         time.sleep(_PAUSE_S)
 
 
-def enable_nccl_timing() -> None:
-    """Makes NCCL groups created from now on time their ops (torch reads it at creation)."""
-    os.environ["TORCH_NCCL_ENABLE_TIMING"] = "1"
-    _NCCL_TIMING[0] = True
-
-
-def nccl_timing_enabled() -> bool:
-    """Whether NCCL groups created now time their ops (``enable_nccl_timing`` ran)."""
-    return _NCCL_TIMING[0]
-
-
 class OpTiming(NamedTuple):
     """What the GPU will say about one op.
 
     Attributes:
         device: The GPU's index.
-        chain: The group whose NCCL stream runs an asynchronous op (its ops run one after
+        chain: The group whose own stream ran an asynchronous op (its ops run one after
             another there); ``None`` for a blocking op, which runs on the caller's stream.
         start: The event recorded on the caller's stream just before the op was queued.
-        end: A blocking op's event recorded after it on that stream; ``None`` for an
-            asynchronous one.
-        work: An asynchronous op's torch ``Work``: NCCL's timing of it; ``None`` for a
-            blocking one.
+        end: The event recorded after it: on the caller's stream (blocking) or the group's.
+        keep: Where an asynchronous op's handle, dropped before its wait, leaves the op's
+            buffers (kept until the GPU is past ``end``); ``()`` for a blocking op.
+        turns: An asynchronous op's ``end`` is used by its handle (to wait for it) and by
+            the tracer (to read it): each takes a turn when done with it (``done_with``), and
+            the last one puts it back in the pool. ``()`` for a blocking op.
         queued: ``time.time()`` when it was queued.
     """
 
@@ -122,8 +119,50 @@ class OpTiming(NamedTuple):
     chain: str | None
     start: Any
     end: Any
-    work: Any
+    keep: Any
+    turns: Any
     queued: float
+
+
+def done_with(timing: OpTiming) -> None:
+    """The tracer or the handle is done with ``timing``'s end event: the last one keeps it."""
+    if timing[5].pop() == "last":
+        _FREE.setdefault(timing[0], deque()).append(timing[3])
+
+
+def wait_ends(timings: Sequence[OpTiming], timeout: float | None) -> None:
+    """Waits for traced asynchronous ops (their handle's wait).
+
+    The current stream waits for each op's end on the GPU (the host does not); with
+    ``timeout`` seconds, the host waits.
+
+    Raises:
+        RuntimeError: ``timeout`` passed first (the nccl backend names the op).
+    """
+    kind = _KIND[0] or events()
+    for t in timings:
+        if timeout is None:
+            kind.wait(t[0], _current_stream(t[0]), t[3])
+            continue
+        deadline = time.monotonic() + timeout
+        while not ends_reached([t]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the op timed out: its GPU was not past it after {timeout} s")
+            time.sleep(1e-4)
+
+
+def ends_reached(timings: Sequence[OpTiming]) -> bool:
+    """Whether the GPU is past each op's end."""
+    kind = _KIND[0] or events()
+    return not any(math.isnan(kind.elapsed(t[0], [t[3]], [t[3]])[0]) for t in timings)
+
+
+class _Stream(NamedTuple):
+    """One stream three ways: torch's key (id, device, type), torch's object, the driver's."""
+
+    key: tuple[int, int, int]
+    torch: Any
+    handle: int
 
 
 class Events(Protocol):
@@ -137,8 +176,12 @@ class Events(Protocol):
         """A new timing event of GPU ``device``."""
         ...
 
-    def record(self, device: int, event: Any) -> None:
-        """Records ``event`` on GPU ``device``'s current stream."""
+    def record(self, device: int, event: Any, stream: _Stream) -> None:
+        """Records ``event`` on ``stream`` of GPU ``device``."""
+        ...
+
+    def wait(self, device: int, stream: _Stream, event: Any) -> None:
+        """Makes ``stream`` wait on the GPU until ``event`` (recorded) is reached."""
         ...
 
     def of_torch(self, event: torch.cuda.Event) -> Any:
@@ -156,8 +199,11 @@ class _TorchEvents:
     def new(self, device: int) -> Any:
         return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
-    def record(self, device: int, event: Any) -> None:
-        torch._C._CudaEventBase.record(event, _current_stream(device)[0])
+    def record(self, device: int, event: Any, stream: _Stream) -> None:
+        torch._C._CudaEventBase.record(event, stream.torch)
+
+    def wait(self, device: int, stream: _Stream, event: Any) -> None:
+        stream.torch.wait_event(event)
 
     def of_torch(self, event: torch.cuda.Event) -> Any:
         return event
@@ -180,8 +226,11 @@ class _DriverEvents:
         self.new = native.cuda_event_create
         self.elapsed = native.cuda_events_elapsed
 
-    def record(self, device: int, event: Any) -> None:
-        self._native.cuda_event_record(device, event, _current_stream(device)[1])
+    def record(self, device: int, event: Any, stream: _Stream) -> None:
+        self._native.cuda_event_record(device, event, stream.handle)
+
+    def wait(self, device: int, stream: _Stream, event: Any) -> None:
+        self._native.cuda_stream_wait(device, stream.handle, event)
 
     def of_torch(self, event: torch.cuda.Event) -> Any:
         return event.cuda_event
@@ -189,6 +238,15 @@ class _DriverEvents:
 
 TORCH: Events = _TorchEvents()
 _KIND: list[Events | None] = [None]  # the kind this process records with, chosen once
+
+
+def _native_module() -> Any:
+    """``shardline._native`` where the driver's calls can be used; else ``None``."""
+    try:
+        from shardline import _native  # noqa: PLC0415  (reads through torch without it)
+    except ImportError:  # the package without its built engine: torch's events serve
+        return None
+    return _native if _native.cuda_events_available() else None
 
 
 def events() -> Events:
@@ -199,13 +257,8 @@ def events() -> Events:
     """
     kind = _KIND[0]
     if kind is None:
-        try:
-            from shardline import _native  # noqa: PLC0415  (reads through torch without it)
-        except ImportError:  # the package without its built engine: torch's events serve
-            kind = TORCH
-        else:
-            kind = _DriverEvents(_native) if _native.cuda_events_available() else TORCH
-        _KIND[0] = kind
+        native = _native_module()
+        kind = _KIND[0] = TORCH if native is None else _DriverEvents(native)
     return kind
 
 
@@ -221,34 +274,87 @@ def use_events(kind: Events | None) -> None:
 # Events read by the tracer, by GPU, for the next ops (deque: appends and pops from either
 # thread are atomic).
 _FREE: dict[int, deque[Any]] = {}
-# The current stream of each GPU as torch last gave it: torch's key for it, and the stream as
-# a torch ``Stream`` and as the driver's handle.
-_STREAMS: dict[int, tuple[Any, Any, int]] = {}
+# Every stream torch has made current while an op was traced, by torch's key for it (a
+# handful: the program's streams and the groups' own).
+_STREAMS: dict[tuple[int, int, int], _Stream] = {}
 
 
-def _current_stream(index: int) -> tuple[Any, int]:
-    """``torch.cuda.current_stream(index)`` and its handle, without a new ``Stream`` per op."""
+def _current_stream(index: int) -> _Stream:
+    """GPU ``index``'s current stream, without a new torch ``Stream`` per op."""
     key = torch._C._cuda_getCurrentStream(index)
-    known = _STREAMS.get(index)
-    if known is not None and known[0] == key:
-        return known[1], known[2]
+    known = _STREAMS.get(key)
+    if known is not None:
+        return known
     stream = torch.cuda.Stream(  # type: ignore[no-untyped-call]
         stream_id=key[0], device_index=key[1], device_type=key[2]
     )
-    _STREAMS[index] = (key, stream, int(stream.cuda_stream))
-    return stream, int(stream.cuda_stream)
+    if len(_STREAMS) > 256:  # a program that makes streams without end: forget the old ones
+        _STREAMS.clear()
+    known = _STREAMS[key] = _Stream(key, stream, int(stream.cuda_stream))
+    return known
+
+
+class SideStream:
+    """A group's own stream of GPU ``device``, for its asynchronous ops while they are traced.
+
+    Made by the driver where the native module can (a stream no other code of the process
+    is handed), else taken from torch's pool.
+    """
+
+    def __init__(self, device: int) -> None:
+        native = _native_module()
+        stream: Any
+        if native is not None:
+            handle = native.cuda_stream_create(device)
+            stream = torch.cuda.ExternalStream(  # type: ignore[no-untyped-call]
+                handle, device=torch.device("cuda", device)
+            )
+        else:
+            stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self.device = device
+        self.stream = _Stream(
+            (stream.stream_id, stream.device_index, stream.device_type),
+            stream,
+            int(stream.cuda_stream),
+        )
+        _STREAMS[self.stream.key] = self.stream
+
+
+def _take(kind: Events, index: int) -> Any:
+    """A kept event of GPU ``index``, or a new one."""
+    free = _FREE.get(index)
+    try:
+        return free.pop() if free is not None else kind.new(index)
+    except IndexError:  # none kept, or another thread queuing an op took the last one
+        return kind.new(index)
 
 
 def begin(index: int) -> Any:
-    """An event recorded now on GPU ``index``'s current stream, for the op about to be queued."""
+    """An event recorded now on GPU ``index``'s current stream."""
     kind = _KIND[0] or events()
-    free = _FREE.get(index)
-    try:
-        event = free.pop() if free is not None else kind.new(index)
-    except IndexError:  # none kept, or another thread queuing an op took the last one
-        event = kind.new(index)
-    kind.record(index, event)
+    event = _take(kind, index)
+    kind.record(index, event, _current_stream(index))
     return event
+
+
+def enter(side: SideStream) -> tuple[Any, tuple[int, int, int]]:
+    """Records an op's start on the current stream, and makes ``side`` wait for it and current.
+
+    Returns the start event and the key of the stream to go back to (``leave``).
+    """
+    index = side.device
+    kind = _KIND[0] or events()
+    start = _take(kind, index)
+    current = _current_stream(index)
+    kind.record(index, start, current)
+    kind.wait(index, side.stream, start)
+    torch._C._cuda_setStream(*side.stream.key)
+    return start, current.key
+
+
+def leave(key: tuple[int, int, int]) -> None:
+    """Makes the stream of ``key`` (from ``enter``) current again."""
+    torch._C._cuda_setStream(*key)
 
 
 class _Clock:
@@ -292,6 +398,8 @@ class DeviceTimes:
         self._new: list[tuple[list[Any], OpTiming]] = []  # appended by the program's thread
         self._watch: set[int] = set()  # id(record) of every op added and not yet popped
         self._chain_end: dict[tuple[int, str], float] = {}
+        # The buffers of ops given up on (the GPU may still use them): kept for good.
+        self._stuck: list[Any] = []
         self._times: dict[int, tuple[float, float] | None] = {}  # by id(record)
 
     def add(self, record: list[Any], timing: OpTiming) -> None:
@@ -311,7 +419,8 @@ class DeviceTimes:
         """Reads the device times of every op the GPU is past, in the order they were queued.
 
         An op of a chain waits for the chain's earlier ops; one still unread after
-        ``GIVE_UP_S`` gets no device time.
+        ``GIVE_UP_S`` gets no device time (and its buffers stay kept: the GPU may still use
+        them).
         """
         now = time.time() if now is None else now
         n = len(self._new)
@@ -321,99 +430,58 @@ class DeviceTimes:
         if not pending:
             return
         kind = self._kind or events()
-        # The ops of a chain end in the order they were queued: the newest one that ended
-        # vouches for every earlier one (one question per chain, not one per op).
-        ended: dict[tuple[int, str], int] = {}
-        for i in range(len(pending) - 1, -1, -1):
-            gpu, chain, _, _, work, _ = pending[i][1]
-            if chain is not None and (gpu, chain) not in ended and work.is_completed():
-                ended[(gpu, chain)] = i
-        # A blocking op has ended once its end event has: its length, read for each GPU in
-        # one call, is NaN until then (no separate question whether it ended).
-        ends: dict[int, list[int]] = {}
-        for i, (_, t) in enumerate(pending):
-            if t[1] is None:
-                ends.setdefault(t[0], []).append(i)
-        lengths: dict[int, float] = {}
-        isnan = math.isnan
-        for gpu, idx in ends.items():
-            ms = kind.elapsed(gpu, [pending[i][1][2] for i in idx], [pending[i][1][3] for i in idx])
-            lengths.update((i, m / 1e3) for i, m in zip(idx, ms, strict=True) if not isnan(m))
-        blocked: set[tuple[int, str]] = set()
-        left: list[tuple[list[Any], OpTiming]] = []
-        past: list[tuple[list[Any], OpTiming, tuple[int, str] | None, float]] = []
-        nan = math.nan
-        for i, op in enumerate(pending):
-            t = op[1]
-            if t[1] is None:
-                key = None
-                over = i in lengths
-            else:
-                key = (t[0], t[1])
-                over = key not in blocked and i <= ended.get(key, -1)
-            if over:
-                past.append((op[0], t, key, lengths.get(i, nan)))
-                continue
-            if now - t[5] > GIVE_UP_S:
-                self._times[id(op[0])] = None
-                if key is not None:
-                    self._chain_end.pop(key, None)
-                continue
-            if key is not None:
-                blocked.add(key)
-            left.append(op)
-        self._pending = left
-        if past:
-            self._read(kind, past)
-
-    def _read(
-        self,
-        kind: Events,
-        past: list[tuple[list[Any], OpTiming, tuple[int, str] | None, float]],
-    ) -> None:
-        """Notes the device start and end of ops the GPU is past (``None`` for a failed one).
-
-        ``past`` holds each op's record, timing, chain and length where it is known (a
-        blocking op's). Only ever asked for ops the GPU is past: reading one it is not past
-        gives no time. Each GPU's start events are read against its clock in one call; an
-        asynchronous op's length is NCCL's timing of it. The loop runs once per traced op on
-        the tracer's thread, with the GIL held: kept to plain tuple and dict operations.
-        """
-        starts: list[float] = [math.nan] * len(past)
+        # Each op's start and end against its GPU's clock, one call per GPU: NaN where the
+        # GPU has not reached the event yet.
         by_device: dict[int, list[int]] = {}
-        for k, op in enumerate(past):
-            by_device.setdefault(op[1][0], []).append(k)
+        for i, (_, t) in enumerate(pending):
+            by_device.setdefault(t[0], []).append(i)
+        starts: list[float] = [math.nan] * len(pending)
+        ends: list[float] = [math.nan] * len(pending)
         for gpu, idx in by_device.items():
             clock = self._clocks.get(gpu)
             if clock is None:
                 clock = self._clocks[gpu] = self._make_clock(gpu, kind)
-            ms = kind.elapsed(gpu, [clock.ref] * len(idx), [past[k][1][2] for k in idx])
-            wall = clock.wall
-            for k, m in zip(idx, ms, strict=True):
-                starts[k] = wall + m / 1e3
+            seconds = [pending[i][1][2] for i in idx] + [pending[i][1][3] for i in idx]
+            ms = kind.elapsed(gpu, [clock.ref] * len(seconds), seconds)
+            wall, m = clock.wall, len(idx)
+            for k, i in enumerate(idx):
+                starts[i] = wall + ms[k] / 1e3
+                ends[i] = wall + ms[m + k] / 1e3
         times, chain_end, isnan = self._times, self._chain_end, math.isnan
-        free = {gpu: _FREE.setdefault(gpu, deque()) for gpu in by_device}
-        for k, (record, (gpu, _, first, last, work, _), key, blocking_length) in enumerate(past):
-            if k and not k % CHUNK:
+        blocked: set[tuple[int, str]] = set()
+        left: list[tuple[list[Any], OpTiming]] = []
+        for i, op in enumerate(pending):
+            if i and not i % CHUNK:
                 pause()
-            length = blocking_length
-            if last is None:
-                try:
-                    length = float(work._get_duration()) / 1e3
-                except RuntimeError:  # a failed op: NCCL has no timing of it
-                    length = math.nan
-            start = starts[k]
-            if isnan(length) or isnan(start):
+            record, t = op
+            key = None if t[1] is None else (t[0], t[1])
+            end = ends[i]
+            if isnan(end) or key in blocked:  # not past it (nor past a chain's later ops)
+                if now - t[6] > GIVE_UP_S:
+                    times[id(record)] = None
+                    if key is not None:
+                        chain_end.pop(key, None)
+                        self._stuck.append(t[4])
+                    continue
+                if key is not None:
+                    blocked.add(key)
+                left.append(op)
+                continue
+            start = starts[i]
+            if isnan(start):  # the start was never recorded: no time to give
                 times[id(record)] = None
             else:
                 if key is not None:
                     start = max(start, chain_end.get(key, start))
-                    chain_end[key] = start + length
-                times[id(record)] = (start, start + length)
-            pool = free[gpu]
-            pool.append(first)
-            if last is not None:
-                pool.append(last)
+                    chain_end[key] = end
+                times[id(record)] = (start, end)
+            pool = _FREE.setdefault(t[0], deque())
+            pool.append(t[2])
+            if key is None:
+                pool.append(t[3])
+            else:  # its handle may still wait for it
+                done_with(t)
+        self._pending = left
 
     def pop(self, record: list[Any]) -> tuple[float, float] | None:
         """``record``'s device start and end (wall clock), once; ``None`` when it has none."""
