@@ -330,8 +330,7 @@ def _timed(
     """An op of group ``chain`` (``None``: blocking), queued when the caller's stream was at
     ``at``, ending at ``end``."""
     when = time.time() if queued is None else queued
-    keep, turns = ([], ["last", "first"]) if chain else ((), ())
-    return device.OpTiming(gpu, chain, _Event(at), end, keep, turns, when)
+    return device.OpTiming(gpu, chain, _Event(at), end, [] if chain else (), when)
 
 
 def test_device_times_chain_an_async_groups_ops_and_bracket_blocking_ones() -> None:
@@ -377,13 +376,8 @@ def test_each_gpus_events_are_read_in_one_call_and_reused_once_read(
     times.resolve()
     assert sorted(calls) == [(0, 8), (1, 4)]  # a start and an end per op
     assert times.pop(records[3]) == pytest.approx((2003.0, 2003.5))  # GPU 1's clock
-    # Start events go back at once, and a blocking op's end; an asynchronous op's end once
-    # its handle is done with it too (it may still wait for it).
-    assert [len(device._FREE[g]) for g in (0, 1)] == [5, 2]
-    for t in timings[:5]:
-        device.done_with(t)
-    assert [len(device._FREE[g]) for g in (0, 1)] == [8, 4]
-    assert timings[0].end in device._FREE[0] and timings[1].end in device._FREE[1]
+    assert [len(device._FREE[g]) for g in (0, 1)] == [8, 4]  # each read event kept for reuse
+    assert timings[0].end in device._FREE[0] and timings[1].start in device._FREE[1]
 
 
 def test_device_times_give_up_on_an_op_that_never_ends_and_keep_its_buffers() -> None:
@@ -410,7 +404,8 @@ def test_a_traced_handle_dropped_before_its_wait_leaves_its_buffers_to_the_trace
     done: list[object] = []
 
     def handle(timing: device.OpTiming) -> TracedDeferred:
-        h = TracedDeferred([timing], wait=lambda *_: None, done=done.append, keep=buffers)
+        works = [(0, object())]
+        h = TracedDeferred(works, wait=lambda *_: None, done=done.append, keep=buffers)
         h.timing = timing
         return h
 
@@ -418,10 +413,10 @@ def test_a_traced_handle_dropped_before_its_wait_leaves_its_buffers_to_the_trace
     waited = handle(_timed("g", 1.0, _Event(None)))
     dropped = handle(kept := _timed("g", 1.0, _Event(None)))
     waited.wait()
-    assert waited.timing.keep == [] and done == [waited.timing]  # done with its end event
+    assert waited.timing.keep == [] and len(done) == 1  # done with the event it waited on
     del dropped
     gc.collect()
-    assert kept.keep == [buffers] and done[1] is kept
+    assert kept.keep == [buffers] and len(done) == 2
     waited.wait()  # again: nothing more
     assert len(done) == 2
 

@@ -483,8 +483,12 @@ def tree_sum(parts: Any, out: Any, units: int, threads: int = 1) -> None:
 def cuda_events_available() -> bool:
     """Whether this process has loaded a CUDA driver these functions can use."""
 
-def cuda_event_create(device: int) -> int:
-    """A new timing event of GPU ``device`` (its handle; kept for the process's life)."""
+def cuda_event_create(device: int, timing: bool = True) -> int:
+    """A new event of GPU ``device`` (its handle; kept for the process's life): one that keeps
+    its time, or with ``timing=False`` one only to order work by."""
+
+def cuda_event_query(device: int, event: int) -> bool:
+    """Whether GPU ``device`` is past ``event``."""
 
 def cuda_event_record(device: int, event: int, stream: int) -> None:
     """Records ``event`` on ``stream`` (a raw stream handle; 0: the default stream)."""

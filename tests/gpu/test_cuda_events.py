@@ -83,7 +83,7 @@ def test_a_traced_ops_device_times_read_through_the_driver_match_torchs(
         t0 = device.begin(0)
         _products(times=10)
         t1 = device.begin(0)
-        times.add(record, device.OpTiming(0, None, t0, t1, (), (), queued))
+        times.add(record, device.OpTiming(0, None, t0, t1, (), queued))
         torch.cuda.synchronize()
         done = time.time()
         times.resolve()

@@ -14,10 +14,18 @@ pub fn cuda_events_available() -> bool {
     cuda_events::available()
 }
 
-/// A new timing event of GPU `device` (its handle; kept for the process's life).
+/// A new event of GPU `device` (its handle; kept for the process's life): one that keeps its
+/// time, or with `timing=False` one only to order work by.
 #[pyfunction]
-pub fn cuda_event_create(device: i32) -> PyResult<usize> {
-    cuda_events::create(device).py_err()
+#[pyo3(signature = (device, timing = true))]
+pub fn cuda_event_create(device: i32, timing: bool) -> PyResult<usize> {
+    cuda_events::create(device, timing).py_err()
+}
+
+/// Whether GPU `device` is past `event`.
+#[pyfunction]
+pub fn cuda_event_query(device: i32, event: usize) -> PyResult<bool> {
+    cuda_events::query(device, event).py_err()
 }
 
 /// Records `event` on `stream` (a raw stream handle; 0: the default stream) of GPU `device`.

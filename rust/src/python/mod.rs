@@ -54,6 +54,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda::cuda_events_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_event_create, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_event_record, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_event_query, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_events_elapsed, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_stream_create, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_stream_wait, m)?)?;

@@ -115,33 +115,35 @@ class TracedDeferred(Deferred):
     Torch keeps none of such an op's buffers alive (it ran as a blocking op there): ``keep``
     holds them until the wait, as for any handle, and a handle dropped before its wait leaves
     them in its ``timing.keep``, which the tracer holds until the GPU is past the op. Its
-    works are the op's timing, waited for and tested by the ``wait`` and ``test`` given;
-    ``done(timing)`` runs once, when the handle no longer needs the op's end event (after its
-    wait, or when dropped).
+    works (what the ``wait`` and ``test`` given read) are let go of by ``done(works)`` once:
+    after its wait, or when dropped.
     """
 
     __slots__ = ("_done",)
 
-    def __init__(self, works: Sequence[Any], *, done: Callable[[Any], None], **kwargs: Any) -> None:
+    def __init__(
+        self, works: Sequence[Any], *, done: Callable[[Sequence[Any]], None], **kwargs: Any
+    ) -> None:
         super().__init__(works, **kwargs)
-        self._done: Callable[[Any], None] | None = done
+        self._done: Callable[[Sequence[Any]], None] | None = done
 
     def wait(self, timeout: float | None = None) -> None:
-        """As ``Deferred.wait``; then lets go of the op's end event."""
+        """As ``Deferred.wait``; then lets go of its works."""
+        works = self._works
         super().wait(timeout)
-        self._release()
+        self._release(works)
 
-    def _release(self) -> None:
-        done, timing = self._done, self.timing
-        if done is not None and timing is not None:
+    def _release(self, works: Sequence[Any] | None) -> None:
+        done = self._done
+        if done is not None and works:
             self._done = None
-            done(timing)
+            done(works)
 
     def __del__(self) -> None:
         keep, timing = self._keep, self.timing
         if keep is not None and timing is not None:  # dropped before its wait
             timing.keep.append(keep)
-        self._release()
+        self._release(self._works)
 
 
 DONE = Deferred()

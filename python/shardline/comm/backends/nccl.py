@@ -266,6 +266,7 @@ class NcclBackend:
             if work is not None:  # on NCCL's stream (send, recv): this stream waits for it
                 work.wait()
             end = device_times.begin(gpu)
+            done = None if side is None else device_times.signal(gpu)
         except RuntimeError as exc:
             raise _translate(exc, what, self.rank) from exc
         finally:
@@ -276,21 +277,18 @@ class NcclBackend:
             if after is not None:
                 after()
             handle = Deferred()
-            handle.timing = device_times.OpTiming(gpu, None, start, end, (), (), queued)
+            handle.timing = device_times.OpTiming(gpu, None, start, end, (), queued)
             return handle
-        timing = device_times.OpTiming(
-            gpu, self.group_name, start, end, [], ["last", "first"], queued
-        )
         handle = TracedDeferred(
-            [timing],
-            wait=device_times.wait_ends,
-            test=device_times.ends_reached,
-            done=device_times.done_with,
+            [(gpu, done)],
+            wait=device_times.wait_done,
+            test=device_times.done_reached,
+            done=device_times.release_done,
             after=after,
             translate=partial(_translate, what=what, rank=self.rank),
             keep=(*keep, args),  # torch keeps none of a blocking op's buffers
         )
-        handle.timing = timing
+        handle.timing = device_times.OpTiming(gpu, self.group_name, start, end, [], queued)
         return handle
 
     def _options(self, kind: type, async_op: bool, op: str | None = None, root: int = -1) -> Any:

@@ -17,8 +17,8 @@ on the same wall clock as every other time it writes:
   keeps until the GPU is past the op.
 
 NCCL's own timing (``TORCH_NCCL_ENABLE_TIMING``), which this replaced, makes torch record and
-read an event more per op, on every op of the group: on an H200 host it alone cost 16 µs per
-op where all of our GPU tracing costs 26 (``benches/bench_trace_ops.py``).
+read an event more per op, on every op of every group made while it is on (and none of a
+group made before); ``benches/bench_trace_ops.py`` measures it beside ours.
 
 Nothing here waits for the GPU on the program's thread: the tracer's thread reads each op
 once the GPU is past its end event (``DeviceTimes.resolve``) and keeps it until then. One
@@ -33,8 +33,9 @@ the native module or a loaded driver, torch's events serve (``TORCH``). An event
 not reached reads NaN: that is how the tracer learns it.
 
 Cost per op: on the program's thread, two pooled events recorded, and for an asynchronous op
-one stream wait and two switches of the current stream; on the tracer's thread, two event
-readings and the bookkeeping here, ``CHUNK`` ops at a time with a ``pause`` between.
+two more without a time (a stream waits on one; the handle on the other), one stream wait
+and two switches of the current stream; on the tracer's thread, two event readings and the
+bookkeeping here, ``CHUNK`` ops at a time with a ``pause`` between.
 ``benches/bench_trace_ops.py`` measures it per op where the host bounds the loop
 (``docs/guides/troubleshooting.md`` gives the numbers), ``benches/bench_trace_blocks.py`` on
 a whole training step; both measure the way through torch's events too.
@@ -60,14 +61,15 @@ __all__ = [
     "OpTiming",
     "SideStream",
     "begin",
-    "done_with",
-    "ends_reached",
+    "done_reached",
     "enter",
     "events",
     "leave",
     "pause",
+    "release_done",
+    "signal",
     "use_events",
-    "wait_ends",
+    "wait_done",
 ]
 
 # Give up on an op's device time this long after it was queued (its work failed, or the
@@ -110,9 +112,6 @@ class OpTiming(NamedTuple):
         end: The event recorded after it: on the caller's stream (blocking) or the group's.
         keep: Where an asynchronous op's handle, dropped before its wait, leaves the op's
             buffers (kept until the GPU is past ``end``); ``()`` for a blocking op.
-        turns: An asynchronous op's ``end`` is used by its handle (to wait for it) and by
-            the tracer (to read it): each takes a turn when done with it (``done_with``), and
-            the last one puts it back in the pool. ``()`` for a blocking op.
         queued: ``time.time()`` when it was queued.
     """
 
@@ -121,41 +120,41 @@ class OpTiming(NamedTuple):
     start: Any
     end: Any
     keep: Any
-    turns: Any
     queued: float
 
 
-def done_with(timing: OpTiming) -> None:
-    """The tracer or the handle is done with ``timing``'s end event: the last one keeps it."""
-    if timing[5].pop() == "last":
-        _FREE.setdefault(timing[0], deque()).append(timing[3])
-
-
-def wait_ends(timings: Sequence[OpTiming], timeout: float | None) -> None:
+def wait_done(works: Sequence[tuple[int, Any]], timeout: float | None) -> None:
     """Waits for traced asynchronous ops (their handle's wait).
 
-    The current stream waits for each op's end on the GPU (the host does not); with
-    ``timeout`` seconds, the host waits.
+    ``works`` holds each op's GPU and the event recorded after it (``signal``). The current
+    stream waits for each op on the GPU (the host does not); with ``timeout``
+    seconds, the host waits.
 
     Raises:
         RuntimeError: ``timeout`` passed first (the nccl backend names the op).
     """
     kind = _KIND[0] or events()
-    for t in timings:
+    for gpu, done in works:
         if timeout is None:
-            kind.wait(t[0], _current_stream(t[0]), t[3])
+            kind.wait(gpu, _current_stream(gpu), done)
             continue
         deadline = time.monotonic() + timeout
-        while not ends_reached([t]):
+        while not kind.query(gpu, done):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the op timed out: its GPU was not past it after {timeout} s")
             time.sleep(1e-4)
 
 
-def ends_reached(timings: Sequence[OpTiming]) -> bool:
-    """Whether the GPU is past each op's end."""
+def done_reached(works: Sequence[tuple[int, Any]]) -> bool:
+    """Whether the GPU is past each op of ``works`` (as ``wait_done``'s)."""
     kind = _KIND[0] or events()
-    return not any(math.isnan(kind.elapsed(t[0], [t[3]], [t[3]])[0]) for t in timings)
+    return all(kind.query(gpu, done) for gpu, done in works)
+
+
+def release_done(works: Sequence[tuple[int, Any]]) -> None:
+    """The handle no longer needs ``works``' events (it waited, or was dropped): kept for reuse."""
+    for gpu, done in works:
+        _FREE_SYNC.setdefault(gpu, deque()).append(done)
 
 
 class _Stream(NamedTuple):
@@ -175,6 +174,18 @@ class Events(Protocol):
 
     def new(self, device: int) -> Any:
         """A new timing event of GPU ``device``."""
+        ...
+
+    def new_sync(self, device: int) -> Any:
+        """A new event of GPU ``device`` without a time, only to order work by.
+
+        Streams wait on such events, and the host asks about them, faster than about events
+        that keep a time.
+        """
+        ...
+
+    def query(self, device: int, event: Any) -> bool:
+        """Whether GPU ``device`` is past ``event``."""
         ...
 
     def record(self, device: int, event: Any, stream: _Stream) -> None:
@@ -199,6 +210,12 @@ class _TorchEvents:
 
     def new(self, device: int) -> Any:
         return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+    def new_sync(self, device: int) -> Any:
+        return torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+    def query(self, device: int, event: Any) -> bool:
+        return bool(event.query())
 
     def record(self, device: int, event: Any, stream: _Stream) -> None:
         torch._C._CudaEventBase.record(event, stream.torch)
@@ -226,6 +243,10 @@ class _DriverEvents:
         self._native = native
         self.new = native.cuda_event_create
         self.elapsed = native.cuda_events_elapsed
+        self.query = native.cuda_event_query
+
+    def new_sync(self, device: int) -> Any:
+        return self._native.cuda_event_create(device, False)
 
     def record(self, device: int, event: Any, stream: _Stream) -> None:
         self._native.cuda_event_record(device, event, stream.handle)
@@ -270,11 +291,14 @@ def use_events(kind: Events | None) -> None:
     """
     _KIND[0] = kind
     _FREE.clear()
+    _FREE_SYNC.clear()
 
 
 # Events read by the tracer, by GPU, for the next ops (deque: appends and pops from either
 # thread are atomic).
 _FREE: dict[int, deque[Any]] = {}
+# The same for events without a time (``Events.new_sync``).
+_FREE_SYNC: dict[int, deque[Any]] = {}
 # Every stream torch has made current while an op was traced, by torch's key for it (a
 # handful: the program's streams and the groups' own).
 _STREAMS: dict[tuple[int, int, int], _Stream] = {}
@@ -322,12 +346,32 @@ class SideStream:
 
 
 def _take(kind: Events, index: int) -> Any:
-    """A kept event of GPU ``index``, or a new one."""
+    """A kept timing event of GPU ``index``, or a new one."""
     free = _FREE.get(index)
     try:
         return free.pop() if free is not None else kind.new(index)
     except IndexError:  # none kept, or another thread queuing an op took the last one
         return kind.new(index)
+
+
+def _take_sync(kind: Events, index: int) -> Any:
+    """A kept event without a time of GPU ``index``, or a new one."""
+    free = _FREE_SYNC.get(index)
+    try:
+        return free.pop() if free is not None else kind.new_sync(index)
+    except IndexError:  # as in ``_take``
+        return kind.new_sync(index)
+
+
+def signal(index: int) -> Any:
+    """An event without a time, recorded now on GPU ``index``'s current stream.
+
+    What a traced asynchronous op's handle waits on (``wait_done``).
+    """
+    kind = _KIND[0] or events()
+    event = _take_sync(kind, index)
+    kind.record(index, event, _current_stream(index))
+    return event
 
 
 def begin(index: int) -> Any:
@@ -348,7 +392,12 @@ def enter(side: SideStream) -> tuple[Any, tuple[int, int, int]]:
     start = _take(kind, index)
     current = _current_stream(index)
     kind.record(index, start, current)
-    kind.wait(index, side.stream, start)
+    # The group's stream waits on an event without a time (faster than on ``start``); the
+    # wait holds the event as recorded now, so it is kept for reuse at once.
+    sync = _take_sync(kind, index)
+    kind.record(index, sync, current)
+    kind.wait(index, side.stream, sync)
+    _FREE_SYNC.setdefault(index, deque()).append(sync)
     torch._C._cuda_setStream(*side.stream.key)
     return start, current.key
 
@@ -458,7 +507,7 @@ class DeviceTimes:
             key = None if t[1] is None else (t[0], t[1])
             end = ends[i]
             if isnan(end) or key in blocked:  # not past it (nor past a chain's later ops)
-                if now - t[6] > GIVE_UP_S:
+                if now - t[5] > GIVE_UP_S:
                     times[id(record)] = None
                     if key is not None:
                         chain_end.pop(key, None)
@@ -478,10 +527,7 @@ class DeviceTimes:
                 times[id(record)] = (start, end)
             pool = _FREE.setdefault(t[0], deque())
             pool.append(t[2])
-            if key is None:
-                pool.append(t[3])
-            else:  # its handle may still wait for it
-                done_with(t)
+            pool.append(t[3])
         self._pending = left
 
     def pop(self, record: list[Any]) -> tuple[float, float] | None:
