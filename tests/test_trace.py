@@ -5,15 +5,12 @@ The fault-injection trials on real jobs are in ``tests/multiprocess/test_doctor.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,11 +19,11 @@ from hypothesis import strategies as st
 
 from shardline import _native
 from shardline.comm import flight
-from shardline.comm.backends._deferred import TracedDeferred
 from shardline.comm.flight import RECORDER
 from shardline.comm.trace import device, doctor, folder, merge, recorder
 from shardline.comm.trace.recorder import Tracer
 from shardline.errors import InvalidArgumentError
+from tests.test_trace_device import _Clock, _Event, _timed
 
 
 @pytest.fixture
@@ -300,127 +297,6 @@ def test_a_folder_without_traces_and_a_corrupt_file_are_errors(tmp_path: Path) -
         doctor.examine(tmp_path)
 
 
-# -- device times (NCCL ops, CUDA events): the bookkeeping, with stand-in events -----------------
-
-
-class _Event:
-    """A CUDA event's stand-in: ``at`` is its device time (seconds), ``None`` until then."""
-
-    def __init__(self, at: float | None) -> None:
-        self.at = at
-
-    def query(self) -> bool:
-        return self.at is not None
-
-    def elapsed_time(self, end: _Event) -> float:
-        if self.at is None or end.at is None:
-            raise RuntimeError("not completed")
-        return (end.at - self.at) * 1e3
-
-
-class _Clock:
-    def __init__(self, gpu: int, kind: device.Events) -> None:
-        self.ref = _Event(0.0)
-        self.wall = 1000.0 * (gpu + 1)  # device time 0 is wall time 1000 (GPU 0)
-
-
-def _timed(
-    chain: str | None, at: float, end: _Event, queued: float | None = None, gpu: int = 0
-) -> device.OpTiming:
-    """An op of group ``chain`` (``None``: blocking), queued when the caller's stream was at
-    ``at``, ending at ``end``."""
-    when = time.time() if queued is None else queued
-    return device.OpTiming(gpu, chain, _Event(at), end, [] if chain else (), when)
-
-
-def test_device_times_chain_an_async_groups_ops_and_bracket_blocking_ones() -> None:
-    times = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
-    a, b, c, blocking = ([] for _ in range(4))  # records: identity is all that matters
-    e_a, e_b, e_c, e_blocking = (_Event(None) for _ in range(4))
-    times.add(a, _timed("g", 1.0, e_a))  # queued when the caller's stream reached 1.0
-    times.add(b, _timed("g", 1.5, e_b))  # queued before a ended: runs after it
-    times.add(c, _timed("h", 2.0, e_c))  # another group: its own stream
-    times.add(blocking, _timed(None, 3.0, e_blocking))  # on the caller's stream
-    times.resolve()
-    assert all(times.waiting(r) for r in (a, b, c, blocking))
-    e_a.at, e_c.at, e_blocking.at = 1.8, 2.25, 3.4
-    times.resolve()
-    assert not times.waiting(a) and times.waiting(b) and not times.waiting(c)
-    assert times.pop(a) == pytest.approx((1001.0, 1001.8))
-    assert times.pop(c) == pytest.approx((1002.0, 1002.25))
-    assert times.pop(blocking) == pytest.approx((1003.0, 1003.4))
-    e_b.at = 1.9
-    times.resolve()
-    assert times.pop(b) == pytest.approx((1001.8, 1001.9))  # after a, not at its queuing
-    assert times.pop(b) is None and not times.waiting(b)  # once
-
-
-def test_each_gpus_events_are_read_in_one_call_and_reused_once_read(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    calls: list[tuple[int, int]] = []
-
-    class Counted(device._TorchEvents):
-        def elapsed(self, gpu: int, firsts: list[Any], seconds: list[Any]) -> list[float]:
-            calls.append((gpu, len(firsts)))
-            return super().elapsed(gpu, firsts, seconds)
-
-    monkeypatch.setattr(device, "_FREE", {})
-    times = device.DeviceTimes(clock=_Clock, kind=Counted())
-    records = [[] for _ in range(5)]
-    timings = [_timed("g", float(k), _Event(k + 0.5), gpu=k % 2) for k in range(5)]
-    timings.append(_timed(None, 9.0, _Event(9.5)))  # a blocking op: no handle waits later
-    records.append([])
-    for r, t in zip(records, timings, strict=True):
-        times.add(r, t)
-    times.resolve()
-    assert sorted(calls) == [(0, 8), (1, 4)]  # a start and an end per op
-    assert times.pop(records[3]) == pytest.approx((2003.0, 2003.5))  # GPU 1's clock
-    assert [len(device._FREE[g]) for g in (0, 1)] == [8, 4]  # each read event kept for reuse
-    assert timings[0].end in device._FREE[0] and timings[1].start in device._FREE[1]
-
-
-def test_device_times_give_up_on_an_op_that_never_ends_and_keep_its_buffers() -> None:
-    times = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
-    stuck, later = [], []
-    timing = _timed("g", 1.0, _Event(None), queued=10.0)
-    timing.keep.append(("buffers",))  # its handle was dropped before its wait
-    times.add(stuck, timing)
-    times.resolve(now=10.0 + device.GIVE_UP_S / 2)
-    assert times.waiting(stuck)
-    times.resolve(now=10.0 + device.GIVE_UP_S + 1)
-    assert not times.waiting(stuck) and times.pop(stuck) is None
-    assert times._stuck == [[("buffers",)]]  # the GPU may still use them: never let go
-    times.add(later, _timed("g", 2.0, _Event(2.005)))  # the chain goes on from its own event
-    times.resolve()
-    assert times.pop(later) == pytest.approx((1002.0, 1002.005))
-    times.finish(wait=0.0)  # nothing left: returns at once
-
-
-def test_a_traced_handle_dropped_before_its_wait_leaves_its_buffers_to_the_tracer() -> None:
-    """An op a tracer runs on its group's stream has no buffers kept by torch: the handle
-    keeps them until its wait, or hands them on when dropped unwaited."""
-
-    done: list[object] = []
-
-    def handle(timing: device.OpTiming) -> TracedDeferred:
-        works = [(0, object())]
-        h = TracedDeferred(works, wait=lambda *_: None, done=done.append, keep=buffers)
-        h.timing = timing
-        return h
-
-    buffers = (torch.ones(4),)
-    waited = handle(_timed("g", 1.0, _Event(None)))
-    dropped = handle(kept := _timed("g", 1.0, _Event(None)))
-    waited.wait()
-    assert waited.timing.keep == [] and len(done) == 1  # done with the event it waited on
-    del dropped
-    gc.collect()
-    assert kept.keep == [buffers] and len(done) == 2
-    waited.wait()  # again: nothing more
-    assert len(done) == 2
-
-
 def test_an_op_timed_on_its_gpu_is_written_once_the_gpu_is_past_it(
     tracer: Tracer, tmp_path: Path
 ) -> None:
@@ -590,25 +466,6 @@ def test_the_doctor_command_reads_the_recent_history_and_all_of_it_with_all(
     assert everything.count("- mismatch:") == 2 and "not checked" not in everything, everything
 
 
-def test_events_go_through_the_driver_where_one_is_loaded_and_through_torch_elsewhere(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    here = _native.cuda_events_available()
-    for loaded, kind in ((False, device._TorchEvents), (True, device._DriverEvents)):
-        monkeypatch.setattr(device, "_KIND", [None])
-        monkeypatch.setattr(_native, "cuda_events_available", lambda loaded=loaded: loaded)
-        assert isinstance(device.events(), kind)
-        assert device.events() is device.events()  # chosen once
-    if not here:  # no driver loaded in this process: each call says so
-        for call in (
-            lambda: _native.cuda_events_elapsed(0, [1], [2]),
-            lambda: _native.cuda_stream_create(0),
-            lambda: _native.cuda_stream_wait(0, 1, 2),
-        ):
-            with pytest.raises(InvalidArgumentError, match="no CUDA driver is loaded"):
-                call()
-
-
 _TEXT = st.text(max_size=12)  # quotes, backslashes, control and non-ASCII characters too
 _RECORD = st.tuples(
     _TEXT,  # group
@@ -645,38 +502,3 @@ def test_a_line_the_native_encoder_does_not_write_is_written_by_json(tmp_path: P
         _native.trace_ops_line([record], [None], flight.dtype_names())
     line = recorder._ops_line([record], [None])
     assert line == json.dumps({"k": "ops", "r": [flight.plain(record)]})
-
-
-def test_an_op_takes_a_kept_event_or_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``begin`` records a kept event where one is kept; none kept, a new one; and where
-    another thread took the last kept one between a look and the take, a new one too."""
-    recorded: list[str] = []
-
-    class Kind:
-        made = 0
-
-        def new(self, gpu: int) -> str:
-            Kind.made += 1
-            return f"new{Kind.made}"
-
-        def record(self, gpu: int, event: str, stream: object) -> None:
-            assert stream == "current"
-            recorded.append(event)
-
-    monkeypatch.setattr(device, "_KIND", [Kind()])
-    monkeypatch.setattr(device, "_current_stream", lambda gpu: "current")
-    monkeypatch.setattr(device, "_FREE", {})
-    assert device.begin(0) == "new1"
-    device._FREE[0] = deque(["kept"])
-    assert [device.begin(0), device.begin(0)] == ["kept", "new2"]
-
-    class Raced(deque):  # looks non-empty, but the last event is gone when taken
-        def __bool__(self) -> bool:
-            return True
-
-        def __len__(self) -> int:
-            return 1
-
-    device._FREE[0] = Raced()
-    assert device.begin(0) == "new3"
-    assert recorded == ["new1", "kept", "new2", "new3"]
