@@ -12,7 +12,10 @@ GPU and waits for them, a loop bound by the host alone, in rounds alternated bet
   alone costs;
 - ``host``: traced with host times only (``SHARDLINE_TRACE_GPU=0``);
 - ``gpu``: traced with GPU times, the driver's events read in batches;
-- ``gpu-torch``: the same through torch's events, one call each.
+- ``gpu-torch``: the same through torch's events, one call each;
+- ``gpu-program`` (only when named in ``--sides``): what GPU times cost the program's thread
+  alone: each op recorded and run as when traced with GPU times, its events handed back at
+  once, no tracer's thread.
 
 Every side but ``nccl-timed`` runs on a group made without NCCL's timing, as a traced job's
 are. Each traced round starts and stops the tracer inside its timing, and lasts a few
@@ -23,6 +26,7 @@ work and its waits for the GIL while the tracer's thread holds it), the tracer's
 per op (some of it with the GIL released) and the garbage collector's passes and time.
 
     python benches/bench_trace_ops.py --rounds 5 --ops 50000
+    python benches/bench_trace_ops.py --sides off,gpu,gpu-program     # some sides only
 
 Writes ``benches/results/trace-ops-<tag>.{txt,json}``.
 """
@@ -36,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,7 +53,14 @@ from shardline.comm.flight import RECORDER
 from shardline.comm.trace import device as device_times
 from shardline.comm.trace.recorder import TRACER
 
-SIDES = ("off", "nccl-timed", "host", "gpu", "gpu-torch")
+SIDES = ("off", "nccl-timed", "host", "gpu", "gpu-torch", "gpu-program")
+
+
+def _handed_back(record: object, timing: device_times.OpTiming) -> None:
+    """The ``gpu-program`` side's taker of each op's timing: its events back in the pool."""
+    pool = device_times._FREE.setdefault(timing.device, deque())
+    pool.append(timing.start)
+    pool.append(timing.end)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", type=int, default=50000, help="ops per round")
     p.add_argument("--blocking-every", type=int, default=8)
     p.add_argument("--tag", default="cuda")
+    p.add_argument(
+        "--sides", default=",".join(SIDES[:-1]), help="comma-separated ('off' always runs)"
+    )
     args = p.parse_args(argv)
+    sides = tuple(s for s in SIDES if s == "off" or s in args.sides.split(","))
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29534"}.items():  # fmt: skip
         os.environ.setdefault(k, v)
@@ -106,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         passes = [s["collections"] for s in gc.get_stats()]
         gc_time[:] = [0.0, 0.0, 0.0]
         t = time.perf_counter()
-        traced = side not in ("off", "nccl-timed")
+        if side == "gpu-program":
+            RECORDER.sink = deque(maxlen=64)  # records made (with their callers), not kept
+            RECORDER.device_sink = _handed_back
+        traced = side not in ("off", "nccl-timed", "gpu-program")
         if traced:
             TRACER.start(folder, rank=0, world_size=1, backend="nccl")
             if side == "host":
@@ -117,21 +136,22 @@ def main(argv: list[str] | None = None) -> int:
         tracer_cpu = time.clock_gettime(clock) if clock is not None else 0.0
         if traced:
             TRACER.stop()
+        RECORDER.sink = RECORDER.device_sink = None
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
         passes = [s["collections"] - p for s, p in zip(gc.get_stats(), passes, strict=True)]
         ms = [g * 1e3 for g in gc_time]
         return wall / args.ops * 1e6, tracer_cpu / args.ops * 1e6, passes, ms
 
-    for side in SIDES:  # warm-up: NCCL's first ops, the tracer's first start
+    for side in sides:  # warm-up: NCCL's first ops, the tracer's first start
         with tempfile.TemporaryDirectory() as tmp:
             round_(side, tmp)
-    us: dict[str, list[float]] = {s: [] for s in SIDES}
-    tracer: dict[str, list[float]] = {s: [] for s in SIDES}
-    passes: dict[str, list[list[int]]] = {s: [] for s in SIDES}
-    gc_ms: dict[str, list[list[float]]] = {s: [] for s in SIDES}
+    us: dict[str, list[float]] = {s: [] for s in sides}
+    tracer: dict[str, list[float]] = {s: [] for s in sides}
+    passes: dict[str, list[list[int]]] = {s: [] for s in sides}
+    gc_ms: dict[str, list[list[float]]] = {s: [] for s in sides}
     for r in range(args.rounds):
-        order = SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]  # each side leads in turn
+        order = sides[r % len(sides) :] + sides[: r % len(sides)]  # each side leads in turn
         for side in order:
             with tempfile.TemporaryDirectory() as tmp:
                 a, b, c, d = round_(side, tmp)
@@ -145,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         f"1 process, 1 GPU, NCCL; {args.rounds} rounds per side of {args.ops} all-reduces of "
         f"256 floats (1 in {args.blocking_every} blocking), sides alternated",
     ]
-    for side in SIDES:
+    for side in sides:
         m = statistics.median(us[side])
         lines.append(
             f"{side:9s} {m:6.2f} us/op (median; rounds {[round(v, 2) for v in us[side]]}); "
