@@ -15,7 +15,9 @@ GPU and waits for them, a loop bound by the host alone, in rounds alternated bet
 - ``gpu-torch``: the same through torch's events, one call each;
 - ``gpu-program`` (only when named in ``--sides``): what GPU times cost the program's thread
   alone: each op recorded and run as when traced with GPU times, its events handed back at
-  once, no tracer's thread.
+  once, no tracer's thread;
+- ``gpu-pool`` (only when named): as ``gpu``, the group's own stream taken from torch's pool
+  of streams (as torch takes its NCCL streams) instead of made by the driver.
 
 Every side but ``nccl-timed`` runs on a group made without NCCL's timing, as a traced job's
 are. Each traced round starts and stops the tracer inside its timing, and lasts a few
@@ -53,7 +55,8 @@ from shardline.comm.flight import RECORDER
 from shardline.comm.trace import device as device_times
 from shardline.comm.trace.recorder import TRACER
 
-SIDES = ("off", "nccl-timed", "host", "gpu", "gpu-torch", "gpu-program")
+SIDES = ("off", "nccl-timed", "host", "gpu", "gpu-torch", "gpu-program", "gpu-pool")
+NAMED_ONLY = ("gpu-program", "gpu-pool")
 
 
 def _handed_back(record: object, timing: device_times.OpTiming) -> None:
@@ -70,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocking-every", type=int, default=8)
     p.add_argument("--tag", default="cuda")
     p.add_argument(
-        "--sides", default=",".join(SIDES[:-1]), help="comma-separated ('off' always runs)"
+        "--sides",
+        default=",".join(s for s in SIDES if s not in NAMED_ONLY),
+        help="comma-separated ('off' always runs)",
     )
     args = p.parse_args(argv)
     sides = tuple(s for s in SIDES if s == "off" or s in args.sides.split(","))
@@ -85,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     del os.environ["TORCH_NCCL_ENABLE_TIMING"]
     assert untimed is not None and timed is not None
     x = torch.ones(256, device="cuda")
+    # The group's own stream, as traced ops make it (by the driver), and one from torch's pool.
+    own_side = device_times.SideStream(0)
+    native_module = device_times._native_module
+    device_times._native_module = lambda: None  # type: ignore[assignment]
+    pool_side = device_times.SideStream(0)
+    device_times._native_module = native_module
     driver = device_times.events()
     # The time the garbage collector takes, by generation: what a traced op leaves alive for
     # a while (until the tracer writes it) makes the collector run more often.
@@ -117,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         """(µs per op of the loop, the tracer's thread's CPU µs per op, GC passes and GC
         milliseconds by generation)."""
         group = timed if side == "nccl-timed" else untimed
+        group._impl._side = pool_side if side == "gpu-pool" else own_side
         device_times.use_events(device_times.TORCH if side == "gpu-torch" else driver)
         torch.cuda.synchronize()
         passes = [s["collections"] for s in gc.get_stats()]
