@@ -86,7 +86,7 @@ def test_each_gpus_events_are_read_in_one_call_and_reused_once_read(
     times = device.DeviceTimes(clock=_Clock, kind=Counted())
     records = [[] for _ in range(5)]
     timings = [_timed("g", float(k), _Event(k + 0.5), gpu=k % 2) for k in range(5)]
-    timings.append(_timed(None, 9.0, _Event(9.5)))  # a blocking op: no handle waits later
+    timings.append(_timed(None, 9.0, _Event(9.5)))  # and a blocking op, on GPU 0
     records.append([])
     for r, t in zip(records, timings, strict=True):
         times.add(r, t)
