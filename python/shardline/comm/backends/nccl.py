@@ -129,6 +129,15 @@ def _with_async(opts: Any, async_op: bool) -> Any:
     return opts
 
 
+def _queued_async(async_op: bool) -> bool:
+    """Whether torch queues the op on its own NCCL stream (``asyncOp``).
+
+    An asynchronous op, unless a tracer takes GPU times: it then runs as a blocking op on the
+    group's own stream (``_run_timed``).
+    """
+    return async_op and RECORDER.device_sink is None
+
+
 # Thread blocks per collective of a group whose collectives overlap compute (ZeRO's gathers
 # and reductions): with fewer blocks the collectives take fewer SMs from the GEMMs beside
 # them, and zero3 on two H100s ran slightly faster with 8 than with NCCL's choice.
@@ -299,7 +308,7 @@ class NcclBackend:
         times, an asynchronous op is queued as a blocking one (on the group's own stream:
         ``_run_timed``).
         """
-        async_op = async_op and RECORDER.device_sink is None
+        async_op = _queued_async(async_op)
         key = (kind, async_op, op, root)
         opts = self._opts.get(key)
         if opts is None:
@@ -360,14 +369,14 @@ class NcclBackend:
         self, out: torch.Tensor | None, inp: torch.Tensor, root: int, *, async_op: bool = True
     ) -> Deferred:
         args = gather_args(out, inp, root, self.world_size)
-        _with_async(args[2], async_op and RECORDER.device_sink is None)  # as in _options
+        _with_async(args[2], _queued_async(async_op))
         return self._run("gather", self._pg.gather, args, async_op)
 
     def scatter(
         self, out: torch.Tensor, inp: torch.Tensor | None, root: int, *, async_op: bool = True
     ) -> Deferred:
         args = scatter_args(out, inp, root, self.world_size)
-        _with_async(args[2], async_op and RECORDER.device_sink is None)  # as in _options
+        _with_async(args[2], _queued_async(async_op))
         return self._run("scatter", self._pg.scatter, args, async_op)
 
     def all_to_all(

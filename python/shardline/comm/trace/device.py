@@ -498,6 +498,7 @@ class DeviceTimes:
                 starts[i] = wall + ms[k] / 1e3
                 ends[i] = wall + ms[m + k] / 1e3
         times, chain_end, isnan = self._times, self._chain_end, math.isnan
+        pools = {gpu: _FREE.setdefault(gpu, deque()) for gpu in by_device}
         blocked: set[tuple[int, str]] = set()
         left: list[tuple[list[Any], OpTiming]] = []
         for i, op in enumerate(pending):
@@ -525,7 +526,7 @@ class DeviceTimes:
                     start = max(start, chain_end.get(key, start))
                     chain_end[key] = end
                 times[id(record)] = (start, end)
-            pool = _FREE.setdefault(t[0], deque())
+            pool = pools[t[0]]
             pool.append(t[2])
             pool.append(t[3])
         self._pending = left
