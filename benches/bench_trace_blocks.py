@@ -1,17 +1,21 @@
-"""What tracing costs one process's ZeRO-3 steps: the tracer on and off, blocks alternated.
+"""What tracing costs one process's ZeRO-3 steps, traced and untraced steps side by side.
 
 Separate runs of a short GPU job drift by more than the 1 % being measured (a run's step time
-moved 25-39 ms on an H200 between runs of the same command). Here one process (world size 1)
-trains ``bench_zero.py``'s GPT under ZeRO-3 and starts and stops the tracer between blocks
-of ``--steps`` steps, alternating which side goes first, so both sides see the same drift;
-it prints each side's median step time and ``on / off - 1``. The step times still drift by
-more than a percent between blocks: it also prints the CPU time per step of the program's
-thread on each side and of the tracer's thread, whose sum is what tracing costs a step that
-the host's launching bounds. ``--no-gpu-times`` traces without the NCCL ops' GPU times;
-``--torch-events`` takes them through torch's events, one Python call each, instead of the
-driver's batches with the GIL released.
+moved 25-39 ms on an H200 between runs of the same command), and so do blocks of steps
+within one run (±15 % from one 60-step block to the next). Here one process (world size 1)
+trains ``bench_zero.py``'s GPT under ZeRO-3 with the tracer running, and by default
+(``--mode steps``) records every other step's ops and not the ones between: each traced
+step is timed against the untraced step beside it (a synchronize ends each step), the order
+inside a pair alternating, and the median of the pairs' ratios is what tracing costs the
+program's thread and the GPU. The tracer's own thread does its work meanwhile for the traced
+steps' ops; its CPU time per traced step is added on top, as if all of it held the GIL while
+the program waited (an upper bound where the host's launching bounds the step, as here).
+``--mode blocks`` starts and stops the tracer between alternated blocks of ``--steps`` steps
+instead (the way it was measured before; the blocks drift more than the cost).
+``--no-gpu-times`` traces without the NCCL ops' GPU times; ``--torch-events`` takes them
+through torch's events, one Python call each, instead of the driver's.
 
-    python benches/bench_trace_blocks.py --device cuda              # medium GPT, bf16
+    python benches/bench_trace_blocks.py --device cuda --pairs 400   # medium GPT, bf16
     python benches/bench_trace_blocks.py --device cpu --size small --dtype fp32
 
 Writes ``benches/results/trace-blocks-<tag>.{txt,json}``.
@@ -25,7 +29,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -46,10 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     p.add_argument("--size", default="medium", choices=list(SIZES))
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    p.add_argument("--blocks", type=int, default=8, help="blocks per side")
+    p.add_argument("--mode", default="steps", choices=["steps", "blocks"])
+    p.add_argument("--pairs", type=int, default=300, help="pairs of steps (--mode steps)")
+    p.add_argument("--blocks", type=int, default=8, help="blocks per side (--mode blocks)")
     p.add_argument(
         "--steps", type=int, default=100,
-        help="steps per block (blocks longer than the tracer's 1 s interval)",
+        help="steps per block (--mode blocks; longer than the tracer's 1 s interval)",
     )  # fmt: skip
     p.add_argument(
         "--no-gpu-times", action="store_true",
@@ -66,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}.items():  # fmt: skip
         os.environ.setdefault(k, v)
-    os.environ.pop("SHARDLINE_TRACE", None)  # the blocks say when it traces
+    os.environ.pop("SHARDLINE_TRACE", None)  # the bench says when it traces
     cuda = args.device == "cuda"
     group = sl.init(backend="nccl" if cuda else "native")
     d_model, layers, heads, seq_len, batch = SIZES[args.size]
@@ -85,48 +93,143 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randint(0, cfg.vocab, (batch, seq_len), device=device)
     y = torch.randint(0, cfg.vocab, (batch, seq_len), device=device)
 
-    def block(n: int, traced: str | None) -> tuple[float, float, float]:
+    def steps(n: int) -> None:
+        for _ in range(n):
+            opt.zero_grad(set_to_none=True)
+            model(x, y).backward()
+            opt.step()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def start(directory: str) -> None:
+        TRACER.start(directory, rank=0, world_size=1, backend=group.backend)
+        if args.no_gpu_times:  # the tracer as it was before it read GPU times
+            RECORDER.device_sink = None
+
+    how = (
+        "no GPU" if not cuda
+        else "host times only" if args.no_gpu_times
+        else "GPU times through torch's events" if args.torch_events
+        else f"GPU times through {type(device_times.events()).__name__.strip('_')}"
+    )  # fmt: skip
+    what = f"zero3, 1 process, {args.device}, {args.size} GPT {args.dtype}"
+    steps(5)  # warm-up
+    with tempfile.TemporaryDirectory() as tmp:
+        run = _paired_steps if args.mode == "steps" else _blocks
+        lines, doc = run(args, steps, sync, start, f"{tmp}/t")
+        ops = folder.load(f"{tmp}/t")[0].ops
+    sl.shutdown()
+    on_gpu = sum(1 for o in ops if folder.device_span(o) is not None)
+    lines[0] = f"{what}, {lines[0]}; {how}"
+    lines.append(f"{len(ops)} ops written, {on_gpu} with GPU times")
+    tag = args.tag or f"{args.device}-{args.size}-{args.dtype}"
+    _report.publish(
+        _report.RESULTS / f"trace-blocks-{tag}",
+        _report.header(Path(__file__).name, _report.machine(args.device)),
+        "\n".join(lines),
+        {"args": vars(args), **doc},
+        lambda _path: "no plot: a few numbers",
+    )
+    return 0
+
+
+def _tracer_cpu() -> float:
+    """CPU seconds the tracer's thread has used so far (0 when it runs none)."""
+    thread = TRACER._thread
+    if thread is None or thread.ident is None:
+        return 0.0
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def _paired_steps(
+    args: argparse.Namespace,
+    steps: Callable[[int], None],
+    sync: Callable[[], None],
+    start: Callable[[str], None],
+    directory: str,
+) -> tuple[list[str], dict[str, Any]]:
+    """Steps alternately recorded and not, the tracer running throughout (``--mode steps``)."""
+    start(directory)
+    sinks = (RECORDER.sink, RECORDER.device_sink)
+
+    def one(traced: bool) -> float:
+        RECORDER.sink, RECORDER.device_sink = sinks if traced else (None, None)
+        sync()
+        t = time.perf_counter()
+        steps(1)
+        sync()
+        return (time.perf_counter() - t) * 1e3
+
+    for i in range(10):  # warm-up, both ways
+        one(i % 2 == 0)
+    on: list[float] = []
+    off: list[float] = []
+    cpu0 = _tracer_cpu()
+    for i in range(args.pairs):
+        first = i % 2 == 0  # which side goes first alternates
+        a, b = one(first), one(not first)
+        on.append(a if first else b)
+        off.append(b if first else a)
+    tracer_ms = (_tracer_cpu() - cpu0) * 1e3 / args.pairs
+    RECORDER.sink, RECORDER.device_sink = sinks
+    TRACER.stop()
+    ratios = [a / b - 1 for a, b in zip(on, off, strict=True)]
+    paired = statistics.median(ratios)
+    base = statistics.median(off)
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    lines = [
+        f"{args.pairs} pairs of steps, one recorded and one not, order alternated",
+        f"untraced: {base:.2f} ms/step, traced: {statistics.median(on):.2f} ms/step (medians)",
+        f"the pairs' ratios (traced / untraced - 1): median {paired:+.2%}, quartiles "
+        f"{q1:+.2%} and {q3:+.2%}",
+        f"the tracer's thread: {tracer_ms:.3f} ms of CPU per traced step, {tracer_ms / base:+.2%}"
+        " of the untraced step",
+        f"overhead: {paired + tracer_ms / base:+.2%} (the pairs' median plus the tracer's "
+        "thread; bar 1 %)",
+    ]
+    doc = {"on": on, "off": off, "tracer_ms": tracer_ms, "paired": paired,
+           "overhead": paired + tracer_ms / base}  # fmt: skip
+    return lines, doc
+
+
+def _blocks(
+    args: argparse.Namespace,
+    steps: Callable[[int], None],
+    sync: Callable[[], None],
+    start: Callable[[str], None],
+    directory: str,
+) -> tuple[list[str], dict[str, Any]]:
+    """The tracer started and stopped between alternated blocks of steps (``--mode blocks``)."""
+
+    def block(n: int, traced: bool) -> tuple[float, float, float]:
         """ms per step (wall), and per step the CPU ms of this thread and of the tracer's.
 
         A traced block starts and stops the tracer inside its timing, so the tracer's last
         write (what its thread had not written yet) counts too.
         """
-        if cuda:
-            torch.cuda.synchronize()
+        sync()
         t, cpu = time.perf_counter(), time.thread_time()
-        if traced is not None:
-            TRACER.start(traced, rank=0, world_size=1, backend=group.backend)
-            if args.no_gpu_times:  # the tracer as it was before it read GPU times
-                RECORDER.device_sink = None
-        thread = TRACER._thread
-        clock = time.pthread_getcpuclockid(thread.ident) if thread and thread.ident else None
-        for _ in range(n):
-            opt.zero_grad(set_to_none=True)
-            model(x, y).backward()
-            opt.step()
-        tracer_cpu = time.clock_gettime(clock) if clock is not None else 0.0
-        if traced is not None:
+        if traced:
+            start(directory)
+        steps(n)
+        tracer_cpu = _tracer_cpu()
+        if traced:
             TRACER.stop()
-        if cuda:
-            torch.cuda.synchronize()
+        sync()
         per = 1e3 / n
         return (time.perf_counter() - t) * per, (time.thread_time() - cpu) * per, tracer_cpu * per
 
-    block(5, None)  # warm-up
     res: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, list[float]] = {"off": [], "on": [], "tracer": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.blocks):
-            for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
-                wall, mine, tracer = block(args.steps, f"{tmp}/t" if side == "on" else None)
-                res[side].append(wall)
-                cpu[side].append(mine)
-                if side == "on":
-                    cpu["tracer"].append(tracer)
-        ops = folder.load(f"{tmp}/t")[0].ops
-    records = len(ops)
-    on_gpu = sum(1 for o in ops if folder.device_span(o) is not None)
-    sl.shutdown()
+    for i in range(args.blocks):
+        for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            wall, mine, tracer = block(args.steps, side == "on")
+            res[side].append(wall)
+            cpu[side].append(mine)
+            if side == "on":
+                cpu["tracer"].append(tracer)
     a, b = statistics.median(res["off"]), statistics.median(res["on"])
     # Each block against the other side's block beside it: drift between pairs cancels.
     # The CPU time tracing adds: more on the program's thread, plus the tracer's own (when a
@@ -136,40 +239,20 @@ def main(argv: list[str] | None = None) -> int:
         + statistics.median(cpu["tracer"])
     )  # fmt: skip
     paired = statistics.median(on / off - 1 for on, off in zip(res["on"], res["off"], strict=True))
-    how = (
-        "host times only" if args.no_gpu_times
-        else "GPU times through torch's events" if args.torch_events
-        else f"GPU times through {type(device_times.events()).__name__.strip('_')}"
-    )  # fmt: skip
     lines = [
-        f"zero3, 1 process, {args.device}, {args.size} GPT {args.dtype}, {args.blocks} blocks of "
-        f"{args.steps} steps per side, alternated; {how}",
+        f"{args.blocks} blocks of {args.steps} steps per side, alternated",
         f"tracing off: {a:.2f} ms/step (median; blocks {[round(v, 2) for v in res['off']]})",
         f"tracing on:  {b:.2f} ms/step (median; blocks {[round(v, 2) for v in res['on']]})",
         f"overhead: {b / a - 1:+.2%} (on / off - 1; bar 1 %); median of the pairs' ratios "
         f"{paired:+.2%}",
-        f"{records} ops written in the last block, {on_gpu} with GPU times",
         f"CPU per step (medians): the program's thread {statistics.median(cpu['off']):.2f} ms "
         f"off, {statistics.median(cpu['on']):.2f} ms on; the tracer's thread "
         f"{statistics.median(cpu['tracer']):.3f} ms; tracing's CPU: {added:.3f} ms per step, "
         f"{added / a:+.2%} of the untraced step",
     ]
-    tag = args.tag or f"{args.device}-{args.size}-{args.dtype}"
-    _report.publish(
-        _report.RESULTS / f"trace-blocks-{tag}",
-        _report.header(Path(__file__).name, _report.machine(args.device)),
-        "\n".join(lines),
-        {
-            "args": vars(args),
-            **res,
-            "cpu": cpu,
-            "overhead": b / a - 1,
-            "paired_overhead": paired,
-            "cpu_added_ms": added,
-        },
-        lambda _path: "no plot: two numbers",
-    )
-    return 0
+    doc = {**res, "cpu": cpu, "overhead": b / a - 1, "paired_overhead": paired,
+           "cpu_added_ms": added}  # fmt: skip
+    return lines, doc
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ The fault-injection trials on real jobs are in ``tests/multiprocess/test_doctor.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -70,6 +72,35 @@ def test_ops_steps_and_spans_land_in_the_timeline_with_the_users_line(
     doc = merge.chrome_trace(tmp_path)
     names = sorted(e["name"] for e in doc["traceEvents"] if e["ph"] == "X")
     assert names == ["all_reduce #0", "broadcast #1", "forward", "step 0"]
+
+
+def test_an_op_issued_inside_torch_and_shardline_is_placed_at_the_programs_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As a strategy's hook issues its ops from inside torch's module call: the line is the
+    program's that made the call, the same whether the walk passes library frames by their
+    module's name (Python 3.12+) or by their files."""
+    monkeypatch.setattr(RECORDER, "sink", [])
+    module = torch.nn.Module()
+    module.forward = functools.partial(  # type: ignore[method-assign]
+        RECORDER.start, "world", 0, "all_reduce", 8, None, None
+    )
+    record = module()  # the op's line
+    assert record[flight.WHERE] == f"{__file__}:{_line_of('record = module()  #')}"
+    seen: list[tuple[str | None, str | None]] = []
+
+    def issue() -> None:  # called by torch's frames, as a hook is
+        seen.append((flight.callsite(), flight.callsite(sys._getframe(1))))
+
+    hooked = torch.nn.Module()
+    hooked.forward = issue  # type: ignore[method-assign]
+    hooked()  # both walks' line
+    where = f"{__file__}:{_line_of('hooked()  #')}"
+    assert seen == [(where, where)]
+    assert flight._library_module("torch.nn.modules.module")
+    assert flight._library_module("shardline.parallel.zero")
+    assert not flight._library_module("shardline.examples.train")
+    assert not flight._library_module("torchvision.models") and not flight._library_module("t")
 
 
 def test_a_long_write_goes_in_chunks_with_the_gil_released_between(

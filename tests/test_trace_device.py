@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shardline import _native
-from shardline.comm.backends._deferred import TracedDeferred
+from shardline.comm.backends._deferred import EventWaits, TracedDeferred
 from shardline.comm.trace import device
 from shardline.errors import InvalidArgumentError
 
@@ -122,9 +122,8 @@ def test_a_traced_handle_dropped_before_its_wait_leaves_its_buffers_to_the_trace
 
     def handle(timing: device.OpTiming) -> TracedDeferred:
         works = [(0, object())]
-        h = TracedDeferred(works, wait=lambda *_: None, done=done.append, keep=buffers)
-        h.timing = timing
-        return h
+        waits = EventWaits(lambda *_: None, lambda _: False, done.append)
+        return TracedDeferred(works, timing, None, None, buffers, waits)
 
     buffers = (torch.ones(4),)
     waited = handle(_timed("g", 1.0, _Event(None)))
@@ -216,7 +215,7 @@ def traced_backend(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[str]]:
     monkeypatch.setattr(device, "enter", lambda side: (event("enter"), "back"))
     monkeypatch.setattr(device, "leave", lambda key: calls.append(f"leave {key}"))
     monkeypatch.setattr(device, "begin", lambda gpu: event("begin"))
-    monkeypatch.setattr(device, "signal", lambda gpu: event("signal"))
+    monkeypatch.setattr(device, "close", lambda side: (event("close"), event("signal")))
     monkeypatch.setattr(nccl.RECORDER, "device_sink", lambda record, timing: None)
     backend = nccl.NcclBackend.__new__(nccl.NcclBackend)
     backend._gpu, backend._side, backend.group_name, backend.rank = 0, None, "g", 0
@@ -240,11 +239,11 @@ def test_a_traced_async_op_runs_blocking_on_its_groups_stream_between_two_events
         calls.append("allreduce")  # asyncOp=False: torch returns no Work
 
     handle = backend._run("all_reduce", allreduce, ([buf], opts), True)
-    assert calls == ["enter", "allreduce", "begin", "signal", "leave back"]
+    assert calls == ["enter", "allreduce", "close", "signal", "leave back"]
     assert isinstance(handle, TracedDeferred)
     t = handle.timing
-    assert (t.device, t.chain, t.start, t.end, t.keep) == (0, "g", "enter0", "begin1", [])
-    assert handle._works == [(0, "signal2")] and any(k[0] == [buf] for k in handle._keep)
+    assert (t.device, t.chain, t.start, t.end, t.keep) == (0, "g", "enter0", "close1", [])
+    assert handle._works == ((0, "signal2"),) and any(k[0] == [buf] for k in handle._keep)
 
     def broken(*_: Any) -> None:
         raise RuntimeError("NCCL communicator was aborted")

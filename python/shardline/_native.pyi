@@ -500,6 +500,13 @@ def cuda_stream_create(device: int) -> int:
 def cuda_stream_wait(device: int, stream: int, event: int) -> None:
     """Makes ``stream`` wait on the GPU until ``event`` is reached; the host does not wait."""
 
+def cuda_events_fork(device: int, stream: int, side: int, start: int, sync: int) -> None:
+    """Records ``start`` then ``sync`` on ``stream`` and makes ``side`` wait for ``sync`` (a
+    traced op's way onto its group's stream), in one call."""
+
+def cuda_events_record_pair(device: int, stream: int, first: int, second: int) -> None:
+    """Records ``first`` then ``second`` on ``stream``, in one call."""
+
 def cuda_events_elapsed(device: int, firsts: list[int], seconds: list[int]) -> list[float]:
     """Milliseconds from each first event to its second; NaN where there is none (a pair the
     GPU is not past yet). Reads with the GIL released."""

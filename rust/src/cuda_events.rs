@@ -276,6 +276,51 @@ pub fn stream_wait(device: i32, stream: usize, event: usize) -> Result<()> {
     Ok(())
 }
 
+/// Records `start` and then `sync` on `stream` of GPU `device`, and makes `side` wait, on the
+/// GPU, until `sync` is reached: how a traced op moves from the caller's stream to its group's
+/// own, in one call (`record`, `record` and `stream_wait`, with one check of the context).
+pub fn fork(device: i32, stream: usize, side: usize, start: usize, sync: usize) -> Result<()> {
+    let d = driver()?;
+    // SAFETY: as in `record` and `stream_wait`: live handles the driver gave out.
+    let codes = d.on_device(device, || unsafe {
+        [
+            (d.event_record)(start as Handle, stream as Handle),
+            (d.event_record)(sync as Handle, stream as Handle),
+            (d.stream_wait_event)(side as Handle, sync as Handle, 0),
+        ]
+    })?;
+    let what = [
+        "recording an event",
+        "recording an event",
+        "making a stream wait",
+    ];
+    for (code, what) in codes.into_iter().zip(what) {
+        if code != CUDA_SUCCESS {
+            return Err(d.error(code, &format!("{what} on GPU {device}")));
+        }
+    }
+    Ok(())
+}
+
+/// Records `first` and then `second` on `stream` of GPU `device`, in one call: a traced op's
+/// end, and the event its handle waits on.
+pub fn record_pair(device: i32, stream: usize, first: usize, second: usize) -> Result<()> {
+    let d = driver()?;
+    // SAFETY: as in `record`: live handles the driver gave out.
+    let codes = d.on_device(device, || unsafe {
+        [
+            (d.event_record)(first as Handle, stream as Handle),
+            (d.event_record)(second as Handle, stream as Handle),
+        ]
+    })?;
+    for code in codes {
+        if code != CUDA_SUCCESS {
+            return Err(d.error(code, &format!("recording an event on GPU {device}")));
+        }
+    }
+    Ok(())
+}
+
 /// For each pair of events of GPU `device`, the milliseconds from the first to the second;
 /// NaN where the driver has no time for the pair: one the GPU has not reached yet (how a
 /// caller learns that), or one never recorded.
@@ -322,6 +367,8 @@ mod tests {
             query(0, 1).unwrap_err(),
             stream_create(0).unwrap_err(),
             stream_wait(0, 1, 2).unwrap_err(),
+            fork(0, 1, 2, 3, 4).unwrap_err(),
+            record_pair(0, 1, 2, 3).unwrap_err(),
             elapsed(0, &[1], &[2]).unwrap_err(),
         ] {
             assert!(

@@ -221,13 +221,32 @@ def plain(record: list[Any]) -> list[Any]:
     return out
 
 
+# Whether a file is the program's (``program_frame``), by the name its code objects give it.
+_PROGRAM_FILES: dict[str, bool] = {}
+# ``"file:line"`` by code object and instruction (``_where``): a frame's line number is worked
+# out from its code's line table, which costs microseconds in a long function.
+_WHERE: dict[tuple[Any, int], str] = {}
+# Whether a module is shardline's (but for its example programs), torch's or ``contextlib``,
+# by name (``_callsite_by_module``).
+_LIBRARY_MODULES: dict[str, bool] = {}
+# Python 3.12's ``sys._getframemodulename``: the module of a frame deeper in the stack,
+# read without making a frame object for it.
+_FRAME_MODULE = getattr(sys, "_getframemodulename", None)
+
+
 def program_frame(frame: Any) -> Any:
     """The first frame out from ``frame`` in the program's own code (see ``callsite``)."""
-    skip = _libraries or _library_dirs()
+    known = _PROGRAM_FILES
     f = frame
     while f is not None:
         name = f.f_code.co_filename
-        if (not name.startswith(skip) or name.startswith(_programs)) and name[:1] != "<":
+        mine = known.get(name)
+        if mine is None:
+            skip = _libraries or _library_dirs()
+            mine = known[name] = (not name.startswith(skip) or name.startswith(_programs)) and name[
+                :1
+            ] != "<"
+        if mine:
             return f
         f = f.f_back
     return None
@@ -240,9 +259,57 @@ def callsite(frame: Any = None) -> str | None:
     is neither shardline's (but for its example programs) nor torch's (nor frozen:
     ``<...>``): the user's line that issued the op, even when the op runs inside
     ``loss.backward()`` or a strategy's hook.
+
+    On every traced op's path. An op from a strategy's hook is some 10-40 frames deep, and
+    walking them makes a frame object of each: on Python 3.12 and later, frames of library
+    modules are passed by their module's name, without one.
     """
+    if frame is None and _FRAME_MODULE is not None:
+        return _callsite_by_module(3)  # this (0), callsite (1), its caller (2)
     f = program_frame(frame if frame is not None else sys._getframe(2))
-    return None if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
+    return None if f is None else _where(f)
+
+
+def _callsite_by_module(depth: int) -> str | None:
+    """``callsite`` from the frame ``depth`` levels out from here, on Python 3.12+."""
+    assert _FRAME_MODULE is not None
+    known = _LIBRARY_MODULES
+    while True:
+        name = _FRAME_MODULE(depth)  # None: past the outermost frame, or no module
+        library = False if name is None else known.get(name)
+        if library is None:
+            library = known[name] = _library_module(name)
+        if not library:
+            try:
+                frame = sys._getframe(depth)
+            except ValueError:  # past the outermost frame
+                return None
+            f = program_frame(frame)  # by its file, as for any frame (it may be frozen)
+            return None if f is None else _where(f)
+        depth += 1
+
+
+def _library_module(name: str) -> bool:
+    """Whether module ``name``'s frames are passed over by ``callsite``.
+
+    Shardline's (but for its example programs), torch's, and ``contextlib``'s (a span's own
+    ``with`` frames).
+    """
+    top = name.partition(".")[0]
+    if top == "shardline":
+        return not name.startswith("shardline.examples")
+    return top == "torch" or name == "contextlib"
+
+
+def _where(f: Any) -> str:
+    """``"file:line"`` of frame ``f``."""
+    key = (f.f_code, f.f_lasti)
+    where = _WHERE.get(key)
+    if where is None:
+        if len(_WHERE) > 100_000:  # a program that makes code without end: start again
+            _WHERE.clear()
+        where = _WHERE[key] = f"{f.f_code.co_filename}:{f.f_lineno}"
+    return where
 
 
 RECORDER = FlightRecorder()

@@ -46,6 +46,30 @@ pub fn cuda_stream_wait(device: i32, stream: usize, event: usize) -> PyResult<()
     cuda_events::stream_wait(device, stream, event).py_err()
 }
 
+/// Records `start` then `sync` on `stream` of GPU `device`, and makes `side` wait for `sync`
+/// (a traced op's way onto its group's stream), in one call.
+#[pyfunction]
+pub fn cuda_events_fork(
+    device: i32,
+    stream: usize,
+    side: usize,
+    start: usize,
+    sync: usize,
+) -> PyResult<()> {
+    cuda_events::fork(device, stream, side, start, sync).py_err()
+}
+
+/// Records `first` then `second` on `stream` of GPU `device`, in one call.
+#[pyfunction]
+pub fn cuda_events_record_pair(
+    device: i32,
+    stream: usize,
+    first: usize,
+    second: usize,
+) -> PyResult<()> {
+    cuda_events::record_pair(device, stream, first, second).py_err()
+}
+
 /// For each pair (`firsts[i]`, `seconds[i]`) of GPU `device`'s events, the milliseconds
 /// between them; NaN where the driver has no time for the pair.
 #[pyfunction]

@@ -58,6 +58,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda::cuda_events_elapsed, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_stream_create, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_stream_wait, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_events_fork, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_events_record_pair, m)?)?;
     m.add_function(wrap_pyfunction!(trace::trace_ops_line, m)?)?;
     Ok(())
 }

@@ -11,11 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from shardline.errors import ShardlineError
 
-__all__ = ["DONE", "Deferred", "TracedDeferred", "torch_works_completed", "wait_torch_works"]
+__all__ = [
+    "DONE",
+    "Deferred",
+    "EventWaits",
+    "TracedDeferred",
+    "torch_works_completed",
+    "wait_torch_works",
+]
 
 
 def wait_torch_works(works: Sequence[Any], timeout: float | None) -> None:
@@ -109,23 +116,46 @@ class Deferred:
         return not works or self._test(works)
 
 
+class EventWaits(NamedTuple):
+    """How a ``TracedDeferred`` waits for its works, tests them, and lets go of them."""
+
+    wait: Callable[[Sequence[Any], float | None], None]
+    test: Callable[[Sequence[Any]], bool]
+    done: Callable[[Sequence[Any]], None]
+
+
 class TracedDeferred(Deferred):
     """The handle of an op a tracer ran on its group's own stream (``comm.trace.device``).
 
     Torch keeps none of such an op's buffers alive (it ran as a blocking op there): ``keep``
     holds them until the wait, as for any handle, and a handle dropped before its wait leaves
     them in its ``timing.keep``, which the tracer holds until the GPU is past the op. Its
-    works (what the ``wait`` and ``test`` given read) are let go of by ``done(works)`` once:
-    after its wait, or when dropped.
+    works are waited for and tested by ``waits``, and let go of by ``waits.done(works)``
+    once: after its wait, or when dropped.
+
+    Made on every traced op's path: its fields are set here directly (``Deferred``'s
+    keywords would cost as much again).
     """
 
     __slots__ = ("_done",)
 
     def __init__(
-        self, works: Sequence[Any], *, done: Callable[[Sequence[Any]], None], **kwargs: Any
+        self,
+        works: Sequence[Any],
+        timing: Any,
+        after: Callable[[], None] | None,
+        translate: Callable[[RuntimeError], ShardlineError] | None,
+        keep: tuple[object, ...],
+        waits: EventWaits,
     ) -> None:
-        super().__init__(works, **kwargs)
-        self._done: Callable[[Sequence[Any]], None] | None = done
+        self._works: Sequence[Any] | None = works
+        self.timing = timing
+        self._after = after
+        self._translate = translate
+        self._keep: tuple[object, ...] | None = keep
+        self._wait, self._test, self._done = waits
+        self._source = None
+        self.source = None
 
     def wait(self, timeout: float | None = None) -> None:
         """As ``Deferred.wait``; then lets go of its works."""
@@ -134,10 +164,9 @@ class TracedDeferred(Deferred):
         self._release(works)
 
     def _release(self, works: Sequence[Any] | None) -> None:
-        done = self._done
-        if done is not None and works:
-            self._done = None
-            done(works)
+        # Once: a waited handle's works are None (``Deferred.wait``), as are a dropped one's.
+        if works:
+            self._done(works)
 
     def __del__(self) -> None:
         keep, timing = self._keep, self.timing

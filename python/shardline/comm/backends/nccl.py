@@ -18,10 +18,10 @@ serialisation (``TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING=false`` hi
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +36,7 @@ from shardline.comm.backends._common import (
     pad_unequal,
     scatter_args,
 )
-from shardline.comm.backends._deferred import DONE, Deferred, TracedDeferred
+from shardline.comm.backends._deferred import DONE, Deferred, EventWaits, TracedDeferred
 from shardline.comm.flight import RECORDER
 from shardline.comm.rendezvous.store import StoreClient, store_barrier
 from shardline.comm.trace import device as device_times
@@ -114,6 +114,18 @@ def _translate(exc: RuntimeError, what: str, rank: int) -> ShardlineError:
         f"{what} on rank {rank} (nccl) failed: {text}; the NCCL communicator cannot be used "
         "again, create a new group (a peer may have died)"
     )
+
+
+# How a traced asynchronous op's handle waits: on the event after the op (``_run_timed``).
+_TRACED_WAITS = EventWaits(
+    device_times.wait_done, device_times.done_reached, device_times.release_done
+)
+
+
+@functools.cache
+def _translator(what: str, rank: int) -> Callable[[RuntimeError], ShardlineError]:
+    """``_translate`` for ``what`` on ``rank``: one per op kind, not one per op."""
+    return functools.partial(_translate, what=what, rank=rank)
 
 
 def _with_async(opts: Any, async_op: bool) -> Any:
@@ -238,7 +250,7 @@ class NcclBackend:
             return Deferred(
                 [work] if work is not None else (),  # None: run blocking (tracing stopped)
                 after=after,
-                translate=partial(_translate, what=what, rank=self.rank),
+                translate=_translator(what, self.rank),
                 keep=keep,
             )
         if after is not None:
@@ -262,43 +274,41 @@ class NcclBackend:
         caller's ``wait`` makes its own stream wait for an asynchronous op's end.
         """
         gpu = self._gpu
-        side = None
-        if async_op:
-            side = self._side
-            if side is None:
-                side = self._side = device_times.SideStream(gpu)
-            start, back = device_times.enter(side)
-        else:
+        if not async_op:
             start = device_times.begin(gpu)
-        try:
-            work = fn(*args)
-            if work is not None:  # on NCCL's stream (send, recv): this stream waits for it
-                work.wait()
+            try:
+                work = fn(*args)
+                if work is not None:  # on NCCL's stream (send, recv): this stream waits for it
+                    work.wait()
+            except RuntimeError as exc:
+                raise _translate(exc, what, self.rank) from exc
             end = device_times.begin(gpu)
-            done = None if side is None else device_times.signal(gpu)
-        except RuntimeError as exc:
-            raise _translate(exc, what, self.rank) from exc
-        finally:
-            if side is not None:
-                device_times.leave(back)
-        queued = time.time()
-        if side is None:
             if after is not None:
                 after()
             handle = Deferred()
-            handle.timing = device_times.OpTiming(gpu, None, start, end, (), queued)
+            handle.timing = device_times.OpTiming(gpu, None, start, end, (), time.time())
             return handle
-        handle = TracedDeferred(
-            [(gpu, done)],
-            wait=device_times.wait_done,
-            test=device_times.done_reached,
-            done=device_times.release_done,
-            after=after,
-            translate=partial(_translate, what=what, rank=self.rank),
-            keep=(*keep, args),  # torch keeps none of a blocking op's buffers
+        side = self._side
+        if side is None:
+            side = self._side = device_times.SideStream(gpu)
+        start, back = device_times.enter(side)
+        try:
+            work = fn(*args)
+            if work is not None:
+                work.wait()
+            end, done = device_times.close(side)
+        except RuntimeError as exc:
+            raise _translate(exc, what, self.rank) from exc
+        finally:
+            device_times.leave(back)
+        return TracedDeferred(
+            ((gpu, done),),
+            device_times.OpTiming(gpu, self.group_name, start, end, [], time.time()),
+            after,
+            _translator(what, self.rank),
+            (*keep, args),  # torch keeps none of a blocking op's buffers
+            _TRACED_WAITS,
         )
-        handle.timing = device_times.OpTiming(gpu, self.group_name, start, end, [], queued)
-        return handle
 
     def _options(self, kind: type, async_op: bool, op: str | None = None, root: int = -1) -> Any:
         """Torch's options object for one op, made once and kept (see ``_with_async``).

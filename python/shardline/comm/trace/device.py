@@ -61,13 +61,13 @@ __all__ = [
     "OpTiming",
     "SideStream",
     "begin",
+    "close",
     "done_reached",
     "enter",
     "events",
     "leave",
     "pause",
     "release_done",
-    "signal",
     "use_events",
     "wait_done",
 ]
@@ -126,7 +126,7 @@ class OpTiming(NamedTuple):
 def wait_done(works: Sequence[tuple[int, Any]], timeout: float | None) -> None:
     """Waits for traced asynchronous ops (their handle's wait).
 
-    ``works`` holds each op's GPU and the event recorded after it (``signal``). The current
+    ``works`` holds each op's GPU and the event recorded after it (``close``). The current
     stream waits for each op on the GPU (the host does not); with ``timeout``
     seconds, the host waits.
 
@@ -196,6 +196,14 @@ class Events(Protocol):
         """Makes ``stream`` wait on the GPU until ``event`` (recorded) is reached."""
         ...
 
+    def fork(self, device: int, stream: _Stream, side: _Stream, start: Any, sync: Any) -> None:
+        """Records ``start`` then ``sync`` on ``stream`` and makes ``side`` wait for ``sync``."""
+        ...
+
+    def record_pair(self, device: int, stream: _Stream, first: Any, second: Any) -> None:
+        """Records ``first`` then ``second`` on ``stream``."""
+        ...
+
     def of_torch(self, event: torch.cuda.Event) -> Any:
         """``event`` (a recorded torch event) as this kind's event."""
         ...
@@ -222,6 +230,15 @@ class _TorchEvents:
 
     def wait(self, device: int, stream: _Stream, event: Any) -> None:
         stream.torch.wait_event(event)
+
+    def fork(self, device: int, stream: _Stream, side: _Stream, start: Any, sync: Any) -> None:
+        self.record(device, start, stream)
+        self.record(device, sync, stream)
+        self.wait(device, side, sync)
+
+    def record_pair(self, device: int, stream: _Stream, first: Any, second: Any) -> None:
+        self.record(device, first, stream)
+        self.record(device, second, stream)
 
     def of_torch(self, event: torch.cuda.Event) -> Any:
         return event
@@ -253,6 +270,12 @@ class _DriverEvents:
 
     def wait(self, device: int, stream: _Stream, event: Any) -> None:
         self._native.cuda_stream_wait(device, stream.handle, event)
+
+    def fork(self, device: int, stream: _Stream, side: _Stream, start: Any, sync: Any) -> None:
+        self._native.cuda_events_fork(device, stream.handle, side.handle, start, sync)
+
+    def record_pair(self, device: int, stream: _Stream, first: Any, second: Any) -> None:
+        self._native.cuda_events_record_pair(device, stream.handle, first, second)
 
     def of_torch(self, event: torch.cuda.Event) -> Any:
         return event.cuda_event
@@ -355,23 +378,14 @@ def _take(kind: Events, index: int) -> Any:
 
 
 def _take_sync(kind: Events, index: int) -> Any:
-    """A kept event without a time of GPU ``index``, or a new one."""
+    """A kept event without a time of GPU ``index``, or a new one; the GPU's pool exists after."""
     free = _FREE_SYNC.get(index)
+    if free is None:
+        free = _FREE_SYNC.setdefault(index, deque())
     try:
-        return free.pop() if free is not None else kind.new_sync(index)
-    except IndexError:  # as in ``_take``
+        return free.pop()
+    except IndexError:  # none kept, or another thread queuing an op took the last one
         return kind.new_sync(index)
-
-
-def signal(index: int) -> Any:
-    """An event without a time, recorded now on GPU ``index``'s current stream.
-
-    What a traced asynchronous op's handle waits on (``wait_done``).
-    """
-    kind = _KIND[0] or events()
-    event = _take_sync(kind, index)
-    kind.record(index, event, _current_stream(index))
-    return event
 
 
 def begin(index: int) -> Any:
@@ -391,15 +405,26 @@ def enter(side: SideStream) -> tuple[Any, tuple[int, int, int]]:
     kind = _KIND[0] or events()
     start = _take(kind, index)
     current = _current_stream(index)
-    kind.record(index, start, current)
     # The group's stream waits on an event without a time (faster than on ``start``); the
     # wait holds the event as recorded now, so it is kept for reuse at once.
     sync = _take_sync(kind, index)
-    kind.record(index, sync, current)
-    kind.wait(index, side.stream, sync)
-    _FREE_SYNC.setdefault(index, deque()).append(sync)
+    kind.fork(index, current, side.stream, start, sync)
+    _FREE_SYNC[index].append(sync)
     torch._C._cuda_setStream(*side.stream.key)
     return start, current.key
+
+
+def close(side: SideStream) -> tuple[Any, Any]:
+    """Records an op's end on ``side``, then the event (without a time) its handle waits on.
+
+    ``side`` is current since ``enter``. Returns both events.
+    """
+    index = side.device
+    kind = _KIND[0] or events()
+    end = _take(kind, index)
+    done = _take_sync(kind, index)
+    kind.record_pair(index, side.stream, end, done)
+    return end, done
 
 
 def leave(key: tuple[int, int, int]) -> None:
