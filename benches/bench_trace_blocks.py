@@ -8,8 +8,10 @@ trains ``bench_zero.py``'s GPT under ZeRO-3 with the tracer running, and by defa
 step is timed against the untraced step beside it (a synchronize ends each step), the order
 inside a pair alternating, and the median of the pairs' ratios is what tracing costs the
 program's thread and the GPU. The tracer's own thread does its work meanwhile for the traced
-steps' ops; its CPU time per traced step is added on top, as if all of it held the GIL while
-the program waited (an upper bound where the host's launching bounds the step, as here).
+steps' ops; its CPU time per traced step with the GIL held is added on top, as if the program
+waited for all of it (an upper bound where the host's launching bounds the step, as here;
+it reads events through the driver with the GIL released, on another core, and the total
+with that time is printed too).
 ``--mode blocks`` starts and stops the tracer between alternated blocks of ``--steps`` steps
 instead (the way it was measured before; the blocks drift more than the cost).
 ``--no-gpu-times`` traces without the NCCL ops' GPU times; ``--torch-events`` takes them
@@ -166,13 +168,16 @@ def _paired_steps(
         one(i % 2 == 0)
     on: list[float] = []
     off: list[float] = []
-    cpu0 = _tracer_cpu()
+    cpu0, read0 = _tracer_cpu(), TRACER.device.reading_s
     for i in range(args.pairs):
         first = i % 2 == 0  # which side goes first alternates
         a, b = one(first), one(not first)
         on.append(a if first else b)
         off.append(b if first else a)
     tracer_ms = (_tracer_cpu() - cpu0) * 1e3 / args.pairs
+    # Of which reading events through the driver, with the GIL released (another core's).
+    reading_ms = (TRACER.device.reading_s - read0) * 1e3 / args.pairs
+    held_ms = tracer_ms - reading_ms
     RECORDER.sink, RECORDER.device_sink = sinks
     TRACER.stop()
     ratios = [a / b - 1 for a, b in zip(on, off, strict=True)]
@@ -184,13 +189,15 @@ def _paired_steps(
         f"untraced: {base:.2f} ms/step, traced: {statistics.median(on):.2f} ms/step (medians)",
         f"the pairs' ratios (traced / untraced - 1): median {paired:+.2%}, quartiles "
         f"{q1:+.2%} and {q3:+.2%}",
-        f"the tracer's thread: {tracer_ms:.3f} ms of CPU per traced step, {tracer_ms / base:+.2%}"
-        " of the untraced step",
-        f"overhead: {paired + tracer_ms / base:+.2%} (the pairs' median plus the tracer's "
-        "thread; bar 1 %)",
+        f"the tracer's thread: {tracer_ms:.3f} ms of CPU per traced step, of which "
+        f"{reading_ms:.3f} ms reading events with the GIL released: {held_ms:.3f} ms with it "
+        f"held, {held_ms / base:+.2%} of the untraced step",
+        f"overhead: {paired + held_ms / base:+.2%} (the pairs' median plus the tracer's thread "
+        f"with the GIL; bar 1 %); with all of its CPU {paired + tracer_ms / base:+.2%}",
     ]
-    doc = {"on": on, "off": off, "tracer_ms": tracer_ms, "paired": paired,
-           "overhead": paired + tracer_ms / base}  # fmt: skip
+    doc = {"on": on, "off": off, "tracer_ms": tracer_ms, "reading_ms": reading_ms,
+           "paired": paired, "overhead": paired + held_ms / base,
+           "overhead_all_tracer_cpu": paired + tracer_ms / base}  # fmt: skip
     return lines, doc
 
 

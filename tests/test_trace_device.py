@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shardline import _native
+from shardline.comm import flight
 from shardline.comm.backends._deferred import EventWaits, TracedDeferred
 from shardline.comm.trace import device
 from shardline.errors import InvalidArgumentError
@@ -70,6 +71,29 @@ def test_device_times_chain_an_async_groups_ops_and_bracket_blocking_ones() -> N
     times.resolve()
     assert times.pop(b) == pytest.approx((1001.8, 1001.9))  # after a, not at its queuing
     assert times.pop(b) is None and not times.waiting(b)  # once
+
+
+def test_a_write_takes_the_records_that_ended_here_and_on_their_gpu_once() -> None:
+    """``split``: what the tracer writes now (with device spans) and what it keeps."""
+    times = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
+    host, running, gpu_done, gpu_later = ([n, None] * 5 for n in range(4))
+    for r in (host, gpu_done, gpu_later):
+        r[flight.END] = 5.0  # ended here; ``running`` did not
+    e_done, e_later = _Event(1.5), _Event(None)
+    times.add(gpu_done, _timed("g", 1.0, e_done))
+    times.add(gpu_later, _timed("h", 1.0, e_later))
+    times.add(running, _timed(None, 1.0, _Event(1.2)))
+    times.resolve()
+    done, spans, kept = times.split([host, running, gpu_done, gpu_later])
+    assert done == [host, gpu_done] and kept == [running, gpu_later]
+    assert spans[0] is None and spans[1] == pytest.approx((1001.0, 1001.5))
+    running[flight.END] = 6.0
+    e_later.at = 2.0
+    times.resolve()
+    done, spans, kept = times.split(kept)
+    assert done == [running, gpu_later] and kept == []
+    assert spans == [pytest.approx((1001.0, 1001.2)), pytest.approx((1001.0, 1002.0))]
+    assert times.split([gpu_done]) == ([gpu_done], [None], [])  # its span went with it
 
 
 def test_each_gpus_events_are_read_in_one_call_and_reused_once_read(

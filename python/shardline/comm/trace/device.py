@@ -16,29 +16,22 @@ on the same wall clock as every other time it writes:
   a handle dropped before its wait hands its buffers to the op's timing, which the tracer
   keeps until the GPU is past the op.
 
-NCCL's own timing (``TORCH_NCCL_ENABLE_TIMING``), which this replaced, makes torch record and
-read an event more per op, on every op of every group made while it is on (and none of a
-group made before); ``benches/bench_trace_ops.py`` measures it beside ours.
+NCCL's own timing (``TORCH_NCCL_ENABLE_TIMING``), which this replaced, times every op of
+every group made while it is on (and none of a group made before).
 
 Nothing here waits for the GPU on the program's thread: the tracer's thread reads each op
-once the GPU is past its end event (``DeviceTimes.resolve``) and keeps it until then. One
-clock per GPU maps event times onto ``time.time()``: an event recorded on an idle stream of
-that GPU and waited for once, when the tracer's thread first reads that GPU's ops. Events
-are reused once read.
+once the GPU is past its end event (``DeviceTimes.resolve``). One clock per GPU maps event
+times onto ``time.time()``: an event recorded on an idle stream and waited for once. Events
+are reused once read. They are made, recorded and read through the CUDA driver that torch
+loaded, by the native module (``_DriverEvents``): an op's events in two calls on the
+program's thread, and a whole batch's readings in one call with the GIL released. Without
+it, torch's events serve (``TORCH``). An event the GPU has not reached reads NaN.
 
-Events are made, recorded and read through the CUDA driver that torch loaded, by the native
-module (``_DriverEvents``): the tracer's thread reads a whole batch in one call with the GIL
-released, where torch's ``Event.elapsed_time`` is a call per pair with the GIL held. Without
-the native module or a loaded driver, torch's events serve (``TORCH``). An event the GPU has
-not reached reads NaN: that is how the tracer learns it.
-
-Cost per op: on the program's thread, two pooled events recorded, and for an asynchronous op
-two more without a time (a stream waits on one; the handle on the other), one stream wait
-and two switches of the current stream; on the tracer's thread, two event readings and the
-bookkeeping here, ``CHUNK`` ops at a time with a ``pause`` between.
-``benches/bench_trace_ops.py`` measures it per op where the host bounds the loop
-(``docs/guides/troubleshooting.md`` gives the numbers), ``benches/bench_trace_blocks.py`` on
-a whole training step; both measure the way through torch's events too.
+Cost per op: on the program's thread, two events that keep a time and, for an asynchronous
+op, two without one (a stream waits on one, the handle on the other), one stream wait and
+two switches of the current stream; on the tracer's thread, two event readings and the
+bookkeeping, ``CHUNK`` ops at a time with a ``pause`` between. ``benches/bench_trace_ops.py``
+and ``bench_trace_blocks.py`` measure it (``docs/guides/troubleshooting.md``).
 """
 
 from __future__ import annotations
@@ -51,6 +44,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
+
+from shardline.comm.flight import END as _END
 
 __all__ = [
     "CHUNK",
@@ -76,7 +71,6 @@ __all__ = [
 # group was torn down before it ran): the op is then written with its host times only.
 GIVE_UP_S = 60.0
 
-
 # The tracer's thread reads and writes this many ops, then pauses for ``_PAUSE_S`` with the
 # GIL released. Left to itself, the interpreter hands the GIL to a waiting thread only every
 # ``sys.getswitchinterval()`` (5 ms): the program's thread, between two launches, would wait
@@ -86,17 +80,13 @@ GIVE_UP_S = 60.0
 CHUNK = 64
 _PAUSE_S = 100e-6
 
-
 # The tracer's thread's name: the one thread that pauses (on the program's thread, in the
 # tracer's last write, a pause would only make it wait).
 THREAD_NAME = "shardline-trace"
 
 
 def pause() -> None:
-    """Releases the GIL for a moment, on the tracer's thread: a thread waiting takes it.
-
-    See ``CHUNK``.
-    """
+    """Releases the GIL for a moment on the tracer's thread (see ``CHUNK``)."""
     if threading.current_thread().name == THREAD_NAME:
         time.sleep(_PAUSE_S)
 
@@ -452,8 +442,8 @@ class _Clock:
 class DeviceTimes:
     """The traced ops whose device times are not yet known, and those that are.
 
-    ``add`` is called on the program's thread; ``resolve``, ``waiting`` and ``pop`` on the
-    tracer's (under its flush lock, one at a time).
+    ``add`` is called on the program's thread; ``resolve``, ``split``, ``waiting`` and ``pop``
+    on the tracer's (under its flush lock, one at a time).
     """
 
     def __init__(
@@ -476,6 +466,9 @@ class DeviceTimes:
         # The buffers of ops given up on (the GPU may still use them): kept for good.
         self._stuck: list[Any] = []
         self._times: dict[int, tuple[float, float] | None] = {}  # by id(record)
+        # Seconds spent reading events (``Events.elapsed``: through the driver, without the
+        # GIL), for a measure of what the tracer's thread holds the GIL for.
+        self.reading_s = 0.0
 
     def add(self, record: list[Any], timing: OpTiming) -> None:
         """Follows ``record``'s op on its GPU (list and set appends: safe from any thread).
@@ -517,7 +510,9 @@ class DeviceTimes:
             if clock is None:
                 clock = self._clocks[gpu] = self._make_clock(gpu, kind)
             seconds = [pending[i][1][2] for i in idx] + [pending[i][1][3] for i in idx]
+            t0 = time.perf_counter()
             ms = kind.elapsed(gpu, [clock.ref] * len(seconds), seconds)
+            self.reading_s += time.perf_counter() - t0
             wall, m = clock.wall, len(idx)
             for k, i in enumerate(idx):
                 starts[i] = wall + ms[k] / 1e3
@@ -555,6 +550,35 @@ class DeviceTimes:
             pool.append(t[2])
             pool.append(t[3])
         self._pending = left
+
+    def split(
+        self, records: list[list[Any]]
+    ) -> tuple[list[list[Any]], list[tuple[float, float] | None], list[list[Any]]]:
+        """``records`` split: those to write now, their device spans, and those to keep.
+
+        A record is kept while its op runs here, or while its device time is still to come
+        (``waiting``); a written one's span is ``pop``'s. The tracer's write, in one pass: on
+        its thread with the GIL held, per op.
+        """
+        watch, times = self._watch, self._times
+        done: list[list[Any]] = []
+        spans: list[tuple[float, float] | None] = []
+        running: list[list[Any]] = []
+        for r in records:
+            if r[_END] is None:
+                running.append(r)
+                continue
+            key = id(r)
+            if key in watch:
+                if key not in times:
+                    running.append(r)
+                    continue
+                watch.discard(key)
+                spans.append(times.pop(key))
+            else:
+                spans.append(None)
+            done.append(r)
+        return done, spans, running
 
     def pop(self, record: list[Any]) -> tuple[float, float] | None:
         """``record``'s device start and end (wall clock), once; ``None`` when it has none."""

@@ -224,17 +224,12 @@ class Tracer:
         device = self.device
         device.resolve()
         # An op is written once it ended here and, when timed on a GPU, there too.
-        done: list[list[Any]] = []
-        running: list[list[Any]] = []
-        for r in ops:
-            (running if r[flight.END] is None or device.waiting(r) else done).append(r)
-        self._running = running
+        done, spans, self._running = device.split(ops)
         lines = []
         for i in range(0, len(done), CHUNK):
             if i:
                 pause()
-            part = done[i : i + CHUNK]
-            lines.append(_ops_line(part, [device.pop(r) for r in part]))
+            lines.append(_ops_line(done[i : i + CHUNK], spans[i : i + CHUNK]))
         lines += [json.dumps(e) for e in events]
         if lines:
             self._file.write("\n".join(lines) + "\n")
