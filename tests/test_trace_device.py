@@ -241,6 +241,7 @@ def traced_backend(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[str]]:
     monkeypatch.setattr(device, "begin", lambda gpu: event("begin"))
     monkeypatch.setattr(device, "close", lambda side: (event("close"), event("signal")))
     monkeypatch.setattr(nccl.RECORDER, "device_sink", lambda record, timing: None)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
     backend = nccl.NcclBackend.__new__(nccl.NcclBackend)
     backend._gpu, backend._side, backend.group_name, backend.rank = 0, None, "g", 0
     backend._opts = {}
@@ -285,3 +286,27 @@ def test_a_traced_async_op_runs_blocking_on_its_groups_stream_between_two_events
     untraced = backend._run("all_reduce", allreduce, ([buf], opts), True)
     assert untraced.is_completed() and type(untraced) is nccl.Deferred  # ran blocking
     untraced.wait()
+
+
+def test_an_op_queued_while_a_cuda_graph_is_captured_runs_as_untraced(
+    traced_backend: tuple[Any, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Events and a stream switch of ours would be captured into the graph and replayed
+    with it: under capture the op runs on torch's own path, as it does untraced."""
+    import torch.distributed as dist
+
+    from shardline.comm.backends import nccl
+
+    backend, calls = traced_backend
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: True)
+    opts = backend._options(dist.AllreduceOptions, True, "sum")
+    assert opts.asyncOp is True  # torch's NCCL stream, as untraced
+
+    class Work:
+        def wait(self) -> None:
+            calls.append("wait")
+
+    handle = backend._run("all_reduce", lambda *_: Work(), ([torch.ones(2)], opts), True)
+    assert type(handle) is nccl.Deferred and handle.timing is None and calls == []
+    handle.wait()
+    assert calls == ["wait"]

@@ -6,7 +6,8 @@ queued each all-reduce and when it saw the products end. Prints those times as o
 Then checks that a traced asynchronous op, which runs on its group's own stream, still reads
 its input after the work queued before it, is seen whole by the work queued after its wait,
 and reads its input right though the caller dropped it (and the handle) before the GPU got
-there. Prints ``OK``.
+there, and that an op queued while a CUDA graph is captured runs in the graph as it would
+untraced. Prints ``OK``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> None:
         torch.cuda.synchronize()
     print(json.dumps(seen), flush=True)
     _streams_in_order(group, dev)
+    _captured(group, dev)
     sl.shutdown()
     print("OK", flush=True)
 
@@ -68,6 +70,28 @@ def _streams_in_order(group: sl.ProcessGroup, dev: torch.device) -> None:
         got = out.clone()  # on the caller's stream, after the wait
         torch.cuda.synchronize()
         assert torch.equal(got, want), (dropped, got.unique())
+
+
+def _captured(group: sl.ProcessGroup, dev: torch.device) -> None:
+    """A traced all-reduce captured into a CUDA graph: replayed, it sums each time's input."""
+    n, rank = group.world_size, group.rank
+    x = torch.zeros(1 << 20, device=dev)
+    y = torch.empty_like(x)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch asks
+        y.copy_(x)
+        group.all_reduce(y)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y.copy_(x)
+        group.all_reduce(y)
+    for base in (1.0, 10.0):
+        x.fill_(base * (rank + 1))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, torch.full_like(y, base * n * (n + 1) / 2)), (base, y.unique())
 
 
 if __name__ == "__main__":

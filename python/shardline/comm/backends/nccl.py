@@ -144,10 +144,20 @@ def _with_async(opts: Any, async_op: bool) -> Any:
 def _queued_async(async_op: bool) -> bool:
     """Whether torch queues the op on its own NCCL stream (``asyncOp``).
 
-    An asynchronous op, unless a tracer takes GPU times: it then runs as a blocking op on the
-    group's own stream (``_run_timed``).
+    An asynchronous op, unless it is timed on its GPU (``_timed``): it then runs as a blocking
+    op on the group's own stream (``_run_timed``).
     """
-    return async_op and RECORDER.device_sink is None
+    return async_op and not _timed()
+
+
+def _timed() -> bool:
+    """Whether the op queued now is timed on its GPU.
+
+    It is while a tracer takes GPU times, unless the current stream is being captured into a
+    CUDA graph. Under capture the op runs as it would untraced: a graph has no place for our
+    events and stream switches (they would be replayed with it), and nothing reads them.
+    """
+    return RECORDER.device_sink is not None and not torch._C._cuda_isCurrentStreamCapturing()
 
 
 # Thread blocks per collective of a group whose collectives overlap compute (ZeRO's gathers
@@ -236,9 +246,9 @@ class NcclBackend:
         """Queues ``fn(*args)`` (one torch op); a blocking call waits and returns ``DONE``.
 
         The hot path of every collective: no closure is built, errors are translated. While
-        a tracer takes GPU times, ``_run_timed`` runs it instead.
+        it is timed on its GPU (``_timed``), ``_run_timed`` runs it instead.
         """
-        if RECORDER.device_sink is not None:
+        if RECORDER.device_sink is not None and _timed():  # (no call when untraced)
             return self._run_timed(what, fn, args, async_op, after, keep)
         try:
             work = fn(*args)
