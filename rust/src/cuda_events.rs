@@ -279,44 +279,46 @@ pub fn stream_wait(device: i32, stream: usize, event: usize) -> Result<()> {
 /// Records `start` and then `sync` on `stream` of GPU `device`, and makes `side` wait, on the
 /// GPU, until `sync` is reached: how a traced op moves from the caller's stream to its group's
 /// own, in one call (`record`, `record` and `stream_wait`, with one check of the context).
+/// Stops at the first call that fails.
 pub fn fork(device: i32, stream: usize, side: usize, start: usize, sync: usize) -> Result<()> {
     let d = driver()?;
-    // SAFETY: as in `record` and `stream_wait`: live handles the driver gave out.
-    let codes = d.on_device(device, || unsafe {
-        [
-            (d.event_record)(start as Handle, stream as Handle),
-            (d.event_record)(sync as Handle, stream as Handle),
-            (d.stream_wait_event)(side as Handle, sync as Handle, 0),
-        ]
-    })?;
-    let what = [
-        "recording an event",
-        "recording an event",
-        "making a stream wait",
-    ];
-    for (code, what) in codes.into_iter().zip(what) {
-        if code != CUDA_SUCCESS {
-            return Err(d.error(code, &format!("{what} on GPU {device}")));
+    let failed = d.on_device(device, || {
+        // SAFETY: as in `record` and `stream_wait`: live handles the driver gave out.
+        unsafe {
+            let code = (d.event_record)(start as Handle, stream as Handle);
+            if code != CUDA_SUCCESS {
+                return Some((code, "recording an event"));
+            }
+            let code = (d.event_record)(sync as Handle, stream as Handle);
+            if code != CUDA_SUCCESS {
+                return Some((code, "recording an event"));
+            }
+            let code = (d.stream_wait_event)(side as Handle, sync as Handle, 0);
+            (code != CUDA_SUCCESS).then_some((code, "making a stream wait"))
         }
+    })?;
+    match failed {
+        Some((code, what)) => Err(d.error(code, &format!("{what} on GPU {device}"))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Records `first` and then `second` on `stream` of GPU `device`, in one call: a traced op's
-/// end, and the event its handle waits on.
+/// end, and the event its handle waits on. Stops at the first call that fails.
 pub fn record_pair(device: i32, stream: usize, first: usize, second: usize) -> Result<()> {
     let d = driver()?;
-    // SAFETY: as in `record`: live handles the driver gave out.
-    let codes = d.on_device(device, || unsafe {
-        [
-            (d.event_record)(first as Handle, stream as Handle),
-            (d.event_record)(second as Handle, stream as Handle),
-        ]
-    })?;
-    for code in codes {
-        if code != CUDA_SUCCESS {
-            return Err(d.error(code, &format!("recording an event on GPU {device}")));
+    let code = d.on_device(device, || {
+        // SAFETY: as in `record`: live handles the driver gave out.
+        unsafe {
+            let code = (d.event_record)(first as Handle, stream as Handle);
+            if code != CUDA_SUCCESS {
+                return code;
+            }
+            (d.event_record)(second as Handle, stream as Handle)
         }
+    })?;
+    if code != CUDA_SUCCESS {
+        return Err(d.error(code, &format!("recording an event on GPU {device}")));
     }
     Ok(())
 }

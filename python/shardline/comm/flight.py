@@ -242,14 +242,20 @@ def program_frame(frame: Any) -> Any:
         name = f.f_code.co_filename
         mine = known.get(name)
         if mine is None:
-            skip = _libraries or _library_dirs()
-            mine = known[name] = (not name.startswith(skip) or name.startswith(_programs)) and name[
-                :1
-            ] != "<"
+            mine = known[name] = _program_file(name)
         if mine:
             return f
         f = f.f_back
     return None
+
+
+def _program_file(name: str) -> bool:
+    """Whether code of file ``name`` is the program's.
+
+    Not shardline's (but for its example programs), torch's, or frozen (``<...>``).
+    """
+    skip = _libraries or _library_dirs()
+    return (not name.startswith(skip) or name.startswith(_programs)) and name[:1] != "<"
 
 
 def callsite(frame: Any = None) -> str | None:
