@@ -33,7 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     steps(5)  # warm-up
     with tempfile.TemporaryDirectory() as tmp:
         run = _paired_steps if args.mode == "steps" else _blocks
-        lines, doc = run(args, steps, sync, start, f"{tmp}/t")
+        lines, doc = run(args, _Job(steps, sync, start, f"{tmp}/t"))
         ops = folder.load(f"{tmp}/t")[0].ops
     sl.shutdown()
     on_gpu = sum(1 for o in ops if folder.device_span(o) is not None)
@@ -137,6 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class _Job(NamedTuple):
+    """What both modes run: steps, the wait for the device, and the tracer's start."""
+
+    steps: Callable[[int], None]
+    sync: Callable[[], None]
+    start: Callable[[str], None]
+    directory: str
+
+
 def _tracer_cpu() -> float:
     """CPU seconds the tracer's thread has used so far (0 when it runs none)."""
     thread = TRACER._thread
@@ -145,15 +154,10 @@ def _tracer_cpu() -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def _paired_steps(
-    args: argparse.Namespace,
-    steps: Callable[[int], None],
-    sync: Callable[[], None],
-    start: Callable[[str], None],
-    directory: str,
-) -> tuple[list[str], dict[str, Any]]:
+def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[str, Any]]:
     """Steps alternately recorded and not, the tracer running throughout (``--mode steps``)."""
-    start(directory)
+    steps, sync = job.steps, job.sync
+    job.start(job.directory)
     sinks = (RECORDER.sink, RECORDER.device_sink)
 
     def one(traced: bool) -> float:
@@ -201,14 +205,9 @@ def _paired_steps(
     return lines, doc
 
 
-def _blocks(
-    args: argparse.Namespace,
-    steps: Callable[[int], None],
-    sync: Callable[[], None],
-    start: Callable[[str], None],
-    directory: str,
-) -> tuple[list[str], dict[str, Any]]:
+def _blocks(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[str, Any]]:
     """The tracer started and stopped between alternated blocks of steps (``--mode blocks``)."""
+    steps, sync = job.steps, job.sync
 
     def block(n: int, traced: bool) -> tuple[float, float, float]:
         """ms per step (wall), and per step the CPU ms of this thread and of the tracer's.
@@ -219,7 +218,7 @@ def _blocks(
         sync()
         t, cpu = time.perf_counter(), time.thread_time()
         if traced:
-            start(directory)
+            job.start(job.directory)
         steps(n)
         tracer_cpu = _tracer_cpu()
         if traced:
