@@ -51,26 +51,42 @@ def _timed(
     return device.OpTiming(gpu, chain, _Event(at), end, [] if chain else (), when)
 
 
+def _ended() -> list[Any]:
+    """A record of an op that ended on the host: its device time decides when it is written."""
+    record: list[Any] = [None] * 10
+    record[flight.END] = 0.0
+    return record
+
+
+_KEPT = "kept"
+
+
+def _written(times: device.DeviceTimes, record: list[Any]) -> Any:
+    """What the tracer's write does with ``record`` now: ``_KEPT``, or the span it writes."""
+    _, spans, kept = times.split([record])
+    return _KEPT if kept else spans[0]
+
+
 def test_device_times_chain_an_async_groups_ops_and_bracket_blocking_ones() -> None:
     times = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
-    a, b, c, blocking = ([] for _ in range(4))  # records: identity is all that matters
+    a, b, c, blocking = (_ended() for _ in range(4))
     e_a, e_b, e_c, e_blocking = (_Event(None) for _ in range(4))
     times.add(a, _timed("g", 1.0, e_a))  # queued when the caller's stream reached 1.0
     times.add(b, _timed("g", 1.5, e_b))  # queued before a ended: runs after it
     times.add(c, _timed("h", 2.0, e_c))  # another group: its own stream
     times.add(blocking, _timed(None, 3.0, e_blocking))  # on the caller's stream
     times.resolve()
-    assert all(times.waiting(r) for r in (a, b, c, blocking))
+    assert all(_written(times, r) == _KEPT for r in (a, b, c, blocking))
     e_a.at, e_c.at, e_blocking.at = 1.8, 2.25, 3.4
     times.resolve()
-    assert not times.waiting(a) and times.waiting(b) and not times.waiting(c)
-    assert times.pop(a) == pytest.approx((1001.0, 1001.8))
-    assert times.pop(c) == pytest.approx((1002.0, 1002.25))
-    assert times.pop(blocking) == pytest.approx((1003.0, 1003.4))
+    assert _written(times, b) == _KEPT
+    assert _written(times, a) == pytest.approx((1001.0, 1001.8))
+    assert _written(times, c) == pytest.approx((1002.0, 1002.25))
+    assert _written(times, blocking) == pytest.approx((1003.0, 1003.4))
     e_b.at = 1.9
     times.resolve()
-    assert times.pop(b) == pytest.approx((1001.8, 1001.9))  # after a, not at its queuing
-    assert times.pop(b) is None and not times.waiting(b)  # once
+    assert _written(times, b) == pytest.approx((1001.8, 1001.9))  # after a, not at its queuing
+    assert _written(times, b) is None  # once
 
 
 def test_a_write_takes_the_records_that_ended_here_and_on_their_gpu_once() -> None:
@@ -108,33 +124,33 @@ def test_each_gpus_events_are_read_in_one_call_and_reused_once_read(
 
     monkeypatch.setattr(device, "_FREE", {})
     times = device.DeviceTimes(clock=_Clock, kind=Counted())
-    records = [[] for _ in range(5)]
+    records = [_ended() for _ in range(5)]
     timings = [_timed("g", float(k), _Event(k + 0.5), gpu=k % 2) for k in range(5)]
     timings.append(_timed(None, 9.0, _Event(9.5)))  # and a blocking op, on GPU 0
-    records.append([])
+    records.append(_ended())
     for r, t in zip(records, timings, strict=True):
         times.add(r, t)
     times.resolve()
     assert sorted(calls) == [(0, 8), (1, 4)]  # a start and an end per op
-    assert times.pop(records[3]) == pytest.approx((2003.0, 2003.5))  # GPU 1's clock
+    assert _written(times, records[3]) == pytest.approx((2003.0, 2003.5))  # GPU 1's clock
     assert [len(device._FREE[g]) for g in (0, 1)] == [8, 4]  # each read event kept for reuse
     assert timings[0].end in device._FREE[0] and timings[1].start in device._FREE[1]
 
 
 def test_device_times_give_up_on_an_op_that_never_ends_and_keep_its_buffers() -> None:
     times = device.DeviceTimes(clock=_Clock, kind=device.TORCH)
-    stuck, later = [], []
+    stuck, later = _ended(), _ended()
     timing = _timed("g", 1.0, _Event(None), queued=10.0)
     timing.keep.append(("buffers",))  # its handle was dropped before its wait
     times.add(stuck, timing)
     times.resolve(now=10.0 + device.GIVE_UP_S / 2)
-    assert times.waiting(stuck)
+    assert _written(times, stuck) == _KEPT
     times.resolve(now=10.0 + device.GIVE_UP_S + 1)
-    assert not times.waiting(stuck) and times.pop(stuck) is None
+    assert _written(times, stuck) is None
     assert times._stuck == [[("buffers",)]]  # the GPU may still use them: never let go
     times.add(later, _timed("g", 2.0, _Event(2.005)))  # the chain goes on from its own event
     times.resolve()
-    assert times.pop(later) == pytest.approx((1002.0, 1002.005))
+    assert _written(times, later) == pytest.approx((1002.0, 1002.005))
     times.finish(wait=0.0)  # nothing left: returns at once
 
 

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the GPU host)", allow_module_level=True)
 
 from shardline import _native
+from shardline.comm import flight
 from shardline.comm.trace import device
 
 
@@ -78,7 +79,8 @@ def test_a_traced_ops_device_times_read_through_the_driver_match_torchs(
         monkeypatch.setattr(device, "_KIND", [kind])
         monkeypatch.setattr(device, "_FREE", {})
         times = device.DeviceTimes()
-        record: list[object] = []
+        record: list[object] = [None] * 10
+        record[flight.END] = time.time()  # ended on the host: written once timed on the GPU
         queued = time.time()
         t0 = device.begin(0)
         _products(times=10)
@@ -87,7 +89,9 @@ def test_a_traced_ops_device_times_read_through_the_driver_match_torchs(
         torch.cuda.synchronize()
         done = time.time()
         times.resolve()
-        spans[kind] = times.pop(record)
+        written, on_gpu, kept = times.split([record])
+        assert written == [record] and kept == []
+        spans[kind] = on_gpu[0]
         assert spans[kind] is not None
         assert queued - 0.005 < spans[kind][0] < spans[kind][1] < done + 0.005
     (a0, a1), (b0, b1) = spans.values()

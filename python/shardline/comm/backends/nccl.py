@@ -147,7 +147,7 @@ def _queued_async(async_op: bool) -> bool:
     An asynchronous op, unless it is timed on its GPU (``_timed``): it then runs as a blocking
     op on the group's own stream (``_run_timed``).
     """
-    return async_op and not _timed()
+    return async_op and (RECORDER.device_sink is None or not _timed())  # (no call untraced)
 
 
 def _timed() -> bool:

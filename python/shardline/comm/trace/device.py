@@ -442,8 +442,8 @@ class _Clock:
 class DeviceTimes:
     """The traced ops whose device times are not yet known, and those that are.
 
-    ``add`` is called on the program's thread; ``resolve``, ``split``, ``waiting`` and ``pop``
-    on the tracer's (under its flush lock, one at a time).
+    ``add`` is called on the program's thread; ``resolve`` and ``split`` on the tracer's
+    (under its flush lock, one at a time).
     """
 
     def __init__(
@@ -477,11 +477,6 @@ class DeviceTimes:
         """
         self._watch.add(id(record))
         self._new.append((record, timing))
-
-    def waiting(self, record: list[Any]) -> bool:
-        """Whether ``record``'s device time is still to come (keep it, do not write it yet)."""
-        key = id(record)
-        return key in self._watch and key not in self._times
 
     def resolve(self, now: float | None = None) -> None:
         """Reads the device times of every op the GPU is past, in the order they were queued.
@@ -556,9 +551,9 @@ class DeviceTimes:
     ) -> tuple[list[list[Any]], list[tuple[float, float] | None], list[list[Any]]]:
         """``records`` split: those to write now, their device spans, and those to keep.
 
-        A record is kept while its op runs here, or while its device time is still to come
-        (``waiting``); a written one's span is ``pop``'s. The tracer's write, in one pass: on
-        its thread with the GIL held, per op.
+        A record is kept while its op runs here, or while its device time is still to come; a
+        written one's span is given once (``None`` after, and for an op not timed on a GPU).
+        The tracer's write, in one pass: on its thread with the GIL held, per op.
         """
         watch, times = self._watch, self._times
         done: list[list[Any]] = []
@@ -579,11 +574,6 @@ class DeviceTimes:
                 spans.append(None)
             done.append(r)
         return done, spans, running
-
-    def pop(self, record: list[Any]) -> tuple[float, float] | None:
-        """``record``'s device start and end (wall clock), once; ``None`` when it has none."""
-        self._watch.discard(id(record))
-        return self._times.pop(id(record), None)
 
     def finish(self, wait: float = 2.0) -> None:
         """Reads the times of the ops still running on a GPU, waiting up to ``wait`` seconds.
