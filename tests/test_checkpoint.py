@@ -384,3 +384,52 @@ def test_tied_weights_held_by_one_rank_only(tmp_path: Path) -> None:
     checkpoint.load(tmp_path / "ck", model=loaded)
     for k, v in want.items():
         assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def _trained_two_groups(tmp_path: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A plain model and AdamW (two groups, each its own lr) after one step, saved."""
+    model = make()
+    opt = adamw(list(model.named_parameters()))
+    opt.param_groups[0]["lr"], opt.param_groups[1]["lr"] = 0.03, 0.007
+    x, y = batch(0, 0)
+    lm_loss(model(x), y).backward()
+    opt.step()
+    checkpoint.save(tmp_path / "ck", model=model, optimizer=opt)
+    return model, opt
+
+
+def test_param_groups_built_in_another_order_get_their_own_hyperparameters(
+    tmp_path: Path,
+) -> None:
+    model, opt = _trained_two_groups(tmp_path)
+    model2 = make(seed=1)
+    named = list(model2.named_parameters())
+    decay, rest = (list(g) for g in (adamw(named).param_groups[0]["params"],
+                                      adamw(named).param_groups[1]["params"]))  # fmt: skip
+    swapped = torch.optim.AdamW([{"params": rest}, {"params": decay}], lr=1.0, weight_decay=0.5)
+    checkpoint.load(tmp_path / "ck", model=model2, optimizer=swapped)
+    assert [g["lr"] for g in swapped.param_groups] == [0.007, 0.03]
+    assert [g["weight_decay"] for g in swapped.param_groups] == [0.0, 0.1]
+    by_name = dict(model.named_parameters())
+    for n, p in model2.named_parameters():  # state follows its parameter, not its group
+        assert torch.equal(swapped.state[p]["exp_avg"], opt.state[by_name[n]]["exp_avg"]), n
+
+
+def test_loose_load_takes_hyperparameters_from_the_group_sharing_most_parameters(
+    tmp_path: Path,
+) -> None:
+    _trained_two_groups(tmp_path)
+    model2 = make(seed=1)
+    named = list(model2.named_parameters())
+    decay = adamw(named).param_groups[0]["params"]
+    rest = adamw(named).param_groups[1]["params"]
+    # One saved "decay" weight moves to the other group; a third group's parameter is new.
+    extra = nn.Parameter(torch.zeros(3))
+    regrouped = torch.optim.AdamW(
+        [{"params": decay[1:]}, {"params": [decay[0], *rest]}, {"params": [extra], "lr": 0.5}],
+        lr=1.0,
+    )
+    with pytest.raises(CheckpointError, match="param group"):
+        checkpoint.load(tmp_path / "ck", model=model2, optimizer=regrouped)
+    checkpoint.load(tmp_path / "ck", model=model2, optimizer=regrouped, strict=False)
+    assert [g["lr"] for g in regrouped.param_groups] == [0.03, 0.007, 0.5]

@@ -120,12 +120,7 @@ def plan_optimizer(
             f"load({ck.path}): the checkpoint has {len(groups)} optimizer param groups, "
             f"the optimizer {len(mine)}"
         )
-    for names, sg in zip(mine, groups, strict=False):
-        if strict and set(names) != set(sg.get("params", [])):
-            raise CheckpointError(
-                f"load({ck.path}): optimizer param groups hold different parameters than "
-                "when saved; build the optimizer's groups the same way"
-            )
+    groups = _matched_groups(ck, current["param_groups"], groups, strict)
     by_param: dict[str, list[str]] = {}
     for key in ck.tensors:
         if key.startswith("optim/") and not is_local_key(key):
@@ -157,6 +152,40 @@ def plan_optimizer(
     sd = {"state": state, "param_groups": groups}
     what = f"load({ck.path}) into the optimizer of {type(model).__name__}"
     return reads, _apply(what, lambda: contract.load_sharded_optim_state_dict(model, optimizer, sd))
+
+
+def _matched_groups(
+    ck: Checkpoint,
+    current: list[dict[str, Any]],
+    saved: list[dict[str, Any]],
+    strict: bool,
+) -> list[dict[str, Any]]:
+    """The saved param group for each of the optimizer's groups, matched by their parameters.
+
+    Groups are matched by the names they hold, not by position: an optimizer that builds the
+    same groups in another order gets each group's own hyperparameters back. ``strict``: each
+    group must hold exactly the parameters of a saved group. Otherwise a group takes the
+    saved group sharing most of its parameters, and keeps its own hyperparameters where it
+    shares none.
+    """
+    sets = [set(sg.get("params", [])) for sg in saved]
+    out = []
+    for i, group in enumerate(current):
+        names = set(group["params"])
+        overlap = [len(names & s) for s in sets]
+        best = max(range(len(saved)), key=overlap.__getitem__, default=None)
+        if strict and (best is None or sets[best] != names):
+            extra = sorted(names - sets[best]) if best is not None else sorted(names)
+            missing = sorted(sets[best] - names) if best is not None else []
+            raise CheckpointError(
+                f"load({ck.path}): optimizer param group {i} holds different parameters than "
+                f"any param group saved (not saved with it: {extra[:3]}, saved with it but "
+                f"not in it: {missing[:3]}); build the optimizer's groups the same way, or "
+                "pass strict=False to take each group's hyperparameters from the saved group "
+                "sharing most of its parameters"
+            )
+        out.append(saved[best] if best is not None and overlap[best] else group)
+    return out
 
 
 def _fresh_like(ck: Checkpoint, key: str, where: Any) -> torch.Tensor | Shard:
