@@ -16,6 +16,10 @@ pipelines of the GPT as a chain (``plan_strategy(pipeline=True)``), each stepped
     python benches/bench_plan_memory.py --device cuda --ranks 2 --size medium --dtype bf16
     python benches/bench_plan_memory.py --device cpu --ranks 2 --size small      # prices only
 
+``--reprice RESULTS.json`` trains nothing: it prices the choices of an earlier run again
+(its model, dtype, ranks and options, in this process on the meta device) and sets the
+planner's predictions now beside the peaks measured then.
+
 Writes ``benches/results/plan-memory-<tag>.{txt,json}``.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -117,11 +122,45 @@ def table(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def repriced(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    """``args.reprice``'s results with this planner's predictions in place of its own."""
+    import torch  # noqa: PLC0415
+
+    import shardline as sl  # noqa: PLC0415
+
+    earlier = json.loads(Path(args.reprice).read_text())
+    for key in ("size", "dtype", "tensor_parallel", "pipeline", "steps", "ranks", "device"):
+        setattr(args, key, earlier["args"][key])
+    out = {}
+    for world, res in earlier["results"].items():
+        build, batch, mp = _plan_job.gpt(args.size, args.dtype, 0, int(world), "cpu")
+        shape_only, extra = _plan_job.planned_model(build(meta=True), args)
+        plan = sl.plan_strategy(
+            shape_only, world_size=int(world), available_bytes=1 << 50, example_input=batch,
+            mixed_precision=mp, device=torch.device(args.device),
+            tensor_parallel=args.tensor_parallel, **extra,
+        )  # fmt: skip
+        now = {c.name: c.estimate for c in plan.candidates}
+        rows = [
+            {**r, "predicted": now[r["choice"]].total, "activations": now[r["choice"]].activations}
+            for r in res["rows"]
+            if r["choice"] in now
+        ]
+        out[int(world)] = {"rows": rows, "world": int(world)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     _plan_job.add_args(p, "small")
     p.add_argument("--steps", type=int, default=3, help="steps per choice")
+    p.add_argument("--reprice", default=None, help="an earlier run's .json: price it again")
     _harness.add_launch(p, timeout=600.0)
+    if "--reprice" in (argv if argv is not None else sys.argv[1:]):
+        args = p.parse_args(argv)
+        results = repriced(args)
+        _plan_job.publish("plan-memory", Path(__file__).name, args, results, table(results, args))
+        return 0
     args, results = _harness.run_bench(
         p, argv, __file__, worker, lambda a, w, r, _s: table({w: r}, a)
     )

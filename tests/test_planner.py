@@ -55,7 +55,10 @@ def test_fp32_adam_bytes_per_param_exact(strategy: str, world_size: int) -> None
     assert est.persistent == full * psi + shard * psi // world_size
     assert est.bytes_per_param == full + shard / world_size
     assert est.activations == 0 and not est.activations_estimated
-    assert est.total == est.persistent + est.comm_buffers
+    # On CPU AdamW steps one parameter at a time: one list of the largest (its shard here).
+    largest = WIDTH * WIDTH if strategy == "ddp" else WIDTH * WIDTH // world_size
+    assert est.step_scratch == 4 * largest
+    assert est.total == max(est.persistent + est.comm_buffers, est.persistent + est.step_scratch)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -265,7 +268,8 @@ def test_activations_match_a_real_forward(act: type[nn.Module], saved_per_row: i
     assert measure_saved_bytes(model, x) == by_hand
     est = estimate_memory(model, world_size=2, strategy="zero3", example_input=x)
     assert est.activations == by_hand and est.activations_estimated
-    assert est.total == est.persistent + est.comm_buffers + by_hand
+    # zero3's gradients are made as backward frees the activations: the larger of the two
+    assert est.total == est.persistent - est.grads + est.comm_buffers + max(by_hand, est.grads)
     # tuple and keyword forms of the same input
     assert estimate_memory(model, world_size=2, example_input=(x,)).activations == by_hand
     assert estimate_memory(model, world_size=2, example_input={"input": x}).activations == by_hand
@@ -351,7 +355,8 @@ def test_choose_strategy_as_memory_shrinks() -> None:
 
     plenty, reason, _ = choose_strategy(model, world_size=4, available_bytes=12 * 2**30)
     assert plenty == "ddp"
-    assert reason.startswith("ddp: 512.0 KiB per rank of 12.0 GiB available (70% headroom)")
+    # 512 KiB of state, and in the step one list of the largest parameter (16 KiB)
+    assert reason.startswith("ddp: 528.0 KiB per rank of 12.0 GiB available (70% headroom)")
 
 
 def test_choose_strategy_reports_when_nothing_fits() -> None:
@@ -370,7 +375,7 @@ def test_choose_strategy_counts_activations() -> None:
     plain = choose_strategy(model, world_size=4, available_bytes=10**9)[2]
     with_act = choose_strategy(model, world_size=4, available_bytes=10**9, example_input=x)[2]
     assert with_act.activations == LAYERS * 256 * WIDTH * 4
-    assert with_act.total == plain.total + with_act.activations
+    assert with_act.total == plain.backward_peak + with_act.activations
 
 
 def test_plan_strategy_prices_every_strategy_and_explains_the_choice() -> None:
@@ -503,3 +508,74 @@ def test_bad_arguments_name_the_choices() -> None:
         estimate_memory(model, world_size=2, prefetch=-1)
     with pytest.raises(ValueError, match="unknown optimizer"):  # also a ValueError
         choose_strategy(model, world_size=2, available_bytes=1, optimizer="nope")
+
+
+def test_the_peak_is_in_backward_or_in_the_step() -> None:
+    model, n = even_model(), 2
+    x = torch.zeros(256, WIDTH)
+    est = {
+        s: estimate_memory(model, world_size=n, strategy=s, example_input=x, unit_mb=0)
+        for s in FP32_ADAM
+    }
+    for s, e in est.items():
+        assert e.activations > 0 and e.grads > 0
+        held = e.persistent + e.comm_buffers + e.recomputed
+        if s in ("zero2", "zero3"):  # their gradients are made as backward frees activations
+            assert e.grads_in_backward
+            assert e.backward_peak == held - e.grads + max(e.activations, e.grads)
+        else:  # DDP's and ZeRO-1's are held through the forward
+            assert not e.grads_in_backward
+            assert e.backward_peak == held + e.activations
+        assert e.step_peak == e.persistent + e.step_scratch
+        assert e.total == max(e.backward_peak, e.step_peak)
+        where = "backward" if e.backward_peak >= e.step_peak else "the step"
+        assert f"the peak, in {where}" in str(e)
+
+
+def _many_layers() -> nn.Module:
+    with torch.device("meta"):  # 384 MiB of 1 MiB layers: nothing is allocated
+        return nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(384)])
+
+
+def test_a_plan_for_cuda_prices_cuda_units_and_a_foreach_step() -> None:
+    model, n = _many_layers(), 2
+    plan = plan_strategy(model, world_size=n, available_bytes=1 << 50, device="cuda")
+    by_name = {c.name: c.estimate for c in plan.candidates}
+    # The model is on meta, where the CPU default (1 MiB units) would apply: priced as ZeRO
+    # lays it out on CUDA, 32 MiB units under offload.
+    cuda_units = estimate_memory(
+        model, world_size=n, strategy="zero3", offload="cpu", unit_mb=32, units="size"
+    )
+    on_meta = estimate_memory(model, world_size=n, strategy="zero3", offload="cpu")
+    assert by_name["zero3 offload=cpu"].num_units == cuda_units.num_units == 12
+    assert on_meta.num_units == 384
+    # AdamW's foreach step on CUDA: one list of every master shard at once (fp32: 4 bytes);
+    # none on the device under offload, where the host steps.
+    shards = 4 * numel(model) // n
+    assert by_name["zero2"].step_scratch == by_name["zero3"].step_scratch == shards
+    assert by_name["ddp"].step_scratch == 4 * numel(model)
+    assert by_name["zero3 offload=cpu"].step_scratch == 0
+
+
+@pytest.mark.parametrize(
+    ("make", "lists"),
+    [
+        (lambda ps: torch.optim.AdamW(ps, weight_decay=0.1), 1),  # decoupled: in place
+        (lambda ps: torch.optim.Adam(ps, weight_decay=0.1), 2),  # added to the gradients
+        (lambda ps: torch.optim.AdamW(ps, fused=True), 0),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.1), 1),
+    ],
+    ids=["adamw", "adam-weight-decay", "fused", "sgd-momentum", "sgd-weight-decay"],
+)
+def test_the_step_scratch_follows_the_optimizer(make, lists: int) -> None:
+    model, n = _many_layers(), 2
+    real = [nn.Parameter(torch.zeros(1))]
+    plan = plan_strategy(
+        model, world_size=n, available_bytes=1 << 50, device="cuda", optimizer=make(real)
+    )
+    zero3 = next(c.estimate for c in plan.candidates if c.name == "zero3")
+    assert zero3.step_scratch == lists * 4 * numel(model) // n
+    one_at_a_time = torch.optim.AdamW(real, foreach=False)
+    e = estimate_memory(model, world_size=n, strategy="zero3", optimizer=one_at_a_time)
+    assert e.step_scratch == 4 * 512 * 512 // n  # the largest parameter's shard

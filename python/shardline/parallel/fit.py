@@ -43,6 +43,7 @@ from shardline.parallel.planner import (
     _estimate,
     format_bytes,
     optimizer_states,
+    step_lists,
 )
 from shardline.parallel.precision import MixedPrecision
 from shardline.parallel.recompute.blocks import find_blocks, recomputing_blocks
@@ -206,16 +207,15 @@ class StrategyPlan:
         timed = self.probes is not None
         head = (
             f"{'strategy':<{width}}{'params':>10}{'grads':>10}{'master':>10}{'optimizer':>11}"
-            f"{'buffers':>10}{'activations':>13}{'recomputed':>12}{'total':>10}{'host':>10}"
-            + (f"{'step':>10}{'trial':>10}" if timed else "")
-            + "  fits"
+            f"{'buffers':>10}{'activations':>13}{'recomputed':>12}{'scratch':>10}{'total':>10}"
+            f"{'host':>10}" + (f"{'step':>10}{'trial':>10}" if timed else "") + "  fits"
         )
         rows = [head]
         for c in self.candidates:
             e = c.estimate
             cells = (e.params, e.grads, e.master, e.optimizer, e.comm_buffers, e.activations,
-                     e.recomputed, e.total, e.host)  # fmt: skip
-            widths = (10, 10, 10, 11, 10, 13, 12, 10, 10)
+                     e.recomputed, e.step_scratch, e.total, e.host)  # fmt: skip
+            widths = (10, 10, 10, 11, 10, 13, 12, 10, 10, 10)
             row = f"{c.name:<{width}}" + "".join(
                 f"{format_bytes(v):>{w}}" for v, w in zip(cells, widths, strict=True)
             )
@@ -228,6 +228,10 @@ class StrategyPlan:
                 verdict = f"no (host over by {format_bytes(e.host - self.host_budget)})"
             rows.append(f"{row}  {verdict}{'  <- chosen' if c is self.choice else ''}")
         acts = self.choice.estimate.activations_estimated
+        rows.append(
+            "total: the larger of backward's peak (ZeRO-2/3's gradients in place of the "
+            "activations backward frees) and the optimizer step's (every gradient, its scratch)"
+        )
         rows.append(
             f"budget per rank: {format_bytes(self.budget)} of {format_bytes(self.available_bytes)}"
             " available"
@@ -338,6 +342,7 @@ def plan_strategy(
     on = torch.device(device) if device is not None else default_device(model)
     # The units ZeRO will make there (the model may not be there yet).
     rule, offload_rule = default_units(on), default_units(on, "optimizer")
+    step = step_lists(optimizer)
     cache: dict[tuple[torch.dtype | None, str | None], tuple[tuple[int, int], bool, list[str]]]
     cache = {}
 
@@ -355,7 +360,7 @@ def plan_strategy(
         return _estimate(
             model, name, world_size, k, mp, unit_mb, prefetch, act, measured,
             notes + act_notes, offload, recompute, unit_rule=offload_rule if offload else rule,
-            recomputed=again,
+            recomputed=again, step=step, device=on,
         )  # fmt: skip
 
     # Recomputing changes only activations: priced where they are counted and it applies.
@@ -381,7 +386,7 @@ def plan_strategy(
             (act, again), measured = _activations_or_note(layout.model, batch, mp, act_notes)
             e = _estimate(
                 layout.model, name, world_size // t, k, mp, tp_unit, prefetch, act, measured,
-                act_notes, unit_rule=rule, recomputed=again,
+                act_notes, unit_rule=rule, recomputed=again, step=step, device=on,
             )  # fmt: skip
             candidates.append(Candidate(name, None, e, e.total <= budget, tp=t))
     pipes: list[PipelineLayout] = []
@@ -408,7 +413,8 @@ def plan_strategy(
                 kept += pipe.cast if name == "ddp" else 0
                 e = _estimate(
                     pipe.model, name, dp, k, mp, pp_unit, prefetch, kept, True, [],
-                    unit_rule=rule, recomputed=pipe.kept if recompute else 0,
+                    unit_rule=rule, recomputed=pipe.kept if recompute else 0, step=step,
+                    device=on,
                 )  # fmt: skip
                 candidates.append(
                     Candidate(name, None, e, e.total <= budget, recompute, tp=pipe.tp,

@@ -30,6 +30,13 @@ class MemoryEstimate:
         activations: Tensors saved for backward by one forward of ``example_input``.
         recomputed: What recomputing blocks make again in backward: the largest block call's
             tensors, alive while its backward runs (0 without recomputation).
+        step_scratch: What the optimizer's step allocates while it runs, with every gradient
+            alive: a foreach step (torch's default on CUDA) makes whole lists the size of
+            the parameters it updates (Adam's square roots of its second moments); a step
+            one parameter at a time, the largest parameter's.
+        grads_in_backward: Whether the gradients are made in backward and dropped by
+            ``zero_grad()`` (ZeRO-2/3, whose shard gradients are freed until backward needs
+            them): they are then not alive with the forward's activations.
         num_params: Parameters of the model (Ψ, unpadded, each shared tensor once).
         num_units: Sharding units the model was grouped into.
         optimizer_states: States per parameter (k).
@@ -57,6 +64,8 @@ class MemoryEstimate:
     host: int = 0
     offload: str | None = None
     recomputed: int = 0
+    step_scratch: int = 0
+    grads_in_backward: bool = False
 
     @property
     def persistent(self) -> int:
@@ -64,9 +73,27 @@ class MemoryEstimate:
         return self.params + self.grads + self.master + self.optimizer + self.compression
 
     @property
+    def backward_peak(self) -> int:
+        """The most bytes from the forward to the end of backward.
+
+        The state, the communication buffers, the activations and what is recomputed.
+        Gradients made in backward (``grads_in_backward``) take the place of the activations
+        backward frees as it goes: the two count as the larger of them.
+        """
+        held = self.persistent + self.comm_buffers + self.recomputed
+        if self.grads_in_backward:
+            return held - self.grads + max(self.activations, self.grads)
+        return held + self.activations
+
+    @property
+    def step_peak(self) -> int:
+        """The most bytes in the optimizer's step: the state, every gradient, its scratch."""
+        return self.persistent + self.step_scratch
+
+    @property
     def total(self) -> int:
-        """Peak bytes per rank: state, communication buffers, activations, what is recomputed."""
-        return self.persistent + self.comm_buffers + self.activations + self.recomputed
+        """Peak bytes per rank: the larger of ``backward_peak`` and ``step_peak``."""
+        return max(self.backward_peak, self.step_peak)
 
     @property
     def bytes_per_param(self) -> float:
@@ -79,7 +106,11 @@ class MemoryEstimate:
         out["formulas"] = dict(self.formulas)
         out["notes"] = list(self.notes)
         out.update(
-            persistent=self.persistent, total=self.total, bytes_per_param=self.bytes_per_param
+            persistent=self.persistent,
+            backward_peak=self.backward_peak,
+            step_peak=self.step_peak,
+            total=self.total,
+            bytes_per_param=self.bytes_per_param,
         )
         return out
 
@@ -111,7 +142,10 @@ class MemoryEstimate:
         row("activations", self.activations, act)
         if self.recomputed:
             row("recomputed", self.recomputed, "one block's, in backward")
-        row("total", self.total, "")
+        if self.step_scratch:
+            row("step scratch", self.step_scratch, "the optimizer's step")
+        peak = "in backward" if self.backward_peak >= self.step_peak else "in the step"
+        row("total", self.total, f"the peak, {peak}")
         if self.host:
             row("host (offload)", self.host, per_param("host", self.host))
         rows += [f"  note: {note}" for note in self.notes]

@@ -69,6 +69,7 @@ __all__ = [
     "estimate_memory",
     "format_bytes",
     "optimizer_states",
+    "step_lists",
 ]
 
 PLANNED_STRATEGIES = strategies.STRATEGIES
@@ -145,6 +146,40 @@ def _states_of(optimizer: torch.optim.Optimizer, hp: Mapping[str, Any]) -> int:
     )
 
 
+# Parameter-sized lists a foreach step makes at once, by optimizer name: torch's Adam and
+# AdamW take the square root of the second moments into a new list; SGD steps in place.
+STEP_LISTS: dict[str, int] = {
+    "adamw": 1,
+    "adam": 1,
+    "sgd": 0,
+    "sgd-momentum": 0,
+    "adagrad": 1,
+    "rmsprop": 1,
+    "none": 0,
+}
+
+
+def step_lists(optimizer: str | torch.optim.Optimizer | None) -> tuple[int, bool | None]:
+    """``(lists, foreach)``: the parameter-sized lists the optimizer's step makes at once.
+
+    ``foreach``: ``None`` for torch's default (foreach on CUDA, one parameter at a time on
+    CPU), ``False`` one at a time (each list then holds one parameter). A fused step makes
+    none. Read from an instance's class and hyperparameters: weight decay that is added to
+    the gradients (``SGD``, ``Adam``, ``Adagrad``, ``RMSprop``) makes one list more.
+    """
+    if optimizer is None:
+        return 0, None
+    if isinstance(optimizer, str):
+        return STEP_LISTS.get(optimizer.lower(), 1), None
+    hp = {**optimizer.defaults, **(optimizer.param_groups or [{}])[0]}
+    if hp.get("fused"):
+        return 0, None
+    coupled = bool(hp.get("weight_decay")) and not isinstance(optimizer, torch.optim.AdamW)
+    coupled = coupled and not hp.get("decoupled_weight_decay", False)
+    own = 0 if isinstance(optimizer, torch.optim.SGD) else 1
+    return own + int(coupled), hp.get("foreach")
+
+
 @dataclass(frozen=True)
 class _Unit:
     """Sizes of one sharding unit: element counts and the dtypes it lives in."""
@@ -152,6 +187,7 @@ class _Unit:
     numel: int
     trainable: int  # elements of parameters that require grad
     shard: int  # S_u = max(1, ceil(numel / N))
+    largest: int  # elements of its largest trainable parameter
     model: torch.dtype
     compute: torch.dtype
     master: torch.dtype
@@ -321,6 +357,7 @@ def estimate_memory(
         recompute,
         units,
         recomputed=again,
+        step=step_lists(optimizer),
     )
     compressor = resolve_compression(compression, None)
     if compressor is None:
@@ -349,11 +386,18 @@ def _estimate(
     recompute: str | None = None,
     unit_rule: str | None = None,
     recomputed: int = 0,
+    step: tuple[int, bool | None] = (1, None),
+    device: torch.device | None = None,
 ) -> MemoryEstimate:
-    """The estimate once arguments are checked and activations counted."""
+    """The estimate once arguments are checked and activations counted.
+
+    ``step``: the optimizer's ``step_lists``; ``device``: where the model will train (its
+    units' default size and rule, and whether its step is foreach), by default the model's.
+    """
     layout = strategies.strategy(name).planned_as
     first = next(model.parameters(), None)
-    device = first.device if first is not None else torch.device("cpu")
+    if device is None:
+        device = first.device if first is not None else torch.device("cpu")
     if unit_mb is None:
         unit_mb = default_unit_mb(device, sum(p.nbytes for p in model.parameters()))
     threshold = int(unit_mb * 2**20)
@@ -372,9 +416,10 @@ def _estimate(
         compute = mp.compute_dtype(dt) if mp else dt
         master = mp.master_dtype(dt) if mp else dt
         reduce = mp.reduction_dtype(dt) if mp else dt
-        trainable = sum(p.numel() for p in params_of(spec.params) if p.requires_grad)
+        sizes = [p.numel() for p in params_of(spec.params) if p.requires_grad]
         shard = max(1, -(-spec.numel // n))
-        units.append(_Unit(spec.numel, trainable, shard, dt, compute, master, reduce))
+        largest = max(sizes, default=0)
+        units.append(_Unit(spec.numel, sum(sizes), shard, largest, dt, compute, master, reduce))
 
     totals = dict.fromkeys((*_COMPONENTS, "host"), 0)
     coefficients: dict[str, set[tuple[int, int]]] = {c: set() for c in _COMPONENTS}
@@ -423,6 +468,8 @@ def _estimate(
         ),
         activations=activations,
         recomputed=recomputed,
+        step_scratch=_step_scratch(layout, units, n, offload, step, device),
+        grads_in_backward=strategies.strategy(name).stage >= 2,
         num_params=num_params,
         num_units=len(units),
         optimizer_states=k,
@@ -432,6 +479,36 @@ def _estimate(
         host=totals["host"],
         offload=offload,
     )
+
+
+def _step_scratch(
+    layout: str,
+    units: list[_Unit],
+    n: int,
+    offload: str | None,
+    step: tuple[int, bool | None],
+    device: torch.device,
+) -> int:
+    """Bytes the optimizer's step allocates while it runs (``MemoryEstimate.step_scratch``).
+
+    It updates the trainable parameters in the model's dtype (DDP) or this rank's master
+    shards (ZeRO); under offload it steps on the host.
+    """
+    lists, foreach = step
+    if not lists or not units or (offload is not None and layout != "ddp"):
+        return 0
+    if foreach is None:  # torch's default: foreach where every parameter is on CUDA
+        foreach = device.type == "cuda"
+    if layout == "ddp":
+        sizes = [(u.model.itemsize * u.trainable, u.model.itemsize * u.largest) for u in units]
+    else:
+        sizes = [
+            (u.master.itemsize * u.shard, u.master.itemsize * min(u.largest, u.shard))
+            for u in units
+        ]
+    if foreach:
+        return lists * sum(whole for whole, _ in sizes)
+    return lists * max(one for _, one in sizes)
 
 
 def _check_strategy(strategy: str) -> str:
