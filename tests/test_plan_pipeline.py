@@ -484,3 +484,19 @@ def test_a_pipeline_computes_in_the_mixed_precision_dtype_under_any_strategy() -
     )
     assert layout.cast == 2 * linear > 0
     assert by_name["ddp pp=2 m=2"].estimate.activations == layout.activations("1f1b") + layout.cast
+
+
+def test_a_pipelines_zero_replicas_count_their_gradients_beside_the_activations() -> None:
+    plan = sl.plan_strategy(
+        chain(), world_size=4, available_bytes=1 << 30, example_input=tokens(0), device="cpu",
+        pipeline=True, loss_fn=lm_loss,
+    )  # fmt: skip
+    zero = [c for c in plan.candidates if c.strategy in ("zero2", "zero3")]
+    piped = [c.estimate for c in zero if c.pp > 1]
+    plain = [c.estimate for c in zero if c.pp == 1 and c.tp == 1]
+    assert piped and plain
+    # a later micro-batch's forward runs with the earlier ones' gradients alive
+    for e in piped:
+        assert not e.grads_in_backward
+        assert e.backward_peak == e.persistent + e.comm_buffers + e.activations + e.recomputed
+    assert all(e.grads_in_backward for e in plain)

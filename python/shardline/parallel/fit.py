@@ -414,7 +414,7 @@ def plan_strategy(
                 e = _estimate(
                     pipe.model, name, dp, k, mp, pp_unit, prefetch, kept, True, [],
                     unit_rule=rule, recomputed=pipe.kept if recompute else 0, step=step,
-                    device=on,
+                    device=on, pipelined=True,
                 )  # fmt: skip
                 candidates.append(
                     Candidate(name, None, e, e.total <= budget, recompute, tp=pipe.tp,

@@ -36,7 +36,9 @@ class MemoryEstimate:
             one parameter at a time, the largest parameter's.
         grads_in_backward: Whether the gradients are made in backward and dropped by
             ``zero_grad()`` (ZeRO-2/3, whose shard gradients are freed until backward needs
-            them): they are then not alive with the forward's activations.
+            them, unless ``zero_grad(set_to_none=False)`` zeroed them): they are then not
+            alive with the forward's activations. Not so for a pipeline's stages, nor across
+            the micro-batches of gradient accumulation (``no_sync``), which hold them.
         num_params: Parameters of the model (Ψ, unpadded, each shared tensor once).
         num_units: Sharding units the model was grouped into.
         optimizer_states: States per parameter (k).

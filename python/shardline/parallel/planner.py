@@ -171,13 +171,16 @@ def step_lists(optimizer: str | torch.optim.Optimizer | None) -> tuple[int, bool
         return 0, None
     if isinstance(optimizer, str):
         return STEP_LISTS.get(optimizer.lower(), 1), None
-    hp = {**optimizer.defaults, **(optimizer.param_groups or [{}])[0]}
-    if hp.get("fused"):
+    groups = [{**optimizer.defaults, **g} for g in optimizer.param_groups or [{}]]
+    if all(hp.get("fused") for hp in groups):
         return 0, None
-    coupled = bool(hp.get("weight_decay")) and not isinstance(optimizer, torch.optim.AdamW)
-    coupled = coupled and not hp.get("decoupled_weight_decay", False)
+    decoupled = isinstance(optimizer, torch.optim.AdamW)
+    coupled = any(
+        hp.get("weight_decay") and not (decoupled or hp.get("decoupled_weight_decay", False))
+        for hp in groups
+    )
     own = 0 if isinstance(optimizer, torch.optim.SGD) else 1
-    return own + int(coupled), hp.get("foreach")
+    return own + int(coupled), groups[0].get("foreach")
 
 
 @dataclass(frozen=True)
@@ -388,11 +391,14 @@ def _estimate(
     recomputed: int = 0,
     step: tuple[int, bool | None] = (1, None),
     device: torch.device | None = None,
+    pipelined: bool = False,
 ) -> MemoryEstimate:
     """The estimate once arguments are checked and activations counted.
 
     ``step``: the optimizer's ``step_lists``; ``device``: where the model will train (its
-    units' default size and rule, and whether its step is foreach), by default the model's.
+    units' default size and rule, and whether its step is foreach), by default the model's;
+    ``pipelined``: a pipeline stage's, whose later micro-batches run their forwards with the
+    gradients of the earlier ones alive.
     """
     layout = strategies.strategy(name).planned_as
     first = next(model.parameters(), None)
@@ -469,7 +475,7 @@ def _estimate(
         activations=activations,
         recomputed=recomputed,
         step_scratch=_step_scratch(layout, units, n, offload, step, device),
-        grads_in_backward=strategies.strategy(name).stage >= 2,
+        grads_in_backward=strategies.strategy(name).stage >= 2 and not pipelined,
         num_params=num_params,
         num_units=len(units),
         optimizer_states=k,
