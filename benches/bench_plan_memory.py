@@ -130,19 +130,25 @@ def repriced(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
 
     earlier = json.loads(Path(args.reprice).read_text())
     for key in ("size", "dtype", "tensor_parallel", "pipeline", "steps", "ranks", "device"):
-        setattr(args, key, earlier["args"][key])
+        setattr(args, key, earlier["args"].get(key, False))
     out = {}
     for world, res in earlier["results"].items():
-        build, batch, mp = _plan_job.gpt(args.size, args.dtype, 0, int(world), "cpu")
-        shape_only, extra = _plan_job.planned_model(build(meta=True), args)
-        plan = sl.plan_strategy(
-            shape_only, world_size=int(world), available_bytes=1 << 50, example_input=batch,
-            mixed_precision=mp, device=torch.device(args.device),
-            tensor_parallel=args.tensor_parallel, **extra,
-        )  # fmt: skip
-        now = {c.name: c.estimate for c in plan.candidates}
+        # Each rank's prices, the most over the ranks (a pipeline's stages differ), as the
+        # workers report them.
+        now: dict[str, tuple[int, int]] = {}
+        for rank in range(int(world)):
+            build, batch, mp = _plan_job.gpt(args.size, args.dtype, rank, int(world), "cpu")
+            shape_only, extra = _plan_job.planned_model(build(meta=True), args)
+            plan = sl.plan_strategy(
+                shape_only, world_size=int(world), available_bytes=1 << 50,
+                example_input=batch, mixed_precision=mp, device=torch.device(args.device),
+                tensor_parallel=args.tensor_parallel, rank=rank, **extra,
+            )  # fmt: skip
+            for c in plan.candidates:
+                total, acts = now.get(c.name, (0, 0))
+                now[c.name] = (max(total, c.estimate.total), max(acts, c.estimate.activations))
         rows = [
-            {**r, "predicted": now[r["choice"]].total, "activations": now[r["choice"]].activations}
+            {**r, "predicted": now[r["choice"]][0], "activations": now[r["choice"]][1]}
             for r in res["rows"]
             if r["choice"] in now
         ]
