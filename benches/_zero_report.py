@@ -28,9 +28,11 @@ RECOMPUTE_IMPLS = ("zero3-sel", "zero2-sel", "fsdp2-sel")
 UNIT_IMPLS = ("zero3-blocks", "zero3-size")
 # Not run by default: deterministic mode (``sl.distribute(..., deterministic=True)``: gradients
 # per sequence, summed in one fixed tree; the same bits at any world size), and repeatable mode
-# (``-rep``: ``deterministic="repeat"``, the same bits run after run for one layout), for their
-# cost.
-DET_IMPLS = ("zero1-det", "zero2-det", "zero3-det", "zero1-rep", "zero2-rep", "zero3-rep")
+# (``-rep``: ``deterministic="repeat"``, the same bits run after run for one layout), and
+# micro-batch mode (``deterministic="microbatch"``: the same bits at any world size on the
+# model's own kernels; ``-mb`` runs the rank's batch as one micro-batch, ``-mb2`` as two), for
+# their cost.
+DET_IMPLS = (*(f"zero{s}-{m}" for m in ("det", "rep", "mb", "mb2") for s in (1, 2, 3)),)
 MIB = 2**20
 MEM_KEYS = (
     "persistent_bytes",

@@ -84,6 +84,7 @@ from _zero_report import (
 )
 
 ALL_IMPLS = IMPLS + RECOMPUTE_IMPLS + UNIT_IMPLS + OFFLOAD_IMPLS + DET_IMPLS
+MB = "microbatch"  # deterministic="microbatch" (``-mb``, ``-mb2``)
 # (d_model, num_layers, num_heads, seq_len, batch_size per rank)
 SIZES = {
     "small": (256, 4, 4, 64, 8),  # 3.2M parameters, for 2 CPU cores
@@ -209,7 +210,7 @@ def build_impl(
             zero_kw = {**zero_kw, "recompute": "selective"}
         else:
             sl.parallel.recompute.recompute_blocks(model, "selective")
-    for suffix, mode in (("-det", True), ("-rep", "repeat")):
+    for suffix, mode in (("-det", True), ("-rep", "repeat"), ("-mb", MB), ("-mb2", MB)):
         if name.endswith(suffix):
             name = name.removesuffix(suffix)
             zero_kw = {**zero_kw, "deterministic": mode}
@@ -328,17 +329,25 @@ def worker(args: argparse.Namespace) -> int:
         # Repeatable mode turns torch's deterministic algorithms on, and their filling of new
         # tensors off, for the whole process; the implementations alternate here, so each
         # step runs with its own choice (the others: torch's defaults).
-        repeat = name.endswith("-rep")
+        repeat = name.endswith(("-rep", "-mb", "-mb2"))
         torch.use_deterministic_algorithms(repeat)
         torch.utils.deterministic.fill_uninitialized_memory = not repeat  # type: ignore[attr-defined]
         chosen = batches(batch_of[name])
         x, y = chosen[counter[0] % len(chosen)]
         counter[0] += 1
         opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
-        loss.backward()
+        # Micro-batch mode: one backward per micro-batch, the rank's batch as one (``-mb``) or
+        # as two halves (``-mb2``: what one rank runs to match two at this batch).
+        parts = 2 if name.endswith("-mb2") else 1
+        n = x.shape[0] // parts
+        total = 0.0
+        for k in range(parts):
+            loss = model(x[k * n : (k + 1) * n], y[k * n : (k + 1) * n])
+            loss = loss / parts if parts > 1 else loss
+            loss.backward()
+            total = total + loss.detach()
         opt.step()
-        return loss.detach()
+        return total
 
     errors: dict[str, str] = {}
     rows: dict[str, dict[str, Any]] = {i: {} for i in impls}

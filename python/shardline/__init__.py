@@ -86,6 +86,7 @@ from shardline.parallel import (
     make_deterministic,
     pipeline,
     plan_strategy,
+    rank_microbatches,
     register_optimizer,
     tensor_parallel,
 )
@@ -137,6 +138,7 @@ __all__ = [
     "optim",
     "pipeline",
     "plan_strategy",
+    "rank_microbatches",
     "recv",
     "reduce",
     "reduce_scatter",

@@ -123,10 +123,13 @@ def _flag(text: str) -> bool:
 
 
 def _determinism(text: str) -> bool | str:
-    if text.lower() == "repeat":
-        return "repeat"
+    if text.lower() in ("repeat", "microbatch"):
+        return text.lower()
     if text not in ("0", "1"):
-        raise _Invalid("must be 1 (every layout), repeat (one layout, run after run) or 0 (off)")
+        raise _Invalid(
+            "must be 1 (every layout), microbatch (every layout, per micro-batch), repeat "
+            "(one layout, run after run) or 0 (off)"
+        )
     return text == "1"
 
 
@@ -360,11 +363,13 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "SHARDLINE_DETERMINISTIC",
-        "`0`, `1`, `repeat`",
+        "`0`, `1`, `microbatch`, `repeat`",
         "0",
         "Deterministic mode: `1`: gradients summed per sample in one fixed tree over the batch, "
         "so that one process, DDP, ZeRO-1/2/3, pipelines and tensor parallelism train to the "
-        "same parameters, bit for bit, at any power-of-two world size; `repeat`: the same bits "
+        "same parameters, bit for bit, at any power-of-two world size; `microbatch`: the same "
+        "across DDP and ZeRO layouts on the model's own kernels, each backward one "
+        "micro-batch of one size in every layout; `repeat`: the same bits "
         "run after run for one layout, on the model's own kernels (torch's deterministic "
         "algorithms, sums across ranks in a fixed order) (`sl.distribute(deterministic=)` "
         "decides per call).",

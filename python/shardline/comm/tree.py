@@ -284,9 +284,16 @@ def tree_group(group: ProcessGroup) -> ProcessGroup:
     """
     if isinstance(group._impl, TreeBackend):
         return group
-    return ProcessGroup(
-        TreeBackend(group._impl),
-        ranks=group.ranks,
-        global_ranks=group.global_ranks,
-        timeout=group.timeout,
-    )
+    # One per group: the sub-groups a strategy makes of it are named after it and numbered
+    # in order, so a second tree group would make sub-groups of the same names as the
+    # first's, and their ranks would meet the wrong peers.
+    made: ProcessGroup | None = getattr(group, "_tree_group", None)
+    if made is None:
+        made = ProcessGroup(
+            TreeBackend(group._impl),
+            ranks=group.ranks,
+            global_ranks=group.global_ranks,
+            timeout=group.timeout,
+        )
+        group._tree_group = made  # type: ignore[attr-defined]
+    return made

@@ -226,7 +226,8 @@ def init(
             ``None`` takes ``SHARDLINE_TRACE``; unset, nothing is traced.
         deterministic: The default of ``sl.distribute(deterministic=)`` for this job:
             ``True``, one process and every power-of-two world size train to the same
-            parameters, bit for bit; ``"repeat"``, the same bits run after run for one
+            parameters, bit for bit; ``"microbatch"``, the same on the model's own kernels
+            for micro-batches of one size; ``"repeat"``, the same bits run after run for one
             layout. ``None`` takes ``SHARDLINE_DETERMINISTIC``.
 
     Returns:
@@ -492,12 +493,14 @@ def default_group() -> ProcessGroup:
 
 
 REPEAT = "repeat"  # the deterministic mode of one layout's bits, run after run
+MICROBATCH = "microbatch"  # every layout's bits, on the model's kernels, per micro-batch
 
 
 def deterministic_mode(value: object = None, where: str = "") -> bool | str:
-    """``value`` as a deterministic mode: ``False``, ``True`` or ``"repeat"``.
+    """``value`` as a deterministic mode: ``False``, ``True``, ``"repeat"`` or ``"microbatch"``.
 
-    ``True``: every layout's bits the same; ``"repeat"``: one layout's, run after run.
+    ``True``: every layout's bits the same; ``"repeat"``: one layout's, run after run;
+    ``"microbatch"``: every layout's, for micro-batches of one size, on the model's kernels.
     ``None`` takes ``init``'s choice, else ``SHARDLINE_DETERMINISTIC``.
 
     Raises:
@@ -508,11 +511,12 @@ def deterministic_mode(value: object = None, where: str = "") -> bool | str:
         value = config.get("SHARDLINE_DETERMINISTIC") if chosen is None else chosen
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() == REPEAT:
-        return REPEAT
+    if isinstance(value, str) and value.strip().lower() in (REPEAT, MICROBATCH):
+        return value.strip().lower()
     raise InvalidArgumentError(
         f"{where + ': ' if where else ''}deterministic={value!r}: use True (the same bits in "
-        "every layout), 'repeat' (the same bits run after run, for one layout) or False"
+        "every layout), 'microbatch' (the same, for micro-batches of one size, on the "
+        "model's kernels), 'repeat' (the same bits run after run, for one layout) or False"
     )
 
 

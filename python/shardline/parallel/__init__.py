@@ -19,7 +19,8 @@
 - ``replica``: local SGD, DiLoCo, asynchronous SGD, Hogwild; ``recompute``: activation
   recomputation in backward and the activation store across ranks.
 - ``deterministic``: deterministic mode, ``make_deterministic`` (per-sample gradients summed
-  in one fixed tree: the same parameters, bit for bit, at any world size).
+  in one fixed tree: the same parameters, bit for bit, at any world size), and
+  ``rank_microbatches`` for its micro-batch mode (the model's own kernels).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from shardline.parallel.contract import Box, FlatRange, Local, Shard
 from shardline.parallel.data import DistributedDataParallel, ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import register_optimizer
 from shardline.parallel.deterministic import make_deterministic
+from shardline.parallel.deterministic.microbatch import rank_microbatches
 from shardline.parallel.fit import StrategyPlan, choose_strategy, plan_strategy
 from shardline.parallel.pipeline import PipelineModule, pipeline
 from shardline.parallel.planner import MemoryEstimate, estimate_memory
@@ -59,6 +61,7 @@ __all__ = [
     "make_deterministic",
     "pipeline",
     "plan_strategy",
+    "rank_microbatches",
     "register_optimizer",
     "tensor_parallel",
 ]

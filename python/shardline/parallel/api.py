@@ -15,7 +15,7 @@ from shardline.comm import trace
 from shardline.comm.group import ProcessGroup
 from shardline.comm.mesh import DeviceMesh
 from shardline.comm.tree import tree_group
-from shardline.comm.world import REPEAT, default_group, deterministic_mode
+from shardline.comm.world import MICROBATCH, REPEAT, default_group, deterministic_mode
 from shardline.errors import InvalidArgumentError
 from shardline.parallel import strategies
 from shardline.parallel.candidate import Candidate
@@ -25,6 +25,7 @@ from shardline.parallel.data.zero import ShardedDataParallel
 from shardline.parallel.data.zero.optimizers import check_optimizer
 from shardline.parallel.deterministic import blocks_of, make_deterministic
 from shardline.parallel.deterministic.collector import keep_wide
+from shardline.parallel.deterministic.microbatch import MicrobatchSums, check_power_of_two
 from shardline.parallel.deterministic.repeat import fixed_sums, repeatable_kernels
 from shardline.parallel.fit import plan_strategy
 from shardline.parallel.pipeline_layout import WithLoss, with_loss
@@ -86,7 +87,12 @@ def distribute(
             both, with replicas on ``dp``. ``"repeat"``: the same bits run after run for
             this layout only, at the cost of torch's deterministic kernels
             (``shardline.parallel.deterministic.repeat``; every strategy but ``async`` and
-            ``hogwild``, on a mesh too). ``None`` takes ``sl.init(deterministic=)``, else
+            ``hogwild``, on a mesh too). ``"microbatch"``: the same bits at every
+            power-of-two world size, on the model's own kernels, for micro-batches of one
+            size in every layout: each backward one micro-batch
+            (``sl.rank_microbatches``), the backwards of a step added in the same fixed
+            tree (``shardline.parallel.deterministic.microbatch``; DDP and ZeRO-1/2/3, an
+            optimizer given). ``None`` takes ``sl.init(deterministic=)``, else
             ``SHARDLINE_DETERMINISTIC``.
         **options: Passed to the strategy (for DDP: ``bucket_cap_mb``, ``broadcast_buffers``,
             ``comm_hook``, ...; for ZeRO: ``unit_mb``, ``prefetch``, ``mixed_precision``; for
@@ -106,6 +112,8 @@ def distribute(
     deterministic = deterministic_mode(deterministic, "distribute()")
     if deterministic == REPEAT:
         group = _repeatable(model, strategy, group, mesh)
+    elif deterministic == MICROBATCH:
+        group = _microbatch(model, optimizer, strategy, group, mesh, options)
     elif deterministic:
         model, group = _deterministic(model, strategy, group, mesh, recompute, options)
     # Compared across ranks by ``shardline doctor`` when the job is traced.
@@ -117,6 +125,20 @@ def distribute(
         recompute_blocks(model, recompute)
     if mesh is not None or isinstance(strategy, dict):
         return compose(model, optimizer, strategy, mesh, options, deterministic=deterministic)
+    wrapped, optimizer = _wrap(model, optimizer, strategy, group, options)
+    if deterministic == MICROBATCH and optimizer is not None:
+        MicrobatchSums(wrapped, optimizer)  # kept alive by its hooks on both
+    return wrapped, optimizer
+
+
+def _wrap(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strategy: str,
+    group: ProcessGroup | None,
+    options: dict[str, Any],
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """``distribute``'s wrapping of ``model`` by one strategy (no mesh)."""
     row = strategies.strategy(strategy)
     if row.stage and optimizer is not None:
         check_optimizer(optimizer, row.stage)  # before any collective of the wrapper's
@@ -164,6 +186,44 @@ def _repeatable(
 
 
 _TIMED = frozenset({"async", "hogwild"})
+
+
+def _microbatch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strategy: str | dict[str, str],
+    group: ProcessGroup | None,
+    mesh: DeviceMesh | None,
+    options: dict[str, Any],
+) -> ProcessGroup:
+    """Repeatable kernels, and the group that sums the ranks in the canonical tree.
+
+    ``recompute`` is allowed: it runs the same kernels on the same micro-batch again.
+    """
+    where = "distribute(deterministic='microbatch')"
+    if mesh is not None or isinstance(strategy, dict):
+        raise InvalidArgumentError(
+            f"{where} covers DDP and ZeRO-1/2/3 without a mesh; tensor parallelism and "
+            "pipelines split sums inside a micro-batch: use deterministic=True there"
+        )
+    name = strategies.strategy(strategy).name
+    if name not in _DETERMINISTIC:
+        raise InvalidArgumentError(
+            f"{where} covers {', '.join(sorted(_DETERMINISTIC))}, not {strategy!r}"
+        )
+    if optimizer is None:
+        raise InvalidArgumentError(
+            f"{where}: give the optimizer too; its step adds the step's micro-batches"
+        )
+    changed = sorted(k for k in ("compression", "comm_hook") if options.get(k) is not None)
+    if changed:
+        raise InvalidArgumentError(
+            f"{where}: {', '.join(changed)} changes what is summed; leave it out"
+        )
+    g = group if group is not None else default_group()
+    check_power_of_two(g.world_size)
+    repeatable_kernels(model)
+    return tree_group(g)
 
 
 def _deterministic(

@@ -17,7 +17,7 @@ from torch import nn
 
 from shardline.comm.group import ProcessGroup
 from shardline.comm.tree import tree_group
-from shardline.comm.world import REPEAT, default_group, deterministic_mode
+from shardline.comm.world import MICROBATCH, REPEAT, default_group, deterministic_mode
 from shardline.errors import InvalidArgumentError
 from shardline.parallel._common import copies_over
 from shardline.parallel.deterministic import blocks_of, make_deterministic, unit_of
@@ -164,7 +164,13 @@ def pipeline(
         _check_deterministic(model, microbatches, tp_group, recompute, compile)
         dp_group = tree_group(dp_group) if dp_group is not None else None
         tp_group = tree_group(tp_group) if tp_group is not None else None
-    elif deterministic_mode(deterministic, "pipeline()") == REPEAT:
+    elif (mode := deterministic_mode(deterministic, "pipeline()")) == MICROBATCH:
+        raise InvalidArgumentError(
+            "pipeline(deterministic='microbatch'): the mode covers DDP and ZeRO; a pipeline "
+            "sums its micro-batches in the fixed tree with deterministic=True "
+            "(sl.make_deterministic(model) first)"
+        )
+    elif mode == REPEAT:
         repeatable_kernels(model)
         dp_group = fixed_sums(dp_group) if dp_group is not None else None
         tp_group = fixed_sums(tp_group) if tp_group is not None else None
