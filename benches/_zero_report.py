@@ -30,9 +30,9 @@ UNIT_IMPLS = ("zero3-blocks", "zero3-size")
 # per sequence, summed in one fixed tree; the same bits at any world size), and repeatable mode
 # (``-rep``: ``deterministic="repeat"``, the same bits run after run for one layout), and
 # micro-batch mode (``deterministic="microbatch"``: the same bits at any world size on the
-# model's own kernels; ``-mb`` runs the rank's batch as one micro-batch, ``-mb2`` as two), for
-# their cost.
-DET_IMPLS = (*(f"zero{s}-{m}" for m in ("det", "rep", "mb", "mb2") for s in (1, 2, 3)),)
+# model's own kernels; ``-mb`` runs the rank's batch as one micro-batch, ``-mb2`` as two, and
+# ``-acc2`` as two without the mode: plain gradient accumulation), for their cost.
+DET_IMPLS = (*(f"zero{s}-{m}" for m in ("det", "rep", "mb", "mb2", "acc2") for s in (1, 2, 3)),)
 MIB = 2**20
 MEM_KEYS = (
     "persistent_bytes",

@@ -12,6 +12,7 @@ The bar is 10 %. That the two sides train the same model is the job's own ``veri
     python benches/bench_deterministic.py --nproc 8 --strategies ddp zero1 zero2 zero3
     python benches/bench_deterministic.py --strategies ddp --tp 2   # tensor parallelism
     python benches/bench_deterministic.py --mode repeat   # the same bits run after run only
+    python benches/bench_deterministic.py --mode microbatch   # every layout, the model's kernels
 
 Writes ``benches/results/deterministic-<tag>.{txt,json}``.
 """
@@ -40,13 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (both sides)")
     p.add_argument(
         "--mode",
-        choices=["layouts", "repeat"],
+        choices=["layouts", "microbatch", "repeat"],
         default="layouts",
-        help="layouts: --deterministic (every layout's bits); repeat: --deterministic repeat",
+        help="layouts: --deterministic (every layout's bits); microbatch: --deterministic "
+        "microbatch (the same, on the model's kernels); repeat: --deterministic repeat",
     )
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
-    det_flags = ["--deterministic"] + (["repeat"] if args.mode == "repeat" else [])
+    det_flags = ["--deterministic"] + ([args.mode] if args.mode != "layouts" else [])
     os.environ.pop("SHARDLINE_DETERMINISTIC", None)  # each side says which it is
     lines = [
         f"main job: {args.nproc} processes"
@@ -81,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     tag = args.tag or f"cpu-{os.cpu_count()}c-{args.nproc}p" + (
         f"-pp{args.pp}" if args.pp > 1 else ""
-    ) + (f"-tp{args.tp}" if args.tp > 1 else "") + ("-repeat" if args.mode == "repeat" else "")
+    ) + (f"-tp{args.tp}" if args.tp > 1 else "") + (
+        f"-{args.mode}" if args.mode != "layouts" else ""
+    )
     _report.publish(
         _report.RESULTS / f"deterministic-{tag}",
         _report.header(Path(__file__).name, _report.machine("cpu")),

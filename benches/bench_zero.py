@@ -210,6 +210,7 @@ def build_impl(
             zero_kw = {**zero_kw, "recompute": "selective"}
         else:
             sl.parallel.recompute.recompute_blocks(model, "selective")
+    name = name.removesuffix("-acc2")  # (two backwards a step: ``step``)
     for suffix, mode in (("-det", True), ("-rep", "repeat"), ("-mb", MB), ("-mb2", MB)):
         if name.endswith(suffix):
             name = name.removesuffix(suffix)
@@ -337,8 +338,9 @@ def worker(args: argparse.Namespace) -> int:
         counter[0] += 1
         opt.zero_grad(set_to_none=True)
         # Micro-batch mode: one backward per micro-batch, the rank's batch as one (``-mb``) or
-        # as two halves (``-mb2``: what one rank runs to match two at this batch).
-        parts = 2 if name.endswith("-mb2") else 1
+        # as two halves (``-mb2``: what one rank runs to match two at this batch); ``-acc2``:
+        # two halves without the mode (gradient accumulation, the cost ``-mb2`` adds to).
+        parts = 2 if name.endswith(("-mb2", "-acc2")) else 1
         n = x.shape[0] // parts
         total = 0.0
         for k in range(parts):

@@ -11,6 +11,7 @@ bf16 parameters under ZeRO-3 too, must end with one GPU's hash.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,12 +42,8 @@ def _hashes(nproc: int, autocast: bool) -> dict[str, str]:
     )  # fmt: skip
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
-    found = {}
-    for line in text.splitlines():
-        if line.startswith("case "):
-            _, case, _, digest, *_ = line.split()
-            found[case] = digest
-    return found
+    # (the launcher may prefix a rank's lines)
+    return dict(re.findall(r"case (\S+) hash ([0-9a-f]+)", text))
 
 
 @pytest.mark.timeout(360)

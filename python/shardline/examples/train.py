@@ -49,6 +49,7 @@ from shardline.examples.model import (
     windows,
 )
 from shardline.parallel.deterministic import make_deterministic
+from shardline.parallel.deterministic.microbatch import MicrobatchSums
 
 # The model and data live in ``model``; they stay importable from here, where the main job's
 # users (tests, benches, the docs) have always found them.
@@ -113,6 +114,7 @@ def single_process_loss(
     tied_first: bool = False,
     deterministic: bool = False,
     blocks: int = 1,
+    microbatch: bool = False,
 ) -> tuple[float, TinyGPT]:
     """Trains one process on the same global batches, summing gradients as the run did.
 
@@ -126,7 +128,9 @@ def single_process_loss(
     or before it (DDP's). The order of the sums matters: around a loss spike, rounding
     differences between two equivalent runs can grow a thousandfold within ten steps.
     ``deterministic``: the model sums in deterministic mode's tree, as the run did, its split
-    sums in ``blocks`` blocks (the result is then the run's, bit for bit).
+    sums in ``blocks`` blocks (the result is then the run's, bit for bit). ``microbatch``:
+    micro-batch mode's replay, each replica's batch one backward on the model's own kernels,
+    the backwards added in the tree (the run's bits too).
     """
     model = build_model(cfg).to(tokens.device)
     if deterministic:
@@ -134,11 +138,16 @@ def single_process_loss(
     if pipeline:  # the last stage's copy of the tied weight, updated alongside the first's
         model.head.weight = nn.Parameter(model.tok.weight.detach().clone())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    if microbatch:
+        MicrobatchSums(model, opt)
     n = windows(tokens, cfg)
     per_replica = [rank_batches(n, r, replicas, cfg, size) for r in range(replicas)]
     for step in range(cfg.steps):
         opt.zero_grad()
-        if not pipeline:
+        if microbatch:  # replica r's batch is micro-batch r (each loss / replicas: exact)
+            for r in range(replicas):
+                (model(*get_batch(tokens, per_replica[r][step], cfg)) / replicas).backward()
+        elif not pipeline:
             x, y = get_batch(tokens, [i for r in range(replicas) for i in per_replica[r][step]],
                              cfg)  # fmt: skip
             model(x, y).backward()
@@ -271,11 +280,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         "--deterministic",
         nargs="?",
         const="layouts",
-        choices=["layouts", "repeat"],
+        choices=["layouts", "microbatch", "repeat"],
         default=None,
         help="deterministic mode (ddp, zero1-3, pp, --pp, --tp and both): gradients summed per "
         "sequence in one fixed tree, so the run ends with the parameters of one process, bit "
         "for bit (verified exactly); processes, --batch-size and --microbatches powers of two. "
+        "'--deterministic microbatch' (ddp, zero1-3): the same bits on the model's own "
+        "kernels, each process's batch one micro-batch, added in the tree (verified exactly). "
         "'--deterministic repeat': the same bits run after run for this layout only, on the "
         "model's own kernels",
     )
@@ -319,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     model: nn.Module = gpt
     blocks = args.blocks if args.blocks is not None else max(1, args.tp)
     full = args.deterministic == "layouts"  # the same bits in every layout
-    det: bool | str = "repeat" if args.deterministic == "repeat" else full
+    micro = args.deterministic == "microbatch"  # the same, on the model's kernels
+    det: bool | str = args.deterministic if args.deterministic in ("repeat", "microbatch") else full
     if full:  # before distribute, which prepares the layers it rewrites too
         make_deterministic(gpt, blocks=blocks)
     loss_fn = gpt.loss_fn  # a pipeline's (deterministic mode: its sums cut into blocks)
@@ -334,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     if det and strategy == "auto":
         print("--deterministic takes --strategy ddp, zero1, zero2, zero3, fsdp or pp",
               file=sys.stderr)  # fmt: skip
+        return 2
+    if micro and (strategy == "pp" or args.pp > 1 or args.tp > 1):
+        print("--deterministic microbatch takes --strategy ddp, zero1, zero2, zero3 or fsdp "
+              "(no --pp, --tp)", file=sys.stderr)  # fmt: skip
         return 2
     tp = args.tp if group is not None else 1
     if strategy == "pp" and tp > 1:
@@ -472,9 +488,10 @@ def main(argv: list[str] | None = None) -> int:
                                                pipeline=pp and not full,
                                                tied_first=tied_first,
                                                deterministic=full,
-                                               blocks=blocks)  # fmt: skip
+                                               blocks=blocks,
+                                               microbatch=micro)  # fmt: skip
             diff = abs(reference - final)
-            if full:
+            if full or micro:
                 ok = reference == final
                 verdict = "the same bits" if ok else "MISMATCH (deterministic mode)"
             elif lossy:  # another model: did it train (see compressed_verdict)
