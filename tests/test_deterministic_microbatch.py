@@ -60,7 +60,11 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(
-    world: int, strategy: str, deterministic: bool | str, backend: str = "native"
+    world: int,
+    strategy: str,
+    deterministic: bool | str,
+    backend: str = "native",
+    set_to_none: bool = True,
 ) -> dict[str, torch.Tensor]:
     """``STEPS`` AdamW steps on ``world`` ranks, each backward one micro-batch of ``SIZE``."""
 
@@ -72,7 +76,7 @@ def train(
         )
         assert opt is not None
         for step in range(STEPS):
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=set_to_none)
             parts = sl.rank_microbatches(batch(step), SIZE, group=g)
             for x, y in parts:
                 (model(x, y) / len(parts)).backward()
@@ -115,6 +119,16 @@ def test_every_layout_ends_with_the_tree_of_the_micro_batches(strategy: str) -> 
         got = train(world, strategy, "microbatch")
         assert differing(got, want) == [], f"{strategy} on {world} ranks"
     assert torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_gradients_zeroed_in_place_count_for_no_backward(strategy: str) -> None:
+    """``zero_grad(set_to_none=False)`` leaves the strategy's (zeroed) gradient tensors: they
+    are no backward's, and the step's sum is written into them, as the strategy's own."""
+    want = reference()
+    for world in (1, 2):
+        got = train(world, strategy, "microbatch", set_to_none=False)
+        assert differing(got, want) == [], f"{strategy} on {world} ranks"
 
 
 def test_over_gloo_too() -> None:

@@ -94,6 +94,18 @@ def test_deterministic_mode_ends_with_one_process_bits(nproc: int, layout: list[
     assert float(verify.group(1)) == 0.0, text
 
 
+@pytest.mark.timeout(300)
+def test_microbatch_mode_ends_with_its_replays_bits() -> None:
+    """``--deterministic microbatch``: each process's batch one micro-batch, on the model's
+    own kernels; the replay runs them one after another in one process, added in the tree."""
+    rc, text = _main_job(2, ["--strategy", "zero3", "--deterministic", "microbatch",
+                             "--steps", "20"])  # fmt: skip
+    assert rc == 0, text
+    verify = VERIFY.search(text)
+    assert verify and verify.group(2).strip() == "the same bits", text
+    assert float(verify.group(1)) == 0.0, text
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 @pytest.mark.timeout(300)  # above the run's own 240 s, so a hang reports its output
 def test_a_pipeline_matches_its_replay_bit_for_bit_through_a_loss_spike(schedule: str) -> None:

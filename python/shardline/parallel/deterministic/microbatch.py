@@ -76,13 +76,18 @@ class MicrobatchSums:
     Watches ``model`` (the strategy's wrapper: its ``parameters()`` are what ``optimizer``
     steps). A forward after a backward keeps that backward's gradients (a copy; ``.grad``
     becomes ``None``, as after ``zero_grad``, so the strategy starts the next one afresh);
-    the optimizer's step adds the last one and sets each ``.grad`` to the whole sum; its
-    ``zero_grad`` drops what is kept. One backward a step keeps nothing.
+    the optimizer's step adds the last one and writes the whole sum into each ``.grad`` (in
+    place: a strategy's views of its buffers stay its views); its ``zero_grad`` drops what is
+    kept. One backward a step keeps nothing. A gradient is a backward's when it is new since
+    the last ``zero_grad`` (another tensor, or the same one written since), so gradients
+    zeroed in place (``zero_grad(set_to_none=False)``) count for none.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._levels: list[tuple[int, list[torch.Tensor | None]]] = []  # (leaves, sums)
+        # Each gradient ``zero_grad`` left in place (zeroed), as (id, version): not a backward's.
+        self._zeroed: dict[int, tuple[int, int]] = {}
         self._handles = [
             model.register_forward_pre_hook(self._before_forward),
             optimizer.register_step_pre_hook(self._before_step),
@@ -92,6 +97,11 @@ class MicrobatchSums:
         def zero_grad_and_drop(*args: Any, **kwargs: Any) -> None:
             self._levels.clear()
             zero_grad(*args, **kwargs)
+            self._zeroed = {
+                i: (id(p.grad), p.grad._version)
+                for i, p in enumerate(self._params)
+                if p.grad is not None
+            }
 
         optimizer.zero_grad = zero_grad_and_drop  # type: ignore[method-assign]
 
@@ -100,13 +110,23 @@ class MicrobatchSums:
         """The backwards kept since the last step (the current gradients not counted)."""
         return sum(n for n, _ in self._levels)
 
+    def _fresh(self) -> bool:
+        """Whether a backward wrote gradients since the last ``zero_grad`` or ``_take``."""
+        zeroed = self._zeroed
+        for i, p in enumerate(self._params):
+            g = p.grad
+            if g is not None and zeroed.get(i) != (id(g), g._version):
+                return True
+        return False
+
     def _take(self) -> list[torch.Tensor | None] | None:
         """The gradients of the last backward (``None``: there was none since)."""
-        grads = [p.grad for p in self._params]
-        if all(g is None for g in grads):
+        if not self._fresh():
             return None
+        grads = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None
+        self._zeroed = {}
         # A copy: a strategy may hand out views of buffers it fills again next backward.
         return [None if g is None else g.detach().clone() for g in grads]
 
@@ -139,18 +159,23 @@ class MicrobatchSums:
     def _before_step(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if not self._levels:  # one backward: its gradients are the sum already
             return
-        total = self.backwards + any(p.grad is not None for p in self._params)
+        fresh = self._fresh()
+        total = self.backwards + fresh
         if total & (total - 1):
             raise InvalidArgumentError(
                 f"deterministic='microbatch': {total} backwards before this step; run a "
                 "power of two of micro-batches a step (each loss divided by their number, "
                 "which then scales without rounding); the gradients are kept as they are"
             )
-        last = self._take()
-        if last is not None:
-            self._push(last)
+        if fresh:
+            self._push([None if p.grad is None else p.grad.detach().clone() for p in self._params])
         for p, g in zip(self._params, self._fold(), strict=True):
-            p.grad = g
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:  # the strategy's own tensor (a view of its buffer), written in place
+                p.grad.copy_(g)
 
     def _fold(self) -> list[torch.Tensor | None]:
         """The whole sum of the kept backwards (at least one), which are then dropped.
