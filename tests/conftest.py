@@ -89,3 +89,15 @@ def _no_leaked_ranks() -> Iterator[None]:
             break
         time.sleep(0.05)
     assert not leaked, f"rank threads still running after the test: {leaked}"
+
+
+@pytest.fixture
+def kernels_restored() -> Iterator[None]:
+    """torch's kernel choices as they were: deterministic and repeatable modes turn torch's
+    deterministic algorithms on (and their filling of new tensors off) for the process."""
+    had, bench = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
+    fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+    yield
+    torch.use_deterministic_algorithms(had)
+    torch.backends.cudnn.benchmark = bench
+    torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]

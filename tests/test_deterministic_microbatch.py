@@ -10,7 +10,6 @@ exactly its parameters. The control: the same layouts without the mode do not.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,22 +24,11 @@ from shardline.examples.train import Config, TinyGPT, corpus
 from shardline.parallel.deterministic.microbatch import MicrobatchSums
 from tests._ranks import built_once, run_ranks, seeded
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("kernels_restored")]
 
 CFG = Config(d_model=64, num_layers=2, num_heads=4, seq_len=16, batch_size=8)
 SIZE = 2  # samples per micro-batch: 4 a step
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def _kernels_as_they_were() -> Iterator[None]:
-    """The mode turns torch's deterministic algorithms on for the process: restored."""
-    had, bench = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
-    fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
-    yield
-    torch.use_deterministic_algorithms(had)
-    torch.backends.cudnn.benchmark = bench
-    torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
 
 
 @built_once

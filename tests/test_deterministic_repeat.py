@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,21 +26,10 @@ from shardline.parallel.deterministic import is_deterministic
 from shardline.parallel.deterministic.repeat import repeatable_kernels
 from tests._ranks import built_once, run_ranks, seeded
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("kernels_restored")]
 
 CFG = Config(d_model=64, num_layers=2, num_heads=4, seq_len=16, batch_size=8)
 WORLD = 4
-
-
-@pytest.fixture(autouse=True)
-def _kernels_as_they_were() -> Iterator[None]:
-    """Repeatable mode turns torch's deterministic algorithms on for the process: restored."""
-    had, bench = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
-    fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
-    yield
-    torch.use_deterministic_algorithms(had)
-    torch.backends.cudnn.benchmark = bench
-    torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
 
 
 @built_once

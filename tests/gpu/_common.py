@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,9 +20,15 @@ from tests.multiprocess._launch import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_worker(script: str, timeout: float = 200, nproc: int = 2) -> tuple[int, str]:
-    """Runs ``tests/gpu/<script>`` on ``nproc`` ranks via ``shardline run``: (exit code,
-    output)."""
+def run_worker(
+    script: str,
+    timeout: float = 200,
+    nproc: int = 2,
+    args: Sequence[str] = (),
+    unset: Sequence[str] = (),
+) -> tuple[int, str]:
+    """Runs ``tests/gpu/<script> <args>`` on ``nproc`` ranks via ``shardline run``, with the
+    variables ``unset`` left out of its environment: (exit code, output)."""
     env = {
         **os.environ,
         "TORCH_PORT": str(free_port()),
@@ -29,9 +36,11 @@ def run_worker(script: str, timeout: float = 200, nproc: int = 2) -> tuple[int, 
             [str(Path(__import__("shardline").__file__).parents[1]), str(ROOT)]
         ),
     }
+    for name in unset:
+        env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, "-m", "shardline", "run", "--nproc-per-node", str(nproc),
-         str(Path(__file__).with_name(script))],
+         str(Path(__file__).with_name(script)), *args],
         env=env,
         capture_output=True,
         text=True,

@@ -10,17 +10,12 @@ bf16 parameters under ZeRO-3 too, must end with one GPU's hash.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.gpu._common import ROOT
-from tests.multiprocess._launch import free_port
+from tests.gpu._common import run_worker
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU host: pytest tests/gpu)"
@@ -28,20 +23,12 @@ pytestmark = pytest.mark.skipif(
 
 
 def _hashes(nproc: int, autocast: bool) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "TORCH_PORT": str(free_port()),
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT)]),
-    }
-    env.pop("CUBLAS_WORKSPACE_CONFIG", None)  # the mode sets it itself
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardline", "run", "--nproc-per-node", str(nproc),
-         str(Path(__file__).with_name("_microbatch_worker.py")),
-         *(["--autocast"] if autocast else [])],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
+    rc, text = run_worker(
+        "_microbatch_worker.py", timeout=300, nproc=nproc,
+        args=["--autocast"] if autocast else [],
+        unset=["CUBLAS_WORKSPACE_CONFIG"],  # the mode sets it itself
     )  # fmt: skip
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text
+    assert rc == 0, text
     # (the launcher may prefix a rank's lines)
     return dict(re.findall(r"case (\S+) hash ([0-9a-f]+)", text))
 
