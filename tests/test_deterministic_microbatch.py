@@ -233,6 +233,20 @@ def test_what_the_mode_refuses() -> None:
         run_ranks(3, three)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_no_sync_is_refused(strategy: str) -> None:
+    """Its backwards would be this rank's alone, and the step's sum silently wrong."""
+
+    def body(g: sl.ProcessGroup) -> None:
+        net = nn.Linear(4, 2)
+        opt = torch.optim.SGD(net.parameters(), lr=1.0)
+        model, _ = sl.distribute(net, opt, strategy=strategy, group=g, deterministic="microbatch")
+        with pytest.raises(InvalidArgumentError, match=r"no_sync\(\) would keep a backward's"):
+            model.no_sync()
+
+    run_ranks(2, body)
+
+
 def test_a_pipeline_is_refused() -> None:
     def body(g: sl.ProcessGroup) -> None:
         chain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))

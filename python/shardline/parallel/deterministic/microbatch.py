@@ -104,6 +104,10 @@ class MicrobatchSums:
             }
 
         optimizer.zero_grad = zero_grad_and_drop  # type: ignore[method-assign]
+        if callable(getattr(model, "no_sync", None)):
+            # Each backward's gradients must be the group's sum before they are kept: under
+            # ``no_sync`` they would be this rank's alone, and the step silently wrong.
+            model.__dict__["no_sync"] = _refuse_no_sync  # (found before the class's method)
 
     @property
     def backwards(self) -> int:
@@ -194,6 +198,14 @@ class MicrobatchSums:
         for h in self._handles:
             h.remove()
         self._levels.clear()
+
+
+def _refuse_no_sync() -> None:
+    raise InvalidArgumentError(
+        "deterministic='microbatch': no_sync() would keep a backward's gradients unreduced; "
+        "the mode reduces every backward (one micro-batch each) and adds them in the step's "
+        "tree: run the micro-batches' backwards without it"
+    )
 
 
 def check_power_of_two(world_size: int) -> None:
