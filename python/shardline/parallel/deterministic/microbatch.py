@@ -172,8 +172,8 @@ class MicrobatchSums:
                 "power of two of micro-batches a step (each loss divided by their number, "
                 "which then scales without rounding); the gradients are kept as they are"
             )
-        if fresh:
-            self._push([None if p.grad is None else p.grad.detach().clone() for p in self._params])
+        if fresh:  # no copy: the last leaf is only ever a right operand, never added into
+            self._push([None if p.grad is None else p.grad.detach() for p in self._params])
         for p, g in zip(self._params, self._fold(), strict=True):
             if g is None:
                 continue
