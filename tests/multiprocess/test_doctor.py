@@ -115,6 +115,7 @@ def test_a_rank_that_calls_another_op_is_named(tmp_path: Path) -> None:
         assert f"rank {culprit} called broadcast as #0" in finding.text, finding.text
 
 
+@pytest.mark.quiet  # a rank 15 % slower is found against a 10 % rule: no other load beside it
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["sleep", "throttled"])
 def test_a_slow_rank_and_a_setting_that_differs_are_named(tmp_path: Path, how: str) -> None:
