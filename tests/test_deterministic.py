@@ -207,6 +207,18 @@ def test_the_tree_groups_sums_are_the_tree_over_ranks(world: int) -> None:
         assert torch.equal(biggest, torch.stack(inputs)[:, :5].max(0).values)
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_group_of_two_ranks_or_one_is_its_own_tree_group(world: int) -> None:
+    # Two ranks' sum is one addition whatever the algorithm; more ranks get one tree group
+    # per group (a second would name its sub-groups as the first's), which is its own.
+    def body(g: sl.ProcessGroup) -> tuple[bool, bool, bool]:
+        tg = tree_group(g)
+        return tg is g, tree_group(g) is tg, tree_group(tg) is tg
+
+    want = (world <= 2, True, True)
+    assert run_ranks(world, body) == [want] * world
+
+
 def test_a_batch_that_is_not_a_power_of_two_of_units_is_refused() -> None:
     model = make_deterministic(copy.deepcopy(pristine()))
     x, y = batches()[0]

@@ -281,8 +281,12 @@ def tree_group(group: ProcessGroup) -> ProcessGroup:
     A strategy built on it (``distribute(..., deterministic=True)`` does this) reduces its
     gradients to the same bits whatever the world size, when each rank's gradient is the
     ``tree_sum`` of a power-of-two block of the batch (``shardline.parallel.deterministic``).
+
+    A group of one or two ranks is its own tree group: two ranks' sum is one addition per
+    element whatever the algorithm (``a + b == b + a``), and a layer of Python in front of the
+    group's collectives would only cost time.
     """
-    if isinstance(group._impl, TreeBackend):
+    if isinstance(group._impl, TreeBackend) or group.world_size <= 2:
         return group
     # One per group: the sub-groups a strategy makes of it are named after it and numbered
     # in order, so a second tree group would make sub-groups of the same names as the

@@ -223,9 +223,7 @@ def _microbatch(
     g = group if group is not None else default_group()
     check_power_of_two(g.world_size)
     repeatable_kernels(model)
-    # Two ranks' sum is one addition whatever the algorithm (``a + b == b + a``): the group's
-    # own sums are the tree's (the tree group would hand them on, a layer of Python later).
-    return g if g.world_size <= 2 else tree_group(g)
+    return tree_group(g)
 
 
 def _deterministic(

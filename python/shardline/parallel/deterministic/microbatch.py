@@ -11,8 +11,8 @@ sets). So fix the unit instead of the kernels (``deterministic="microbatch"``):
    shapes and values everywhere, so the same gradient bits whichever rank runs it.
 2. At the ``k``-th backward of a step, rank ``r`` of ``W`` holds micro-batch ``k * W + r``
    (``rank_microbatches``), and the group adds the ranks' gradients in the canonical tree
-   (a ``tree_group`` over more than two ranks; two ranks' sum is one addition whatever the
-   algorithm): the ``W`` consecutive micro-batches of that backward, a subtree.
+   (``tree_group``, the group itself over two ranks or one: two ranks' sum is one addition
+   whatever the algorithm): the ``W`` consecutive micro-batches of that backward, a subtree.
 3. The backwards' sums are added in the same tree as they come (a binary counter holds one
    sum per level), and the whole sum is the gradient the optimizer steps on. With ``W`` a
    power of two, the blocks of ``W`` micro-batches are subtrees of the tree over all of
