@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{'strategy':9} {'default tok/s':>14} {'det tok/s':>12} {'cost':>8} {'pairs':>8}   "
         "runs (default | det; pairs: the median of each pair's cost)",
     ]
+    tag = args.tag or f"cpu-{os.cpu_count()}c-{args.nproc}p" + (
+        f"-pp{args.pp}" if args.pp > 1 else ""
+    ) + (f"-tp{args.tp}" if args.tp > 1 else "") + (
+        f"-{args.mode}" if args.mode != "layouts" else ""
+    )
     rows = {}
     for strategy in args.strategies:
 
@@ -81,18 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"{strategy:9} {a:14,.0f} {b:12,.0f} {a / b - 1:+8.2%} {paired:+8.2%}   {runs}"
         )
-    tag = args.tag or f"cpu-{os.cpu_count()}c-{args.nproc}p" + (
-        f"-pp{args.pp}" if args.pp > 1 else ""
-    ) + (f"-tp{args.tp}" if args.tp > 1 else "") + (
-        f"-{args.mode}" if args.mode != "layouts" else ""
-    )
-    _report.publish(
-        _report.RESULTS / f"deterministic-{tag}",
-        _report.header(Path(__file__).name, _report.machine("cpu")),
-        "\n".join(lines),
-        {"args": vars(args), "results": rows},
-        lambda _path: "no plot: a few numbers",
-    )
+        # Published after each strategy: a run cut short by a time limit keeps the finished.
+        _report.publish(
+            _report.RESULTS / f"deterministic-{tag}",
+            _report.header(Path(__file__).name, _report.machine("cpu")),
+            "\n".join(lines),
+            {"args": vars(args), "results": rows},
+            lambda _path: "no plot: a few numbers",
+        )
     return 0
 
 
