@@ -58,7 +58,9 @@ def test_fp32_adam_bytes_per_param_exact(strategy: str, world_size: int) -> None
     # On CPU AdamW steps one parameter at a time: one list of the largest (its shard here).
     largest = WIDTH * WIDTH if strategy == "ddp" else WIDTH * WIDTH // world_size
     assert est.step_scratch == 4 * largest
-    assert est.total == max(est.persistent + est.comm_buffers, est.persistent + est.step_scratch)
+    # Without activations the peak is the largest of backward's buffers, the step's scratch and
+    # (ZeRO-1/2) the re-gather's inputs as the next forward begins.
+    assert est.total == est.persistent + max(est.comm_buffers, est.step_scratch, est.regather)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -72,10 +74,13 @@ def test_fp32_components_and_comm_buffers(world_size: int) -> None:
     assert parts["zero2"] == (4 * psi, 4 * psi // n, 0, 8 * psi // n)
     assert parts["zero3"] == (4 * psi // n, 4 * psi // n, 0, 8 * psi // n)
     assert est["ddp"].comm_buffers == 0  # gradients are views into the buckets
-    # stages 1 and 2 re-gather every unit after the step from copies of the shards
-    assert est["zero1"].comm_buffers == 4 * psi // n
-    assert est["zero2"].comm_buffers == max(FLATS * 4 * unit, 4 * psi // n)
+    # stages 1 and 2 re-gather every unit as the forward begins, from copies of the shards;
+    # those are freed before backward, which holds only stage 2's gradient flats
+    assert est["zero1"].regather == est["zero2"].regather == 4 * psi // n
+    assert est["zero1"].comm_buffers == 0
+    assert est["zero2"].comm_buffers == FLATS * 4 * unit
     assert est["zero3"].comm_buffers == (1 + 1) * 4 * unit + FLATS * 4 * unit  # prefetch=1
+    assert est["zero3"].regather == est["ddp"].regather == 0
     prefetch2 = estimate_memory(model, world_size=n, strategy="zero3", unit_mb=0, prefetch=2)
     assert prefetch2.comm_buffers == 3 * 4 * unit + FLATS * 4 * unit
     fsdp = estimate_memory(model, world_size=n, strategy="fsdp", unit_mb=0)
@@ -121,14 +126,14 @@ def test_mixed_precision_bf16_params_fp32_master(
     psi, unit = numel(model), WIDTH * WIDTH
     c, w, r, k = 2, 4, 2, 2  # bf16 compute and reduce, fp32 master and Adam states
     expected = {
-        "zero1": (c * psi, r * psi + w * psi // n, w * psi // n, k * w * psi // n, c * psi // n),
+        "zero1": (c * psi, r * psi + w * psi // n, w * psi // n, k * w * psi // n, 0),
         "zero2": (
             c * psi,
             w * psi // n,
             w * psi // n,
             k * w * psi // n,
-            # full gradient flats, bf16 reduce-scatter outputs (r != w) or the re-gather
-            max(FLATS * r * unit + _MAX_INFLIGHT * r * unit // n, c * psi // n),
+            # full gradient flats and bf16 reduce-scatter outputs (r != w)
+            FLATS * r * unit + _MAX_INFLIGHT * r * unit // n,
         ),
         "zero3": (
             w * psi // n,
@@ -144,6 +149,8 @@ def test_mixed_precision_bf16_params_fp32_master(
             model, world_size=n, strategy=strategy, mixed_precision=policy, unit_mb=0
         )
         assert (e.params, e.grads, e.master, e.optimizer, e.comm_buffers) == want, strategy
+        # stages 1 and 2 re-gather from bf16 copies of the shards as the forward begins
+        assert e.regather == (c * psi // n if strategy != "zero3" else 0), strategy
     assert (
         estimate_memory(
             model, world_size=n, strategy="zero1", mixed_precision=policy, unit_mb=0
@@ -163,7 +170,8 @@ def test_zero1_full_gradients_live_in_the_reduce_dtype() -> None:
     e = estimate_memory(model, world_size=n, strategy="zero1", mixed_precision=policy, unit_mb=0)
     # fp32 full gradients; the fp32 shard gradient is a view of them; bf16 params, fp32 master
     assert (e.params, e.grads, e.master) == (2 * psi, 4 * psi, 4 * psi // n)
-    assert e.comm_buffers == 2 * psi // n  # bf16 copies of the shards, re-gathered
+    assert e.regather == 2 * psi // n  # bf16 copies of the shards, re-gathered
+    assert e.comm_buffers == 0
 
 
 def test_sharded_default_keeps_fp32_master_for_a_bf16_model() -> None:
@@ -529,8 +537,15 @@ def test_the_peak_is_in_backward_or_in_the_step() -> None:
     assert "the peak, in backward" in str(big)
     # 8 rows (16 KiB of activations): the gradients outgrow what backward frees.
     assert est("zero3", 8).total == 16 * psi // n + zero3_buffers
-    # zero1 holds its full gradients through the forward: they add to the activations.
-    assert est("zero1", 256).total == 8 * psi + 8 * psi // n + 4 * psi // n + acts
+    # zero1 holds its full gradients through the forward: they add to the activations. Its
+    # re-gather inputs (a copy of each shard) are freed as their units first run: not beside
+    # the activations, but at the forward's start, the peak when the activations are small.
+    zero1 = est("zero1", 256)
+    assert zero1.total == 8 * psi + 8 * psi // n + acts
+    assert "the peak, in backward" in str(zero1)
+    small = est("zero1", 8)
+    assert small.total == small.forward_peak == 8 * psi + 8 * psi // n + 4 * psi // n
+    assert "the peak, as the forward begins" in str(small)
     # Without activations DDP peaks in its step (no buffers): every gradient, and AdamW's
     # square roots of one parameter at a time on CPU.
     ddp = est("ddp", None)

@@ -213,7 +213,8 @@ class StrategyPlan:
         rows = [head]
         for c in self.candidates:
             e = c.estimate
-            cells = (e.params, e.grads, e.master, e.optimizer, e.comm_buffers, e.activations,
+            buffers = e.comm_buffers + e.regather
+            cells = (e.params, e.grads, e.master, e.optimizer, buffers, e.activations,
                      e.recomputed, e.step_scratch, e.total, e.host)  # fmt: skip
             widths = (10, 10, 10, 11, 10, 13, 12, 10, 10, 10)
             row = f"{c.name:<{width}}" + "".join(
@@ -229,8 +230,10 @@ class StrategyPlan:
             rows.append(f"{row}  {verdict}{'  <- chosen' if c is self.choice else ''}")
         acts = self.choice.estimate.activations_estimated
         rows.append(
-            "total: the larger of backward's peak (ZeRO-2/3's gradients in place of the "
-            "activations backward frees) and the optimizer step's (every gradient, its scratch)"
+            "total: the largest of backward's peak (ZeRO-2/3's gradients in place of the "
+            "activations backward frees), the optimizer step's (every gradient, its scratch) "
+            "and the forward's start (ZeRO-1/2's re-gather buffers, freed before the "
+            "activations grow)"
         )
         rows.append(
             f"budget per rank: {format_bytes(self.budget)} of {format_bytes(self.available_bytes)}"

@@ -21,7 +21,12 @@ class MemoryEstimate:
         grads: Gradients held between steps (full flats, shard flats, or both).
         master: The higher-precision copy of this rank's shard, when it is not a view.
         optimizer: Optimizer states of this rank's shard (full for DDP).
-        comm_buffers: Peak transient communication buffers (gathered units, gradient flats).
+        comm_buffers: Peak transient communication buffers in backward (gathered units,
+            gradient flats).
+        regather: ZeRO-1/2's all-gather inputs after a step: a compute-dtype copy of every
+            shard, made as the next forward begins; each is freed when its unit's modules
+            first run, before the activations they make, so they count at the forward's start
+            (``forward_peak``), not in backward.
         compression: A gradient compressor's state (error-feedback residuals, PowerSGD's
             factors): under ZeRO-2/3 a residual still covers this rank's whole gradient.
         host: Host memory per rank under offload (master shard, its gradient, optimizer
@@ -68,6 +73,7 @@ class MemoryEstimate:
     recomputed: int = 0
     step_scratch: int = 0
     grads_in_backward: bool = False
+    regather: int = 0
 
     @property
     def persistent(self) -> int:
@@ -93,9 +99,14 @@ class MemoryEstimate:
         return self.persistent + self.step_scratch
 
     @property
+    def forward_peak(self) -> int:
+        """The most bytes as a forward begins: the state and ZeRO-1/2's re-gather inputs."""
+        return self.persistent + self.regather
+
+    @property
     def total(self) -> int:
-        """Peak bytes per rank: the larger of ``backward_peak`` and ``step_peak``."""
-        return max(self.backward_peak, self.step_peak)
+        """Peak bytes per rank: the largest of the forward's, backward's and the step's peaks."""
+        return max(self.forward_peak, self.backward_peak, self.step_peak)
 
     @property
     def bytes_per_param(self) -> float:
@@ -109,6 +120,7 @@ class MemoryEstimate:
         out["notes"] = list(self.notes)
         out.update(
             persistent=self.persistent,
+            forward_peak=self.forward_peak,
             backward_peak=self.backward_peak,
             step_peak=self.step_peak,
             total=self.total,
@@ -139,14 +151,21 @@ class MemoryEstimate:
         if self.compression:
             row("compression", self.compression, per_param("compression", self.compression))
         row("persistent", self.persistent, per_param("persistent", self.persistent))
-        row("comm buffers", self.comm_buffers, "transient")
+        row("comm buffers", self.comm_buffers, "transient, in backward")
+        if self.regather:
+            row("re-gather", self.regather, "transient, as the forward begins")
         act = "one forward of the example input" if self.activations_estimated else "not estimated"
         row("activations", self.activations, act)
         if self.recomputed:
             row("recomputed", self.recomputed, "one block's, in backward")
         if self.step_scratch:
             row("step scratch", self.step_scratch, "the optimizer's step")
-        peak = "in backward" if self.backward_peak >= self.step_peak else "in the step"
+        peak = max(
+            (self.backward_peak, "in backward"),
+            (self.step_peak, "in the step"),
+            (self.forward_peak, "as the forward begins"),
+            key=lambda pair: pair[0],
+        )[1]
         row("total", self.total, f"the peak, {peak}")
         if self.host:
             row("host (offload)", self.host, per_param("host", self.host))

@@ -20,16 +20,17 @@ zero3/fsdp  w·ΣS_u    w·ΣS_u                         0 (the shard is it)  k�
 
 fp32 Adam without mixed precision gives the ZeRO paper's 16, 8 + 8/N, 4 + 12/N and 16/N bytes
 per parameter. Transient communication buffers come on top (the largest units, an upper
-bound): ZeRO-1 and ZeRO-2 re-gather all units after the step from compute-dtype copies of the
-shards (c·ΣS_u); ZeRO-2 and ZeRO-3 hold full gradient flats in backward (the wrapper's
+bound): ZeRO-2 and ZeRO-3 hold full gradient flats in backward (the wrapper's
 ``_MAX_INFLIGHT`` reductions in flight plus the unit accumulating, each r·N·S), and ZeRO-3
 ``1 + prefetch`` gathered units in the compute dtype (plus their cast all-gather inputs when
-c != w).
+c != w). ZeRO-1 and ZeRO-2 re-gather all units as the forward after a step begins, from
+compute-dtype copies of the shards (c·ΣS_u, ``regather``); each copy is freed as its unit's
+modules first run, so they peak at the forward's start, before the activations grow.
 
 With ``offload`` the master shard, its gradient and the optimizer states, (2 + k)·w·ΣS_u, are
 counted as ``host`` instead; the device keeps the full parameters (stages 1/2) and gradients
 (stage 1) between steps, and for ``"optimizer"`` a compute-dtype copy of the shards from the
-first all-gather to the step (c·ΣS_u, with the transient buffers).
+first all-gather to the step (c·ΣS_u, with the buffers of backward).
 """
 
 from __future__ import annotations
@@ -244,25 +245,36 @@ def _top(values: list[int], count: int) -> int:
     return sum(sorted(values, reverse=True)[:count])
 
 
-def _comm_buffers(name: str, units: list[_Unit], n: int, prefetch: int) -> int:
-    """Peak transient bytes of communication buffers, as ``ShardedDataParallel`` holds them."""
+def _comm_buffers(
+    name: str, units: list[_Unit], n: int, prefetch: int, offload: str | None = None
+) -> tuple[int, int]:
+    """Peak transient bytes of communication buffers: ``(in backward, as a forward begins)``.
+
+    As ``ShardedDataParallel`` holds them. Stages 1 and 2 re-gather every unit at once as
+    the forward after a step begins, each from a copy (or cast) of its shard in the compute
+    dtype; each copy is freed when its unit's modules first run, before the activations they
+    make, so the copies count at the forward's start and not beside the activations.
+    ``offload="optimizer"`` keeps them (its device copies of the shards) from the first
+    all-gather to the step: in backward too.
+    """
     if name == "ddp":
-        return 0  # gradients are views into the buckets, already counted in grads
-    # Stages 1 and 2 re-gather every unit at once before the forward after a step, each from a
-    # copy (or cast) of its shard in the compute dtype.
+        return 0, 0  # gradients are views into the buckets, already counted in grads
     gather_inputs = sum(u.compute.itemsize * u.shard for u in units)
+    kept = gather_inputs if offload == "optimizer" else 0
+    regather = gather_inputs - kept
     if name == "zero1":
-        return gather_inputs  # the persistent full gradients are all-reduced in place
+        return kept, regather  # the persistent full gradients are all-reduced in place
     # Backward: _MAX_INFLIGHT reductions in flight plus the unit accumulating, each a full
     # gradient flat in the reduce dtype, and a reduce-scatter output when r != w.
     flats = _top([u.reduce.itemsize * n * u.shard for u in units], _MAX_INFLIGHT + 1)
     outs = _top([u.reduce.itemsize * u.shard for u in units if u.reduce != u.master], _MAX_INFLIGHT)
     if name == "zero2":
-        return max(flats + outs, gather_inputs)
+        return flats + outs + kept, regather
     live = 1 + prefetch  # the unit in use and those gathered ahead
     gathered = _top([u.compute.itemsize * n * u.shard for u in units], live)
     casts = _top([u.compute.itemsize * u.shard for u in units if u.compute != u.master], live)
-    return gathered + casts + flats + outs
+    # offload="optimizer": the shards' device copies, forward to step.
+    return gathered + casts + flats + outs + kept, 0
 
 
 def _formula(full: int, shard: int, n_symbol: str = "N") -> str:
@@ -457,6 +469,7 @@ def _estimate(
         )
     if not measured and not any(note.startswith("activations") for note in notes):
         notes.append("activations not estimated: pass example_input")
+    buffers, regather = _comm_buffers(layout, units, n, prefetch, offload)
     return MemoryEstimate(
         strategy=name,
         world_size=n,
@@ -464,14 +477,8 @@ def _estimate(
         grads=totals["grads"],
         master=totals["master"],
         optimizer=totals["optimizer"],
-        comm_buffers=_comm_buffers(layout, units, n, prefetch)
-        # offload="optimizer" under zero3: the shards' device copies, forward to step (stages
-        # 1/2 count them already, as the inputs of their re-gather).
-        + (
-            sum(u.compute.itemsize * u.shard for u in units)
-            if offload == "optimizer" and layout == "zero3"
-            else 0
-        ),
+        comm_buffers=buffers,
+        regather=regather,
         activations=activations,
         recomputed=recomputed,
         step_scratch=_step_scratch(layout, units, n, offload, step, device),
