@@ -14,8 +14,10 @@ it reads events through the driver with the GIL released, on another core, and t
 with that time is printed too).
 ``--mode blocks`` starts and stops the tracer between alternated blocks of ``--steps`` steps
 instead (the way it was measured before; the blocks drift more than the cost).
-``--no-gpu-times`` traces without the NCCL ops' GPU times; ``--torch-events`` takes them
-through torch's events, one Python call each, instead of the driver's.
+``--no-gpu-times`` traces without the NCCL ops' GPU times; ``--gpu-every N`` takes them on one
+traced step in N, as ``SHARDLINE_TRACE_GPU=N`` does (then the pairs' mean, not their median,
+says what tracing costs); ``--torch-events`` takes them through torch's events, one Python
+call each, instead of the driver's.
 
     python benches/bench_trace_blocks.py --device cuda --pairs 400   # medium GPT, bf16
     python benches/bench_trace_blocks.py --device cpu --size small --dtype fp32
@@ -64,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--no-gpu-times", action="store_true",
         help="trace without the NCCL ops' GPU times (host times only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gpu-every", type=int, default=1,
+        help="GPU times on one traced step in N (SHARDLINE_TRACE_GPU=N; --mode steps)",
     )  # fmt: skip
     p.add_argument(
         "--torch-events", action="store_true",
@@ -115,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         else "host times only" if args.no_gpu_times
         else "GPU times through torch's events" if args.torch_events
         else f"GPU times through {type(device_times.events()).__name__.strip('_')}"
-    )  # fmt: skip
+    ) + (f", on one traced step in {args.gpu_every}" if cuda and args.gpu_every > 1
+         and not args.no_gpu_times else "")  # fmt: skip
     what = f"zero3, 1 process, {args.device}, {args.size} GPT {args.dtype}"
     steps(5)  # warm-up
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,8 +167,17 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
     job.start(job.directory)
     sinks = (RECORDER.sink, RECORDER.device_sink)
 
+    every = max(args.gpu_every, 1)
+    traced_steps = [0]
+
     def one(traced: bool) -> float:
-        RECORDER.sink, RECORDER.device_sink = sinks if traced else (None, None)
+        # As the tracer samples (SHARDLINE_TRACE_GPU=N), over the traced steps only.
+        if traced:
+            gpu = sinks[1] if traced_steps[0] % every == 0 else None
+            RECORDER.sink, RECORDER.device_sink = sinks[0], gpu
+            traced_steps[0] += 1
+        else:
+            RECORDER.sink, RECORDER.device_sink = None, None
         sync()
         t = time.perf_counter()
         steps(1)
@@ -186,21 +202,28 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
     TRACER.stop()
     ratios = [a / b - 1 for a, b in zip(on, off, strict=True)]
     paired = statistics.median(ratios)
+    # The mean: what many steps cost together. The median alone would miss a cost paid on one
+    # step in N (GPU times sampled), and the ratios lean to the slow side.
+    mean = statistics.fmean(ratios)
+    sem = statistics.stdev(ratios) / len(ratios) ** 0.5
     base = statistics.median(off)
     q1, _, q3 = statistics.quantiles(ratios, n=4)
     lines = [
         f"{args.pairs} pairs of steps, one recorded and one not, order alternated",
         f"untraced: {base:.2f} ms/step, traced: {statistics.median(on):.2f} ms/step (medians)",
         f"the pairs' ratios (traced / untraced - 1): median {paired:+.2%}, quartiles "
-        f"{q1:+.2%} and {q3:+.2%}",
+        f"{q1:+.2%} and {q3:+.2%}; mean {mean:+.2%} (standard error {sem:.2%})",
         f"the tracer's thread: {tracer_ms:.3f} ms of CPU per traced step, of which "
         f"{reading_ms:.3f} ms reading events with the GIL released: {held_ms:.3f} ms with it "
         f"held, {held_ms / base:+.2%} of the untraced step",
         f"overhead: {paired + held_ms / base:+.2%} (the pairs' median plus the tracer's thread "
         f"with the GIL; bar 1 %); with all of its CPU {paired + tracer_ms / base:+.2%}",
+        f"overhead by the mean: {mean + held_ms / base:+.2%} (the pairs' mean plus the tracer's "
+        f"thread with the GIL)",
     ]
     doc = {"on": on, "off": off, "tracer_ms": tracer_ms, "reading_ms": reading_ms,
-           "paired": paired, "overhead": paired + held_ms / base,
+           "paired": paired, "mean": mean, "sem": sem, "overhead": paired + held_ms / base,
+           "overhead_mean": mean + held_ms / base,
            "overhead_all_tracer_cpu": paired + tracer_ms / base}  # fmt: skip
     return lines, doc
 

@@ -375,6 +375,53 @@ def test_the_straggler_check_reads_gpu_ops_at_their_device_times(tmp_path: Path)
     assert rep.culprits("straggler") == {1}, rep.text()
 
 
+def test_the_straggler_check_reads_only_the_steps_timed_on_the_gpu(tmp_path: Path) -> None:
+    """With GPU times on one step in 3, an op of the other steps has host times only (when it
+    was queued): the check reads the sampled steps alone. Here the host times name rank 0,
+    the GPU times rank 1: rank 1 is the straggler."""
+    steps = [100.0 + 0.1 * k for k in range(25)]
+    for r in range(3):
+        _rank(tmp_path, r, {}, steps, 0.03 if r == 0 else 0.02)  # host times: rank 0 slow
+        gaps = 0.02 if r != 1 else 0.03  # rank 1 computes 10 ms longer per step on its GPU
+        lines = []
+        for line in (tmp_path / f"rank{r}.trace.jsonl").read_text().splitlines():
+            event = json.loads(line)
+            timed = event["r"][1] % 3 == 0 if event["k"] == "op" else event["n"] % 3 == 0
+            if event["k"] == "op" and timed:
+                t1 = event["r"][flight.END] + 0.001
+                event["d"] = [t1 - 0.1 + gaps, t1 - 0.001]
+            if event["k"] == "step":
+                event["gpu"] = timed
+            lines.append(json.dumps(event) + "\n")
+        (tmp_path / f"rank{r}.trace.jsonl").write_text("".join(lines))
+    rep = doctor.examine(tmp_path, steps=20)
+    assert rep.culprits("straggler") == {1}, rep.text()
+    assert "the last 8 steps timed on the GPU" in rep.text(), rep.text()
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_gpu_times_are_taken_on_one_step_in_n(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: int
+) -> None:
+    monkeypatch.setenv("SHARDLINE_TRACE_GPU", str(every))
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    t = Tracer()
+    t.start(tmp_path, rank=0, world_size=1, backend="nccl", interval=60.0)
+    sinks = []
+    try:
+        for _ in range(7):
+            sinks.append(RECORDER.device_sink == t.device.add)  # for the step about to run
+            p.grad = torch.ones(2)
+            opt.step()
+    finally:
+        t.stop()
+    want = [n % every == 0 for n in range(7)]
+    assert sinks == want
+    lines = [json.loads(x) for x in (tmp_path / "rank0.trace.jsonl").read_text().splitlines()]
+    assert [e["gpu"] for e in lines if e["k"] == "step"] == want
+
+
 def test_gpu_times_are_taken_unless_turned_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

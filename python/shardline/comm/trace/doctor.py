@@ -13,7 +13,9 @@ Four checks, each a finding that names the rank:
 - **straggler**: over the last ``steps`` optimizer steps, a rank whose time outside
   communication per step (the lower quartile of those steps) exceeds the median rank's by
   ``slower`` or more (the others then wait for it inside every collective). A rank's own
-  clock measures its own gaps, so clocks of different hosts need not agree.
+  clock measures its own gaps, so clocks of different hosts need not agree. Where NCCL ops
+  were timed on the GPU on one step in N (``SHARDLINE_TRACE_GPU=N``), the last ``steps`` of
+  those steps.
 - **settings**: versions, ``SHARDLINE_*`` settings and the program's notes
   (``shardline.trace.note``; ``distribute`` notes its strategy) that differ between ranks.
 
@@ -390,16 +392,29 @@ def _outside(rank: Rank, steps: int) -> float | None:
     Measured on such a host with three CPU hogs beside the job, a rank 15 % slower came out
     1.12-1.15x the others by the quartile, 1.06-1.14x by the median.
     """
-    marks = rank.steps
-    if len(marks) < MIN_STEPS + 1:
+    windows = _windows(rank.steps)[-steps:]
+    if len(windows) < MIN_STEPS:
         return None
-    ends = [float(m["t1"]) for m in marks[-(steps + 1) :]]
     # On a GPU an op's time is when it ran there (its host times say when it was queued).
-    spans = sorted(sp for o in rank.ops if ends[0] <= (sp := span(o))[0] and sp[1] <= ends[-1])
+    first, last = windows[0][0], windows[-1][1]
+    spans = sorted(sp for o in rank.ops if first <= (sp := span(o))[0] and sp[1] <= last)
     if not spans:
         return None
-    gaps = [(t1 - t0) - _covered(spans, t0, t1) for t0, t1 in itertools.pairwise(ends)]
+    gaps = [(t1 - t0) - _covered(spans, t0, t1) for t0, t1 in windows]
     return statistics.quantiles(gaps, n=4, method="inclusive")[0]
+
+
+def _windows(marks: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """Each step's ``(start, end)``: from the previous step's end to its own.
+
+    Where GPU times were taken on some steps only (``SHARDLINE_TRACE_GPU=N``), only those
+    steps: on the others an NCCL op's times are when the host queued it and waited for it,
+    not when it ran.
+    """
+    pairs = list(itertools.pairwise(marks))
+    if any(m.get("gpu") is False for m in marks):
+        pairs = [(a, b) for a, b in pairs if b.get("gpu")]
+    return [(float(a["t1"]), float(b["t1"])) for a, b in pairs]
 
 
 def _covered(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
@@ -423,10 +438,12 @@ def _straggler(ranks: dict[int, Rank], steps: int, slower: float) -> list[Findin
     others = statistics.median(v for r, v in per.items() if r != worst)
     if per[worst] < (1 + slower) * others or per[worst] - others < MIN_EXCESS:
         return []
-    n = min(steps, min(len(ranks[r].steps) for r in per) - 1)
+    n = min(steps, *(len(_windows(ranks[r].steps)) for r in per))
+    sampled = any(m.get("gpu") is False for r in per for m in ranks[r].steps)
+    which = f"the last {n} steps" + (" timed on the GPU" if sampled else "")
     text = (f"rank {worst} spends {per[worst] * 1e3:.1f} ms per step outside communication, "
             f"{per[worst] / max(others, 1e-9) - 1:.0%} more than the other ranks' median "
-            f"({others * 1e3:.1f} ms), by the lower quartile of the last {n} steps; they wait for "
+            f"({others * 1e3:.1f} ms), by the lower quartile of {which}; they wait for "
             "it in every collective")  # fmt: skip
     return [Finding("straggler", (worst,), text)]
 

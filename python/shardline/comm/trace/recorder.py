@@ -20,6 +20,10 @@ With ``SHARDLINE_TRACE=DIR`` (or ``shardline.init(trace=DIR)``) every rank write
   heartbeat stops is stopped or dead. Its ``state`` is ``running``, then ``shutdown`` (the
   program called ``shardline.shutdown``) or ``exited`` (the interpreter exited without it).
 
+NCCL ops take their GPU times on one optimizer step in ``SHARDLINE_TRACE_GPU`` (``1``: every
+step; ``0``: none), all of a step's ops or none; a step's line says whether it took them
+(``"gpu"``).
+
 Cost: an op's record gains its caller (about half a microsecond); the thread wakes once per
 interval and writes what finished since, ``CHUNK`` ops at a time, pausing between them: the
 program's thread, which needs the GIL to launch its next kernel, never waits for a whole
@@ -60,7 +64,8 @@ __all__ = ["TRACER", "Tracer"]
 # Event lines of ``rank<r>.trace.jsonl``: {"k": "ops", "r": [<flight record>, ...]} for the ops
 # that finished since the last write (a line per ``CHUNK`` of them: one call of the native
 # encoder each, ``_ops_line``; a record timed on its GPU has its device start and end appended),
-# {"k": "step", "n": n, "t0": start, "t1": end} for an optimizer step,
+# {"k": "step", "n": n, "t0": start, "t1": end} for an optimizer step (and "gpu": whether its
+# ops took GPU times, while they are sampled),
 # {"k": "span", "name": name, "t0": start, "t1": end, "where": "file:line"} for a span.
 
 
@@ -77,6 +82,10 @@ class Tracer:
         self._notes: dict[str, Any] = {}
         self._steps = 0
         self._step_start: float | None = None
+        # NCCL ops' GPU times on one optimizer step in ``gpu_every`` (0: none); whether the
+        # step running now takes them.
+        self.gpu_every = 0
+        self._gpu_step = False
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
         self._flushing = threading.Lock()
@@ -127,8 +136,8 @@ class Tracer:
         self._file = open(path / f"rank{rank}.trace.jsonl", "w", encoding="utf-8")  # noqa: SIM115
         RECORDER.sink = self._ops
         self.device = DeviceTimes()
-        if config.get("SHARDLINE_TRACE_GPU"):
-            RECORDER.device_sink = self.device.add
+        self.gpu_every = config.get("SHARDLINE_TRACE_GPU")
+        self._sample(0)
         self._install_hooks()
         self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
         self._thread.start()
@@ -192,13 +201,25 @@ class Tracer:
         def post(*_: Any) -> None:
             t1 = time.time()
             with self._lock:
-                self._events.append(
-                    {"k": "step", "n": self._steps, "t0": self._step_start or t1, "t1": t1}
-                )
+                event = {"k": "step", "n": self._steps, "t0": self._step_start or t1, "t1": t1}
+                if self.gpu_every:
+                    event["gpu"] = self._gpu_step
+                self._events.append(event)
                 self._steps += 1
+                self._sample(self._steps)
 
         self._hooks = [register_optimizer_step_pre_hook(pre),
                        register_optimizer_step_post_hook(post)]  # fmt: skip
+
+    def _sample(self, step: int) -> None:
+        """Whether step ``step``'s NCCL ops (from now to its end) take GPU times.
+
+        On one step in ``gpu_every``: a step's ops all do or none do, so a sampled step's
+        timeline is whole on its GPU (what the doctor's straggler check reads).
+        """
+        every = self.gpu_every
+        self._gpu_step = bool(every) and step % every == 0
+        RECORDER.device_sink = self.device.add if self._gpu_step else None
 
     # -- writing ----------------------------------------------------------------------------------
 
