@@ -103,6 +103,22 @@ def test_an_op_issued_inside_torch_and_shardline_is_placed_at_the_programs_line(
     assert not flight._library_module("torchvision.models") and not flight._library_module("t")
 
 
+def test_each_code_objects_line_is_its_own_though_the_first_is_gone() -> None:
+    """Lines are kept by code object id (Python 3.12 hashes a code object by walking all its
+    instructions, on every op): a code object freed after its line was worked out must not
+    hand that line to a new one made at its address."""
+
+    def line_of_a_new_function(n: int) -> str:
+        source = "\n" * n + "def f(_where):\n    import sys\n    return _where(sys._getframe())\n"
+        scope: dict[str, object] = {}
+        exec(compile(source, f"<made {n}>", "exec"), scope)
+        return scope["f"](flight._where)  # type: ignore[operator]
+
+    assert line_of_a_new_function(0) == "<made 0>:3"  # its function and code object are freed
+    for n in range(1, 200):  # new code objects, many at a freed one's address
+        assert line_of_a_new_function(n) == f"<made {n}>:{n + 3}"
+
+
 def test_a_long_write_goes_in_chunks_with_the_gil_released_between(
     tracer: Tracer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -407,19 +423,23 @@ def test_gpu_times_are_taken_on_one_step_in_n(
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([p], lr=0.1)
     t = Tracer()
-    t.start(tmp_path, rank=0, world_size=1, backend="nccl", interval=60.0)
-    sinks = []
-    try:
-        for _ in range(7):
-            sinks.append(RECORDER.device_sink == t.device.add)  # for the step about to run
-            p.grad = torch.ones(2)
-            opt.step()
-    finally:
-        t.stop()
-    want = [n % every == 0 for n in range(7)]
-    assert sinks == want
-    lines = [json.loads(x) for x in (tmp_path / "rank0.trace.jsonl").read_text().splitlines()]
-    assert [e["gpu"] for e in lines if e["k"] == "step"] == want
+    for gpu_ops in (False, True):
+        t.start(tmp_path / str(gpu_ops), rank=0, world_size=1, backend="nccl", interval=60.0)
+        t.device.timed_any = gpu_ops  # as once an NCCL op was taken to be timed
+        sinks = []
+        try:
+            for _ in range(7):
+                sinks.append(RECORDER.device_sink == t.device.add)  # for the step about to run
+                p.grad = torch.ones(2)
+                opt.step()
+        finally:
+            t.stop()
+        want = [n % every == 0 for n in range(7)]
+        assert sinks == want
+        text = (tmp_path / str(gpu_ops) / "rank0.trace.jsonl").read_text()
+        steps = [e for e in map(json.loads, text.splitlines()) if e["k"] == "step"]
+        # Marked only in a job with GPU ops: a CPU job's straggler check reads every step.
+        assert [e.get("gpu") for e in steps] == (want if gpu_ops else [None] * 7)
 
 
 def test_gpu_times_are_taken_unless_turned_off(

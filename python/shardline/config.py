@@ -214,12 +214,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "SHARDLINE_TRACE_GPU",
         "`0`, `1`, `N`",
-        "1",
+        "4",
         "While tracing, also place each NCCL op at the time it ran on its GPU (CUDA events), on "
-        "one optimizer step in `N` (all of that step's ops; `1`: every step); `0` keeps host "
-        "times only (when each op was queued and waited for), at less cost.",
+        "one optimizer step in `N` (all of that step's ops; `1`: every step, at more cost); `0` "
+        "keeps host times only (when each op was queued and waited for).",
         _integer(0, "an integer >= 0 (0: host times only, 1: every step, N: one step in N)"),
-        1,
+        4,
     ),
     Setting(
         "SHARDLINE_TRACE_INTERVAL",

@@ -223,9 +223,12 @@ def plain(record: list[Any]) -> list[Any]:
 
 # Whether a file is the program's (``program_frame``), by the name its code objects give it.
 _PROGRAM_FILES: dict[str, bool] = {}
-# ``"file:line"`` by code object and instruction (``_where``): a frame's line number is worked
-# out from its code's line table, which costs microseconds in a long function.
-_WHERE: dict[tuple[Any, int], str] = {}
+# ``(code, "file:line")`` by the code object's id and instruction (``_where``): a frame's line
+# number is worked out from its code's line table, which costs microseconds in a long
+# function. Keyed by id, not by the code object: on Python 3.12 a code object's hash walks
+# all of its instructions, each time (3 us for a long function, on every traced op). The
+# entry holds its code object, so the id stays that code's while the entry lives.
+_WHERE: dict[tuple[int, int], tuple[Any, str]] = {}
 # Whether a module is shardline's (but for its example programs), torch's or ``contextlib``,
 # by name (``_callsite_by_module``).
 _LIBRARY_MODULES: dict[str, bool] = {}
@@ -309,12 +312,15 @@ def _library_module(name: str) -> bool:
 
 def _where(f: Any) -> str:
     """``"file:line"`` of frame ``f``."""
-    key = (f.f_code, f.f_lasti)
-    where = _WHERE.get(key)
-    if where is None:
-        if len(_WHERE) > 100_000:  # a program that makes code without end: start again
-            _WHERE.clear()
-        where = _WHERE[key] = f"{f.f_code.co_filename}:{f.f_lineno}"
+    code = f.f_code
+    key = (id(code), f.f_lasti)
+    known = _WHERE.get(key)
+    if known is not None:
+        return known[1]
+    if len(_WHERE) > 100_000:  # a program that makes code without end: start again
+        _WHERE.clear()
+    where = f"{code.co_filename}:{f.f_lineno}"
+    _WHERE[key] = (code, where)
     return where
 
 

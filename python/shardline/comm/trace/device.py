@@ -470,12 +470,14 @@ class DeviceTimes:
         # Seconds spent reading events (``Events.elapsed``: through the driver, without the
         # GIL), for a measure of what the tracer's thread holds the GIL for.
         self.reading_s = 0.0
+        self.timed_any = False  # whether any op was taken to be timed (a job with GPU ops)
 
     def add(self, record: list[Any], timing: OpTiming) -> None:
         """Follows ``record``'s op on its GPU (list and set appends: safe from any thread).
 
         Called before the op's record is finished, so a finished record is never missed.
         """
+        self.timed_any = True
         self._watch.add(id(record))
         self._new.append((record, timing))
 

@@ -202,7 +202,7 @@ class Tracer:
             t1 = time.time()
             with self._lock:
                 event = {"k": "step", "n": self._steps, "t0": self._step_start or t1, "t1": t1}
-                if self.gpu_every:
+                if self.gpu_every and self.device.timed_any:  # a job whose ops run on GPUs
                     event["gpu"] = self._gpu_step
                 self._events.append(event)
                 self._steps += 1
