@@ -226,8 +226,9 @@ _PROGRAM_FILES: dict[str, bool] = {}
 # ``(code, "file:line")`` by the code object's id and instruction (``_where``): a frame's line
 # number is worked out from its code's line table, which costs microseconds in a long
 # function. Keyed by id, not by the code object: on Python 3.12 a code object's hash walks
-# all of its instructions, each time (3 us for a long function, on every traced op). The
-# entry holds its code object, so the id stays that code's while the entry lives.
+# all of its instructions, each time (on an H200 host 0.3 us for a model's ``forward``, 2 us
+# for a module's code, on every traced op). The entry holds its code object, so the id stays
+# that code's while the entry lives.
 _WHERE: dict[tuple[int, int], tuple[Any, str]] = {}
 # Whether a module is shardline's (but for its example programs), torch's or ``contextlib``,
 # by name (``_callsite_by_module``).
