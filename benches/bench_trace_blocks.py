@@ -15,9 +15,10 @@ with that time is printed too).
 ``--mode blocks`` starts and stops the tracer between alternated blocks of ``--steps`` steps
 instead (the way it was measured before; the blocks drift more than the cost).
 ``--no-gpu-times`` traces without the NCCL ops' GPU times; ``--gpu-every N`` takes them on one
-traced step in N, as ``SHARDLINE_TRACE_GPU=N`` does (then the pairs' mean, not their median,
-says what tracing costs); ``--torch-events`` takes them through torch's events, one Python
-call each, instead of the driver's.
+traced step in N, as ``SHARDLINE_TRACE_GPU=N`` does (the pairs' median alone would miss a cost
+paid on one step in N: the pairs with and without GPU times are taken apart, their medians
+weighted 1 to N - 1); ``--torch-events`` takes them through torch's events, one Python call
+each, instead of the driver's.
 
     python benches/bench_trace_blocks.py --device cuda --pairs 400   # medium GPT, bf16
     python benches/bench_trace_blocks.py --device cpu --size small --dtype fp32

@@ -8,6 +8,8 @@ these tests watch the copies from inside the forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -50,7 +52,8 @@ def test_regather_inputs_are_freed_as_their_units_first_run(stage: int, precisio
         assert len(units) == LAYERS  # one unit per layer: the planner's grouping
         seen: list[tuple[int, int, bool]] = []
 
-        def watch(layer: int):  # runs after the wrapper's own hook has waited for the unit
+        def watch(layer: int) -> Callable[[nn.Module, object], None]:
+            # Runs after the wrapper's own hook, which has waited for the layer's unit.
             def hook(module: nn.Module, args: object) -> None:
                 held = [u.gather_input for u in units if u.gather_input is not None]
                 mine = model._module_units[module][0]

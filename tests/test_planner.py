@@ -518,7 +518,7 @@ def test_bad_arguments_name_the_choices() -> None:
         choose_strategy(model, world_size=2, available_bytes=1, optimizer="nope")
 
 
-def test_the_peak_is_in_backward_or_in_the_step() -> None:
+def test_the_peak_is_in_backward_in_the_step_or_as_the_forward_begins() -> None:
     """fp32 AdamW on 2 ranks, each byte counted by hand: the peak's parts as they are alive."""
     model, n = even_model(), 2
     psi, unit = numel(model), WIDTH * WIDTH
