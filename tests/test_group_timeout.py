@@ -103,6 +103,34 @@ def test_a_sub_group_given_a_timeout_times_out_by_it() -> None:
     assert GROUP_S - 0.5 <= waited < GROUP_S + LATE_S
 
 
+@pytest.mark.usefixtures("native")
+def test_a_rank_left_out_of_a_sub_group_that_runs_its_parents_op_is_told_why() -> None:
+    """``new_group`` gives a rank outside the sub-group ``None``, and ``group=None`` is the
+    whole world: a rank that passes it on runs the parent's op, which the others never join.
+    Its timeout says so, naming the sub-group it is not in."""
+    released = threading.Event()
+
+    def body(g: ProcessGroup) -> str | None:
+        parent = g.new_group([0, 1, 2], timeout=GROUP_S)  # the world, with a short deadline
+        assert parent is not None
+        sub = parent.new_group([0, 1])
+        if sub is not None:  # the members run the sub-group's op, as meant
+            sub.all_reduce(torch.ones(4))
+            released.wait(HELD_S)
+            return None
+        try:
+            with pytest.raises(CollectiveTimeoutError) as caught:
+                parent.all_reduce(torch.ones(4))  # as sl.all_reduce(t, group=None) would
+        finally:
+            released.set()
+        return str(caught.value)
+
+    said = run_ranks(3, body, op_timeout=60.0, timeout=HARD_S)[2]
+    assert said is not None
+    assert "rank 2 is not in sub-group" in said and "(ranks [0, 1] of" in said, said
+    assert "group=None means the whole world" in said, said
+
+
 # -- checkpoint commits ------------------------------------------------------------------------
 
 

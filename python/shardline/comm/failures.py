@@ -19,6 +19,7 @@ import contextlib
 import re
 import sys
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from shardline.comm import flight, why
@@ -36,7 +37,23 @@ if TYPE_CHECKING:
 
     from shardline.comm.group import ProcessGroup
 
-__all__ = ["explained", "note_left", "use_job_store"]
+__all__ = ["explained", "left_out", "note_left", "use_job_store"]
+
+# The sub-group each group last left this rank out of: ``new_group`` gave the rank ``None``,
+# which passed as ``group=`` means the whole world (torch.distributed's meaning). A collective
+# of that group that times out on this rank says so: the others may be in the sub-group's op.
+_LEFT_OUT: weakref.WeakKeyDictionary[ProcessGroup, tuple[str, list[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def left_out(group: ProcessGroup, name: str, members: list[int]) -> None:
+    """Notes that ``group.new_group(members)`` (sub-group ``name``) left this rank out.
+
+    Returns ``None``: what ``new_group`` gives a rank outside the sub-group.
+    """
+    _LEFT_OUT[group] = (name, members)
+
 
 _LEFT = "shardline/left/{rank}"
 _job_store: Store | None = None  # the job's store, from init
@@ -152,6 +169,14 @@ def explained(
             sentence = why.diagnose(group, record, store, group.timeout)
             if sentence:
                 out = CollectiveTimeoutError(f"{exc}\nwho holds it up: {sentence}")
+        left = _LEFT_OUT.get(group)
+        if left is not None:
+            name, members = left
+            out = CollectiveTimeoutError(
+                f"{out}\nrank {group.rank} is not in sub-group {name!r} (ranks {members} of "
+                f"{group.name!r}): new_group gave it None, and group=None means the whole "
+                f"world; if this call was meant for {name!r}, make it on those ranks only"
+            )
     op = record[flight.OP] if record is not None else "an op"
     path = RECORDER.dump(f"{type(exc).__name__} in {op}: {exc}")
     if path is not None:

@@ -553,9 +553,9 @@ class ProcessGroup:
             )
         for r in members:
             self._check_rank("new_group", "rank", r)
-        name = f"{self.name}.{self._num_subgroups}"
-        self._num_subgroups += 1
+        name, self._num_subgroups = f"{self.name}.{self._num_subgroups}", self._num_subgroups + 1
         if self.rank not in members:
+            failures.left_out(self, name, members)  # for a timeout's error on this group
             return None
         if timeout is None:  # the backend's sub-group keeps its parent's deadline
             impl = self._impl.subgroup(name, members, overlap_compute=overlap_compute)
