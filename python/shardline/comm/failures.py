@@ -48,10 +48,7 @@ _LEFT_OUT: weakref.WeakKeyDictionary[ProcessGroup, tuple[str, list[int]]] = (
 
 
 def left_out(group: ProcessGroup, name: str, members: list[int]) -> None:
-    """Notes that ``group.new_group(members)`` (sub-group ``name``) left this rank out.
-
-    Returns ``None``: what ``new_group`` gives a rank outside the sub-group.
-    """
+    """Notes that ``group.new_group(members)`` (sub-group ``name``) left this rank out."""
     _LEFT_OUT[group] = (name, members)
 
 
