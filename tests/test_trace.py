@@ -5,7 +5,6 @@ The fault-injection trials on real jobs are in ``tests/multiprocess/test_doctor.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -72,51 +71,6 @@ def test_ops_steps_and_spans_land_in_the_timeline_with_the_users_line(
     doc = merge.chrome_trace(tmp_path)
     names = sorted(e["name"] for e in doc["traceEvents"] if e["ph"] == "X")
     assert names == ["all_reduce #0", "broadcast #1", "forward", "step 0"]
-
-
-def test_an_op_issued_inside_torch_and_shardline_is_placed_at_the_programs_line(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """As a strategy's hook issues its ops from inside torch's module call: the line is the
-    program's that made the call, the same whether the walk passes library frames by their
-    module's name (Python 3.12+) or by their files."""
-    monkeypatch.setattr(RECORDER, "sink", [])
-    module = torch.nn.Module()
-    module.forward = functools.partial(  # type: ignore[method-assign]
-        RECORDER.start, "world", 0, "all_reduce", 8, None, None
-    )
-    record = module()  # the op's line
-    assert record[flight.WHERE] == f"{__file__}:{_line_of('record = module()  #')}"
-    seen: list[tuple[str | None, str | None]] = []
-
-    def issue() -> None:  # called by torch's frames, as a hook is
-        seen.append((flight.callsite(), flight.callsite(sys._getframe(1))))
-
-    hooked = torch.nn.Module()
-    hooked.forward = issue  # type: ignore[method-assign]
-    hooked()  # both walks' line
-    where = f"{__file__}:{_line_of('hooked()  #')}"
-    assert seen == [(where, where)]
-    assert flight._library_module("torch.nn.modules.module")
-    assert flight._library_module("shardline.parallel.zero")
-    assert not flight._library_module("shardline.examples.train")
-    assert not flight._library_module("torchvision.models") and not flight._library_module("t")
-
-
-def test_each_code_objects_line_is_its_own_though_the_first_is_gone() -> None:
-    """Lines are kept by code object id (Python 3.12 hashes a code object by walking all its
-    instructions, on every op): a code object freed after its line was worked out must not
-    hand that line to a new one made at its address."""
-
-    def line_of_a_new_function(n: int) -> str:
-        source = "\n" * n + "def f(_where):\n    import sys\n    return _where(sys._getframe())\n"
-        scope: dict[str, object] = {}
-        exec(compile(source, f"<made {n}>", "exec"), scope)
-        return scope["f"](flight._where)  # type: ignore[operator]
-
-    assert line_of_a_new_function(0) == "<made 0>:3"  # its function and code object are freed
-    for n in range(1, 200):  # new code objects, many at a freed one's address
-        assert line_of_a_new_function(n) == f"<made {n}>:{n + 3}"
 
 
 def test_a_long_write_goes_in_chunks_with_the_gil_released_between(
@@ -514,7 +468,6 @@ def test_a_job_killed_as_a_whole_still_says_where_each_rank_was(tmp_path: Path) 
     said only that the process was gone)."""
     import socket
     import subprocess
-    import sys
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip

@@ -221,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long ranks must wait in a collective to call it a hang (2)",
     )
     doctor.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a live job timed on its GPUs on some steps only (SHARDLINE_TRACE_GPU) is asked "
+        "for GPU times on every one of its next --steps steps: how long to wait for them "
+        "(60; 0: do not ask)",
+    )
+    doctor.add_argument(
         "--all",
         action="store_true",
         help="read every rank's whole timeline (by default its last 8 MiB: its recent ops)",
@@ -237,8 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _doctor(ns: argparse.Namespace) -> int:
     try:
-        report = doctor.examine(ns.dir, steps=ns.steps, slower=ns.slower, hang_after=ns.hang_after,
-                                history=None if ns.all else doctor.HISTORY_BYTES)  # fmt: skip
+        report = doctor.diagnose(ns.dir, steps=ns.steps, slower=ns.slower,
+                                 hang_after=ns.hang_after, wait=ns.wait,
+                                 history=None if ns.all else doctor.HISTORY_BYTES)  # fmt: skip
     except InvalidArgumentError as exc:
         print(f"shardline doctor: error: {exc}", file=sys.stderr)
         return 2

@@ -214,12 +214,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "SHARDLINE_TRACE_GPU",
         "`0`, `1`, `N`",
-        "4",
+        "16",
         "While tracing, also place each NCCL op at the time it ran on its GPU (CUDA events), on "
-        "one optimizer step in `N` (all of that step's ops; `1`: every step, at more cost); `0` "
-        "keeps host times only (when each op was queued and waited for).",
+        "one optimizer step in `N` (all of that step's ops; `1`: every step, at more cost), and "
+        "on every step that `shardline doctor` asks for; `0` keeps host times only (when each "
+        "op was queued and waited for).",
         _integer(0, "an integer >= 0 (0: host times only, 1: every step, N: one step in N)"),
-        4,
+        16,
     ),
     Setting(
         "SHARDLINE_TRACE_INTERVAL",

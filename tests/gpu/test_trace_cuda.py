@@ -9,7 +9,9 @@ is the reference.
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ if not dist.is_nccl_available():
 
 pytestmark = pytest.mark.multiprocess
 WORKER = Path(__file__).with_name("_trace_worker.py")
+STEPS_WORKER = Path(__file__).with_name("_trace_steps_worker.py")
 
 
 def test_nccl_ops_land_on_the_timeline_at_their_gpu_times(tmp_path: Path) -> None:
@@ -56,3 +59,45 @@ def test_nccl_ops_land_on_the_timeline_at_their_gpu_times(tmp_path: Path) -> Non
     gpu = {(e["pid"], e["tid"]) for e in doc["traceEvents"] if e.get("cat") == "gpu"}
     assert {pid for pid, _ in gpu} == set(range(n)), gpu
     assert doctor.examine(tmp_path).findings == []
+
+
+def test_the_doctor_asks_a_live_job_for_gpu_times_on_every_step(tmp_path: Path) -> None:
+    """With GPU times on one step in 16, the doctor asks the running job for 10 steps: every
+    all-reduce of those steps, and of no step between the sampled ones, has GPU times."""
+    n = min(GPUS, 2)
+    env = {"SHARDLINE_TIMEOUT": "60", "SHARDLINE_BACKEND": "", "SHARDLINE_TRACE": str(tmp_path),
+           "SHARDLINE_TRACE_GPU": "16", "SHARDLINE_TRACE_INTERVAL": "0.2"}  # fmt: skip
+    ranks = start(n, env=env, args=[str(STEPS_WORKER)])
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not all(
+            (b := _beat(tmp_path, r)) and b.get("steps_written", 0) >= 20 for r in range(n)
+        ):
+            time.sleep(0.2)
+        rep = doctor.diagnose(tmp_path, steps=10, wait=60)
+    finally:
+        (tmp_path / "stop").touch()
+        ranks = finish(ranks, 120)
+    assert all(r.rc == 0 and "OK" in r.out for r in ranks), report(ranks)
+    assert any(x.startswith("GPU times on every step of the last 10") for x in rep.notes), rep
+    loaded = folder.load(tmp_path)
+    for r in range(n):
+        asked = _beat(tmp_path, r)["asked"]
+        marks = loaded[r].steps
+        timed = {m["n"] for m in marks if m.get("gpu")}
+        assert set(range(asked["from"], asked["until"])) <= timed
+        assert timed == {m["n"] for m in marks if m["n"] % 16 == 0
+                         or asked["from"] <= m["n"] < asked["until"]}  # fmt: skip
+        ops = [o for o in loaded[r].ops if o[flight.OP] == "all_reduce"]
+        for a, b in itertools.pairwise(marks):  # an op belongs to the step it ended in
+            inside = [o for o in ops if a["t1"] < o[flight.END] <= b["t1"]]
+            assert inside, (r, b["n"])
+            spans = [folder.device_span(o) is not None for o in inside]
+            assert spans == [b["n"] in timed] * len(inside), (r, b["n"], spans)
+
+
+def _beat(folder_: Path, r: int) -> dict[str, object] | None:
+    try:
+        return dict(json.loads((folder_ / f"rank{r}.now.json").read_text()))
+    except (OSError, ValueError):
+        return None

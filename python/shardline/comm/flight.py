@@ -91,11 +91,20 @@ class FlightRecorder:
             self.ops = deque(self.ops, maxlen=max(capacity, 1))
 
     def start(
-        self, group: str, seq: int, op: str, numel: int, dtype: object, peer: int | None
+        self,
+        group: str,
+        seq: int,
+        op: str,
+        numel: int,
+        dtype: object,
+        peer: int | None,
+        inside: int = 0,
     ) -> list[Any] | None:
         """Records an op that starts now; the record to ``finish``, or None when off.
 
         ``dtype`` may be a ``torch.dtype``: it is turned into text only when dumped.
+        ``inside``: how many frames out from the caller are known to be shardline's (the
+        caller's own included); the program's line is looked for past them (``callsite``).
         """
         sink = self.sink
         if not self.enabled and sink is None:
@@ -104,7 +113,7 @@ class FlightRecorder:
         if self.enabled:
             self.ops.append(record)
         if sink is not None:
-            record[WHERE] = callsite()
+            record[WHERE] = callsite(skip=inside)
             sink.append(record)
         return record
 
@@ -262,41 +271,44 @@ def _program_file(name: str) -> bool:
     return (not name.startswith(skip) or name.startswith(_programs)) and name[:1] != "<"
 
 
-def callsite(frame: Any = None) -> str | None:
+def callsite(frame: Any = None, skip: int = 0) -> str | None:
     """``"train.py:57"``: where the program called into shardline (or torch), from ``frame``.
 
-    The first frame, walking out from ``frame`` (the caller's caller by default), whose file
-    is neither shardline's (but for its example programs) nor torch's (nor frozen:
-    ``<...>``): the user's line that issued the op, even when the op runs inside
-    ``loss.backward()`` or a strategy's hook.
+    The first frame, walking out from ``frame`` (the caller's caller by default, or ``skip``
+    frames further out), whose file is neither shardline's (but for its example programs)
+    nor torch's (nor frozen: ``<...>``): the user's line that issued the op, even when the
+    op runs inside ``loss.backward()`` or a strategy's hook. ``None`` where there is none: a
+    thread that runs library code only, such as torch's autograd thread of a GPU, which runs
+    a strategy's backward hooks.
 
     On every traced op's path. An op from a strategy's hook is some 10-40 frames deep, and
     walking them makes a frame object of each: on Python 3.12 and later, frames of library
-    modules are passed by their module's name, without one.
+    modules are passed by their module's name, without one. Inside a GPU training step each
+    frame passed costs half a microsecond to a microsecond (on an H200 host; five to ten
+    times a loop's), so frames known to be shardline's are not looked at (``skip``).
     """
     if frame is None and _FRAME_MODULE is not None:
-        return _callsite_by_module(3)  # this (0), callsite (1), its caller (2)
-    f = program_frame(frame if frame is not None else sys._getframe(2))
+        return _callsite_by_module(3 + skip)  # this (0), callsite (1), its caller (2)
+    f = program_frame(frame if frame is not None else sys._getframe(2 + skip))
     return None if f is None else _where(f)
 
 
 def _callsite_by_module(depth: int) -> str | None:
     """``callsite`` from the frame ``depth`` levels out from here, on Python 3.12+."""
     assert _FRAME_MODULE is not None
-    known = _LIBRARY_MODULES
+    module, known = _FRAME_MODULE, _LIBRARY_MODULES
+    library = known.get
     while True:
-        name = _FRAME_MODULE(depth)  # None: past the outermost frame, or no module
-        library = False if name is None else known.get(name)
-        if library is None:
-            library = known[name] = _library_module(name)
-        if not library:
-            try:
-                frame = sys._getframe(depth)
-            except ValueError:  # past the outermost frame
-                return None
-            f = program_frame(frame)  # by its file, as for any frame (it may be frozen)
-            return None if f is None else _where(f)
-        depth += 1
+        while library(module(depth)):  # a module met and found a library's
+            depth += 1
+        name = module(depth)  # None: past the outermost frame, or a frame of no module
+        if name is None or name in known:
+            break
+        known[name] = _library_module(name)  # met for the first time: look at it again
+    # The frame itself, or None past the outermost one (without raising, as _getframe would).
+    frame = sys._getframe(depth - 1).f_back
+    f = None if frame is None else program_frame(frame)  # by its file, as for any frame
+    return None if f is None else _where(f)
 
 
 def _library_module(name: str) -> bool:

@@ -18,12 +18,7 @@ import torch
 from shardline import config
 from shardline.comm import _shapes as shapes
 from shardline.comm import failures, p2p, traffic
-from shardline.comm._buffers import (
-    as_tensor,
-    check_numel,
-    check_same_dtype,
-    parse_op,
-)
+from shardline.comm._buffers import as_tensor, check_numel, check_same_dtype, parse_op
 from shardline.comm.flight import RECORDER
 from shardline.comm.work import Handle, Work
 from shardline.errors import (
@@ -204,7 +199,8 @@ class ProcessGroup:
     ) -> list[object] | None:
         """The flight recorder's record of an op starting now (see ``comm.flight``).
 
-        On every op's path: about 0.7 us (benches/bench_flight.py).
+        On every op's path: about 0.7 us (benches/bench_flight.py). Past this frame, ``_submit``'s
+        and its caller's (an op of this group or of ``p2p``) lies the program's line.
         """
         if peer is None:
             seq = self._seq
@@ -214,8 +210,8 @@ class ProcessGroup:
             self._messages[(op, peer)] = seq + 1
         t = keepalive[-1] if keepalive else None  # the flat tensor, gather's/scatter's own part
         if isinstance(t, torch.Tensor):
-            return RECORDER.start(self.name, seq, op, t.numel(), t.dtype, peer)
-        return RECORDER.start(self.name, seq, op, 0, None, peer)
+            return RECORDER.start(self.name, seq, op, t.numel(), t.dtype, peer, 3)
+        return RECORDER.start(self.name, seq, op, 0, None, peer, 3)
 
     def _failed(self, record: list[object] | None, exc: ShardlineError) -> ShardlineError:
         """An op of this group failed here: noted, then ``failures.explained``."""

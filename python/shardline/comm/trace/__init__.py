@@ -4,7 +4,8 @@
 settings and a heartbeat into ``DIR`` (``recorder``). ``shardline trace merge DIR`` turns the
 timelines into one Chrome/Perfetto trace (``merge``); ``shardline doctor DIR`` reads the
 folder of a live or finished job and names a hung collective's culprit, a straggler and
-settings that differ between ranks (``doctor``).
+settings that differ between ranks (``doctor``); a live job whose NCCL ops are timed on the
+GPU on some steps only is first asked for GPU times on every step for a while (``ask``).
 
     with shardline.trace.span("forward"):   # the program's own spans on the timeline
         out = model(x)

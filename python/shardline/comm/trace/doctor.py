@@ -20,9 +20,11 @@ Four checks, each a finding that names the rank:
   (``shardline.trace.note``; ``distribute`` notes its strategy) that differ between ranks.
 
 A live job's heartbeats are at most one interval old, so the doctor answers within a
-second or two of being asked. A heartbeat that looks older is read again an interval and a
-half later before its rank is called silent: still beating, it comes from a host whose clock
-is behind the doctor's (said in the report's notes), and the rank is alive.
+second or two of being asked (``diagnose`` on a job timed on its GPUs on some steps only
+first waits for the steps it asks for, where nothing hangs). A heartbeat that looks older
+is read again an interval and a half later before its rank is called silent: still beating,
+it comes from a host whose clock is behind the doctor's (said in the report's notes), and
+the rank is alive.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from shardline.comm import flight
+from shardline.comm.trace import ask
 from shardline.comm.trace.folder import Rank, load, newest_world, read_object, span
 
-__all__ = ["Finding", "Report", "examine"]
+__all__ = ["Finding", "Report", "diagnose", "examine"]
 
 # Settings that differ between ranks by design: never a finding.
 PER_RANK = {
@@ -76,6 +79,9 @@ class Report:
     steps: int  # the most optimizer steps a rank reported
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # files read as missing or left out, why
+    running: list[int] = field(default_factory=list)  # the ranks alive and beating
+    # GPU times were taken on some steps only (``SHARDLINE_TRACE_GPU=N``, N > 1)
+    sampled: bool = False
 
     def culprits(self, kind: str) -> set[int]:
         """The ranks blamed by findings of ``kind``."""
@@ -156,7 +162,9 @@ def examine(
                            for n in r.unreadable] + notes)  # fmt: skip
     # A job that runs no more: a rank whose heartbeat still says "running" ended unannounced.
     state = {r: _state(ranks.get(r), ref, stale if live else -1.0) for r in range(report.ranks)}
-    report.live = live = any(s["kind"] == "running" for s in state.values())
+    report.running = [r for r, s in state.items() if s["kind"] == "running"]
+    report.live = live = bool(report.running)
+    report.sampled = any(m.get("gpu") is False for r in ranks.values() for m in r.steps)
     report.findings += _hang(ranks, state, ref, hang_after)
     report.findings += _mismatch(ranks)
     report.findings += _straggler(ranks, steps, slower)
@@ -166,6 +174,49 @@ def examine(
             if s["kind"] in ("gone", "silent", "missing"):
                 report.findings.append(Finding("silent", (r,), f"rank {r} {s['text']}"))
     return report
+
+
+def diagnose(
+    directory: str | Path,
+    *,
+    steps: int = 20,
+    slower: float = 0.07,
+    hang_after: float = 2.0,
+    history: int | None = HISTORY_BYTES,
+    wait: float = 60.0,
+) -> Report:
+    """``examine``, but a live job timed on its GPUs on some steps only is asked first.
+
+    Where nothing hangs, such a job's ranks are asked for GPU times on their next ``steps``
+    steps (``ask``), and the folder is read again once they have written them, or after
+    ``wait`` seconds (0: never ask). The report's notes say which. The other arguments are
+    ``examine``'s.
+    """
+    report = examine(directory, steps=steps, slower=slower, hang_after=hang_after,
+                     history=history)  # fmt: skip
+    if wait <= 0 or not report.sampled or not report.running or report.culprits("hang"):
+        return report
+    t0 = time.monotonic()
+    try:
+        rid = ask.ask(directory, steps)
+    except OSError as exc:  # a folder this user may read but not write
+        report.notes.append(f"could not ask the job for GPU times on every step: {exc}")
+        return report
+    answered, late = ask.wait(directory, rid, report.running, wait)
+    again = examine(directory, steps=steps, slower=slower, hang_after=hang_after,
+                    history=history)  # fmt: skip
+    took = time.monotonic() - t0
+    if late:
+        again.notes.append(
+            f"asked for GPU times on every step; {_ranks(late)} did not write {steps} such "
+            f"steps within {wait:g} s (the straggler check read the steps timed as sampled; "
+            "--wait sets how long to wait)"
+        )
+    elif answered:
+        again.notes.append(
+            f"GPU times on every step of the last {steps}, asked of the job: {took:.1f} s"
+        )
+    return again
 
 
 # -- each rank's state ---------------------------------------------------------------------------

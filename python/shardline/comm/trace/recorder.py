@@ -22,7 +22,8 @@ With ``SHARDLINE_TRACE=DIR`` (or ``shardline.init(trace=DIR)``) every rank write
 
 NCCL ops take their GPU times on one optimizer step in ``SHARDLINE_TRACE_GPU`` (``1``: every
 step; ``0``: none), all of a step's ops or none; a step's line says whether it took them
-(``"gpu"``).
+(``"gpu"``). The doctor may ask for them on every step for a while (``ask``): the thread looks
+for its request at each write.
 
 Cost: an op's record gains its caller (about half a microsecond); the thread wakes once per
 interval and writes what finished since, ``CHUNK`` ops at a time, pausing between them: the
@@ -56,6 +57,7 @@ from shardline import config
 from shardline._version import __version__
 from shardline.comm import flight
 from shardline.comm.flight import RECORDER
+from shardline.comm.trace.ask import Inbox
 from shardline.comm.trace.device import CHUNK, THREAD_NAME, DeviceTimes, pause
 from shardline.errors import ShardlineError
 
@@ -82,10 +84,14 @@ class Tracer:
         self._notes: dict[str, Any] = {}
         self._steps = 0
         self._step_start: float | None = None
-        # NCCL ops' GPU times on one optimizer step in ``gpu_every`` (0: none); whether the
-        # step running now takes them.
+        # NCCL ops' GPU times on one optimizer step in ``gpu_every`` (0: none), and on every
+        # step of ``_asked``'s ``[from, until)`` (the doctor's request); whether the step
+        # running now takes them.
         self.gpu_every = 0
+        self._asked: dict[str, Any] = {}
         self._gpu_step = False
+        self._inbox: Inbox | None = None
+        self._written = 0  # steps in the timeline file
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
         self._flushing = threading.Lock()
@@ -115,7 +121,7 @@ class Tracer:
         self.directory, self.rank = path, rank
         self.interval = interval if interval is not None else config.get("SHARDLINE_TRACE_INTERVAL")
         self._stop.clear()
-        self._steps, self._step_start = 0, None
+        self._steps, self._step_start, self._written = 0, None, 0
         settings = {s.name: _setting(s.name) for s in config.SETTINGS}
         if settings.get("SHARDLINE_SECRET"):  # never on disk: only whether it is set
             settings["SHARDLINE_SECRET"] = "<set>"
@@ -137,6 +143,8 @@ class Tracer:
         RECORDER.sink = self._ops
         self.device = DeviceTimes()
         self.gpu_every = config.get("SHARDLINE_TRACE_GPU")
+        self._asked = {}
+        self._inbox = Inbox(path)
         self._sample(0)
         self._install_hooks()
         self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
@@ -214,12 +222,28 @@ class Tracer:
     def _sample(self, step: int) -> None:
         """Whether step ``step``'s NCCL ops (from now to its end) take GPU times.
 
-        On one step in ``gpu_every``: a step's ops all do or none do, so a sampled step's
-        timeline is whole on its GPU (what the doctor's straggler check reads).
+        On one step in ``gpu_every``, and on every step the doctor asked for: a step's ops all
+        do or none do, so a sampled step's timeline is whole on its GPU (what the doctor's
+        straggler check reads).
         """
-        every = self.gpu_every
-        self._gpu_step = bool(every) and step % every == 0
+        every, asked = self.gpu_every, self._asked
+        self._gpu_step = bool(every) and (
+            step % every == 0 or (bool(asked) and asked["from"] <= step < asked["until"])
+        )
         RECORDER.device_sink = self.device.add if self._gpu_step else None
+
+    def _answer(self) -> None:
+        """Takes GPU times on every step the doctor's new request asks for, from the next on.
+
+        On the tracer's thread; the program's reads ``_asked`` at its next step's end (one
+        dict swapped whole). With GPU times off, a request is left unanswered.
+        """
+        request = self._inbox.poll() if self._inbox is not None else None
+        if request is None or not self.gpu_every:
+            return
+        rid, steps = request
+        first = self._steps + 1  # the step running now may have queued untimed ops
+        self._asked = {"id": rid, "from": first, "until": first + steps}
 
     # -- writing ----------------------------------------------------------------------------------
 
@@ -241,6 +265,7 @@ class Tracer:
         del self._ops[:n]
         with self._lock:
             events, self._events = self._events, []
+        self._answer()
         ops = self._running + fresh
         device = self.device
         device.resolve()
@@ -252,9 +277,11 @@ class Tracer:
                 pause()
             lines.append(_ops_line(done[i : i + CHUNK], spans[i : i + CHUNK]))
         lines += [json.dumps(e) for e in events]
+        written = [e["n"] + 1 for e in events if e["k"] == "step"]
         if lines:
             self._file.write("\n".join(lines) + "\n")
             self._file.flush()
+        self._written = max(written, default=self._written)
         self._heartbeat(state)
 
     def _heartbeat(self, state: str) -> None:
@@ -279,10 +306,14 @@ class Tracer:
             "interval": self.interval,
             "state": state,
             "steps": self._steps,
+            "steps_written": self._written,
+            "gpu_every": self.gpu_every,
             "running": [flight.plain(r) for r in self._running],
             "groups": dict(RECORDER.groups),
             "threads": threads,
         }
+        if self._asked:
+            now["asked"] = self._asked
         _write_atomic(self.directory / f"rank{self.rank}.now.json", now)
 
 
