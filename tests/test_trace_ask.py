@@ -46,13 +46,19 @@ class _Job:
         self.opt.step()
 
 
+def _gpu_job(folder: Path, interval: float) -> tuple[Tracer, _Job]:
+    """A tracer started into ``folder`` as on a GPU job, and the job's steps."""
+    t = Tracer()
+    t.start(folder, rank=0, world_size=1, backend="nccl", interval=interval)
+    t.device.timed_any = True  # as once an NCCL op was taken to be timed
+    return t, _Job()
+
+
 def test_a_rank_times_every_step_asked_for_from_its_next_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SHARDLINE_TRACE_GPU", "16")
-    t, job = Tracer(), _Job()
-    t.start(tmp_path, rank=0, world_size=1, backend="nccl", interval=60.0)
-    t.device.timed_any = True  # as once an NCCL op was taken to be timed
+    t, job = _gpu_job(tmp_path, 60.0)
     try:
         for _ in range(3):
             job.step(t)
@@ -83,9 +89,7 @@ def test_a_request_older_than_the_rank_or_with_gpu_times_off_is_not_answered(
         monkeypatch.setenv("SHARDLINE_TRACE_GPU", every)
         if every == "16":
             ask.ask(folder, 5)  # a doctor's request left from an earlier job
-        t, job = Tracer(), _Job()
-        t.start(folder, rank=0, world_size=1, backend="nccl", interval=60.0)
-        t.device.timed_any = True
+        t, job = _gpu_job(folder, 60.0)
         try:
             if every == "0":
                 ask.ask(folder, 5)
@@ -104,9 +108,7 @@ def test_the_doctor_asks_a_live_sampled_job_and_reads_the_steps_it_asked_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SHARDLINE_TRACE_GPU", "16")
-    t, job = Tracer(), _Job()
-    t.start(tmp_path, rank=0, world_size=1, backend="nccl", interval=0.05)
-    t.device.timed_any = True
+    t, job = _gpu_job(tmp_path, 0.05)
     stop = threading.Event()
     errors: list[BaseException] = []
 
