@@ -28,6 +28,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from shardline.comm.trace.folder import read_object
+
 __all__ = ["REQUEST", "Inbox", "ask", "wait"]
 
 REQUEST = "doctor.request.json"
@@ -79,9 +81,9 @@ class Inbox:
             return None
         self._seen = seen
         try:
-            request = json.loads(self._path.read_text())
+            request = read_object(self._path)
             rid, steps = str(request["id"]), int(request["steps"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError):  # TypeError: "steps" not a number
             return None
         if rid == self._last or steps < 1:
             return None
@@ -116,7 +118,7 @@ def wait(
         still = []
         for r in left:
             try:
-                beat = json.loads((path / f"rank{r}.now.json").read_text())
+                beat = read_object(path / f"rank{r}.now.json")
             except (OSError, ValueError):
                 still.append(r)  # being rewritten, or gone: asked again
                 continue
