@@ -115,7 +115,7 @@ def test_a_rank_that_calls_another_op_is_named(tmp_path: Path) -> None:
         assert f"rank {culprit} called broadcast as #0" in finding.text, finding.text
 
 
-@pytest.mark.quiet  # a rank 15 % slower is found against a 10 % rule: no other load beside it
+@pytest.mark.quiet  # a rank 15 % slower is found against a 7 % rule: no other load beside it
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["sleep", "throttled"])
 def test_a_slow_rank_and_a_setting_that_differs_are_named(tmp_path: Path, how: str) -> None:
@@ -174,6 +174,9 @@ def test_the_command_line_and_the_merged_trace(tmp_path: Path) -> None:
     assert len(steps) == 3 * N  # three optimizer steps per rank
 
 
+# A healthy job has no straggler only where no other load wakes its ranks late: beside CI's
+# jobs at nice 19 one rank came out 12 % slower (3 ms of 22 ms a step, a sleep's wake-up).
+@pytest.mark.quiet
 def test_a_job_on_torch_distributed_with_shardlines_backend_is_traced(tmp_path: Path) -> None:
     """``init_process_group("shardline")`` starts the tracer as ``sl.init`` does: every
     all-reduce is on the timeline with the program's line, and a healthy job has no finding."""
