@@ -1,4 +1,4 @@
-"""The program's line of a traced op (``flight.callsite``): the user's code that issued it.
+"""The program's line of a traced op (``program_line.callsite``): the user's code that issued it.
 
 Two walks find it: by each frame's module name (Python 3.12+, ``sys._getframemodulename``,
 without a frame object per frame) and by each frame's file. Every test runs both; on an older
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardline.comm import flight
+from shardline.comm import flight, program_line
 from shardline.comm.flight import RECORDER
 from tests._ranks import run_ranks
 
@@ -36,9 +36,9 @@ def _frame_module(depth: int) -> str | None:
 def walk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each walk, and a sink listening (so ``RECORDER.start`` looks for the line)."""
     if request.param == "files":
-        monkeypatch.setattr(flight, "_FRAME_MODULE", None)
-    elif flight._FRAME_MODULE is None:
-        monkeypatch.setattr(flight, "_FRAME_MODULE", _frame_module)
+        monkeypatch.setattr(program_line, "_FRAME_MODULE", None)
+    elif program_line._FRAME_MODULE is None:
+        monkeypatch.setattr(program_line, "_FRAME_MODULE", _frame_module)
     monkeypatch.setattr(RECORDER, "sink", [])
     monkeypatch.setattr(RECORDER, "enabled", False)
     return str(request.param)
@@ -64,17 +64,17 @@ def test_an_op_issued_inside_torch_and_shardline_is_placed_at_the_programs_line(
     seen: list[tuple[str | None, str | None]] = []
 
     def issue() -> None:  # called by torch's frames, as a hook is
-        seen.append((flight.callsite(), flight.callsite(sys._getframe(1))))
+        seen.append((program_line.callsite(), program_line.callsite(sys._getframe(1))))
 
     hooked = torch.nn.Module()
     hooked.forward = issue  # type: ignore[method-assign]
     hooked()  # both walks' line
     where = f"{__file__}:{_line_of('hooked()  #')}"
     assert seen == [(where, where)]
-    assert flight._library_module("torch.nn.modules.module")
-    assert flight._library_module("shardline.parallel.zero")
-    assert not flight._library_module("shardline.examples.train")
-    assert not flight._library_module("torchvision.models") and not flight._library_module("t")
+    library = program_line._library_module
+    assert library("torch.nn.modules.module") and library("shardline.parallel.zero")
+    assert not library("shardline.examples.train")
+    assert not library("torchvision.models") and not library("t")
 
 
 def test_each_code_objects_line_is_its_own_though_the_first_is_gone() -> None:
@@ -86,7 +86,7 @@ def test_each_code_objects_line_is_its_own_though_the_first_is_gone() -> None:
         source = "\n" * n + "def f(_where):\n    import sys\n    return _where(sys._getframe())\n"
         scope: dict[str, object] = {}
         exec(compile(source, f"<made {n}>", "exec"), scope)
-        return scope["f"](flight._where)  # type: ignore[operator]
+        return scope["f"](program_line._where)  # type: ignore[operator]
 
     assert line_of_a_new_function(0) == "<made 0>:3"  # its function and code object are freed
     for n in range(1, 200):  # new code objects, many at a freed one's address
@@ -108,9 +108,9 @@ def test_a_groups_op_is_placed_at_the_line_that_called_it(walk: str) -> None:
     assert got == [("all_reduce", f"{__file__}:{first}"), ("broadcast", f"{__file__}:{second}")]
 
 
-def test_an_op_from_a_thread_of_library_code_only_has_no_line(walk: str) -> None:
-    """A thread whose every frame is a library's (torch's autograd thread of a GPU, running a
-    strategy's backward hook): the walk reaches the outermost frame and gives ``None``."""
+def _in_a_library_thread(ops: int) -> list[Any]:
+    """Records of ``ops`` ops issued from a thread whose every frame is a library's (as torch's
+    autograd thread of a GPU, running a strategy's backward hook)."""
     source = "def issue(start):\n    return start('world', 0, 'all_reduce', 8, None, None)\n"
     scope: dict[str, Any] = {"__name__": "torch._a_hook"}
     exec(compile(source, os.path.join(os.path.dirname(torch.__file__), "_a_hook.py"), "exec"),
@@ -120,17 +120,55 @@ def test_an_op_from_a_thread_of_library_code_only_has_no_line(walk: str) -> None
     # The thread's one function is the library's too, and nothing is below it: started by
     # ``_thread``, not ``threading`` (whose frames are the program's by this rule).
     run_code = compile(
-        "def run():\n    try:\n        out.append(scope['issue'](RECORDER.start))\n"
+        "def run():\n    try:\n        for _ in range(ops):\n"
+        "            out.append(scope['issue'](RECORDER.start))\n"
         "    finally:\n        done.set()\n",
         os.path.join(os.path.dirname(torch.__file__), "_a_thread.py"), "exec",
     )  # fmt: skip
     thread_scope: dict[str, Any] = {"__name__": "torch._a_thread", "out": out, "done": done,
-                                    "scope": scope, "RECORDER": RECORDER}  # fmt: skip
+                                    "scope": scope, "RECORDER": RECORDER, "ops": ops}  # fmt: skip
     exec(run_code, thread_scope)
     _thread.start_new_thread(thread_scope["run"], ())
     assert done.wait(10)
-    (record,) = out
+    assert len(out) == ops
+    # From this thread, the same function is placed at its caller's line.
+    mine = scope["issue"](RECORDER.start)  # from this thread
+    assert mine[flight.WHERE] == f"{__file__}:{_line_of('# from this thread')}"
+    return out
+
+
+def test_an_op_from_a_thread_of_library_code_only_has_no_line(walk: str) -> None:
+    """Outside a backward, such a thread's op has no program line: the walk reaches the
+    outermost frame and gives ``None``."""
+    (record,) = _in_a_library_thread(1)
     assert record[flight.WHERE] is None
-    # From this thread, the same function is placed at this test's line.
-    record = scope["issue"](RECORDER.start)  # this line
-    assert record[flight.WHERE] == f"{__file__}:{_line_of('# this line')}"
+
+
+def test_an_op_of_a_backward_on_a_library_thread_is_placed_at_the_backwards_line(
+    walk: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU, torch runs a backward's hooks on a thread of its own: their ops are placed at
+    the program's ``loss.backward()`` line, read from the thread blocked in it, once per
+    backward (torch's graph task). Here the library thread is started from a hook of a real
+    backward on this thread, and told that backward's task id (torch gives it only to its own
+    threads)."""
+    task = [-1]
+    monkeypatch.setattr(program_line, "_graph_task", lambda: task[0])
+    monkeypatch.setattr(program_line, "_BACKWARD", [(-1, None)])
+    records: list[Any] = []
+
+    def hook(grad: torch.Tensor) -> None:
+        task[0] = torch._C._current_graph_task_id()
+        records.extend(_in_a_library_thread(2))
+
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(hook)
+    (x * 2).sum().backward()  # the backward's line
+    where = f"{__file__}:{_line_of('# the backward')}"
+    assert task[0] >= 0 and [r[flight.WHERE] for r in records] == [where, where]
+    assert program_line._BACKWARD[0] == (task[0], where)
+    # Once per backward: its line is kept for its task, and a new task is looked for afresh
+    # (here none is in progress on any thread; torch's next would be this one's plus one).
+    assert program_line._backward_line() == where
+    task[0] += 1000
+    assert program_line._backward_line() is None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ if not dist.is_nccl_available():
 pytestmark = pytest.mark.multiprocess
 WORKER = Path(__file__).with_name("_trace_worker.py")
 STEPS_WORKER = Path(__file__).with_name("_trace_steps_worker.py")
+BACKWARD_WORKER = Path(__file__).with_name("_trace_backward_worker.py")
 
 
 def test_nccl_ops_land_on_the_timeline_at_their_gpu_times(tmp_path: Path) -> None:
@@ -59,6 +61,25 @@ def test_nccl_ops_land_on_the_timeline_at_their_gpu_times(tmp_path: Path) -> Non
     gpu = {(e["pid"], e["tid"]) for e in doc["traceEvents"] if e.get("cat") == "gpu"}
     assert {pid for pid, _ in gpu} == set(range(n)), gpu
     assert doctor.examine(tmp_path).findings == []
+
+
+def test_the_backwards_ops_on_the_autograd_thread_are_placed_at_its_line(tmp_path: Path) -> None:
+    """DDP's all-reduces, issued from hooks on torch's autograd thread of the GPU (no frame of
+    the program's there), carry the program's ``loss.backward()`` line."""
+    n = min(GPUS, 2)
+    env = {"SHARDLINE_TIMEOUT": "60", "SHARDLINE_BACKEND": "", "SHARDLINE_TRACE": str(tmp_path)}
+    ranks = finish(start(n, env=env, args=[str(BACKWARD_WORKER)]), 120)
+    assert all(r.rc == 0 and "OK" in r.out for r in ranks), report(ranks)
+    text = BACKWARD_WORKER.read_text().splitlines()
+    line = next(i for i, x in enumerate(text, 1) if "# the backward's line" in x)
+    loaded = folder.load(tmp_path)
+    for r in ranks:
+        seen = json.loads(next(x for x in r.out.splitlines() if x.startswith("{")))
+        assert seen["hooks_on_main"] == [False] * 3, seen  # the path this test is about
+        reduces = [o for o in loaded[r.rank].ops if o[flight.OP] == "all_reduce"]
+        assert len(reduces) >= 2 * 3, reduces  # buckets of 10 KB: several a backward
+        where = f"{os.sep}{BACKWARD_WORKER.name}:{line}"
+        assert all(str(o[flight.WHERE]).endswith(where) for o in reduces), reduces
 
 
 def test_the_doctor_asks_a_live_job_for_gpu_times_on_every_step(tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ from torch.optim.optimizer import (
 
 from shardline import config
 from shardline._version import __version__
-from shardline.comm import flight
+from shardline.comm import flight, program_line
 from shardline.comm.flight import RECORDER
 from shardline.comm.trace.ask import Inbox
 from shardline.comm.trace.device import CHUNK, THREAD_NAME, DeviceTimes, pause
@@ -192,7 +192,7 @@ class Tracer:
         if not self.active:
             yield
             return
-        where = flight.callsite(sys._getframe(2))
+        where = program_line.callsite(sys._getframe(2))
         t0 = time.time()
         try:
             yield
@@ -292,7 +292,7 @@ class Tracer:
         for t in threading.enumerate():
             if t.ident is None or t.ident not in frames or t.name == THREAD_NAME:
                 continue
-            f = flight.program_frame(frames[t.ident])
+            f = program_line.program_frame(frames[t.ident])
             if f is None and t.ident != main:
                 continue  # a thread of a library (the engine's, torch's): not the program's
             where = None if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
