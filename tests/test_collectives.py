@@ -362,3 +362,25 @@ def test_messages_are_matched_by_tag_and_taken_from_any_source(
         from_s = [msg for source, msg in results[0] if source == s]
         assert from_s == [[0.0, s, s], [1.0, s, s]], results[0]
     assert len(results[0]) == 2 * (w - 1)
+
+
+@pytest.mark.usefixtures("native")
+@pytest.mark.parametrize("world", [2, 3])
+def test_sends_before_receives_complete_past_the_sockets_buffers(
+    transport: str, world: int
+) -> None:
+    """Every rank sends 64 MiB to the next rank, then receives from the one before, as a
+    pipeline's exchange does: over TCP a send that waits for room must read what reaches its
+    rank meanwhile (before, every rank waited for the next until the deadline)."""
+    n = 16 << 20
+
+    def body(g: ProcessGroup) -> bool:
+        r, w = g.rank, g.world_size
+        got = torch.empty(n)
+        sent = g.send(torch.full((n,), float(r + 1)), (r + 1) % w, async_op=True)
+        g.recv(got, (r - 1) % w)
+        assert sent is not None
+        sent.wait()
+        return bool(torch.equal(got, torch.full((n,), float((r - 1) % w + 1))))
+
+    assert run_ranks(world, body, transport=transport, op_timeout=20.0) == [True] * world

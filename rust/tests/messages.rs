@@ -248,3 +248,31 @@ fn a_message_of_the_wanted_tag_but_another_size_is_a_mismatch() {
         );
     }
 }
+
+#[test]
+fn a_send_past_the_sockets_buffers_then_a_receive_completes_on_every_rank() {
+    // Each rank sends 32 MiB (more than the sockets' buffers hold) to the next rank, then
+    // receives from the one before it: the send must take in what reaches this rank meanwhile
+    // (kept for the receive), or every rank waits for the next until its deadline. Two ranks
+    // send to each other; three or four, round a ring.
+    let big = 32 << 20;
+    for hosts in [&["a", "b"][..], LAYOUTS[1], LAYOUTS[2]] {
+        let n = hosts.len();
+        let got = run_ranks(hosts, Duration::from_secs(10), |c| {
+            let r = c.rank();
+            let (next, before) = ((r + 1) % n, (r + n - 1) % n);
+            let mut out = vec![r as u8 + 1; big];
+            let sent = send(c, &mut out, next, 5);
+            let mut inp = vec![0u8; big];
+            let from = recv(c, &mut inp, Some(before), 5).map_err(|e| e.to_string());
+            let done = sent.wait_for(None).map(|_| ()).map_err(|e| e.to_string());
+            let whole = inp.iter().all(|&b| b == before as u8 + 1);
+            (from, done, whole)
+        });
+        for (r, (from, done, whole)) in got.into_iter().enumerate() {
+            assert_eq!(from, Ok((r + n - 1) % n), "{hosts:?}: rank {r}");
+            assert_eq!(done, Ok(()), "{hosts:?}: rank {r}");
+            assert!(whole, "{hosts:?}: rank {r} received other bytes");
+        }
+    }
+}

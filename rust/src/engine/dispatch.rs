@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::config::CommConfig;
-use super::mailbox::{Links, Mailbox, PARK_LIMIT};
+use super::mailbox::{Links, Mailbox, ParkDuringSend, PARK_LIMIT};
 use super::op::Op;
 use super::work::Outcome;
 use crate::collectives::arena::{self, ArenaComm};
@@ -271,8 +271,10 @@ impl Router {
     pub(super) fn dispatch(&mut self, op: &Op, sig: &OpSig, deadline: Instant) -> Outcome {
         match op {
             Op::Send { buf, peer, .. } => {
-                let (mut links, _) = self.links();
-                links.send(*peer, sig, buf.bytes(), deadline).map(|()| None)
+                let (mut links, mailbox) = self.links();
+                links
+                    .send(*peer, sig, buf.bytes(), deadline, mailbox)
+                    .map(|()| None)
             }
             Op::Recv { buf, peer, .. } => {
                 let (mut links, mailbox) = self.links();
@@ -408,12 +410,31 @@ impl P2pLinks<'_> {
         self.mesh.as_deref_mut().ok_or_else(|| unlinked(rank))
     }
 
-    /// Sends one message, signed `sig`, to `peer`.
-    fn send(&mut self, peer: usize, sig: &OpSig, payload: &[u8], deadline: Instant) -> Result<()> {
-        match self.local(peer) {
-            Some((a, local)) => a.send_to(local, sig, payload, deadline),
-            None => self.mesh()?.send(peer, sig, payload, deadline),
+    /// Sends one message, signed `sig`, to `peer`. Over TCP, the messages that reach this
+    /// rank from its TCP peers while the send waits for room are parked in `mailbox` for the
+    /// receives that follow ([`ParkDuringSend`]).
+    fn send(
+        &mut self,
+        peer: usize,
+        sig: &OpSig,
+        payload: &[u8],
+        deadline: Instant,
+        mailbox: &mut Mailbox,
+    ) -> Result<()> {
+        if let Some((a, local)) = self.local(peer) {
+            return a.send_to(local, sig, payload, deadline);
         }
+        let (rank, world, arena) = (self.rank, self.world, self.arena);
+        let mesh = self.mesh()?;
+        let others: Vec<usize> = (0..world)
+            .filter(|&p| mesh.linked(p) && arena.is_none_or(|a| a.local_of(p).is_none()))
+            .collect();
+        let mut parking = ParkDuringSend {
+            mailbox,
+            me: rank,
+            sending: *sig,
+        };
+        mesh.send_draining(peer, sig, payload, deadline, &others, &mut parking)
     }
 }
 

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, ErrorKind, Result, LONGER_TIMEOUT};
 use crate::signature::{OpKind, OpSig};
+use crate::transport::tcp::Parking;
 
 /// Most bytes of messages a rank parks before it fails the receive that would park more.
 pub(super) const PARK_LIMIT: usize = 1 << 30;
@@ -58,6 +59,9 @@ pub(super) struct Mailbox {
     limit: usize,
     /// Index into the peers of the rank a receive from any source looks at first.
     next_any: usize,
+    /// The memory of the last parked message a receive took, for the next one to park: a
+    /// fresh allocation of a large message costs its pages' first writes each time.
+    spare: Vec<u8>,
 }
 
 impl Mailbox {
@@ -68,6 +72,7 @@ impl Mailbox {
             bytes: 0,
             limit,
             next_any: 0,
+            spare: Vec::new(),
         }
     }
 
@@ -89,6 +94,9 @@ impl Mailbox {
             self.bytes -= m.data.len();
             want.check_against(links.me(), &m.sig, m.peer)?;
             dst.copy_from_slice(&m.data);
+            if m.data.capacity() > self.spare.capacity() {
+                self.spare = m.data;
+            }
             return Ok(m.peer);
         }
         loop {
@@ -104,7 +112,13 @@ impl Mailbox {
                 links.take(src, want, dst, deadline)?;
                 return Ok(src);
             }
-            self.park(links, src, (theirs, len), tag, deadline)?;
+            self.park(
+                links,
+                src,
+                (theirs, len),
+                &format!("it waits for tag {tag}"),
+                deadline,
+            )?;
         }
     }
 
@@ -162,16 +176,43 @@ impl Mailbox {
     }
 
     /// Takes `peer`'s next message (signed `sig`, `len` bytes) out of the transport and keeps
-    /// it for the receive that asks for its tag; `wanted` is the tag this rank waits for.
+    /// it for the receive that asks for its tag; `waiting` says, in errors, what this rank
+    /// waits for meanwhile.
     fn park(
         &mut self,
         links: &mut impl Links,
         peer: usize,
         (sig, len): (OpSig, u64),
-        wanted: u32,
+        waiting: &str,
         deadline: Instant,
     ) -> Result<()> {
-        let me = links.me();
+        let len = self.reserve(links.me(), peer, &sig, len, waiting)?;
+        let mut data = self.buffer(len);
+        links.take(peer, &sig, &mut data, deadline)?;
+        self.parked.push_back(Parked { peer, sig, data });
+        Ok(())
+    }
+
+    /// `len` bytes to park a message in: the spare memory where it is large enough.
+    fn buffer(&mut self, len: usize) -> Vec<u8> {
+        if self.spare.capacity() < len {
+            return vec![0u8; len];
+        }
+        let mut data = std::mem::take(&mut self.spare);
+        data.resize(len, 0);
+        data
+    }
+
+    /// Counts `len` more bytes parked for `peer`'s message signed `sig`, or fails when that
+    /// would pass the limit or when `len` is not what `sig` holds.
+    fn reserve(
+        &mut self,
+        me: usize,
+        peer: usize,
+        sig: &OpSig,
+        len: u64,
+        waiting: &str,
+    ) -> Result<usize> {
         let bytes = sig.count.saturating_mul(sig.dtype.size() as u64);
         if len != bytes {
             return Err(Error::protocol(format!(
@@ -193,18 +234,41 @@ impl Mailbox {
                 ErrorKind::Mismatch,
                 format!(
                     "rank {me} would hold more than {} MiB of messages that no receive has asked \
-                     for yet ({}) while it waits for tag {wanted}; receive those tags, or send \
-                     in the order the receiver receives",
+                     for yet ({}) while {waiting}; receive those tags, or send in the order the \
+                     receiver receives",
                     self.limit >> 20,
                     held.join(", "),
                 ),
             ));
         }
-        let mut data = vec![0u8; len];
-        links.take(peer, &sig, &mut data, deadline)?;
         self.bytes += len;
-        self.parked.push_back(Parked { peer, sig, data });
-        Ok(())
+        Ok(len)
+    }
+}
+
+/// A send over TCP that waits for room parks, for the receives that follow, the messages that
+/// reach this rank meanwhile ([`crate::transport::tcp::TcpMesh::send_draining`]). Without
+/// this, two ranks that each send to the other before receiving (or a ring of them) wait for
+/// each other once their messages outgrow the sockets' buffers.
+pub(super) struct ParkDuringSend<'m> {
+    pub(super) mailbox: &'m mut Mailbox,
+    pub(super) me: usize,
+    /// The send that waits.
+    pub(super) sending: OpSig,
+}
+
+impl Parking for ParkDuringSend<'_> {
+    fn accepts(&mut self, peer: usize, sig: &OpSig, len: u64) -> Result<Option<Vec<u8>>> {
+        if sig.kind != OpKind::Send {
+            return Ok(None); // a collective's: it waits for the collective
+        }
+        let waiting = format!("its {} waits for room to send", self.sending);
+        let len = self.mailbox.reserve(self.me, peer, sig, len, &waiting)?;
+        Ok(Some(self.mailbox.buffer(len)))
+    }
+
+    fn park(&mut self, peer: usize, sig: OpSig, data: Vec<u8>) {
+        self.mailbox.parked.push_back(Parked { peer, sig, data });
     }
 }
 
@@ -367,5 +431,41 @@ mod tests {
             "{}",
             err.message
         );
+    }
+
+    #[test]
+    fn a_send_parks_what_arrives_meanwhile_within_the_limit() {
+        let mut m = Mailbox::new(10);
+        let sending = want(1, 64);
+        let mut p = ParkDuringSend {
+            mailbox: &mut m,
+            me: 0,
+            sending,
+        };
+        // A collective's message is left for the collective; a send's is taken.
+        let barrier = OpSig::new(OpKind::Barrier, DType::U8, 0);
+        assert_eq!(p.accepts(1, &barrier, 0), Ok(None));
+        assert_eq!(p.accepts(1, &want(2, 6), 6), Ok(Some(vec![0; 6])));
+        p.park(1, want(2, 6), vec![7; 6]);
+        let err = p.accepts(2, &want(3, 5), 5).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Mismatch);
+        assert!(
+            err.message.contains("tag 2 from rank 1, tag 3 from rank 2")
+                && err
+                    .message
+                    .contains("while its send(uint8, 64, tag=1) waits for room"),
+            "{}",
+            err.message
+        );
+        let short = p.accepts(1, &want(4, 3), 2).unwrap_err();
+        assert_eq!(short.kind, ErrorKind::Protocol, "{}", short.message);
+        // The receive that follows takes the parked message, with nothing left in the links.
+        let mut q = Queues::new(0, 2);
+        let mut got = [0u8; 6];
+        assert_eq!(
+            m.recv(&mut q, Some(1), &want(2, 6), &mut got, soon()),
+            Ok(1)
+        );
+        assert_eq!((got, m.bytes, q.taken), ([7; 6], 0, 0));
     }
 }

@@ -18,9 +18,11 @@ use super::sockio::{self, poll_until, pollfd, read_some, write_some, Fail};
 use crate::error::{Error, ErrorKind, Result, LONGER_TIMEOUT};
 use crate::signature::OpSig;
 
+mod draining;
+pub use draining::Parking;
+
 /// How long [`TcpMesh::abort_all`] spends telling each peer why.
 const ABORT_TIMEOUT: Duration = Duration::from_millis(200);
-
 struct Link {
     stream: TcpStream,
     addr: String,
@@ -177,6 +179,11 @@ impl TcpMesh {
         if self.broken.is_none() {
             self.broken = Some(err.clone());
         }
+    }
+
+    /// Whether this mesh links this rank with `peer`.
+    pub fn linked(&self, peer: usize) -> bool {
+        peer != self.rank && self.links.get(peer).is_some_and(Option::is_some)
     }
 
     fn link(&self, peer: usize) -> &Link {
