@@ -234,6 +234,18 @@ impl TcpMesh {
         }
     }
 
+    /// The error of a write to `to` that failed with `f` during `sig`: a peer that aborted
+    /// closed its end, and its abort frame, read where `abort_readable` (no message from it is
+    /// half read), says why.
+    fn send_failed(&self, f: Fail, to: usize, sig: &OpSig, abort_readable: bool) -> Error {
+        match f {
+            Fail::Closed(_) if abort_readable => self
+                .pending_abort(to)
+                .unwrap_or_else(|| self.fail(f, to, sig, "sending to")),
+            f => self.fail(f, to, sig, "sending to"),
+        }
+    }
+
     /// An abort frame `peer` left unread before closing, if any (the mesh is failing anyway, so
     /// consuming whatever else arrived is harmless).
     fn pending_abort(&self, peer: usize) -> Option<Error> {
@@ -470,13 +482,8 @@ impl TcpMesh {
                     (&[][..], &body[sent - HEADER_BYTES..])
                 };
                 let reading_same = receiving && from == to && (hgot > 0 || got > 0);
-                let n = write_some(s, h, b).map_err(|f| match f {
-                    // A peer that aborted closed its end; its abort frame says why.
-                    Fail::Closed(_) if !reading_same => self
-                        .pending_abort(to)
-                        .unwrap_or_else(|| self.fail(f, to, sig, "sending to")),
-                    f => self.fail(f, to, sig, "sending to"),
-                })?;
+                let n =
+                    write_some(s, h, b).map_err(|f| self.send_failed(f, to, sig, !reading_same))?;
                 sent += n;
                 progress |= n > 0;
                 if sent == total {

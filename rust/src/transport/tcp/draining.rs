@@ -7,7 +7,7 @@ use std::os::fd::AsRawFd;
 use std::time::Instant;
 
 use super::frame::{self, FrameType, Header, HEADER_BYTES};
-use super::sockio::{poll_until, pollfd, read_some, write_some, Fail};
+use super::sockio::{poll_until, pollfd, read_some, write_some};
 use super::TcpMesh;
 use crate::error::{ErrorKind, Result};
 use crate::signature::OpSig;
@@ -85,13 +85,8 @@ impl TcpMesh {
                 } else {
                     (&[][..], &payload[sent - HEADER_BYTES..])
                 };
-                let n = write_some(&self.link(peer).stream, h, b).map_err(|f| match f {
-                    // A peer that aborted closed its end; its abort frame says why.
-                    Fail::Closed(_) => self
-                        .pending_abort(peer)
-                        .unwrap_or_else(|| self.fail(f, peer, sig, "sending to")),
-                    f => self.fail(f, peer, sig, "sending to"),
-                })?;
+                let n = write_some(&self.link(peer).stream, h, b)
+                    .map_err(|f| self.send_failed(f, peer, sig, true))?;
                 sent += n;
                 progress |= n > 0;
                 stalled = n == 0;
