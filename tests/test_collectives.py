@@ -384,3 +384,40 @@ def test_sends_before_receives_complete_past_the_sockets_buffers(
         return bool(torch.equal(got, torch.full((n,), float((r - 1) % w + 1))))
 
     assert run_ranks(world, body, transport=transport, op_timeout=20.0) == [True] * world
+
+
+@pytest.mark.usefixtures("native")
+@pytest.mark.parametrize(("transport", "world"), [("shm", 3), ("tcp", 2), ("tcp", 3), ("hier", 3)])
+@pytest.mark.parametrize("n", [1000, 4 << 20], ids=["4KB", "16MB"])
+def test_messages_sent_before_a_collective_are_kept_for_receives_after_it(
+    transport: str, world: int, n: int
+) -> None:
+    """Rank 0 sends the last rank two messages and enters an all_reduce and a barrier; the
+    last rank enters them before it receives, the second message first, as Gloo allows. Over
+    TCP a message ahead of the collective's on its link failed as a mismatch, and one that
+    outgrew the sockets' buffers held its sender's collective back until the deadline."""
+    last = world - 1
+
+    def body(g: ProcessGroup) -> list[float]:
+        r = g.rank
+        x = torch.full((1024,), float(r + 1))
+        sends = []
+        if r == 0:
+            sends = [g.send(torch.full((n,), 7.0), last, tag=1, async_op=True),
+                     g.send(torch.arange(3.0), last, tag=2, async_op=True)]  # fmt: skip
+        g.all_reduce(x)
+        g.barrier()
+        got = [x[0].item()]
+        if r == last:
+            small, big = torch.empty(3), torch.empty(n)
+            g.recv(small, 0, tag=2)
+            g.recv(big, 0, tag=1)
+            got += [*small.tolist(), float(big.min()), float(big.max())]
+        for s in sends:
+            assert s is not None
+            s.wait()
+        return got
+
+    total = float(sum(range(1, world + 1)))
+    expected = [[total]] * last + [[total, 0.0, 1.0, 2.0, 7.0, 7.0]]
+    assert run_ranks(world, body, transport=transport, op_timeout=20.0) == expected

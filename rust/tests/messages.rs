@@ -276,3 +276,48 @@ fn a_send_past_the_sockets_buffers_then_a_receive_completes_on_every_rank() {
         }
     }
 }
+
+#[test]
+fn messages_sent_before_a_collective_are_kept_for_the_receives_after_it() {
+    // Rank 0 sends the last rank a message of 16 MiB (more than the sockets' buffers hold) and
+    // a small one, then enters an all-reduce; the last rank enters it before it receives them,
+    // the small one first. Over TCP the collective must take both in: the small one comes
+    // ahead of the collective's message on its link (a mismatch before), and the large one
+    // holds rank 0's collective back until it is read (the deadline before).
+    let big = 16 << 20;
+    for hosts in [&["a", "b"][..], LAYOUTS[1], &["a", "a", "b"]] {
+        let last = hosts.len() - 1;
+        let got = run_ranks(hosts, Duration::from_secs(10), |c| {
+            let r = c.rank();
+            let (mut large, mut small) = (vec![7u8; big], [1u8, 2, 3]);
+            let sent =
+                (r == 0).then(|| [send(c, &mut large, last, 1), send(c, &mut small, last, 2)]);
+            let mut sum = [r as u8 + 1; 8];
+            let op = Op::AllReduce {
+                buf: RawBuf::from_slice(&mut sum),
+                dtype: DType::U8,
+                op: shardline::ReduceOp::Sum,
+            };
+            let reduced = c
+                .submit(op, Box::new(()), false)
+                .and_then(|w| w.wait_for(None).map(|_| ()))
+                .map_err(|e| e.to_string());
+            let (mut large, mut small) = (vec![0u8; big], [0u8; 3]);
+            if r == last {
+                recv(c, &mut small, Some(0), 2).unwrap();
+                recv(c, &mut large, Some(0), 1).unwrap();
+            }
+            for w in sent.into_iter().flatten() {
+                w.wait_for(None).unwrap();
+            }
+            let whole = r != last || (small == [1, 2, 3] && large.iter().all(|&b| b == 7));
+            (reduced, sum[0], whole)
+        });
+        let total = (1..=hosts.len() as u8).sum::<u8>();
+        for (r, (reduced, sum, whole)) in got.into_iter().enumerate() {
+            assert_eq!(reduced, Ok(()), "{hosts:?}: rank {r}");
+            assert_eq!(sum, total, "{hosts:?}: rank {r}");
+            assert!(whole, "{hosts:?}: rank {r} received other bytes");
+        }
+    }
+}

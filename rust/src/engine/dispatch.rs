@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::config::CommConfig;
-use super::mailbox::{Links, Mailbox, ParkDuringSend, PARK_LIMIT};
+use super::mailbox::{Links, Mailbox, ParkMeanwhile, PARK_LIMIT};
 use super::op::Op;
 use super::work::Outcome;
 use crate::collectives::arena::{self, ArenaComm};
@@ -249,9 +249,25 @@ impl Router {
         self.arena = None;
     }
 
-    fn mesh(&mut self) -> Result<&mut TcpMesh> {
+    /// The TCP mesh, and the mailbox where the collective `sig` parks the point-to-point
+    /// messages that reach this rank over it meanwhile ([`TcpMesh::parking`]).
+    fn parking(&mut self, sig: &OpSig) -> Result<(&mut TcpMesh, ParkMeanwhile<'_>)> {
         let rank = self.rank;
-        self.mesh.as_mut().ok_or_else(|| unlinked(rank))
+        let mesh = self.mesh.as_mut().ok_or_else(|| unlinked(rank))?;
+        let parking = ParkMeanwhile {
+            mailbox: &mut self.mailbox,
+            me: rank,
+            during: *sig,
+        };
+        Ok((mesh, parking))
+    }
+
+    /// The ranks this rank's TCP mesh links it to, but for those of its host.
+    fn tcp_peers(&self) -> Vec<usize> {
+        let arena = self.arena.as_ref().map(ArenaComm::arena);
+        self.mesh
+            .as_ref()
+            .map_or_else(Vec::new, |m| tcp_peers(self.world, m, arena))
     }
 
     /// The links point-to-point messages take: the arena's channels to ranks of this host,
@@ -296,7 +312,15 @@ impl Router {
             }
             _ => {
                 let members: Vec<usize> = (0..self.world).collect();
-                run_p2p(self.mesh()?, &members, op, sig, deadline)
+                let others = self.tcp_peers();
+                let (mesh, mut parking) = self.parking(sig)?;
+                run_p2p(
+                    &mut mesh.parking(others, &mut parking),
+                    &members,
+                    op,
+                    sig,
+                    deadline,
+                )
             }
         }
     }
@@ -377,8 +401,10 @@ impl Router {
         }
         if self.my_local == 0 {
             let leaders = self.leaders.clone();
-            let mesh = self.mesh()?;
-            ring::all_reduce(mesh, &leaders, buf, dtype, partial, sig, deadline)?;
+            let others = self.tcp_peers();
+            let (mesh, mut parking) = self.parking(sig)?;
+            let mut mesh = mesh.parking(others, &mut parking);
+            ring::all_reduce(&mut mesh, &leaders, buf, dtype, partial, sig, deadline)?;
             if op == ReduceOp::Avg && !premul {
                 reduce::scale(buf, dtype, self.world);
             }
@@ -412,7 +438,7 @@ impl P2pLinks<'_> {
 
     /// Sends one message, signed `sig`, to `peer`. Over TCP, the messages that reach this
     /// rank from its TCP peers while the send waits for room are parked in `mailbox` for the
-    /// receives that follow ([`ParkDuringSend`]).
+    /// receives that follow ([`ParkMeanwhile`]).
     fn send(
         &mut self,
         peer: usize,
@@ -426,16 +452,21 @@ impl P2pLinks<'_> {
         }
         let (rank, world, arena) = (self.rank, self.world, self.arena);
         let mesh = self.mesh()?;
-        let others: Vec<usize> = (0..world)
-            .filter(|&p| mesh.linked(p) && arena.is_none_or(|a| a.local_of(p).is_none()))
-            .collect();
-        let mut parking = ParkDuringSend {
+        let others = tcp_peers(world, mesh, arena);
+        let mut parking = ParkMeanwhile {
             mailbox,
             me: rank,
-            sending: *sig,
+            during: *sig,
         };
         mesh.send_draining(peer, sig, payload, deadline, &others, &mut parking)
     }
+}
+
+/// The ranks of `world` that `mesh` links this rank to, but for those of its host (`arena`'s).
+fn tcp_peers(world: usize, mesh: &TcpMesh, arena: Option<&Arena>) -> Vec<usize> {
+    (0..world)
+        .filter(|&p| mesh.linked(p) && arena.is_none_or(|a| a.local_of(p).is_none()))
+        .collect()
 }
 
 /// The error of a message to a rank of another host in a group made without TCP links.

@@ -250,23 +250,28 @@ impl Mailbox {
     }
 }
 
-/// A send over TCP that waits for room parks, for the receives that follow, the messages that
-/// reach this rank meanwhile ([`crate::transport::tcp::TcpMesh::send_draining`]). Without
-/// this, two ranks that each send to the other before receiving (or a ring of them) wait for
-/// each other once their messages outgrow the sockets' buffers.
-pub(super) struct ParkDuringSend<'m> {
+/// A TCP operation of this rank parks, for the receives that follow, the messages that reach
+/// this rank while it waits ([`crate::transport::tcp::TcpMesh::send_draining`]) or that come
+/// ahead of a collective's ([`crate::transport::tcp::TcpMesh::parking`]). Without this, two
+/// ranks that each send to the other before receiving (or a ring of them) wait for each other
+/// once their messages outgrow the sockets' buffers, and a message sent before a collective
+/// to a rank that enters the collective before it receives stops the collective.
+pub(super) struct ParkMeanwhile<'m> {
     pub(super) mailbox: &'m mut Mailbox,
     pub(super) me: usize,
-    /// The send that waits.
-    pub(super) sending: OpSig,
+    /// The operation that runs meanwhile: a send that waits for room, or a collective.
+    pub(super) during: OpSig,
 }
 
-impl Parking for ParkDuringSend<'_> {
+impl Parking for ParkMeanwhile<'_> {
     fn accepts(&mut self, peer: usize, sig: &OpSig, len: u64) -> Result<Option<Vec<u8>>> {
         if sig.kind != OpKind::Send {
             return Ok(None); // a collective's: it waits for the collective
         }
-        let waiting = format!("its {} waits for room to send", self.sending);
+        let waiting = match self.during.kind {
+            OpKind::Send => format!("its {} waits for room to send", self.during),
+            _ => format!("it runs {}", self.during),
+        };
         let len = self.mailbox.reserve(self.me, peer, sig, len, &waiting)?;
         Ok(Some(self.mailbox.buffer(len)))
     }
@@ -441,10 +446,10 @@ mod tests {
     fn a_send_parks_what_arrives_meanwhile_within_the_limit() {
         let mut m = Mailbox::new(10);
         let sending = want(1, 64);
-        let mut p = ParkDuringSend {
+        let mut p = ParkMeanwhile {
             mailbox: &mut m,
             me: 0,
-            sending,
+            during: sending,
         };
         // A collective's message is left for the collective; a send's is taken.
         let barrier = OpSig::new(OpKind::Barrier, DType::U8, 0);

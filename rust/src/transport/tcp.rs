@@ -13,13 +13,13 @@ use std::time::{Duration, Instant};
 use super::connect;
 pub use super::connect::{Cancel, LinkOptions, TcpListenerHandle, SOCKET_BUFFER_BYTES};
 use super::frame::{self, FrameType, Header, HEADER_BYTES};
-use super::p2p::P2p;
-use super::sockio::{self, poll_until, pollfd, read_some, write_some, Fail};
+use super::sockio::{self, read_some, Fail};
 use crate::error::{Error, ErrorKind, Result, LONGER_TIMEOUT};
 use crate::signature::OpSig;
 
 mod draining;
-pub use draining::Parking;
+mod transfer;
+pub use draining::{Parking, ParkingMesh};
 
 /// How long [`TcpMesh::abort_all`] spends telling each peer why.
 const ABORT_TIMEOUT: Duration = Duration::from_millis(200);
@@ -34,7 +34,7 @@ struct Link {
     rx_have: usize,
 }
 
-/// Authenticated TCP connections from this rank to its peers; implements [`P2p`].
+/// Authenticated TCP connections from this rank to its peers; implements [`P2p`](super::p2p::P2p).
 ///
 /// Any failed send/recv/exchange breaks the mesh (later calls fail with `Closed`). The caller
 /// should then call [`TcpMesh::abort_all`], so peers waiting on this rank fail at once with the
@@ -419,160 +419,5 @@ impl TcpMesh {
             h.group,
             self.group
         ))
-    }
-
-    fn transfer(
-        &mut self,
-        out: Option<(usize, &[u8])>,
-        inp: Option<(usize, &mut [u8])>,
-        sig: &OpSig,
-        deadline: Instant,
-    ) -> Result<()> {
-        let peers = out.as_ref().map(|o| o.0).into_iter();
-        self.usable(peers.chain(inp.as_ref().map(|i| i.0)), sig)?;
-        let r = self.transfer_inner(out, inp, sig, deadline);
-        if let Err(e) = &r {
-            self.broken = Some(e.clone());
-        }
-        r
-    }
-
-    fn transfer_inner(
-        &mut self,
-        out: Option<(usize, &[u8])>,
-        inp: Option<(usize, &mut [u8])>,
-        sig: &OpSig,
-        deadline: Instant,
-    ) -> Result<()> {
-        let payload_len = out.as_ref().map_or(0, |o| o.1.len()) as u64;
-        let header = Header {
-            frame_type: FrameType::Data,
-            flags: 0,
-            group: self.group,
-            sig: Some(*sig),
-            payload_len,
-        };
-        let ohdr = frame::encode_header(&header);
-        let (mut sent, total) = (0usize, HEADER_BYTES + payload_len as usize);
-        let (to, body) = out.map_or((usize::MAX, &[][..]), |(p, b)| (p, b));
-        let sending = to != usize::MAX;
-        let (from, dst) = inp.map_or((usize::MAX, &mut [][..]), |(p, d)| (p, d));
-        let receiving = from != usize::MAX;
-        // A receive starts from the header `peek` read ahead, if any.
-        let (mut ihdr, mut hgot) = ([0u8; HEADER_BYTES], 0usize);
-        if receiving {
-            let link = self.links[from].as_mut().expect("checked");
-            (ihdr, hgot) = (link.rx_head, std::mem::take(&mut link.rx_have));
-        }
-        let mut got = 0usize;
-        let mut checked = false;
-        let mut out_done = !sending;
-        let mut in_done = !receiving;
-        if sending {
-            self.links[to].as_mut().expect("checked").tx_dirty = true;
-        }
-        let mut spin_until: Option<Instant> = None;
-        while !(out_done && in_done) {
-            let mut progress = false;
-            if !out_done {
-                let s = &self.link(to).stream;
-                let (h, b) = if sent < HEADER_BYTES {
-                    (&ohdr[sent..], body)
-                } else {
-                    (&[][..], &body[sent - HEADER_BYTES..])
-                };
-                let reading_same = receiving && from == to && (hgot > 0 || got > 0);
-                let n =
-                    write_some(s, h, b).map_err(|f| self.send_failed(f, to, sig, !reading_same))?;
-                sent += n;
-                progress |= n > 0;
-                if sent == total {
-                    out_done = true;
-                    self.links[to].as_mut().expect("checked").tx_dirty = false;
-                }
-            }
-            while !in_done {
-                let s = &self.link(from).stream;
-                let n = if hgot < HEADER_BYTES {
-                    let n = read_some(s, &mut ihdr[hgot..])
-                        .map_err(|f| self.fail(f, from, sig, "receiving from"))?;
-                    hgot += n;
-                    n
-                } else {
-                    let n = read_some(s, &mut dst[got..])
-                        .map_err(|f| self.fail(f, from, sig, "receiving from"))?;
-                    got += n;
-                    n
-                };
-                if hgot == HEADER_BYTES && !checked {
-                    self.check(from, &ihdr, sig, dst.len(), deadline)?;
-                    checked = true;
-                }
-                in_done = hgot == HEADER_BYTES && got == dst.len();
-                progress |= n > 0;
-                if n == 0 {
-                    break;
-                }
-            }
-            if progress {
-                spin_until = None;
-            } else if !in_done && !self.spin.is_zero() {
-                // Retry the non-blocking read for a while: a message that is about to arrive
-                // is taken without the wake-up latency of a sleep in poll(2).
-                let now = Instant::now();
-                if now < *spin_until.get_or_insert(now + self.spin) {
-                    std::hint::spin_loop();
-                    continue;
-                }
-            }
-            if !progress && (!out_done || !in_done) {
-                let mut fds = Vec::with_capacity(2);
-                if !out_done {
-                    fds.push(pollfd(self.link(to).stream.as_raw_fd(), libc::POLLOUT));
-                }
-                if !in_done {
-                    let fd = self.link(from).stream.as_raw_fd();
-                    match fds.first_mut() {
-                        Some(f) if f.fd == fd => f.events |= libc::POLLIN,
-                        _ => fds.push(pollfd(fd, libc::POLLIN)),
-                    }
-                }
-                if let Err(f) = poll_until(&mut fds, deadline) {
-                    let (peer, doing) = if in_done {
-                        (to, "sending to")
-                    } else {
-                        (from, "waiting for data from")
-                    };
-                    return Err(self.fail(f, peer, sig, doing));
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-impl P2p for TcpMesh {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn send(&mut self, peer: usize, sig: &OpSig, payload: &[u8], deadline: Instant) -> Result<()> {
-        self.transfer(Some((peer, payload)), None, sig, deadline)
-    }
-
-    fn recv(&mut self, peer: usize, sig: &OpSig, dst: &mut [u8], deadline: Instant) -> Result<()> {
-        self.transfer(None, Some((peer, dst)), sig, deadline)
-    }
-
-    fn exchange(
-        &mut self,
-        to: usize,
-        payload: &[u8],
-        from: usize,
-        dst: &mut [u8],
-        sig: &OpSig,
-        deadline: Instant,
-    ) -> Result<()> {
-        self.transfer(Some((to, payload)), Some((from, dst)), sig, deadline)
     }
 }

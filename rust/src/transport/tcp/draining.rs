@@ -1,7 +1,15 @@
-//! A send that reads while it waits: [`TcpMesh::send_draining`] takes in what other ranks
-//! send to this one while its own message waits for room in the socket, so that ranks that
-//! each send before they receive (a pair, or a ring) never wait for each other, whatever the
-//! size of their messages.
+//! Reading while waiting: what other ranks send to this one is taken in while a TCP operation
+//! of this rank waits, so that no rank waits for another that waits for it.
+//!
+//! - [`TcpMesh::send_draining`]: a send that waits for room in its socket takes in the
+//!   messages other ranks send to this one meanwhile. Ranks that each send before they
+//!   receive (a pair, or a ring) then never wait for each other, whatever the size of their
+//!   messages.
+//! - [`TcpMesh::parking`]: a collective takes in the messages sent to this rank ahead of, or
+//!   beside, the collective's own. A rank that sends a message and then enters a collective,
+//!   while its receiver enters the collective before it receives, then gets through both: the
+//!   receiver keeps the message for its receive, and the sender's send, no longer waiting for
+//!   room, lets its collective start.
 
 use std::os::fd::AsRawFd;
 use std::time::Instant;
@@ -11,23 +19,132 @@ use super::sockio::{poll_until, pollfd, read_some, write_some};
 use super::TcpMesh;
 use crate::error::{ErrorKind, Result};
 use crate::signature::OpSig;
+use crate::transport::p2p::P2p;
 
-/// Where a send that waits for room puts the messages it takes in meanwhile
-/// ([`TcpMesh::send_draining`]).
+/// Where an operation that waits puts the messages it takes in meanwhile
+/// ([`TcpMesh::send_draining`], [`TcpMesh::parking`]).
 pub trait Parking {
     /// Whether to take in `peer`'s next message, signed `sig`, of `len` bytes, now: the
-    /// memory to read it into (`len` bytes), or `None`. An error fails the send.
+    /// memory to read it into (`len` bytes), or `None`. An error fails the operation.
     fn accepts(&mut self, peer: usize, sig: &OpSig, len: u64) -> Result<Option<Vec<u8>>>;
 
     /// Keeps a message taken in.
     fn park(&mut self, peer: usize, sig: OpSig, data: Vec<u8>);
 }
 
-/// A message a send takes in while it waits for room, as far as it has arrived.
-struct Incoming {
-    sig: OpSig,
-    data: Vec<u8>,
-    got: usize,
+/// A message taken in while waiting, as far as it has arrived.
+pub(super) struct Incoming {
+    pub(super) sig: OpSig,
+    pub(super) data: Vec<u8>,
+    pub(super) got: usize,
+}
+
+/// The ranks a waiting operation takes messages in from, and how far it got with each.
+pub(super) struct Drain {
+    others: Vec<usize>,
+    incoming: Vec<Option<Incoming>>,
+    /// Nothing more is taken from the rank during this operation: its next message is not
+    /// one the parking accepts (a collective's), or it has left.
+    settled: Vec<bool>,
+}
+
+impl Drain {
+    pub(super) fn new(others: impl IntoIterator<Item = usize>) -> Self {
+        let others: Vec<usize> = others.into_iter().collect();
+        Drain {
+            incoming: others.iter().map(|_| None).collect(),
+            settled: vec![false; others.len()],
+            others,
+        }
+    }
+
+    /// Reads what has arrived of the messages being taken in, and keeps those complete; with
+    /// `look`, first looks (without waiting) at the next message of each rank not settled,
+    /// and starts taking it in where `parking` accepts it. Whether anything was read.
+    pub(super) fn step(
+        &mut self,
+        mesh: &mut TcpMesh,
+        sig: &OpSig,
+        look: bool,
+        parking: &mut dyn Parking,
+    ) -> Result<bool> {
+        let mut progress = false;
+        for (k, &from) in self.others.iter().enumerate() {
+            if look && self.incoming[k].is_none() && !self.settled[k] {
+                // A look that does not wait; a rank that left is not waited for.
+                match mesh.peek_inner(from, sig, None) {
+                    Ok(Some((theirs, len))) => match parking.accepts(from, &theirs, len)? {
+                        Some(data) => {
+                            mesh.links[from].as_mut().expect("checked").rx_have = 0;
+                            self.incoming[k] = Some(Incoming {
+                                sig: theirs,
+                                data,
+                                got: 0,
+                            });
+                            progress = true;
+                        }
+                        None => self.settled[k] = true,
+                    },
+                    Ok(None) => {}
+                    Err(e) if e.kind == ErrorKind::PeerLost => self.settled[k] = true,
+                    Err(e) => return Err(e),
+                }
+            }
+            if let Some(m) = self.incoming[k].as_mut() {
+                let n = read_some(&mesh.link(from).stream, &mut m.data[m.got..])
+                    .map_err(|f| mesh.fail(f, from, &m.sig, "receiving from"))?;
+                m.got += n;
+                progress |= n > 0;
+                if m.got == m.data.len() {
+                    let m = self.incoming[k].take().expect("read above");
+                    parking.park(from, m.sig, m.data);
+                    progress = true;
+                }
+            }
+        }
+        Ok(progress)
+    }
+
+    /// The first rank whose message is being taken in.
+    pub(super) fn reading(&self) -> Option<usize> {
+        let k = self.incoming.iter().position(Option::is_some)?;
+        Some(self.others[k])
+    }
+
+    /// Adds to `fds` the sockets to wait on for reading: those of the messages being taken
+    /// in, and with `look` those of the ranks not settled.
+    pub(super) fn watch(&self, mesh: &TcpMesh, fds: &mut Vec<libc::pollfd>, look: bool) {
+        for (k, &from) in self.others.iter().enumerate() {
+            if self.incoming[k].is_some() || (look && !self.settled[k]) {
+                let fd = mesh.link(from).stream.as_raw_fd();
+                match fds.iter_mut().find(|f| f.fd == fd) {
+                    Some(f) => f.events |= libc::POLLIN,
+                    None => fds.push(pollfd(fd, libc::POLLIN)),
+                }
+            }
+        }
+    }
+
+    /// Reads the messages still arriving to their end (their senders are writing them), by
+    /// `deadline`; nothing new is taken in.
+    pub(super) fn finish(
+        &mut self,
+        mesh: &mut TcpMesh,
+        sig: &OpSig,
+        parking: &mut dyn Parking,
+        deadline: Instant,
+    ) -> Result<()> {
+        while let Some(from) = self.reading() {
+            if self.step(mesh, sig, false, parking)? {
+                continue;
+            }
+            let mut fds = Vec::with_capacity(1);
+            self.watch(mesh, &mut fds, false);
+            poll_until(&mut fds, deadline)
+                .map_err(|f| mesh.fail(f, from, sig, "waiting for data from"))?;
+        }
+        Ok(())
+    }
 }
 
 impl TcpMesh {
@@ -71,89 +188,98 @@ impl TcpMesh {
         };
         let ohdr = frame::encode_header(&header);
         let (mut sent, total) = (0usize, HEADER_BYTES + payload.len());
-        // Per rank of `others`: its message being read, and whether nothing more is taken
-        // from it during this send (its next message is not one `parking` accepts).
-        let mut incoming: Vec<Option<Incoming>> = others.iter().map(|_| None).collect();
-        let mut settled = vec![false; others.len()];
+        let mut drain = Drain::new(others.iter().copied());
         self.links[peer].as_mut().expect("checked").tx_dirty = true;
         loop {
-            let mut progress = false;
-            let mut stalled = false; // the socket had no room for more of this message
-            if sent < total {
-                let (h, b) = if sent < HEADER_BYTES {
-                    (&ohdr[sent..], payload)
-                } else {
-                    (&[][..], &payload[sent - HEADER_BYTES..])
-                };
-                let n = write_some(&self.link(peer).stream, h, b)
-                    .map_err(|f| self.send_failed(f, peer, sig, true))?;
-                sent += n;
-                progress |= n > 0;
-                stalled = n == 0;
-                if sent == total {
-                    self.links[peer].as_mut().expect("checked").tx_dirty = false;
-                }
+            let (h, b) = if sent < HEADER_BYTES {
+                (&ohdr[sent..], payload)
+            } else {
+                (&[][..], &payload[sent - HEADER_BYTES..])
+            };
+            let n = write_some(&self.link(peer).stream, h, b)
+                .map_err(|f| self.send_failed(f, peer, sig, true))?;
+            sent += n;
+            if sent == total {
+                self.links[peer].as_mut().expect("checked").tx_dirty = false;
+                return drain.finish(self, sig, parking, deadline);
             }
-            for (k, &from) in others.iter().enumerate() {
-                if incoming[k].is_none() && !settled[k] && stalled {
-                    // A look that does not wait; a rank that left is not waited for.
-                    match self.peek_inner(from, sig, None) {
-                        Ok(Some((theirs, len))) => match parking.accepts(from, &theirs, len)? {
-                            Some(data) => {
-                                self.links[from].as_mut().expect("checked").rx_have = 0;
-                                incoming[k] = Some(Incoming {
-                                    sig: theirs,
-                                    data,
-                                    got: 0,
-                                });
-                            }
-                            None => settled[k] = true,
-                        },
-                        Ok(None) => {}
-                        Err(e) if e.kind == ErrorKind::PeerLost => settled[k] = true,
-                        Err(e) => return Err(e),
-                    }
-                }
-                if let Some(m) = incoming[k].as_mut() {
-                    let n = read_some(&self.link(from).stream, &mut m.data[m.got..])
-                        .map_err(|f| self.fail(f, from, &m.sig, "receiving from"))?;
-                    m.got += n;
-                    progress |= n > 0;
-                    if m.got == m.data.len() {
-                        let m = incoming[k].take().expect("read above");
-                        parking.park(from, m.sig, m.data);
-                        progress = true;
-                    }
-                }
-            }
-            let reading = incoming.iter().any(Option::is_some);
-            if sent == total && !reading {
-                return Ok(());
-            }
-            if progress {
+            // The socket has no room for more of this message: look at the others meanwhile.
+            let stalled = n == 0;
+            if drain.step(self, sig, stalled, parking)? || !stalled {
                 continue;
             }
-            let mut fds = Vec::with_capacity(1 + others.len());
-            if sent < total {
-                fds.push(pollfd(self.link(peer).stream.as_raw_fd(), libc::POLLOUT));
-            }
-            for (k, &from) in others.iter().enumerate() {
-                if incoming[k].is_some() || (!settled[k] && sent < total) {
-                    let fd = self.link(from).stream.as_raw_fd();
-                    match fds.iter_mut().find(|f| f.fd == fd) {
-                        Some(f) => f.events |= libc::POLLIN,
-                        None => fds.push(pollfd(fd, libc::POLLIN)),
-                    }
-                }
-            }
-            if let Err(f) = poll_until(&mut fds, deadline) {
-                return Err(match incoming.iter().position(Option::is_some) {
-                    Some(k) if sent == total => {
-                        self.fail(f, others[k], sig, "waiting for data from")
-                    }
-                    _ => self.fail(f, peer, sig, "sending to"),
-                });
-            }
+            let mut fds = vec![pollfd(self.link(peer).stream.as_raw_fd(), libc::POLLOUT)];
+            drain.watch(self, &mut fds, true);
+            poll_until(&mut fds, deadline).map_err(|f| self.fail(f, peer, sig, "sending to"))?;
         }
+    }
+
+    /// This mesh, whose collectives take in the messages the ranks of `others` send to this
+    /// rank while they run, where `parking` accepts them: those ahead of the collective's own
+    /// on its links, and, while it waits, those on the others'. Without this, a message sent
+    /// before a collective to a rank that enters the collective before it receives stops the
+    /// collective: as a mismatch where it comes first on the collective's link, and until the
+    /// deadline where the sender's send waits for room that only a receive would make.
+    pub fn parking<'a>(
+        &'a mut self,
+        others: Vec<usize>,
+        parking: &'a mut dyn Parking,
+    ) -> ParkingMesh<'a> {
+        ParkingMesh {
+            mesh: self,
+            others,
+            parking,
+        }
+    }
+}
+
+/// A [`TcpMesh`] whose collectives take in the messages sent to this rank meanwhile
+/// ([`TcpMesh::parking`]).
+pub struct ParkingMesh<'a> {
+    mesh: &'a mut TcpMesh,
+    others: Vec<usize>,
+    parking: &'a mut dyn Parking,
+}
+
+impl ParkingMesh<'_> {
+    fn transfer(
+        &mut self,
+        out: Option<(usize, &[u8])>,
+        inp: Option<(usize, &mut [u8])>,
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        // The link the collective reads from is read by the transfer itself.
+        let reading = inp.as_ref().map(|i| i.0);
+        let drain = Drain::new(self.others.iter().copied().filter(|&p| Some(p) != reading));
+        let parking: &mut dyn Parking = &mut *self.parking;
+        self.mesh
+            .transfer(out, inp, sig, deadline, Some((parking, drain)))
+    }
+}
+
+impl P2p for ParkingMesh<'_> {
+    fn rank(&self) -> usize {
+        self.mesh.rank
+    }
+
+    fn send(&mut self, peer: usize, sig: &OpSig, payload: &[u8], deadline: Instant) -> Result<()> {
+        self.transfer(Some((peer, payload)), None, sig, deadline)
+    }
+
+    fn recv(&mut self, peer: usize, sig: &OpSig, dst: &mut [u8], deadline: Instant) -> Result<()> {
+        self.transfer(None, Some((peer, dst)), sig, deadline)
+    }
+
+    fn exchange(
+        &mut self,
+        to: usize,
+        payload: &[u8],
+        from: usize,
+        dst: &mut [u8],
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()> {
+        self.transfer(Some((to, payload)), Some((from, dst)), sig, deadline)
     }
 }
