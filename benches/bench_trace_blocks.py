@@ -18,7 +18,8 @@ instead (the way it was measured before; the blocks drift more than the cost).
 traced step in N, as ``SHARDLINE_TRACE_GPU=N`` does (the pairs' median alone would miss a cost
 paid on one step in N: the pairs with and without GPU times are taken apart, their medians
 weighted 1 to N - 1); ``--torch-events`` takes them through torch's events, one Python call
-each, instead of the driver's.
+each, instead of the driver's. As the tracer does, the ops' program lines are walked on the
+steps that take GPU times (on one in 16 without them) and repeated on the others.
 
     python benches/bench_trace_blocks.py --device cuda --pairs 400   # medium GPT, bf16
     python benches/bench_trace_blocks.py --device cpu --size small --dtype fp32
@@ -45,9 +46,10 @@ import torch
 from bench_zero import SIZES
 
 import shardline as sl
+from shardline.comm import program_line
 from shardline.comm.flight import RECORDER
 from shardline.comm.trace import device as device_times
-from shardline.comm.trace import folder
+from shardline.comm.trace import folder, recorder
 from shardline.comm.trace.recorder import TRACER
 from shardline.examples.train import Config, TinyGPT
 
@@ -169,6 +171,9 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
     sinks = (RECORDER.sink, RECORDER.device_sink)
 
     every = max(args.gpu_every, 1)
+    # The ops' program lines are walked on the sampled steps (on one in LINES_EVERY without
+    # GPU times) and repeated on the others, as the tracer does.
+    lines_every = recorder.LINES_EVERY if args.no_gpu_times else every
     traced_steps = [0]
     on_gpu: list[bool] = []  # whether each traced step took GPU times
 
@@ -177,10 +182,12 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
         if traced:
             gpu = sinks[1] if traced_steps[0] % every == 0 else None
             RECORDER.sink, RECORDER.device_sink = sinks[0], gpu
+            program_line.LINES.fresh = traced_steps[0] % lines_every == 0
             traced_steps[0] += 1
             on_gpu.append(gpu is not None)
         else:
             RECORDER.sink, RECORDER.device_sink = None, None
+            program_line.LINES.fresh = False
         sync()
         t = time.perf_counter()
         steps(1)

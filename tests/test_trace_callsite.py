@@ -20,6 +20,8 @@ import torch
 
 from shardline.comm import flight, program_line
 from shardline.comm.flight import RECORDER
+from shardline.comm.trace import folder
+from shardline.comm.trace.recorder import Tracer
 from tests._ranks import run_ranks
 
 
@@ -41,6 +43,7 @@ def walk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
         monkeypatch.setattr(program_line, "_FRAME_MODULE", _frame_module)
     monkeypatch.setattr(RECORDER, "sink", [])
     monkeypatch.setattr(RECORDER, "enabled", False)
+    program_line.LINES.reset()  # every op's line walked, as on a tracer's first step
     return str(request.param)
 
 
@@ -172,3 +175,91 @@ def test_an_op_of_a_backward_on_a_library_thread_is_placed_at_the_backwards_line
     assert program_line._backward_line() == where
     task[0] += 1000
     assert program_line._backward_line() is None
+
+
+def _op_a() -> list[Any]:
+    return RECORDER.start("world", 0, "all_reduce", 8, torch.float32, None)  # line of a
+
+
+def _op_b() -> list[Any]:
+    return RECORDER.start("world", 1, "all_gather", 16, torch.float32, None)  # line of b
+
+
+def _op_b_to(peer: int) -> list[Any]:
+    return RECORDER.start("world", 1, "all_gather", 16, torch.float32, peer)  # b to a peer
+
+
+def test_a_step_repeats_the_walked_steps_lines_where_its_ops_repeat_its_ops(
+    walk: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a step whose lines are not walked, an op with the group, kind, size, element type
+    and peer of the op at its place in the last walked step takes that op's line; any other
+    op, and every op after a step's first difference, has its own line walked."""
+    walked: list[int] = []
+    real = program_line.callsite
+
+    def counted(frame: Any = None, skip: int = 0) -> str | None:
+        walked.append(1)
+        return real(frame, skip + 1)
+
+    monkeypatch.setattr(program_line, "callsite", counted)
+    lines = program_line.LINES
+    a, b = (f"{__file__}:{_line_of(f'# line of {x}')}" for x in "ab")
+    b_to = f"{__file__}:{_line_of('# b to a peer')}"
+
+    def step(*ops: Any, fresh: bool = False) -> tuple[list[str | None], int]:
+        walked.clear()
+        got = [op()[flight.WHERE] for op in ops]
+        lines.step(fresh)
+        return got, len(walked)
+
+    assert step(_op_a, _op_b) == ([a, b], 2)  # the first step: walked
+    assert step(_op_a, _op_b) == ([a, b], 0)  # repeated
+    assert step(_op_b, _op_a) == ([b, a], 2)  # another order: walked
+    assert step(_op_a, _op_b, _op_a) == ([a, b, a], 1)  # one op more: it is walked
+    assert step(_op_a, lambda: _op_b_to(3)) == ([a, b_to], 1)  # another peer
+    assert step(_op_a, _op_b, fresh=True) == ([a, b], 0)  # the next step is walked
+    assert step(_op_b, _op_b) == ([b, b], 2)  # walked, and now the one repeated
+    assert step(_op_b, _op_a, fresh=True) == ([b, a], 1)  # a walked step without ops ...
+    assert step() == ([], 0)
+    assert step(_op_b, _op_b) == ([b, b], 0)  # ... leaves the last one with ops repeated
+
+
+def test_a_tracer_walks_the_lines_on_its_sampled_steps_and_repeats_them_between(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``SHARDLINE_TRACE_GPU=2`` the tracer walks its ops' lines on steps 0, 2 and 4 (its
+    optimizer step hook says where each step ends); on steps 1 and 3 the loop's op takes the
+    line walked before, and step 3's op of its own is walked. Every op is written with its
+    own line."""
+    monkeypatch.setenv("SHARDLINE_TRACE_GPU", "2")
+    walked: list[int] = []
+    real = program_line.callsite
+
+    def counted(frame: Any = None, skip: int = 0) -> str | None:
+        walked.append(1)
+        return real(frame, skip + 1)
+
+    monkeypatch.setattr(program_line, "callsite", counted)
+    tracer = Tracer()
+    tracer.start(tmp_path, rank=0, world_size=1, backend="native", interval=60.0)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    per_step = []
+    try:
+        for step in range(5):
+            walked.clear()
+            RECORDER.finish(RECORDER.start("world", step, "all_reduce", 8, None, None))  # loop
+            if step == 3:
+                RECORDER.finish(RECORDER.start("world", 9, "broadcast", 4, None, None))  # own
+            opt.step()
+            per_step.append(len(walked))
+    finally:
+        tracer.stop()
+    assert per_step == [1, 0, 1, 1, 1]
+    ops = folder.load(tmp_path)[0].ops
+    loop, own = (f"{__file__}:{_line_of(f'None, None))  # {x}')}" for x in ("loop", "own"))
+    assert [(o[flight.OP], o[flight.WHERE]) for o in ops] == [
+        *[("all_reduce", loop)] * 4,
+        ("broadcast", own),
+        ("all_reduce", loop),
+    ]

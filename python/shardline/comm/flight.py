@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from shardline import config
-from shardline.comm.program_line import callsite
+from shardline.comm.program_line import LINES
 
 __all__ = [
     "RECORDER",
@@ -111,7 +111,7 @@ class FlightRecorder:
         if self.enabled:
             self.ops.append(record)
         if sink is not None:
-            record[WHERE] = callsite(skip=inside)
+            record[WHERE] = LINES.where(group, op, numel, dtype, peer, inside)
             sink.append(record)
         return record
 

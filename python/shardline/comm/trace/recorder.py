@@ -25,7 +25,9 @@ step; ``0``: none), all of a step's ops or none; a step's line says whether it t
 (``"gpu"``). The doctor may ask for them on every step for a while (``ask``): the thread looks
 for its request at each write.
 
-Cost: an op's record gains its caller (about half a microsecond); the thread wakes once per
+Cost: an op's record gains its caller: walked on the steps that take GPU times (on one
+in ``LINES_EVERY`` without them), repeated by the ops of the steps between that repeat
+theirs (``program_line.StepLines``); the thread wakes once per
 interval and writes what finished since, ``CHUNK`` ops at a time, pausing between them: the
 program's thread, which needs the GIL to launch its next kernel, never waits for a whole
 write (on an H200 host a second's ops, about 1,000, took some 20 ms of CPU to read and
@@ -69,6 +71,11 @@ __all__ = ["TRACER", "Tracer"]
 # {"k": "step", "n": n, "t0": start, "t1": end} for an optimizer step (and "gpu": whether its
 # ops took GPU times, while they are sampled),
 # {"k": "span", "name": name, "t0": start, "t1": end, "where": "file:line"} for a span.
+
+
+# Without GPU times (``SHARDLINE_TRACE_GPU=0``), the ops' program lines are walked on one
+# step in this many.
+LINES_EVERY = 16
 
 
 class Tracer:
@@ -145,6 +152,7 @@ class Tracer:
         self.gpu_every = config.get("SHARDLINE_TRACE_GPU")
         self._asked = {}
         self._inbox = Inbox(path)
+        program_line.LINES.reset()
         self._sample(0)
         self._install_hooks()
         self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
@@ -165,6 +173,7 @@ class Tracer:
             self.device.finish()  # the last ops' GPU times, before the last write
         self.flush(state=state)
         RECORDER.sink = None
+        program_line.LINES.reset()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -220,17 +229,20 @@ class Tracer:
                        register_optimizer_step_post_hook(post)]  # fmt: skip
 
     def _sample(self, step: int) -> None:
-        """Whether step ``step``'s NCCL ops (from now to its end) take GPU times.
+        """Whether step ``step``'s NCCL ops take GPU times, and its ops' lines are walked.
 
-        On one step in ``gpu_every``, and on every step the doctor asked for: a step's ops all
-        do or none do, so a sampled step's timeline is whole on its GPU (what the doctor's
-        straggler check reads).
+        From now to the step's end. On one step in ``gpu_every``, and on every step the
+        doctor asked for: a step's ops all do or none do, so a sampled step's timeline is
+        whole on its GPU (what the doctor's straggler check reads). The ops' program lines
+        are walked on those steps (on one in ``LINES_EVERY`` without GPU times); the steps
+        between repeat them where their ops do (``program_line.StepLines``).
         """
         every, asked = self.gpu_every, self._asked
         self._gpu_step = bool(every) and (
             step % every == 0 or (bool(asked) and asked["from"] <= step < asked["until"])
         )
         RECORDER.device_sink = self.device.add if self._gpu_step else None
+        program_line.LINES.step(self._gpu_step or step % (every or LINES_EVERY) == 0)
 
     def _answer(self) -> None:
         """Takes GPU times on every step the doctor's new request asks for, from the next on.
