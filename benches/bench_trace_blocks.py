@@ -78,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         "--torch-events", action="store_true",
         help="GPU times through torch's events, one call each (the way before the driver's)",
     )  # fmt: skip
+    p.add_argument(
+        "--lines-every", type=int, default=None,
+        help="walk the ops' program lines on one traced step in N (default: as the tracer "
+        "does, on the steps with GPU times, one in 16 without them; 1: every step, as before "
+        "the steps between repeated them; --mode steps)",
+    )  # fmt: skip
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
     if args.torch_events:
@@ -125,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         else "GPU times through torch's events" if args.torch_events
         else f"GPU times through {type(device_times.events()).__name__.strip('_')}"
     ) + (f", on one traced step in {args.gpu_every}" if cuda and args.gpu_every > 1
-         and not args.no_gpu_times else "")  # fmt: skip
+         and not args.no_gpu_times else "") + (
+        f"; program lines walked on one traced step in {args.lines_every}"
+        if args.lines_every else "")  # fmt: skip
     what = f"zero3, 1 process, {args.device}, {args.size} GPT {args.dtype}"
     steps(5)  # warm-up
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,7 +181,7 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
     every = max(args.gpu_every, 1)
     # The ops' program lines are walked on the sampled steps (on one in LINES_EVERY without
     # GPU times) and repeated on the others, as the tracer does.
-    lines_every = recorder.LINES_EVERY if args.no_gpu_times else every
+    lines_every = args.lines_every or (recorder.LINES_EVERY if args.no_gpu_times else every)
     traced_steps = [0]
     on_gpu: list[bool] = []  # whether each traced step took GPU times
 
