@@ -69,27 +69,11 @@ impl Drain {
         parking: &mut dyn Parking,
     ) -> Result<bool> {
         let mut progress = false;
-        for (k, &from) in self.others.iter().enumerate() {
+        for k in 0..self.others.len() {
             if look && self.incoming[k].is_none() && !self.settled[k] {
-                // A look that does not wait; a rank that left is not waited for.
-                match mesh.peek_inner(from, sig, None) {
-                    Ok(Some((theirs, len))) => match parking.accepts(from, &theirs, len)? {
-                        Some(data) => {
-                            mesh.links[from].as_mut().expect("checked").rx_have = 0;
-                            self.incoming[k] = Some(Incoming {
-                                sig: theirs,
-                                data,
-                                got: 0,
-                            });
-                            progress = true;
-                        }
-                        None => self.settled[k] = true,
-                    },
-                    Ok(None) => {}
-                    Err(e) if e.kind == ErrorKind::PeerLost => self.settled[k] = true,
-                    Err(e) => return Err(e),
-                }
+                progress |= self.look(k, mesh, sig, parking)?;
             }
+            let from = self.others[k];
             if let Some(m) = self.incoming[k].as_mut() {
                 let n = read_some(&mesh.link(from).stream, &mut m.data[m.got..])
                     .map_err(|f| mesh.fail(f, from, &m.sig, "receiving from"))?;
@@ -103,6 +87,58 @@ impl Drain {
             }
         }
         Ok(progress)
+    }
+
+    /// Looks (as `step` does) at the next message of each rank not settled whose socket
+    /// `fds`, as a poll(2) returned them, say has something to read: a wait that polls the
+    /// others' sockets beside its own looks only at those with news.
+    pub(super) fn look_ready(
+        &mut self,
+        mesh: &mut TcpMesh,
+        sig: &OpSig,
+        fds: &[libc::pollfd],
+        parking: &mut dyn Parking,
+    ) -> Result<()> {
+        for k in 0..self.others.len() {
+            if self.incoming[k].is_some() || self.settled[k] {
+                continue;
+            }
+            let fd = mesh.link(self.others[k]).stream.as_raw_fd();
+            if fds.iter().any(|f| f.fd == fd && f.revents != 0) {
+                self.look(k, mesh, sig, parking)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Looks, without waiting, at the next message of `others[k]`, and starts taking it in
+    /// where `parking` accepts it; settles the rank where it does not, or where it has left.
+    fn look(
+        &mut self,
+        k: usize,
+        mesh: &mut TcpMesh,
+        sig: &OpSig,
+        parking: &mut dyn Parking,
+    ) -> Result<bool> {
+        let from = self.others[k];
+        match mesh.peek_inner(from, sig, None) {
+            Ok(Some((theirs, len))) => match parking.accepts(from, &theirs, len)? {
+                Some(data) => {
+                    mesh.links[from].as_mut().expect("checked").rx_have = 0;
+                    self.incoming[k] = Some(Incoming {
+                        sig: theirs,
+                        data,
+                        got: 0,
+                    });
+                    return Ok(true);
+                }
+                None => self.settled[k] = true,
+            },
+            Ok(None) => {}
+            Err(e) if e.kind == ErrorKind::PeerLost => self.settled[k] = true,
+            Err(e) => return Err(e),
+        }
+        Ok(false)
     }
 
     /// The first rank whose message is being taken in.

@@ -147,8 +147,10 @@ impl TcpMesh {
                 }
             }
             if !progress && (!out_done || !in_done) {
+                // The messages the others' sockets bring meanwhile: those being taken in read
+                // on, and the sockets with news, once the poll below says which, looked at.
                 if let Some((p, drain)) = park.as_mut() {
-                    if drain.step(self, sig, true, &mut **p)? {
+                    if drain.step(self, sig, false, &mut **p)? {
                         continue;
                     }
                 }
@@ -173,6 +175,9 @@ impl TcpMesh {
                         (from, "waiting for data from")
                     };
                     return Err(self.fail(f, peer, sig, doing));
+                }
+                if let Some((p, drain)) = park.as_mut() {
+                    drain.look_ready(self, sig, &fds, &mut **p)?;
                 }
             }
         }
