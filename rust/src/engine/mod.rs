@@ -19,6 +19,7 @@
 
 pub mod config;
 pub mod dispatch;
+mod links;
 mod mailbox;
 pub mod op;
 mod queue;
