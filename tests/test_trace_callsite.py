@@ -189,20 +189,26 @@ def _op_b_to(peer: int) -> list[Any]:
     return RECORDER.start("world", 1, "all_gather", 16, torch.float32, peer)  # b to a peer
 
 
+@pytest.fixture
+def walked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A 1 for every line walked (``program_line.callsite`` called), from now on."""
+    calls: list[int] = []
+    real = program_line.callsite
+
+    def counted(frame: Any = None, skip: int = 0) -> str | None:
+        calls.append(1)
+        return real(frame, skip + 1)
+
+    monkeypatch.setattr(program_line, "callsite", counted)
+    return calls
+
+
 def test_a_step_repeats_the_walked_steps_lines_where_its_ops_repeat_its_ops(
-    walk: str, monkeypatch: pytest.MonkeyPatch
+    walk: str, walked: list[int]
 ) -> None:
     """On a step whose lines are not walked, an op with the group, kind, size, element type
     and peer of the op at its place in the last walked step takes that op's line; any other
     op, and every op after a step's first difference, has its own line walked."""
-    walked: list[int] = []
-    real = program_line.callsite
-
-    def counted(frame: Any = None, skip: int = 0) -> str | None:
-        walked.append(1)
-        return real(frame, skip + 1)
-
-    monkeypatch.setattr(program_line, "callsite", counted)
     lines = program_line.LINES
     a, b = (f"{__file__}:{_line_of(f'# line of {x}')}" for x in "ab")
     b_to = f"{__file__}:{_line_of('# b to a peer')}"
@@ -226,21 +232,13 @@ def test_a_step_repeats_the_walked_steps_lines_where_its_ops_repeat_its_ops(
 
 
 def test_a_tracer_walks_the_lines_on_its_sampled_steps_and_repeats_them_between(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, walked: list[int]
 ) -> None:
     """With ``SHARDLINE_TRACE_GPU=2`` the tracer walks its ops' lines on steps 0, 2 and 4 (its
     optimizer step hook says where each step ends); on steps 1 and 3 the loop's op takes the
     line walked before, and step 3's op of its own is walked. Every op is written with its
     own line."""
     monkeypatch.setenv("SHARDLINE_TRACE_GPU", "2")
-    walked: list[int] = []
-    real = program_line.callsite
-
-    def counted(frame: Any = None, skip: int = 0) -> str | None:
-        walked.append(1)
-        return real(frame, skip + 1)
-
-    monkeypatch.setattr(program_line, "callsite", counted)
     tracer = Tracer()
     tracer.start(tmp_path, rank=0, world_size=1, backend="native", interval=60.0)
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)

@@ -15,11 +15,26 @@ pub trait P2p {
     /// This rank's rank (in the numbering `peer` arguments use).
     fn rank(&self) -> usize;
 
+    /// Sends `out`'s payload to its peer while receiving from `inp`'s peer into its buffer
+    /// (exactly its length), either side optional; never deadlocks when the peers do the same
+    /// towards this rank. The two peers may be one.
+    fn transfer(
+        &mut self,
+        out: Option<(usize, &[u8])>,
+        inp: Option<(usize, &mut [u8])>,
+        sig: &OpSig,
+        deadline: Instant,
+    ) -> Result<()>;
+
     /// Sends `payload` to `peer` as one message tagged with `sig`.
-    fn send(&mut self, peer: usize, sig: &OpSig, payload: &[u8], deadline: Instant) -> Result<()>;
+    fn send(&mut self, peer: usize, sig: &OpSig, payload: &[u8], deadline: Instant) -> Result<()> {
+        self.transfer(Some((peer, payload)), None, sig, deadline)
+    }
 
     /// Receives one message from `peer` into `dst` (exactly `dst.len()` bytes).
-    fn recv(&mut self, peer: usize, sig: &OpSig, dst: &mut [u8], deadline: Instant) -> Result<()>;
+    fn recv(&mut self, peer: usize, sig: &OpSig, dst: &mut [u8], deadline: Instant) -> Result<()> {
+        self.transfer(None, Some((peer, dst)), sig, deadline)
+    }
 
     /// Sends `payload` to `to` while receiving from `from` into `dst`; never deadlocks when the
     /// peers do the same towards this rank. `to == from` is allowed.
@@ -32,5 +47,7 @@ pub trait P2p {
         dst: &mut [u8],
         sig: &OpSig,
         deadline: Instant,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        self.transfer(Some((to, payload)), Some((from, dst)), sig, deadline)
+    }
 }

@@ -277,7 +277,11 @@ pub struct ParkingMesh<'a> {
     parking: &'a mut dyn Parking,
 }
 
-impl ParkingMesh<'_> {
+impl P2p for ParkingMesh<'_> {
+    fn rank(&self) -> usize {
+        self.mesh.rank
+    }
+
     fn transfer(
         &mut self,
         out: Option<(usize, &[u8])>,
@@ -290,32 +294,6 @@ impl ParkingMesh<'_> {
         let drain = Drain::new(self.others.iter().copied().filter(|&p| Some(p) != reading));
         let parking: &mut dyn Parking = &mut *self.parking;
         self.mesh
-            .transfer(out, inp, sig, deadline, Some((parking, drain)))
-    }
-}
-
-impl P2p for ParkingMesh<'_> {
-    fn rank(&self) -> usize {
-        self.mesh.rank
-    }
-
-    fn send(&mut self, peer: usize, sig: &OpSig, payload: &[u8], deadline: Instant) -> Result<()> {
-        self.transfer(Some((peer, payload)), None, sig, deadline)
-    }
-
-    fn recv(&mut self, peer: usize, sig: &OpSig, dst: &mut [u8], deadline: Instant) -> Result<()> {
-        self.transfer(None, Some((peer, dst)), sig, deadline)
-    }
-
-    fn exchange(
-        &mut self,
-        to: usize,
-        payload: &[u8],
-        from: usize,
-        dst: &mut [u8],
-        sig: &OpSig,
-        deadline: Instant,
-    ) -> Result<()> {
-        self.transfer(Some((to, payload)), Some((from, dst)), sig, deadline)
+            .transfer_with(out, inp, sig, deadline, Some((parking, drain)))
     }
 }

@@ -17,7 +17,7 @@ impl TcpMesh {
     /// transfer, [`TcpMesh::parking`]): a point-to-point message ahead of the collective's on
     /// `inp`'s link is taken in and kept, and while the transfer waits, so are the messages
     /// on the drain's links.
-    pub(super) fn transfer(
+    pub(super) fn transfer_with(
         &mut self,
         out: Option<(usize, &[u8])>,
         inp: Option<(usize, &mut [u8])>,
@@ -224,23 +224,13 @@ impl P2p for TcpMesh {
         self.rank
     }
 
-    fn send(&mut self, peer: usize, sig: &OpSig, payload: &[u8], deadline: Instant) -> Result<()> {
-        self.transfer(Some((peer, payload)), None, sig, deadline, None)
-    }
-
-    fn recv(&mut self, peer: usize, sig: &OpSig, dst: &mut [u8], deadline: Instant) -> Result<()> {
-        self.transfer(None, Some((peer, dst)), sig, deadline, None)
-    }
-
-    fn exchange(
+    fn transfer(
         &mut self,
-        to: usize,
-        payload: &[u8],
-        from: usize,
-        dst: &mut [u8],
+        out: Option<(usize, &[u8])>,
+        inp: Option<(usize, &mut [u8])>,
         sig: &OpSig,
         deadline: Instant,
     ) -> Result<()> {
-        self.transfer(Some((to, payload)), Some((from, dst)), sig, deadline, None)
+        self.transfer_with(out, inp, sig, deadline, None)
     }
 }
