@@ -10,8 +10,11 @@ inside a pair alternating, and the median of the pairs' ratios is what tracing c
 program's thread and the GPU. The tracer's own thread does its work meanwhile for the traced
 steps' ops; its CPU time per traced step with the GIL held is added on top, as if the program
 waited for all of it (an upper bound where the host's launching bounds the step, as here;
-it reads events through the driver with the GIL released, on another core, and the total
-with that time is printed too).
+it reads events through the driver, and writes its files in system calls, with the GIL
+released, on another core: their time is taken out, by the thread's own clock and by its
+``getrusage`` split into user and kernel time around each write, and the total with it is
+printed too). The program's main thread's CPU per step is printed for both sides, and how
+many program lines were walked on the steps that repeat the walked step's.
 ``--mode blocks`` starts and stops the tracer between alternated blocks of ``--steps`` steps
 instead (the way it was measured before; the blocks drift more than the cost).
 ``--no-gpu-times`` traces without the NCCL ops' GPU times; ``--gpu-every N`` takes them on one
@@ -31,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -172,6 +177,54 @@ def _tracer_cpu() -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
+class _Walks:
+    """Counts the program lines walked, on the steps that walk them and on those between."""
+
+    def __init__(self) -> None:
+        self.fresh = self.repeat = 0
+        self._real = real = program_line.callsite
+
+        def counted(frame: Any = None, skip: int = 0) -> str | None:
+            if program_line.LINES.fresh:
+                self.fresh += 1
+            else:
+                self.repeat += 1
+            return real(frame, skip + 1)
+
+        program_line.callsite = counted  # type: ignore[assignment]
+
+    def close(self) -> None:
+        program_line.callsite = self._real  # type: ignore[assignment]
+
+
+class _WriteClock:
+    """The tracer's thread's CPU in its writes, in the program (user) and in the kernel.
+
+    The kernel's part is the system calls that write the files, which Python makes with the
+    GIL released; the user part holds the GIL but for the reading of events through the
+    driver. ``getrusage`` of the calling thread, around each write the tracer's thread makes.
+    """
+
+    def __init__(self) -> None:
+        self.user = self.system = 0.0
+        self._real = TRACER.flush
+
+        def flush(state: str = "running") -> None:
+            if threading.current_thread() is not TRACER._thread:
+                self._real(state)
+                return
+            a = resource.getrusage(resource.RUSAGE_THREAD)
+            self._real(state)
+            b = resource.getrusage(resource.RUSAGE_THREAD)
+            self.user += b.ru_utime - a.ru_utime
+            self.system += b.ru_stime - a.ru_stime
+
+        TRACER.flush = flush  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        del TRACER.flush  # the method again
+
+
 def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[str, Any]]:
     """Steps alternately recorded and not, the tracer running throughout (``--mode steps``)."""
     steps, sync = job.steps, job.sync
@@ -185,6 +238,8 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
     traced_steps = [0]
     on_gpu: list[bool] = []  # whether each traced step took GPU times
 
+    main_cpu: dict[bool, list[float]] = {True: [], False: []}  # the program thread's, per step
+
     def one(traced: bool) -> float:
         # As the tracer samples (SHARDLINE_TRACE_GPU=N), over the traced steps only.
         if traced:
@@ -197,16 +252,21 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
             RECORDER.sink, RECORDER.device_sink = None, None
             program_line.LINES.fresh = False
         sync()
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
         steps(1)
+        main_cpu[traced].append((time.thread_time() - cpu) * 1e3)
         sync()
         return (time.perf_counter() - t) * 1e3
 
     for i in range(10):  # warm-up, both ways
         one(i % 2 == 0)
     on_gpu.clear()
+    main_cpu[True].clear()
+    main_cpu[False].clear()
     on: list[float] = []
     off: list[float] = []
+    clock = _WriteClock()
+    walks = _Walks()
     cpu0, read0 = _tracer_cpu(), TRACER.device.reading_s
     for i in range(args.pairs):
         first = i % 2 == 0  # which side goes first alternates
@@ -214,11 +274,18 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
         on.append(a if first else b)
         off.append(b if first else a)
     tracer_ms = (_tracer_cpu() - cpu0) * 1e3 / args.pairs
-    # Of which reading events through the driver, with the GIL released (another core's).
+    # Of which reading events through the driver, with the GIL released (another core's), and
+    # in the kernel, writing the files (the system calls release the GIL).
     reading_ms = (TRACER.device.reading_s - read0) * 1e3 / args.pairs
-    held_ms = tracer_ms - reading_ms
+    kernel_ms = clock.system * 1e3 / args.pairs
+    user_ms = clock.user * 1e3 / args.pairs
+    held_ms = max(tracer_ms - kernel_ms - reading_ms, 0.0)
+    clock.close()
+    walks.close()
     RECORDER.sink, RECORDER.device_sink = sinks
     TRACER.stop()
+    # The program's main thread's CPU per step, traced against untraced beside it.
+    cpu_ratios = [a / b - 1 for a, b in zip(main_cpu[True], main_cpu[False], strict=True)]
     ratios = [a / b - 1 for a, b in zip(on, off, strict=True)]
     paired = statistics.median(ratios)
     # The mean: what many steps cost together. The median alone would miss a cost paid on one
@@ -247,9 +314,15 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
         f"untraced: {base:.2f} ms/step, traced: {statistics.median(on):.2f} ms/step (medians)",
         f"the pairs' ratios (traced / untraced - 1): median {paired:+.2%}, quartiles "
         f"{q1:+.2%} and {q3:+.2%}; mean {mean:+.2%} (standard error {sem:.2%})",
-        f"the tracer's thread: {tracer_ms:.3f} ms of CPU per traced step, of which "
-        f"{reading_ms:.3f} ms reading events with the GIL released: {held_ms:.3f} ms with it "
-        f"held, {held_ms / base:+.2%} of the untraced step",
+        f"the tracer's thread: {tracer_ms:.3f} ms of CPU per traced step ({user_ms:.3f} ms "
+        f"in its writes' own code, {kernel_ms:.3f} ms in their system calls); without the "
+        f"GIL: the system calls and {reading_ms:.3f} ms reading events; with it: "
+        f"{held_ms:.3f} ms, {held_ms / base:+.2%} of the untraced step",
+        f"the program's main thread: {statistics.median(main_cpu[True]):.2f} ms of CPU per "
+        f"traced step, {statistics.median(main_cpu[False]):.2f} untraced (medians); the "
+        f"pairs' median {statistics.median(cpu_ratios):+.2%}",
+        f"program lines walked: {walks.fresh} on the steps that walk them, {walks.repeat} on "
+        f"the steps between (ops that did not repeat the walked step's)",
         f"overhead: {paired + held_ms / base:+.2%} (the pairs' median plus the tracer's thread "
         f"with the GIL; bar 1 %); with all of its CPU {paired + tracer_ms / base:+.2%}",
         f"overhead by the mean: {mean + held_ms / base:+.2%} (the pairs' mean plus the tracer's "
@@ -257,6 +330,9 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
         *([sampled] if sampled else []),
     ]
     doc = {"on": on, "off": off, "tracer_ms": tracer_ms, "reading_ms": reading_ms,
+           "tracer_kernel_ms": kernel_ms, "tracer_user_ms": user_ms,
+           "main_cpu_on": main_cpu[True], "main_cpu_off": main_cpu[False],
+           "walked_fresh": walks.fresh, "walked_between": walks.repeat,
            "paired": paired, "mean": mean, "sem": sem, "overhead": paired + held_ms / base,
            "overhead_mean": mean + held_ms / base, **split,
            "overhead_all_tracer_cpu": paired + tracer_ms / base}  # fmt: skip

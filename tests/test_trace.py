@@ -542,6 +542,7 @@ def test_the_native_line_of_ops_reads_back_as_json_dumps_line(ops: list[tuple]) 
     line = _native.trace_ops_line(records, spans, flight.dtype_names())
     want = {"k": "ops", "r": [flight.plain(r) + list(s or ())
                               for r, s in zip(records, spans, strict=True)]}  # fmt: skip
+    assert line.endswith(b"}\n") and line.count(b"\n") == 1  # one line of the timeline
     assert json.loads(line) == json.loads(json.dumps(want))
 
 
@@ -552,4 +553,4 @@ def test_a_line_the_native_encoder_does_not_write_is_written_by_json(tmp_path: P
     with pytest.raises(ValueError, match="not finite"):
         _native.trace_ops_line([record], [None], flight.dtype_names())
     line = recorder._ops_line([record], [None])
-    assert line == json.dumps({"k": "ops", "r": [flight.plain(record)]})
+    assert line == (json.dumps({"k": "ops", "r": [flight.plain(record)]}) + "\n").encode()

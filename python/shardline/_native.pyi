@@ -513,7 +513,8 @@ def cuda_events_elapsed(device: int, firsts: list[int], seconds: list[int]) -> l
 
 # -- the tracer's timeline ----------------------------------------------------------------------
 
-def trace_ops_line(records: list[Any], spans: list[Any], dtypes: dict[Any, str]) -> str:
-    """``{"k":"ops","r":[...]}`` for the flight recorder's ``records``, each with its device
-    span (or ``None``) appended, dtypes named by ``dtypes``. ``ValueError`` for a value it does
-    not write (a float that is not finite), ``TypeError`` for a record that is not a list."""
+def trace_ops_line(records: list[Any], spans: list[Any], dtypes: dict[Any, str]) -> bytes:
+    """``{"k":"ops","r":[...]}`` and a newline, as UTF-8, for the flight recorder's
+    ``records``, each with its device span (or ``None``) appended, dtypes named by
+    ``dtypes``. ``ValueError`` for a value it does not write (a float that is not finite),
+    ``TypeError`` for a record that is not a list."""

@@ -1,15 +1,17 @@
 //! The tracer's timeline lines, encoded in one call (`shardline.comm.trace.recorder`).
 //!
-//! A line of ops is `{"k":"ops","r":[record, ...]}`: each record the flight recorder's list
-//! (`shardline.comm.flight`), its dtype written as its name, and its device start and end
-//! after it where the op has them. `json.dumps` of the same takes a Python call per record to
-//! copy it and name its dtype; here the records are read where they are and written by
-//! `serde_json`. A value this does not write (a float that is not finite, a type that is not
-//! JSON's) is an error, and the caller writes that line with `json.dumps` instead.
+//! A line of ops is `{"k":"ops","r":[record, ...]}` and its newline: each record the flight
+//! recorder's list (`shardline.comm.flight`), its dtype written as its name, and its device
+//! start and end after it where the op has them. `json.dumps` of the same takes a Python call
+//! per record to copy it and name its dtype; here the records are read where they are, each
+//! field tested against the exact types a record holds first, and written by `serde_json`
+//! into bytes the caller writes to its file as they are. A value this does not write (a
+//! float that is not finite, a type that is not JSON's) is an error, and the caller writes
+//! that line with `json.dumps` instead.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde::ser::{Error as _, Serialize, SerializeSeq, Serializer};
 
 /// The index of a record's dtype (`shardline.comm.flight.DTYPE`).
@@ -21,6 +23,14 @@ struct Value<'a, 'py>(&'a Bound<'py, PyAny>);
 impl Serialize for Value<'_, '_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let o = self.0;
+        // The types a record holds, by exact type first (a pointer compare each).
+        if o.is_exact_instance_of::<PyString>() {
+            let text = o.cast::<PyString>().map_err(S::Error::custom)?;
+            return s.serialize_str(text.to_str().map_err(S::Error::custom)?);
+        }
+        if o.is_exact_instance_of::<PyFloat>() {
+            return finite(o.cast::<PyFloat>().map_err(S::Error::custom)?.value(), s);
+        }
         if o.is_none() {
             return s.serialize_unit();
         }
@@ -34,11 +44,7 @@ impl Serialize for Value<'_, '_> {
             return s.serialize_u64(i.extract::<u64>().map_err(S::Error::custom)?);
         }
         if let Ok(f) = o.cast::<PyFloat>() {
-            let v = f.value();
-            if !v.is_finite() {
-                return Err(S::Error::custom("a float that is not finite"));
-            }
-            return s.serialize_f64(v);
+            return finite(f.value(), s);
         }
         if let Ok(t) = o.cast::<PyString>() {
             return s.serialize_str(&t.to_cow().map_err(S::Error::custom)?);
@@ -54,28 +60,46 @@ impl Serialize for Value<'_, '_> {
     }
 }
 
+/// `v` as a JSON number; an error when it is not finite (JSON has no such number).
+fn finite<S: Serializer>(v: f64, s: S) -> Result<S::Ok, S::Error> {
+    if !v.is_finite() {
+        return Err(S::Error::custom("a float that is not finite"));
+    }
+    s.serialize_f64(v)
+}
+
+/// A record's dtype by its name: from `dtypes` (the flight recorder's, `None` there as ""),
+/// else its text without `torch.`, kept in `dtypes` for the next time.
+struct Dtype<'a, 'py> {
+    dtype: &'a Bound<'py, PyAny>,
+    dtypes: &'a Bound<'py, PyDict>,
+}
+
+impl Serialize for Dtype<'_, '_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let dtype = self.dtype;
+        if let Some(name) = self.dtypes.get_item(dtype).map_err(S::Error::custom)? {
+            let name = name.cast::<PyString>().map_err(S::Error::custom)?;
+            return s.serialize_str(name.to_str().map_err(S::Error::custom)?);
+        }
+        if let Ok(text) = dtype.cast::<PyString>() {
+            return s.serialize_str(&text.to_cow().map_err(S::Error::custom)?);
+        }
+        let text = dtype.str().map_err(S::Error::custom)?;
+        let text = text.to_cow().map_err(S::Error::custom)?;
+        let name = text.strip_prefix("torch.").unwrap_or(&text);
+        self.dtypes
+            .set_item(dtype, name)
+            .map_err(S::Error::custom)?;
+        s.serialize_str(name)
+    }
+}
+
 /// One record: its fields (the dtype by name), then its device span's two times if any.
 struct Record<'a, 'py> {
     fields: &'a Bound<'py, PyList>,
     span: &'a Bound<'py, PyAny>,
     dtypes: &'a Bound<'py, PyDict>,
-}
-
-impl Record<'_, '_> {
-    /// A dtype's name: from `dtypes` (the flight recorder's, `None` there as ""), else its
-    /// text without `torch.`, kept in `dtypes` for the next time.
-    fn dtype_name(&self, dtype: &Bound<'_, PyAny>) -> PyResult<String> {
-        if let Some(name) = self.dtypes.get_item(dtype)? {
-            return Ok(name.cast::<PyString>()?.to_cow()?.into_owned());
-        }
-        if let Ok(text) = dtype.cast::<PyString>() {
-            return Ok(text.to_cow()?.into_owned());
-        }
-        let text = dtype.str()?.to_cow()?.into_owned();
-        let name = text.strip_prefix("torch.").unwrap_or(&text).to_owned();
-        self.dtypes.set_item(dtype, &name)?;
-        Ok(name)
-    }
 }
 
 impl Serialize for Record<'_, '_> {
@@ -89,7 +113,10 @@ impl Serialize for Record<'_, '_> {
         let mut seq = s.serialize_seq(Some(n))?;
         for (k, item) in self.fields.iter().enumerate() {
             if k == DTYPE {
-                seq.serialize_element(&self.dtype_name(&item).map_err(S::Error::custom)?)?;
+                seq.serialize_element(&Dtype {
+                    dtype: &item,
+                    dtypes: self.dtypes,
+                })?;
             } else {
                 seq.serialize_element(&Value(&item))?;
             }
@@ -103,17 +130,19 @@ impl Serialize for Record<'_, '_> {
     }
 }
 
-/// `{"k":"ops","r":[...]}` for `records` (the flight recorder's lists) and `spans` (each
-/// record's device start and end, or `None`), with `dtypes` naming their dtypes.
+/// `{"k":"ops","r":[...]}` and a newline, as UTF-8 bytes, for `records` (the flight
+/// recorder's lists) and `spans` (each record's device start and end, or `None`), with
+/// `dtypes` naming their dtypes.
 ///
 /// Raises `ValueError` for a value it does not write (see the module), `TypeError` for a
 /// record that is not a list.
 #[pyfunction]
-pub fn trace_ops_line(
-    records: &Bound<'_, PyList>,
-    spans: &Bound<'_, PyList>,
-    dtypes: &Bound<'_, PyDict>,
-) -> PyResult<String> {
+pub fn trace_ops_line<'py>(
+    py: Python<'py>,
+    records: &Bound<'py, PyList>,
+    spans: &Bound<'py, PyList>,
+    dtypes: &Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyBytes>> {
     if records.len() != spans.len() {
         return Err(PyValueError::new_err(format!(
             "{} records and {} spans: pass one span (or None) per record",
@@ -135,7 +164,6 @@ pub fn trace_ops_line(
         serde_json::to_writer(&mut out, &record)
             .map_err(|e| PyValueError::new_err(format!("record {i}: {e}")))?;
     }
-    out.extend_from_slice(b"]}");
-    // serde_json writes UTF-8 only.
-    String::from_utf8(out).map_err(|e| PyValueError::new_err(e.to_string()))
+    out.extend_from_slice(b"]}\n");
+    Ok(PyBytes::new(py, &out))
 }

@@ -467,8 +467,8 @@ class DeviceTimes:
         # The buffers of ops given up on (the GPU may still use them): kept for good.
         self._stuck: list[Any] = []
         self._times: dict[int, tuple[float, float] | None] = {}  # by id(record)
-        # Seconds spent reading events (``Events.elapsed``: through the driver, without the
-        # GIL), for a measure of what the tracer's thread holds the GIL for.
+        # CPU seconds spent reading events (``Events.elapsed``: through the driver, without
+        # the GIL), for a measure of what the tracer's thread holds the GIL for.
         self.reading_s = 0.0
         self.timed_any = False  # whether any op was taken to be timed (a job with GPU ops)
 
@@ -508,9 +508,9 @@ class DeviceTimes:
             if clock is None:
                 clock = self._clocks[gpu] = self._make_clock(gpu, kind)
             seconds = [pending[i][1][2] for i in idx] + [pending[i][1][3] for i in idx]
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             ms = kind.elapsed(gpu, [clock.ref] * len(seconds), seconds)
-            self.reading_s += time.perf_counter() - t0
+            self.reading_s += time.thread_time() - t0
             wall, m = clock.wall, len(idx)
             for k, i in enumerate(idx):
                 starts[i] = wall + ms[k] / 1e3
