@@ -387,7 +387,9 @@ def test_sends_before_receives_complete_past_the_sockets_buffers(
 
 
 @pytest.mark.usefixtures("native")
-@pytest.mark.parametrize(("transport", "world"), [("shm", 3), ("tcp", 2), ("tcp", 3), ("hier", 3)])
+@pytest.mark.parametrize(
+    ("transport", "world"), [("shm", 3), ("tcp", 2), ("tcp", 3), ("hier", 3), ("hier", 4)]
+)
 @pytest.mark.parametrize("n", [1000, 4 << 20], ids=["4KB", "16MB"])
 def test_messages_sent_before_a_collective_are_kept_for_receives_after_it(
     transport: str, world: int, n: int
@@ -395,7 +397,9 @@ def test_messages_sent_before_a_collective_are_kept_for_receives_after_it(
     """Rank 0 sends the last rank two messages and enters an all_reduce and a barrier; the
     last rank enters them before it receives, the second message first, as Gloo allows. Over
     TCP a message ahead of the collective's on its link failed as a mismatch, and one that
-    outgrew the sockets' buffers held its sender's collective back until the deadline."""
+    outgrew the sockets' buffers held its sender's collective back until the deadline; across
+    two hosts of two ranks (``hier``, 4) the last rank is not its host's first and waits on
+    its host's shared memory, which then reads its TCP links."""
     last = world - 1
 
     def body(g: ProcessGroup) -> list[float]:

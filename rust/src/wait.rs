@@ -10,6 +10,10 @@ use std::time::{Duration, Instant};
 /// Longest single futex sleep; callers re-check their conditions at least this often.
 pub const SLICE: Duration = Duration::from_millis(50);
 
+/// Longest single futex sleep while the check has work in progress (it returned `true`: a
+/// message it reads for the waiting op, say), so that the work goes on at its pace.
+pub const BUSY_SLICE: Duration = Duration::from_millis(1);
+
 /// Whether `value` has reached `target` on a wrapping 32-bit counter.
 #[inline(always)]
 pub fn reached(value: u32, target: u32) -> bool {
@@ -118,13 +122,14 @@ pub enum Stop<E> {
 }
 
 /// Waits until `signal.value` reaches `target`, calling `check` every slice (and every few
-/// thousand spins) so that aborts and dead peers end the wait early.
+/// thousand spins) so that aborts and dead peers end the wait early. A check that returns
+/// `true` has work in progress and is called again within [`BUSY_SLICE`].
 pub fn wait_until<E>(
     signal: &Signal,
     target: u32,
     deadline: Instant,
     policy: SpinPolicy,
-    mut check: impl FnMut() -> Result<(), E>,
+    mut check: impl FnMut() -> Result<bool, E>,
 ) -> Result<(), Stop<E>> {
     let v = signal.value.load(Ordering::Acquire);
     if reached(v, target) {
@@ -148,7 +153,11 @@ pub fn wait_until<E>(
         }
     }
     loop {
-        check().map_err(Stop::Check)?;
+        let slice = if check().map_err(Stop::Check)? {
+            BUSY_SLICE
+        } else {
+            SLICE
+        };
         let now = Instant::now();
         if now >= deadline {
             return Err(Stop::Deadline);
@@ -159,7 +168,7 @@ pub fn wait_until<E>(
             signal.sleepers.fetch_sub(1, Ordering::SeqCst);
             return Ok(());
         }
-        futex_wait(&signal.value, v, SLICE.min(deadline - now));
+        futex_wait(&signal.value, v, slice.min(deadline - now));
         signal.sleepers.fetch_sub(1, Ordering::SeqCst);
         if reached(signal.value.load(Ordering::Acquire), target) {
             return Ok(());
@@ -193,7 +202,7 @@ mod tests {
                 spin: Duration::ZERO,
             };
             let deadline = Instant::now() + Duration::from_secs(5);
-            wait_until::<()>(&s2, 3, deadline, policy, || Ok(())).is_ok()
+            wait_until::<()>(&s2, 3, deadline, policy, || Ok(false)).is_ok()
         });
         std::thread::sleep(Duration::from_millis(20));
         s.post(3);
@@ -210,7 +219,7 @@ mod tests {
             spin: Duration::ZERO,
         };
         let deadline = Instant::now() + Duration::from_millis(30);
-        let r = wait_until::<()>(&s, 1, deadline, policy, || Ok(()));
+        let r = wait_until::<()>(&s, 1, deadline, policy, || Ok(false));
         assert!(matches!(r, Err(Stop::Deadline)));
     }
 }

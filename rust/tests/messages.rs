@@ -285,7 +285,12 @@ fn messages_sent_before_a_collective_are_kept_for_the_receives_after_it() {
     // ahead of the collective's message on its link (a mismatch before), and the large one
     // holds rank 0's collective back until it is read (the deadline before).
     let big = 16 << 20;
-    for hosts in [&["a", "b"][..], LAYOUTS[1], &["a", "a", "b"]] {
+    for hosts in [
+        &["a", "b"][..],
+        LAYOUTS[1],
+        &["a", "a", "b"],
+        &["a", "b", "b"],
+    ] {
         let last = hosts.len() - 1;
         let got = run_ranks(hosts, Duration::from_secs(10), |c| {
             let r = c.rank();

@@ -13,6 +13,7 @@ use super::config::CommConfig;
 use super::links::{tcp_peers, unlinked, P2pLinks};
 use super::mailbox::{Mailbox, ParkMeanwhile, PARK_LIMIT};
 use super::op::Op;
+use super::taking_in;
 use super::work::Outcome;
 use crate::collectives::arena::{self, ArenaComm};
 use crate::collectives::comm_threads::CommThreads;
@@ -397,9 +398,10 @@ impl Router {
         if premul {
             reduce::scale(buf, dtype, self.world); // this rank's share of the mean, in place
         }
-        if let Some(a) = self.arena.as_mut() {
-            a.all_reduce(None, buf, dtype, partial, sig, Some(0), deadline)?;
-        }
+        // The arena's waits read what other hosts' ranks send to this one meanwhile.
+        self.on_arena(sig, deadline, |a| {
+            a.all_reduce(None, buf, dtype, partial, sig, Some(0), deadline)
+        })?;
         if self.my_local == 0 {
             let leaders = self.leaders.clone();
             let others = self.tcp_peers();
@@ -410,10 +412,31 @@ impl Router {
                 reduce::scale(buf, dtype, self.world);
             }
         }
-        if let Some(a) = self.arena.as_mut() {
-            a.broadcast(buf, 0, sig, deadline)?;
-        }
-        Ok(())
+        self.on_arena(sig, deadline, |a| a.broadcast(buf, 0, sig, deadline))
+    }
+
+    /// Runs `op` on this host's arena, if it has one, while its waits take in the messages
+    /// other hosts' ranks send to this one over TCP ([`taking_in`]).
+    fn on_arena(
+        &mut self,
+        sig: &OpSig,
+        deadline: Instant,
+        op: impl FnOnce(&mut ArenaComm) -> Result<()>,
+    ) -> Result<()> {
+        let others = self.tcp_peers();
+        let Some(arena) = self.arena.as_mut() else {
+            return Ok(());
+        };
+        taking_in::run(
+            arena,
+            &mut self.mesh,
+            &mut self.mailbox,
+            others,
+            self.rank,
+            sig,
+            deadline,
+            op,
+        )
     }
 }
 

@@ -69,6 +69,11 @@ pub(super) struct Mailbox {
 }
 
 impl Mailbox {
+    /// An empty mailbox with this one's limit.
+    pub(super) fn empty_like(&self) -> Self {
+        Mailbox::new(self.limit)
+    }
+
     /// An empty mailbox that parks up to `limit` bytes.
     pub(super) fn new(limit: usize) -> Self {
         Mailbox {

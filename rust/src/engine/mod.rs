@@ -24,6 +24,7 @@ mod mailbox;
 pub mod op;
 mod queue;
 mod sends;
+mod taking_in;
 pub mod work;
 
 use std::any::Any;

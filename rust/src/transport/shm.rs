@@ -267,6 +267,11 @@ impl Drop for Mapping {
     }
 }
 
+/// Work an arena wait does at its checks, beside waiting: `Ok(true)` while it has work in
+/// progress (it is then called again within [`wait::BUSY_SLICE`]). Shared with the helper
+/// threads an op may run on, hence `Sync`.
+pub type Meanwhile = dyn Fn() -> Result<bool> + Send + Sync;
+
 /// One rank's handle on a mapped arena.
 pub struct Arena {
     map: Mapping,
@@ -473,11 +478,14 @@ impl Arena {
     }
 
     /// Waits until every other rank posted `target`; `what` names the op for messages.
+    /// `meanwhile` runs at each of the wait's checks (it returns whether it has work in
+    /// progress, to be called again soon); an error from it fails the wait.
     pub fn wait_all(
         &self,
         target: u32,
         deadline: Instant,
         what: &dyn std::fmt::Display,
+        meanwhile: Option<&Meanwhile>,
     ) -> Result<()> {
         for r in 0..self.ranks {
             if r == self.me {
@@ -485,7 +493,8 @@ impl Arena {
             }
             let c = self.ctrl(r);
             let res = wait::wait_until(&c.signal, target, deadline, self.policy, || {
-                self.check_peer(r, target, what)
+                self.check_peer(r, target, what)?;
+                meanwhile.map_or(Ok(false), |m| m())
             });
             match res {
                 Ok(()) => {}

@@ -18,7 +18,7 @@ use crate::memcpy::StreamMode;
 use crate::signature::OpSig;
 use std::sync::Arc;
 
-use crate::transport::shm::Arena;
+use crate::transport::shm::{Arena, Meanwhile};
 
 mod all_reduce;
 mod reduce_scatter;
@@ -43,6 +43,8 @@ pub struct ArenaComm {
     helpers: bool,
     /// Symmetric allocations, in the order every local rank registered them.
     symmetric: symmetric::Allocations,
+    /// What the ops' waits do meanwhile, while set ([`ArenaComm::set_meanwhile`]).
+    meanwhile: Option<Arc<Meanwhile>>,
 }
 
 /// Bytes of a per-destination piece when a slot is split `n` ways (element and cache aligned).
@@ -71,7 +73,14 @@ impl ArenaComm {
             stream,
             helpers: true,
             symmetric: Vec::new(),
+            meanwhile: None,
         }
+    }
+
+    /// Has the waits of the ops that follow run `meanwhile` at their checks (until set to
+    /// `None`): a rank of a group across hosts reads its TCP links there.
+    pub fn set_meanwhile(&mut self, meanwhile: Option<Arc<Meanwhile>>) {
+        self.meanwhile = meanwhile;
     }
 
     /// Has the first all-reduce measure where one-shot stops paying, before it runs (every
@@ -156,7 +165,8 @@ impl ArenaComm {
         }
         self.arena.post(k);
         self.phase = k;
-        self.arena.wait_all(k, deadline, sig)?;
+        self.arena
+            .wait_all(k, deadline, sig, self.meanwhile.as_deref())?;
         if publish.is_some() {
             let mine = sig;
             let me = self.arena.me();

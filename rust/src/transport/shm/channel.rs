@@ -283,7 +283,7 @@ impl Arena {
                 return Err(e);
             }
             crate::interrupt::poll(self.global[self.me], &"a point-to-point transfer")?;
-            self.peer_still_there(peer, signal, target)
+            self.peer_still_there(peer, signal, target).map(|()| false)
         });
         match res {
             Ok(()) => Ok(()),

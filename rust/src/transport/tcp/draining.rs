@@ -10,6 +10,8 @@
 //!   while its receiver enters the collective before it receives, then gets through both: the
 //!   receiver keeps the message for its receive, and the sender's send, no longer waiting for
 //!   room, lets its collective start.
+//! - [`TakingIn`]: the same for a wait outside TCP (on the shared memory of a host, in a group
+//!   across hosts), which polls it at its checks.
 
 use std::os::fd::AsRawFd;
 use std::time::Instant;
@@ -180,6 +182,47 @@ impl Drain {
                 .map_err(|f| mesh.fail(f, from, sig, "waiting for data from"))?;
         }
         Ok(())
+    }
+}
+
+/// The messages taken in from TCP links while this rank waits elsewhere (on its host's shared
+/// memory, inside a collective of a group across hosts), by polling: [`TakingIn::poll`] at
+/// the wait's checks, [`TakingIn::finish`] once it is over.
+pub struct TakingIn {
+    drain: Drain,
+}
+
+impl TakingIn {
+    /// Takes in from the ranks of `others`.
+    pub fn new(others: impl IntoIterator<Item = usize>) -> Self {
+        TakingIn {
+            drain: Drain::new(others),
+        }
+    }
+
+    /// Reads, without waiting, what has arrived of the messages the ranks send to this one
+    /// and `parking` accepts, for the op `sig`, as long as there is something to read; whether
+    /// a message is still arriving (poll again soon).
+    pub fn poll(
+        &mut self,
+        mesh: &mut TcpMesh,
+        sig: &OpSig,
+        parking: &mut dyn Parking,
+    ) -> Result<bool> {
+        while self.drain.step(mesh, sig, true, parking)? {}
+        Ok(self.drain.reading().is_some())
+    }
+
+    /// Reads the messages still arriving to their end (their senders are writing them), by
+    /// `deadline`.
+    pub fn finish(
+        &mut self,
+        mesh: &mut TcpMesh,
+        sig: &OpSig,
+        parking: &mut dyn Parking,
+        deadline: Instant,
+    ) -> Result<()> {
+        self.drain.finish(mesh, sig, parking, deadline)
     }
 }
 
