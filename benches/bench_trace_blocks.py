@@ -245,12 +245,12 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
         if traced:
             gpu = sinks[1] if traced_steps[0] % every == 0 else None
             RECORDER.sink, RECORDER.device_sink = sinks[0], gpu
-            program_line.LINES.fresh = traced_steps[0] % lines_every == 0
+            program_line.LINES.set_fresh(traced_steps[0] % lines_every == 0)
             traced_steps[0] += 1
             on_gpu.append(gpu is not None)
         else:
             RECORDER.sink, RECORDER.device_sink = None, None
-            program_line.LINES.fresh = False
+            program_line.LINES.set_fresh(False)
         sync()
         t, cpu = time.perf_counter(), time.thread_time()
         steps(1)

@@ -111,7 +111,23 @@ class FlightRecorder:
         if self.enabled:
             self.ops.append(record)
         if sink is not None:
-            record[WHERE] = LINES.where(group, op, numel, dtype, peer, inside)
+            # The line of the op at this place of the step repeated, where this op repeats it
+            # (``StepLines.where``'s own test, here: the common case without a call).
+            lines = LINES
+            place = lines.place
+            repeat = lines.repeat
+            if (
+                place < len(repeat)
+                and (t := repeat[place])[2] == numel
+                and t[1] == op
+                and t[0] == group
+                and t[3] == dtype
+                and t[4] == peer
+            ):
+                lines.place = place + 1
+                record[WHERE] = t[5]
+            else:
+                record[WHERE] = lines.where(group, op, numel, dtype, peer, inside)
             sink.append(record)
         return record
 

@@ -245,11 +245,15 @@ class StepLines:
 
     def __init__(self) -> None:
         self.fresh = True  # whether this step's lines are walked
-        self._place = 0  # the place in this step of its next op (on a step not walked)
+        self.place = 0  # the place in this step of its next op (on a step not walked)
         # (group, op, numel, dtype, peer, line) of each op, by place: of the last step walked,
         # and of this one while it is walked.
         self._taken: list[tuple[Any, ...]] = []
         self._taking: list[tuple[Any, ...]] = []
+        # What a step not walked repeats: ``_taken``; nothing on a step walked. The flight
+        # recorder takes a line that repeats from here itself, and calls ``where`` for any
+        # other (in a GPU step every call costs: a method's call took as long as the rest).
+        self.repeat: list[tuple[Any, ...]] = []
 
     def where(
         self, group: str, op: str, numel: int, dtype: object, peer: int | None, skip: int
@@ -261,8 +265,8 @@ class StepLines:
             if len(taking) < _STEP_OPS:
                 taking.append((group, op, numel, dtype, peer, where))
             return where
-        place = self._place
-        self._place = place + 1
+        place = self.place
+        self.place = place + 1
         taken = self._taken
         if place < len(taken):
             t = taken[place]
@@ -278,12 +282,17 @@ class StepLines:
         if self.fresh and self._taking:
             self._taken = self._taking
         self._taking = []
-        self._place = 0
+        self.place = 0
+        self.set_fresh(fresh)
+
+    def set_fresh(self, fresh: bool) -> None:
+        """Whether the step under way, before its first op, walks its ops' lines."""
         self.fresh = fresh
+        self.repeat = [] if fresh else self._taken
 
     def reset(self) -> None:
         """Forgets the steps so far; the next step walks its lines."""
-        self._taken, self._taking, self._place, self.fresh = [], [], 0, True
+        self._taken, self._taking, self.place, self.fresh, self.repeat = [], [], 0, True, []
 
 
 LINES = StepLines()
