@@ -210,6 +210,32 @@ mod tests {
     }
 
     #[test]
+    fn a_check_with_work_in_progress_is_called_every_busy_slice() {
+        // Spinning off, a wait of 40 ms calls a busy check about every millisecond, an idle one
+        // once per slice (50 ms).
+        let calls = |busy: bool| {
+            let s = Signal {
+                value: AtomicU32::new(0),
+                sleepers: AtomicU32::new(0),
+            };
+            let policy = SpinPolicy {
+                spin: Duration::ZERO,
+            };
+            let deadline = Instant::now() + Duration::from_millis(40);
+            let mut n = 0;
+            let r = wait_until::<()>(&s, 1, deadline, policy, || {
+                n += 1;
+                Ok(busy)
+            });
+            assert!(matches!(r, Err(Stop::Deadline)));
+            n
+        };
+        let (busy, idle) = (calls(true), calls(false));
+        assert!(busy >= 10, "a busy check was called {busy} times in 40 ms");
+        assert!(idle <= 3, "an idle check was called {idle} times in 40 ms");
+    }
+
+    #[test]
     fn deadline_stops_the_wait() {
         let s = Signal {
             value: AtomicU32::new(0),
