@@ -181,6 +181,14 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
+    /// A counter at 0 with no sleeper.
+    fn at_zero() -> Signal {
+        Signal {
+            value: AtomicU32::new(0),
+            sleepers: AtomicU32::new(0),
+        }
+    }
+
     #[test]
     fn wrapping_comparison() {
         assert!(reached(5, 5));
@@ -192,10 +200,7 @@ mod tests {
 
     #[test]
     fn sleeper_is_woken_by_post() {
-        let s = Arc::new(Signal {
-            value: AtomicU32::new(0),
-            sleepers: AtomicU32::new(0),
-        });
+        let s = Arc::new(at_zero());
         let s2 = s.clone();
         let t = std::thread::spawn(move || {
             let policy = SpinPolicy {
@@ -214,10 +219,7 @@ mod tests {
         // Spinning off, a wait of 40 ms calls a busy check about every millisecond, an idle one
         // once per slice (50 ms).
         let calls = |busy: bool| {
-            let s = Signal {
-                value: AtomicU32::new(0),
-                sleepers: AtomicU32::new(0),
-            };
+            let s = at_zero();
             let policy = SpinPolicy {
                 spin: Duration::ZERO,
             };
@@ -237,10 +239,7 @@ mod tests {
 
     #[test]
     fn deadline_stops_the_wait() {
-        let s = Signal {
-            value: AtomicU32::new(0),
-            sleepers: AtomicU32::new(0),
-        };
+        let s = at_zero();
         let policy = SpinPolicy {
             spin: Duration::ZERO,
         };

@@ -8,7 +8,7 @@
 //! all-reduce, neither would get on (the sender's host would never join the all-reduce) until
 //! the deadline. So the arena's waits poll this rank's TCP links at their checks
 //! ([`ArenaComm::set_meanwhile`]) and take the point-to-point messages in, as a collective over
-//! TCP does ([`crate::transport::tcp::TakingIn`]), into the mailbox where the receives that
+//! TCP does ([`crate::transport::tcp::Drain`]), into the mailbox where the receives that
 //! follow find them.
 //!
 //! The waits may run on the arena's helper threads, so the TCP mesh and the mailbox are lent to
@@ -21,7 +21,7 @@ use super::mailbox::{Mailbox, ParkMeanwhile};
 use crate::collectives::arena::ArenaComm;
 use crate::error::Result;
 use crate::signature::OpSig;
-use crate::transport::tcp::{TakingIn, TcpMesh};
+use crate::transport::tcp::{Drain, TcpMesh};
 
 /// How often an idle poll looks at the TCP links (each look is a system call per link), the
 /// first time after this long (an op that waits less pays nothing); one with a message
@@ -32,7 +32,7 @@ const EVERY: Duration = Duration::from_millis(1);
 struct Lent {
     mesh: TcpMesh,
     mailbox: Mailbox,
-    taking: TakingIn,
+    taking: Drain,
     me: usize,
     sig: OpSig,
     last: Instant,
@@ -40,7 +40,7 @@ struct Lent {
 }
 
 impl Lent {
-    fn parking(&mut self) -> (&mut TcpMesh, &mut TakingIn, ParkMeanwhile<'_>) {
+    fn parking(&mut self) -> (&mut TcpMesh, &mut Drain, ParkMeanwhile<'_>) {
         let parking = ParkMeanwhile {
             mailbox: &mut self.mailbox,
             me: self.me,
@@ -85,7 +85,7 @@ pub(super) fn run<R>(
     let lent = Arc::new(Mutex::new(Some(Lent {
         mesh: mesh.take().expect("checked above"),
         mailbox: std::mem::replace(mailbox, mailbox.empty_like()),
-        taking: TakingIn::new(others),
+        taking: Drain::new(others),
         me,
         sig: *sig,
         last: Instant::now(),

@@ -19,7 +19,7 @@ use crate::signature::OpSig;
 
 mod draining;
 mod transfer;
-pub use draining::{Parking, ParkingMesh, TakingIn};
+pub use draining::{Drain, Parking, ParkingMesh};
 
 /// How long [`TcpMesh::abort_all`] spends telling each peer why.
 const ABORT_TIMEOUT: Duration = Duration::from_millis(200);

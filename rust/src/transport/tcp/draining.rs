@@ -10,8 +10,8 @@
 //!   while its receiver enters the collective before it receives, then gets through both: the
 //!   receiver keeps the message for its receive, and the sender's send, no longer waiting for
 //!   room, lets its collective start.
-//! - [`TakingIn`]: the same for a wait outside TCP (on the shared memory of a host, in a group
-//!   across hosts), which polls it at its checks.
+//! - [`Drain::poll`]: the same for a wait outside TCP (on the shared memory of a host, in a
+//!   group across hosts), which polls at its checks.
 
 use std::os::fd::AsRawFd;
 use std::time::Instant;
@@ -42,7 +42,11 @@ pub(super) struct Incoming {
 }
 
 /// The ranks a waiting operation takes messages in from, and how far it got with each.
-pub(super) struct Drain {
+///
+/// Also for a wait outside TCP (on its host's shared memory, inside a collective of a group
+/// across hosts), which polls it ([`Drain::poll`]) at its checks and [`Drain::finish`]es it
+/// once over.
+pub struct Drain {
     others: Vec<usize>,
     incoming: Vec<Option<Incoming>>,
     /// Nothing more is taken from the rank during this operation: its next message is not
@@ -51,7 +55,8 @@ pub(super) struct Drain {
 }
 
 impl Drain {
-    pub(super) fn new(others: impl IntoIterator<Item = usize>) -> Self {
+    /// Takes in from the ranks of `others`.
+    pub fn new(others: impl IntoIterator<Item = usize>) -> Self {
         let others: Vec<usize> = others.into_iter().collect();
         Drain {
             incoming: others.iter().map(|_| None).collect(),
@@ -163,9 +168,22 @@ impl Drain {
         }
     }
 
+    /// Reads, without waiting, what has arrived of the messages the ranks send to this one
+    /// and `parking` accepts, for the op `sig`, as long as there is something to read;
+    /// whether a message is still arriving (poll again soon).
+    pub fn poll(
+        &mut self,
+        mesh: &mut TcpMesh,
+        sig: &OpSig,
+        parking: &mut dyn Parking,
+    ) -> Result<bool> {
+        while self.step(mesh, sig, true, parking)? {}
+        Ok(self.reading().is_some())
+    }
+
     /// Reads the messages still arriving to their end (their senders are writing them), by
     /// `deadline`; nothing new is taken in.
-    pub(super) fn finish(
+    pub fn finish(
         &mut self,
         mesh: &mut TcpMesh,
         sig: &OpSig,
@@ -182,47 +200,6 @@ impl Drain {
                 .map_err(|f| mesh.fail(f, from, sig, "waiting for data from"))?;
         }
         Ok(())
-    }
-}
-
-/// The messages taken in from TCP links while this rank waits elsewhere (on its host's shared
-/// memory, inside a collective of a group across hosts), by polling: [`TakingIn::poll`] at
-/// the wait's checks, [`TakingIn::finish`] once it is over.
-pub struct TakingIn {
-    drain: Drain,
-}
-
-impl TakingIn {
-    /// Takes in from the ranks of `others`.
-    pub fn new(others: impl IntoIterator<Item = usize>) -> Self {
-        TakingIn {
-            drain: Drain::new(others),
-        }
-    }
-
-    /// Reads, without waiting, what has arrived of the messages the ranks send to this one
-    /// and `parking` accepts, for the op `sig`, as long as there is something to read; whether
-    /// a message is still arriving (poll again soon).
-    pub fn poll(
-        &mut self,
-        mesh: &mut TcpMesh,
-        sig: &OpSig,
-        parking: &mut dyn Parking,
-    ) -> Result<bool> {
-        while self.drain.step(mesh, sig, true, parking)? {}
-        Ok(self.drain.reading().is_some())
-    }
-
-    /// Reads the messages still arriving to their end (their senders are writing them), by
-    /// `deadline`.
-    pub fn finish(
-        &mut self,
-        mesh: &mut TcpMesh,
-        sig: &OpSig,
-        parking: &mut dyn Parking,
-        deadline: Instant,
-    ) -> Result<()> {
-        self.drain.finish(mesh, sig, parking, deadline)
     }
 }
 
