@@ -399,31 +399,33 @@ impl Router {
             reduce::scale(buf, dtype, self.world); // this rank's share of the mean, in place
         }
         // The arena's waits read what other hosts' ranks send to this one meanwhile.
-        self.on_arena(sig, deadline, |a| {
+        let others = self.tcp_peers();
+        self.on_arena(&others, sig, deadline, |a| {
             a.all_reduce(None, buf, dtype, partial, sig, Some(0), deadline)
         })?;
         if self.my_local == 0 {
             let leaders = self.leaders.clone();
-            let others = self.tcp_peers();
             let (mesh, mut parking) = self.parking(sig)?;
-            let mut mesh = mesh.parking(others, &mut parking);
+            let mut mesh = mesh.parking(others.clone(), &mut parking);
             ring::all_reduce(&mut mesh, &leaders, buf, dtype, partial, sig, deadline)?;
             if op == ReduceOp::Avg && !premul {
                 reduce::scale(buf, dtype, self.world);
             }
         }
-        self.on_arena(sig, deadline, |a| a.broadcast(buf, 0, sig, deadline))
+        self.on_arena(&others, sig, deadline, |a| {
+            a.broadcast(buf, 0, sig, deadline)
+        })
     }
 
     /// Runs `op` on this host's arena, if it has one, while its waits take in the messages
-    /// other hosts' ranks send to this one over TCP ([`taking_in`]).
+    /// the ranks of `others` (of other hosts) send to this one over TCP ([`taking_in`]).
     fn on_arena(
         &mut self,
+        others: &[usize],
         sig: &OpSig,
         deadline: Instant,
         op: impl FnOnce(&mut ArenaComm) -> Result<()>,
     ) -> Result<()> {
-        let others = self.tcp_peers();
         let Some(arena) = self.arena.as_mut() else {
             return Ok(());
         };

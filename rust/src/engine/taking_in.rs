@@ -73,7 +73,7 @@ pub(super) fn run<R>(
     arena: &mut ArenaComm,
     mesh: &mut Option<TcpMesh>,
     mailbox: &mut Mailbox,
-    others: Vec<usize>,
+    others: &[usize],
     me: usize,
     sig: &OpSig,
     deadline: Instant,
@@ -85,7 +85,7 @@ pub(super) fn run<R>(
     let lent = Arc::new(Mutex::new(Some(Lent {
         mesh: mesh.take().expect("checked above"),
         mailbox: std::mem::replace(mailbox, mailbox.empty_like()),
-        taking: Drain::new(others),
+        taking: Drain::new(others.iter().copied()),
         me,
         sig: *sig,
         last: Instant::now(),

@@ -3,11 +3,10 @@
 //! A line of ops is `{"k":"ops","r":[record, ...]}` and its newline: each record the flight
 //! recorder's list (`shardline.comm.flight`), its dtype written as its name, and its device
 //! start and end after it where the op has them. `json.dumps` of the same takes a Python call
-//! per record to copy it and name its dtype; here the records are read where they are, each
-//! field tested against the exact types a record holds first, and written by `serde_json`
-//! into bytes the caller writes to its file as they are. A value this does not write (a
-//! float that is not finite, a type that is not JSON's) is an error, and the caller writes
-//! that line with `json.dumps` instead.
+//! per record to copy it and name its dtype; here the records are read where they are and
+//! written by `serde_json` into bytes the caller writes to its file as they are. A value this
+//! does not write (a float that is not finite, a type that is not JSON's) is an error, and the
+//! caller writes that line with `json.dumps` instead.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -23,13 +22,12 @@ struct Value<'a, 'py>(&'a Bound<'py, PyAny>);
 impl Serialize for Value<'_, '_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let o = self.0;
-        // The types a record holds, by exact type first (a pointer compare each).
-        if o.is_exact_instance_of::<PyString>() {
-            let text = o.cast::<PyString>().map_err(S::Error::custom)?;
-            return s.serialize_str(text.to_str().map_err(S::Error::custom)?);
+        // The types a record holds most (its texts and times) first.
+        if let Ok(t) = o.cast::<PyString>() {
+            return s.serialize_str(&t.to_cow().map_err(S::Error::custom)?);
         }
-        if o.is_exact_instance_of::<PyFloat>() {
-            return finite(o.cast::<PyFloat>().map_err(S::Error::custom)?.value(), s);
+        if let Ok(f) = o.cast::<PyFloat>() {
+            return finite(f.value(), s);
         }
         if o.is_none() {
             return s.serialize_unit();
@@ -42,12 +40,6 @@ impl Serialize for Value<'_, '_> {
                 return s.serialize_i64(v);
             }
             return s.serialize_u64(i.extract::<u64>().map_err(S::Error::custom)?);
-        }
-        if let Ok(f) = o.cast::<PyFloat>() {
-            return finite(f.value(), s);
-        }
-        if let Ok(t) = o.cast::<PyString>() {
-            return s.serialize_str(&t.to_cow().map_err(S::Error::custom)?);
         }
         if o.is_instance_of::<PyList>() || o.is_instance_of::<PyTuple>() {
             let mut seq = s.serialize_seq(o.len().ok())?;
@@ -80,7 +72,7 @@ impl Serialize for Dtype<'_, '_> {
         let dtype = self.dtype;
         if let Some(name) = self.dtypes.get_item(dtype).map_err(S::Error::custom)? {
             let name = name.cast::<PyString>().map_err(S::Error::custom)?;
-            return s.serialize_str(name.to_str().map_err(S::Error::custom)?);
+            return s.serialize_str(&name.to_cow().map_err(S::Error::custom)?);
         }
         if let Ok(text) = dtype.cast::<PyString>() {
             return s.serialize_str(&text.to_cow().map_err(S::Error::custom)?);
