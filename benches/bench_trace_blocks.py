@@ -6,8 +6,13 @@ within one run (±15 % from one 60-step block to the next). Here one process (wo
 trains ``bench_zero.py``'s GPT under ZeRO-3 with the tracer running, and by default
 (``--mode steps``) records every other step's ops and not the ones between: each traced
 step is timed against the untraced step beside it (a synchronize ends each step), the order
-inside a pair alternating, and the median of the pairs' ratios is what tracing costs the
-program's thread and the GPU. The tracer's own thread does its work meanwhile for the traced
+inside a pair alternating. What tracing costs the program's thread and the GPU is the traced
+steps' total time over the untraced steps' (with its standard error, from the pairs'
+differences); the median of the pairs' ratios and their mean are printed beside it. The mean
+of ratios reads high: each ratio divides by a step that itself varies (±15 % on an H200
+host), and the mean of ``a / b`` exceeds ``mean(a) / mean(b)`` by about the steps' relative
+variance times one minus the pairs' correlation (0.4-0.8 % here, more than the cost being
+measured). The tracer's own thread does its work meanwhile for the traced
 steps' ops; its CPU time per traced step with the GIL held is added on top, as if the program
 waited for all of it (an upper bound where the host's launching bounds the step, as here;
 it reads events through the driver, and writes its files in system calls, with the GIL
@@ -288,11 +293,15 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
     cpu_ratios = [a / b - 1 for a, b in zip(main_cpu[True], main_cpu[False], strict=True)]
     ratios = [a / b - 1 for a, b in zip(on, off, strict=True)]
     paired = statistics.median(ratios)
-    # The mean: what many steps cost together. The median alone would miss a cost paid on one
-    # step in N (GPU times sampled), and the ratios lean to the slow side.
+    # What many steps cost together: the traced steps' total time over the untraced steps'.
+    # The median alone would miss a cost paid on one step in N (GPU times sampled); the mean
+    # of the ratios leans high (the module's doc). Its standard error, as a ratio of means':
+    # from each pair's difference to the ratio's prediction.
+    total, total_se = _ratio_of_totals(on, off)
     mean = statistics.fmean(ratios)
     sem = statistics.stdev(ratios) / len(ratios) ** 0.5
     base = statistics.median(off)
+    held = held_ms / statistics.fmean(off)  # the tracer's thread with the GIL, of a mean step
     q1, _, q3 = statistics.quantiles(ratios, n=4)
     sampled = ""
     split: dict[str, float] = {}
@@ -312,8 +321,11 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
     lines = [
         f"{args.pairs} pairs of steps, one recorded and one not, order alternated",
         f"untraced: {base:.2f} ms/step, traced: {statistics.median(on):.2f} ms/step (medians)",
+        f"the traced steps' total time over the untraced steps': {total:+.2%} (standard "
+        f"error {total_se:.2%})",
         f"the pairs' ratios (traced / untraced - 1): median {paired:+.2%}, quartiles "
-        f"{q1:+.2%} and {q3:+.2%}; mean {mean:+.2%} (standard error {sem:.2%})",
+        f"{q1:+.2%} and {q3:+.2%}; mean {mean:+.2%} (standard error {sem:.2%}; a mean of "
+        f"ratios leans high: the module's doc)",
         f"the tracer's thread: {tracer_ms:.3f} ms of CPU per traced step ({user_ms:.3f} ms "
         f"in its writes' own code, {kernel_ms:.3f} ms in their system calls); without the "
         f"GIL: the system calls and {reading_ms:.3f} ms reading events; with it: "
@@ -323,20 +335,34 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
         f"pairs' median {statistics.median(cpu_ratios):+.2%}",
         f"program lines walked: {walks.fresh} on the steps that walk them, {walks.repeat} on "
         f"the steps between (ops that did not repeat the walked step's)",
-        f"overhead: {paired + held_ms / base:+.2%} (the pairs' median plus the tracer's thread "
-        f"with the GIL; bar 1 %); with all of its CPU {paired + tracer_ms / base:+.2%}",
-        f"overhead by the mean: {mean + held_ms / base:+.2%} (the pairs' mean plus the tracer's "
-        f"thread with the GIL)",
+        f"overhead: {total + held:+.2%} ± {total_se:.2%} (the total time's plus the tracer's "
+        f"thread with the GIL; bar 1 %); with all of its CPU "
+        f"{total + tracer_ms / statistics.fmean(off):+.2%}",
+        f"overhead by the pairs' median: {paired + held_ms / base:+.2%}; by their mean "
+        f"{mean + held_ms / base:+.2%} (each plus the tracer's thread with the GIL)",
         *([sampled] if sampled else []),
     ]
     doc = {"on": on, "off": off, "tracer_ms": tracer_ms, "reading_ms": reading_ms,
            "tracer_kernel_ms": kernel_ms, "tracer_user_ms": user_ms,
            "main_cpu_on": main_cpu[True], "main_cpu_off": main_cpu[False],
            "walked_fresh": walks.fresh, "walked_between": walks.repeat,
+           "total": total, "total_se": total_se, "overhead_total": total + held,
            "paired": paired, "mean": mean, "sem": sem, "overhead": paired + held_ms / base,
            "overhead_mean": mean + held_ms / base, **split,
-           "overhead_all_tracer_cpu": paired + tracer_ms / base}  # fmt: skip
+           "overhead_all_tracer_cpu": total + tracer_ms / statistics.fmean(off)}  # fmt: skip
     return lines, doc
+
+
+def _ratio_of_totals(on: list[float], off: list[float]) -> tuple[float, float]:
+    """``sum(on) / sum(off) - 1`` and its standard error, ``on[i]`` paired with ``off[i]``.
+
+    The error of a ratio of means (to first order): the spread of each pair's ``on - r * off``
+    over ``sqrt(n)`` and the mean of ``off``.
+    """
+    r = sum(on) / sum(off)
+    residuals = [a - r * b for a, b in zip(on, off, strict=True)]
+    se = statistics.stdev(residuals) / len(on) ** 0.5 / statistics.fmean(off)
+    return r - 1, se
 
 
 def _blocks(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[str, Any]]:
