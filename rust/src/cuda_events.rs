@@ -9,7 +9,7 @@
 //! `cudaEvent_t` (torch's events) also are.
 //!
 //! The driver is looked for with `dlopen(RTLD_NOLOAD)`: only a `libcuda.so.1` that torch has
-//! loaded is used, and nothing is loaded here. Without one, [`Driver::get`] finds none and
+//! loaded is used, and nothing is loaded here. Without one, `Driver::get` finds none and
 //! the caller reads its events through torch.
 //!
 //! Each call names the GPU its events belong to. Where the calling thread's current CUDA

@@ -1,6 +1,6 @@
 //! Routing: which transport and which algorithm run an op, by the group's layout.
 //!
-//! A [`Router`] holds this rank's links (the arena of its host, the TCP mesh to the other
+//! A `Router` holds this rank's links (the arena of its host, the TCP mesh to the other
 //! ranks) and sends each op where it belongs: point-to-point ops through the arena's channels
 //! to ranks of this host and over TCP to the others; collectives on the arena inside one host, ring and direct algorithms over TCP across hosts, and, for groups
 //! with several ranks on several hosts, the arena inside each host around a TCP all-reduce

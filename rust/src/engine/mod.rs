@@ -12,9 +12,9 @@
 //!   its signature.
 //! - [`work`]: [`Work`], an op's completion.
 //! - [`dispatch`]: the route of each op to a transport and an algorithm, by [`Mode`].
-//! - [`mailbox`]: which message a receive takes (by source and tag, or from any source).
-//! - [`queue`]: the worker thread, and a waiting caller, that run queued ops in order.
-//! - [`sends`]: the send lane, which runs sends to ranks of this host beside the queue.
+//! - `mailbox`: which message a receive takes (by source and tag, or from any source).
+//! - `queue`: the worker thread, and a waiting caller, that run queued ops in order.
+//! - `sends`: the send lane, which runs sends to ranks of this host beside the queue.
 //! - this file: [`Communicator`], submission, and what runs one op (numbering, deadline).
 
 pub mod config;
@@ -200,7 +200,7 @@ impl Communicator {
     }
 
     /// Runs the queued ops up to `work` on this thread when the worker is not running one, as
-    /// a caller about to wait for `work` may ([`queue::run_until`]).
+    /// a caller about to wait for `work` may (`queue::run_until`).
     pub fn run_until(&self, work: &Work) {
         queue::run_until(&self.shared, work);
     }

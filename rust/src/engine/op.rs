@@ -22,7 +22,7 @@ impl RawBuf {
     /// Wraps memory the caller keeps valid (and unaliased by other writers) until the op is done.
     ///
     /// # Safety
-    /// `ptr..ptr+len` must stay valid for reads and writes until the op's [`Work`] completes.
+    /// `ptr..ptr+len` must stay valid for reads and writes until the op's [`Work`](super::Work) completes.
     pub unsafe fn new(ptr: *mut u8, len: usize) -> Self {
         RawBuf { ptr, len }
     }

@@ -5,7 +5,7 @@
 //! read and 12 written per value), so its speed is the memory's. Scalars (bias corrections,
 //! step sizes) are computed in f64 and rounded to f32 once, as torch does; the per-element
 //! arithmetic is f32 in torch's order, without fused multiply-adds. Work is split over the
-//! current rayon pool in pieces of [`PIECE`] values; the loops are compiled for the baseline
+//! current rayon pool in pieces of `PIECE` values; the loops are compiled for the baseline
 //! target, with AVX2 and (Adam's sqrt and division, which decide its speed on many cores)
 //! with AVX-512, chosen at runtime.
 

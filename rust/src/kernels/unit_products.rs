@@ -13,7 +13,7 @@
 //! time into a few cache-sized buffers and adds them as they come (a binary counter: two sums
 //! of the same number of units are added as soon as both exist, the rest folded from the right
 //! at the end, which is the canonical tree), so the units' products are never all in memory at
-//! once. With threads, the tiles are cut from rows and columns both ([`tiles`]): a weight of
+//! once. With threads, the tiles are cut from rows and columns both (`tiles`): a weight of
 //! few rows cut by rows alone gave each thread a GEMM a few rows high, which costs more in
 //! copying its inputs than in products (64 x 256 on 8 threads took longer than on 2).
 //!

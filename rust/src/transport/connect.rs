@@ -43,7 +43,7 @@ pub struct LinkOptions {
     /// `TCP_USER_TIMEOUT` on connections with data in flight. Zero keeps the kernel's
     /// defaults (hours). A slow but live peer is not lost: its kernel answers the probes.
     pub keepalive: Duration,
-    /// Asked every [`CANCEL_EVERY`] while linking; see [`Cancel`].
+    /// Asked every `CANCEL_EVERY` while linking; see [`Cancel`].
     pub cancel: Option<Cancel>,
 }
 

@@ -7,8 +7,8 @@
 //! is ever added. Every op's first phase also publishes the op's signature, which every rank
 //! compares with everybody else's before touching data.
 //!
-//! All-reduce, one-shot or two-phase, is in [`all_reduce`], reduce-scatter in
-//! [`reduce_scatter`], the ops on symmetric memory in [`symmetric`]; the other ops are here.
+//! All-reduce, one-shot or two-phase, is in `all_reduce`, reduce-scatter in
+//! `reduce_scatter`, the ops on symmetric memory in [`symmetric`]; the other ops are here.
 
 use std::time::Instant;
 

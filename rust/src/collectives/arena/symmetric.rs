@@ -8,7 +8,7 @@
 //!   result into the N segments;
 //! - reduce-scatter (inputs in symmetric memory, on any ranks and at any offsets): rank `i`
 //!   reduces block `i` of every input into its own output, reading each symmetric input where
-//!   it is and the others from the slots ([`super::reduce_scatter`]);
+//!   it is and the others from the slots (`super::reduce_scatter`);
 //! - all-gather, the input in symmetric memory: every rank copies every rank's input from
 //!   that rank's segment into its own output;
 //! - all-gather, the output in symmetric memory: every rank puts its input into its own
