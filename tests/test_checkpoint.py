@@ -22,7 +22,7 @@ from shardline import checkpoint
 from shardline.comm import ProcessGroup
 from shardline.errors import CheckpointError
 from tests._ranks import run_ranks
-from tests.test_zero import UNIT_MB, adamw, batch, lm_loss, make
+from tests._zero import UNIT_MB, adamw, batch, lm_loss, make
 
 pytestmark = pytest.mark.usefixtures("native")
 
@@ -303,7 +303,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None
     code = f"""
 import os, signal, threading, torch
 import shardline.checkpoint._store as store
-from tests.test_zero import make
+from tests._zero import make
 from shardline import checkpoint
 real = store.commit
 def die(*a, **k):

@@ -22,8 +22,8 @@ from shardline.checkpoint import _store, api
 from shardline.comm import ProcessGroup
 from shardline.errors import CheckpointError
 from tests._ranks import run_ranks
+from tests._zero import make
 from tests.test_checkpoint import full_state
-from tests.test_zero import make
 
 pytestmark = pytest.mark.usefixtures("native")
 

@@ -12,7 +12,7 @@ import torch
 from shardline import checkpoint
 from shardline._progress import Progress, wanted
 from shardline.errors import CheckpointError
-from tests.test_zero import adamw, make
+from tests._zero import adamw, make
 
 pytestmark = pytest.mark.usefixtures("native")
 

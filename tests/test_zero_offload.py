@@ -18,7 +18,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.optim import CPUAdamW
 from shardline.parallel import MixedPrecision, ShardedDataParallel
 from tests._ranks import run_ranks
-from tests.test_zero import Wide, adamw, make, planned_then_trained, train
+from tests._zero import Wide, adamw, make, planned_then_trained, train
 
 pytestmark = pytest.mark.usefixtures("native")
 

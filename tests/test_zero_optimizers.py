@@ -23,7 +23,7 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel import ShardedDataParallel
 from shardline.parallel.data.zero import optimizers
 from tests._ranks import run_ranks
-from tests.test_zero import UNIT_MB, assert_state_close, batch, lm_loss, make, reference
+from tests._zero import UNIT_MB, assert_state_close, batch, lm_loss, make, reference
 
 pytestmark = pytest.mark.usefixtures("native")
 

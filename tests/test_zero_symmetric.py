@@ -20,10 +20,10 @@ from shardline.errors import InvalidArgumentError
 from shardline.parallel import MixedPrecision, ShardedDataParallel
 from tests._ranks import run_ranks
 from tests._symmetric_maps import in_symmetric_memory
+from tests._zero import UNIT_MB, adamw, batch, lm_loss, make
 from tests.test_pipeline import loss_fn
 from tests.test_pipeline import make_model as make_pipeline_model
 from tests.test_pipeline_mesh import train_replica
-from tests.test_zero import UNIT_MB, adamw, batch, lm_loss, make
 
 pytestmark = pytest.mark.usefixtures("native")
 
