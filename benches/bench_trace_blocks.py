@@ -11,7 +11,7 @@ steps' total time over the untraced steps' (with its standard error, from the pa
 differences); the median of the pairs' ratios and their mean are printed beside it. The mean
 of ratios reads high: each ratio divides by a step that itself varies (±15 % on an H200
 host), and the mean of ``a / b`` exceeds ``mean(a) / mean(b)`` by about the steps' relative
-variance times one minus the pairs' correlation (0.4-0.8 % here, more than the cost being
+variance times one minus the pairs' correlation (0.3-0.8 % here, more than the cost being
 measured). The tracer's own thread does its work meanwhile for the traced
 steps' ops; its CPU time per traced step with the GIL held is added on top, as if the program
 waited for all of it (an upper bound where the host's launching bounds the step, as here;
