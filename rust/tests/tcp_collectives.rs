@@ -4,10 +4,10 @@ mod tcp_world;
 
 use std::time::{Duration, Instant};
 
+use shardline::collectives::direct;
 use shardline::collectives::ring::{Ring, RingOpts};
-use shardline::collectives::{direct, ring};
 use shardline::{DType, OpKind, OpSig, ReduceOp};
-use tcp_world::{assert_close, deadline, decode, input, mesh_world, reference};
+use tcp_world::{assert_close, deadline, decode, input, mesh_world, reference, sum_f32};
 
 const CASES: [(DType, ReduceOp); 5] = [
     (DType::F32, ReduceOp::Sum),
@@ -223,16 +223,7 @@ fn moving_collectives_match_reference() {
             if rank % 2 == 0 {
                 let sig = seq.next(OpKind::AllReduce, DType::F32, 3);
                 let mut buf = input(DType::F32, rank, 3);
-                ring::all_reduce(
-                    mesh,
-                    &evens,
-                    &mut buf,
-                    DType::F32,
-                    ReduceOp::Sum,
-                    &sig,
-                    deadline(),
-                )
-                .unwrap();
+                sum_f32(mesh, &evens, &mut buf, &sig).unwrap();
             }
         });
     }

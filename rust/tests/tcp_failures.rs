@@ -9,10 +9,12 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use shardline::collectives::{direct, ring};
+use shardline::collectives::direct;
 use shardline::transport::tcp::{Cancel, LinkOptions, TcpListenerHandle, TcpMesh};
 use shardline::{DType, Error, ErrorKind, OpKind, OpSig, ReduceOp, Result};
-use tcp_world::{assert_close, deadline, decode, input, mesh_world, reference, with_world, SECRET};
+use tcp_world::{
+    assert_close, deadline, decode, input, mesh_world, reference, sum_f32, with_world, SECRET,
+};
 
 /// Rank `rank` of two links while the other rank never shows up; `cancel` fires after
 /// `after`. Returns the error and how long the setup took.
@@ -132,32 +134,12 @@ fn lost_peer_fails_the_others_quickly() {
         let members = [0, 1, 2];
         let mut buf = input(DType::F32, rank, 100_000);
         let sig = OpSig::new(OpKind::AllReduce, DType::F32, 100_000);
-        ring::all_reduce(
-            mesh,
-            &members,
-            &mut buf,
-            DType::F32,
-            ReduceOp::Sum,
-            &sig,
-            deadline(),
-        )
-        .unwrap();
+        sum_f32(mesh, &members, &mut buf, &sig).unwrap();
         if rank == 2 {
             return None; // drops its mesh mid-job
         }
         let sig = OpSig { seq: 1, ..sig };
-        run_or_abort(mesh, |m| {
-            ring::all_reduce(
-                m,
-                &members,
-                &mut buf,
-                DType::F32,
-                ReduceOp::Sum,
-                &sig,
-                deadline(),
-            )
-        })
-        .err()
+        run_or_abort(mesh, |m| sum_f32(m, &members, &mut buf, &sig)).err()
     });
     assert!(
         start.elapsed() < Duration::from_secs(3),
@@ -218,16 +200,7 @@ fn garbage_connections_do_not_break_the_mesh() {
             let mut mesh = m.unwrap();
             let mut buf = input(DType::F32, rank, 10);
             let sig = OpSig::new(OpKind::AllReduce, DType::F32, 10);
-            ring::all_reduce(
-                &mut mesh,
-                &[0, 1, 2],
-                &mut buf,
-                DType::F32,
-                ReduceOp::Sum,
-                &sig,
-                deadline(),
-            )
-            .unwrap();
+            sum_f32(&mut mesh, &[0, 1, 2], &mut buf, &sig).unwrap();
             decode(DType::F32, &buf)
         },
     );

@@ -7,8 +7,9 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
+use shardline::collectives::ring;
 use shardline::transport::tcp::{LinkOptions, TcpListenerHandle, TcpMesh};
-use shardline::{DType, ReduceOp, Result};
+use shardline::{DType, OpSig, ReduceOp, Result};
 
 pub const SECRET: &[u8] = b"correct horse battery staple";
 
@@ -133,4 +134,17 @@ pub fn assert_close(got: &[f64], want: &[f64], what: &str) {
             "{what}: element {i} is {g}, expected {w}"
         );
     }
+}
+
+/// The ring all-reduce (sum) of `buf`, float32 values, over `members`, by `deadline()`.
+pub fn sum_f32(mesh: &mut TcpMesh, members: &[usize], buf: &mut [u8], sig: &OpSig) -> Result<()> {
+    ring::all_reduce(
+        mesh,
+        members,
+        buf,
+        DType::F32,
+        ReduceOp::Sum,
+        sig,
+        deadline(),
+    )
 }
