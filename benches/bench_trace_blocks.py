@@ -301,7 +301,8 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
     mean = statistics.fmean(ratios)
     sem = statistics.stdev(ratios) / len(ratios) ** 0.5
     base = statistics.median(off)
-    held = held_ms / statistics.fmean(off)  # the tracer's thread with the GIL, of a mean step
+    # The tracer's thread, with the GIL and with all of its CPU, of a mean untraced step.
+    held, all_cpu = held_ms / statistics.fmean(off), tracer_ms / statistics.fmean(off)
     q1, _, q3 = statistics.quantiles(ratios, n=4)
     sampled = ""
     split: dict[str, float] = {}
@@ -337,7 +338,7 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
         f"the steps between (ops that did not repeat the walked step's)",
         f"overhead: {total + held:+.2%} ± {total_se:.2%} (the total time's plus the tracer's "
         f"thread with the GIL; bar 1 %); with all of its CPU "
-        f"{total + tracer_ms / statistics.fmean(off):+.2%}",
+        f"{total + all_cpu:+.2%}",
         f"overhead by the pairs' median: {paired + held_ms / base:+.2%}; by their mean "
         f"{mean + held_ms / base:+.2%} (each plus the tracer's thread with the GIL)",
         *([sampled] if sampled else []),
@@ -349,7 +350,7 @@ def _paired_steps(args: argparse.Namespace, job: _Job) -> tuple[list[str], dict[
            "total": total, "total_se": total_se, "overhead_total": total + held,
            "paired": paired, "mean": mean, "sem": sem, "overhead": paired + held_ms / base,
            "overhead_mean": mean + held_ms / base, **split,
-           "overhead_all_tracer_cpu": total + tracer_ms / statistics.fmean(off)}  # fmt: skip
+           "overhead_all_tracer_cpu": total + all_cpu}  # fmt: skip
     return lines, doc
 
 
